@@ -1,0 +1,1 @@
+"""Measured comparisons; each writes JSON and a readable markdown summary."""

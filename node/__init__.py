@@ -1,0 +1,1 @@
+"""The composer and worker: model, data, training loop, surrogate refresh, outer sync, checkpoints."""

@@ -1,0 +1,196 @@
+"""Configuration of the model and of a composer's training, as nested frozen dataclasses.
+
+Every field has a unit and a one-line doc; ``__post_init__`` raises ``ValueError`` saying what to change.
+Presets:
+    tiny    unit/integration tests: seconds on a CPU, exercises every code path (latent interface on).
+    small   the CPU benchmark: 4 layers, d=128, 8 experts top-2, f=384, r=8 (f/r = 48, as the report).
+    report  report-sized (20B-class), used only for FLOP accounting, never instantiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SHARED_GROUPS = ("router", "latent", "backbone")
+"""Parameter groups every composer trains and merges DiLoCo-style, fastest cadence first."""
+
+GROUPS = (*SHARED_GROUPS, "expert", "surrogate")
+"""Every parameter belongs to exactly one group; it decides how the tensor is trained and synced."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """A decoder-only transformer with MoE feed-forward layers (DESIGN.md section 2)."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary; 256 = raw bytes, no tokenizer."""
+    seq_len: int = 128
+    """Context length, tokens."""
+    n_layers: int = 4
+    """Transformer blocks, each attention + an MoE feed-forward layer."""
+    d_model: int = 128
+    """Residual stream width d."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    n_experts: int = 8
+    """Routed experts per MoE layer, E: the router's global namespace."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    d_expert: int = 384
+    """Hidden width f of a routed expert (SwiGLU l -> f -> l)."""
+    d_surrogate: int = 8
+    """Hidden width r of a surrogate (SwiGLU l -> r -> l), r << f."""
+    d_latent: int = 128
+    """Latent interface width l: experts work in l. l == d_model disables the interface."""
+    d_shared: int = 0
+    """Hidden width of the always-on shared expert (backbone); 0 = none."""
+    renormalize_gates: bool = True
+    """Renormalise the top-k softmax probabilities to sum to 1 per token."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss E * sum_e f_e * P_e over all E experts."""
+    rope_base: float = 10000.0
+    """Rotary position embedding base."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "n_experts", "top_k",
+                    "d_expert", "d_surrogate", "d_latent")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("the head dimension d_model/n_heads must be even (rotary embeddings)")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} cannot exceed n_experts={self.n_experts}")
+        if self.d_latent > self.d_model:
+            raise ValueError(f"d_latent={self.d_latent} must be <= d_model={self.d_model} (equal disables it)")
+        if self.d_surrogate > self.d_expert:
+            raise ValueError(f"d_surrogate={self.d_surrogate} must be <= d_expert={self.d_expert}")
+        if self.d_shared < 0 or self.aux_loss_weight < 0:
+            raise ValueError("d_shared and aux_loss_weight must be >= 0")
+
+    @property
+    def has_latent(self) -> bool:
+        return self.d_latent != self.d_model
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    """The inner (per-composer) AdamW optimizer."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 20
+    """Linear warm-up, steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr (reached at the last step)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("OptimConfig needs lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    """Tiered DiLoCo outer sync of the shared groups (router, latent, backbone)."""
+
+    outer_lr: float = 0.7
+    """Nesterov outer learning rate (DiLoCo default)."""
+    outer_momentum: float = 0.9
+    """Nesterov outer momentum (DiLoCo default)."""
+    periods: dict[str, int] = field(default_factory=lambda: {"router": 25, "latent": 50, "backbone": 100})
+    """Inner steps between merges of each shared group, H_G."""
+    merge: str = "rda"
+    """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
+
+    def __post_init__(self) -> None:
+        if set(self.periods) != set(SHARED_GROUPS):
+            raise ValueError(f"SyncConfig.periods needs exactly the groups {SHARED_GROUPS}, got {sorted(self.periods)}")
+        if any(p <= 0 for p in self.periods.values()):
+            raise ValueError("every SyncConfig period must be a positive number of steps")
+        if self.merge not in ("rda", "mean"):
+            raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError("SyncConfig needs outer_lr > 0 and 0 <= outer_momentum < 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SurrogateConfig:
+    """How owners refresh the surrogates of their experts and publish the change."""
+
+    refresh_every: int = 25
+    """Inner steps between refreshes, S."""
+    distill_steps: int = 8
+    """Optimizer steps of ||s(x) - E(x)||^2 per refresh."""
+    distill_lr: float = 3e-3
+    """Adam learning rate of the distillation (the distiller's state is discarded after each refresh)."""
+    buffer_tokens: int = 2048
+    """Most recent routed activations kept per owned expert for distillation."""
+    delta_rank: int = 8
+    """Rank of the published low-rank delta (error feedback carries the rest)."""
+    non_owned: str = "surrogate"
+    """What a non-owned selection calls: "surrogate", "drop" (output zero) or "frozen_copy" (full expert)."""
+
+    def __post_init__(self) -> None:
+        if min(self.refresh_every, self.distill_steps, self.buffer_tokens, self.delta_rank) <= 0:
+            raise ValueError("SurrogateConfig periods, steps, buffer and rank must be positive")
+        if self.non_owned not in ("surrogate", "drop", "frozen_copy"):
+            raise ValueError(f"non_owned must be surrogate, drop or frozen_copy, got {self.non_owned!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One composer's training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
+    batch_size: int = 8
+    """Sequences per composer step."""
+    steps: int = 500
+    """Inner steps per composer."""
+    seed: int = 0
+    """Seed of the model initialisation and of every data sampler (per composer: seed + index)."""
+    eval_batches: int = 16
+    """Validation batches (fixed windows) per evaluation."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0 or self.steps <= 0 or self.eval_batches <= 0:
+            raise ValueError("batch_size, steps and eval_batches must be positive")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(seq_len=32, n_layers=2, d_model=32, n_heads=2, n_experts=4, top_k=2,
+                        d_expert=48, d_surrogate=4, d_latent=24, d_shared=16),
+    "small": ModelConfig(seq_len=128, n_layers=4, d_model=128, n_heads=4, n_experts=8, top_k=2,
+                         d_expert=384, d_surrogate=8, d_latent=128),
+    # Report-sized: f/r = 48 with a rank-64 surrogate. Only for FLOP accounting.
+    "report": ModelConfig(vocab_size=131072, seq_len=4096, n_layers=24, d_model=2048, n_heads=16,
+                          n_experts=64, top_k=8, d_expert=3072, d_surrogate=64, d_latent=1024),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset; ``ValueError`` lists the names on a typo."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def replace(cfg, **changes):  # type: ignore[no-untyped-def]
+    """``dataclasses.replace`` re-exported so callers read ``config.replace(cfg, steps=10)``."""
+    return dataclasses.replace(cfg, **changes)

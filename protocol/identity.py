@@ -1,0 +1,142 @@
+"""Ed25519 node identities: generate, save, load, sign, verify.
+
+A node's identity is one Ed25519 key pair (RFC 8032, via ``cryptography``), kept in a PEM file that only
+its owner may read. Peers are named by their 32-byte raw public key; ``fingerprint`` is a short stable
+form for logs and tables. Signing always goes through a per-purpose domain prefix, so a signature made
+for one kind of message can never be replayed as another (libp2p's signing-prefix habit).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from parallax.protocol.errors import KeyFileError, RemoteProtocolError
+
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+_DOMAIN_SEPARATOR = b"\x00"
+
+
+def fingerprint(public_key: bytes) -> str:
+    """A short, stable, human-readable name for a raw Ed25519 public key (12 base32 characters)."""
+    digest = hashlib.sha256(b"parallax/fingerprint/v1" + public_key).digest()
+    return base64.b32encode(digest).decode("ascii")[:12].lower()
+
+
+def _signed_bytes(domain: bytes, data: bytes) -> bytes:
+    if not domain or _DOMAIN_SEPARATOR in domain:
+        raise ValueError("a signing domain must be non-empty and contain no NUL byte")
+    return domain + _DOMAIN_SEPARATOR + data
+
+
+def verify(public_key: bytes, signature: bytes, domain: bytes, data: bytes) -> bool:
+    """True when ``signature`` is ``public_key``'s Ed25519 signature of ``data`` under ``domain``.
+
+    Never raises on peer-supplied garbage: a malformed key or signature is simply not valid.
+    """
+    if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, _signed_bytes(domain, data))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def require_valid(public_key: bytes, signature: bytes, domain: bytes, data: bytes) -> None:
+    """Like ``verify`` but raises ``RemoteProtocolError`` naming the claimed signer."""
+    if not verify(public_key, signature, domain, data):
+        claimed = fingerprint(public_key) if len(public_key) == PUBLIC_KEY_BYTES else "<malformed key>"
+        raise RemoteProtocolError("bad signature", peer=claimed)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """An Ed25519 private key and the names derived from it."""
+
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """A deterministic identity from 32 seed bytes: for tests and golden vectors only."""
+        if len(seed) != 32:
+            raise ValueError(f"an Ed25519 seed is 32 bytes, got {len(seed)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    @property
+    def public_key(self) -> bytes:
+        """The 32-byte raw public key: the node's name on the wire."""
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+    def sign(self, domain: bytes, data: bytes) -> bytes:
+        """Sign ``data`` under a purpose ``domain`` (e.g. ``b"parallax/envelope/heartbeat"``)."""
+        return self.private_key.sign(_signed_bytes(domain, data))
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the key as unencrypted PKCS#8 PEM, readable by its owner only (mode 0600).
+
+        Refuses to overwrite an existing file, so a typo cannot destroy a node's identity.
+        """
+        path = Path(path)
+        if path.exists():
+            raise KeyFileError(f"{path} already exists; choose another path or delete it first")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pem = self.private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Identity:
+        """Load a key written by ``save``.
+
+        Raises:
+            KeyFileError: the file is missing, is readable or writable by group/others, or is not an
+                Ed25519 private key. The message says how to fix it.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise KeyFileError(f"no key file at {path}; create one with `parallax keys new {path}`")
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise KeyFileError(
+                f"{path} is accessible by other users (mode {mode:o}); "
+                f"run `chmod 600 {path}` if you trust it, or create a new key"
+            )
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError) as e:
+            raise KeyFileError(f"{path} is not a readable unencrypted PEM private key: {e}") from e
+        if not isinstance(key, Ed25519PrivateKey):
+            raise KeyFileError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+        return cls(key)
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
+        """Load the key at ``path``, creating it first if there is none (``node join --identity``)."""
+        path = Path(path)
+        if not path.exists():
+            cls.generate().save(path)
+        return cls.load(path)
