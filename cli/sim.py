@@ -1,9 +1,53 @@
-"""``parallax sim``: C composers in one process, no network (filled in by the core issue)."""
+"""``parallax sim``: C composers in one process, no network, the reference for every networked run."""
 
 from __future__ import annotations
 
+import json
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Steps
+from parallax.cli.progress import run_progress
+from parallax.node.config import train_config
+from parallax.node.data import load_corpus, split_corpus
+from parallax.node.sim import RUN_KINDS, RunSpec, run
+
+
+def sim(
+    composers: Composers = 4,
+    preset: Preset = "small",
+    steps: Steps = None,
+    batch_size: BatchSize = None,
+    seed: Seed = 0,
+    kind: str = typer.Option("parallax", "--kind", help=f"What to run: {', '.join(RUN_KINDS)}."),
+    data: Data = None,
+    json_path: JsonPath = None,
+    quiet: Quiet = False,
+) -> None:
+    """Run C composers in one process (no network) and print each one's validation loss."""
+    try:
+        cfg = train_config(preset, steps=steps, batch_size=batch_size, seed=seed)
+        spec = RunSpec(name=kind, kind=kind, cfg=cfg, composers=composers)
+        train, val = split_corpus(load_corpus(data))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    with run_progress(cfg.steps, enabled=not quiet) as progress:
+        result = run(spec, train, val, progress=progress)
+    table = Table(title=f"{kind}: {composers} composer(s), preset {preset}, {cfg.steps} steps")
+    table.add_column("composer")
+    table.add_column("val loss (own view)", justify="right")
+    for i, loss in enumerate(result.composer_val_losses):
+        table.add_row(str(i), f"{loss:.4f}")
+    console = Console()
+    console.print(table)
+    console.print(f"median {result.val_loss:.4f}  assembled {result.assembled_val_loss:.4f}  "
+                  f"tokens {result.tokens:,}  train FLOPs {result.train_flops:.3e}  wall {result.wall_s:.1f} s")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.__dict__ | {"val_loss": result.val_loss}, indent=2))
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    app.command(name="sim")(sim)

@@ -194,3 +194,10 @@ def preset(name: str) -> ModelConfig:
 def replace(cfg, **changes):  # type: ignore[no-untyped-def]
     """``dataclasses.replace`` re-exported so callers read ``config.replace(cfg, steps=10)``."""
     return dataclasses.replace(cfg, **changes)
+
+
+def train_config(preset_name: str = "small", *, steps: int | None = None, batch_size: int | None = None,
+                 seed: int | None = None) -> TrainConfig:
+    """A TrainConfig for a model preset with the CLI's common overrides (None keeps the default)."""
+    overrides = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("seed", seed)) if v is not None}
+    return TrainConfig(model=preset(preset_name), **overrides)

@@ -13,7 +13,9 @@ def reap_children():
     """After the session, end only processes this test process started (its descendants), by PID."""
     yield
     me = psutil.Process(os.getpid())
-    children = me.children(recursive=True)
+    # torch_shm_manager is torch's own helper: it exits when this process does, and killing it first
+    # makes torch abort at interpreter exit ("std::system_error: Broken pipe", exit code 134).
+    children = [c for c in me.children(recursive=True) if _name(c) != "torch_shm_manager"]
     for child in children:
         try:
             child.terminate()
@@ -25,3 +27,10 @@ def reap_children():
             child.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""

@@ -1,0 +1,126 @@
+"""Quality benchmark: Parallax against a synchronous MoE and a DiLoCo reference at equal tokens.
+
+Runs, all with the same model preset, seed family and token count (C x B x steps):
+    baseline        synchronous MoE, every expert real, batch C x B, ``steps`` steps;
+    diloco          C composers each training every expert, all parameters merged (outer Nesterov);
+    parallax        C composers with disjoint expert shards and forward-only surrogates (RDA merge);
+    no_surrogates   Parallax with non-owned selections dropped;
+    frozen_copies   Parallax with full frozen copies of non-owned experts (SPES-style);
+    plain_mean      Parallax with a plain mean instead of RDA.
+Parallax runs are evaluated two ways: each composer's own view (median over composers, as the report)
+and the assembled model (every expert real from its owner, merged shared groups).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from parallax.node import config as config_mod
+from parallax.node.config import TrainConfig
+from parallax.node.data import load_corpus, split_corpus
+from parallax.node.sim import ProgressFn, RunResult, RunSpec, run
+
+RUNS = ("baseline", "diloco", "parallax", "no_surrogates", "frozen_copies", "plain_mean")
+
+
+def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = RUNS) -> list[RunSpec]:
+    """The benchmark's runs, each a variation of ``cfg``."""
+    def with_surrogate(mode: str) -> TrainConfig:
+        return config_mod.replace(cfg, surrogate=config_mod.replace(cfg.surrogate, non_owned=mode))
+
+    table = {
+        "baseline": RunSpec(name="baseline", kind="baseline", cfg=cfg, composers=composers),
+        "diloco": RunSpec(name="diloco", kind="diloco", cfg=cfg, composers=composers),
+        "parallax": RunSpec(name="parallax", kind="parallax", cfg=cfg, composers=composers),
+        "no_surrogates": RunSpec(name="no_surrogates", kind="parallax", cfg=with_surrogate("drop"),
+                                 composers=composers),
+        "frozen_copies": RunSpec(name="frozen_copies", kind="parallax", cfg=with_surrogate("frozen_copy"),
+                                 composers=composers),
+        "plain_mean": RunSpec(name="plain_mean", kind="parallax",
+                              cfg=config_mod.replace(cfg, sync=config_mod.replace(cfg.sync, merge="mean")),
+                              composers=composers),
+    }
+    unknown = set(runs) - set(table)
+    if unknown:
+        raise ValueError(f"unknown runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
+    return [table[name] for name in runs]
+
+
+def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = RUNS,
+                progress: ProgressFn | None = None) -> dict:
+    """Run the benchmark and return its JSON-able report."""
+    train, val = split_corpus(load_corpus(data))
+    results: dict[str, RunResult] = {}
+    started = time.perf_counter()
+    for spec in specs(cfg, composers, runs):
+        results[spec.name] = run(spec, train, val, progress=progress)
+    report: dict = {
+        "config": {"preset": _preset_name(cfg), "composers": composers, "steps": cfg.steps,
+                   "batch_size": cfg.batch_size, "seq_len": cfg.model.seq_len, "seed": cfg.seed,
+                   "data": data or "built-in tinyshakespeare", "sync_periods": dict(cfg.sync.periods),
+                   "refresh_every": cfg.surrogate.refresh_every, "model": _asdict(cfg.model)},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "total_wall_s": time.perf_counter() - started,
+        "runs": {},
+    }
+    for name, r in results.items():
+        report[f"{name}_val_loss"] = r.val_loss
+        report["runs"][name] = {
+            "kind": r.kind, "val_loss": r.val_loss, "composer_val_losses": r.composer_val_losses,
+            "assembled_val_loss": r.assembled_val_loss, "tokens": r.tokens, "train_flops": r.train_flops,
+            "wall_s": r.wall_s, "params_per_composer": r.params_per_composer,
+            "optimizer_state_bytes_per_composer": r.optimizer_state_bytes_per_composer,
+            "owned_fraction": r.owned_fraction, "loss_history": r.loss_history,
+        }
+    if "parallax" in results:
+        report["assembled_val_loss"] = results["parallax"].assembled_val_loss
+    return report
+
+
+def markdown(report: dict) -> str:
+    """A short table of the report, ratios against the baseline."""
+    base = report["runs"].get("baseline", {}).get("val_loss")
+    lines = [
+        "| run | val loss (own view, median) | assembled | / baseline | tokens | train PFLOP | wall s "
+        "| params/composer | opt. state MB/composer |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in report["runs"].items():
+        ratio = f"{r['val_loss'] / base:.3f}" if base else "-"
+        lines.append(
+            f"| {name} | {r['val_loss']:.4f} | {r['assembled_val_loss']:.4f} | {ratio} | {r['tokens']:,} "
+            f"| {r['train_flops'] / 1e15:.4g} | {r['wall_s']:.0f} | {r['params_per_composer']:,} "
+            f"| {r['optimizer_state_bytes_per_composer'] / 2**20:.1f} |"
+        )
+    c = report["config"]
+    lines.append("")
+    lines.append(f"preset {c['preset']}, {c['composers']} composers, {c['steps']} steps x batch "
+                 f"{c['batch_size']} x {c['seq_len']} bytes per composer, seed {c['seed']}, data {c['data']}, "
+                 f"sync periods {c['sync_periods']}, surrogate refresh every {c['refresh_every']} steps.")
+    return "\n".join(lines)
+
+
+def write(report: dict, json_path: str | Path | None) -> None:
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        path.with_suffix(".md").write_text(markdown(report) + "\n")
+
+
+def _asdict(cfg: object) -> dict:
+    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+def _preset_name(cfg: TrainConfig) -> str:
+    for name, model in config_mod.PRESETS.items():
+        if model == cfg.model:
+            return name
+    return "custom"

@@ -1,0 +1,304 @@
+"""The Parallax model: a decoder-only transformer whose feed-forward layers are Mixture-of-Experts layers
+with owned experts and forward-only surrogates (DESIGN.md sections 2-3).
+
+Each MoE layer routes every token over all E experts of the layer (the global namespace). On a composer
+only the experts it *owns* are real and trainable; every other selection calls that expert's low-rank
+surrogate, detached: no gradient reaches the surrogate's weights or its input, but the gate weight that
+multiplies the surrogate output does get its gradient, so the router keeps learning about every expert.
+With every expert owned (the synchronous baseline) the layer is an ordinary top-k MoE.
+
+Shape legend (torchtitan style):
+    B batch, T sequence, D d_model, L latent width (= D when the latent interface is off),
+    E routed experts, K top-k, N tokens routed to one expert, V vocabulary, H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallax.node.config import GROUPS, ModelConfig
+
+Ownership = tuple[frozenset[int], ...]
+"""Per layer, the expert ids that are real and trained on this composer."""
+
+NON_OWNED_MODES = ("surrogate", "drop", "frozen_copy")
+
+Recorder = Callable[[int, int, torch.Tensor], None]
+"""Called as recorder(layer, expert, x_NL) with the detached inputs routed to an owned expert."""
+
+
+def own_all(cfg: ModelConfig) -> Ownership:
+    """Every expert real: the synchronous baseline and the DiLoCo reference."""
+    return tuple(frozenset(range(cfg.n_experts)) for _ in range(cfg.n_layers))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP d_in -> d_hidden -> d_in (Shazeer 2020); routed experts, surrogates, shared expert."""
+
+    def __init__(self, d_in: int, d_hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_in, d_hidden, bias=False)
+        self.w_up = nn.Linear(d_in, d_hidden, bias=False)
+        self.w_down = nn.Linear(d_hidden, d_in, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x_ND)) * self.w_up(x_ND))
+
+
+def _rotary(x_BHTDh: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split layout."""
+    T, Dh = x_BHTDh.shape[-2], x_BHTDh.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=x_BHTDh.device, dtype=torch.float32) / Dh))
+    angles_TF = torch.outer(torch.arange(T, device=x_BHTDh.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles_TF.cos().to(x_BHTDh.dtype), angles_TF.sin().to(x_BHTDh.dtype)
+    x1, x2 = x_BHTDh[..., : Dh // 2], x_BHTDh[..., Dh // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.rope_base = cfg.n_heads, cfg.rope_base
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = _rotary(q, self.rope_base), _rotary(k, self.rope_base)
+        y_BHTDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y_BHTDh.transpose(1, 2).reshape(B, T, D))
+
+
+@dataclass
+class MoEStats:
+    """What one MoE layer reports besides its output."""
+
+    aux_loss: torch.Tensor
+    """Load-balancing loss E * sum_e f_e * P_e over all E experts (Switch Transformer)."""
+    tokens_per_expert: torch.Tensor
+    """int64 [E]: selections per expert in this forward."""
+
+
+class MoELayer(nn.Module):
+    """Router over all E experts, optional latent interface, owned experts, detached surrogates.
+
+    Args:
+        cfg: the model config.
+        layer: index of this layer (for the recorder and for naming).
+        owned: expert ids that are real and trained here.
+        non_owned: what a non-owned selection calls — "surrogate" (forward-only low-rank stand-in),
+            "drop" (contributes nothing) or "frozen_copy" (a full copy of the expert, forward-only).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, owned: Collection[int], non_owned: str = "surrogate") -> None:
+        super().__init__()
+        if non_owned not in NON_OWNED_MODES:
+            raise ValueError(f"non_owned must be one of {NON_OWNED_MODES}, got {non_owned!r}")
+        self.layer, self.n_experts, self.top_k = layer, cfg.n_experts, cfg.top_k
+        self.renormalize = cfg.renormalize_gates
+        self.non_owned = non_owned
+        self.owned = frozenset(owned)
+        if not self.owned <= set(range(cfg.n_experts)):
+            raise ValueError(f"owned experts {sorted(self.owned)} outside 0..{cfg.n_experts - 1}")
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.latent_down = nn.Linear(cfg.d_model, cfg.d_latent, bias=False) if cfg.has_latent else None
+        self.latent_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False) if cfg.has_latent else None
+        # Only the experts this composer holds are materialised: owned ones, or all of them as frozen copies.
+        held = range(cfg.n_experts) if non_owned == "frozen_copy" else sorted(self.owned)
+        self.experts = nn.ModuleDict({str(e): SwiGLU(cfg.d_latent, cfg.d_expert) for e in held})
+        self.surrogates = nn.ModuleList(SwiGLU(cfg.d_latent, cfg.d_surrogate) for _ in range(cfg.n_experts))
+        self.shared = SwiGLU(cfg.d_model, cfg.d_shared) if cfg.d_shared else None
+        self.recorder: Recorder | None = None
+        self._freeze_non_trainable()
+
+    def _freeze_non_trainable(self) -> None:
+        for p in self.surrogates.parameters():
+            p.requires_grad_(False)  # composers keep no optimizer state for surrogates
+        for key, expert in self.experts.items():
+            for p in expert.parameters():
+                p.requires_grad_(int(key) in self.owned)
+
+    def _expert_output(self, e: int, h_NL: torch.Tensor) -> torch.Tensor | None:
+        if e in self.owned:
+            return self.experts[str(e)](h_NL)
+        if self.non_owned == "drop":
+            return None
+        stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
+        with torch.no_grad():  # forward only: no gradient into its weights or its input
+            return stand_in(h_NL.detach())
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
+        topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
+        gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK
+        tokens_per_expert_E = torch.bincount(topk_ids_TK.flatten(), minlength=self.n_experts)
+        # Switch-style balance over the global namespace: fraction routed x mean router probability.
+        frac_E = tokens_per_expert_E.float() / (B * T * self.top_k)
+        aux_loss = self.n_experts * (frac_E * probs_TE.mean(0)).sum()
+
+        h_TL = self.latent_down(x_TD) if self.latent_down is not None else x_TD
+        out_TL = torch.zeros_like(h_TL)
+        for e in range(self.n_experts):
+            token_idx_N, slot_N = torch.where(topk_ids_TK == e)
+            if token_idx_N.numel() == 0:
+                continue
+            h_NL = h_TL[token_idx_N]
+            if e in self.owned and self.recorder is not None:
+                self.recorder(self.layer, e, h_NL.detach())
+            y_NL = self._expert_output(e, h_NL)
+            if y_NL is None:
+                continue
+            gate_N1 = gates_TK[token_idx_N, slot_N].unsqueeze(-1).to(y_NL.dtype)
+            out_TL = out_TL.index_add(0, token_idx_N, y_NL * gate_N1)
+        y_TD = self.latent_up(out_TL) if self.latent_up is not None else out_TL
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        return y_TD.view(B, T, D), MoEStats(aux_loss, tokens_per_expert_E)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, owned: Collection[int], non_owned: str) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.moe_norm = nn.RMSNorm(cfg.d_model)
+        self.moe = MoELayer(cfg, layer, owned, non_owned)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD))
+        y_BTD, stats = self.moe(self.moe_norm(x_BTD))
+        return x_BTD + y_BTD, stats
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    """[B, T, V]"""
+    loss: torch.Tensor | None
+    """Cross-entropy + aux_loss_weight x mean load-balancing loss; None without targets."""
+    ce_loss: torch.Tensor | None
+    """Cross-entropy alone, nats per token (per byte with the byte vocabulary)."""
+    aux_loss: torch.Tensor
+    """Mean load-balancing loss over the MoE layers."""
+    tokens_per_expert: torch.Tensor
+    """int64 [n_layers, E]"""
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only MoE transformer (pre-norm, rotary, tied embeddings).
+
+    Args:
+        cfg: the model config.
+        owned: per layer, the experts that are real on this composer; None = all (the baseline).
+        non_owned: see ``MoELayer``.
+        seed: initialisation seed. Every composer of a run uses the same seed, so all start from the same
+            shared weights and the same surrogates, and an owner's expert equals the baseline's.
+    """
+
+    def __init__(self, cfg: ModelConfig, owned: Ownership | None = None, non_owned: str = "surrogate",
+                 seed: int = 0) -> None:
+        super().__init__()
+        owned = own_all(cfg) if owned is None else owned
+        if len(owned) != cfg.n_layers:
+            raise ValueError(f"ownership covers {len(owned)} layers, the model has {cfg.n_layers}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, owned[i], non_owned) for i in range(cfg.n_layers))
+        self.norm_f = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied
+        self._init_weights(seed)
+
+    def _init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation, drawn in a fixed order over *all* experts so that the weights of expert
+        (l, e) do not depend on which experts this composer holds."""
+        gen = torch.Generator().manual_seed(seed)
+        std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self._canonical_parameters():
+            if p.dim() == 1:
+                continue  # RMSNorm weights stay 1
+            scale = resid_std if name.endswith(("proj.weight", "w_down.weight", "latent_up.weight")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+    def _canonical_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters in a fixed order that includes every expert of the model, held or not.
+
+        An expert not held here yields a throwaway tensor of its shape, which consumes the same draws
+        from the generator, so initialisation is identical across composers.
+        """
+        cfg = self.cfg
+        yield "tok_emb.weight", self.tok_emb.weight
+        for i, block in enumerate(self.blocks):
+            for name, p in block.named_parameters():
+                if ".experts." in f".{name}":
+                    continue
+                yield f"blocks.{i}.{name}", p
+            for e in range(cfg.n_experts):
+                held = block.moe.experts[str(e)] if str(e) in block.moe.experts else None  # noqa: SIM401
+                shapes = {"w_gate": (cfg.d_expert, cfg.d_latent), "w_up": (cfg.d_expert, cfg.d_latent),
+                          "w_down": (cfg.d_latent, cfg.d_expert)}
+                for part, shape in shapes.items():
+                    name = f"blocks.{i}.moe.experts.{e}.{part}.weight"
+                    if held is not None:
+                        yield name, getattr(held, part).weight
+                    else:
+                        yield name, torch.empty(shape)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
+        x_BTD = self.tok_emb(idx_BT)
+        aux, counts = [], []
+        for block in self.blocks:
+            x_BTD, stats = block(x_BTD)
+            aux.append(stats.aux_loss)
+            counts.append(stats.tokens_per_expert)
+        logits_BTV = self.head(self.norm_f(x_BTD))
+        aux_loss = torch.stack(aux).mean()
+        loss = ce = None
+        if targets_BT is not None:
+            ce = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
+            loss = ce + self.cfg.aux_loss_weight * aux_loss
+        return ModelOutput(logits_BTV, loss, ce, aux_loss, torch.stack(counts))
+
+    # ---- parameter groups -------------------------------------------------------------------------
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [block.moe for block in self.blocks]
+
+    def group_parameters(self, group: str) -> dict[str, nn.Parameter]:
+        """The named parameters of one group (see config.GROUPS)."""
+        if group not in GROUPS:
+            raise ValueError(f"unknown parameter group {group!r}; groups are {GROUPS}")
+        return {name: p for name, p in self.named_parameters() if group_of(name) == group}
+
+    def expert_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
+        return dict(self.blocks[layer].moe.experts[str(expert)].named_parameters())
+
+    def surrogate_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
+        return dict(self.blocks[layer].moe.surrogates[expert].named_parameters())
+
+    def set_recorder(self, recorder: Recorder | None) -> None:
+        for layer in self.moe_layers():
+            layer.recorder = recorder
+
+
+def group_of(name: str) -> str:
+    """The parameter group of a parameter name of ``MoETransformer``."""
+    if ".moe.router." in name:
+        return "router"
+    if ".moe.latent_" in name:
+        return "latent"
+    if ".moe.experts." in name:
+        return "expert"
+    if ".moe.surrogates." in name:
+        return "surrogate"
+    return "backbone"  # embeddings (tied head), attention, norms, shared expert

@@ -1,0 +1,173 @@
+"""The DiLoCo outer optimizer of one shared parameter group, and the tier schedule of the groups.
+
+DiLoCo (Douillard et al., 2023) treats the change of the parameters since the last merge,
+delta = theta(last merge) - theta(now), as a pseudo-gradient: the composers' deltas are merged
+(``parallax.node.rda``) and applied to the anchor theta(last merge) by SGD with Nesterov momentum
+(lr 0.7, momentum 0.9); the live parameters then restart from the new anchor.
+
+The anchor and the momentum live on the CPU in float32 whatever the model's device and dtype: they
+are touched once per H_G steps, and keeping them off the accelerator leaves its memory to training.
+
+Tiered sync (DESIGN.md section 4): each shared group has its own period H_G, router fastest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from parallax.node.config import SHARED_GROUPS
+
+
+class OuterOptimizer:
+    """Nesterov outer optimizer over the anchor of one shared group (one instance per group)."""
+
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
+        """Args:
+            params: the group's live parameters by name (any device/dtype); updated in place by step().
+            lr: outer learning rate.
+            momentum: outer momentum; 0 gives plain SGD (Nesterov needs momentum > 0, so it is then off).
+            nesterov: use Nesterov momentum.
+
+        Raises:
+            ValueError: no parameters, lr <= 0 or momentum outside [0, 1).
+        """
+        if not params:
+            raise ValueError("an outer optimizer needs at least one parameter")
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        self.params = dict(params)
+        self.anchor: dict[str, torch.Tensor] = {
+            name: p.detach().to(device="cpu", dtype=torch.float32).clone() for name, p in self.params.items()
+        }
+        # torch's SGD, not a hand-written Nesterov: its update is the reference everyone checks against.
+        # torch refuses nesterov=True with momentum 0, which is plain SGD anyway.
+        self.optimizer = torch.optim.SGD(
+            list(self.anchor.values()), lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
+        )
+
+    def _live(self, name: str) -> torch.Tensor:
+        return self.params[name].detach().to(device="cpu", dtype=torch.float32)
+
+    def pseudo_gradient(self) -> dict[str, torch.Tensor]:
+        """Returns: name -> anchor - current parameter (CPU float32), the step DiLoCo merges."""
+        return {name: a - self._live(name) for name, a in self.anchor.items()}
+
+    @torch.no_grad()
+    def step(self, merged: Mapping[str, torch.Tensor]) -> None:
+        """Apply the merged pseudo-gradient to the anchor, then reset the live parameters to it.
+
+        Args:
+            merged: name -> merged pseudo-gradient, same names and shapes as the parameters.
+
+        Raises:
+            ValueError: names or shapes differ from the group's.
+        """
+        if set(merged) != set(self.anchor):
+            raise ValueError(f"merged tensors {sorted(merged)} != group tensors {sorted(self.anchor)}")
+        for name, a in self.anchor.items():
+            if merged[name].shape != a.shape:
+                raise ValueError(
+                    f"merged {name} has shape {tuple(merged[name].shape)}, expected {tuple(a.shape)}")
+            # clone: SGD must never alias a tensor the caller (or the averager) still owns.
+            a.grad = merged[name].detach().to(device="cpu", dtype=torch.float32).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for name, a in self.anchor.items():
+            self.params[name].copy_(a)  # copy_ converts to the parameter's device and dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns: the anchor (name -> CPU float32 tensor) and the SGD state (momentum buffers)."""
+        return {"anchor": {n: a.clone() for n, a in self.anchor.items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; the live parameters are left alone (the checkpoint has them).
+
+        Raises:
+            ValueError: the state belongs to a group with other tensor names or shapes.
+        """
+        anchor = state["anchor"]
+        if list(anchor) != list(self.anchor):
+            raise ValueError(f"outer state has tensors {list(anchor)}, this group has {list(self.anchor)}")
+        for name, a in self.anchor.items():
+            if anchor[name].shape != a.shape:
+                raise ValueError(
+                    f"outer state {name} has shape {tuple(anchor[name].shape)}, expected {tuple(a.shape)}")
+            a.copy_(anchor[name])  # in place: the SGD keeps pointing at the same tensors
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @torch.no_grad()
+    def reset_anchor(self, *, reset_momentum: bool = False) -> None:
+        """Make the current parameters the anchor (after a joiner loaded the group from peers).
+
+        Args:
+            reset_momentum: also forget the momentum buffers.
+        """
+        for name, a in self.anchor.items():
+            a.copy_(self._live(name))
+        if reset_momentum:
+            self.optimizer.state.clear()
+
+
+class TierSchedule:
+    """Which shared groups merge at which inner step: group G every H_G steps, steps counted from 1."""
+
+    def __init__(self, periods: Mapping[str, int]) -> None:
+        """Args:
+            periods: group -> period H_G in inner steps; groups from SHARED_GROUPS (a model without
+                a latent interface has no "latent" group, so a subset is allowed).
+
+        Raises:
+            ValueError: an unknown group or a period that is not a positive integer.
+        """
+        unknown = set(periods) - set(SHARED_GROUPS)
+        if unknown:
+            raise ValueError(f"unknown groups {sorted(unknown)}; shared groups are {SHARED_GROUPS}")
+        for group, period in periods.items():
+            if not isinstance(period, int) or period < 1:
+                raise ValueError(f"period of {group!r} must be a positive number of steps, got {period!r}")
+        self.periods = {g: periods[g] for g in SHARED_GROUPS if g in periods}
+
+    def due(self, step: int) -> list[str]:
+        """Groups to merge after inner step ``step``, fastest cadence first (SHARED_GROUPS order).
+
+        Args:
+            step: the inner step just finished, counted from 1.
+
+        Returns:
+            The groups whose period divides step.
+
+        Raises:
+            ValueError: step < 1 (step 0 would make every group due before any training).
+        """
+        if step < 1:
+            raise ValueError(f"steps are counted from 1, got {step}")
+        return [g for g, period in self.periods.items() if step % period == 0]
+
+    def next_round(self, group: str, step: int) -> int:
+        """The first step strictly after ``step`` at which ``group`` merges.
+
+        Args:
+            group: a group of this schedule.
+            step: the current step (0 before training).
+
+        Returns:
+            The next multiple of the group's period greater than step.
+
+        Raises:
+            ValueError: the group is not in this schedule.
+        """
+        if group not in self.periods:
+            raise ValueError(f"group {group!r} is not scheduled; scheduled groups are {list(self.periods)}")
+        period = self.periods[group]
+        return (max(step, 0) // period + 1) * period

@@ -1,0 +1,220 @@
+"""C composers in one process, no network: the reference every networked run is checked against.
+
+The same components as the P2P node (``Composer``, RDA merge, Nesterov outer optimizers, surrogate
+deltas with error feedback), driven in lock-step: every composer takes one inner step, then between
+steps owners publish surrogate deltas (every S steps) and the due shared groups merge (tiered periods).
+At the end every group merges once more and owners publish final surrogates, so the composers' views
+and the assembled model are consistent.
+
+Run kinds (``RunSpec.kind``):
+    baseline   one model, every expert real, batch C x B, on the union of the shards (synchronous MoE);
+    diloco     C composers that each hold and train every expert; all parameters merged (experts on the
+               backbone's cadence);
+    parallax   C composers with disjoint expert shards; non-owned selections per cfg.surrogate.non_owned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from parallax.dht.shards import assign_experts
+from parallax.node.composer import Composer, evaluate
+from parallax.node.config import SHARED_GROUPS, TrainConfig
+from parallax.node.data import shard, val_batches
+from parallax.node.flops import step_flops
+from parallax.node.model import MoETransformer, Ownership, own_all
+from parallax.node.outer import TierSchedule
+from parallax.node.rda import merge_groups
+
+RUN_KINDS = ("baseline", "diloco", "parallax")
+
+ProgressFn = Callable[[str, int, float], None]
+"""progress(run name, step, mean training loss of the step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One run of the simulator."""
+
+    name: str
+    kind: str
+    cfg: TrainConfig
+    composers: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUN_KINDS:
+            raise ValueError(f"run kind must be one of {RUN_KINDS}, got {self.kind!r}")
+        if self.composers < 1:
+            raise ValueError("a run needs at least one composer")
+
+
+@dataclass
+class RunResult:
+    name: str
+    kind: str
+    composer_val_losses: list[float]
+    """Each composer's own view (its real experts + surrogates); one entry for the baseline."""
+    assembled_val_loss: float
+    """Every expert real (from its owner) with the merged shared groups: the exportable model."""
+    tokens: int
+    """Training tokens processed by all composers together."""
+    train_flops: float
+    """Training FLOPs of all composers together (inner steps + surrogate distillation)."""
+    wall_s: float
+    params_per_composer: int
+    optimizer_state_bytes_per_composer: int
+    owned_fraction: float
+    """Measured share of routed selections that hit a real expert (1.0 for baseline and DiLoCo)."""
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    """(step, mean training loss over composers), every 10 steps."""
+
+    @property
+    def val_loss(self) -> float:
+        """The median over composers of their own view (the report's convention)."""
+        return statistics.median(self.composer_val_losses)
+
+
+def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list[Ownership]:
+    """Disjoint, complete expert shards for C composers, from the same assignment the P2P node uses."""
+    peers = {f"composer-{i}": 1.0 for i in range(composers)}
+    assignment = assign_experts(run_id, cfg.model.n_layers, cfg.model.n_experts, peers)
+    shards = []
+    for i in range(composers):
+        owned = assignment.owned_by(f"composer-{i}")
+        shards.append(tuple(frozenset(owned.get(layer, ())) for layer in range(cfg.model.n_layers)))
+    return shards
+
+
+def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
+        device: torch.device | str = "cpu") -> RunResult:
+    """Train one run to completion and evaluate it.
+
+    Args:
+        spec: what to run.
+        train: the training split (uint8 tokens); composer i trains on ``shard(train, i, C)``.
+        val: the validation split; everyone evaluates on the same fixed windows.
+        progress: called after every step.
+        device: where the models live.
+    """
+    cfg, C = spec.cfg, spec.composers
+    torch.manual_seed(cfg.seed)
+    batches = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
+    started = time.perf_counter()
+    if spec.kind == "baseline":
+        composers = [Composer(cfg, own_all(cfg.model), train, sampler_seed=cfg.seed,
+                              batch_size=C * cfg.batch_size, device=device)]
+    else:
+        shards = ownership_for(cfg, C) if spec.kind == "parallax" else [own_all(cfg.model)] * C
+        merged_groups = SHARED_GROUPS if spec.kind == "parallax" else (*SHARED_GROUPS, "expert")
+        composers = [
+            Composer(cfg, shards[i], shard(train, i, C), sampler_seed=cfg.seed + 1 + i,
+                     merged_groups=merged_groups, device=device)
+            for i in range(C)
+        ]
+    schedule = TierSchedule(cfg.sync.periods)
+    history: list[tuple[int, float]] = []
+    distill_flops = 0.0
+    for step in range(1, cfg.steps + 1):
+        losses = [c.train_step().loss for c in composers]
+        mean_loss = sum(losses) / len(losses)
+        if step % 10 == 0 or step == cfg.steps:
+            history.append((step, mean_loss))
+        if progress is not None:
+            progress(spec.name, step, mean_loss)
+        if spec.kind == "baseline":
+            continue
+        last = step == cfg.steps
+        if spec.kind == "parallax" and (step % cfg.surrogate.refresh_every == 0 or last):
+            distill_flops += publish(composers)
+        due = schedule.due(step) if not last else list(SHARED_GROUPS)
+        if spec.kind == "diloco" and "backbone" in due:
+            due.append("expert")  # the DiLoCo reference merges its experts on the backbone's cadence
+        for group in due:
+            merge_round(composers, group, cfg.sync.merge)
+    wall_s = time.perf_counter() - started
+
+    composer_losses = [c.evaluate(batches) for c in composers]
+    assembled = composer_losses[0] if len(composers) == 1 else evaluate(assemble(composers, cfg), batches)
+    tokens = sum(c.tokens_seen for c in composers)
+    train_flops = distill_flops
+    for c in composers:
+        per_token = step_flops(cfg.model, c.owned_fraction if spec.kind == "parallax" else 1.0,
+                               non_owned=cfg.surrogate.non_owned)
+        train_flops += per_token.total * c.tokens_seen
+    return RunResult(
+        name=spec.name, kind=spec.kind, composer_val_losses=composer_losses, assembled_val_loss=assembled,
+        tokens=tokens, train_flops=train_flops, wall_s=wall_s,
+        params_per_composer=max(c.parameter_count() for c in composers),
+        optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
+        owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
+    )
+
+
+def publish(composers: Sequence[Composer]) -> float:
+    """Owners refresh their surrogates (or, for frozen copies, their full experts) and everyone applies
+    what the others published. Returns the distillation FLOPs spent."""
+    non_owned = composers[0].cfg.surrogate.non_owned
+    if non_owned == "drop":
+        return 0.0
+    flops = 0.0
+    for owner in composers:
+        if non_owned == "frozen_copy":
+            updates = {eid: owner.expert_state(eid) for eid in owner.owned_experts()}
+            for other in composers:
+                if other is not owner:
+                    for eid, state in updates.items():
+                        other.load_expert_state(eid, state)
+            continue
+        deltas = owner.refresh_surrogates()
+        flops += distill_cost(owner, deltas.keys())
+        for other in composers:
+            if other is not owner:
+                for eid, factors in deltas.items():
+                    other.apply_surrogate_delta(eid, factors)
+    return flops
+
+
+def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-def]
+    """FLOPs of one refresh: teacher forward once, then distill_steps x (student forward + backward)."""
+    m, sc = owner.cfg.model, owner.cfg.surrogate
+    teacher, student = 6 * m.d_latent * m.d_expert, 6 * m.d_latent * m.d_surrogate  # 3 matmuls x 2 FLOPs
+    total = 0.0
+    for layer, expert in experts:
+        rows = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
+        n = 0 if rows is None else rows.shape[0]
+        total += n * (teacher + sc.distill_steps * 3 * student)
+    return total
+
+
+def merge_round(composers: Sequence[Composer], group: str, method: str) -> None:
+    """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere."""
+    if group not in composers[0].outer:
+        return
+    weights = [float(c.tokens_since_merge[group]) for c in composers]
+    if sum(weights) == 0:
+        return
+    merged = merge_groups([c.pseudo_gradient(group) for c in composers], weights, method=method)
+    for c in composers:
+        c.apply_outer(group, merged)
+
+
+def assemble(composers: Sequence[Composer], cfg: TrainConfig) -> MoETransformer:
+    """The exportable model: every expert real, taken from its owner, with composer 0's shared groups
+    (identical on every composer right after the final merge)."""
+    device = next(composers[0].model.parameters()).device
+    model = MoETransformer(cfg.model, own_all(cfg.model), seed=cfg.seed).to(device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in composers[0].model.named_parameters():
+            if ".moe.experts." not in name:
+                params[name].copy_(p)
+        for c in composers:
+            for layer, expert in c.owned_experts():
+                for name, p in c.model.expert_parameters(layer, expert).items():
+                    params[f"blocks.{layer}.moe.experts.{expert}.{name}"].copy_(p)
+    return model

@@ -1,0 +1,115 @@
+"""Surrogate refresh: an owner distils each owned expert into its low-rank surrogate.
+
+Every S steps the owner fits the surrogate s_e (SwiGLU l -> r -> l) to its real expert E_e (l -> f -> l)
+on activations it already computed: the inputs the router sent to e during recent steps, kept in a
+ring buffer. A few Adam steps on ||s(x) - E(x)||^2, then the change of the surrogate is published as a
+low-rank delta with error feedback (``lowrank.ErrorFeedbackPublisher``). The distiller's optimizer
+state is discarded after each refresh: composers keep no optimizer state for surrogates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ActivationBuffer:
+    """The most recent ``capacity`` expert inputs x [L] routed to one expert (a ring buffer).
+
+    Args:
+        capacity: rows kept.
+        width: the latent width l.
+    """
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self._rows_CL = torch.zeros(capacity, width)
+        self._next = 0
+        self._filled = 0
+
+    def add(self, x_NL: torch.Tensor) -> None:
+        """Append rows (detached, copied to CPU float32), overwriting the oldest when full."""
+        x_NL = x_NL.detach().to("cpu", torch.float32)
+        capacity = self._rows_CL.shape[0]
+        if x_NL.shape[0] >= capacity:
+            self._rows_CL.copy_(x_NL[-capacity:])
+            self._next, self._filled = 0, capacity
+            return
+        end = self._next + x_NL.shape[0]
+        if end <= capacity:
+            self._rows_CL[self._next : end] = x_NL
+        else:
+            split = capacity - self._next
+            self._rows_CL[self._next :] = x_NL[:split]
+            self._rows_CL[: end - capacity] = x_NL[split:]
+        self._next = end % capacity
+        self._filled = min(capacity, self._filled + x_NL.shape[0])
+
+    def __len__(self) -> int:
+        return self._filled
+
+    def rows(self) -> torch.Tensor:
+        """The buffered rows [n, L] (order does not matter for distillation)."""
+        return self._rows_CL[: self._filled]
+
+
+class ActivationRecorder:
+    """Owns one ``ActivationBuffer`` per owned (layer, expert); plugs into ``MoETransformer.set_recorder``."""
+
+    def __init__(self, capacity: int, width: int) -> None:
+        self.capacity, self.width = capacity, width
+        self.buffers: dict[tuple[int, int], ActivationBuffer] = {}
+
+    def __call__(self, layer: int, expert: int, x_NL: torch.Tensor) -> None:
+        key = (layer, expert)
+        if key not in self.buffers:
+            self.buffers[key] = ActivationBuffer(self.capacity, self.width)
+        self.buffers[key].add(x_NL)
+
+    def rows(self, layer: int, expert: int) -> torch.Tensor | None:
+        buffer = self.buffers.get((layer, expert))
+        return buffer.rows() if buffer is not None and len(buffer) else None
+
+
+def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, steps: int, lr: float) -> float:
+    """Fit ``surrogate`` to ``expert`` on inputs ``x_NL`` with ``steps`` full-batch Adam steps.
+
+    The expert is only read (its targets are computed once, without gradient). The surrogate's
+    parameters may have ``requires_grad=False`` (as on a composer); they are enabled for the fit only.
+
+    Args:
+        surrogate: the low-rank SwiGLU to update in place.
+        expert: the real expert, the teacher.
+        x_NL: inputs routed to the expert.
+        steps: optimizer steps.
+        lr: Adam learning rate.
+
+    Returns:
+        The relative squared error ||s(x) - E(x)||^2 / ||E(x)||^2 after the fit.
+    """
+    device = next(surrogate.parameters()).device
+    x_NL = x_NL.to(device)
+    with torch.no_grad():
+        target_NL = expert(x_NL)
+    params = list(surrogate.parameters())
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        opt = torch.optim.Adam(params, lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = (surrogate(x_NL) - target_NL).pow(2).mean()
+            loss.backward()
+            opt.step()
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+            p.grad = None
+    return relative_error(surrogate, expert, x_NL)
+
+
+@torch.no_grad()
+def relative_error(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor) -> float:
+    """||s(x) - E(x)||^2 / ||E(x)||^2 on ``x_NL``: how well the surrogate stands in for its expert."""
+    target_NL = expert(x_NL)
+    return float((surrogate(x_NL) - target_NL).pow(2).sum() / target_NL.pow(2).sum().clamp_min(1e-12))

@@ -1,0 +1,80 @@
+"""FLOP accounting: the report's analytic figures, and the config-based count that reproduces them."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax.node.config import preset, replace
+from parallax.node.flops import (
+    composer_speedup,
+    offload_routed_speedup,
+    routed_share,
+    routed_speedup,
+    step_flops,
+    total_speedup,
+)
+
+
+def test_analytic_report_figures():
+    assert routed_speedup(8, 48) == pytest.approx(7.63, rel=0.01)
+    assert offload_routed_speedup(8, 48) == pytest.approx(20.95, rel=0.01)
+    assert total_speedup(routed_speedup(8, 48), 0.618) == pytest.approx(2.16, rel=0.01)
+    assert total_speedup(offload_routed_speedup(8, 48), 0.618) == pytest.approx(2.43, rel=0.01)
+    assert routed_speedup(1, 48) == 1.0  # a lone composer owns everything
+    with pytest.raises(ValueError):
+        routed_speedup(0, 48)
+    with pytest.raises(ValueError):
+        total_speedup(2.0, 1.5)
+
+
+@pytest.mark.parametrize("name", ["report", "small"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_config_accounting_reproduces_analytic_routed_speedup(name, offload):
+    cfg = preset(name)
+    assert cfg.d_expert / cfg.d_surrogate == 48
+    base, mine = step_flops(cfg, 1.0), step_flops(cfg, 1 / 8, offload=offload)
+    analytic = (offload_routed_speedup if offload else routed_speedup)(8, 48)
+    assert base.routed / mine.routed == pytest.approx(analytic, rel=0.01)
+    routed, total = composer_speedup(cfg, 8, offload=offload)
+    assert routed == pytest.approx(analytic, rel=0.01)
+    # The total follows Amdahl's law with this config's own routed share.
+    assert total == pytest.approx(total_speedup(routed, routed_share(cfg)), rel=1e-9)
+
+
+def test_breakdown_parts():
+    cfg = preset("small")
+    base = step_flops(cfg, 1.0)
+    assert base.surrogates == 0 and base.latent == 0  # small has l == d: no latent interface
+    assert base.total == pytest.approx(
+        base.backbone + base.router + base.latent + base.experts + base.surrogates + base.head)
+    # Hand count for one layer of "small": experts k * 3 (train) * 2 * 3 * l * f.
+    assert base.experts == pytest.approx(cfg.n_layers * 2 * 3 * 2 * 3 * 128 * 384)
+    # Attention: 4 d^2 projections plus 2 * (T/2) * d for QK and for AV, trained (x3).
+    assert base.backbone == pytest.approx(cfg.n_layers * 3 * (2 * 4 * 128**2 + 2 * 2 * 64 * 128))
+    assert base.head == pytest.approx(3 * 2 * 128 * 256)
+    assert step_flops(preset("tiny"), 1.0).latent > 0
+    assert 0 < routed_share(cfg) < 1
+    assert 0.5 < routed_share(preset("report")) < 0.75
+
+
+def test_non_owned_variants():
+    cfg = preset("small")
+    surrogate = step_flops(cfg, 0.25)
+    frozen = step_flops(cfg, 0.25, non_owned="frozen_copy")
+    dropped = step_flops(cfg, 0.25, non_owned="drop")
+    assert dropped.surrogates == 0
+    assert frozen.surrogates == pytest.approx(48 * surrogate.surrogates)  # full expert, still forward only
+    assert frozen.experts == surrogate.experts == dropped.experts
+    # Frozen copies: routed compute = owned x3 + non-owned x1 of the baseline's x3.
+    assert frozen.routed / step_flops(cfg, 1.0).routed == pytest.approx(0.25 + 0.75 / 3)
+    with pytest.raises(ValueError):
+        step_flops(cfg, 0.25, non_owned="skip")
+    with pytest.raises(ValueError):
+        step_flops(cfg, 1.5)
+
+
+def test_shared_expert_counts_as_backbone():
+    cfg = preset("small")
+    with_shared = replace(cfg, d_shared=64)
+    extra = step_flops(with_shared, 1.0).backbone - step_flops(cfg, 1.0).backbone
+    assert extra == pytest.approx(cfg.n_layers * 3 * 2 * 3 * 128 * 64)

@@ -1,0 +1,139 @@
+"""The MoE model: owned experts train, surrogates are forward-only, gates still learn, groups are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallax.node.config import GROUPS, ModelConfig, preset
+from parallax.node.model import MoELayer, MoETransformer, group_of, own_all
+
+TINY = preset("tiny")
+
+
+def _layer(owned, non_owned="surrogate", cfg: ModelConfig = TINY) -> MoELayer:
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, 0, owned, non_owned)
+    for p in layer.parameters():  # non-trivial weights everywhere, surrogates included
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def test_surrogates_get_no_gradient_and_add_none_to_their_inputs():
+    layer = _layer(owned=set())  # every selection is a surrogate
+    x = torch.randn(2, 16, TINY.d_model, requires_grad=True)
+    y, _ = layer(x)
+    y.sum().backward()
+    assert all(p.grad is None for p in layer.surrogates.parameters())
+    router_grad = layer.router.weight.grad
+    assert router_grad is not None and router_grad.abs().sum() > 0, "gates of surrogate selections must learn"
+    # latent_down feeds only the experts' inputs: a gradient there would have come through a surrogate.
+    assert layer.latent_down.weight.grad is None, "surrogates must not backpropagate into their input"
+
+
+def test_owned_experts_train_and_their_gates_learn():
+    layer = _layer(owned={0, 1, 2, 3})
+    x = torch.randn(2, 16, TINY.d_model)
+    y, _ = layer(x)
+    y.pow(2).sum().backward()
+    for e in range(TINY.n_experts):
+        grads = [p.grad for p in layer.experts[str(e)].parameters()]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads), f"expert {e} got no gradient"
+    assert layer.router.weight.grad.abs().sum() > 0
+    assert layer.latent_down.weight.grad.abs().sum() > 0
+
+
+def test_non_owned_experts_are_not_materialised_and_surrogates_are_frozen():
+    layer = _layer(owned={1})
+    assert set(layer.experts.keys()) == {"1"}
+    assert not any(p.requires_grad for p in layer.surrogates.parameters())
+
+
+def test_frozen_copies_are_forward_only():
+    layer = _layer(owned={1}, non_owned="frozen_copy")
+    assert set(layer.experts.keys()) == {str(e) for e in range(TINY.n_experts)}
+    y, _ = layer(torch.randn(2, 16, TINY.d_model))
+    y.sum().backward()
+    for e in range(TINY.n_experts):
+        grads = [p.grad for p in layer.experts[str(e)].parameters()]
+        assert all((g is not None) == (e == 1) for g in grads)
+
+
+def test_drop_mode_contributes_nothing_for_non_owned():
+    layer = _layer(owned=set(), non_owned="drop")
+    x = torch.randn(2, 4, TINY.d_model)
+    y, _ = layer(x)
+    shared_only = layer.shared(x.reshape(-1, TINY.d_model)).view_as(y)
+    assert torch.allclose(y, shared_only)
+
+
+def test_all_owned_layer_matches_a_dense_reference_mixture():
+    cfg = ModelConfig(seq_len=8, n_layers=1, d_model=16, n_heads=2, n_experts=4, top_k=2, d_expert=24,
+                      d_surrogate=4, d_latent=16)
+    layer = _layer(owned={0, 1, 2, 3}, cfg=cfg)
+    x_TD = torch.randn(10, cfg.d_model)
+    y, _ = layer(x_TD.unsqueeze(0))
+    probs = torch.softmax(layer.router(x_TD), -1)
+    top_p, top_i = probs.topk(2, -1)
+    gates = top_p / top_p.sum(-1, keepdim=True)
+    ref = torch.zeros_like(x_TD)
+    for t in range(10):
+        for k in range(2):
+            ref[t] += gates[t, k] * layer.experts[str(int(top_i[t, k]))](x_TD[t : t + 1])[0]
+    assert torch.allclose(y[0], ref, atol=1e-5)
+
+
+def test_load_balancing_loss_is_one_when_uniform():
+    layer = _layer(owned={0, 1, 2, 3})
+    with torch.no_grad():
+        layer.router.weight.zero_()  # uniform probabilities; ties broken to the same experts
+    _, stats = layer(torch.randn(1, 32, TINY.d_model))
+    # E * sum f_e P_e with P_e = 1/E gives exactly 1 whatever the routing counts.
+    assert stats.aux_loss.item() == pytest.approx(1.0)
+    assert int(stats.tokens_per_expert.sum()) == 32 * TINY.top_k
+
+
+def test_initialisation_does_not_depend_on_the_shard():
+    full = dict(MoETransformer(TINY, seed=3).named_parameters())
+    owned = tuple(frozenset({layer}) for layer in range(TINY.n_layers))
+    part = MoETransformer(TINY, owned=owned, seed=3)
+    for name, p in part.named_parameters():
+        assert torch.equal(p, full[name]), name
+
+
+def test_every_parameter_has_one_group_and_the_groups_are_complete():
+    model = MoETransformer(TINY, seed=0)
+    names = {name for name, _ in model.named_parameters()}
+    by_group = {g: set(model.group_parameters(g)) for g in GROUPS}
+    assert set().union(*by_group.values()) == names
+    assert sum(len(v) for v in by_group.values()) == len(names)
+    assert all(by_group[g] for g in GROUPS), "tiny exercises every group (latent interface on)"
+    assert group_of("blocks.0.moe.shared.w_up.weight") == "backbone"
+    assert group_of("tok_emb.weight") == "backbone"
+
+
+def test_model_forward_and_loss_shapes():
+    model = MoETransformer(TINY, owned=tuple(frozenset({0}) for _ in range(TINY.n_layers)), seed=0)
+    idx = torch.randint(0, 256, (3, TINY.seq_len), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 256, (3, TINY.seq_len), generator=torch.Generator().manual_seed(1))
+    out = model(idx, targets)
+    assert out.logits.shape == (3, TINY.seq_len, 256)
+    assert out.tokens_per_expert.shape == (TINY.n_layers, TINY.n_experts)
+    assert out.ce_loss.item() == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)
+
+
+def test_ownership_must_cover_every_layer():
+    with pytest.raises(ValueError, match="layers"):
+        MoETransformer(TINY, owned=(frozenset(),), seed=0)
+    with pytest.raises(ValueError, match="outside"):
+        MoELayer(TINY, 0, {TINY.n_experts}, "surrogate")
+
+
+def test_config_validation_says_what_to_change():
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelConfig(n_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("huge")
+    assert own_all(TINY) == tuple(frozenset(range(4)) for _ in range(TINY.n_layers))
