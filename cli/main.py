@@ -40,10 +40,12 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, sim
+    from parallax.cli import bench, dht, keys, sim
 
     sim.register(app)
     bench.register(app)
+    keys.register(app)
+    dht.register(app)
 
 
 _register()

@@ -3,6 +3,10 @@
 ``RemoteProtocolError``: a peer sent something wrong; the message says what and which peer. Callers log
 and skip it; it never reaches the training loop. ``LocalProtocolError``: we tried to build or send
 something invalid; that is our bug or bad user input, and it is raised loudly.
+
+The subclasses of ``RemoteProtocolError`` name the check that refused the input, so callers and tests can
+tell a replay from a forgery without parsing messages. Every one of them is still a
+``RemoteProtocolError``: code that only wants "log and skip" catches the root.
 """
 
 from __future__ import annotations
@@ -16,6 +20,46 @@ class RemoteProtocolError(ProtocolError):
     def __init__(self, message: str, *, peer: str | None = None) -> None:
         self.peer = peer
         super().__init__(f"{message} (peer {peer})" if peer else message)
+
+
+class OversizedMessage(RemoteProtocolError):
+    """The input is larger than the cap for its kind; refused before any decoding."""
+
+
+class MalformedMessage(RemoteProtocolError):
+    """The bytes do not parse, or a field has the wrong type, range or length (truncation included)."""
+
+
+class UnsupportedVersion(RemoteProtocolError):
+    """The envelope names a protocol version this node does not speak."""
+
+
+class UnknownKind(RemoteProtocolError):
+    """The envelope names a message kind that is not registered, or not the one expected here."""
+
+
+class WrongRun(RemoteProtocolError):
+    """The envelope belongs to another training run."""
+
+
+class BadSignature(RemoteProtocolError):
+    """The signature does not verify under the claimed sender's key and the kind's domain."""
+
+
+class BadTimestamp(RemoteProtocolError):
+    """The envelope's timestamp is outside the accepted window (``stale`` says which side)."""
+
+    def __init__(self, message: str, *, peer: str | None = None, stale: bool) -> None:
+        self.stale = stale
+        super().__init__(message, peer=peer)
+
+
+class ReplayedMessage(RemoteProtocolError):
+    """The sequence number is not greater than the last one accepted from this sender for this kind."""
+
+
+class BadTensor(MalformedMessage):
+    """A tensor failed its checks: dtype, shape, element count, byte length, finiteness or norm."""
 
 
 class LocalProtocolError(ProtocolError):

@@ -9,6 +9,7 @@ for one kind of message can never be replayed as another (libp2p's signing-prefi
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import stat
@@ -19,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from parallax.protocol.errors import KeyFileError, RemoteProtocolError
+from parallax.protocol.errors import BadSignature, KeyFileError
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -38,25 +39,67 @@ def _signed_bytes(domain: bytes, data: bytes) -> bytes:
     return domain + _DOMAIN_SEPARATOR + data
 
 
+_P = 2**255 - 19
+# The y-coordinates of edwards25519's eight points of small order (the 8-torsion): the identity (1),
+# the point of order 2 (p - 1), those of order 4 (0) and of order 8 (+-Y8). tests/unit/test_protocol_
+# identity.py checks these with the curve arithmetic.
+_Y8 = 0x7A03AC9277FDC74EC6CC392CFA53202A0F67100D760B3CBA4FD84D3D706A17C7
+_SMALL_ORDER_Y = frozenset({0, 1, _P - 1, _Y8, _P - _Y8})
+
+
+def is_weak_public_key(public_key: bytes) -> bool:
+    """True for encodings a signature check must not trust: the wrong length, non-canonical, or of small order.
+
+    OpenSSL's Ed25519 verification (cofactorless, RFC 8032) accepts small-order public keys, for which
+    signatures verify without any secret (the all-zero key with the all-zero signature "verifies" about
+    a quarter of all messages). libsodium refuses such keys; so do we. Constant cost: no curve arithmetic.
+    """
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        return True
+    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    return y >= _P or y in _SMALL_ORDER_Y
+
+
+@functools.lru_cache(maxsize=4096)
+def _public_key_object(public_key: bytes) -> Ed25519PublicKey:
+    # Parsing and checking a key costs more than verifying a short message; peers sign many messages each.
+    if is_weak_public_key(public_key):
+        raise ValueError("weak (small-order, non-canonical or invalid) Ed25519 public key")
+    return Ed25519PublicKey.from_public_bytes(public_key)
+
+
+def signing_prefix(domain: bytes) -> bytes:
+    """The bytes ``sign`` puts before the data: ``domain || 0x00``."""
+    return _signed_bytes(domain, b"")
+
+
 def verify(public_key: bytes, signature: bytes, domain: bytes, data: bytes) -> bool:
     """True when ``signature`` is ``public_key``'s Ed25519 signature of ``data`` under ``domain``.
 
     Never raises on peer-supplied garbage: a malformed key or signature is simply not valid.
     """
+    return verify_prefixed(public_key, signature, _signed_bytes(domain, data))
+
+
+def verify_prefixed(public_key: bytes, signature: bytes, prefixed: bytes | memoryview) -> bool:
+    """``verify`` for data that already starts with ``signing_prefix(domain)``: no copy of large inputs.
+
+    ``verify(k, s, domain, data) == verify_prefixed(k, s, signing_prefix(domain) + data)``.
+    """
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, _signed_bytes(domain, data))
-    except (InvalidSignature, ValueError):
+        _public_key_object(bytes(public_key)).verify(bytes(signature), prefixed)
+    except (InvalidSignature, ValueError, TypeError):
         return False
     return True
 
 
 def require_valid(public_key: bytes, signature: bytes, domain: bytes, data: bytes) -> None:
-    """Like ``verify`` but raises ``RemoteProtocolError`` naming the claimed signer."""
+    """Like ``verify`` but raises ``BadSignature`` (a ``RemoteProtocolError``) naming the claimed signer."""
     if not verify(public_key, signature, domain, data):
         claimed = fingerprint(public_key) if len(public_key) == PUBLIC_KEY_BYTES else "<malformed key>"
-        raise RemoteProtocolError("bad signature", peer=claimed)
+        raise BadSignature("bad signature", peer=claimed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +133,18 @@ class Identity:
     def sign(self, domain: bytes, data: bytes) -> bytes:
         """Sign ``data`` under a purpose ``domain`` (e.g. ``b"parallax/envelope/heartbeat"``)."""
         return self.private_key.sign(_signed_bytes(domain, data))
+
+    def sign_prefixed(self, prefixed: bytes) -> bytes:
+        """``sign`` for data that already starts with ``signing_prefix(domain)`` (saves a copy).
+
+        ``sign(domain, data) == sign_prefixed(signing_prefix(domain) + data)``.
+
+        Raises:
+            ValueError: ``prefixed`` does not start with a domain and its NUL separator.
+        """
+        if prefixed.find(_DOMAIN_SEPARATOR, 0, 256) <= 0:
+            raise ValueError("prefixed data must start with a non-empty domain and a NUL byte")
+        return self.private_key.sign(prefixed)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the key as unencrypted PKCS#8 PEM, readable by its owner only (mode 0600).

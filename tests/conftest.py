@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -17,16 +18,12 @@ def reap_children():
     # makes torch abort at interpreter exit ("std::system_error: Broken pipe", exit code 134).
     children = [c for c in me.children(recursive=True) if _name(c) != "torch_shm_manager"]
     for child in children:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(children, timeout=5)
     for child in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _name(proc: psutil.Process) -> str:

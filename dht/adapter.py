@@ -1,0 +1,314 @@
+"""The one module that imports hivemind's DHT: start a node, store and read records, shut it down.
+
+Everything else in Parallax talks to the swarm through ``SwarmDHT`` (a few typed, timed calls) and the
+names re-exported here (``RecordValidatorBase``, ``DHTRecord``, ``dht_time``, ``dht_key_id``).
+
+Process model: hivemind runs its DHT in a forked child process (which itself runs the ``p2pd``
+daemon) and answers calls over a pipe. Calls here block the calling thread for at most their
+``timeout_s``; see ``parallax.dht`` for who calls them (one announcer thread per node).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import multiaddr.exceptions
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+from parallax.errors import DHTError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DHTConfig",
+    "DHTRecord",
+    "RecordValidatorBase",
+    "SwarmDHT",
+    "dht_key_id",
+    "dht_time",
+    "join_command",
+    "p2p_identity_path",
+    "parse_initial_peers",
+]
+
+DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # hivemind's own default; real swarms pass 0.0.0.0 + a port
+
+
+def dht_time() -> float:
+    """The DHT's clock (seconds since the epoch); record expirations are absolute times on it."""
+    return float(get_dht_time())
+
+
+def dht_key_id(key: str) -> bytes:
+    """The bytes hivemind puts in ``DHTRecord.key`` for ``key`` (its 160-bit hash)."""
+    return bytes(DHTID.generate(source=key).to_bytes())
+
+
+def p2p_identity_path(ed25519_key_path: str | os.PathLike[str]) -> Path:
+    """Where a node keeps its libp2p identity: beside its Ed25519 key file, with ``.p2p`` appended.
+
+    hivemind creates the file on first start, so the node's libp2p peer id (and its join address)
+    stays the same across restarts.
+    """
+    p = Path(ed25519_key_path)
+    return p.with_name(p.name + ".p2p")
+
+
+def parse_initial_peers(addresses: Sequence[str]) -> list[str]:
+    """Validate ``--initial-peers`` with py-multiaddr and return them as strings for hivemind.
+
+    Each address must parse as a multiaddr and end with ``/p2p/<peer id>`` (the id is what lets libp2p
+    authenticate the peer). Whitespace- or comma-separated lists inside one string are split.
+
+    Raises:
+        ValueError: naming the bad address and the bad part, with the expected form.
+    """
+    out: list[str] = []
+    for item in addresses:
+        for text in item.replace(",", " ").split():
+            out.append(_parse_one(text))
+    return out
+
+
+def _parse_one(text: str) -> str:
+    example = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+    if not text.startswith("/"):
+        raise ValueError(f"initial peer {text!r} is not a multiaddr: it must start with '/', like {example}")
+    try:
+        addr = multiaddr.Multiaddr(text)
+    except (multiaddr.exceptions.Error, ValueError, TypeError) as e:
+        raise ValueError(f"initial peer {text!r} is malformed: {e}. Expected the form {example}") from None
+    names = [p.name for p in addr.protocols()]
+    if "p2p" not in names:
+        raise ValueError(
+            f"initial peer {text!r} lacks the /p2p/<peer id> part: copy the whole line that the peer printed "
+            f"at start, like {example}"
+        )
+    if names[-1] != "p2p":
+        raise ValueError(f"initial peer {text!r}: /p2p/<peer id> must be the last part ({example})")
+    if not any(n in names for n in ("ip4", "ip6", "dns", "dns4", "dns6")):
+        raise ValueError(f"initial peer {text!r} has no /ip4, /ip6 or /dns host part ({example})")
+    return str(addr)
+
+
+def join_command(addresses: Sequence[str]) -> str:
+    """The copy-paste flag others use to join through this node."""
+    return "--initial-peers " + " ".join(addresses)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DHTConfig:
+    """How to start this node's DHT. All times in seconds."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs (with /p2p/<id>) of peers already in the swarm; empty starts a new swarm."""
+    host_maddrs: tuple[str, ...] = DEFAULT_HOST_MADDRS
+    """Where to listen, e.g. /ip4/0.0.0.0/tcp/31337 (port 0 picks a free one)."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses others should dial, when they differ from host_maddrs (NAT, 0.0.0.0)."""
+    identity_path: Path | None = None
+    """libp2p key file (created if missing) so the peer id is stable; see p2p_identity_path."""
+    client_mode: bool = False
+    """True for nodes that cannot accept connections: they query the DHT but store nothing for others."""
+    startup_timeout_s: float = 60.0
+    """Give up starting the p2p daemon and DHT after this long (busy hosts need 30-120 s)."""
+    request_timeout_s: float = 3.0
+    """A DHT RPC to one peer is deemed lost after this long (hivemind's wait_timeout)."""
+    start_attempts: int = 3
+    """Tries to join through initial_peers before giving up (hivemind fails when none answers)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments for hivemind's DHTNode.create (tests and experiments only)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(parse_initial_peers(self.initial_peers)))
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds")
+        if self.start_attempts < 1:
+            raise ValueError("start_attempts must be >= 1")
+
+
+# Module-level so that hivemind can run it inside its forked DHT process (HIVEMIND.md trap 10).
+async def _get_many(_dht: DHT, node: DHTNode, keys: list[str], latest: bool) -> dict[str, Any]:
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
+    return {k: found.get(k) for k in keys}
+
+
+async def _local_dict(_dht: DHT, node: DHTNode, key: str) -> dict[Any, tuple[Any, float]]:
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    if found is None or not hasattr(found.value, "items"):
+        return {}
+    return {sub: (bytes(v), float(exp)) for sub, (v, exp) in found.value.items()}
+
+
+async def _refusals(_dht: DHT, node: DHTNode) -> int:
+    validators = getattr(node.protocol.record_validator, "_validators", [])
+    return sum(int(getattr(v, "refused", 0)) for v in validators)
+
+
+class SwarmDHT:
+    """A running hivemind DHT node with Parallax's record validators.
+
+    Use ``SwarmDHT.start(config, validators)``; always ``shutdown()`` (or use it as a context manager),
+    which also stops the p2p daemon.
+    """
+
+    def __init__(self, dht: DHT) -> None:
+        self._dht = dht
+        self.peer_id: str = str(dht.peer_id)
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = ()) -> SwarmDHT:
+        """Start the node, joining ``config.initial_peers`` (or a new swarm when empty).
+
+        Raises:
+            DHTError: the node could not start or reach any initial peer; the message says what to check.
+        """
+        last: BaseException | None = None
+        attempts = config.start_attempts if config.initial_peers else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                dht = DHT(
+                    initial_peers=list(config.initial_peers) or None,
+                    start=True,
+                    record_validators=list(validators),
+                    host_maddrs=list(config.host_maddrs),
+                    announce_maddrs=list(config.announce_maddrs) or None,
+                    identity_path=str(config.identity_path) if config.identity_path else None,
+                    client_mode=config.client_mode,
+                    startup_timeout=config.startup_timeout_s,
+                    wait_timeout=config.request_timeout_s,
+                    cache_refresh_before_expiry=0,  # our records live seconds; refreshing them is waste
+                    **config.extra,
+                )
+            except Exception as e:  # hivemind raises many types here (P2PDaemonError, TimeoutError, ...)
+                last = e
+                if "already taken" in str(e):
+                    raise DHTError(
+                        f"the libp2p identity {config.identity_path} is already in use by a live peer of "
+                        "this swarm: stop that node, or start this one with another identity"
+                    ) from e
+                logger.warning("DHT start attempt %d/%d failed: %s", attempt, attempts, e)
+                continue
+            return cls(dht)
+        where = ", ".join(config.initial_peers) if config.initial_peers else "a new swarm"
+        raise DHTError(
+            f"could not start the DHT ({where}) after {attempts} attempt(s): {last}. If you gave "
+            "--initial-peers, check that at least one of them is up and reachable from here (firewall, NAT, "
+            "the /p2p/ id); hivemind does not start when no initial peer answers."
+        ) from last
+
+    # --- addresses ---
+
+    def visible_maddrs(self) -> list[str]:
+        """Addresses (with /p2p/<id>) others can use to join through this node."""
+        return [str(m) for m in self._dht.get_visible_maddrs()]
+
+    def join_command(self) -> str:
+        """The line to print at start: ``--initial-peers <addr> ...``."""
+        return join_command(self.visible_maddrs())
+
+    # --- records ---
+
+    def store(
+        self, key: str, subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float
+    ) -> bool:
+        """Store ``value`` under ``key``/``subkey`` until ``expiration_time`` (signed by the validators).
+
+        Returns False when no peer accepted it (a newer record is there, validation refused it, or
+        the call timed out); never raises for network trouble.
+        """
+        future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
+        try:
+            return bool(future.result(timeout=timeout_s))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.debug("DHT store of %s timed out after %.1f s", key, timeout_s)
+            return False
+        except Exception as e:
+            logger.debug("DHT store of %s failed: %s", key, e)
+            return False
+
+    def get_dicts(
+        self, keys: Sequence[str], *, latest: bool, timeout_s: float
+    ) -> dict[str, dict[Any, tuple[Any, float]]] | None:
+        """Read dictionary values: ``{key: {subkey: (value, expiration_time)}}`` (missing keys -> ``{}``).
+
+        Records that failed validation never get here (hivemind drops them). Returns ``None`` on
+        timeout or failure, so callers keep their previous view rather than seeing everyone vanish.
+        """
+        coro = partial(_get_many, keys=list(keys), latest=latest)
+        future = self._dht.run_coroutine(coro, return_future=True)
+        try:
+            found = future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.debug("DHT get of %d keys timed out after %.1f s", len(keys), timeout_s)
+            return None
+        except Exception as e:
+            logger.debug("DHT get failed: %s", e)
+            return None
+        out: dict[str, dict[Any, tuple[Any, float]]] = {}
+        for key in keys:
+            entry = found.get(key)
+            value = getattr(entry, "value", None)
+            items: dict[Any, tuple[Any, float]] = {}
+            if isinstance(value, dict):
+                for subkey, item in value.items():
+                    v, exp = getattr(item, "value", None), getattr(item, "expiration_time", None)
+                    if isinstance(exp, float):
+                        items[subkey] = (v, exp)
+            out[key] = items
+        return out
+
+    def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:
+        """What this node itself stores under ``key`` (no network): ``{subkey: (value, expiration)}``.
+
+        Values are the raw stored bytes (serialized value, then the signature); diagnostics and tests.
+        """
+        return dict(self._dht.run_coroutine(partial(_local_dict, key=key), return_future=True).result(timeout_s))
+
+    def refusals(self, *, timeout_s: float = 5.0) -> int:
+        """How many records this node's validators refused so far (each was also logged)."""
+        return int(self._dht.run_coroutine(_refusals, return_future=True).result(timeout_s))
+
+    # --- lifecycle ---
+
+    @property
+    def process_ids(self) -> list[int]:
+        """PIDs of the DHT process and its p2p daemon (for tests that kill a node the hard way)."""
+        import psutil
+
+        pids = [self._dht.pid] if self._dht.pid else []
+        with contextlib.suppress(psutil.Error, TypeError):
+            pids += [c.pid for c in psutil.Process(self._dht.pid).children(recursive=True)]
+        return pids
+
+    def shutdown(self) -> None:
+        """Stop the DHT process and its p2p daemon. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._dht.shutdown()
+        except Exception as e:  # already dead (killed in a test, or crashed): nothing left to stop
+            logger.debug("DHT shutdown: %s", e)
+
+    def __enter__(self) -> SwarmDHT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,59 @@
+"""The one place that names DHT keys and expert ids (hivemind's ``moe/expert_uid.py`` habit).
+
+Every key is namespaced by the run, so two runs can share a swarm (and a bootstrap peer) without
+reading each other's records:
+
+    {run_id}/members              subkey per node: its signed Heartbeat, or its Deathrattle
+    {run_id}/claims/{layer}       subkey per claimant: its signed claims/releases for that layer
+
+Subkeys are not named here: they carry the signer's public key (``records.owner_subkey``).
+"""
+
+from __future__ import annotations
+
+import re
+
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_EXPERT_ID_RE = re.compile(r"expert\.(\d{1,5})\.(\d{1,5})")
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is a valid run name, else raise ``ValueError`` saying what is allowed."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise ValueError(
+            f"run id {run_id!r} is invalid: use 1-64 letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return run_id
+
+
+def members_key(run_id: str) -> str:
+    """The key under which every node of the run keeps its heartbeat (one subkey per node)."""
+    return f"{check_run_id(run_id)}/members"
+
+
+def claims_key(run_id: str, layer: int) -> str:
+    """The key under which owners of ``layer``'s experts keep their leased claims (one subkey each)."""
+    if layer < 0:
+        raise ValueError(f"layer must be >= 0, got {layer}")
+    return f"{check_run_id(run_id)}/claims/{layer}"
+
+
+def protected_keys(run_id: str, n_layers: int) -> list[str]:
+    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``)."""
+    return [members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
+
+
+def expert_id(layer: int, expert: int) -> str:
+    """The stable name of one expert, ``expert.{layer}.{expert}`` (logs, checkpoints, P2P namespaces)."""
+    if layer < 0 or expert < 0:
+        raise ValueError(f"layer and expert must be >= 0, got ({layer}, {expert})")
+    return f"expert.{layer}.{expert}"
+
+
+def parse_expert_id(uid: str) -> tuple[int, int]:
+    """Inverse of ``expert_id``; ``ValueError`` on anything else."""
+    m = _EXPERT_ID_RE.fullmatch(uid)
+    if not m:
+        raise ValueError(f"{uid!r} is not an expert id of the form expert.<layer>.<expert>")
+    return int(m.group(1)), int(m.group(2))

@@ -1,0 +1,420 @@
+"""Membership: a signed heartbeat per node in the DHT, a deathrattle on leave, and the live view.
+
+Each node runs one announcer thread (``Membership``) with explicit states:
+
+    JOINING  -> checks that its identity is not already alive, publishes its first heartbeat
+    ONLINE   -> every ``refresh_s``: re-reads the members (and claims), re-announces its heartbeat every
+                ``heartbeat_period_s`` (and at once when what it owns changes), renews its claims
+    LEAVING  -> releases its claims and publishes a signed Deathrattle, so others react at once
+    STOPPED  -> nothing more is sent
+
+A heartbeat record expires ``heartbeat_ttl_s`` after it is sent (default 2 s period, 6 s TTL), so a
+node killed without a deathrattle drops out of every view within ``heartbeat_ttl_s``; liveness is
+judged against each record's expiration at the moment it is asked, not at the last refresh.
+
+The view (``SwarmView``) is an immutable snapshot replaced whole by the thread; readers (the training
+loop, the CLI) never block on the network. Records that fail to parse, or whose content does not
+match their signer, are logged and skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from parallax.dht.adapter import SwarmDHT, dht_time
+from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
+from parallax.dht.keys import check_run_id, claims_key, members_key
+from parallax.dht.records import owner_subkey, pack_message, subkey_owner, unpack_message
+from parallax.dht.shards import Assignment, assign_experts
+from parallax.errors import DHTError
+from parallax.protocol.errors import ProtocolError
+from parallax.protocol.identity import Identity, fingerprint
+from parallax.protocol.messages import ROLES, Deathrattle, Heartbeat
+
+logger = logging.getLogger(__name__)
+
+_MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
+
+
+class PeerState(enum.Enum):
+    JOINING = "joining"
+    ONLINE = "online"
+    LEAVING = "leaving"
+    STOPPED = "stopped"
+
+
+class DuplicateIdentityError(DHTError):
+    """This node's identity is already alive in the swarm (another process runs the same key)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MembershipConfig:
+    """What a node announces and how often. Times in seconds."""
+
+    run_id: str
+    """The training run (namespaces every key)."""
+    role: str = "composer"
+    """composer, worker or bootstrap; only composers own experts."""
+    capacity: float = 1.0
+    """Declared relative capacity (> 0): the weight in shard assignment."""
+    heartbeat_period_s: float = 2.0
+    """Re-announce the heartbeat this often."""
+    heartbeat_ttl_s: float = 6.0
+    """A heartbeat expires this long after it is sent: a silent node is dead after this."""
+    refresh_s: float = 0.5
+    """Re-read members and claims this often (bounds how late a deathrattle is seen)."""
+    request_timeout_s: float = 3.0
+    """Timeout of each DHT store/get."""
+    max_addresses: int = 4
+    """Addresses carried in the heartbeat (keeps the record small)."""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {sorted(ROLES)}")
+        if not self.capacity > 0:
+            raise ValueError("capacity must be > 0")
+        if not 0 < self.heartbeat_period_s < self.heartbeat_ttl_s:
+            raise ValueError("need 0 < heartbeat_period_s < heartbeat_ttl_s (a TTL of 3 periods is usual)")
+        if not 0 < self.refresh_s <= self.heartbeat_period_s:
+            raise ValueError("need 0 < refresh_s <= heartbeat_period_s")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A node's latest heartbeat as read from the DHT."""
+
+    fingerprint: str
+    public_key: bytes
+    heartbeat: Heartbeat
+    expires_at: float
+
+    def alive(self, now: float) -> bool:
+        return self.expires_at > now
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """What one node knows of the swarm at ``read_at``. Immutable; ask it with the current time."""
+
+    run_id: str
+    read_at: float
+    members: Mapping[str, Member] = field(default_factory=dict)
+    departed: Mapping[str, Deathrattle] = field(default_factory=dict)
+    claim_records: Mapping[int, Mapping[str, tuple[ClaimSet, float]]] = field(default_factory=dict)
+    shards: ShardConfig | None = None
+
+    def alive(self, now: float | None = None) -> dict[str, Member]:
+        """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
+        now = dht_time() if now is None else now
+        return {fp: m for fp, m in self.members.items() if m.alive(now)}
+
+    def composers(self, now: float | None = None) -> dict[str, float]:
+        """Live composers and their declared capacities: the input of the shard assignment."""
+        return {fp: m.heartbeat.capacity for fp, m in self.alive(now).items() if m.heartbeat.role == "composer"}
+
+    def assignment(self, now: float | None = None) -> Assignment | None:
+        """Owner and heir of every expert over the live composers (None without shards or composers)."""
+        peers = self.composers(now)
+        if self.shards is None or not peers:
+            return None
+        return _cached_assignment(self.run_id, self.shards.n_layers, self.shards.n_experts, peers)
+
+    def claims(self, now: float | None = None) -> dict[tuple[int, int], str]:
+        """(layer, expert) -> fingerprint of the holder of its valid claim."""
+        now = dht_time() if now is None else now
+        found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
+        return {shard: c.holder for shard, c in found.items()}
+
+
+_assignment_cache: dict[tuple[object, ...], Assignment] = {}
+_assignment_lock = threading.Lock()
+
+
+def _cached_assignment(run_id: str, n_layers: int, n_experts: int, peers: dict[str, float]) -> Assignment:
+    # Views are asked often with the same live set; the assignment is pure, so memoise a few.
+    key = (run_id, n_layers, n_experts, tuple(sorted(peers.items())))
+    with _assignment_lock:
+        hit = _assignment_cache.get(key)
+    if hit is None:
+        hit = assign_experts(run_id, n_layers, n_experts, peers)
+        with _assignment_lock:
+            if len(_assignment_cache) > 64:
+                _assignment_cache.clear()
+            _assignment_cache[key] = hit
+    return hit
+
+
+def parse_members(
+    raw: Mapping[object, tuple[object, float]],
+) -> tuple[dict[str, Member], dict[str, Deathrattle]]:
+    """Members and departed nodes from the ``members`` dictionary; bad entries are logged and skipped."""
+    members: dict[str, Member] = {}
+    departed: dict[str, Deathrattle] = {}
+    for subkey, (value, expiration) in raw.items():
+        public_key = subkey_owner(subkey)
+        if public_key is None:
+            logger.debug("skipping a members entry under a foreign subkey")
+            continue
+        fp = fingerprint(public_key)
+        try:
+            msg = unpack_message(value, (Heartbeat, Deathrattle), peer=fp)
+        except ProtocolError as e:
+            logger.info("skipping a bad members record: %s", e)
+            continue
+        if isinstance(msg, Heartbeat):
+            members[fp] = Member(fp, public_key, msg, expiration)
+        else:
+            assert isinstance(msg, Deathrattle)
+            departed[fp] = msg
+    return members, departed
+
+
+def parse_claims(
+    raw_by_layer: Mapping[int, Mapping[object, tuple[object, float]]],
+) -> dict[int, dict[str, tuple[ClaimSet, float]]]:
+    """Claim records by layer and claimant; bad entries are logged and skipped."""
+    out: dict[int, dict[str, tuple[ClaimSet, float]]] = {}
+    for layer, raw in raw_by_layer.items():
+        for subkey, (value, expiration) in raw.items():
+            public_key = subkey_owner(subkey)
+            if public_key is None:
+                continue
+            fp = fingerprint(public_key)
+            try:
+                out.setdefault(layer, {})[fp] = (ClaimSet.decode(value, layer=layer, peer=fp), expiration)
+            except ProtocolError as e:
+                logger.info("skipping a bad claim record: %s", e)
+    return out
+
+
+class Membership:
+    """The announcer thread of one node: heartbeats, deathrattle, claims, and the live view.
+
+    Usage::
+
+        m = Membership(dht, identity, MembershipConfig(run_id="r1"), shards=ShardConfig(n_layers=4, n_experts=8))
+        m.start()                 # JOINING -> ONLINE; raises DuplicateIdentityError
+        view = m.view()           # any time, from any thread; never blocks
+        m.update(step=120)        # carried by the next heartbeat
+        m.leave("done")           # LEAVING: releases claims, publishes the deathrattle -> STOPPED
+    """
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        identity: Identity,
+        config: MembershipConfig,
+        *,
+        shards: ShardConfig | None = None,
+        clock: Callable[[], float] = dht_time,
+    ) -> None:
+        self.dht = dht
+        self.identity = identity
+        self.config = config
+        self.shards = shards
+        self.fingerprint = identity.fingerprint
+        self._clock = clock
+        self._subkey = owner_subkey(identity.public_key)
+        self._members_key = members_key(config.run_id)
+        self._claim_keys = [claims_key(config.run_id, layer) for layer in range(shards.n_layers)] if shards else []
+        self._addresses = tuple(dht.visible_maddrs()[: config.max_addresses])
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state = PeerState.JOINING
+        self._view = SwarmView(run_id=config.run_id, read_at=0.0, shards=shards)
+        self._step = 0
+        self._versions: dict[str, int] = {}
+        self._loss: float | None = None
+        self._last_expiry: dict[str, float] = {}
+        self._next_heartbeat = 0.0
+        self._next_claims = 0.0
+        self._owned: dict[int, frozenset[int]] = {}
+        self._claimed: dict[int, frozenset[int]] = {}
+        self.heartbeats_sent = 0
+
+    # --- public ---
+
+    @property
+    def state(self) -> PeerState:
+        return self._state
+
+    def view(self) -> SwarmView:
+        """The latest snapshot of the swarm (immutable)."""
+        return self._view
+
+    def owned(self) -> dict[int, frozenset[int]]:
+        """The experts this node owns in its latest view, by layer."""
+        return dict(self._owned)
+
+    def update(self, *, step: int | None = None, versions: Mapping[str, int] | None = None,
+               loss: float | None = None) -> None:
+        """Set what the next heartbeat carries (thread-safe; the training loop's one seam)."""
+        with self._lock:
+            if step is not None:
+                self._step = step
+            if versions is not None:
+                self._versions = dict(versions)
+            if loss is not None:
+                self._loss = loss
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """JOINING: refuse a duplicate identity, publish the first heartbeat, start the thread -> ONLINE.
+
+        Raises:
+            DuplicateIdentityError: a live heartbeat under this identity comes from another peer id.
+            DHTError: the first heartbeat could not be stored within ``timeout_s``.
+        """
+        if self._state is not PeerState.JOINING:
+            raise RuntimeError(f"start() in state {self._state.value}")
+        self._refresh()
+        self._check_duplicate()
+        deadline = time.monotonic() + timeout_s
+        while not self._send_heartbeat():
+            if time.monotonic() > deadline:
+                raise DHTError(f"could not publish a heartbeat within {timeout_s:.0f} s; is the swarm reachable?")
+            time.sleep(min(0.5, self.config.refresh_s))
+        self._refresh()
+        self._state = PeerState.ONLINE
+        self._thread = threading.Thread(target=self._run, name=f"parallax-announcer-{self.fingerprint}", daemon=True)
+        self._thread.start()
+        logger.info("%s is online in run %s as %s", self.fingerprint, self.config.run_id, self.config.role)
+
+    def leave(self, reason: str = "", timeout_s: float = 5.0) -> bool:
+        """LEAVING: release claims, publish a signed deathrattle, stop. True if the deathrattle was stored."""
+        if self._state is PeerState.STOPPED:
+            return False
+        self._state = PeerState.LEAVING
+        self._stop_thread(timeout_s)
+        now = self._clock()
+        for layer, claim_set in release_all(self._claimed, self._view.assignment(now), self.fingerprint,
+                                            step=self._step).items():
+            self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(), timeout_s)
+        self._claimed = {}
+        with self._lock:
+            rattle = Deathrattle(peer_id=self.dht.peer_id, step=self._step, reason=reason[:256])
+        ok = self._store(self._members_key, pack_message(rattle), now + self.config.heartbeat_ttl_s, timeout_s)
+        self._state = PeerState.STOPPED
+        logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.config.run_id,
+                    "stored" if ok else "NOT stored")
+        return ok
+
+    def abandon(self, wait: bool = True) -> None:
+        """Stop announcing without a deathrattle, as a crash would (tests and fault injection).
+
+        With ``wait=False`` the thread is only told to stop (it may be inside a DHT call for up to
+        ``request_timeout_s``).
+        """
+        self._stop_thread(self.config.request_timeout_s + 1.0 if wait else 0.0)
+        self._state = PeerState.STOPPED
+
+    # --- the thread ---
+
+    def _stop_thread(self, timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # the announcer must survive anything a peer or the DHT throws at it
+                logger.exception("announcer tick failed; retrying")
+            self._stop.wait(self.config.refresh_s)
+
+    def _tick(self) -> None:
+        now = self._clock()
+        if now >= self._next_heartbeat:
+            self._send_heartbeat()
+        self._refresh()
+        if self.shards is None or self._stop.is_set():
+            return
+        now = self._clock()
+        assignment = self._view.assignment(now)
+        owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
+        if owned != self._owned:
+            self._owned = owned
+            self._send_heartbeat()  # what we own changed: say so now, not at the next period
+            self._send_claims(assignment, now)
+        elif now >= self._next_claims:
+            self._send_claims(assignment, now)
+
+    def _lease_s(self) -> float:
+        return self.shards.lease_s if self.shards else self.config.heartbeat_ttl_s
+
+    def _send_claims(self, assignment: Assignment | None, now: float) -> None:
+        if assignment is None:
+            return
+        peer_ids = {fp: m.heartbeat.peer_id for fp, m in self._view.members.items()}
+        claimed: dict[int, frozenset[int]] = {}
+        for layer in sorted(set(self._owned) | set(self._claimed)):
+            claim_set = build_claim_set(
+                assignment, self.fingerprint, layer, self._claimed.get(layer, ()), now=now,
+                lease_s=self._lease_s(), step=self._step, peer_ids=peer_ids,
+            )
+            if self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(),
+                           self.config.request_timeout_s):
+                if claim_set.claims:
+                    claimed[layer] = frozenset(c.expert for c in claim_set.claims)
+            elif self._claimed.get(layer):
+                claimed[layer] = self._claimed[layer]  # unknown outcome: keep releasing it next time
+        self._claimed = claimed
+        self._next_claims = now + self.config.heartbeat_period_s
+
+    def _send_heartbeat(self) -> bool:
+        now = self._clock()
+        shards = tuple(sorted((layer, e) for layer, es in self._owned.items() for e in es))
+        with self._lock:
+            hb = Heartbeat(
+                peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
+                capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
+                loss=self._loss,
+            )
+        ok = self._store(self._members_key, pack_message(hb), now + self.config.heartbeat_ttl_s,
+                         self.config.request_timeout_s)
+        if ok:
+            self.heartbeats_sent += 1
+            self._next_heartbeat = now + self.config.heartbeat_period_s
+        else:
+            logger.debug("heartbeat store failed; retrying at the next tick")
+        return ok
+
+    def _store(self, key: str, value: bytes, expiration: float, timeout_s: float) -> bool:
+        expiration = max(expiration, self._last_expiry.get(key, 0.0) + _MIN_EXPIRY_STEP_S)
+        self._last_expiry[key] = expiration  # even on failure: a half-done store may have landed
+        return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)
+
+    def _refresh(self) -> None:
+        read = self.dht.get_dicts([self._members_key, *self._claim_keys], latest=True,
+                                  timeout_s=self.config.request_timeout_s)
+        if read is None:
+            return  # keep the previous view; its expirations still age correctly
+        members, departed = parse_members(read[self._members_key])
+        claims = parse_claims({layer: read[k] for layer, k in enumerate(self._claim_keys)})
+        mine = read[self._members_key].get(self._subkey)
+        if mine is not None:  # keep our own expirations moving strictly forward after a restart
+            self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine[1])
+        self._view = SwarmView(
+            run_id=self.config.run_id, read_at=self._clock(), members=members, departed=departed,
+            claim_records=claims, shards=self.shards,
+        )
+
+    def _check_duplicate(self) -> None:
+        now = self._clock()
+        me = self._view.members.get(self.fingerprint)
+        if me is not None and me.alive(now) and me.heartbeat.peer_id != self.dht.peer_id:
+            raise DuplicateIdentityError(
+                f"identity {self.fingerprint} is already alive in run {self.config.run_id} as peer "
+                f"{me.heartbeat.peer_id} (heartbeat valid for {me.expires_at - now:.1f} more s). Another "
+                "process is using the same key file: stop it, or give this node its own --identity. If that "
+                f"process just crashed, retry in {me.expires_at - now:.0f} s."
+            )

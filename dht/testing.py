@@ -1,0 +1,101 @@
+"""Local swarms of real DHT peers on loopback, for tests and benchmarks (hivemind's ``launch_dht_instances``).
+
+Every peer binds port 0 on 127.0.0.1; later peers bootstrap from the first. ``LocalSwarm.close()``
+shuts every peer down (p2p daemons included); use it in ``finally`` or as a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.claims import ShardConfig
+from parallax.dht.keys import protected_keys
+from parallax.dht.membership import Membership, MembershipConfig
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.protocol.identity import Identity
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
+    """Poll ``predicate`` until true; return the seconds it took. ``TimeoutError`` after ``timeout``."""
+    start = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def fixed_identity(i: int) -> Identity:
+    """A stable key per index, so failures reproduce with the same fingerprints (never use in production)."""
+    return Identity.from_seed(i.to_bytes(4, "big") * 8)
+
+
+@dataclass
+class LocalPeer:
+    identity: Identity
+    dht: SwarmDHT
+    membership: Membership | None = None
+
+    @property
+    def fp(self) -> str:
+        return self.identity.fingerprint
+
+    def kill(self) -> None:
+        """SIGKILL this peer's DHT process and p2p daemon: a crash, no deathrattle."""
+        for pid in self.dht.process_ids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+class LocalSwarm:
+    """A growing set of loopback peers in one run."""
+
+    def __init__(self, run_id: str = "local", n_layers: int = 2) -> None:
+        self.run_id = run_id
+        self.n_layers = n_layers
+        self.peers: list[LocalPeer] = []
+
+    def add_dht(self, identity: Identity, **config: object) -> LocalPeer:
+        """Start a DHT peer (no membership), bootstrapping from the first peer."""
+        initial = tuple(self.peers[0].dht.visible_maddrs()) if self.peers else ()
+        validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(self.run_id, self.n_layers))
+        dht = SwarmDHT.start(DHTConfig(initial_peers=initial, **config), [validator])  # type: ignore[arg-type]
+        peer = LocalPeer(identity, dht)
+        self.peers.append(peer)
+        return peer
+
+    def add(
+        self,
+        i: int,
+        *,
+        shards: ShardConfig | None = None,
+        capacity: float = 1.0,
+        role: str = "composer",
+        **timing: float,
+    ) -> LocalPeer:
+        """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE)."""
+        peer = self.add_dht(fixed_identity(i))
+        cfg = MembershipConfig(run_id=self.run_id, capacity=capacity, role=role, **timing)
+        peer.membership = Membership(peer.dht, peer.identity, cfg, shards=shards)
+        peer.membership.start()
+        return peer
+
+    def close(self) -> None:
+        for p in self.peers:
+            if p.membership is not None:
+                p.membership.abandon()
+        for p in self.peers:
+            p.dht.shutdown()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""Pure parts of dht/: initial-peer parsing, keys, claim records and their validity, view parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
+from parallax.dht.claims import ClaimSet, build_claim_set, release_all, valid_claims
+from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
+from parallax.dht.membership import MembershipConfig, SwarmView, parse_members
+from parallax.dht.records import owner_subkey, pack_message
+from parallax.dht.shards import assign_experts
+from parallax.protocol.errors import RemoteProtocolError
+from parallax.protocol.identity import Identity
+from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim, ShardRelease
+
+PEER = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWAQJufR1qkp5iYZfUv6bGSLnHSkcsZJ63uJhvVyMz1q8f"
+
+
+def test_initial_peers_are_validated_with_clear_errors():
+    assert parse_initial_peers([PEER]) == [PEER]
+    assert parse_initial_peers([f"{PEER}, {PEER}"]) == [PEER, PEER]
+    cases = {
+        "ip4/1.2.3.4/tcp/1": "must start with '/'",
+        "/ip4/300.1.1.1/tcp/1/p2p/x": "malformed",
+        "/ip4/1.2.3.4/tcpx/1": "unknown protocol: tcpx",
+        "/ip4/127.0.0.1/tcp/4001": "lacks the /p2p/<peer id>",
+        "/ip4/1.2.3.4/tcp/1/p2p/notapeer": "notapeer",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ValueError, match=message) as e:
+            parse_initial_peers([text])
+        assert text in str(e.value)
+    with pytest.raises(ValueError, match="initial peer"):
+        DHTConfig(initial_peers=("/ip4/127.0.0.1/tcp/4001",))
+
+
+def test_join_line_and_identity_path(tmp_path):
+    assert join_command([PEER]) == f"--initial-peers {PEER}"
+    assert p2p_identity_path(tmp_path / "node.key") == tmp_path / "node.key.p2p"
+
+
+def test_keys_are_run_namespaced():
+    assert members_key("r1") == "r1/members" and claims_key("r1", 3) == "r1/claims/3"
+    assert protected_keys("r1", 2) == ["r1/members", "r1/claims/0", "r1/claims/1"]
+    assert parse_expert_id(expert_id(3, 7)) == (3, 7)
+    for bad in ["", "a/b", "-x", "x" * 65]:
+        with pytest.raises(ValueError, match="run id"):
+            members_key(bad)
+    with pytest.raises(ValueError):
+        parse_expert_id("expert.1")
+
+
+def test_config_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="heartbeat_period_s < heartbeat_ttl_s"):
+        MembershipConfig(run_id="r", heartbeat_period_s=6, heartbeat_ttl_s=6)
+    with pytest.raises(ValueError, match="role"):
+        MembershipConfig(run_id="r", role="boss")
+
+
+PEERS = {"aaa": 1.0, "bbb": 1.0, "ccc": 1.0}
+
+
+def test_claim_records_round_trip_and_are_checked():
+    a = assign_experts("r", 2, 8, PEERS)
+    cs = build_claim_set(a, "aaa", 0, previously_claimed={0, 1, 2, 3, 4, 5, 6, 7}, now=100.0, lease_s=6.0)
+    assert {c.expert for c in cs.claims} == a.owned_by("aaa")[0]
+    assert {r.expert for r in cs.releases} == set(range(8)) - a.owned_by("aaa")[0]
+    assert all(r.heir == a.owner(0, r.expert) for r in cs.releases)
+    assert ClaimSet.decode(cs.encode(), layer=0) == cs
+    with pytest.raises(RemoteProtocolError, match="another layer"):
+        ClaimSet.decode(cs.encode(), layer=1)
+    twice = ClaimSet((ShardClaim(layer=0, expert=1, lease_expiry=5.0),) * 2).encode()
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        ClaimSet.decode(twice, layer=0)
+    for junk in [b"", b"\x01", 3]:
+        with pytest.raises(RemoteProtocolError):
+            ClaimSet.decode(junk, layer=0)
+
+
+def test_claim_valid_only_while_lease_record_and_heartbeat_are():
+    a = assign_experts("r", 1, 8, PEERS)
+    records = {0: {}}
+    for p in PEERS:
+        records[0][p] = (build_claim_set(a, p, 0, (), now=100.0, lease_s=6.0), 106.0)
+    everyone = valid_claims(records, set(PEERS), 101.0, a)
+    assert {s: c.holder for s, c in everyone.items()} == {(0, e): a.owner(0, e) for e in range(8)}
+    assert valid_claims(records, set(PEERS), 106.5, a) == {}  # lease over
+    no_b = valid_claims(records, {"aaa", "ccc"}, 101.0, a)  # bbb's heartbeat died
+    assert all(c.holder != "bbb" for c in no_b.values()) and len(no_b) == 8 - len(a.owned_by("bbb")[0])
+
+
+def test_handover_conflict_resolved_by_assignment_everywhere():
+    a = assign_experts("r", 1, 8, PEERS)
+    e = min(a.owned_by("bbb")[0])
+    records = {0: {
+        "aaa": (ClaimSet((ShardClaim(layer=0, expert=e, lease_expiry=110.0),)), 110.0),
+        "bbb": (ClaimSet((ShardClaim(layer=0, expert=e, lease_expiry=110.0),)), 110.0),
+    }}
+    assert valid_claims(records, set(PEERS), 101.0, a)[(0, e)].holder == "bbb"
+
+
+def test_release_all_names_heirs():
+    a = assign_experts("r", 1, 8, PEERS)
+    mine = a.owned_by("aaa")
+    out = release_all(mine, a, "aaa")
+    assert all(isinstance(r, ShardRelease) and r.heir == a.heir(0, r.expert) for r in out[0].releases)
+
+
+def test_view_parsing_skips_bad_entries_and_tracks_deathrattles():
+    alice, bob = Identity.from_seed(b"a" * 32), Identity.from_seed(b"b" * 32)
+    hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=2.0, shards=(), step=1)
+    raw = {
+        owner_subkey(alice.public_key): (pack_message(hb), 200.0),
+        owner_subkey(bob.public_key): (pack_message(Deathrattle(peer_id="12D3KooWb", step=9)), 200.0),
+        b"junk": (b"x", 200.0),
+        owner_subkey(Identity.from_seed(b"c" * 32).public_key): (b"\xff garbage", 200.0),
+    }
+    members, departed = parse_members(raw)
+    assert set(members) == {alice.fingerprint} and set(departed) == {bob.fingerprint}
+    view = SwarmView(run_id="r", read_at=100.0, members=members, departed=departed)
+    assert view.composers(150.0) == {alice.fingerprint: 2.0}
+    assert view.alive(200.0) == {}
