@@ -26,33 +26,46 @@ from parallax.node.config import TrainConfig
 from parallax.node.data import load_corpus, split_corpus
 from parallax.node.sim import ProgressFn, RunResult, RunSpec, run
 
-RUNS = ("baseline", "diloco", "parallax", "no_surrogates", "frozen_copies", "plain_mean")
+RUNS: dict[str, tuple[str, dict[str, object]]] = {
+    "baseline": ("baseline", {}),
+    "diloco": ("diloco", {}),
+    "parallax": ("parallax", {}),
+    "no_surrogates": ("parallax", {"surrogate.non_owned": "drop"}),
+    "frozen_copies": ("parallax", {"surrogate.non_owned": "frozen_copy"}),
+    "plain_mean": ("parallax", {"sync.merge": "mean"}),
+}
+"""The benchmark's runs: name -> (run kind, config changes on top of the chosen defaults)."""
+DEFAULT_RUNS = tuple(RUNS)
+
+LEVERS: dict[str, tuple[str, dict[str, object]]] = {
+    # Issue 3's levers, each a variation of the Parallax run (or of the DiLoCo reference).
+    "sketch": ("parallax", {"sketch.enabled": True}),
+    "no_sketch": ("parallax", {"sketch.enabled": False}),
+    "sketch_p25": ("parallax", {"sketch.enabled": True, "sketch.sample_fraction": 0.25}),
+    "sketch_delay0": ("parallax", {"sketch.enabled": True, "sketch.delay": 0}),
+    "sketch_delay4": ("parallax", {"sketch.enabled": True, "sketch.delay": 4}),
+    "outer_avg": ("parallax", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
+    "diloco_outer_avg": ("diloco", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
+    "tiers_25": ("parallax", {"sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
+    "tiers_10_25_50": ("parallax", {"sync.periods": {"router": 10, "latent": 25, "backbone": 50}}),
+}
+"""Named variations measured for issue 3 (``--runs`` accepts these names too)."""
 
 
-def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = RUNS) -> list[RunSpec]:
+def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = DEFAULT_RUNS) -> list[RunSpec]:
     """The benchmark's runs, each a variation of ``cfg``."""
-    def with_surrogate(mode: str) -> TrainConfig:
-        return config_mod.replace(cfg, surrogate=config_mod.replace(cfg.surrogate, non_owned=mode))
-
-    table = {
-        "baseline": RunSpec(name="baseline", kind="baseline", cfg=cfg, composers=composers),
-        "diloco": RunSpec(name="diloco", kind="diloco", cfg=cfg, composers=composers),
-        "parallax": RunSpec(name="parallax", kind="parallax", cfg=cfg, composers=composers),
-        "no_surrogates": RunSpec(name="no_surrogates", kind="parallax", cfg=with_surrogate("drop"),
-                                 composers=composers),
-        "frozen_copies": RunSpec(name="frozen_copies", kind="parallax", cfg=with_surrogate("frozen_copy"),
-                                 composers=composers),
-        "plain_mean": RunSpec(name="plain_mean", kind="parallax",
-                              cfg=config_mod.replace(cfg, sync=config_mod.replace(cfg.sync, merge="mean")),
-                              composers=composers),
-    }
-    unknown = set(runs) - set(table)
+    table = RUNS | LEVERS
+    unknown = [name for name in runs if name not in table]
     if unknown:
-        raise ValueError(f"unknown runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
-    return [table[name] for name in runs]
+        raise ValueError(f"unknown runs {unknown}; choose from {', '.join(table)}")
+    out = []
+    for name in runs:
+        kind, changes = table[name]
+        out.append(RunSpec(name=name, kind=kind, cfg=config_mod.override(cfg, changes), composers=composers))
+    return out
 
 
-def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = RUNS,
+def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = DEFAULT_RUNS,
                 progress: ProgressFn | None = None) -> dict:
     """Run the benchmark and return its JSON-able report."""
     train, val = split_corpus(load_corpus(data))
@@ -77,7 +90,9 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
             "assembled_val_loss": r.assembled_val_loss, "tokens": r.tokens, "train_flops": r.train_flops,
             "wall_s": r.wall_s, "params_per_composer": r.params_per_composer,
             "optimizer_state_bytes_per_composer": r.optimizer_state_bytes_per_composer,
-            "owned_fraction": r.owned_fraction, "loss_history": r.loss_history,
+            "owned_fraction": r.owned_fraction, "network_bytes": r.network_bytes,
+            "network_bytes_per_composer_step": sum(r.network_bytes.values()) / (composers * cfg.steps),
+            "loss_history": r.loss_history,
         }
     if "parallax" in results:
         report["assembled_val_loss"] = results["parallax"].assembled_val_loss
@@ -89,17 +104,24 @@ def markdown(report: dict) -> str:
     base = report["runs"].get("baseline", {}).get("val_loss")
     lines = [
         "| run | val loss (own view, median) | assembled | / baseline | tokens | train PFLOP | wall s "
-        "| params/composer | opt. state MB/composer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| params/composer | opt. state MB/composer | network KB/composer-step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["runs"].items():
         ratio = f"{r['val_loss'] / base:.3f}" if base else "-"
         lines.append(
             f"| {name} | {r['val_loss']:.4f} | {r['assembled_val_loss']:.4f} | {ratio} | {r['tokens']:,} "
             f"| {r['train_flops'] / 1e15:.4g} | {r['wall_s']:.0f} | {r['params_per_composer']:,} "
-            f"| {r['optimizer_state_bytes_per_composer'] / 2**20:.1f} |"
+            f"| {r['optimizer_state_bytes_per_composer'] / 2**20:.1f} "
+            f"| {r.get('network_bytes_per_composer_step', 0) / 1024:.1f} |"
         )
     c = report["config"]
+    if "baseline" in report["runs"]:
+        n, params = c["composers"], report["runs"]["baseline"]["params_per_composer"]
+        lines.append("")
+        ddp_kb = 2 * (n - 1) / n * 4 * params / 1024
+        lines.append(f"For scale: a DDP all-reduce of this model's fp32 gradients moves {ddp_kb:,.0f} "
+                     "KB per composer-step.")
     lines.append("")
     lines.append(f"preset {c['preset']}, {c['composers']} composers, {c['steps']} steps x batch "
                  f"{c['batch_size']} x {c['seq_len']} bytes per composer, seed {c['seed']}, data {c['data']}, "

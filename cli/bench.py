@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from parallax.benchmarks.quality import DEFAULT_RUNS
 from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Steps
-
-QUALITY_RUNS = ("baseline", "diloco", "parallax", "no_surrogates", "frozen_copies", "plain_mean")
 
 bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.", no_args_is_help=True)
 
@@ -19,17 +18,19 @@ def quality(
     batch_size: BatchSize = None,
     seed: Seed = 0,
     data: Data = None,
-    runs: str = typer.Option(",".join(QUALITY_RUNS), "--runs", help="Comma-separated subset of the runs."),
+    runs: str = typer.Option(",".join(DEFAULT_RUNS), "--runs",
+                             help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py)."),
+    changes: list[str] = typer.Option([], "--set", help="Config change for every run, e.g. --set sketch.enabled=true."),
     json_path: JsonPath = None,
     quiet: Quiet = False,
 ) -> None:
     """Parallax vs a synchronous MoE and a DiLoCo reference at equal tokens (about 25 min on 2 cores)."""
     from parallax.benchmarks.quality import markdown, run_quality, write
     from parallax.cli.progress import run_progress
-    from parallax.node.config import train_config
+    from parallax.node.config import override, parse_changes, train_config
 
     try:
-        cfg = train_config(preset, steps=steps, batch_size=batch_size, seed=seed)
+        cfg = override(train_config(preset, steps=steps, batch_size=batch_size, seed=seed), parse_changes(changes))
         names = [r.strip() for r in runs.split(",") if r.strip()]
         with run_progress(cfg.steps, enabled=not quiet) as progress:
             report = run_quality(cfg, composers, data, runs=names, progress=progress)
@@ -37,6 +38,85 @@ def quality(
         raise typer.BadParameter(str(e)) from e
     write(report, json_path)
     typer.echo(markdown(report))
+
+
+@bench_app.command("flops")
+def flops(
+    composers: int = typer.Option(8, "--composers", "-c", min=1, help="Composers C."),
+    preset: Preset = "report",
+) -> None:
+    """Per-composer compute savings: the report's analytic model beside our config-based FLOP count."""
+    from parallax.node import flops as fl
+    from parallax.node.config import preset as get_preset
+
+    try:
+        cfg = get_preset(preset)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    f_over_r = cfg.d_expert / cfg.d_surrogate
+    analytic, analytic_off = fl.routed_speedup(composers, f_over_r), fl.offload_routed_speedup(composers, f_over_r)
+    routed, total = fl.composer_speedup(cfg, composers)
+    routed_off, total_off = fl.composer_speedup(cfg, composers, offload=True)
+    share = fl.routed_share(cfg)
+    typer.echo(f"preset {preset}: C={composers}, f/r={f_over_r:g}, routed share of active compute {share:.3f}\n")
+    typer.echo("| variant | routed speed-up (analytic) | routed (counted) | total (analytic, share 0.618) "
+               "| total (counted, own share) |")
+    typer.echo("|---|---|---|---|---|")
+    rows = (("direct ownership", analytic, routed, total), ("worker offload", analytic_off, routed_off, total_off))
+    for name, a, counted, tot in rows:
+        typer.echo(f"| {name} | {a:.2f}x | {counted:.2f}x | {fl.total_speedup(a):.2f}x | {tot:.2f}x |")
+
+
+@bench_app.command("dht")
+def dht(
+    sizes: str = typer.Option("2,8,32", "--sizes", help="Comma-separated swarm sizes (peers on loopback)."),
+    ops: int = typer.Option(100, "--ops", min=1, help="Store + get operations timed per swarm size."),
+    detect_peers: int = typer.Option(4, "--detect-peers", min=2, help="Peers in the failure-detection swarm."),
+    trials: int = typer.Option(5, "--trials", min=0, help="Kills (no deathrattle) timed; about 8 s each."),
+    rattles: int = typer.Option(3, "--rattles", min=0, help="Graceful leaves (deathrattles) timed."),
+    json_path: JsonPath = None,
+) -> None:
+    """DHT store/get latency for N peers (vs hivemind's published numbers) and failure-detection latency."""
+    from parallax.benchmarks.dht import markdown, run_dht_bench, write
+
+    try:
+        size_list = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError as e:
+        raise typer.BadParameter(f"--sizes takes comma-separated integers, got {sizes!r}") from e
+    report = run_dht_bench(size_list, ops, detect_peers, trials, rattles, progress=typer.echo)
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
+@bench_app.command("protocol")
+def protocol(
+    seconds: float = typer.Option(1.0, "--seconds", min=0.05, help="Timing budget per envelope size, in seconds."),
+    json_path: JsonPath = None,
+) -> None:
+    """Envelope sign + verify vs raw Ed25519 (256 B, 64 KiB, 4 MiB) and tensor codec MB/s (about 30 s)."""
+    from parallax.benchmarks.protocol import markdown, run_protocol, write
+
+    report = run_protocol(seconds)
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
+@bench_app.command("fuzz")
+def fuzz(
+    count: int = typer.Option(100_000, "--count", min=1, help="Random and mutated inputs to feed the decoders."),
+    seed: Seed = 0,
+    json_path: JsonPath = None,
+) -> None:
+    """Fuzz the wire decoders; exits 1 if any exception other than RemoteProtocolError escaped."""
+    from parallax.benchmarks.fuzz_protocol import run_fuzz, write
+
+    report = run_fuzz(count, seed)
+    write(report, json_path)
+    typer.echo(report.markdown())
+    for example in report.examples:
+        typer.echo(f"\n{example['target']}: {example['error']}\n{example['traceback']}", err=True)
+    if report.unexpected:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -20,6 +20,7 @@ from parallax.node.data import BatchSampler
 from parallax.node.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.model import MoETransformer, Ownership
 from parallax.node.outer import OuterOptimizer
+from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
 from parallax.node.surrogate import ActivationRecorder, distill
 
 ExpertId = tuple[int, int]
@@ -91,6 +92,11 @@ class Composer:
         self.tokens_seen = 0
         self.selections_owned = 0
         self.selections_total = 0
+        self.sketcher: SketchRecorder | None = None
+        self._sketch_rng = torch.Generator().manual_seed(sampler_seed + 7919)
+        if cfg.sketch.enabled:
+            self.sketcher = SketchRecorder()
+            self.model.set_sketcher(self.sketcher.attach)
         self.recorder: ActivationRecorder | None = None
         self.publishers: dict[ExpertId, ErrorFeedbackPublisher] = {}
         if cfg.surrogate.non_owned == "surrogate":
@@ -110,18 +116,21 @@ class Composer:
 
     def train_step(self) -> StepStats:
         """One inner AdamW step on the next batch of this composer's shard."""
+        stats = self.forward_backward()
+        self.optimizer_step()
+        return stats
+
+    def forward_backward(self) -> StepStats:
+        """Forward and backward on the next batch; gradients are left in ``.grad`` for ``optimizer_step``.
+
+        Split from the optimizer step so that other composers' sketched expert gradients can be
+        added in between (``absorb_sketches``)."""
         self.model.train()
         x_BT, y_BT = (t.to(self.device) for t in self.sampler.next_batch())
         out = self.model(x_BT, y_BT)
         assert out.loss is not None and out.ce_loss is not None
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip
-            )
-        self.optimizer.step()
-        self.scheduler.step()
         tokens = x_BT.numel()
         self.step += 1
         self.tokens_seen += tokens
@@ -132,6 +141,41 @@ class Composer:
         self.selections_owned += sum(int(counts_LE[layer, list(experts)].sum())
                                      for layer, experts in enumerate(self.owned) if experts)
         return StepStats(out.loss.item(), out.ce_loss.item(), out.aux_loss.item(), tokens)
+
+    def optimizer_step(self) -> None:
+        """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches)."""
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+
+    # ---- sketched expert gradients ----------------------------------------------------------------
+
+    def take_sketches(self) -> dict[ExpertId, Sketch]:
+        """The (x, g) sketches of this step's non-owned selections, compressed as for the wire."""
+        assert self.sketcher is not None, "sketches need cfg.sketch.enabled"
+        sk = self.cfg.sketch
+        return {eid: compress(s, sample_fraction=sk.sample_fraction, generator=self._sketch_rng,
+                              wire_codec=sk.wire_codec)
+                for eid, s in self.sketcher.take().items()}
+
+    def absorb_sketches(self, sketches: Mapping[ExpertId, list[Sketch]], composers: int) -> None:
+        """Turn other composers' sketches of our experts into expert gradient before ``optimizer_step``.
+
+        The expert gradient becomes (own + sum of foreign Taylor-proxy gradients) / C: the gradient of
+        the mean loss over every composer's tokens, as the synchronous baseline computes it.
+        """
+        for layer, expert in self.owned_experts():
+            module = self.model.blocks[layer].moe.experts[str(expert)]
+            with torch.no_grad():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / composers)
+            received = sketches.get((layer, expert))
+            if received:
+                accumulate_expert_gradient(module, received, scale=1.0 / composers)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -10,6 +10,7 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 SHARED_GROUPS = ("router", "latent", "backbone")
@@ -147,6 +148,28 @@ class SurrogateConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SketchConfig:
+    """Sketched expert gradients: non-owners send (x, dL/dy) of their non-owned selections to the owner."""
+
+    enabled: bool = False
+    """Owners add the Taylor-proxy gradient of other composers' sketches to their experts' gradients."""
+    sample_fraction: float = 1.0
+    """Probability of keeping each selection in a sketch (kept rows are scaled by 1/p: unbiased)."""
+    delay: int = 1
+    """Steps between computing a sketch and its owner applying it (network latency; 0 = same step)."""
+    wire_codec: str = "int8"
+    """Codec of x and g on the wire: raw, fp16, int8 or int4 (parallax.protocol.codec)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.sample_fraction <= 1:
+            raise ValueError(f"SketchConfig.sample_fraction must be in (0, 1], got {self.sample_fraction}")
+        if self.delay < 0:
+            raise ValueError("SketchConfig.delay must be >= 0 steps")
+        if self.wire_codec not in ("raw", "fp16", "int8", "int4"):
+            raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One composer's training run."""
 
@@ -154,6 +177,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
+    sketch: SketchConfig = field(default_factory=SketchConfig)
     batch_size: int = 8
     """Sequences per composer step."""
     steps: int = 500
@@ -201,3 +225,40 @@ def train_config(preset_name: str = "small", *, steps: int | None = None, batch_
     """A TrainConfig for a model preset with the CLI's common overrides (None keeps the default)."""
     overrides = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("seed", seed)) if v is not None}
     return TrainConfig(model=preset(preset_name), **overrides)
+
+
+def override(cfg: TrainConfig, changes: dict[str, object]) -> TrainConfig:
+    """Apply dotted-path changes, e.g. ``{"sketch.enabled": True, "sync.outer_lr": 1.0}``.
+
+    Raises:
+        ValueError: an unknown field, naming the valid ones.
+    """
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        chain = [cfg]
+        for name in parents:
+            if name not in type(chain[-1]).__dataclass_fields__:
+                raise ValueError(f"unknown config section {name!r} in {path!r}")
+            chain.append(getattr(chain[-1], name))
+        if leaf not in type(chain[-1]).__dataclass_fields__:
+            fields = ", ".join(type(chain[-1]).__dataclass_fields__)
+            raise ValueError(f"unknown config field {leaf!r} in {path!r}; fields there: {fields}")
+        new = dataclasses.replace(chain[-1], **{leaf: value})
+        for parent, name in zip(reversed(chain[:-1]), reversed(parents), strict=True):
+            new = dataclasses.replace(parent, **{name: new})
+        cfg = new
+    return cfg
+
+
+def parse_changes(items: list[str]) -> dict[str, object]:
+    """``["sketch.enabled=true", "sync.outer_lr=0.5"]`` -> a dict for ``override`` (values as JSON, else strings)."""
+    changes: dict[str, object] = {}
+    for item in items:
+        path, sep, raw = item.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--set expects PATH=VALUE (e.g. sketch.enabled=true), got {item!r}")
+        try:
+            changes[path.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[path.strip()] = raw
+    return changes

@@ -32,6 +32,10 @@ NON_OWNED_MODES = ("surrogate", "drop", "frozen_copy")
 Recorder = Callable[[int, int, torch.Tensor], None]
 """Called as recorder(layer, expert, x_NL) with the detached inputs routed to an owned expert."""
 
+Sketcher = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""Called as sketcher(layer, expert, x_NL, y_NL) with a non-owned selection's input and stand-in output;
+returns the output to use (a leaf whose gradient it hooks: see ``sketch.SketchRecorder``)."""
+
 
 def own_all(cfg: ModelConfig) -> Ownership:
     """Every expert real: the synchronous baseline and the DiLoCo reference."""
@@ -116,6 +120,7 @@ class MoELayer(nn.Module):
         self.surrogates = nn.ModuleList(SwiGLU(cfg.d_latent, cfg.d_surrogate) for _ in range(cfg.n_experts))
         self.shared = SwiGLU(cfg.d_model, cfg.d_shared) if cfg.d_shared else None
         self.recorder: Recorder | None = None
+        self.sketcher: Sketcher | None = None
         self._freeze_non_trainable()
 
     def _freeze_non_trainable(self) -> None:
@@ -132,7 +137,10 @@ class MoELayer(nn.Module):
             return None
         stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
         with torch.no_grad():  # forward only: no gradient into its weights or its input
-            return stand_in(h_NL.detach())
+            y_NL = stand_in(h_NL.detach())
+        if self.sketcher is not None and self.training:
+            y_NL = self.sketcher(self.layer, e, h_NL, y_NL)
+        return y_NL
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         B, T, D = x_BTD.shape
@@ -289,6 +297,10 @@ class MoETransformer(nn.Module):
     def set_recorder(self, recorder: Recorder | None) -> None:
         for layer in self.moe_layers():
             layer.recorder = recorder
+
+    def set_sketcher(self, sketcher: Sketcher | None) -> None:
+        for layer in self.moe_layers():
+            layer.sketcher = sketcher
 
 
 def group_of(name: str) -> str:

@@ -27,6 +27,7 @@ from parallax.node.composer import Composer, evaluate
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import shard, val_batches
 from parallax.node.flops import step_flops
+from parallax.node.lowrank import payload_numel
 from parallax.node.model import MoETransformer, Ownership, own_all
 from parallax.node.outer import TierSchedule
 from parallax.node.rda import merge_groups
@@ -70,6 +71,9 @@ class RunResult:
     optimizer_state_bytes_per_composer: int
     owned_fraction: float
     """Measured share of routed selections that hit a real expert (1.0 for baseline and DiLoCo)."""
+    network_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes that would cross the network over the run, all composers together, by what carries them:
+    "surrogates" (deltas or frozen copies), "outer" (all-reduce of pseudo-gradients), "sketches"."""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     """(step, mean training loss over composers), every 10 steps."""
 
@@ -119,8 +123,19 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     schedule = TierSchedule(cfg.sync.periods)
     history: list[tuple[int, float]] = []
     distill_flops = 0.0
+    in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
+    traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     for step in range(1, cfg.steps + 1):
-        losses = [c.train_step().loss for c in composers]
+        losses = [c.forward_backward().loss for c in composers]
+        if spec.kind == "parallax" and cfg.sketch.enabled:
+            in_flight.append({i: c.take_sketches() for i, c in enumerate(composers)})
+            traffic["sketches"] += sum(s.wire_bytes for sent in in_flight[-1].values() for s in sent.values())
+            arrived = in_flight.pop(0) if len(in_flight) > cfg.sketch.delay else {}
+            rows = deliver_sketches(composers, arrived)
+            # the owner's extra work: expert forward + backward (3 x forward) on every absorbed row
+            distill_flops += rows * 3 * 6 * cfg.model.d_latent * cfg.model.d_expert
+        for c in composers:
+            c.optimizer_step()
         mean_loss = sum(losses) / len(losses)
         if step % 10 == 0 or step == cfg.steps:
             history.append((step, mean_loss))
@@ -130,12 +145,14 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             continue
         last = step == cfg.steps
         if spec.kind == "parallax" and (step % cfg.surrogate.refresh_every == 0 or last):
-            distill_flops += publish(composers)
+            flops, wire = publish(composers)
+            distill_flops += flops
+            traffic["surrogates"] += wire
         due = schedule.due(step) if not last else list(SHARED_GROUPS)
         if spec.kind == "diloco" and "backbone" in due:
             due.append("expert")  # the DiLoCo reference merges its experts on the backbone's cadence
         for group in due:
-            merge_round(composers, group, cfg.sync.merge)
+            traffic["outer"] += merge_round(composers, group, cfg.sync.merge)
     wall_s = time.perf_counter() - started
 
     composer_losses = [c.evaluate(batches) for c in composers]
@@ -152,19 +169,44 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         params_per_composer=max(c.parameter_count() for c in composers),
         optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
+        network_bytes=traffic,
     )
 
 
-def publish(composers: Sequence[Composer]) -> float:
+def deliver_sketches(composers: Sequence[Composer], sent: dict[int, dict]) -> int:
+    """Every owner absorbs the sketches other composers made of its experts (possibly none this step).
+
+    Returns the number of (x, g) rows absorbed."""
+    rows = 0
+    for owner in composers:
+        received: dict = {}
+        for sender, sketches in sent.items():
+            if composers[sender] is owner:
+                continue
+            for eid, sketch in sketches.items():
+                if eid[1] in owner.owned[eid[0]]:
+                    received.setdefault(eid, []).append(sketch)
+                    rows += sketch.x_NL.shape[0]
+        owner.absorb_sketches(received, composers=len(composers))
+    return rows
+
+
+def publish(composers: Sequence[Composer]) -> tuple[float, int]:
     """Owners refresh their surrogates (or, for frozen copies, their full experts) and everyone applies
-    what the others published. Returns the distillation FLOPs spent."""
+    what the others published.
+
+    Returns:
+        (distillation FLOPs spent, bytes every receiver downloaded in all, fp32 payloads).
+    """
     non_owned = composers[0].cfg.surrogate.non_owned
     if non_owned == "drop":
-        return 0.0
-    flops = 0.0
+        return 0.0, 0
+    flops, wire = 0.0, 0
+    receivers = len(composers) - 1
     for owner in composers:
         if non_owned == "frozen_copy":
             updates = {eid: owner.expert_state(eid) for eid in owner.owned_experts()}
+            wire += receivers * sum(4 * t.numel() for state in updates.values() for t in state.values())
             for other in composers:
                 if other is not owner:
                     for eid, state in updates.items():
@@ -172,11 +214,12 @@ def publish(composers: Sequence[Composer]) -> float:
             continue
         deltas = owner.refresh_surrogates()
         flops += distill_cost(owner, deltas.keys())
+        wire += receivers * sum(4 * payload_numel(factors) for factors in deltas.values())
         for other in composers:
             if other is not owner:
                 for eid, factors in deltas.items():
                     other.apply_surrogate_delta(eid, factors)
-    return flops
+    return flops, wire
 
 
 def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-def]
@@ -191,16 +234,24 @@ def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-
     return total
 
 
-def merge_round(composers: Sequence[Composer], group: str, method: str) -> None:
-    """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere."""
+def merge_round(composers: Sequence[Composer], group: str, method: str) -> int:
+    """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere.
+
+    Returns:
+        Bytes all composers together would send in a ring all-reduce of the fp32 pseudo-gradients
+        (2 (n - 1) / n x the group's size each; RDA averages one extra norm per tensor).
+    """
     if group not in composers[0].outer:
-        return
+        return 0
     weights = [float(c.tokens_since_merge[group]) for c in composers]
     if sum(weights) == 0:
-        return
+        return 0
     merged = merge_groups([c.pseudo_gradient(group) for c in composers], weights, method=method)
     for c in composers:
         c.apply_outer(group, merged)
+    n = len(composers)
+    size = sum(4 * t.numel() for t in merged.values())
+    return int(2 * (n - 1) * size)
 
 
 def assemble(composers: Sequence[Composer], cfg: TrainConfig) -> MoETransformer:

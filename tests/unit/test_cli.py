@@ -1,0 +1,64 @@
+"""The CLI: help, the simulator, the quality benchmark's short variant, clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from parallax.cli.main import app
+
+runner = CliRunner()
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("sim", "bench"):
+        assert command in result.output
+
+
+def test_sim_runs_and_writes_json(tmp_path):
+    out = tmp_path / "sim.json"
+    result = runner.invoke(app, ["sim", "--preset", "tiny", "--composers", "2", "--steps", "3", "--quiet",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert len(report["composer_val_losses"]) == 2
+    assert report["tokens"] == 2 * 3 * 8 * 32
+
+
+def test_quality_benchmark_short_variant_has_the_promised_keys(tmp_path):
+    out = tmp_path / "quality.json"
+    result = runner.invoke(app, ["bench", "quality", "--preset", "tiny", "--composers", "2", "--steps", "4",
+                                 "--runs", "baseline,diloco,parallax,no_surrogates,frozen_copies,plain_mean",
+                                 "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for key in ("baseline_val_loss", "diloco_val_loss", "parallax_val_loss", "assembled_val_loss",
+                "no_surrogates_val_loss", "frozen_copies_val_loss", "plain_mean_val_loss"):
+        assert isinstance(report[key], float), key
+    parallax = report["runs"]["parallax"]
+    for key in ("tokens", "train_flops", "wall_s", "params_per_composer", "optimizer_state_bytes_per_composer"):
+        assert parallax[key] > 0, key
+    assert report["runs"]["baseline"]["tokens"] == parallax["tokens"], "equal token counts"
+    assert parallax["params_per_composer"] < report["runs"]["baseline"]["params_per_composer"]
+    assert out.with_suffix(".md").read_text().startswith("| run |")
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path):
+    result = runner.invoke(app, ["sim", "--preset", "tiny", "--steps", "1", "--data", str(tmp_path / "nope.txt")])
+    assert result.exit_code == 2
+    assert "--data" in result.output
+
+
+def test_unknown_preset_is_a_clear_error():
+    result = runner.invoke(app, ["bench", "flops", "--preset", "huge"])
+    assert result.exit_code == 2
+    assert "unknown preset" in result.output
+
+
+def test_flops_table_reproduces_the_report():
+    result = runner.invoke(app, ["bench", "flops", "--preset", "report", "--composers", "8"])
+    assert result.exit_code == 0
+    assert "7.63x" in result.output and "20.95x" in result.output
