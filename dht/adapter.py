@@ -221,6 +221,16 @@ class SwarmDHT:
         """The line to print at start: ``--initial-peers <addr> ...``."""
         return join_command(self.visible_maddrs())
 
+    @property
+    def hivemind_dht(self) -> DHT:
+        """The underlying hivemind DHT object, for the few ``node/`` components that need hivemind's
+        averager or P2P layer on this same node (``DecentralizedAverager(dht=...)``, ``replicate_p2p()``).
+
+        Everything else goes through the typed, timed calls of this class; do not store or read records
+        through it directly.
+        """
+        return self._dht
+
     # --- records ---
 
     def store(

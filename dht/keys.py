@@ -5,6 +5,8 @@ reading each other's records:
 
     {run_id}/members              subkey per node: its signed Heartbeat, or its Deathrattle
     {run_id}/claims/{layer}       subkey per claimant: its signed claims/releases for that layer
+    {run_id}/surrogates/{layer}   subkey per node: the surrogate versions it announces (as owner) and
+                                  the payloads it serves (``dht.surrogates.SurrogateRecord``)
 
 Subkeys are not named here: they carry the signer's public key (``records.owner_subkey``).
 """
@@ -37,6 +39,13 @@ def claims_key(run_id: str, layer: int) -> str:
     if layer < 0:
         raise ValueError(f"layer must be >= 0, got {layer}")
     return f"{check_run_id(run_id)}/claims/{layer}"
+
+
+def surrogates_key(run_id: str, layer: int) -> str:
+    """The key under which nodes announce surrogate versions of ``layer``'s experts (one subkey each)."""
+    if layer < 0:
+        raise ValueError(f"layer must be >= 0, got {layer}")
+    return f"{check_run_id(run_id)}/surrogates/{layer}"
 
 
 def protected_keys(run_id: str, n_layers: int) -> list[str]:

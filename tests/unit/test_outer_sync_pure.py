@@ -1,0 +1,183 @@
+"""The pure parts of the network outer sync: packing the RDA components, rebuilding, fingerprints, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallax.node.outer_sync import (
+    FP_SLOTS,
+    OuterSyncConfig,
+    _hash_signs,
+    component_shapes,
+    component_tensors,
+    decode_fingerprint,
+    encode_fingerprint,
+    fingerprint,
+    fingerprints_agree,
+    majority_agrees,
+    merged_from_components,
+    outer_prefix,
+    round_key,
+)
+from parallax.node.rda import merge_groups
+
+SHAPES = {"w": (6, 5), "b": (5,), "c": (7,), "z": (3,)}
+
+
+def _deltas(k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = [{n: torch.randn(s, generator=g) for n, s in SHAPES.items()} for _ in range(k)]
+    d = torch.randn(SHAPES["c"], generator=g)
+    for i, delta in enumerate(out):
+        delta["c"] = d * (1.0 if i % 2 == 0 else -1.0)  # cancels with equal weights on an even k
+        delta["z"] = torch.zeros(SHAPES["z"])  # nobody moved: zero direction, zero norm
+    return out
+
+
+def _weighted_means(parts: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    """What hivemind's averager leaves in every buffer: sum_i w_i x_i / sum_i w_i."""
+    total = sum(weights)
+    return [sum(w * p[j] for w, p in zip(weights, parts, strict=True)) / total for j in range(len(parts[0]))]
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [1.0, 3.0, 0.5], [2.0, 2.0, 5.0, 0.0]])
+def test_pack_mean_rebuild_equals_merge_groups(method, weights):
+    deltas = _deltas(len(weights))
+    parts = [component_tensors(d, method) for d in deltas]
+    assert [p.shape for p in parts[0]] == component_shapes(SHAPES, method)
+    merged = merged_from_components(_weighted_means(parts, weights), SHAPES, method)
+    reference = merge_groups(deltas, weights, method=method)
+    assert list(merged) == list(reference)
+    for name in SHAPES:
+        assert merged[name].dtype == torch.float32
+        torch.testing.assert_close(merged[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_rda_layout_directions_scaled_then_norms_then_deltas():
+    delta = {"a": torch.tensor([3.0, 4.0, 0.0, 0.0]), "b": torch.zeros(2)}
+    dir_a, dir_b, norms, raw_a, raw_b = component_tensors(delta, "rda")
+    torch.testing.assert_close(dir_a, torch.tensor([0.6, 0.8, 0.0, 0.0]) * 2.0)  # unit direction * sqrt(4)
+    assert torch.equal(dir_b, torch.zeros(2))
+    torch.testing.assert_close(norms, torch.tensor([5.0, 0.0]))
+    assert torch.equal(raw_a, delta["a"]) and torch.equal(raw_b, delta["b"])
+    assert component_shapes({"a": (4,), "b": (2,)}, "mean") == [torch.Size([4]), torch.Size([2])]
+
+
+def test_rebuild_refuses_wrong_buffers_and_does_not_alias():
+    means = component_tensors({"a": torch.ones(3)}, "mean")
+    merged = merged_from_components(means, {"a": (3,)}, "mean")
+    merged["a"].add_(1)
+    assert torch.equal(means[0], torch.ones(3))
+    with pytest.raises(ValueError, match="shapes"):
+        merged_from_components(means, {"a": (3,)}, "rda")
+    with pytest.raises(ValueError, match="merge method"):
+        component_tensors({"a": torch.ones(3)}, "median")
+
+
+def test_compression_aware_eps_falls_back_to_mean_when_directions_nearly_cancel():
+    d = torch.randn(100)
+    near = [{"a": d}, {"a": -d + 1e-3 * torch.randn(100)}]
+    means = _weighted_means([component_tensors(x, "rda") for x in near], [1.0, 1.0])
+    mean_delta = (near[0]["a"] + near[1]["a"]) / 2
+    torch.testing.assert_close(merged_from_components(means, {"a": (100,)}, "rda", eps=0.05)["a"], mean_delta)
+    exact = merged_from_components(means, {"a": (100,)}, "rda", eps=1e-9)["a"]
+    assert not torch.allclose(exact, mean_delta)
+
+
+def _splitmix_sign(index: int, seed: int) -> float:
+    mask = (1 << 64) - 1
+    z = (index + (seed * 0x9E3779B97F4A7C15 & mask) + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return -1.0 if z >> 63 else 1.0
+
+
+def test_projection_signs_are_fixed_across_machines_and_versions():
+    assert _hash_signs(12, 1).tolist() == [1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 1.0]
+    assert _hash_signs(50, 12345).tolist() == [_splitmix_sign(i, 12345) for i in range(50)]
+
+
+def _fp16_roundtrip_noise(avg: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """What one peer gets back from an fp16 all-reduce: its own value plus the fp16 delta to the mean."""
+    return local + (avg - local.half().float()).half().float()
+
+
+def test_fingerprints_tolerate_fp16_rounding_but_not_a_broken_round():
+    g = torch.Generator().manual_seed(3)
+    locals_ = [torch.randn(10_000, generator=g) * 0.01 for _ in range(3)]
+    avg = sum(locals_) / 3
+    results = [_fp16_roundtrip_noise(avg, x) for x in locals_]
+    assert not torch.equal(results[0], results[1])  # peers never agree bit for bit
+    fps = [fingerprint([r, r[:7].clone()], [float(x.norm()), float(x[:7].norm())])
+           for r, x in zip(results, locals_, strict=True)]
+    tol = OuterSyncConfig(compression="fp16").tolerance
+    assert all(fingerprints_agree(fps[0], fp, tol) for fp in fps)
+
+    def broken(change) -> tuple[float, ...]:
+        r = results[1].clone()
+        change(r)
+        return fingerprint([r, r[:7].clone()], [float(locals_[1].norm()), float(locals_[1][:7].norm())])
+
+    for change in (lambda r: r[:100].mul_(3.0),  # part of the tensor left un-averaged
+                   lambda r: r.copy_(locals_[1]),  # nothing averaged
+                   lambda r: r.neg_(),
+                   lambda r: r[5].add_(1.0),  # one entry
+                   lambda r: r[0].fill_(float("nan"))):
+        assert not fingerprints_agree(fps[0], broken(change), tol)
+
+
+def test_fingerprint_is_small_and_round_trips():
+    tensors = [torch.randn(s) for s in [(50, 3)] * 40]
+    fp = fingerprint(tensors, [1.0] * 40)
+    assert len(fp) == 4 * FP_SLOTS  # 40 tensors share 16 slots
+    value = encode_fingerprint(fp)
+    assert len(value) <= 300
+    decoded = decode_fingerprint(value)
+    assert decoded is not None and fingerprints_agree(fp, decoded, 1e-6)
+    assert fingerprint(tensors, [1.0] * 40) == fp  # deterministic
+    for junk in (b"", b"PXF1", value[:-1], b"XXXX" + value[4:], "text", None, value + b"\0\0\0\0"):
+        assert decode_fingerprint(junk) is None
+    assert not fingerprints_agree(fp, fp[:4], 1.0)
+    with pytest.raises(ValueError, match="local norms"):
+        fingerprint(tensors, [1.0])
+
+
+def test_zero_merge_agrees_with_itself():
+    fp = fingerprint([torch.zeros(5)], [0.0])
+    assert fingerprints_agree(fp, fp, 1e-5)
+    assert majority_agrees(fp, {"b": fp}, 2, 1e-5) == (True, 2)
+
+
+def test_majority_counts_absent_and_disagreeing_participants_against_me():
+    good = fingerprint([torch.ones(10)], [1.0])
+    bad = fingerprint([torch.ones(10) * 2], [1.0])
+    assert majority_agrees(good, {"b": good, "c": bad}, 3, 1e-3) == (True, 2)
+    assert majority_agrees(bad, {"a": good, "b": good}, 3, 1e-3) == (False, 1)
+    assert majority_agrees(good, {"b": good}, 4, 1e-3) == (False, 2)  # 2 of 4 is no majority
+    assert majority_agrees(good, {}, 2, 1e-3) == (False, 1)  # the other never answered
+    nan = (float("nan"),) + good[1:]
+    assert majority_agrees(nan, {"b": nan}, 2, 1e-3) == (False, 0)
+
+
+def test_config_defaults_and_validation():
+    internet, loopback = OuterSyncConfig(), OuterSyncConfig.loopback()
+    assert internet.request_timeout_s < internet.min_matchmaking_time_s < internet.matchmaking_timeout_s
+    assert loopback.round_budget_s < 40 < internet.round_budget_s
+    assert OuterSyncConfig(compression="none").tolerance < internet.tolerance
+    assert OuterSyncConfig(compression="none").rda_eps == 1e-6 and internet.rda_eps == 0.05
+    for bad in (dict(method="median"), dict(compression="int8"), dict(min_group_size=1),
+                dict(target_group_size=1), dict(request_timeout_s=20.0),
+                dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0)):
+        with pytest.raises(ValueError, match="OuterSyncConfig"):
+            OuterSyncConfig(**bad)
+
+
+def test_names():
+    assert outer_prefix("run-1", "router") == "run-1/outer/router"
+    assert round_key("run-1", "backbone", 12) == "run-1/outer/backbone/round/12"
+    for run_id, group in (("run.1", "router"), ("run", "a.b"), ("run", ""), ("run", "a/b"), ("bad run", "x")):
+        with pytest.raises(ValueError):
+            outer_prefix(run_id, group)
