@@ -92,7 +92,7 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
             "optimizer_state_bytes_per_composer": r.optimizer_state_bytes_per_composer,
             "owned_fraction": r.owned_fraction, "network_bytes": r.network_bytes,
             "network_bytes_per_composer_step": sum(r.network_bytes.values()) / (composers * cfg.steps),
-            "loss_history": r.loss_history,
+            "loss_history": r.loss_history, "val_history": r.val_history,
         }
     if "parallax" in results:
         report["assembled_val_loss"] = results["parallax"].assembled_val_loss

@@ -40,6 +40,24 @@ def quality(
     typer.echo(markdown(report))
 
 
+@bench_app.command("horizon")
+def horizon(
+    reports: list[str] = typer.Argument(..., help="Quality JSON files (parallax bench quality --json ...)."),
+    out: str = typer.Option("docs/horizon.png", "--out", help="PNG to write."),
+    runs: str = typer.Option("", "--runs", help="Comma-separated runs to draw (default: all)."),
+) -> None:
+    """Plot validation loss and its ratio to the synchronous baseline against tokens (needs matplotlib)."""
+    from parallax.benchmarks.horizon import plot
+
+    try:
+        path = plot(reports, out, [r for r in runs.split(",") if r] or None)
+    except ModuleNotFoundError as e:
+        raise typer.BadParameter(f"{e}; install the plotting extra: pip install -e '.[bench]'") from e
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        raise typer.BadParameter(f"cannot plot {reports}: {e!r}; pass JSON written by `parallax bench quality`") from e
+    typer.echo(f"wrote {path}")
+
+
 @bench_app.command("flops")
 def flops(
     composers: int = typer.Option(8, "--composers", "-c", min=1, help="Composers C."),

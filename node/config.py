@@ -186,10 +186,14 @@ class TrainConfig:
     """Seed of the model initialisation and of every data sampler (per composer: seed + index)."""
     eval_batches: int = 16
     """Validation batches (fixed windows) per evaluation."""
+    eval_every: int = 100
+    """Steps between mid-run validations recorded in the run's history (0 = only at the end)."""
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.steps <= 0 or self.eval_batches <= 0:
             raise ValueError("batch_size, steps and eval_batches must be positive")
+        if self.eval_every < 0:
+            raise ValueError("eval_every must be >= 0 (0 = evaluate only at the end)")
 
     @property
     def tokens_per_step(self) -> int:

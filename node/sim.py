@@ -75,6 +75,8 @@ class RunResult:
     """Bytes that would cross the network over the run, all composers together, by what carries them:
     "surrogates" (deltas or frozen copies), "outer" (all-reduce of pseudo-gradients), "sketches"."""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    """(tokens so far, median own-view validation loss), every cfg.eval_every steps and at the end."""
     """(step, mean training loss over composers), every 10 steps."""
 
     @property
@@ -122,6 +124,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         ]
     schedule = TierSchedule(cfg.sync.periods)
     history: list[tuple[int, float]] = []
+    val_history: list[tuple[int, float]] = []
     distill_flops = 0.0
     in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
@@ -139,6 +142,9 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         mean_loss = sum(losses) / len(losses)
         if step % 10 == 0 or step == cfg.steps:
             history.append((step, mean_loss))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+            tokens_so_far = sum(c.tokens_seen for c in composers)
+            val_history.append((tokens_so_far, statistics.median(c.evaluate(batches) for c in composers)))
         if progress is not None:
             progress(spec.name, step, mean_loss)
         if spec.kind == "baseline":
@@ -169,6 +175,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         params_per_composer=max(c.parameter_count() for c in composers),
         optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
+        val_history=[*val_history, (tokens, statistics.median(composer_losses))],
         network_bytes=traffic,
     )
 

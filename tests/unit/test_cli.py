@@ -44,6 +44,10 @@ def test_quality_benchmark_short_variant_has_the_promised_keys(tmp_path):
     assert report["runs"]["baseline"]["tokens"] == parallax["tokens"], "equal token counts"
     assert parallax["params_per_composer"] < report["runs"]["baseline"]["params_per_composer"]
     assert out.with_suffix(".md").read_text().startswith("| run |")
+    png = tmp_path / "horizon.png"
+    result = runner.invoke(app, ["bench", "horizon", str(out), "--out", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path):

@@ -1,0 +1,60 @@
+"""The horizon plot: validation loss of each run over tokens, and its ratio to the synchronous baseline.
+
+Reads the JSON that ``parallax bench quality`` writes (each run's ``val_history``: tokens so far and the
+median own-view validation loss, every ``eval_every`` steps) and draws a PNG. Optional dependency:
+matplotlib (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def ratios(report: dict, run: str) -> list[tuple[int, float]]:
+    """(tokens, run's val loss / baseline's val loss) at the token counts both runs evaluated."""
+    base = dict(map(tuple, report["runs"]["baseline"]["val_history"]))
+    return [(t, loss / base[t]) for t, loss in report["runs"][run]["val_history"] if t in base]
+
+
+def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | None = None) -> Path:
+    """Draw val loss and ratio-to-baseline against tokens for every run of every report.
+
+    Args:
+        reports: quality JSON files (e.g. the same benchmark at several --steps).
+        out: the PNG to write.
+        runs: which runs to draw (default: all non-baseline runs).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for path in reports:
+        report = json.loads(Path(path).read_text())
+        steps = report["config"]["steps"]
+        for name, run in report["runs"].items():
+            if runs is not None and name not in runs and name != "baseline":
+                continue
+            tokens, losses = zip(*run["val_history"], strict=True)
+            ax_loss.plot([t / 1e6 for t in tokens], losses, marker=".", label=f"{name} ({steps} steps)")
+            if name != "baseline" and "baseline" in report["runs"]:
+                points = ratios(report, name)
+                if points:
+                    t, r = zip(*points, strict=True)
+                    ax_ratio.plot([x / 1e6 for x in t], r, marker=".", label=f"{name} ({steps} steps)")
+    ax_loss.set(xlabel="tokens (millions)", ylabel="validation loss (nats/byte)", title="validation loss")
+    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+    ax_ratio.axhline(1.02, color="grey", linewidth=0.8, linestyle="--")
+    ax_ratio.set(xlabel="tokens (millions)", ylabel="val loss / synchronous baseline", title="ratio to baseline")
+    for ax in (ax_loss, ax_ratio):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
