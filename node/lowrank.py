@@ -119,7 +119,8 @@ class ErrorFeedbackPublisher:
             current: name -> the owner's surrogate now, same names and shapes as ``initial``.
 
         Returns:
-            name -> (U [m, r], V [r, n]) for 2-D tensors, (dense change, empty) for the others;
+            name -> (U [m, r], V [r, n]) for 2-D tensors where r (m + n) < m n, (dense change, empty)
+            for the others;
             CPU float32. Send all of it: the mirror already counts it as received.
 
         Raises:
@@ -127,7 +128,9 @@ class ErrorFeedbackPublisher:
         """
         out: dict[str, Factors] = {}
         for name, diff in self.residual(current).items():
-            if diff.dim() == 2:
+            # Factors only where they are smaller than the change itself: r (m + n) < m n. A narrow
+            # matrix (a small surrogate's 8 x 128 projection) goes dense, exactly and in fewer bytes.
+            if diff.dim() == 2 and self.rank * sum(diff.shape) < diff.numel():
                 f = low_rank_factors(diff, self.rank)
             else:
                 if not torch.isfinite(diff).all():

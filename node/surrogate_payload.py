@@ -95,7 +95,7 @@ def decode_delta(body: bytes, eid: ExpertId, version: int, shapes: Shapes, limit
     arrays = _open_payload(body, eid, version, limits, peer)
     out: dict[str, Factors] = {}
     for name, shape in shapes.items():
-        if len(shape) == 2:
+        if len(shape) == 2 and f"{name}#d" not in arrays:
             u, v = arrays.pop(f"{name}#u", None), arrays.pop(f"{name}#v", None)
             if u is None or v is None:
                 raise bad(f"lacks the factors of {name}")

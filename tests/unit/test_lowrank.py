@@ -47,7 +47,10 @@ def test_error_feedback_converges_and_receivers_mirror_exactly(rank):
     errors = []
     for _ in range(refreshes):
         factors = pub.delta(target)
-        assert factors["w_in"][0].shape == (48, rank) and factors["w_in"][1].shape == (rank, 8)
+        if rank * (48 + 8) < 48 * 8:
+            assert factors["w_in"][0].shape == (48, rank) and factors["w_in"][1].shape == (rank, 8)
+        else:  # factors would be larger than the change: it goes dense
+            assert factors["w_in"][0].shape == (48, 8) and factors["w_in"][1].numel() == 0
         assert factors["gain"][1].numel() == 0  # 1-D tensors go dense
         for r in receivers:
             apply_delta(r, factors)
@@ -87,7 +90,16 @@ def test_apply_to_parameters_and_full_copy():
     assert torch.equal(module.weight.data, pub.published["w"])
     joiner = pub.full()
     assert torch.equal(joiner["w"], pub.published["w"]) and joiner["w"] is not pub.published["w"]
-    assert payload_numel(factors) == 5 * (6 + 5)  # rank clipped to 5
+    assert payload_numel(factors) == 6 * 5  # dense: rank-5 factors would be 5 * (6 + 5) numbers
+
+
+def test_factors_only_where_smaller_than_the_change():
+    pub = ErrorFeedbackPublisher({"wide": torch.zeros(64, 64), "narrow": torch.zeros(8, 128)}, rank=8)
+    g = torch.Generator().manual_seed(4)
+    factors = pub.delta({"wide": torch.randn(64, 64, generator=g), "narrow": torch.randn(8, 128, generator=g)})
+    assert factors["wide"][0].shape == (64, 8) and factors["wide"][1].shape == (8, 64)  # 1,024 < 4,096 numbers
+    assert factors["narrow"][1].numel() == 0  # 8 x (8 + 128) = 1,088 >= 1,024: dense
+    assert payload_numel(factors) == 8 * 128 + 8 * 128
 
 
 def test_mismatches_refused():
