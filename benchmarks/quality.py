@@ -46,6 +46,8 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "sketch_delay4": ("parallax", {"sketch.enabled": True, "sketch.delay": 4}),
     "outer_avg": ("parallax", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
     "diloco_outer_avg": ("diloco", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
+    "outer_avg_25": ("parallax", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0,
+                                  "sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
     "tiers_25": ("parallax", {"sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
     "tiers_10_25_50": ("parallax", {"sync.periods": {"router": 10, "latent": 25, "backbone": 50}}),
 }

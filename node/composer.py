@@ -93,7 +93,7 @@ class Composer:
         self.selections_owned = 0
         self.selections_total = 0
         self.sketcher: SketchRecorder | None = None
-        self._sketch_rng = torch.Generator().manual_seed(sampler_seed + 7919)
+        self.sketch_rng = torch.Generator().manual_seed(sampler_seed + 7919)
         if cfg.sketch.enabled:
             self.sketcher = SketchRecorder()
             self.model.set_sketcher(self.sketcher.attach)
@@ -157,7 +157,7 @@ class Composer:
         """The (x, g) sketches of this step's non-owned selections, compressed as for the wire."""
         assert self.sketcher is not None, "sketches need cfg.sketch.enabled"
         sk = self.cfg.sketch
-        return {eid: compress(s, sample_fraction=sk.sample_fraction, generator=self._sketch_rng,
+        return {eid: compress(s, sample_fraction=sk.sample_fraction, generator=self.sketch_rng,
                               wire_codec=sk.wire_codec)
                 for eid, s in self.sketcher.take().items()}
 

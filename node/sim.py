@@ -125,7 +125,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     schedule = TierSchedule(cfg.sync.periods)
     history: list[tuple[int, float]] = []
     val_history: list[tuple[int, float]] = []
-    distill_flops = 0.0
+    extra_flops = 0.0  # surrogate distillation and sketch absorption, beyond the inner steps
     in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     for step in range(1, cfg.steps + 1):
@@ -136,7 +136,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             arrived = in_flight.pop(0) if len(in_flight) > cfg.sketch.delay else {}
             rows = deliver_sketches(composers, arrived)
             # the owner's extra work: expert forward + backward (3 x forward) on every absorbed row
-            distill_flops += rows * 3 * 6 * cfg.model.d_latent * cfg.model.d_expert
+            extra_flops += rows * 3 * 6 * cfg.model.d_latent * cfg.model.d_expert
         for c in composers:
             c.optimizer_step()
         mean_loss = sum(losses) / len(losses)
@@ -152,7 +152,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         last = step == cfg.steps
         if spec.kind == "parallax" and (step % cfg.surrogate.refresh_every == 0 or last):
             flops, wire = publish(composers)
-            distill_flops += flops
+            extra_flops += flops
             traffic["surrogates"] += wire
         due = schedule.due(step) if not last else list(SHARED_GROUPS)
         if spec.kind == "diloco" and "backbone" in due:
@@ -164,7 +164,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     composer_losses = [c.evaluate(batches) for c in composers]
     assembled = composer_losses[0] if len(composers) == 1 else evaluate(assemble(composers, cfg), batches)
     tokens = sum(c.tokens_seen for c in composers)
-    train_flops = distill_flops
+    train_flops = extra_flops
     for c in composers:
         per_token = step_flops(cfg.model, c.owned_fraction if spec.kind == "parallax" else 1.0,
                                non_owned=cfg.surrogate.non_owned)

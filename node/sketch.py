@@ -97,6 +97,8 @@ def compress(sketch: Sketch, *, sample_fraction: float, generator: torch.Generat
     if sample_fraction < 1:
         keep = torch.rand(x.shape[0], generator=generator) < sample_fraction
         x, g = x[keep], g[keep] / sample_fraction
+    if x.shape[0] == 0:
+        return Sketch(x, g, sketch.tokens, 0)  # nothing kept: nothing crosses the wire
     limits = codec.TensorLimits(max_elements=max(1, x.numel()), max_ndim=2)
     wire = 0
     decoded = []

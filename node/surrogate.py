@@ -51,6 +51,21 @@ class ActivationBuffer:
         """The buffered rows [n, L] (order does not matter for distillation)."""
         return self._rows_CL[: self._filled]
 
+    def state(self) -> tuple[torch.Tensor, int, int]:
+        """(filled slots in slot order, write position, filled count): enough to restore bit-exactly."""
+        return self._rows_CL[: self._filled], self._next, self._filled
+
+    @classmethod
+    def restore(cls, capacity: int, width: int, rows: torch.Tensor, next_slot: int, filled: int) -> ActivationBuffer:
+        """The buffer ``state()`` described (checkpoints)."""
+        if not 0 <= next_slot < capacity or not 0 <= filled <= capacity or rows.shape != (filled, width):
+            raise ValueError(f"buffer state (rows {tuple(rows.shape)}, next {next_slot}, filled {filled}) "
+                             f"does not fit capacity {capacity} x width {width}")
+        buf = cls(capacity, width)
+        buf._rows_CL[:filled] = rows
+        buf._next, buf._filled = next_slot, filled
+        return buf
+
 
 class ActivationRecorder:
     """Owns one ``ActivationBuffer`` per owned (layer, expert); plugs into ``MoETransformer.set_recorder``."""

@@ -70,5 +70,7 @@ def test_subsampling_is_unbiased():
     mean = torch.stack(estimates).mean()
     spread = torch.stack(estimates).std() / len(estimates) ** 0.5
     assert abs(mean - full) < 4 * spread
+    empty = compress(Sketch(x[:3], g[:3], 3), sample_fraction=1e-9, generator=gen)
+    assert empty.x_NL.shape == (0, 4) and empty.wire_bytes == 0
     with pytest.raises(ValueError, match="sample_fraction"):
         compress(Sketch(x, g, 4000), sample_fraction=0.0, generator=gen)
