@@ -39,6 +39,7 @@ SIGINT to "ignore" around its fork (trap 4); we restore the previous handler at 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -664,10 +665,33 @@ class GroupAverager:
         cfg = self.config
         if not self._averager.is_alive():
             return None, RoundStatus.FAILED, False, "the averager process is not running"
-        control = self._averager.step(
-            gather={"v": _GATHER_VERSION, "round": n, "tokens": tokens}, weight=weight,
-            timeout=cfg.matchmaking_timeout_s, allow_retries=False, wait=False,
-        )
+        # hivemind's step() blocks, with no timeout, until the averager process acknowledges the request
+        # (even with wait=False): if that process dies in between, the call never returns. So it runs
+        # in a daemon thread that we stop waiting for once the process is gone or the deadline passes.
+        started: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def start_step() -> None:
+            try:
+                started.set_result(self._averager.step(
+                    gather={"v": _GATHER_VERSION, "round": n, "tokens": tokens}, weight=weight,
+                    timeout=cfg.matchmaking_timeout_s, allow_retries=False, wait=False,
+                ))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread below
+                started.set_exception(e)
+
+        threading.Thread(target=start_step, name=f"outer-step-{self.group}", daemon=True).start()
+        start_deadline = time.monotonic() + cfg.matchmaking_timeout_s + 2.0
+        while True:
+            try:
+                control = started.result(timeout=0.5)
+                break
+            except concurrent.futures.TimeoutError:
+                if not self._averager.is_alive():
+                    return None, RoundStatus.FAILED, False, "the averager process died"
+                if time.monotonic() >= start_deadline:
+                    return None, RoundStatus.TIMEOUT, False, "the averager did not accept the round"
+            except Exception as e:  # hivemind refused the request outright
+                return None, RoundStatus.FAILED, False, repr(e)
         # One attempt (allow_retries=False): a retry after a half-finished all-reduce would average
         # half-averaged buffers. Wait in slices so that a crashed averager process is noticed at once.
         deadline = time.monotonic() + cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s + 2.0

@@ -7,6 +7,11 @@ import os
 
 import psutil
 import pytest
+import torch
+
+# The models under test are tiny: one thread per process is faster than two fighting over 2 cores, and
+# it keeps runs with several peers per machine from oversubscribing the CPU.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
