@@ -1,7 +1,8 @@
 """The horizon plot: validation loss of each run over tokens, and its ratio to the synchronous baseline.
 
-Reads the JSON that ``parallax bench quality`` writes (each run's ``val_history``: tokens so far and the
-median own-view validation loss, every ``eval_every`` steps) and draws a PNG. Optional dependency:
+Reads the JSON files that ``parallax bench quality`` writes (each run's ``val_history``: tokens so far and
+the median own-view validation loss, every ``eval_every`` steps) and draws a PNG; a run is compared with
+the baseline of the same length from any of the files. Optional dependency:
 matplotlib (``pip install -e ".[bench]"``).
 """
 
@@ -12,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def ratios(report: dict, run: str) -> list[tuple[int, float]]:
+def ratios(run: dict, baseline: dict) -> list[tuple[int, float]]:
     """(tokens, run's val loss / baseline's val loss) at the token counts both runs evaluated."""
-    base = dict(map(tuple, report["runs"]["baseline"]["val_history"]))
-    return [(t, loss / base[t]) for t, loss in report["runs"][run]["val_history"] if t in base]
+    base = {int(t): loss for t, loss in baseline["val_history"]}
+    return [(int(t), loss / base[int(t)]) for t, loss in run["val_history"] if int(t) in base]
 
 
 def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | None = None) -> Path:
@@ -32,19 +33,22 @@ def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | N
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for path in reports:
-        report = json.loads(Path(path).read_text())
+    loaded = [json.loads(Path(path).read_text()) for path in reports]
+    # A run is compared with the baseline of the same length, from whichever report holds it.
+    baselines = {r["config"]["steps"]: r["runs"]["baseline"] for r in loaded if "baseline" in r["runs"]}
+    for report in loaded:
         steps = report["config"]["steps"]
         for name, run in report["runs"].items():
             if runs is not None and name not in runs and name != "baseline":
                 continue
             tokens, losses = zip(*run["val_history"], strict=True)
-            ax_loss.plot([t / 1e6 for t in tokens], losses, marker=".", label=f"{name} ({steps} steps)")
-            if name != "baseline" and "baseline" in report["runs"]:
-                points = ratios(report, name)
+            (line,) = ax_loss.plot([t / 1e6 for t in tokens], losses, marker=".", label=f"{name} ({steps} steps)")
+            if name != "baseline" and steps in baselines:
+                points = ratios(run, baselines[steps])
                 if points:
                     t, r = zip(*points, strict=True)
-                    ax_ratio.plot([x / 1e6 for x in t], r, marker=".", label=f"{name} ({steps} steps)")
+                    ax_ratio.plot([x / 1e6 for x in t], r, marker=".", color=line.get_color(),
+                                  label=f"{name} ({steps} steps)")
     ax_loss.set(xlabel="tokens (millions)", ylabel="validation loss (nats/byte)", title="validation loss")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.axhline(1.02, color="grey", linewidth=0.8, linestyle="--")

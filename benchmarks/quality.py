@@ -39,17 +39,16 @@ DEFAULT_RUNS = tuple(RUNS)
 
 LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # Issue 3's levers, each a variation of the Parallax run (or of the DiLoCo reference).
+    "nesterov": ("parallax", {"sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
+    "diloco_nesterov": ("diloco", {"sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
     "sketch": ("parallax", {"sketch.enabled": True}),
-    "no_sketch": ("parallax", {"sketch.enabled": False}),
+    "sketch_nesterov": ("parallax", {"sketch.enabled": True, "sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
     "sketch_p25": ("parallax", {"sketch.enabled": True, "sketch.sample_fraction": 0.25}),
     "sketch_delay0": ("parallax", {"sketch.enabled": True, "sketch.delay": 0}),
-    "sketch_delay4": ("parallax", {"sketch.enabled": True, "sketch.delay": 4}),
-    "outer_avg": ("parallax", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
-    "diloco_outer_avg": ("diloco", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0}),
-    "outer_avg_25": ("parallax", {"sync.outer_lr": 1.0, "sync.outer_momentum": 0.0,
-                                  "sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
+    "refresh_10": ("parallax", {"surrogate.refresh_every": 10}),
     "tiers_25": ("parallax", {"sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
     "tiers_10_25_50": ("parallax", {"sync.periods": {"router": 10, "latent": 25, "backbone": 50}}),
+    "mean_merge": ("parallax", {"sync.merge": "mean"}),
 }
 """Named variations measured for issue 3 (``--runs`` accepts these names too)."""
 
