@@ -560,36 +560,36 @@ class SurrogateGossip:
             return
 
     async def _pull_delta(self, eid: ExpertId, ann: SurrogateDelta, offer: Offer) -> bool:
-        body = await self._fetch_verified(eid, ann, offer, full=False)
-        if body is None:
-            return False
-        try:
-            factors = decode_delta(body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer)
-        except RemoteProtocolError as e:
-            self._bad.add(ann.digest)
-            self._refuse("bad_payload", "refused surrogate delta %s v%d signed by its owner: %s", eid, ann.version, e)
-            return False
-        self.store.put(ann, body, full=False)
-        self._held[eid] = ann.version
-        self._ready.put(SurrogateUpdate(eid[0], eid[1], ann.version, factors=factors))
-        self.stats.deltas += 1
-        self._poke()
-        return True
+        return await self._pull_payload(eid, ann, offer, full=False)
 
     async def _pull_full(self, eid: ExpertId, ann: SurrogateDelta, offer: Offer) -> bool:
-        body = await self._fetch_verified(eid, ann, offer, full=True)
+        return await self._pull_payload(eid, ann, offer, full=True)
+
+    async def _pull_payload(self, eid: ExpertId, ann: SurrogateDelta, offer: Offer, *, full: bool) -> bool:
+        """Fetch, verify and decode a delta (or a full copy), then queue it for the training loop."""
+        body = await self._fetch_verified(eid, ann, offer, full=full)
         if body is None:
             return False
+        what = "copy" if full else "delta"
         try:
-            state = decode_full(body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer)
+            if full:
+                update = SurrogateUpdate(eid[0], eid[1], ann.version, state=decode_full(
+                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer))
+            else:
+                update = SurrogateUpdate(eid[0], eid[1], ann.version, factors=decode_delta(
+                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer))
         except RemoteProtocolError as e:
             self._bad.add(ann.digest)
-            self._refuse("bad_payload", "refused surrogate copy %s v%d signed by its owner: %s", eid, ann.version, e)
+            self._refuse("bad_payload", "refused surrogate %s %s v%d signed by its owner: %s",
+                         what, eid, ann.version, e)
             return False
-        self.store.put(ann, body, full=True)
+        self.store.put(ann, body, full=full)
         self._held[eid] = ann.version
-        self._ready.put(SurrogateUpdate(eid[0], eid[1], ann.version, state=state))
-        self.stats.fulls += 1
+        self._ready.put(update)
+        if full:
+            self.stats.fulls += 1
+        else:
+            self.stats.deltas += 1
         self._poke()
         return True
 
