@@ -190,6 +190,8 @@ def test_forged_and_poisoned_payloads_are_refused_and_the_receiver_keeps_working
     assert stats.sources[a.peer.dht.peer_id] == 1 and stats.sources[mid] == 1
     assert same(r.held[E0], owner.publisher.published) and ann.version == 1
     assert r.gossip.versions().get(E1, 0) == 0 and E1 not in r.held  # the NaN delta never reached the loop
+    # m must still be listed as a provider of v2 when the owner announces it, or r would never try it.
+    wait_until(lambda: _holds(m, E0, 2), WAIT_S)
     owner.publish()  # the receiver keeps working
     wait_until(lambda: r.version(E0) == 2, WAIT_S)
     time.sleep(3 * FAST["poll_s"])  # a few more polls: m's (self-signed) version 3 of E0 must stay ignored
