@@ -3,8 +3,9 @@ its outer optimizers, and the owner side of surrogate refresh.
 
 The composer does no I/O. What would cross the network is exposed as plain methods the caller drives
 between steps: ``refresh_surrogates`` (owner -> everyone), ``apply_surrogate_delta`` (receiver),
-``pseudo_gradient`` / ``apply_outer`` (tiered outer sync). The in-process simulator (``sim.py``) calls
-them directly; the P2P node calls the same methods from its background exchange at its one seam.
+``pseudo_gradient`` / ``apply_outer`` (tiered outer sync), ``release_expert`` / ``adopt_expert`` (an
+expert changes owner when a peer leaves or joins). The in-process simulator (``sim.py``) calls them
+directly; the P2P node calls the same methods from its background exchange at its one seam.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import torch
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import BatchSampler
 from parallax.node.lowrank import ErrorFeedbackPublisher, apply_delta
-from parallax.node.model import MoETransformer, Ownership
+from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.outer import OuterOptimizer
 from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
 from parallax.node.surrogate import ActivationRecorder, distill
 
 ExpertId = tuple[int, int]
 """(layer, expert)"""
+
+ADAM_PREFIX = "adam."
+"""Prefix of the AdamW state in an expert snapshot (``Composer.expert_snapshot``)."""
 
 
 @dataclass
@@ -70,9 +74,7 @@ class Composer:
         self.model = MoETransformer(cfg.model, owned, cfg.surrogate.non_owned, seed=cfg.seed).to(self.device)
         self.batch_size = batch_size or cfg.batch_size
         self.sampler = BatchSampler(train_tokens, self.batch_size, cfg.model.seq_len, seed=sampler_seed)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in trainable if p.dim() >= 2]
-        no_decay = [p for p in trainable if p.dim() < 2]
+        decay, no_decay = _inner_param_groups(self.model)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -220,6 +222,151 @@ class Composer:
         for name, p in self.model.expert_parameters(layer, expert).items():
             p.copy_(state[name].to(p.device, p.dtype))
 
+    # ---- changing ownership (a peer left or joined) ---------------------------------------------------
+
+    def expert_snapshot(self, expert_id: ExpertId) -> dict[str, torch.Tensor]:
+        """What another composer needs to take over an owned expert: its weights and AdamW state.
+
+        Args:
+            expert_id: (layer, expert), owned here.
+
+        Returns:
+            CPU float32 copies: the weights under their ``expert_parameters`` names ("w_gate.weight", ...),
+            and, once the optimizer has stepped them, "adam.exp_avg.<name>", "adam.exp_avg_sq.<name>" and
+            "adam.step" (a 0-d float64 tensor).
+
+        Raises:
+            ValueError: the expert does not exist or is not owned here.
+        """
+        layer, expert = self._check_expert(expert_id, owned=True)
+        params = self.model.expert_parameters(layer, expert)
+        out = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()}
+        states = [self.optimizer.state.get(p) for p in params.values()]
+        if any(states):
+            # An expert's weights are used (and so stepped) together; differing states would be a bug.
+            assert all(states), f"expert {expert_id} has optimizer state for some weights only"
+            steps = {float(st["step"]) for st in states}  # type: ignore[index]
+            assert len(steps) == 1, f"expert {expert_id} weights were stepped {sorted(steps)} times"
+            for name, st in zip(params, states, strict=True):
+                assert st is not None
+                out[f"{ADAM_PREFIX}exp_avg.{name}"] = st["exp_avg"].detach().to("cpu", torch.float32, copy=True)
+                out[f"{ADAM_PREFIX}exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True)
+            out[f"{ADAM_PREFIX}step"] = torch.tensor(steps.pop(), dtype=torch.float64)
+        return out
+
+    def adopt_expert(self, expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor] | None) -> None:
+        """Start owning an expert: hold it for real, train it, and publish its surrogate from now on.
+
+        Call between steps (not between ``forward_backward`` and ``optimizer_step``). Afterwards the model,
+        the optimizer (its parameter order included) and the publishers are those of a composer built with
+        the new ownership, so checkpoints save and load as usual (``read_info(path).owned``).
+
+        Args:
+            expert_id: (layer, expert), not owned here.
+            snapshot: the previous owner's ``expert_snapshot`` / ``release_expert``; with adam.* entries its
+                AdamW state carries on, without them the optimizer starts the expert afresh. None: the
+                expert's seeded initial weights (an expert nobody has trained, or whose owner vanished).
+
+        Raises:
+            ValueError: the expert does not exist or is already owned, ownership cannot change in this
+                configuration, or the snapshot has missing, extra, misshapen or non-finite entries.
+                Nothing is changed.
+        """
+        layer, expert = self._check_expert(expert_id, owned=False)
+        # Built on the meta device: no memory yet, and no draw from torch's global generator.
+        with torch.device("meta"):
+            module = SwiGLU(self.cfg.model.d_latent, self.cfg.model.d_expert)
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        if snapshot is None:
+            weights, adam = self.model.initial_expert_weights(layer, expert, self.cfg.seed), None
+        else:
+            weights, adam = _check_snapshot((layer, expert), snapshot, shapes)
+
+        moe = self.model.blocks[layer].moe
+        like = moe.router.weight
+        module.to_empty(device=like.device)
+        module.to(dtype=like.dtype)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(weights[name])
+        moe.adopt_expert(expert, module)
+        self.owned = _with_expert(self.owned, layer, expert, owned_now=True)
+        self._canonical_optimizer()
+        if adam is not None:
+            step, moments = adam
+            for name, p in module.named_parameters():
+                self.optimizer.state[p] = {
+                    "step": _adam_step(step, self.optimizer.defaults, p.device),
+                    "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype, copy=True),
+                    "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype, copy=True),
+                }
+        if self.cfg.surrogate.non_owned == "surrogate":
+            # Receivers hold our copy of its surrogate (every composer applied the same deltas), so the
+            # next refresh publishes only what changes from here.
+            self.publishers[(layer, expert)] = ErrorFeedbackPublisher(
+                _detached(self.model.surrogate_parameters(layer, expert)), rank=self.cfg.surrogate.delta_rank
+            )
+
+    def release_expert(self, expert_id: ExpertId) -> dict[str, torch.Tensor]:
+        """Stop owning an expert: hand back its snapshot and forget its weights, optimizer state, publisher
+        and distillation rows. Its selections go to its surrogate (or nowhere, with non_owned="drop").
+
+        Call between steps. Afterwards the composer is one built with the new ownership, as for
+        ``adopt_expert``.
+
+        Args:
+            expert_id: (layer, expert), owned here.
+
+        Returns:
+            ``expert_snapshot(expert_id)`` taken just before, for the new owner's ``adopt_expert``.
+
+        Raises:
+            ValueError: the expert does not exist or is not owned here, or ownership cannot change in this
+                configuration. Nothing is changed.
+        """
+        layer, expert = self._check_expert(expert_id, owned=True, changing=True)
+        snapshot = self.expert_snapshot((layer, expert))
+        self.model.blocks[layer].moe.release_expert(expert)
+        self.owned = _with_expert(self.owned, layer, expert, owned_now=False)
+        self._canonical_optimizer()
+        self.publishers.pop((layer, expert), None)
+        if self.recorder is not None:
+            self.recorder.drop(layer, expert)
+        return snapshot
+
+    def _check_expert(self, expert_id: ExpertId, *, owned: bool, changing: bool = False) -> ExpertId:
+        """(layer, expert) as ints, checked to exist and to be owned (or not); with ``changing`` (implied
+        when adopting), checked that its ownership may change here."""
+        layer, expert = (int(x) for x in expert_id)
+        m = self.cfg.model
+        if not (0 <= layer < m.n_layers and 0 <= expert < m.n_experts):
+            raise ValueError(f"no expert {expert_id}: layers are 0..{m.n_layers - 1}, experts 0..{m.n_experts - 1}")
+        if changing or not owned:
+            if self.cfg.surrogate.non_owned == "frozen_copy":
+                raise ValueError("experts cannot change owner with non_owned='frozen_copy' (every expert is held "
+                                 "as a full copy); use non_owned='surrogate' or 'drop'")
+            if "expert" in self.outer:
+                raise ValueError("experts cannot change owner while the 'expert' group is merged DiLoCo-style: "
+                                 "its outer anchors cover a fixed set of experts; leave it out of merged_groups")
+        if (expert in self.owned[layer]) != owned:
+            raise ValueError(f"expert ({layer}, {expert}) is {'not ' if owned else 'already '}owned by this composer")
+        return layer, expert
+
+    def _canonical_optimizer(self) -> None:
+        """Point the inner AdamW at the model's trainable parameters after an ownership change.
+
+        The groups list them in ``named_parameters`` order, as a fresh composer's do: checkpoints key
+        optimizer state by that order. State of parameters no longer in the model is dropped; new ones
+        get none (AdamW starts them at step 0) unless the caller sets it.
+        """
+        decay, no_decay = _inner_param_groups(self.model)
+        groups = self.optimizer.param_groups
+        assert len(groups) == 2, "the inner optimizer has a decay and a no-decay group"
+        live = {id(p) for p in decay + no_decay}
+        for p in [p for g in groups for p in g["params"] if id(p) not in live]:
+            self.optimizer.state.pop(p, None)
+        groups[0]["params"], groups[1]["params"] = decay, no_decay
+
     # ---- tiered outer sync ------------------------------------------------------------------------
 
     def pseudo_gradient(self, group: str) -> dict[str, torch.Tensor]:
@@ -267,6 +414,76 @@ def evaluate(model: MoETransformer, batches: Sequence[tuple[torch.Tensor, torch.
             layer.recorder = rec
         model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def _inner_param_groups(model: MoETransformer) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(decayed, not decayed) trainable parameters in ``named_parameters`` order: matrices are decayed,
+    norm gains and other vectors are not."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [p for p in trainable if p.dim() >= 2], [p for p in trainable if p.dim() < 2]
+
+
+def _with_expert(owned: Ownership, layer: int, expert: int, *, owned_now: bool) -> Ownership:
+    """``owned`` with one expert added (owned_now) or removed."""
+    return tuple((experts | {expert} if owned_now else experts - {expert}) if i == layer else experts
+                 for i, experts in enumerate(owned))
+
+
+def _check_snapshot(expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]
+                    ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
+    """Check an expert snapshot (see ``Composer.expert_snapshot``) before anything is changed.
+
+    Args:
+        expert_id: the expert, for the messages.
+        snapshot: name -> tensor, from another composer (possibly over the network).
+        shapes: the expert's parameter names and shapes.
+
+    Returns:
+        (weights by parameter name, (AdamW step, moments by "exp_avg.<name>" / "exp_avg_sq.<name>") or None).
+
+    Raises:
+        ValueError: missing or unexpected names, wrong shapes, non-floating or non-finite values, a negative
+            second moment, or a step that is not a whole number >= 0.
+    """
+    where = f"snapshot of expert {expert_id}"
+    step_name = f"{ADAM_PREFIX}step"
+    adam_shapes = {f"{ADAM_PREFIX}{moment}.{n}": shape for moment in ("exp_avg", "exp_avg_sq")
+                   for n, shape in shapes.items()}
+    adam_shapes[step_name] = torch.Size([])
+    has_adam = any(str(k).startswith(ADAM_PREFIX) for k in snapshot)
+    expected = {**shapes, **(adam_shapes if has_adam else {})}
+    missing, extra = sorted(set(expected) - set(snapshot)), sorted(map(str, set(snapshot) - set(expected)))
+    if missing or extra:
+        raise ValueError(f"{where}: missing {missing}, unexpected {extra}; expected the weights {sorted(shapes)} "
+                         f"and either all or none of {sorted(adam_shapes)}")
+    for name, want in expected.items():
+        v = snapshot[name]
+        if not torch.is_tensor(v) or not v.is_floating_point():
+            what = f"a {v.dtype} tensor" if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(f"{where}: {name} must be a floating-point tensor, got {what}")
+        if v.shape != want:
+            raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, expected {tuple(want)}")
+        if not torch.isfinite(v).all():
+            raise ValueError(f"{where}: {name} has NaN or infinite entries")
+        if name.startswith(f"{ADAM_PREFIX}exp_avg_sq.") and (v < 0).any():
+            raise ValueError(f"{where}: {name} has negative entries (a second moment is >= 0)")
+    weights = {n: snapshot[n] for n in shapes}
+    if not has_adam:
+        return weights, None
+    step = float(snapshot[step_name])
+    if step < 0 or not step.is_integer():
+        raise ValueError(f"{where}: {step_name} must be a whole number >= 0, got {step}")
+    moments = {k[len(ADAM_PREFIX):]: snapshot[k] for k in adam_shapes if k != step_name}
+    return weights, (step, moments)
+
+
+def _adam_step(step: float, group: Mapping[str, object], device: torch.device) -> torch.Tensor:
+    """The step counter as torch's AdamW keeps it: float32 on the parameter's device when capturable or
+    fused, else on the CPU in the default scalar dtype (float64 only when that is the default dtype)."""
+    if group.get("capturable") or group.get("fused"):
+        return torch.tensor(step, dtype=torch.float32, device=device)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(step, dtype=dtype)
 
 
 def _detached(params: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:

@@ -123,6 +123,47 @@ class MoELayer(nn.Module):
         self.sketcher: Sketcher | None = None
         self._freeze_non_trainable()
 
+    def adopt_expert(self, e: int, module: SwiGLU) -> None:
+        """Make expert e owned here, with ``module`` (its weights set by the caller) as its real expert.
+
+        The experts stay in ascending id order, the order a layer built with this ownership has, so
+        ``named_parameters`` (and optimizer state keyed by it) is the same as a fresh composer's.
+
+        Raises:
+            ValueError: e is out of range, already owned, or this layer holds frozen copies.
+        """
+        self._check_ownership_change(e, owned=False)
+        experts = {int(k): m for k, m in self.experts.items()}
+        experts[e] = module
+        self.experts = nn.ModuleDict({str(k): experts[k] for k in sorted(experts)})
+        self.owned = self.owned | {e}
+        self._freeze_non_trainable()
+
+    def release_expert(self, e: int) -> SwiGLU:
+        """Stop owning expert e: drop its real expert (selections then go to its surrogate, or nowhere).
+
+        Returns:
+            The removed module.
+
+        Raises:
+            ValueError: e is out of range, not owned, or this layer holds frozen copies.
+        """
+        self._check_ownership_change(e, owned=True)
+        module = self.experts[str(e)]
+        assert isinstance(module, SwiGLU)
+        del self.experts[str(e)]
+        self.owned = self.owned - {e}
+        return module
+
+    def _check_ownership_change(self, e: int, *, owned: bool) -> None:
+        if self.non_owned == "frozen_copy":
+            raise ValueError("experts cannot change owner with non_owned='frozen_copy' (every expert is held as "
+                             "a copy); use 'surrogate' or 'drop'")
+        if not 0 <= e < self.n_experts:
+            raise ValueError(f"expert {e} is outside 0..{self.n_experts - 1} in layer {self.layer}")
+        if (e in self.owned) != owned:
+            raise ValueError(f"expert ({self.layer}, {e}) is {'not ' if owned else 'already '}owned here")
+
     def _freeze_non_trainable(self) -> None:
         for p in self.surrogates.parameters():
             p.requires_grad_(False)  # composers keep no optimizer state for surrogates
@@ -229,14 +270,51 @@ class MoETransformer(nn.Module):
     def _init_weights(self, seed: int) -> None:
         """GPT-2 initialisation, drawn in a fixed order over *all* experts so that the weights of expert
         (l, e) do not depend on which experts this composer holds."""
+        with torch.no_grad():
+            for _, p, value in self._init_draws(seed):
+                p.copy_(value)
+
+    def _init_draws(self, seed: int) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, parameter or throwaway, initial value) in canonical order; 1-D weights (RMSNorm gains,
+        which stay 1) draw nothing and are skipped. The one source of the initial values, so that
+        ``initial_expert_weights`` replays exactly what ``_init_weights`` drew."""
         gen = torch.Generator().manual_seed(seed)
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self._canonical_parameters():
             if p.dim() == 1:
-                continue  # RMSNorm weights stay 1
+                continue
             scale = resid_std if name.endswith(("proj.weight", "w_down.weight", "latent_up.weight")) else std
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            yield name, p, torch.randn(p.shape, generator=gen) * scale
+
+    def initial_expert_weights(self, layer: int, expert: int, seed: int) -> dict[str, torch.Tensor]:
+        """The weights expert (layer, expert) had at initialisation with ``seed``, held here or not.
+
+        Every composer of a run draws the same values for it (see ``_init_weights``), so a composer that
+        adopts an expert with no snapshot starts it where its first owner did. The generator is replayed
+        up to that expert: this costs a share of a model initialisation, one tensor of memory at a time.
+
+        Args:
+            layer: the expert's layer.
+            expert: the expert's index in that layer.
+            seed: the initialisation seed the model was built with (``TrainConfig.seed``).
+
+        Returns:
+            Name as in ``expert_parameters`` (e.g. "w_gate.weight") -> CPU float32 tensor.
+
+        Raises:
+            ValueError: no such expert.
+        """
+        if not (0 <= layer < self.cfg.n_layers and 0 <= expert < self.cfg.n_experts):
+            raise ValueError(f"no expert ({layer}, {expert}): layers 0..{self.cfg.n_layers - 1}, "
+                             f"experts 0..{self.cfg.n_experts - 1}")
+        prefix = f"blocks.{layer}.moe.experts.{expert}."
+        out: dict[str, torch.Tensor] = {}
+        for name, _, value in self._init_draws(seed):
+            if name.startswith(prefix):
+                out[name[len(prefix):]] = value
+            elif out:
+                break  # an expert's weights are drawn one after another: the rest is not needed
+        return out
 
     def _canonical_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters in a fixed order that includes every expert of the model, held or not.

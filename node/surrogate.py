@@ -84,6 +84,10 @@ class ActivationRecorder:
         buffer = self.buffers.get((layer, expert))
         return buffer.rows() if buffer is not None and len(buffer) else None
 
+    def drop(self, layer: int, expert: int) -> None:
+        """Forget the rows of an expert no longer owned here (nothing happens if it has none)."""
+        self.buffers.pop((layer, expert), None)
+
 
 def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, steps: int, lr: float) -> float:
     """Fit ``surrogate`` to ``expert`` on inputs ``x_NL`` with ``steps`` full-batch Adam steps.

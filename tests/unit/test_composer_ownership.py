@@ -1,0 +1,244 @@
+"""A live composer gains and loses experts: snapshots carry weights and AdamW state, an adopted expert
+trains, the result is indistinguishable from a composer built with the new ownership (checkpoints
+included), and a bad snapshot changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallax.node import config
+from parallax.node.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
+from parallax.node.composer import Composer
+from parallax.node.config import train_config
+from parallax.node.data import load_corpus, split_corpus
+
+OWNED_A = (frozenset({0, 2}), frozenset({3}))
+OWNED_B = (frozenset({1}), frozenset({0, 2}))
+WEIGHTS = ("w_gate.weight", "w_up.weight", "w_down.weight")
+
+
+@pytest.fixture(scope="module")
+def train():
+    return split_corpus(load_corpus()[:40_000])[0]
+
+
+def _cfg(**changes) -> config.TrainConfig:
+    cfg = train_config("tiny", steps=40, batch_size=2)
+    cfg = config.replace(cfg, optim=config.OptimConfig(warmup_steps=3),
+                         surrogate=config.SurrogateConfig(refresh_every=2, distill_steps=2, buffer_tokens=48,
+                                                          delta_rank=2))
+    return config.override(cfg, changes)
+
+
+def _composer(train, owned, seed=3, cfg=None) -> Composer:
+    return Composer(cfg or _cfg(), owned, train, sampler_seed=seed)
+
+
+def _advance(c: Composer, steps: int) -> None:
+    for _ in range(steps):
+        c.train_step()
+        if c.recorder is not None:
+            c.refresh_surrogates()
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _expert_weights(c: Composer, eid) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in c.model.expert_parameters(*eid).items()}
+
+
+def test_snapshot_carries_weights_and_adam_state_and_both_copies_step_alike(train):
+    a, b = _composer(train, OWNED_A, seed=3), _composer(train, OWNED_B, seed=4)
+    _advance(a, 2)
+    _advance(b, 2)  # same scheduler position, so the same learning rate
+    eid = (0, 2)
+    snap = a.expert_snapshot(eid)
+    assert set(snap) == {*WEIGHTS, *(f"adam.{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in WEIGHTS), "adam.step"}
+    assert snap["adam.step"].dim() == 0 and snap["adam.step"].dtype == torch.float64 and float(snap["adam.step"]) == 2
+    assert all(v.device.type == "cpu" and v.dtype in (torch.float32, torch.float64) for v in snap.values())
+
+    b.adopt_expert(eid, snap)
+    assert b.owned == (frozenset({1, 2}), frozenset({0, 2})) and b.model.blocks[0].moe.owned == b.owned[0]
+    assert eid in b.publishers
+    _assert_same(b.expert_snapshot(eid), snap)
+
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in a.model.expert_parameters(*eid).items()}
+    for c in (a, b):
+        c.optimizer.zero_grad(set_to_none=True)
+        for n, p in c.model.expert_parameters(*eid).items():
+            p.grad = grads[n].clone()
+        c.optimizer_step()
+    _assert_same(a.expert_snapshot(eid), b.expert_snapshot(eid))
+    assert not torch.equal(a.expert_snapshot(eid)["w_gate.weight"], snap["w_gate.weight"])
+
+    before = a.expert_snapshot(eid)
+    n_params = sum(len(g["params"]) for g in a.optimizer.param_groups)
+    released = a.release_expert(eid)
+    _assert_same(released, before)
+    assert a.owned == (frozenset({0}), frozenset({3})) and "2" not in a.model.blocks[0].moe.experts
+    assert eid not in a.publishers and eid not in a.recorder.buffers
+    assert sum(len(g["params"]) for g in a.optimizer.param_groups) == n_params - len(WEIGHTS)
+    live = {id(p) for p in a.model.parameters()}
+    assert all(id(p) in live for p in a.optimizer.state)
+    a.train_step()  # the composer trains on without it
+
+
+def test_an_adopted_expert_trains(train):
+    c = _composer(train, OWNED_B)
+    c.adopt_expert((0, 3), None)
+    before = _expert_weights(c, (0, 3))
+    c.forward_backward()
+    grads = [p.grad for p in c.model.expert_parameters(0, 3).values()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    c.optimizer_step()
+    after = _expert_weights(c, (0, 3))
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    assert float(c.expert_snapshot((0, 3))["adam.step"]) == 1
+
+
+@pytest.mark.parametrize("non_owned", ["surrogate", "drop"])
+def test_ownership_changes_give_the_composer_built_with_the_new_ownership(train, non_owned):
+    cfg = _cfg(**{"surrogate.non_owned": non_owned})
+    c = _composer(train, OWNED_A, cfg=cfg)
+    c.adopt_expert((0, 1), None)  # between two held experts
+    c.adopt_expert((1, 0), None)  # before the one held expert, in the second layer
+    c.release_expert((0, 2))
+    owned = (frozenset({0, 1}), frozenset({0, 3}))
+    fresh = _composer(train, owned, cfg=cfg)
+    assert c.owned == owned
+    for eid in ((0, 1), (1, 0)):  # the seeded init, exactly
+        _assert_same(_expert_weights(c, eid), _expert_weights(fresh, eid))
+    assert list(c.model.blocks[0].moe.experts) == ["0", "1"]
+    assert state_hash(c) == state_hash(fresh)  # weights, optimizer order, publishers, buffers, counters
+    _advance(c, 1)
+    _advance(fresh, 1)
+    assert state_hash(c) == state_hash(fresh)
+
+
+def test_checkpoint_after_ownership_change_loads_into_a_fresh_composer(train, tmp_path):
+    a, b = _composer(train, OWNED_A, seed=3), _composer(train, OWNED_B, seed=4)
+    _advance(a, 2)
+    _advance(b, 2)
+    a.adopt_expert((1, 0), b.release_expert((1, 0)))
+    a.release_expert((0, 2))
+    path = save_checkpoint(tmp_path, a, run_id="run-test")
+    info = read_info(path)
+    assert info.owned == (frozenset({0}), frozenset({0, 3}))
+    fresh = _composer(train, info.owned, seed=3)
+    load_checkpoint(path, fresh, run_id="run-test")
+    assert state_hash(fresh) == state_hash(a)
+    _advance(a, 1)
+    _advance(fresh, 1)
+    assert state_hash(fresh) == state_hash(a)
+
+
+def _nan(snap):
+    snap["w_up.weight"][0, 0] = float("nan")
+
+
+def _shape(snap):
+    snap["w_down.weight"] = snap["w_down.weight"][:, :-1]
+
+
+def _missing(snap):
+    del snap["w_gate.weight"]
+
+
+def _extra(snap):
+    snap["bias"] = torch.zeros(3)
+
+
+def _partial_adam(snap):
+    del snap["adam.step"]
+
+
+def _adam_inf(snap):
+    snap["adam.exp_avg.w_up.weight"][1, 1] = float("inf")
+
+
+def _negative_second_moment(snap):
+    snap["adam.exp_avg_sq.w_gate.weight"][0, 0] = -1.0
+
+
+def _fractional_step(snap):
+    snap["adam.step"] = torch.tensor(1.5, dtype=torch.float64)
+
+
+def _integer_weights(snap):
+    snap["w_gate.weight"] = snap["w_gate.weight"].long()
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_nan, "NaN or infinite"), (_shape, "shape"), (_missing, "missing"), (_extra, "unexpected"),
+    (_partial_adam, "missing"), (_adam_inf, "NaN or infinite"), (_negative_second_moment, "negative"),
+    (_fractional_step, "whole number"), (_integer_weights, "floating-point"),
+])
+def test_a_bad_snapshot_is_refused_and_nothing_changes(train, corrupt, message):
+    a, b = _composer(train, OWNED_A), _composer(train, OWNED_B)
+    _advance(a, 1)
+    snap = a.expert_snapshot((0, 2))
+    corrupt(snap)
+    before, owned = state_hash(b), b.owned
+    with pytest.raises(ValueError, match=message):
+        b.adopt_expert((0, 2), snap)
+    assert state_hash(b) == before and b.owned == owned and list(b.model.blocks[0].moe.experts) == ["1"]
+    assert (0, 2) not in b.publishers
+
+
+def test_ownership_changes_that_make_no_sense_are_refused(train):
+    c = _composer(train, OWNED_A)
+    with pytest.raises(ValueError, match="already owned"):
+        c.adopt_expert((0, 2), None)
+    with pytest.raises(ValueError, match="not owned"):
+        c.release_expert((0, 1))
+    with pytest.raises(ValueError, match="not owned"):
+        c.expert_snapshot((0, 1))
+    with pytest.raises(ValueError, match="no expert"):
+        c.adopt_expert((2, 0), None)
+    frozen = _composer(train, OWNED_A, cfg=_cfg(**{"surrogate.non_owned": "frozen_copy"}))
+    with pytest.raises(ValueError, match="frozen_copy"):
+        frozen.adopt_expert((0, 1), None)
+    with pytest.raises(ValueError, match="frozen_copy"):
+        frozen.release_expert((0, 2))
+    merged = Composer(_cfg(), OWNED_A, train, sampler_seed=3, merged_groups=("router", "expert"))
+    with pytest.raises(ValueError, match="DiLoCo"):
+        merged.release_expert((0, 2))
+
+
+def test_forward_uses_the_real_expert_after_adopt_and_the_surrogate_after_release(train):
+    c = _composer(train, OWNED_B)
+    moe = c.model.blocks[0].moe
+    calls = {"surrogate": 0, "expert": 0}
+
+    def count(what):
+        def hook(module, inputs, output):
+            calls[what] += 1
+        return hook
+
+    moe.surrogates[3].register_forward_hook(count("surrogate"))
+    x_BT, y_BT = c.sampler.next_batch()
+
+    def forward() -> None:
+        calls.update(surrogate=0, expert=0)
+        out = c.model(x_BT, y_BT)
+        assert out.tokens_per_expert[0, 3] > 0, "the batch must route to expert (0, 3)"
+        c.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+
+    forward()
+    assert calls == {"surrogate": 1, "expert": 0}
+    c.adopt_expert((0, 3), None)
+    expert = moe.experts["3"]
+    expert.register_forward_hook(count("expert"))
+    forward()
+    assert calls == {"surrogate": 0, "expert": 1}
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in expert.parameters())
+    c.release_expert((0, 3))
+    forward()
+    assert calls == {"surrogate": 1, "expert": 0}
