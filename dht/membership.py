@@ -110,6 +110,9 @@ class SwarmView:
     departed: Mapping[str, Deathrattle] = field(default_factory=dict)
     claim_records: Mapping[int, Mapping[str, tuple[ClaimSet, float]]] = field(default_factory=dict)
     shards: ShardConfig | None = None
+    record_expiry: Mapping[str, float] = field(default_factory=dict)
+    """Expiration of every signed ``members`` entry by signer fingerprint (heartbeat, deathrattle, or
+    one that did not parse): a node restarting under its key must store strictly later than this."""
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
         """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
@@ -193,6 +196,78 @@ def parse_claims(
             except ProtocolError as e:
                 logger.info("skipping a bad claim record: %s", e)
     return out
+
+
+def read_view(
+    dht: SwarmDHT,
+    run_id: str,
+    *,
+    shards: ShardConfig | None = None,
+    timeout_s: float,
+    clock: Callable[[], float] = dht_time,
+) -> SwarmView | None:
+    """Read the run's members (and, with ``shards``, its claims) once and parse them into a view.
+
+    One ``get(latest=True)`` of ``members_key(run_id)`` plus one claims key per layer. Used by the
+    announcer thread every refresh and by tools that only look (``parallax swarm status``).
+
+    Args:
+        dht: a started node (a client-mode one is enough).
+        run_id: the training run.
+        shards: the model shape; ``None`` reads no claims (the view's ``assignment()`` is then ``None``).
+        timeout_s: give up the DHT read after this many seconds.
+        clock: the DHT clock, stamped on the view as ``read_at``.
+
+    Returns:
+        The view, or ``None`` when the read failed or timed out (keep the previous view, if any).
+        Bad records from peers are logged and skipped.
+    """
+    key = members_key(run_id)
+    claim_keys = [claims_key(run_id, layer) for layer in range(shards.n_layers)] if shards else []
+    read = dht.get_dicts([key, *claim_keys], latest=True, timeout_s=timeout_s)
+    if read is None:
+        return None
+    members, departed = parse_members(read[key])
+    claims = parse_claims({layer: read[k] for layer, k in enumerate(claim_keys)})
+    record_expiry: dict[str, float] = {}
+    for subkey, (_value, expiration) in read[key].items():
+        public_key = subkey_owner(subkey)
+        if public_key is not None:
+            record_expiry[fingerprint(public_key)] = expiration
+    return SwarmView(
+        run_id=run_id, read_at=clock(), members=members, departed=departed, claim_records=claims,
+        shards=shards, record_expiry=record_expiry,
+    )
+
+
+def read_live_view(
+    dht: SwarmDHT,
+    run_id: str,
+    *,
+    shards: ShardConfig | None = None,
+    timeout_s: float,
+    wait_s: float,
+    retry_s: float = 1.0,
+    clock: Callable[[], float] = dht_time,
+) -> SwarmView | None:
+    """``read_view`` again every ``retry_s`` until someone in the run is alive or ``wait_s`` has passed.
+
+    For a tool that has just joined: its first read may come before the routing table fills, or in
+    the gap of a restarting swarm. Returns the first view with a live member, else the last view
+    read (nobody alive), else ``None`` (every read failed: the swarm did not answer).
+    """
+    deadline = time.monotonic() + wait_s
+    last: SwarmView | None = None
+    while True:
+        view = read_view(dht, run_id, shards=shards, timeout_s=timeout_s, clock=clock)
+        if view is not None:
+            last = view
+            if view.alive(clock()):
+                return view
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return last
+        time.sleep(min(retry_s, remaining))
 
 
 class Membership:
@@ -394,19 +469,14 @@ class Membership:
         return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)
 
     def _refresh(self) -> None:
-        read = self.dht.get_dicts([self._members_key, *self._claim_keys], latest=True,
-                                  timeout_s=self.config.request_timeout_s)
-        if read is None:
+        view = read_view(self.dht, self.config.run_id, shards=self.shards, timeout_s=self.config.request_timeout_s,
+                         clock=self._clock)
+        if view is None:
             return  # keep the previous view; its expirations still age correctly
-        members, departed = parse_members(read[self._members_key])
-        claims = parse_claims({layer: read[k] for layer, k in enumerate(self._claim_keys)})
-        mine = read[self._members_key].get(self._subkey)
+        mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
-            self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine[1])
-        self._view = SwarmView(
-            run_id=self.config.run_id, read_at=self._clock(), members=members, departed=departed,
-            claim_records=claims, shards=self.shards,
-        )
+            self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
+        self._view = view
 
     def _check_duplicate(self) -> None:
         now = self._clock()
