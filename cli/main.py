@@ -40,12 +40,14 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, dht, keys, sim
+    from parallax.cli import bench, dht, keys, node, sim, swarm
 
     sim.register(app)
     bench.register(app)
     keys.register(app)
     dht.register(app)
+    swarm.register(app)
+    node.register(app)
 
 
 _register()

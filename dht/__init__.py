@@ -7,6 +7,7 @@ Modules:
     records     the Ed25519 record validator (signed, owner-bound subkeys) and the value codec
     claims      pure: leased claim records and which claims are valid
     membership  the announcer thread (JOINING/ONLINE/LEAVING), heartbeats, deathrattle, the live view
+    status      pure: a view -> the peer and ownership rows of ``parallax swarm status``
     testing     local loopback swarms for tests and benchmarks
 
 Concurrency model (the one place it is described):

@@ -5,7 +5,10 @@ names re-exported here (``RecordValidatorBase``, ``DHTRecord``, ``dht_time``, ``
 
 Process model: hivemind runs its DHT in a forked child process (which itself runs the ``p2pd``
 daemon) and answers calls over a pipe. Calls here block the calling thread for at most their
-``timeout_s``; see ``parallax.dht`` for who calls them (one announcer thread per node).
+``timeout_s``. A node calls them from several threads (the announcer, the gossip loop's workers, the
+outer-sync threads): hivemind writes each call to its pipe without a lock, and a large write from two
+threads at once interleaves, so every call here sends under ``SwarmDHT._send_lock`` (the wait for the
+answer happens outside it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -169,6 +173,7 @@ class SwarmDHT:
         self._dht = dht
         self.peer_id: str = str(dht.peer_id)
         self._closed = False
+        self._send_lock = threading.Lock()  # one write to hivemind's control pipe at a time
 
     @classmethod
     def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = ()) -> SwarmDHT:
@@ -241,7 +246,8 @@ class SwarmDHT:
         Returns False when no peer accepted it (a newer record is there, validation refused it, or
         the call timed out); never raises for network trouble.
         """
-        future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
+        with self._send_lock:
+            future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
         try:
             return bool(future.result(timeout=timeout_s))
         except concurrent.futures.TimeoutError:
@@ -261,7 +267,8 @@ class SwarmDHT:
         timeout or failure, so callers keep their previous view rather than seeing everyone vanish.
         """
         coro = partial(_get_many, keys=list(keys), latest=latest)
-        future = self._dht.run_coroutine(coro, return_future=True)
+        with self._send_lock:
+            future = self._dht.run_coroutine(coro, return_future=True)
         try:
             found = future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -289,11 +296,15 @@ class SwarmDHT:
 
         Values are the raw stored bytes (serialized value, then the signature); diagnostics and tests.
         """
-        return dict(self._dht.run_coroutine(partial(_local_dict, key=key), return_future=True).result(timeout_s))
+        with self._send_lock:
+            future = self._dht.run_coroutine(partial(_local_dict, key=key), return_future=True)
+        return dict(future.result(timeout_s))
 
     def refusals(self, *, timeout_s: float = 5.0) -> int:
         """How many records this node's validators refused so far (each was also logged)."""
-        return int(self._dht.run_coroutine(_refusals, return_future=True).result(timeout_s))
+        with self._send_lock:
+            future = self._dht.run_coroutine(_refusals, return_future=True)
+        return int(future.result(timeout_s))
 
     # --- lifecycle ---
 

@@ -415,9 +415,11 @@ class SurrogateGossip:
             ValueError: version out of order, or tensors that do not match ``shapes``.
         """
         eid = (layer, expert)
-        last = self.store.latest_owned(eid)
-        if version != last + 1:
-            raise ValueError(f"surrogate {eid}: publish version {last + 1} next, not {version}")
+        last = max(self.store.latest_owned(eid), self._held.get(eid, 0))
+        if version <= last:
+            raise ValueError(f"surrogate {eid}: publish a version above {last}, not {version}")
+        if version != last + 1 and full is None:
+            raise ValueError(f"surrogate {eid}: v{version} skips versions after v{last}; a jump needs the full copy")
         if set(factors) != set(self.shapes) or (full is not None and set(full) != set(self.shapes)):
             raise ValueError(f"surrogate tensors must be exactly {sorted(self.shapes)}")
         try:
@@ -434,12 +436,29 @@ class SurrogateGossip:
         ann = SurrogateDelta(layer=eid[0], expert=eid[1], version=version, base_version=version - 1,
                              rank=min(rank, 4096), digest=payload_digest(body), size=len(body))
         self.store.put(ann, body, full=False, owned=True)
+        self._held[eid] = version  # the owner holds what it publishes (if it stops owning, it follows from here)
         if full_body is not None:
             fann = SurrogateDelta(layer=eid[0], expert=eid[1], version=version, base_version=0,
                                   rank=ann.rank, digest=payload_digest(full_body), size=len(full_body))
             self.store.put(fann, full_body, full=True, owned=True)
         self._poke()
         return ann
+
+    def next_version(self, layer: int, expert: int, *, adopted: bool = False) -> int:
+        """The version to publish next for an owned expert.
+
+        A node that has just taken an expert over (``adopted``) jumps ``max_behind`` + 1 versions past
+        what it holds: the previous owner may have published versions this node never received, and
+        the jump makes every receiver, whatever it holds, catch up with the full copy published with it
+        (``plan``) instead of applying deltas to a base it may not share.
+        """
+        eid = (layer, expert)
+        last = max(self.store.latest_owned(eid), self._held.get(eid, 0))
+        return last + (self.config.max_behind + 1 if adopted else 1)
+
+    def disown(self, layer: int, expert: int) -> None:
+        """Stop announcing an expert as owned (it moved to another node); its payloads stay served."""
+        self.store.disown((layer, expert))
 
     def drain(self) -> list[SurrogateUpdate]:
         """Every update ready to apply, oldest first (per expert in strict version order). Never blocks."""

@@ -84,6 +84,27 @@ class OuterOptimizer:
         for name, a in self.anchor.items():
             self.params[name].copy_(a)  # copy_ converts to the parameter's device and dtype
 
+    @torch.no_grad()
+    def step_late(self, merged: Mapping[str, torch.Tensor], submitted: Mapping[str, torch.Tensor]) -> None:
+        """Apply a merge that arrived after training went on (the node merges in the background).
+
+        The merged pseudo-gradient was computed from the parameters ``submitted`` (CPU copies taken when
+        the round began); the progress made since, live - submitted, is kept on top of the new anchor,
+        so it counts in the next round's pseudo-gradient instead of being lost.
+
+        Args:
+            merged: name -> merged pseudo-gradient (as for ``step``).
+            submitted: name -> the live parameters when the round's pseudo-gradient was taken.
+        """
+        drift = {name: self._live(name) - submitted[name].to(torch.float32) for name in self.anchor}
+        self.step(merged)
+        for name, p in self.params.items():
+            p.add_(drift[name].to(p.device, p.dtype))
+
+    def live_copy(self) -> dict[str, torch.Tensor]:
+        """Returns: name -> CPU float32 copy of the live parameters (``step_late``'s ``submitted``)."""
+        return {name: self._live(name).clone() for name in self.anchor}
+
     def state_dict(self) -> dict[str, Any]:
         """Returns: the anchor (name -> CPU float32 tensor) and the SGD state (momentum buffers)."""
         return {"anchor": {n: a.clone() for n, a in self.anchor.items()},

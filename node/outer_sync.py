@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -425,7 +425,7 @@ def majority_agrees(
 # ---- the averager --------------------------------------------------------------------------------
 
 
-class RoundStatus(str, Enum):
+class RoundStatus(StrEnum):
     OK = "ok"
     BAD_INPUT = "bad_input"  # our own pseudo-gradient was not finite: we did not join
     BUSY = "busy"  # the buffers are still held by an earlier, abandoned round

@@ -162,6 +162,10 @@ class PayloadStore:
             found = self._deltas.get(eid, {}).get(version)
             return found[1] if found is not None else None
 
+    def disown(self, eid: ExpertId) -> None:
+        with self._lock:
+            self._owned.discard(eid)
+
     def latest_owned(self, eid: ExpertId) -> int:
         with self._lock:
             versions = [*self._deltas.get(eid, {}), self._fulls[eid][0].version if eid in self._fulls else 0]

@@ -1,0 +1,5 @@
+"""``python -m parallax.cli``: the ``parallax`` command without the console script (tests, subprocesses)."""
+
+from parallax.cli.main import app
+
+app()

@@ -1,0 +1,175 @@
+"""``parallax node join``: run one composer peer (the thing a volunteer runs)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from parallax.cli.options import Data, Preset
+
+node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
+logger = logging.getLogger(__name__)
+
+# Keys a --config TOML file may set at its top level (the [train] table holds TrainConfig overrides).
+_FILE_KEYS = {"run_id", "initial_peers", "identity", "data", "preset", "steps", "checkpoint_dir", "checkpoint_every",
+              "metrics", "host", "announce", "min_peers", "loopback"}
+
+
+def _read_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, object]]:
+    """(node settings, dotted TrainConfig overrides) from a TOML file; flags given on the command line win."""
+    if path is None:
+        return {}, {}
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise typer.BadParameter(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise typer.BadParameter(f"--config {path} is not valid TOML: {e}") from None
+    train = doc.pop("train", {})
+    unknown = set(doc) - _FILE_KEYS
+    if unknown:
+        raise typer.BadParameter(f"--config {path}: unknown keys {sorted(unknown)}; top-level keys are "
+                                 f"{sorted(_FILE_KEYS)} and a [train] table of config overrides")
+    changes: dict[str, object] = {}
+
+    def flatten(prefix: str, table: dict[str, Any]) -> None:
+        for k, v in table.items():
+            if isinstance(v, dict) and k != "periods":
+                flatten(f"{prefix}{k}.", v)
+            else:
+                changes[f"{prefix}{k}"] = v
+
+    flatten("", train)
+    return doc, changes
+
+
+def _status_table(status: Any) -> Table:
+    table = Table(title=f"parallax node {status.fingerprint} — {status.phase}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    loss = f"{status.loss:.4f}" if status.loss is not None else "-"
+    rounds = " ".join(f"{g}:{n}" for g, n in status.rounds_ok.items()) or "-"
+    upcoming = " ".join(f"{g} in {n}" for g, n in status.next_round.items()) or "-"
+    for key, value in (
+        ("step", f"{status.step} ({status.trained} this session)"), ("loss", loss),
+        ("tokens/s", f"{status.tokens_per_s:,.0f}"), ("live composers", str(status.live_peers)),
+        ("owned experts", str(status.owned)),
+        ("surrogates", f"{status.surrogates_held} followed, newest v{status.surrogate_version_max}"),
+        ("sent / received", f"{status.bytes_sent / 1e6:.2f} MB / {status.bytes_received / 1e6:.2f} MB"),
+        ("outer rounds done", rounds), ("next outer round", upcoming),
+        ("experts taken over / handed over", f"{status.adoptions} / {status.releases}"),
+    ):
+        table.add_row(key, value)
+    return table
+
+
+@node_app.command("join")
+def join(
+    gpu: int | None = typer.Option(None, "--gpu", help="Train on CUDA device N (default: cuda:0 when present)."),
+    cpu: bool = typer.Option(False, "--cpu", help="Train on the CPU."),
+    initial_peers: list[str] = typer.Option(
+        [], "--initial-peers", help="Multiaddr of a live peer, ending in /p2p/<id> (repeatable). None: start a new "
+        "swarm and print the join line."),
+    identity: Path | None = typer.Option(
+        None, "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/node.key)."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Training run id; every peer of a run uses the same."),
+    data: Data = None,
+    preset: Preset = "tiny",
+    config_file: Path | None = typer.Option(
+        None, "--config", help="TOML file: top-level node settings and a [train] table; flags override it."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="TrainConfig override PATH=VALUE, e.g. sync.periods={...} or surrogate.refresh_every=10."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every N steps."),
+    resume: bool = typer.Option(False, "--resume", help="Resume from the latest checkpoint in --checkpoint-dir."),
+    steps: int | None = typer.Option(
+        None, "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."),
+    metrics: Path | None = typer.Option(None, "--metrics", help="JSONL metrics file (one line per step and event)."),
+    host: list[str] = typer.Option(
+        [], "--host", help="Multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
+        "/ip4/0.0.0.0/tcp/PORT with --announce for a real swarm)."),
+    announce: list[str] = typer.Option([], "--announce", help="Public multiaddr others dial (repeatable)."),
+    min_peers: int | None = typer.Option(
+        None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
+    loopback: bool = typer.Option(False, "--loopback", help="Short timings for peers on one machine (local swarms)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
+) -> None:
+    """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background."""
+    from parallax.dht.adapter import parse_initial_peers
+    from parallax.errors import ParallaxError
+    from parallax.node.config import override, parse_changes, train_config
+    from parallax.node.device import DeviceError, resolve_device
+    from parallax.node.runner import Node, NodeConfig, install_signal_handlers
+
+    file, file_changes = _read_config_file(config_file)
+
+    def pick(flag: Any, key: str, default: Any) -> Any:
+        empty = flag is None or flag == [] or flag is False
+        return default if empty and key not in file else (file[key] if empty else flag)
+
+    try:
+        device = resolve_device(gpu, cpu)
+        cfg = train_config(pick(preset if preset != "tiny" else None, "preset", "tiny"))
+        cfg = override(cfg, {**file_changes, **parse_changes(set_)})
+        peers = pick(initial_peers, "initial_peers", [])
+        config = NodeConfig(
+            train=cfg,
+            run_id=pick(run_id, "run_id", "parallax"),
+            identity_path=Path(pick(identity, "identity", Path.home() / ".parallax" / "node.key")).expanduser(),
+            initial_peers=tuple(parse_initial_peers(peers)),
+            host_maddrs=tuple(pick(host, "host", ["/ip4/127.0.0.1/tcp/0"])),
+            announce_maddrs=tuple(pick(announce, "announce", [])),
+            data=pick(data, "data", None),
+            device=str(device),
+            steps=pick(steps, "steps", None),
+            checkpoint_dir=(Path(d) if (d := pick(checkpoint_dir, "checkpoint_dir", None)) else None),
+            checkpoint_every=pick(checkpoint_every, "checkpoint_every", 100),
+            resume=resume,
+            metrics_path=(Path(m) if (m := pick(metrics, "metrics", None)) else None),
+            loopback=pick(loopback, "loopback", False),
+            min_peers=pick(min_peers, "min_peers", 1),
+        )
+    except (ValueError, DeviceError) as e:
+        raise typer.BadParameter(str(e)) from e
+
+    console = Console(stderr=True)
+    live = None if quiet else Live(console=console, refresh_per_second=4, transient=False)
+
+    printed = []
+
+    def show(status: Any) -> None:
+        if status.join_command and not printed:
+            printed.append(True)
+            console.print(f"peer {status.peer_id} is up. Others join this swarm with:\n  parallax node join "
+                          f"--run-id {config.run_id} {status.join_command}")
+        if live is not None:
+            live.update(_status_table(status))
+
+    node = Node(config, on_status=show)
+    previous = install_signal_handlers(node)
+    try:
+        if live is not None:
+            live.start()
+        status = node.run()
+    except ParallaxError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from e
+    finally:
+        if live is not None:
+            live.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    console.print(f"left the swarm at step {status.step} after {status.trained} steps "
+                  f"(loss {status.loss if status.loss is not None else float('nan'):.4f})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(node_app, name="node")

@@ -1,0 +1,338 @@
+"""Expert snapshots over P2P streams: heirs keep a recent copy of the experts they inherit, and a node
+that takes an expert over fetches its latest state from the peer that trained it.
+
+DESIGN.md section 4 ("Shard ownership", "Joining mid-run"). A snapshot is one expert's weights and its
+AdamW state (``Composer.expert_snapshot``) encoded as an ``ExpertSnapshot`` message (raw float32). Each
+node serves, from a thread-safe ``SnapshotStore``:
+
+- a *periodic* snapshot of every expert it owns, replaced by the training loop every few steps;
+- a *final* snapshot of every expert it just released (a joiner took it over), kept for ``keep_s``.
+
+and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir*
+of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. When the
+owner dies, the heir already holds its expert and loses at most the steps since that snapshot.
+
+Trust: a snapshot is asked for by peer id from the node the signed membership names as the
+expert's owner (or previous owner), over libp2p's authenticated stream, so it comes from that peer;
+its tensors are still checked (names, shapes, finite, a norm bound) before use — a bad one is refused
+and logged, never raised into the training loop.
+
+Concurrency: the servicer and the pulls run on the node's network loop (``loop``, shared with the
+surrogate gossip); the training thread calls ``put``/``release`` (never blocks on the network),
+``heir_copy`` (a dict read under a lock) and ``fetch`` (returns a future it polls at its seam).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from parallax.dht.keys import expert_id, parse_expert_id
+from parallax.protocol.codec import TensorLimits, encode
+from parallax.protocol.errors import ProtocolError, RemoteProtocolError
+from parallax.protocol.messages import ExpertSnapshot
+from parallax.protocol.schema import MSGPACK_ERRORS
+
+logger = logging.getLogger(__name__)
+
+ExpertId = tuple[int, int]
+Shapes = Mapping[str, tuple[int, ...]]
+
+CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
+MAX_NORM = 1e6  # per tensor: far above any trained expert or Adam moment, far below an overflow
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A decoded, checked snapshot: ``tensors`` as ``Composer.adopt_expert`` takes them."""
+
+    layer: int
+    expert: int
+    step: int
+    final: bool
+    tensors: dict[str, torch.Tensor]
+
+
+# --- the message, both ways (pure) ----------------------------------------------------------------
+
+
+def snapshot_shapes(expert_shapes: Shapes) -> dict[str, tuple[int, ...]]:
+    """Every name a snapshot may carry: weights, their two Adam moments, and the Adam step."""
+    out = dict(expert_shapes)
+    for name, shape in expert_shapes.items():
+        out[f"adam.exp_avg.{name}"] = shape
+        out[f"adam.exp_avg_sq.{name}"] = shape
+    out["adam.step"] = ()
+    return out
+
+
+def encode_snapshot(layer: int, expert: int, step: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    blobs = {name: encode(t.detach().cpu().to(torch.float32).contiguous().numpy()) for name, t in tensors.items()}
+    return ExpertSnapshot(layer=layer, expert=expert, step=step, tensors=blobs).encode()
+
+
+def decode_snapshot(body: bytes, eid: ExpertId, expert_shapes: Shapes, *, final: bool,
+                    peer: str | None = None) -> Snapshot:
+    """Decode and check a snapshot of expert ``eid``.
+
+    Raises:
+        ProtocolError: undecodable, another expert, an unknown or missing weight, a wrong shape, a
+            non-finite value or a norm above ``MAX_NORM``.
+    """
+    msg = ExpertSnapshot.decode(body)
+    if (msg.layer, msg.expert) != eid:
+        raise RemoteProtocolError(f"asked for expert {eid}, got a snapshot of {(msg.layer, msg.expert)}")
+    allowed = snapshot_shapes(expert_shapes)
+    unknown = set(msg.tensors) - set(allowed)
+    missing = set(expert_shapes) - set(msg.tensors)
+    if unknown or missing:
+        raise RemoteProtocolError(f"snapshot of {eid}: unknown tensors {sorted(unknown)}, missing {sorted(missing)}")
+    biggest = max(int(np.prod(s)) for s in expert_shapes.values())
+    arrays = msg.decode_tensors(TensorLimits(max_elements=biggest, max_ndim=2, dtypes=frozenset({"float32"}),
+                                             codecs=frozenset({"raw"}), max_norm=MAX_NORM), peer=peer)
+    tensors = {}
+    for name, array in arrays.items():
+        if tuple(array.shape) != tuple(allowed[name]):
+            raise RemoteProtocolError(f"snapshot of {eid}: {name} has shape {array.shape}, expected {allowed[name]}")
+        if not np.isfinite(array).all():
+            raise RemoteProtocolError(f"snapshot of {eid}: {name} is not finite")
+        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    return Snapshot(msg.layer, msg.expert, msg.step, final, tensors)
+
+
+# --- what this node serves ------------------------------------------------------------------------
+
+
+class SnapshotStore:
+    """Encoded snapshots this node serves, by expert: the latest periodic one of each owned expert and
+    the final one of each expert it released (dropped ``keep_s`` after release). Thread-safe."""
+
+    def __init__(self, keep_s: float = 120.0) -> None:
+        self.keep_s = keep_s
+        self._bodies: dict[ExpertId, tuple[int, bool, bytes, float]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, eid: ExpertId, step: int, body: bytes, *, final: bool = False) -> None:
+        with self._lock:
+            self._bodies[eid] = (step, final, body, time.monotonic())
+
+    def get(self, eid: ExpertId) -> tuple[int, bool, bytes] | None:
+        with self._lock:
+            entry = self._bodies.get(eid)
+            if entry is None:
+                return None
+            step, final, body, stamp = entry
+            if final and time.monotonic() - stamp > self.keep_s:
+                del self._bodies[eid]
+                return None
+            return step, final, body
+
+    def drop(self, eid: ExpertId) -> None:
+        with self._lock:
+            self._bodies.pop(eid, None)
+
+
+class ExpertServicer(ServicerBase):
+    """Streams a held snapshot: request ``uid`` = expert id; the first message is msgpack [step, final],
+    the rest the body in chunks; an empty stream means "not held here". Do not rename (protocol id)."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self._store = store
+        self.bytes_served = 0
+        self.served_steps: dict[ExpertId, int] = {}  # expert -> newest snapshot step served
+
+    async def rpc_snapshot(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        try:
+            eid = parse_expert_id(request.uid)
+        except ValueError as e:
+            logger.debug("bad snapshot request from %s: %s", context.remote_id, e)
+            return
+        held = self._store.get(eid)
+        if held is None:
+            return
+        step, final, body = held
+        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final]))
+        for start in range(0, len(body), CHUNK_BYTES):
+            yield runtime_pb2.ExpertInfo(serialized_info=body[start : start + CHUNK_BYTES])
+        self.bytes_served += len(body)
+        self.served_steps[eid] = max(step, self.served_steps.get(eid, -1))
+
+
+# --- the node's side ------------------------------------------------------------------------------
+
+
+class ExpertExchange:
+    """Serves this node's snapshots, keeps heir copies fresh, fetches experts it takes over.
+
+    Args:
+        p2p: this node's P2P replica (``await dht.replicate_p2p()`` on ``loop``).
+        loop: the node's network loop, running in a background thread.
+        run_id: namespaces the P2P handler.
+        expert_shapes: name -> shape of one expert's weights (``model.expert_shapes``).
+        heir_targets: () -> {expert: (owner peer id, owner step)} for every expert this node is the heir
+            of, and {expert: None} for every expert it owns (its copy is kept until the training thread
+            takes it over), or None when it has no fresh view (then nothing changes); called on the loop
+            thread, so it must be thread-safe (read an immutable view).
+        snapshot_every: the owners' snapshot period in steps (a copy is refetched once the owner is this
+            many steps past it).
+        poll_s: how often heir copies are refreshed.
+        timeout_s: one whole snapshot fetch.
+        keep_s: how long released experts' final snapshots stay served.
+    """
+
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, expert_shapes: Shapes, *,
+                 heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
+                 snapshot_every: int = 10,
+                 poll_s: float = 10.0,
+                 timeout_s: float = 30.0, keep_s: float = 120.0) -> None:
+        self.p2p, self.loop = p2p, loop
+        self.namespace = f"parallax.{run_id}.experts"
+        self.expert_shapes = {n: tuple(s) for n, s in expert_shapes.items()}
+        self.heir_targets = heir_targets
+        self.snapshot_every = snapshot_every
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.store = SnapshotStore(keep_s)
+        self.servicer = ExpertServicer(self.store)
+        self.bytes_fetched = 0
+        self.refused = 0
+        self._heirs: dict[ExpertId, Snapshot] = {}
+        self._lock = threading.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, timeout_s: float = 10.0) -> ExpertExchange:
+        asyncio.run_coroutine_threadsafe(self._setup(), self.loop).result(timeout_s)
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with contextlib.suppress(Exception):  # the loop or the daemon may already be gone
+            asyncio.run_coroutine_threadsafe(self._teardown(), self.loop).result(timeout_s)
+
+    async def _setup(self) -> None:
+        await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+        self._task = asyncio.create_task(self._heir_loop())
+
+    async def _teardown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace)
+
+    # --- the training thread's side ---
+
+    def put(self, eid: ExpertId, step: int, tensors: Mapping[str, torch.Tensor], *, final: bool = False) -> int:
+        """Serve this snapshot of an owned (or, ``final``, just released) expert; returns its size in bytes."""
+        body = encode_snapshot(eid[0], eid[1], step, tensors)
+        self.store.put(eid, step, body, final=final)
+        return len(body)
+
+    def heir_copy(self, eid: ExpertId) -> Snapshot | None:
+        """The latest snapshot pulled as the heir of ``eid`` (None if none)."""
+        with self._lock:
+            return self._heirs.get(eid)
+
+    def take_heir_copy(self, eid: ExpertId) -> Snapshot | None:
+        """Remove and return the heir copy of ``eid`` (the training thread takes the expert over)."""
+        with self._lock:
+            return self._heirs.pop(eid, None)
+
+    def forget_heir_copies(self, keep: set[ExpertId]) -> None:
+        with self._lock:
+            for eid in set(self._heirs) - keep:
+                del self._heirs[eid]
+
+    def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | None]:
+        """Ask ``peer`` for its snapshot of ``eid``; the future gives None when it holds none or fails."""
+        return asyncio.run_coroutine_threadsafe(self._fetch_checked(peer, eid), self.loop)
+
+    # --- loop thread ---
+
+    async def _heir_loop(self) -> None:
+        while True:
+            try:
+                found_targets = self.heir_targets()
+                if found_targets is None:  # no fresh view of the swarm: keep every copy, fetch nothing
+                    await asyncio.sleep(self.poll_s)
+                    continue
+                wanted = dict(found_targets)
+                self.forget_heir_copies(set(wanted))
+                targets = {eid: t for eid, t in wanted.items() if t is not None}
+                # Fetch when the owner has passed the step of our copy by a snapshot period.
+                stale = [(eid, owner) for eid, (owner, owner_step) in sorted(targets.items())
+                         if (held := self.heir_copy(eid)) is None or owner_step - held.step >= self.snapshot_every]
+                # Concurrently: one slow or vanished owner must not hold back the other copies.
+                found = await asyncio.gather(*(self._fetch_checked(owner, eid) for eid, owner in stale))
+                with self._lock:
+                    for (eid, _), snap in zip(stale, found, strict=True):
+                        if snap is not None and eid in targets:
+                            self._heirs[eid] = snap
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad view or a dying daemon must not end the heir loop
+                logger.exception("heir snapshot poll failed; retrying")
+            await asyncio.sleep(self.poll_s)
+
+    async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
+        try:
+            got = await asyncio.wait_for(self._fetch(peer, eid), self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # peer gone, stream broken, timeout
+            logger.debug("snapshot of %s from %s failed: %r", eid, peer, e)
+            return None
+        if got is None:
+            return None
+        final, body = got
+        try:
+            return decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer)
+        except ProtocolError as e:
+            self.refused += 1
+            logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)
+            return None
+
+    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[bool, bytes] | None:
+        stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid)))
+        header: tuple[int, bool] | None = None
+        buf = bytearray()
+        try:
+            async for msg in stream:
+                if header is None:
+                    header = _header(msg.serialized_info)
+                    continue
+                buf += msg.serialized_info
+                if len(buf) > ExpertSnapshot.MAX_BYTES:
+                    raise RemoteProtocolError("snapshot larger than the message cap")
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+        if header is None:
+            return None
+        self.bytes_fetched += len(buf)
+        return header[1], bytes(buf)
+
+
+def _header(data: bytes) -> tuple[int, bool]:
+    try:
+        obj = msgpack.unpackb(data, raw=False, max_array_len=2, max_str_len=0, max_bin_len=0, max_map_len=0,
+                              max_ext_len=0)
+    except MSGPACK_ERRORS:
+        raise RemoteProtocolError("undecodable snapshot header") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0):
+        raise RemoteProtocolError("snapshot header is not [step >= 0, final]")
+    return obj[0], obj[1]

@@ -1,0 +1,195 @@
+"""A swarm of real processes on loopback: one bootstrap peer and N ``parallax node join`` composers.
+
+Used by ``parallax swarm local`` and by the swarm tests. Every child runs in its own session (process
+group), so that a node can be killed the hard way together with its daemons (``kill``: a machine that
+dies), and so that nothing outlives ``close()``: children are asked to leave with SIGINT, then
+SIGTERM, then their whole group is SIGKILLed, each step bounded.
+
+Each node writes a JSONL metrics file (``node-<i>.jsonl``); ``read_metrics`` parses it and the live
+table and the summary are built from those files alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parallax.errors import NodeError
+
+logger = logging.getLogger(__name__)
+
+_JOIN_RE = re.compile(r"--initial-peers\s+(\S+)")
+
+
+@dataclass
+class NodeProcess:
+    index: int
+    process: subprocess.Popen[bytes]
+    metrics: Path
+    log: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of a node's metrics file (a line being written is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def latest(records: Sequence[dict[str, Any]], kind: str = "step") -> dict[str, Any] | None:
+    for r in reversed(records):
+        if r.get("kind") == kind:
+            return r
+    return None
+
+
+class LocalSwarm:
+    """Start and stop a local swarm (module docstring).
+
+    Args:
+        workdir: where keys, metrics, logs and checkpoints go (one sub-folder per node).
+        run_id: the run.
+        node_args: extra ``parallax node join`` arguments for every node (preset, --set, --steps...).
+        python: the interpreter to run ``-m parallax.cli`` with.
+    """
+
+    def __init__(self, workdir: Path, *, run_id: str = "local", node_args: Sequence[str] = (),
+                 python: str = sys.executable) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.node_args = list(node_args)
+        self.python = python
+        self.bootstrap: subprocess.Popen[bytes] | None = None
+        self.initial_peers: str = ""
+        self.nodes: list[NodeProcess] = []
+
+    def _spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("ab") as out:
+            return subprocess.Popen([self.python, "-m", "parallax.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+
+    def start_bootstrap(self, timeout_s: float = 60.0) -> str:
+        """Start the bootstrap peer; returns the multiaddr others join through."""
+        log = self.workdir / "bootstrap.log"
+        self.bootstrap = self._spawn(["dht", "bootstrap", "--host", "/ip4/127.0.0.1/tcp/0",
+                                      "--identity", str(self.workdir / "bootstrap.key")], log)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = _JOIN_RE.search(log.read_text(errors="replace")) if log.exists() else None
+            if found:
+                self.initial_peers = found.group(1)
+                return self.initial_peers
+            if self.bootstrap.poll() is not None:
+                raise NodeError(f"the bootstrap peer exited with {self.bootstrap.returncode}; see {log}")
+            time.sleep(0.1)
+        raise NodeError(f"the bootstrap peer printed no join address within {timeout_s:.0f} s; see {log}")
+
+    def add_node(self, *extra: str, index: int | None = None) -> NodeProcess:
+        """Start composer ``index`` (default: the next one) joining through the bootstrap peer."""
+        if not self.initial_peers:
+            raise NodeError("start_bootstrap() first")
+        i = len(self.nodes) if index is None else index
+        folder = self.workdir / f"node-{i}"
+        folder.mkdir(exist_ok=True)
+        metrics = folder / "metrics.jsonl"
+        args = ["node", "join", "--cpu", "--quiet", "--loopback", "--run-id", self.run_id,
+                "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers,
+                "--metrics", str(metrics), *self.node_args, *extra]
+        node = NodeProcess(i, self._spawn(args, folder / "node.log"), metrics, folder / "node.log", args)
+        if index is not None and index < len(self.nodes):
+            self.nodes[index] = node
+        else:
+            self.nodes.append(node)
+        return node
+
+    def metrics(self) -> list[list[dict[str, Any]]]:
+        return [read_metrics(n.metrics) for n in self.nodes]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until every node process has exited; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(not n.alive for n in self.nodes):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def kill(self, index: int) -> None:
+        """SIGKILL a node and every process of its group (its DHT, p2pd and averagers): a machine dying."""
+        _kill_group(self.nodes[index].process, signal.SIGKILL)
+        self.nodes[index].process.wait(10)
+
+    def stop_node(self, index: int, timeout_s: float = 60.0) -> int | None:
+        """Ask one node to leave (SIGINT) and wait; returns its exit code."""
+        return _stop(self.nodes[index].process, timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop every node (SIGINT, then SIGTERM, then SIGKILL of the group), then the bootstrap peer."""
+        for n in self.nodes:
+            if n.alive:
+                _signal(n.process, signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        for n in self.nodes:
+            _stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False)
+        if self.bootstrap is not None:
+            _stop(self.bootstrap, 15.0)
+        for p in [n.process for n in self.nodes] + ([self.bootstrap] if self.bootstrap else []):
+            _kill_group(p, signal.SIGKILL)  # leftovers of a child that died without cleaning up
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def _kill_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)  # the child is its session's leader: its pid is the group id
+
+
+def _stop(p: subprocess.Popen[bytes], timeout_s: float, *, interrupt: bool = True) -> int | None:
+    """SIGINT (unless sent already), wait; SIGTERM, wait; SIGKILL the group. Returns the exit code."""
+    steps = ([(signal.SIGINT, timeout_s)] if interrupt else [(None, timeout_s)]) + [(signal.SIGTERM, 10.0)]
+    for sig, wait_s in steps:
+        if sig is not None:
+            _signal(p, sig)
+        try:
+            return p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("process %d did not exit within %.0f s", p.pid, wait_s)
+    _kill_group(p, signal.SIGKILL)
+    try:
+        return p.wait(10)
+    except subprocess.TimeoutExpired:
+        return None

@@ -1,0 +1,261 @@
+"""Outer rounds off the step path: the node's training loop submits a round and goes on training; the
+merge lands a few steps later and is applied with the progress made meanwhile kept (``step_late``).
+
+``TieredOuterSync.run_round`` blocks for seconds (matchmaking, all-reduce, verification). The node runs
+it in a worker thread per group, at most one round per group in flight; a group that comes due while
+its previous round is still running skips that round (logged, counted). At the seam the loop calls
+``collect``, which applies every finished round (never half of one: a round that failed or did not
+verify applies nothing) and, when a round may have left this node behind the others, downloads the
+group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path).
+
+The same class serves this node's outer state to joiners: after every applied round the training
+thread publishes an immutable copy of each group's anchor and momentum (``publish_state``), which
+hivemind's state-sharing thread hands out without touching live tensors.
+
+Metadata served with the state: {"v": 1, "group", "round", "step", "names", "momentum"}.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from parallax.node.outer import OuterOptimizer
+from parallax.node.outer_sync import RoundReport, RoundStatus, TieredOuterSync
+
+if TYPE_CHECKING:
+    from parallax.node.composer import Composer
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+@dataclass
+class _InFlight:
+    round_id: int
+    submitted: dict[str, torch.Tensor]
+    tokens: int
+    future: concurrent.futures.Future[tuple[dict[str, torch.Tensor] | None, RoundReport | None]]
+
+
+@dataclass
+class RoundCounts:
+    submitted: int = 0
+    applied: int = 0
+    failed: int = 0
+    skipped_busy: int = 0
+    reloads: int = 0
+
+
+def group_state(outer: OuterOptimizer, *, group: str, round_id: int, step: int) -> tuple[dict[str, Any],
+                                                                                        list[torch.Tensor]]:
+    """(metadata, tensors) a joiner needs for one group: the anchor, then the momentum buffers if any."""
+    names = list(outer.anchor)
+    tensors = [outer.anchor[n].clone() for n in names]
+    buffers = [outer.optimizer.state.get(outer.anchor[n], {}).get("momentum_buffer") for n in names]
+    momentum = all(b is not None for b in buffers)
+    if momentum:
+        tensors += [b.clone() for b in buffers]  # type: ignore[union-attr]
+    meta = {"v": _STATE_VERSION, "group": group, "round": round_id, "step": step, "names": names,
+            "momentum": momentum}
+    return meta, tensors
+
+
+@torch.no_grad()
+def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor]) -> int:
+    """Take a peer's anchor (and momentum) for one group; keep our progress since our own anchor.
+
+    Returns:
+        The round number the state was taken at.
+
+    Raises:
+        ValueError: the state is for another group, has other names or shapes, or is not finite.
+    """
+    names = list(outer.anchor)
+    if not isinstance(meta, dict) or meta.get("v") != _STATE_VERSION or meta.get("group") != group:
+        raise ValueError(f"outer state metadata {meta!r} is not version {_STATE_VERSION} of group {group!r}")
+    if meta.get("names") != names:
+        raise ValueError(f"outer state of {group!r} has tensors {meta.get('names')}, this node has {names}")
+    expected = 2 * len(names) if meta.get("momentum") else len(names)
+    if len(tensors) != expected:
+        raise ValueError(f"outer state of {group!r} has {len(tensors)} tensors, expected {expected}")
+    for i, t in enumerate(tensors):
+        shape = outer.anchor[names[i % len(names)]].shape
+        if t.shape != shape or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"outer state of {group!r}: tensor {i} has shape {tuple(t.shape)} (expected "
+                             f"{tuple(shape)}) or non-finite values")
+    round_id = meta.get("round")
+    if not isinstance(round_id, int) or round_id < 0:
+        raise ValueError(f"outer state of {group!r} has round {round_id!r}")
+    progress = {n: outer.live_copy()[n] - outer.anchor[n] for n in names}
+    for i, n in enumerate(names):
+        outer.anchor[n].copy_(tensors[i])
+        outer.params[n].copy_((outer.anchor[n] + progress[n]).to(outer.params[n].device, outer.params[n].dtype))
+    outer.optimizer.state.clear()
+    if meta.get("momentum"):
+        for i, n in enumerate(names):
+            outer.optimizer.state[outer.anchor[n]] = {"momentum_buffer": tensors[len(names) + i].clone()}
+    return round_id
+
+
+class BackgroundRounds:
+    """Runs the outer rounds of every shared group of one node in worker threads (module docstring).
+
+    Args:
+        sync: the node's averagers, one per group.
+        composer: the composer whose groups are merged (read and written only by the training thread,
+            in ``submit``/``collect``/``publish_state``).
+    """
+
+    def __init__(self, sync: TieredOuterSync, composer: Composer) -> None:
+        self.sync = sync
+        self.composer = composer
+        self.counts = RoundCounts()
+        self.reports: list[RoundReport] = []
+        self.rounds_ok: dict[str, int] = dict.fromkeys(sync.groups, 0)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, 2 * len(sync.groups)),
+                                                           thread_name_prefix="parallax-outer")
+        self._in_flight: dict[str, _InFlight] = {}
+        self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
+        self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        self._served_lock = threading.Lock()
+        for group, averager in sync.groups.items():
+            averager.serve_state(lambda g=group: self._serve(g))
+        self.last_round: dict[str, int] = dict.fromkeys(sync.groups, -1)
+
+    # --- training thread ---
+
+    def busy(self, group: str) -> bool:
+        return group in self._in_flight
+
+    def submit(self, group: str, round_id: int) -> bool:
+        """Start a round of ``group`` with the composer's current pseudo-gradient; False if one is running."""
+        if group in self._in_flight or group in self._reloads:
+            self.counts.skipped_busy += 1
+            logger.info("outer round %s/%d skipped: the previous round of this group is still running", group,
+                        round_id)
+            return False
+        outer = self.composer.outer[group]
+        delta, submitted = outer.pseudo_gradient(), outer.live_copy()
+        tokens = self.composer.tokens_since_merge[group]
+        self.composer.tokens_since_merge[group] = 0
+        future = self._pool.submit(self._run, group, delta, tokens, round_id)
+        self._in_flight[group] = _InFlight(round_id, submitted, tokens, future)
+        self.counts.submitted += 1
+        return True
+
+    def _run(self, group: str, delta: dict[str, torch.Tensor], tokens: int,
+             round_id: int) -> tuple[dict[str, torch.Tensor] | None, RoundReport | None]:
+        merged = self.sync.run_round(group, delta, tokens, round_id=round_id)
+        return merged, self.sync.groups[group].last_report
+
+    def collect(self) -> list[RoundReport]:
+        """Apply every finished round and every finished reload (the seam; never blocks)."""
+        done = []
+        for group in [g for g, f in self._in_flight.items() if f.future.done()]:
+            flight = self._in_flight.pop(group)
+            try:
+                merged, report = flight.future.result()
+            except Exception as e:  # a bug or a dead averager: count it, skip the round, keep training
+                logger.warning("outer round %s/%d raised %r; skipped", group, flight.round_id, e)
+                merged, report = None, RoundReport(group, RoundStatus.FAILED, flight.round_id, detail=repr(e))
+            assert report is not None
+            if merged is not None:
+                self.composer.outer[group].step_late(merged, flight.submitted)
+                self.counts.applied += 1
+                self.rounds_ok[group] += 1
+                self.last_round[group] = report.round_id if report.round_id is not None else flight.round_id
+                self.publish_state(group)
+            else:
+                self.counts.failed += 1
+                self.composer.tokens_since_merge[group] += flight.tokens  # their weight counts next time
+                if report.needs_reload:
+                    self._start_reload(group)
+            self.reports.append(report)
+            done.append(report)
+        for group in [g for g, f in self._reloads.items() if f.done()]:
+            future = self._reloads.pop(group)
+            found = future.result() if future.exception() is None else None
+            if found is None:
+                logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
+                               group)
+                continue
+            try:
+                self.last_round[group] = load_group_state(self.composer.outer[group], group, *found)
+            except ValueError as e:
+                logger.warning("outer group %s: refused a peer's state: %s", group, e)
+                continue
+            self.counts.reloads += 1
+            self.publish_state(group)
+        return done
+
+    def _start_reload(self, group: str) -> None:
+        if group not in self._reloads:
+            logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
+                           group)
+            self._reloads[group] = self._pool.submit(self.sync.groups[group].load_state_from_peers, 30.0)
+
+    def publish_state(self, group: str | None = None) -> None:
+        """Make the current anchor (and momentum) of ``group`` (default: all) what joiners download."""
+        for g in [group] if group is not None else list(self.sync.groups):
+            state = group_state(self.composer.outer[g], group=g, round_id=max(self.last_round[g], 0),
+                                step=self.composer.step)
+            with self._served_lock:
+                self._served[g] = state
+
+    def _serve(self, group: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        with self._served_lock:
+            state = self._served.get(group)
+        if state is None:
+            raise RuntimeError(f"no outer state of {group} published yet")
+        return state
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave)."""
+        futures = [f.future for f in self._in_flight.values()] + list(self._reloads.values())
+        concurrent.futures.wait(futures, timeout=timeout_s)
+        self.collect()
+
+    def load_from_peers(self, timeout_s: float) -> dict[str, int]:
+        """A joiner's start: download every group's anchor and momentum from a live peer (blocking).
+
+        Returns:
+            group -> round number of the state taken (groups nobody served are left at the seeded init).
+        """
+        futures = {g: self._pool.submit(a.load_state_from_peers, timeout_s) for g, a in self.sync.groups.items()}
+        taken = {}
+        for group, future in futures.items():
+            try:
+                found = future.result(timeout=timeout_s + 5)
+            except Exception as e:
+                logger.warning("outer group %s: state download failed: %r", group, e)
+                continue
+            if found is None:
+                logger.info("outer group %s: no peer served its state (a new swarm?)", group)
+                continue
+            try:
+                taken[group] = load_group_state(self.composer.outer[group], group, *found)
+            except ValueError as e:
+                logger.warning("outer group %s: refused a peer's state: %s", group, e)
+                continue
+            self.last_round[group] = taken[group]
+        self.publish_state()
+        return taken
+
+    def shutdown(self) -> None:
+        for averager in self.sync.groups.values():
+            averager.serve_state(None)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def next_round_in(schedule_periods: dict[str, int], step: int) -> dict[str, int]:
+    """Steps until each group's next round (for the live display)."""
+    return {g: p - step % p if step % p else p for g, p in schedule_periods.items() if p > 0 and math.isfinite(p)}

@@ -1,0 +1,682 @@
+"""The P2P composer: one process that joins a swarm, trains its expert shard, and exchanges in the background.
+
+DESIGN.md section 4. ``Node.run()`` does, in order:
+
+1. start the DHT (signed records), announce itself (``Membership``: heartbeats, claims), wait until the
+   live shard assignment gives it experts;
+2. build the composer with the experts it owns (or, with ``resume``, the checkpoint's), or load the
+   shared groups from live peers when it joins a running swarm (and take the swarm's step count, so
+   round numbers and the learning-rate schedule agree);
+3. start the network side: one asyncio loop thread (``parallax-net``) for the P2P streams (surrogate
+   gossip, expert snapshots) and one worker thread per outer group (``BackgroundRounds``);
+4. train. Between two steps, and only there, the loop meets the network at ``_seam``: it applies the
+   surrogate updates that arrived, takes over or hands over experts when the live assignment changed,
+   applies finished outer rounds and starts due ones, publishes surrogate refreshes and expert
+   snapshots, and updates its heartbeat. A step itself does no network I/O;
+5. leave on ``steps`` reached, SIGINT or SIGTERM: let the rounds in flight end (bounded), push final
+   expert snapshots to the heirs, checkpoint, publish the deathrattle, stop every thread, averager and
+   daemon (``close``, in ``finally``).
+
+Ownership changes. The live assignment (``Membership.owned``) decides what this node trains. An
+expert it loses is released at the next seam: its final snapshot is served (``ExpertExchange``) for
+the peer taking it over, and the node's surrogate of it returns to what every receiver holds. An
+expert it gains is taken over from the previous owner's snapshot (asked for by peer id; a final one
+when that owner already released it) or, when the owner is dead, from this node's heir copy (the
+owner's periodic snapshot it kept pulling as heir). An expert no snapshot exists for restarts from the
+seeded init (logged). The new owner then publishes the surrogate as a full copy at a version that
+makes every receiver catch up with it (``SurrogateGossip.next_version``).
+
+Data: each node samples windows of the whole training split with a seed derived from its identity
+(decision: a node does not know how many peers will come, so a fixed shard i/C is not available;
+random windows of a large corpus rarely overlap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
+from parallax.dht.claims import ShardConfig
+from parallax.dht.keys import protected_keys
+from parallax.dht.membership import Membership, MembershipConfig, PeerState, SwarmView
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.dht.shards import assign_experts
+from parallax.errors import NodeError
+from parallax.node.checkpoint import latest_checkpoint, load_latest, read_info, save_checkpoint, state_hash
+from parallax.node.composer import Composer
+from parallax.node.config import SHARED_GROUPS, TrainConfig
+from parallax.node.data import load_corpus, split_corpus, val_batches
+from parallax.node.expert_exchange import ExpertExchange, Snapshot
+from parallax.node.gossip import GossipConfig, SurrogateGossip
+from parallax.node.model import Ownership
+from parallax.node.outer import TierSchedule
+from parallax.node.outer_rounds import BackgroundRounds, next_round_in
+from parallax.node.outer_sync import OuterSyncConfig, TieredOuterSync
+from parallax.protocol.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+ExpertId = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything ``parallax node join`` decides. Times in seconds, periods in inner steps."""
+
+    train: TrainConfig
+    """Model, optimizers, sync periods, surrogates (``--preset``, ``--config``, ``--set``)."""
+    run_id: str
+    """The training run: every peer of a run uses the same id and the same TrainConfig."""
+    identity_path: Path
+    """Ed25519 key file (created on first run); the libp2p key lives beside it."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of live peers; empty starts a new swarm."""
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    data: str | None = None
+    """Corpus path (None: built-in tinyshakespeare)."""
+    device: str = "cpu"
+    steps: int | None = None
+    """Train this many steps, then leave gracefully (None: until Ctrl+C / SIGTERM)."""
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    metrics_path: Path | None = None
+    """JSONL file, one line per step (and one per event)."""
+    loopback: bool = False
+    """Timings for peers on one machine (tests, ``swarm local``): short matchmaking and polls."""
+    min_peers: int = 1
+    """Wait until this many composers are alive (this one included) before the first step."""
+    start_timeout_s: float = 120.0
+    """Give up when the swarm does not offer this node a shard within this long."""
+    snapshot_every: int = 10
+    """Serve a fresh snapshot of every owned expert (for its heir) every this many steps."""
+    adopt_wait_s: float = 10.0
+    """How long to wait for the previous owner's final snapshot before taking its latest periodic one."""
+    leave_timeout_s: float = 30.0
+    """Bound on the graceful leave (rounds in flight, final snapshots)."""
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        for name in ("checkpoint_every", "snapshot_every", "min_peers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
+
+
+@dataclass
+class NodeStatus:
+    """What the live display shows, refreshed after every step (a plain value: safe to hand to the UI)."""
+
+    fingerprint: str = ""
+    peer_id: str = ""
+    join_command: str = ""
+    """``--initial-peers ...`` line others join through (printed once at start)."""
+    phase: str = "starting"
+    step: int = 0
+    trained: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    live_peers: int = 0
+    owned: int = 0
+    surrogates_held: int = 0
+    surrogate_version_max: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds_ok: dict[str, int] = field(default_factory=dict)
+    next_round: dict[str, int] = field(default_factory=dict)
+    adoptions: int = 0
+    releases: int = 0
+
+
+@dataclass
+class _Adoption:
+    eid: ExpertId
+    source: str | None  # previous owner's peer id, when it is alive
+    started: float
+    future: Any = None
+    best: Snapshot | None = None
+
+
+def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
+    return tuple(frozenset(owned.get(layer, ())) for layer in range(n_layers))
+
+
+def data_seed(fingerprint: str, seed: int) -> int:
+    """A node's data stream seed: its identity and the run's seed (stable across restarts)."""
+    return (zlib.crc32(fingerprint.encode()) ^ seed) & 0x7FFF_FFFF
+
+
+class Node:
+    """One composer peer (module docstring). ``run()`` trains until done; ``stop()`` asks it to leave."""
+
+    def __init__(self, config: NodeConfig, *, on_status: Callable[[NodeStatus], None] | None = None) -> None:
+        self.config = config
+        self.cfg = config.train
+        self.on_status = on_status
+        self.status = NodeStatus()
+        self.stop_event = threading.Event()
+        self.identity = Identity.load_or_create(config.identity_path)
+        self.status.fingerprint = self.identity.fingerprint
+        self.dht: SwarmDHT | None = None
+        self.membership: Membership | None = None
+        self.composer: Composer | None = None
+        self.gossip: SurrogateGossip | None = None
+        self.exchange: ExpertExchange | None = None
+        self.sync: TieredOuterSync | None = None
+        self.rounds: BackgroundRounds | None = None
+        self.schedule = TierSchedule(self.cfg.sync.periods)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._p2p: Any = None
+        self._metrics: Any = None
+        self._owners: dict[ExpertId, str] = {}  # expert -> owner fingerprint at the last seam
+        self._adopting: dict[ExpertId, _Adoption] = {}
+        self._adopted: set[ExpertId] = set()  # taken over since start: next publication jumps versions
+        self._started = time.monotonic()
+        self.join_to_first_step_s: float | None = None
+        self.joined_running_swarm = False
+
+    # --- public ---
+
+    def stop(self) -> None:
+        """Ask the node to leave after the current step (thread- and signal-safe)."""
+        self.stop_event.set()
+
+    def run(self) -> NodeStatus:
+        """Join, train, leave. Returns the last status.
+
+        Raises:
+            NodeError / DHTError / CheckpointError: start-up failed (nothing is left running).
+        """
+        try:
+            self._start()
+            self._train()
+            self._leave()
+        finally:
+            self.close()
+        return self.status
+
+    # --- start ---
+
+    def _start(self) -> None:
+        c, cfg = self.config, self.cfg
+        corpus = load_corpus(c.data)
+        self.train_tokens, val = split_corpus(corpus, seq_len=cfg.model.seq_len)
+        self.val = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
+        if c.metrics_path is not None:
+            c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = c.metrics_path.open("a", encoding="utf-8")
+        self._phase("joining")
+        dht_config = DHTConfig(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
+                               announce_maddrs=c.announce_maddrs,
+                               identity_path=c.identity_path.with_name(c.identity_path.name + ".p2p"))
+        validator = Ed25519RecordValidator(self.identity, protected_keys=protected_keys(c.run_id, cfg.model.n_layers))
+        self.dht = SwarmDHT.start(dht_config, [validator])
+        self.status.peer_id = self.dht.peer_id
+        self.status.join_command = self.dht.join_command()
+        self._event("dht_started", join=self.dht.join_command())
+        shards = ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts)
+        mcfg = MembershipConfig(run_id=c.run_id, role="composer")
+        self.membership = Membership(self.dht, self.identity, mcfg, shards=shards)
+        self.membership.start()
+        owned = self._wait_for_shard()
+        # Joining a running swarm = another composer has trained already (peers started together all read 0).
+        others = [m for fp, m in self.membership.view().alive().items()
+                  if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
+        swarm_step = max((m.heartbeat.step for m in others), default=0)
+
+        joining = swarm_step > 0
+        # A joiner takes its experts over from their previous owners at its first seams (``_reconcile_ownership``),
+        # so it starts owning nothing; the previous owners are those of the assignment without it.
+        ownership = ownership_of({} if joining else owned, cfg.model.n_layers)
+        checkpoint = latest_checkpoint(c.checkpoint_dir) if c.resume and c.checkpoint_dir else None
+        if c.resume and checkpoint is None:
+            raise NodeError(f"--resume: no checkpoint in {c.checkpoint_dir}; start without --resume")
+        if checkpoint is not None:
+            ownership = read_info(checkpoint).owned
+        self.composer = Composer(cfg, ownership, self.train_tokens,
+                                 sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
+        versions: dict[ExpertId, int] = {}
+        if checkpoint is not None:
+            info = load_latest(c.checkpoint_dir, self.composer, run_id=c.run_id)  # type: ignore[arg-type]
+            versions = dict(info.versions)
+            self._event("resumed", step=info.step, path=str(checkpoint), state_hash=state_hash(self.composer))
+
+        self._start_network(versions)
+        assert self.rounds is not None
+        if joining and checkpoint is None:
+            self.joined_running_swarm = True
+            self._phase("loading state")
+            taken = self.rounds.load_from_peers(timeout_s=30.0)
+            self._fast_forward(swarm_step)
+            self._event("loaded_state", groups=taken, step=swarm_step)
+        self.rounds.publish_state()
+        self._owners = self._current_owners(self.membership.view())
+        if joining:
+            before = {m.fingerprint: m.heartbeat.capacity for m in others}
+            previous = assign_experts(c.run_id, cfg.model.n_layers, cfg.model.n_experts, before)
+            self._owners = {(layer, e): owner for layer, e, owner, _ in previous.items()}
+
+    def _wait_for_shard(self) -> dict[int, frozenset[int]]:
+        assert self.membership is not None
+        deadline = time.monotonic() + self.config.start_timeout_s
+        settle = 2 * self.membership.config.refresh_s + 0.5
+        last, stable_since = None, time.monotonic()
+        while True:
+            if self.stop_event.is_set():
+                raise NodeError("stopped before training began")
+            owned = self.membership.owned()
+            peers = len(self.membership.view().composers())
+            if owned != last:
+                last, stable_since = owned, time.monotonic()
+            if owned and peers >= self.config.min_peers and time.monotonic() - stable_since >= settle:
+                return owned
+            if time.monotonic() > deadline:
+                raise NodeError(f"no expert shard within {self.config.start_timeout_s:.0f} s ({peers} live composers "
+                                f"seen, {self.config.min_peers} wanted); check --initial-peers and --run-id")
+            self._phase(f"waiting for peers ({peers}/{self.config.min_peers})")
+            time.sleep(0.2)
+
+    def _start_network(self, versions: dict[ExpertId, int]) -> None:
+        assert self.dht is not None and self.composer is not None
+        c, cfg = self.config, self.cfg
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="parallax-net", daemon=True)
+        self._loop_thread.start()
+        self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
+        model = self.composer.model
+        gcfg = GossipConfig(run_id=c.run_id, n_layers=cfg.model.n_layers,
+                            **({"poll_s": 0.5, "announce_period_s": 2.0, "announce_ttl_s": 30.0} if c.loopback else {}))
+        shapes = {n: tuple(p.shape) for n, p in model.surrogate_parameters(0, 0).items()}
+        self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes, owner_of=self._owner_key,
+                                      start_versions=versions, loop=self._loop).start()
+        expert_shapes = {n: tuple(s) for n, s in _expert_shapes(cfg).items()}
+        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, expert_shapes,
+                                       heir_targets=self._heir_targets,
+                                       snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
+                                       timeout_s=5.0 if c.loopback else 30.0).start()
+        ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
+        ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge})
+        self.sync = TieredOuterSync(self.dht, c.run_id, TieredOuterSync.group_shapes(self.composer), ocfg)
+        self.rounds = BackgroundRounds(self.sync, self.composer)
+
+    def _fast_forward(self, step: int) -> None:
+        """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm."""
+        composer = self.composer
+        assert composer is not None
+        if step <= composer.step:
+            return
+        composer.step = step
+        scheduler = composer.scheduler
+        scheduler.last_epoch = step
+        for group, base, factor in zip(composer.optimizer.param_groups, scheduler.base_lrs,  # type: ignore[attr-defined]
+                                       scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * factor(step)
+
+    # --- views the network threads read (immutable snapshots; thread-safe) ---
+
+    def _owner_key(self, eid: ExpertId) -> bytes | None:
+        view = self.membership.view() if self.membership else None
+        assignment = view.assignment() if view else None
+        if view is None or assignment is None:
+            return None
+        member = view.members.get(assignment.owner(*eid))
+        return member.public_key if member is not None else None
+
+    def _fresh_view(self) -> SwarmView | None:
+        """The membership view, or None when our own reads have been failing (an overloaded host): then
+        expired heartbeats prove nothing and no decision should follow from them."""
+        membership = self.membership
+        if membership is None:
+            return None
+        view = membership.view()
+        return view if dht_time() - view.read_at <= 2 * membership.config.refresh_s + 1.0 else None
+
+    def _heir_targets(self) -> dict[ExpertId, tuple[str, int] | None] | None:
+        view = self._fresh_view()
+        assignment = view.assignment() if view else None
+        if view is None or assignment is None:
+            return None
+        alive = view.alive()
+        out: dict[ExpertId, tuple[str, int] | None] = {
+            (layer, e): None for layer, es in assignment.owned_by(self.identity.fingerprint).items() for e in es}
+        for layer, experts in assignment.inherited_by(self.identity.fingerprint).items():
+            for e in experts:
+                owner = alive.get(assignment.owner(layer, e))
+                if owner is not None:
+                    out[(layer, e)] = (owner.heartbeat.peer_id, owner.heartbeat.step)
+        return out
+
+    def _current_owners(self, view: SwarmView) -> dict[ExpertId, str]:
+        assignment = view.assignment()
+        return {} if assignment is None else {(layer, e): owner for layer, e, owner, _ in assignment.items()}
+
+    # --- training ---
+
+    def _shard_event(self) -> None:
+        assert self.composer is not None
+        self._event("shard", step=self.composer.step, experts=[list(eid) for eid in self.composer.owned_experts()])
+
+    def _train(self) -> None:
+        composer = self.composer
+        assert composer is not None
+        self._phase("training")
+        self._shard_event()
+        trained, tokens_window, window_started = 0, 0, time.monotonic()
+        while not self.stop_event.is_set() and (self.config.steps is None or trained < self.config.steps):
+            self._seam()
+            stats = composer.train_step()
+            trained += 1
+            if self.join_to_first_step_s is None:
+                self.join_to_first_step_s = time.monotonic() - self._started
+                self._event("first_step", seconds=round(self.join_to_first_step_s, 3))
+            tokens_window += stats.tokens
+            elapsed = time.monotonic() - window_started
+            if elapsed >= 2.0:
+                self.status.tokens_per_s = tokens_window / elapsed
+                tokens_window, window_started = 0, time.monotonic()
+            self.status.step, self.status.trained, self.status.loss = composer.step, trained, stats.loss
+            self._metric(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5))
+            if self.config.checkpoint_dir is not None and composer.step % self.config.checkpoint_every == 0:
+                self._checkpoint()
+        self._seam()  # apply what arrived during the last step before leaving
+
+    def _seam(self) -> None:
+        """The one place the training loop meets the network (module docstring). Never waits on it."""
+        composer, gossip, rounds, membership = self.composer, self.gossip, self.rounds, self.membership
+        assert composer is not None and gossip is not None and rounds is not None and membership is not None
+        owned_now = set(composer.owned_experts())
+        for update in gossip.drain():
+            eid = (update.layer, update.expert)
+            if eid not in owned_now:
+                update.apply({n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()})
+        self._reconcile_ownership()
+        rounds.collect()
+        step = composer.step
+        if step > 0:
+            alone = len(membership.view().composers()) < 2
+            for group in self.schedule.due(step):
+                if group not in composer.outer:
+                    continue
+                if alone:  # a merge among one: the outer step with our own pseudo-gradient
+                    composer.apply_outer(group, composer.pseudo_gradient(group))
+                else:
+                    rounds.submit(group, round_id=step // self.schedule.periods[group])
+            if step % self.cfg.surrogate.refresh_every == 0:
+                self._publish_refresh()
+            if step % self.config.snapshot_every == 0:
+                for eid in composer.owned_experts():
+                    self.exchange.put(eid, step, composer.expert_snapshot(eid))  # type: ignore[union-attr]
+        versions = gossip.versions()
+        membership.update(step=step, loss=self.status.loss,
+                          versions={"max": max(versions.values(), default=0), "held": len(versions)})
+        self._refresh_status()
+
+    def _publish_refresh(self) -> None:
+        composer, gossip = self.composer, self.gossip
+        assert composer is not None and gossip is not None
+        if composer.recorder is None:
+            return
+        for (layer, expert), factors in composer.refresh_surrogates().items():
+            self._publish(layer, expert, factors)
+
+    def _publish(self, layer: int, expert: int, factors: Any) -> None:
+        composer, gossip = self.composer, self.gossip
+        assert composer is not None and gossip is not None
+        eid = (layer, expert)
+        adopted = eid in self._adopted
+        version = gossip.next_version(layer, expert, adopted=adopted)
+        gossip.publish(layer, expert, version, factors, full=composer.publishers[eid].full())
+        self._adopted.discard(eid)
+
+    # --- ownership changes ---
+
+    def _reconcile_ownership(self) -> None:
+        composer, membership = self.composer, self.membership
+        assert composer is not None and membership is not None
+        view = self._fresh_view()
+        if view is None:
+            return
+        target = {(layer, e) for layer, es in membership.owned().items() for e in es}
+        if not target:
+            return  # our own view has us without a shard (a transient DHT miss): change nothing
+        current = set(composer.owned_experts())
+        for eid in sorted(current - target):
+            self._release(eid)
+        for eid in sorted(target - current - set(self._adopting)):
+            previous = self._owners.get(eid)
+            member = view.alive().get(previous) if previous and previous != self.identity.fingerprint else None
+            adoption = _Adoption(eid, member.heartbeat.peer_id if member else None, time.monotonic())
+            if adoption.source is not None:
+                adoption.future = self.exchange.fetch(adoption.source, eid)  # type: ignore[union-attr]
+            self._adopting[eid] = adoption
+        for eid in list(self._adopting):
+            if eid not in target:
+                del self._adopting[eid]  # it moved on before we took it
+                continue
+            self._progress_adoption(self._adopting[eid])
+        self._owners = self._current_owners(view)
+        if set(composer.owned_experts()) != current:
+            self._shard_event()
+
+    def _progress_adoption(self, a: _Adoption) -> None:
+        exchange = self.exchange
+        assert exchange is not None
+        waited = time.monotonic() - a.started
+        if a.future is not None:
+            if not a.future.done():
+                if waited < self.config.adopt_wait_s:
+                    return
+            else:
+                snap = a.future.result()
+                if snap is not None and (a.best is None or snap.step >= a.best.step):
+                    a.best = snap
+                if (snap is None or not snap.final) and waited < self.config.adopt_wait_s:
+                    a.future = exchange.fetch(a.source, a.eid)  # type: ignore[arg-type]
+                    return
+        heir_copy = exchange.take_heir_copy(a.eid)
+        snapshot = a.best if a.best is not None else heir_copy
+        self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
+        del self._adopting[a.eid]
+
+    def _adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str) -> None:
+        composer = self.composer
+        assert composer is not None
+        if snapshot is None:
+            logger.warning("expert %s: no snapshot exists (its owner left before any); restarting it from init", eid)
+            source = "init"
+        composer.adopt_expert(eid, snapshot.tensors if snapshot is not None else None)
+        self._adopted.add(eid)
+        self.status.adoptions += 1
+        self._event("adopted", layer=eid[0], expert=eid[1], source=source,
+                    snapshot_step=snapshot.step if snapshot else None)
+        # Publish at once: every receiver switches to this node's copy of the surrogate (a full copy at a
+        # version past anything the previous owner may have published).
+        self._publish(eid[0], eid[1], composer.publishers[eid].delta(
+            {n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()}))
+
+    def _release(self, eid: ExpertId) -> None:
+        composer, gossip, exchange = self.composer, self.gossip, self.exchange
+        assert composer is not None and gossip is not None and exchange is not None
+        mirror = composer.publishers[eid].full() if eid in composer.publishers else None
+        snapshot = composer.release_expert(eid)
+        exchange.put(eid, composer.step, snapshot, final=True)
+        gossip.disown(*eid)
+        if mirror is not None:  # back to the surrogate every receiver holds
+            with torch.no_grad():
+                for n, p in composer.model.surrogate_parameters(*eid).items():
+                    p.copy_(mirror[n])
+        self.status.releases += 1
+        self._event("released", layer=eid[0], expert=eid[1], step=composer.step)
+
+    # --- leaving ---
+
+    def _leave(self) -> None:
+        composer, rounds, membership = self.composer, self.rounds, self.membership
+        assert composer is not None and rounds is not None and membership is not None
+        self._phase("leaving")
+        started = time.monotonic()
+        if len(membership.view().composers()) > 1:  # alone, a round in flight can only time out
+            rounds.wait(timeout_s=min(self.config.leave_timeout_s, 20.0))
+        for eid in composer.owned_experts():
+            self.exchange.put(eid, composer.step, composer.expert_snapshot(eid), final=True)  # type: ignore[union-attr]
+        self._push_final_snapshots(deadline=started + self.config.leave_timeout_s)
+        if self.config.checkpoint_dir is not None:
+            self._checkpoint()
+        membership.leave("leaving after training" if not self.stop_event.is_set() else "stopped by the user")
+        self._event("left", step=composer.step, seconds=round(time.monotonic() - started, 3))
+
+    def _push_final_snapshots(self, deadline: float) -> None:
+        """Hand our experts' final state to their heirs before the deathrattle.
+
+        Heirs pull the owner's snapshot whenever its heartbeat shows a newer step; we announce our last
+        step and wait (bounded) until each owned expert's snapshot at that step was served."""
+        exchange, membership, composer = self.exchange, self.membership, self.composer
+        assert exchange is not None and membership is not None and composer is not None
+        owned = [eid for eid in self._heirs_of_owned()]
+        if not owned:
+            return
+        membership.update(step=composer.step)
+        while time.monotonic() < deadline:
+            served = exchange.servicer.served_steps
+            if all(served.get(eid, -1) >= composer.step for eid in owned):
+                return
+            time.sleep(0.2)
+        logger.info("leaving before every heir pulled its final snapshot (heirs keep their last periodic copy)")
+
+    def _heirs_of_owned(self) -> dict[ExpertId, str]:
+        view = self.membership.view() if self.membership else None
+        assignment = view.assignment() if view else None
+        if assignment is None or self.composer is None:
+            return {}
+        out = {}
+        for eid in self.composer.owned_experts():
+            heir = assignment.heir(*eid)
+            if heir is not None:
+                out[eid] = heir
+        return out
+
+    def _checkpoint(self) -> None:
+        composer, gossip = self.composer, self.gossip
+        assert composer is not None and gossip is not None and self.config.checkpoint_dir is not None
+        path = save_checkpoint(self.config.checkpoint_dir, composer, run_id=self.config.run_id,
+                               versions=gossip.versions())
+        self._event("checkpoint", step=composer.step, path=str(path), state_hash=state_hash(composer))
+
+    def close(self) -> None:
+        """Stop everything this node started, in reverse order. Safe to call twice and after a failed start."""
+        if self.membership is not None and self.membership.state is not PeerState.STOPPED:
+            try:
+                self.membership.leave("shutting down")
+            except Exception as e:
+                logger.debug("leave during close: %r", e)
+        if self.rounds is not None:
+            self.rounds.shutdown()
+        if self.sync is not None:
+            self.sync.shutdown()
+        if self.exchange is not None:
+            self.exchange.close()
+        if self.gossip is not None:
+            self.gossip.close()
+        if self._loop is not None:
+            if self._p2p is not None:
+                try:
+                    asyncio.run_coroutine_threadsafe(self._p2p.shutdown(), self._loop).result(10)
+                except Exception as e:
+                    logger.debug("p2p replica shutdown: %r", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(10)
+        if self.dht is not None:
+            self.dht.shutdown()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        self.rounds = self.sync = self.exchange = self.gossip = None
+        self.membership = None
+        self._loop = None
+
+    # --- status and metrics ---
+
+    def _refresh_status(self) -> None:
+        s, composer = self.status, self.composer
+        assert composer is not None
+        view = self.membership.view() if self.membership else None
+        s.live_peers = len(view.composers()) if view else 0
+        s.owned = sum(len(es) for es in composer.owned)
+        if self.gossip is not None:
+            versions = self.gossip.versions()
+            s.surrogates_held = len(versions)
+            s.surrogate_version_max = max(versions.values(), default=0)
+            st = self.gossip.stats
+            s.bytes_received = st.bytes_fetched + (self.exchange.bytes_fetched if self.exchange else 0)
+            s.bytes_sent = st.bytes_served + (self.exchange.servicer.bytes_served if self.exchange else 0)
+        if self.rounds is not None:
+            s.rounds_ok = dict(self.rounds.rounds_ok)
+        s.next_round = next_round_in(dict(self.schedule.periods), composer.step)
+        if self.on_status is not None:
+            self.on_status(s)
+
+    def _phase(self, phase: str) -> None:
+        self.status.phase = phase
+        if self.on_status is not None:
+            self.on_status(self.status)
+
+    def _metric(self, **fields: Any) -> None:
+        if self._metrics is None:
+            return
+        s = self.status
+        line = {"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers, "owned": s.owned,
+                "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "rounds_ok": s.rounds_ok,
+                "tokens_per_s": round(s.tokens_per_s, 1)}
+        self._metrics.write(json.dumps(line) + "\n")
+        self._metrics.flush()
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        logger.info("%s %s", kind, fields)
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"t": round(dht_time(), 3), "kind": kind, **fields}) + "\n")
+            self._metrics.flush()
+
+
+def _expert_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int]]:
+    m = cfg.model
+    return {"w_gate.weight": (m.d_expert, m.d_latent), "w_up.weight": (m.d_expert, m.d_latent),
+            "w_down.weight": (m.d_latent, m.d_expert)}
+
+
+def install_signal_handlers(node: Node) -> dict[int, Any]:
+    """SIGINT/SIGTERM ask ``node`` to leave gracefully (a second one is left to the default handler)."""
+
+    owner = os.getpid()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:  # a forked hivemind child inherited this handler: die as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        logger.warning("signal %d: leaving after this step (again to force)", signum)
+        node.stop()
+        signal.signal(signum, signal.SIG_DFL)
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+__all__ = ["SHARED_GROUPS", "Node", "NodeConfig", "NodeStatus", "install_signal_handlers"]

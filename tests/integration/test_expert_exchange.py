@@ -1,0 +1,101 @@
+"""Expert snapshots between real hivemind peers on loopback: fetch by peer id, heir copies kept fresh,
+bad snapshots refused."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
+from parallax.node.expert_exchange import ExpertExchange, encode_snapshot
+
+SHAPES = {"w_gate.weight": (6, 4), "w_up.weight": (6, 4), "w_down.weight": (4, 6)}
+EID = (1, 2)
+
+
+def snapshot(step: float) -> dict[str, torch.Tensor]:
+    out = {n: torch.full(s, step) for n, s in SHAPES.items()}
+    out.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
+    out.update({f"adam.exp_avg_sq.{n}": torch.ones(s) for n, s in SHAPES.items()})
+    out["adam.step"] = torch.tensor(step, dtype=torch.float64)
+    return out
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    targets: dict = {}  # what the heir inherits: expert -> (owner peer id, owner step)
+    exchanges: list[ExpertExchange] = []
+    replicas = []
+    with LocalSwarm("xchg") as swarm:
+        try:
+            owner = swarm.add_dht(fixed_identity(0))
+            heir = swarm.add_dht(fixed_identity(1))
+            for peer, heir_targets in ((owner, dict), (heir, lambda: dict(targets))):
+                p2p = asyncio.run_coroutine_threadsafe(peer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
+                replicas.append(p2p)
+                exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, heir_targets=heir_targets, poll_s=0.2,
+                                                timeout_s=5.0).start())
+            yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets}
+        finally:
+            for x in exchanges:
+                x.close()
+            for p2p in replicas:  # the replicas' reader tasks live on our loop: end them before it stops
+                asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+
+
+def test_fetch_returns_the_snapshot_the_owner_serves(pair) -> None:
+    owner, heir, targets = pair
+    assert heir.fetch(targets["peer"], EID).result(10) is None  # nothing served yet: an empty answer
+    owner.put(EID, 7, snapshot(7.0))
+    got = heir.fetch(targets["peer"], EID).result(10)
+    assert got is not None and got.step == 7 and not got.final
+    assert torch.equal(got.tensors["w_up.weight"], torch.full((6, 4), 7.0))
+    assert float(got.tensors["adam.step"]) == 7.0
+    owner.put(EID, 9, snapshot(9.0), final=True)
+    got = heir.fetch(targets["peer"], EID).result(10)
+    assert got is not None and got.final and got.step == 9
+    assert owner.servicer.served_steps[EID] == 9
+
+
+def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:
+    owner, heir, ids = pair
+    targets = ids["targets"]
+    owner.put(EID, 10, snapshot(10.0))
+    targets[EID] = (ids["peer"], 10)
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
+    assert heir.heir_copy(EID).step == 10  # type: ignore[union-attr]
+    owner.put(EID, 20, snapshot(20.0))
+    targets[EID] = (ids["peer"], 20)
+
+    def has_step_20() -> bool:
+        copy = heir.heir_copy(EID)
+        return copy is not None and copy.step == 20
+
+    wait_until(has_step_20, timeout=15)
+    del targets[EID]  # no longer the heir: the copy is dropped
+    wait_until(lambda: heir.heir_copy(EID) is None, timeout=15)
+
+
+def test_bad_snapshots_are_refused_not_raised(pair) -> None:
+    owner, heir, targets = pair
+    bad = snapshot(1.0)
+    bad["w_gate.weight"][0, 0] = 1e30  # our encoder refuses NaN; a norm far past MAX_NORM stands for poison
+    owner.store.put(EID, 1, encode_snapshot(*EID, 1, bad))
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    wrong_shape = snapshot(1.0)
+    wrong_shape["w_down.weight"] = torch.zeros(6, 4)
+    owner.store.put(EID, 2, encode_snapshot(*EID, 2, wrong_shape))
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    other_expert = encode_snapshot(0, 0, 3, snapshot(3.0))
+    owner.store.put(EID, 3, other_expert)
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert heir.refused == 3

@@ -1,0 +1,178 @@
+"""Real multi-process swarms on loopback: ``parallax node join`` processes, a bootstrap peer, real p2pd.
+
+Tiny preset with short tier periods so that a few dozen steps cover several rounds of every tier.
+Every process is started in its own session by ``LocalSwarm`` and stopped in its ``close()``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from parallax.dht.adapter import dht_time
+from parallax.dht.testing import wait_until
+from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+
+pytestmark = pytest.mark.timeout(420)
+
+PERIODS = '{"router": 5, "latent": 10, "backbone": 10}'
+NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5"]
+ALL_EXPERTS = {(layer, e) for layer in range(2) for e in range(4)}  # tiny: 2 layers x 4 experts
+
+
+def steps_of(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("kind") == "step"]
+
+
+def events(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r.get("kind") == kind]
+
+
+def step_of(node: NodeProcess) -> int:
+    last = latest(read_metrics(node.metrics))
+    return last["step"] if last else 0
+
+
+def shard_at(records: list[dict], t: float) -> set[tuple[int, int]]:
+    """The experts a node owned at time t (its last "shard" event before t)."""
+    owned: set[tuple[int, int]] = set()
+    for r in events(records, "shard"):
+        if r["t"] <= t:
+            owned = {tuple(x) for x in r["experts"]}
+    return owned
+
+
+def assert_partition(shards: list[set[tuple[int, int]]]) -> None:
+    union: set[tuple[int, int]] = set()
+    for s in shards:
+        assert not (union & s), f"experts owned twice: {union & s}"
+        union |= s
+    assert union == ALL_EXPERTS, f"experts without an owner: {ALL_EXPERTS - union}"
+
+
+def session_processes(swarm: LocalSwarm) -> list[psutil.Process]:
+    """Processes still alive in the sessions our children led (daemons included)."""
+    sessions = {n.process.pid for n in swarm.nodes} | ({swarm.bootstrap.pid} if swarm.bootstrap else set())
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) in sessions and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            continue
+    return found
+
+
+def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
+    swarm = LocalSwarm(tmp_path, run_id="swarm3", node_args=NODE_ARGS)
+    try:
+        swarm.start_bootstrap()
+        for _ in range(3):
+            swarm.add_node("--min-peers", "3")  # until stopped
+        wait_until(lambda: all(step_of(n) >= 12 for n in swarm.nodes), timeout=180)
+        joiner = swarm.add_node("--steps", "25")
+        wait_until(lambda: not joiner.alive, timeout=180)
+        assert joiner.process.returncode == 0, f"the joiner failed; see {joiner.log}"
+        for i in range(3):
+            assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"
+        records = swarm.metrics()
+        first_steps = [events(r, "first_step")[0]["t"] for r in records]
+
+        first_losses = []
+        for i, r in enumerate(records):
+            losses = [s["loss"] for s in steps_of(r)]
+            assert len(losses) >= 20, f"node {i} trained {len(losses)} steps"
+            first_losses.append(sum(losses[:5]) / 5)
+            if i < 3:
+                assert sum(losses[-5:]) / 5 < first_losses[i], f"node {i}: loss did not fall ({losses[:5]} ...)"
+            final = steps_of(r)[-1]
+            assert final["surrogates_held"] > 0 and final["surrogate_version_max"] > 0, f"node {i}: {final}"
+            assert final["bytes_received"] > 0, f"node {i} received no surrogate payloads"
+        # The joiner starts from the swarm's learned state, not from the init the others started from.
+        assert first_losses[3] < min(first_losses[:3]) - 0.5, first_losses
+
+        # Before the joiner: the three shards partition the experts.
+        before_join = max(first_steps[:3]) + 1.0
+        assert before_join < events(records[3], "dht_started")[0]["t"]
+        assert_partition([shard_at(r, before_join) for r in records[:3]])
+        # After the joiner took its experts over from their owners: four shards partition them.
+        adopted = events(records[3], "adopted")
+        assert adopted, "the joiner took no expert over"
+        assert all(a["source"] == "previous owner" for a in adopted), adopted
+        settled = max(a["t"] for a in adopted) + 3.0
+        assert settled < events(records[3], "left")[0]["t"]
+        assert_partition([shard_at(r, settled) for r in records])
+        assert events(records[3], "loaded_state"), "the joiner did not load the shared groups from peers"
+        assert steps_of(records[3])[0]["step"] > 12, "the joiner did not take the swarm's step count"
+
+        for i, r in enumerate(records[:3]):
+            rounds = steps_of(r)[-1]["rounds_ok"]
+            assert all(n >= 2 for n in rounds.values()), f"node {i} completed rounds {rounds}"
+    finally:
+        swarm.close()
+    assert not session_processes(swarm), "processes left behind"
+
+
+def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> None:
+    swarm = LocalSwarm(tmp_path, run_id="swarmkill", node_args=NODE_ARGS)
+    try:
+        swarm.start_bootstrap()
+        for _ in range(4):
+            swarm.add_node("--steps", "80", "--min-peers", "4")
+        wait_until(lambda: all(step_of(n) >= 22 for n in swarm.nodes), timeout=240)
+        victim = read_metrics(swarm.nodes[3].metrics)
+        lost = shard_at(victim, float("inf"))
+        assert lost, "the victim owned nothing"
+        killed_at = dht_time()
+        swarm.kill(3)
+        wait_until(lambda: _adopted_all(swarm, lost, killed_at), timeout=60)
+        assert swarm.wait(240)
+        records = swarm.metrics()[:3]
+        adoptions = [a for r in records for a in events(r, "adopted") if a["t"] > killed_at]
+        taken: dict[tuple[int, int], dict] = {}
+        for a in sorted(adoptions, key=lambda a: a["t"]):  # the first takeover of each expert after the kill
+            taken.setdefault((a["layer"], a["expert"]), a)
+        assert set(taken) >= lost
+        delays = {eid: taken[eid]["t"] - killed_at for eid in lost}
+        assert max(delays.values()) <= 8.0, f"heirs took over after {delays} s"
+        assert all(taken[eid]["source"] == "heir copy" for eid in lost), adoptions
+        for i, r in enumerate(records):
+            after = [s for s in steps_of(r) if s["t"] > killed_at]
+            assert len(after) >= 10, f"node {i} stopped training after the kill"
+            before = max(sum(s["rounds_ok"].values()) for s in steps_of(r) if s["t"] <= killed_at + 10)
+            assert sum(after[-1]["rounds_ok"].values()) > before, f"node {i}: no outer round after the kill"
+        assert [n.process.returncode for n in swarm.nodes[:3]] == [0, 0, 0]
+    finally:
+        swarm.close()
+    assert not session_processes(swarm), "processes left behind"
+
+
+def _adopted_all(swarm: LocalSwarm, lost: set[tuple[int, int]], since: float) -> bool:
+    taken = {(a["layer"], a["expert"]) for n in swarm.nodes[:3] for a in events(read_metrics(n.metrics), "adopted")
+             if a["t"] > since}
+    return taken >= lost
+
+
+def test_stop_and_resume_restores_the_state_exactly(tmp_path: Path) -> None:
+    swarm = LocalSwarm(tmp_path, run_id="swarmresume", node_args=NODE_ARGS)
+    ckpt = tmp_path / "ckpt"
+    try:
+        swarm.start_bootstrap()
+        swarm.add_node("--steps", "12", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")
+        assert swarm.wait(180)
+        assert swarm.nodes[0].process.returncode == 0
+        saved = events(read_metrics(swarm.nodes[0].metrics), "checkpoint")[-1]
+        assert saved["step"] == 12
+        swarm.add_node("--steps", "3", "--checkpoint-dir", str(ckpt), "--resume", index=0)
+        assert swarm.wait(180)
+        records = read_metrics(swarm.nodes[0].metrics)
+        resumed = events(records, "resumed")[-1]
+        assert resumed["step"] == 12
+        assert resumed["state_hash"] == saved["state_hash"]
+        assert steps_of(records)[-1]["step"] == 15
+    finally:
+        swarm.close()
+    assert not session_processes(swarm), "processes left behind"
