@@ -1,0 +1,55 @@
+"""``parallax node join``: bad input is refused with a clear message before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from parallax.cli.main import app
+from parallax.cli.node import _read_config_file
+
+runner = CliRunner()
+
+
+def join(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["node", "join", "--quiet", *args])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is absent")
+def test_gpu_without_cuda_says_what_to_do(tmp_path) -> None:
+    result = join("--gpu", "0", "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    assert "--cpu" in result.output
+
+
+def test_resume_needs_a_checkpoint_dir(tmp_path) -> None:
+    result = join("--cpu", "--resume", "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    assert "--checkpoint-dir" in result.output
+
+
+def test_malformed_initial_peer_is_named(tmp_path) -> None:
+    result = join("--cpu", "--initial-peers", "/ip4/127.0.0.1/tcp/notaport", "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    assert "notaport" in result.output
+
+
+def test_unknown_config_field_is_named(tmp_path) -> None:
+    result = join("--cpu", "--set", "sync.no_such_field=1", "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    assert "no_such_field" in result.output
+
+
+def test_config_file_top_level_and_train_table(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "r7"\nsteps = 5\n[train]\nbatch_size = 4\n[train.sync]\nouter_lr = 0.5\n')
+    node, changes = _read_config_file(path)
+    assert node == {"run_id": "r7", "steps": 5}
+    assert changes == {"batch_size": 4, "sync.outer_lr": 0.5}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('colour = "blue"\n')
+    result = join("--cpu", "--config", str(bad), "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2 and "colour" in result.output
+    result = join("--cpu", "--config", str(tmp_path / "missing.toml"), "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2 and "no such file" in result.output
