@@ -153,13 +153,14 @@ def join(
         if live is not None:
             live.update(_status_table(status))
 
-    node = Node(config, on_status=show)
-    previous = install_signal_handlers(node)
+    previous: dict[int, Any] = {}
     try:
+        node = Node(config, on_status=show)
+        previous = install_signal_handlers(node)
         if live is not None:
             live.start()
         status = node.run()
-    except ParallaxError as e:
+    except (ParallaxError, ValueError, OSError) as e:  # bad key file, data, checkpoint, unreachable swarm
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e
     finally:

@@ -53,3 +53,9 @@ def test_config_file_top_level_and_train_table(tmp_path) -> None:
     assert result.exit_code == 2 and "colour" in result.output
     result = join("--cpu", "--config", str(tmp_path / "missing.toml"), "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2 and "no such file" in result.output
+
+
+def test_missing_data_file_is_an_error_not_a_traceback(tmp_path) -> None:
+    result = join("--cpu", "--data", str(tmp_path / "nope.txt"), "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 1
+    assert "nope.txt" in result.output
