@@ -406,11 +406,16 @@ class Membership:
                 logger.exception("announcer tick failed; retrying")
             self._stop.wait(self.config.refresh_s)
 
-    def _tick(self) -> None:
-        now = self._clock()
-        if now >= self._next_heartbeat:
+    def _heartbeat_if_due(self) -> None:
+        # Checked between every DHT call of a tick: on a loaded host each call may take seconds, and a tick
+        # of several slow calls must not let our heartbeat lapse while we are alive.
+        if self._clock() >= self._next_heartbeat and not self._stop.is_set():
             self._send_heartbeat()
+
+    def _tick(self) -> None:
+        self._heartbeat_if_due()
         self._refresh()
+        self._heartbeat_if_due()
         if self.shards is None or self._stop.is_set():
             return
         now = self._clock()
@@ -432,6 +437,7 @@ class Membership:
         peer_ids = {fp: m.heartbeat.peer_id for fp, m in self._view.members.items()}
         claimed: dict[int, frozenset[int]] = {}
         for layer in sorted(set(self._owned) | set(self._claimed)):
+            self._heartbeat_if_due()
             claim_set = build_claim_set(
                 assignment, self.fingerprint, layer, self._claimed.get(layer, ()), now=now,
                 lease_s=self._lease_s(), step=self._step, peer_ids=peer_ids,

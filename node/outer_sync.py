@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import math
 import signal
@@ -81,6 +82,7 @@ __all__ = [
     "encode_fingerprint",
     "fingerprint",
     "fingerprints_agree",
+    "round_tag",
     "majority_agrees",
     "merged_from_components",
     "outer_prefix",
@@ -98,7 +100,8 @@ FP_SLOTS = 16
 FP_BLOCK = 4096
 """Projections use a +-1 vector of this length, its blocks flipped by a hashed sign per block."""
 _FP_FIELDS = 4  # per slot: projection 1, projection 2, norm, scale
-_FP_MAGIC = b"PXF1"
+_FP_MAGIC = b"PXF2"
+_TAG_BYTES = 8
 _FP_SEED = 0x5058_4F53  # "PXOS"
 _BUFFER_LOCK_TIMEOUT_S = 5.0
 _VERIFY_POLL_S = 0.05
@@ -371,19 +374,36 @@ def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float]) ->
     return tuple(out)
 
 
-def encode_fingerprint(fp: Sequence[float]) -> bytes:
-    """DHT value of a fingerprint: magic, count, float32s (<= 4 + 2 + 256 bytes)."""
-    return _FP_MAGIC + struct.pack(f"<H{len(fp)}f", len(fp), *fp)
+def round_tag(round_id: int, participants: Sequence[str]) -> bytes:
+    """8 bytes naming one round: its number and its participants.
+
+    Round numbers alone repeat: peers at different steps meet under the largest of their numbers, so two
+    different rounds can share a number (and a DHT key). A fingerprint counts only for the round whose tag
+    it carries, so a stale record of an earlier round is never compared with this one's.
+    """
+    h = hashlib.sha256(f"{round_id}|".encode() + "|".join(sorted(participants)).encode())
+    return h.digest()[:_TAG_BYTES]
 
 
-def decode_fingerprint(value: object) -> tuple[float, ...] | None:
-    """Inverse of ``encode_fingerprint``; None for anything malformed (a peer's record is data, not trusted)."""
-    if not isinstance(value, bytes) or len(value) < 6 or not value.startswith(_FP_MAGIC):
+def encode_fingerprint(fp: Sequence[float], tag: bytes = bytes(8)) -> bytes:
+    """DHT value of a fingerprint: magic, round tag, count, float32s (<= 4 + 8 + 2 + 256 bytes)."""
+    if len(tag) != _TAG_BYTES:
+        raise ValueError(f"a round tag has {_TAG_BYTES} bytes")
+    return _FP_MAGIC + tag + struct.pack(f"<H{len(fp)}f", len(fp), *fp)
+
+
+def decode_fingerprint(value: object, tag: bytes = bytes(8)) -> tuple[float, ...] | None:
+    """Inverse of ``encode_fingerprint``; None for anything malformed or of another round (a peer's record is
+    data, not trusted)."""
+    head = len(_FP_MAGIC) + _TAG_BYTES
+    if not isinstance(value, bytes) or len(value) < head + 2 or not value.startswith(_FP_MAGIC):
         return None
-    (n,) = struct.unpack_from("<H", value, 4)
-    if n % _FP_FIELDS or n > _FP_FIELDS * FP_SLOTS or len(value) != 6 + 4 * n:
+    if value[len(_FP_MAGIC):head] != tag:
         return None
-    return tuple(struct.unpack_from(f"<{n}f", value, 6))
+    (n,) = struct.unpack_from("<H", value, head)
+    if n % _FP_FIELDS or n > _FP_FIELDS * FP_SLOTS or len(value) != head + 2 + 4 * n:
+        return None
+    return tuple(struct.unpack_from(f"<{n}f", value, head + 2))
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:
@@ -722,7 +742,8 @@ class GroupAverager:
         """
         cfg = self.config
         key = round_key(self.run_id, self.group, n)
-        if not self._dht.store(key, self.peer_id.encode(), encode_fingerprint(fp),
+        tag = round_tag(n, participants)
+        if not self._dht.store(key, self.peer_id.encode(), encode_fingerprint(fp, tag),
                                dht_time() + cfg.fingerprint_ttl_s, timeout_s=cfg.dht_timeout_s):
             logger.debug("could not store the fingerprint of %s round %d", self.group, n)
         deadline = time.monotonic() + cfg.verify_timeout_s
@@ -734,9 +755,9 @@ class GroupAverager:
             for subkey, (value, _expiration) in (found or {}).get(key, {}).items():
                 peer = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
                 if peer in wanted and peer not in others:
-                    decoded = decode_fingerprint(value)
+                    decoded = decode_fingerprint(value, tag)
                     if decoded is None:
-                        logger.debug("malformed fingerprint from %s for %s round %d", peer, self.group, n)
+                        logger.debug("malformed or stale fingerprint from %s for %s round %d", peer, self.group, n)
                         continue
                     others[peer] = decoded
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)

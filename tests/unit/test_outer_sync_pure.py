@@ -19,6 +19,7 @@ from parallax.node.outer_sync import (
     merged_from_components,
     outer_prefix,
     round_key,
+    round_tag,
 )
 from parallax.node.rda import merge_groups
 
@@ -181,3 +182,14 @@ def test_names():
     for run_id, group in (("run.1", "router"), ("run", "a.b"), ("run", ""), ("run", "a/b"), ("bad run", "x")):
         with pytest.raises(ValueError):
             outer_prefix(run_id, group)
+
+
+def test_a_fingerprint_counts_only_for_the_round_it_was_made_in():
+    fp = (1.0, 2.0, 3.0, 4.0)
+    tag = round_tag(10, ["b", "a"])
+    assert tag == round_tag(10, ["a", "b"])  # the participants' order does not matter
+    value = encode_fingerprint(fp, tag)
+    assert decode_fingerprint(value, tag) == fp
+    # the same round number among other peers (peers at other steps meet under the largest number)
+    assert decode_fingerprint(value, round_tag(10, ["a", "c"])) is None
+    assert decode_fingerprint(value, round_tag(11, ["a", "b"])) is None
