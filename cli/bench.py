@@ -106,6 +106,27 @@ def dht(
     typer.echo(markdown(report))
 
 
+@bench_app.command("swarm")
+def swarm(
+    nodes: int = typer.Option(3, "--nodes", min=2, help="Composer processes started together (a joiner comes later)."),
+    steps: int = typer.Option(150, "--steps", min=10, help="Inner steps per node (and of the in-process reference)."),
+    preset: Preset = "small",
+    join_at: int = typer.Option(10, "--join-at", min=1, help="The joiner starts once every node passed this step."),
+    workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
+    json_path: JsonPath = None,
+) -> None:
+    """A local process swarm side by side with the in-process run: step-path I/O, traffic vs DDP, outer-round
+    time vs the bandwidth bound, join-to-first-step, final loss (a few minutes on 2 cores)."""
+    from pathlib import Path
+
+    from parallax.benchmarks.swarm import markdown, run_swarm_bench, write
+
+    report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at,
+                             workdir=Path(workdir) if workdir else None, progress=typer.echo)
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("protocol")
 def protocol(
     seconds: float = typer.Option(1.0, "--seconds", min=0.05, help="Timing budget per envelope size, in seconds."),

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 # Keys a --config TOML file may set at its top level (the [train] table holds TrainConfig overrides).
 _FILE_KEYS = {"run_id", "initial_peers", "identity", "data", "preset", "steps", "checkpoint_dir", "checkpoint_every",
-              "metrics", "host", "announce", "min_peers", "loopback"}
+              "metrics", "host", "announce", "min_peers", "loopback", "snapshot_every"}
 
 
 def _read_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, object]]:
@@ -101,6 +101,11 @@ def join(
         None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
     loopback: bool = typer.Option(False, "--loopback", help="Short timings for peers on one machine (local swarms)."),
     quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
+    snapshot_every: int | None = typer.Option(
+        None, "--snapshot-every", min=1, help="Steps between expert snapshots for heirs (default 50): the most "
+        "steps of its experts a crash loses; shorter costs traffic."),
+    final_eval: bool = typer.Option(
+        False, "--final-eval", help="Evaluate on the validation split when leaving (val loss in the metrics)."),
 ) -> None:
     """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background."""
     from parallax.dht.adapter import parse_initial_peers
@@ -136,6 +141,8 @@ def join(
             metrics_path=(Path(m) if (m := pick(metrics, "metrics", None)) else None),
             loopback=pick(loopback, "loopback", False),
             min_peers=pick(min_peers, "min_peers", 1),
+            final_eval=final_eval,
+            snapshot_every=pick(snapshot_every, "snapshot_every", 50),
         )
     except (ValueError, DeviceError) as e:
         raise typer.BadParameter(str(e)) from e

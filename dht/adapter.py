@@ -174,6 +174,9 @@ class SwarmDHT:
         self.peer_id: str = str(dht.peer_id)
         self._closed = False
         self._send_lock = threading.Lock()  # one write to hivemind's control pipe at a time
+        self.forbidden_thread: int | None = None
+        """A thread that must not call the network (the node's training loop); its calls are counted."""
+        self.forbidden_calls = 0
 
     @classmethod
     def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = ()) -> SwarmDHT:
@@ -238,6 +241,11 @@ class SwarmDHT:
 
     # --- records ---
 
+    def _check_thread(self, what: str) -> None:
+        if self.forbidden_thread is not None and threading.get_ident() == self.forbidden_thread:
+            self.forbidden_calls += 1
+            logger.warning("DHT %s called from the training thread: network I/O on the step path", what)
+
     def store(
         self, key: str, subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float
     ) -> bool:
@@ -246,6 +254,7 @@ class SwarmDHT:
         Returns False when no peer accepted it (a newer record is there, validation refused it, or
         the call timed out); never raises for network trouble.
         """
+        self._check_thread("store")
         with self._send_lock:
             future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
         try:
@@ -267,6 +276,7 @@ class SwarmDHT:
         timeout or failure, so callers keep their previous view rather than seeing everyone vanish.
         """
         coro = partial(_get_many, keys=list(keys), latest=latest)
+        self._check_thread("get")
         with self._send_lock:
             future = self._dht.run_coroutine(coro, return_future=True)
         try:

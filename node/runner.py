@@ -64,7 +64,7 @@ from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.model import Ownership
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
-from parallax.node.outer_sync import OuterSyncConfig, TieredOuterSync
+from parallax.node.outer_sync import SMALL_TENSOR_NUMEL, OuterSyncConfig, TieredOuterSync
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -102,12 +102,16 @@ class NodeConfig:
     """Wait until this many composers are alive (this one included) before the first step."""
     start_timeout_s: float = 120.0
     """Give up when the swarm does not offer this node a shard within this long."""
-    snapshot_every: int = 10
-    """Serve a fresh snapshot of every owned expert (for its heir) every this many steps."""
+    snapshot_every: int = 50
+    """Serve a fresh snapshot of every owned expert (for its heir) every this many steps: an owner's death
+    loses at most this many steps of its experts; each snapshot is weights + AdamW moments (12 bytes per
+    expert parameter) pulled by the heir, so short periods cost traffic (``parallax bench swarm``)."""
     adopt_wait_s: float = 10.0
     """How long to wait for the previous owner's final snapshot before taking its latest periodic one."""
     leave_timeout_s: float = 30.0
     """Bound on the graceful leave (rounds in flight, final snapshots)."""
+    final_eval: bool = False
+    """Evaluate this node's own view on the validation split when it leaves (metrics event final_eval)."""
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -138,10 +142,15 @@ class NodeStatus:
     surrogate_version_max: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    gossip_bytes: int = 0
+    """Surrogate payloads fetched + served."""
+    snapshot_bytes: int = 0
+    """Expert snapshots fetched + served (heir copies, hand-overs)."""
     rounds_ok: dict[str, int] = field(default_factory=dict)
     next_round: dict[str, int] = field(default_factory=dict)
     adoptions: int = 0
     releases: int = 0
+    val_loss: float | None = None
 
 
 @dataclass
@@ -378,6 +387,8 @@ class Node:
         assert composer is not None
         self._phase("training")
         self._shard_event()
+        assert self.dht is not None
+        self.dht.forbidden_thread = threading.get_ident()  # counts any DHT call from this loop (none expected)
         trained, tokens_window, window_started = 0, 0, time.monotonic()
         while not self.stop_event.is_set() and (self.config.steps is None or trained < self.config.steps):
             self._seam()
@@ -396,6 +407,8 @@ class Node:
             if self.config.checkpoint_dir is not None and composer.step % self.config.checkpoint_every == 0:
                 self._checkpoint()
         self._seam()  # apply what arrived during the last step before leaving
+        self.dht.forbidden_thread = None
+        self._event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
 
     def _seam(self) -> None:
         """The one place the training loop meets the network (module docstring). Never waits on it."""
@@ -407,7 +420,10 @@ class Node:
             if eid not in owned_now:
                 update.apply({n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()})
         self._reconcile_ownership()
-        rounds.collect()
+        for report in rounds.collect():
+            self._event("round", group=report.group, status=report.status.value, round_id=report.round_id,
+                        participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
+                        total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
         step = composer.step
         if step > 0:
             alone = len(membership.view().composers()) < 2
@@ -427,6 +443,18 @@ class Node:
         membership.update(step=step, loss=self.status.loss,
                           versions={"max": max(versions.values(), default=0), "held": len(versions)})
         self._refresh_status()
+
+    def _round_bytes(self, report: Any) -> int:
+        """Bytes this node sent in an all-reduce (hivemind does not count them): a butterfly all-reduce sends
+        (n-1)/n of the payload to the others and receives as much back; fp16 above SMALL_TENSOR_NUMEL."""
+        n = len(report.participants)
+        if self.sync is None or n < 2 or not report.began_allreduce:
+            return 0
+        averager = self.sync.groups[report.group]
+        fp16 = averager.config.compression == "fp16"
+        payload = sum(b.numel() * (2 if fp16 and b.numel() >= SMALL_TENSOR_NUMEL else 4)
+                      for b in averager._buffers)  # noqa: SLF001 - the averaged buffers' sizes
+        return int(payload * (n - 1) / n)
 
     def _publish_refresh(self) -> None:
         composer, gossip = self.composer, self.gossip
@@ -451,11 +479,10 @@ class Node:
         composer, membership = self.composer, self.membership
         assert composer is not None and membership is not None
         view = self._fresh_view()
-        if view is None:
-            return
-        target = {(layer, e) for layer, es in membership.owned().items() for e in es}
-        if not target:
-            return  # our own view has us without a shard (a transient DHT miss): change nothing
+        assignment = view.assignment() if view is not None else None
+        if view is None or assignment is None or self.identity.fingerprint not in assignment.peers:
+            return  # no fresh view that has us in it (a transient DHT miss): change nothing
+        target = {(layer, e) for layer, es in assignment.owned_by(self.identity.fingerprint).items() for e in es}
         current = set(composer.owned_experts())
         for eid in sorted(current - target):
             self._release(eid)
@@ -539,6 +566,10 @@ class Node:
         self._push_final_snapshots(deadline=started + self.config.leave_timeout_s)
         if self.config.checkpoint_dir is not None:
             self._checkpoint()
+        if self.config.final_eval:
+            self.status.val_loss = composer.evaluate(self.val)
+            self._event("final_eval", step=composer.step, val_loss=round(self.status.val_loss, 5),
+                        tokens=composer.tokens_seen)
         membership.leave("leaving after training" if not self.stop_event.is_set() else "stopped by the user")
         self._event("left", step=composer.step, seconds=round(time.monotonic() - started, 3))
 
@@ -625,8 +656,12 @@ class Node:
             s.surrogates_held = len(versions)
             s.surrogate_version_max = max(versions.values(), default=0)
             st = self.gossip.stats
-            s.bytes_received = st.bytes_fetched + (self.exchange.bytes_fetched if self.exchange else 0)
-            s.bytes_sent = st.bytes_served + (self.exchange.servicer.bytes_served if self.exchange else 0)
+            snap_in = self.exchange.bytes_fetched if self.exchange else 0
+            snap_out = self.exchange.servicer.bytes_served if self.exchange else 0
+            s.bytes_received = st.bytes_fetched + snap_in
+            s.bytes_sent = st.bytes_served + snap_out
+            s.gossip_bytes = st.bytes_fetched + st.bytes_served
+            s.snapshot_bytes = snap_in + snap_out
         if self.rounds is not None:
             s.rounds_ok = dict(self.rounds.rounds_ok)
         s.next_round = next_round_in(dict(self.schedule.periods), composer.step)
@@ -644,7 +679,8 @@ class Node:
         s = self.status
         line = {"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers, "owned": s.owned,
                 "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
-                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "rounds_ok": s.rounds_ok,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
+                "snapshot_bytes": s.snapshot_bytes, "rounds_ok": s.rounds_ok,
                 "tokens_per_s": round(s.tokens_per_s, 1)}
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()

@@ -19,7 +19,8 @@ from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metr
 pytestmark = pytest.mark.timeout(420)
 
 PERIODS = '{"router": 5, "latent": 10, "backbone": 10}'
-NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5"]
+NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5",
+             "--snapshot-every", "10"]
 ALL_EXPERTS = {(layer, e) for layer in range(2) for e in range(4)}  # tiny: 2 layers x 4 experts
 
 

@@ -1,0 +1,249 @@
+"""The P2P swarm benchmark (issue 6): a local process swarm measured side by side with the in-process run.
+
+One run: a bootstrap peer and N ``parallax node join`` processes on loopback train S steps each (a
+joiner comes in once the others are past ``join_at`` steps and trains the rest), every node evaluates
+its own view when it leaves; then the in-process simulator trains N composers for S steps on the
+same preset. Reported, from the nodes' JSONL metrics:
+
+- DHT calls from the training thread while it trained (the step path): must be 0 (``SwarmDHT`` counts
+  calls from the thread the node marks as its training loop);
+- traffic per composer-step: surrogate gossip and expert snapshots as counted by the nodes, plus the
+  outer all-reduces (hivemind does not count bytes: (n-1)/n of the fp16/fp32 payload sent per
+  round and participant), against a DDP ring all-reduce of the same model's fp32 gradients,
+  2 (n-1)/n x 4 x parameters per step;
+- outer-round time (hivemind's matchmaking + all-reduce, median per group) against the bandwidth bound
+  2 (n-1)/n x S_G / B, with B the loopback bandwidth measured in the same run;
+- start to first step of the joiner (from the node's start, imports excluded, and from the spawn);
+- final validation loss of the swarm (median of the nodes' own views) against the in-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from parallax.node.local_swarm import LocalSwarm, read_metrics
+
+
+def loopback_bandwidth(megabytes: int = 256) -> float:
+    """Bytes per second through one loopback TCP connection (the B of the all-reduce bound)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    chunk = b"\0" * (1 << 20)
+    received = [0]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(1 << 20):
+                received[0] += len(data)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        for _ in range(megabytes):
+            client.sendall(chunk)
+    thread.join(60)
+    elapsed = time.perf_counter() - started
+    server.close()
+    return received[0] / elapsed
+
+
+def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind") == kind]
+
+
+def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", join_at: int = 10,
+                    periods: str = '{"router": 25, "latent": 50, "backbone": 100}', refresh_every: int = 25,
+                    snapshot_every: int = 50, workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
+    """Run the benchmark (module docstring); returns the report (JSON-able)."""
+    from parallax.node.config import override, train_config
+    from parallax.node.data import load_corpus, split_corpus
+    from parallax.node.model import MoETransformer
+    from parallax.node.sim import RunSpec, run
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-swarm-"))
+    args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
+            "--set", f"steps={steps}", "--final-eval", "--snapshot-every", str(snapshot_every)]
+    bandwidth = loopback_bandwidth()
+    progress(f"loopback bandwidth {bandwidth / 1e9:.2f} GB/s; starting {nodes} nodes + 1 joiner in {workdir}")
+    swarm = LocalSwarm(workdir, run_id="bench", node_args=args)
+    started = time.monotonic()
+    try:
+        swarm.start_bootstrap()
+        for _ in range(nodes):
+            swarm.add_node("--steps", str(steps), "--min-peers", str(nodes))
+        deadline = time.monotonic() + 3600
+        while time.monotonic() < deadline:
+            last = [_events(read_metrics(n.metrics), "step") for n in swarm.nodes]
+            if all(s and s[-1]["step"] >= join_at for s in last):
+                break
+            time.sleep(0.5)
+        spawned = time.time()
+        joiner = swarm.add_node("--steps", str(max(1, steps - join_at)))
+        if not swarm.wait(3600):
+            raise RuntimeError(f"the swarm did not finish within an hour; see {workdir}")
+    finally:
+        swarm.close()
+    wall_s = time.monotonic() - started
+    records = swarm.metrics()
+    codes = [n.process.returncode for n in swarm.nodes]
+
+    cfg = override(train_config(preset), {"steps": steps, "sync.periods": json.loads(periods),
+                                          "surrogate.refresh_every": refresh_every})
+    full = MoETransformer(cfg.model, None, "drop")  # DDP trains the plain MoE: every expert, no surrogates
+    params = sum(p.numel() for p in full.parameters())
+    ddp_per_step = 2 * (nodes - 1) / nodes * 4 * params
+
+    per_node = []
+    for i, r in enumerate(records):
+        steps_done = _events(r, "step")
+        rounds = _events(r, "round")
+        ok = [x for x in rounds if x["status"] == "ok"]
+        final = steps_done[-1] if steps_done else {}
+        outer_bytes = 2 * sum(x["bytes_est"] for x in rounds)  # sent and received
+        gossip_bytes, snapshot_bytes = final.get("gossip_bytes", 0), final.get("snapshot_bytes", 0)
+        p2p_bytes = final.get("bytes_sent", 0) + final.get("bytes_received", 0)
+        n_steps = len(steps_done)
+        path = _events(r, "step_path")
+        evals = _events(r, "final_eval")
+        per_node.append({
+            "node": i, "joiner": swarm.nodes[i] is joiner, "exit_code": codes[i], "steps": n_steps,
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "step_path_dht_calls": path[-1]["dht_calls"] if path else None,
+            "p2p_bytes": p2p_bytes, "outer_bytes_est": outer_bytes,
+            "gossip_bytes": gossip_bytes, "snapshot_bytes": snapshot_bytes,
+            "bytes_per_step": (p2p_bytes + outer_bytes) / n_steps if n_steps else None,
+            "training_bytes_per_step": (gossip_bytes + outer_bytes) / n_steps if n_steps else None,
+            "snapshot_bytes_per_step": snapshot_bytes / n_steps if n_steps else None,
+            "rounds_ok": {g: sum(1 for x in ok if x["group"] == g) for g in ("router", "latent", "backbone")},
+            "rounds_failed": len(rounds) - len(ok),
+            "allreduce_s": {g: [x["allreduce_s"] for x in ok if x["group"] == g] for g in ("router", "latent",
+                                                                                      "backbone")},
+            "first_step_s": _events(r, "first_step")[0]["seconds"] if _events(r, "first_step") else None,
+        })
+    joiner_index = swarm.nodes.index(joiner)
+    joiner_first = _events(records[joiner_index], "first_step")
+    spawn_to_first = joiner_first[0]["t"] - spawned if joiner_first else None
+
+    sizes = _group_bytes(cfg)
+    round_times = {}
+    for group, size in sizes.items():
+        times = [t for n in per_node for t in n["allreduce_s"][group]]
+        bound = 2 * (nodes - 1) / nodes * size / bandwidth
+        round_times[group] = {"median_s": statistics.median(times) if times else None, "rounds": len(times),
+                              "payload_bytes": size, "bound_s": bound}
+
+    progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {steps} steps)")
+    train, val = split_corpus(load_corpus(None), seq_len=cfg.model.seq_len)
+    sim = run(RunSpec(name="parallax", kind="parallax", cfg=cfg, composers=nodes), train, val)
+
+    losses = [n["val_loss"] for n in per_node if n["val_loss"] is not None and not n["joiner"]]
+    traffic = [n["bytes_per_step"] for n in per_node if n["bytes_per_step"]]
+    training = [n["training_bytes_per_step"] for n in per_node if n["training_bytes_per_step"]]
+    snapshots = [n["snapshot_bytes_per_step"] for n in per_node if n["snapshot_bytes_per_step"] is not None]
+    return {
+        "nodes": nodes, "steps": steps, "preset": preset, "join_at": join_at, "periods": json.loads(periods),
+        "refresh_every": refresh_every, "wall_s": wall_s, "exit_codes": codes, "per_node": per_node,
+        "loopback_bytes_per_s": bandwidth,
+        "step_path_dht_calls": sum(n["step_path_dht_calls"] or 0 for n in per_node),
+        "traffic": {"bytes_per_composer_step_median": statistics.median(traffic) if traffic else None,
+                    "ddp_allreduce_bytes_per_step": ddp_per_step, "model_parameters": params,
+                    "ratio_ddp_over_parallax": ddp_per_step / statistics.median(traffic) if traffic else None,
+                    "training_bytes_per_step_median": statistics.median(training) if training else None,
+                    "ratio_ddp_over_training": ddp_per_step / statistics.median(training) if training else None,
+                    "snapshot_bytes_per_step_median": statistics.median(snapshots) if snapshots else None,
+                    "snapshot_every": snapshot_every},
+        "outer_round_time": round_times,
+        "join": {"node_start_to_first_step_s": per_node[joiner_index]["first_step_s"],
+                 "spawn_to_first_step_s": spawn_to_first},
+        "tokens": {"swarm": sum(e[-1]["tokens"] for r in records if (e := _events(r, "final_eval"))),
+                   "in_process": sim.tokens},
+        "val_loss": {"swarm_median": statistics.median(losses) if losses else None,
+                     "in_process_median": sim.val_loss, "in_process_assembled": sim.assembled_val_loss,
+                     "in_process_wall_s": sim.wall_s},
+        "workdir": str(workdir),
+    }
+
+
+def _group_bytes(cfg: Any) -> dict[str, int]:
+    """Bytes of one outer round's averaged buffers per group, as the node sends them (fp16 when large)."""
+    import torch
+
+    from parallax.node.composer import Composer
+    from parallax.node.model import own_all
+    from parallax.node.outer_sync import SMALL_TENSOR_NUMEL, OuterSyncConfig, component_shapes
+
+    composer = Composer(cfg, own_all(cfg.model), torch.zeros(4 * cfg.model.seq_len, dtype=torch.uint8),
+                        sampler_seed=0)
+    method = OuterSyncConfig().method
+    out = {}
+    for group, outer in composer.outer.items():
+        shapes = {n: tuple(a.shape) for n, a in outer.anchor.items()}
+        total = 0
+        for s in component_shapes(shapes, method):
+            numel = int(torch.Size(s).numel())
+            total += numel * (2 if numel >= SMALL_TENSOR_NUMEL else 4)
+        out[group] = total
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    t, j, v = report["traffic"], report["join"], report["val_loss"]
+    lines = [
+        f"P2P swarm: {report['nodes']} nodes + 1 joiner, preset {report['preset']}, {report['steps']} steps, "
+        f"periods {report['periods']}, refresh every {report['refresh_every']} (exit codes {report['exit_codes']})",
+        "",
+        "| measure | value | reference |",
+        "|---|---|---|",
+        f"| DHT calls from the training thread while training | {report['step_path_dht_calls']} | 0 required |",
+        f"| bytes per composer-step for training (surrogate gossip + outer rounds, median node) | "
+        f"{_num(t['training_bytes_per_step_median'])} | DDP all-reduce {_num(t['ddp_allreduce_bytes_per_step'])}: "
+        f"{_ratio(t['ratio_ddp_over_training'])} less (target >= 1000x) |",
+        f"| bytes per composer-step for durability (expert snapshots to heirs every {t['snapshot_every']} steps) | "
+        f"{_num(t['snapshot_bytes_per_step_median'])} | |",
+        f"| bytes per composer-step, all (median node) | {_num(t['bytes_per_composer_step_median'])} | "
+        f"{_ratio(t['ratio_ddp_over_parallax'])} less than DDP |",
+    ]
+    for group, r in report["outer_round_time"].items():
+        lines.append(f"| outer round {group} (median of {r['rounds']}) | {_sec(r['median_s'])} | bound "
+                     f"2(n-1)/n S/B = {_sec(r['bound_s'])} for {r['payload_bytes']:,} B |")
+    lines += [
+        f"| joiner: node start to first step | {_sec(j['node_start_to_first_step_s'])} | target <= 5 s |",
+        f"| joiner: process spawn to first step (imports included) | {_sec(j['spawn_to_first_step_s'])} | |",
+        f"| final val loss, swarm (median of the first nodes' own views; {report['tokens']['swarm']:,} tokens) | "
+        f"{_loss(v['swarm_median'])} | in-process {_loss(v['in_process_median'])} (assembled "
+        f"{_loss(v['in_process_assembled'])}; {report['tokens']['in_process']:,} tokens) |",
+    ]
+    return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f} B"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}x"
+
+
+def _sec(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def _loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def write(report: dict[str, Any], json_path: str | Path | None) -> None:
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        path.with_suffix(".md").write_text(markdown(report) + "\n")
