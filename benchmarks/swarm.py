@@ -141,6 +141,8 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", 
         round_times[group] = {"median_s": statistics.median(times) if times else None, "rounds": len(times),
                               "payload_bytes": size, "bound_s": bound}
 
+    progress("join probe: one node training, a second joining")
+    probe = join_probe(preset, workdir / "probe")
     progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {steps} steps)")
     train, val = split_corpus(load_corpus(None), seq_len=cfg.model.seq_len)
     sim = run(RunSpec(name="parallax", kind="parallax", cfg=cfg, composers=nodes), train, val)
@@ -163,7 +165,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", 
                     "snapshot_every": snapshot_every},
         "outer_round_time": round_times,
         "join": {"node_start_to_first_step_s": per_node[joiner_index]["first_step_s"],
-                 "spawn_to_first_step_s": spawn_to_first},
+                 "spawn_to_first_step_s": spawn_to_first, "probe": probe},
         "tokens": {"swarm": sum(e[-1]["tokens"] for r in records if (e := _events(r, "final_eval"))),
                    "in_process": sim.tokens},
         "val_loss": {"swarm_median": statistics.median(losses) if losses else None,
@@ -171,6 +173,33 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", 
                      "in_process_wall_s": sim.wall_s},
         "workdir": str(workdir),
     }
+
+
+def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
+    """One node trains; a second joins once it is past step 5 and trains 3 steps: the joiner's start-up
+    phases (seconds since its node started, imports excluded) on a machine not crowded by other nodes."""
+    swarm = LocalSwarm(workdir, run_id="probe", node_args=["--preset", preset])
+    try:
+        swarm.start_bootstrap()
+        first = swarm.add_node()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            steps = _events(read_metrics(first.metrics), "step")
+            if steps and steps[-1]["step"] >= 5:
+                break
+            time.sleep(0.2)
+        joiner = swarm.add_node("--steps", "3")
+        while joiner.alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        swarm.close()
+    records = read_metrics(joiner.metrics)
+    t0 = _events(records, "first_step")[0]
+    start = t0["t"] - t0["seconds"]
+    phases = {kind: round(_events(records, kind)[0]["t"] - start, 3)
+              for kind in ("dht_started", "network_started", "shard_offered", "loaded_state", "first_step")
+              if _events(records, kind)}
+    return {"phases_s": phases, "node_start_to_first_step_s": t0["seconds"]}
 
 
 def _group_bytes(cfg: Any) -> dict[str, int]:
@@ -218,6 +247,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         f"| joiner: node start to first step | {_sec(j['node_start_to_first_step_s'])} | target <= 5 s |",
         f"| joiner: process spawn to first step (imports included) | {_sec(j['spawn_to_first_step_s'])} | |",
+        f"| join probe (1 node training + 1 joining): node start to first step | "
+        f"{_sec(j['probe']['node_start_to_first_step_s'])} | target <= 5 s; phases {j['probe']['phases_s']} |",
         f"| final val loss, swarm (median of the first nodes' own views; {report['tokens']['swarm']:,} tokens) | "
         f"{_loss(v['swarm_median'])} | in-process {_loss(v['in_process_median'])} (assembled "
         f"{_loss(v['in_process_assembled'])}; {report['tokens']['in_process']:,} tokens) |",

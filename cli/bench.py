@@ -117,10 +117,15 @@ def swarm(
 ) -> None:
     """A local process swarm side by side with the in-process run: step-path I/O, traffic vs DDP, outer-round
     time vs the bandwidth bound, join-to-first-step, final loss (a few minutes on 2 cores)."""
+    import signal
     from pathlib import Path
 
     from parallax.benchmarks.swarm import markdown, run_swarm_bench, write
 
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: the swarm's ``finally`` stops every node it started
+
+    signal.signal(signal.SIGTERM, interrupt)
     report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo)
     write(report, json_path)

@@ -313,6 +313,8 @@ class Membership:
         self._next_heartbeat = 0.0
         self._next_claims = 0.0
         self._owned: dict[int, frozenset[int]] = {}
+        self.owned_changed_at = time.monotonic()
+        """When ``owned()`` last changed (monotonic clock): lets a caller wait for a settled assignment."""
         self._claimed: dict[int, frozenset[int]] = {}
         self.heartbeats_sent = 0
 
@@ -423,6 +425,7 @@ class Membership:
         owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
         if owned != self._owned:
             self._owned = owned
+            self.owned_changed_at = time.monotonic()
             self._send_heartbeat()  # what we own changed: say so now, not at the next period
             self._send_claims(assignment, now)
         elif now >= self._next_claims:

@@ -246,6 +246,11 @@ class ExpertExchange:
         with self._lock:
             return self._heirs.get(eid)
 
+    def heir_copies(self) -> dict[ExpertId, int]:
+        """expert -> step of the heir copy held (metrics)."""
+        with self._lock:
+            return {eid: snap.step for eid, snap in self._heirs.items()}
+
     def take_heir_copy(self, eid: ExpertId) -> Snapshot | None:
         """Remove and return the heir copy of ``eid`` (the training thread takes the expert over)."""
         with self._lock:

@@ -61,7 +61,7 @@ from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
-from parallax.node.model import Ownership
+from parallax.node.model import MoETransformer, Ownership
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.outer_sync import SMALL_TENSOR_NUMEL, OuterSyncConfig, TieredOuterSync
@@ -146,6 +146,8 @@ class NodeStatus:
     """Surrogate payloads fetched + served."""
     snapshot_bytes: int = 0
     """Expert snapshots fetched + served (heir copies, hand-overs)."""
+    heir_copies: list[list[int]] = field(default_factory=list)
+    """[layer, expert] of other owners' experts this node holds a snapshot of, as their heir."""
     rounds_ok: dict[str, int] = field(default_factory=dict)
     next_round: dict[str, int] = field(default_factory=dict)
     adoptions: int = 0
@@ -244,7 +246,16 @@ class Node:
         mcfg = MembershipConfig(run_id=c.run_id, role="composer")
         self.membership = Membership(self.dht, self.identity, mcfg, shards=shards)
         self.membership.start()
+        checkpoint = latest_checkpoint(c.checkpoint_dir) if c.resume and c.checkpoint_dir else None
+        if c.resume and checkpoint is None:
+            raise NodeError(f"--resume: no checkpoint in {c.checkpoint_dir}; start without --resume")
+        info = read_info(checkpoint) if checkpoint is not None else None
+        # The network side first: its averagers take seconds to start, while the announcer thread settles
+        # the shard assignment meanwhile (``_wait_for_shard`` then rarely waits).
+        self._start_network(dict(info.versions) if info is not None else {})
+        self._event("network_started", seconds=round(time.monotonic() - self._started, 3))
         owned = self._wait_for_shard()
+        self._event("shard_offered", seconds=round(time.monotonic() - self._started, 3))
         # Joining a running swarm = another composer has trained already (peers started together all read 0).
         others = [m for fp, m in self.membership.view().alive().items()
                   if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
@@ -254,20 +265,15 @@ class Node:
         # A joiner takes its experts over from their previous owners at its first seams (``_reconcile_ownership``),
         # so it starts owning nothing; the previous owners are those of the assignment without it.
         ownership = ownership_of({} if joining else owned, cfg.model.n_layers)
-        checkpoint = latest_checkpoint(c.checkpoint_dir) if c.resume and c.checkpoint_dir else None
-        if c.resume and checkpoint is None:
-            raise NodeError(f"--resume: no checkpoint in {c.checkpoint_dir}; start without --resume")
-        if checkpoint is not None:
-            ownership = read_info(checkpoint).owned
+        if info is not None:
+            ownership = info.owned
         self.composer = Composer(cfg, ownership, self.train_tokens,
                                  sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
-        versions: dict[ExpertId, int] = {}
         if checkpoint is not None:
-            info = load_latest(c.checkpoint_dir, self.composer, run_id=c.run_id)  # type: ignore[arg-type]
-            versions = dict(info.versions)
-            self._event("resumed", step=info.step, path=str(checkpoint), state_hash=state_hash(self.composer))
-
-        self._start_network(versions)
+            loaded = load_latest(c.checkpoint_dir, self.composer, run_id=c.run_id)  # type: ignore[arg-type]
+            self._event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(self.composer))
+        assert self.sync is not None
+        self.rounds = BackgroundRounds(self.sync, self.composer)
         assert self.rounds is not None
         if joining and checkpoint is None:
             self.joined_running_swarm = True
@@ -283,36 +289,36 @@ class Node:
             self._owners = {(layer, e): owner for layer, e, owner, _ in previous.items()}
 
     def _wait_for_shard(self) -> dict[int, frozenset[int]]:
+        """Wait until the live assignment gives us experts and has been stable for a moment."""
         assert self.membership is not None
         deadline = time.monotonic() + self.config.start_timeout_s
         settle = 2 * self.membership.config.refresh_s + 0.5
-        last, stable_since = None, time.monotonic()
         while True:
             if self.stop_event.is_set():
                 raise NodeError("stopped before training began")
             owned = self.membership.owned()
             peers = len(self.membership.view().composers())
-            if owned != last:
-                last, stable_since = owned, time.monotonic()
-            if owned and peers >= self.config.min_peers and time.monotonic() - stable_since >= settle:
+            stable = time.monotonic() - self.membership.owned_changed_at >= settle
+            if owned and peers >= self.config.min_peers and stable:
                 return owned
             if time.monotonic() > deadline:
                 raise NodeError(f"no expert shard within {self.config.start_timeout_s:.0f} s ({peers} live composers "
                                 f"seen, {self.config.min_peers} wanted); check --initial-peers and --run-id")
             self._phase(f"waiting for peers ({peers}/{self.config.min_peers})")
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     def _start_network(self, versions: dict[ExpertId, int]) -> None:
-        assert self.dht is not None and self.composer is not None
+        assert self.dht is not None
         c, cfg = self.config, self.cfg
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="parallax-net", daemon=True)
         self._loop_thread.start()
         self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
-        model = self.composer.model
         gcfg = GossipConfig(run_id=c.run_id, n_layers=cfg.model.n_layers,
                             **({"poll_s": 0.5, "announce_period_s": 2.0, "announce_ttl_s": 30.0} if c.loopback else {}))
-        shapes = {n: tuple(p.shape) for n, p in model.surrogate_parameters(0, 0).items()}
+        m = cfg.model
+        shapes = {"w_gate.weight": (m.d_surrogate, m.d_latent), "w_up.weight": (m.d_surrogate, m.d_latent),
+                  "w_down.weight": (m.d_latent, m.d_surrogate)}
         self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes, owner_of=self._owner_key,
                                       start_versions=versions, loop=self._loop).start()
         expert_shapes = {n: tuple(s) for n, s in _expert_shapes(cfg).items()}
@@ -322,8 +328,7 @@ class Node:
                                        timeout_s=5.0 if c.loopback else 30.0).start()
         ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
         ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge})
-        self.sync = TieredOuterSync(self.dht, c.run_id, TieredOuterSync.group_shapes(self.composer), ocfg)
-        self.rounds = BackgroundRounds(self.sync, self.composer)
+        self.sync = TieredOuterSync(self.dht, c.run_id, _group_shapes(cfg), ocfg)
 
     def _fast_forward(self, step: int) -> None:
         """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm."""
@@ -661,6 +666,7 @@ class Node:
             s.bytes_received = st.bytes_fetched + snap_in
             s.bytes_sent = st.bytes_served + snap_out
             s.gossip_bytes = st.bytes_fetched + st.bytes_served
+            s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())] if self.exchange else []
             s.snapshot_bytes = snap_in + snap_out
         if self.rounds is not None:
             s.rounds_ok = dict(self.rounds.rounds_ok)
@@ -680,7 +686,7 @@ class Node:
         line = {"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers, "owned": s.owned,
                 "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
-                "snapshot_bytes": s.snapshot_bytes, "rounds_ok": s.rounds_ok,
+                "snapshot_bytes": s.snapshot_bytes, "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok,
                 "tokens_per_s": round(s.tokens_per_s, 1)}
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()
@@ -690,6 +696,13 @@ class Node:
         if self._metrics is not None:
             self._metrics.write(json.dumps({"t": round(dht_time(), 3), "kind": kind, **fields}) + "\n")
             self._metrics.flush()
+
+
+def _group_shapes(cfg: TrainConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """group -> (name -> shape) of the shared groups a composer of ``cfg`` merges, in its anchors' order."""
+    model = MoETransformer(cfg.model, ownership_of({}, cfg.model.n_layers), cfg.surrogate.non_owned, seed=cfg.seed)
+    return {g: {n: tuple(p.shape) for n, p in model.group_parameters(g).items()}
+            for g in SHARED_GROUPS if model.group_parameters(g)}
 
 
 def _expert_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int]]:
