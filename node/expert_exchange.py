@@ -69,13 +69,21 @@ class Snapshot:
 # --- the message, both ways (pure) ----------------------------------------------------------------
 
 
-def snapshot_shapes(expert_shapes: Shapes) -> dict[str, tuple[int, ...]]:
-    """Every name a snapshot may carry: weights, their two Adam moments, and the Adam step."""
+SURROGATE_PREFIX = "surrogate."
+SURROGATE_VERSION = "surrogate.version"
+
+
+def snapshot_shapes(expert_shapes: Shapes, surrogate_shapes: Shapes | None = None) -> dict[str, tuple[int, ...]]:
+    """Every name a snapshot may carry: weights, their two Adam moments, the Adam step, and the surrogate
+    receivers hold with its version (what a new owner continues from)."""
     out = dict(expert_shapes)
     for name, shape in expert_shapes.items():
         out[f"adam.exp_avg.{name}"] = shape
         out[f"adam.exp_avg_sq.{name}"] = shape
     out["adam.step"] = ()
+    for name, shape in (surrogate_shapes or {}).items():
+        out[f"{SURROGATE_PREFIX}{name}"] = shape
+    out[SURROGATE_VERSION] = ()
     return out
 
 
@@ -85,7 +93,7 @@ def encode_snapshot(layer: int, expert: int, step: int, tensors: Mapping[str, to
 
 
 def decode_snapshot(body: bytes, eid: ExpertId, expert_shapes: Shapes, *, final: bool,
-                    peer: str | None = None) -> Snapshot:
+                    peer: str | None = None, surrogate_shapes: Shapes | None = None) -> Snapshot:
     """Decode and check a snapshot of expert ``eid``.
 
     Raises:
@@ -95,7 +103,7 @@ def decode_snapshot(body: bytes, eid: ExpertId, expert_shapes: Shapes, *, final:
     msg = ExpertSnapshot.decode(body)
     if (msg.layer, msg.expert) != eid:
         raise RemoteProtocolError(f"asked for expert {eid}, got a snapshot of {(msg.layer, msg.expert)}")
-    allowed = snapshot_shapes(expert_shapes)
+    allowed = snapshot_shapes(expert_shapes, surrogate_shapes)
     unknown = set(msg.tensors) - set(allowed)
     missing = set(expert_shapes) - set(msg.tensors)
     if unknown or missing:
@@ -110,6 +118,11 @@ def decode_snapshot(body: bytes, eid: ExpertId, expert_shapes: Shapes, *, final:
         if not np.isfinite(array).all():
             raise RemoteProtocolError(f"snapshot of {eid}: {name} is not finite")
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    for name in ("adam.step", SURROGATE_VERSION):
+        if name in tensors and not (float(tensors[name]) >= 0 and float(tensors[name]).is_integer()):
+            raise RemoteProtocolError(f"snapshot of {eid}: {name} is {float(tensors[name])}, not a whole number >= 0")
+    if any(float(t.min()) < 0 for n, t in tensors.items() if n.startswith("adam.exp_avg_sq.")):
+        raise RemoteProtocolError(f"snapshot of {eid}: a negative second moment")
     return Snapshot(msg.layer, msg.expert, msg.step, final, tensors)
 
 
@@ -196,6 +209,7 @@ class ExpertExchange:
     """
 
     def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, expert_shapes: Shapes, *,
+                 surrogate_shapes: Shapes | None = None,
                  heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
                  snapshot_every: int = 10,
                  poll_s: float = 10.0,
@@ -203,6 +217,7 @@ class ExpertExchange:
         self.p2p, self.loop = p2p, loop
         self.namespace = f"parallax.{run_id}.experts"
         self.expert_shapes = {n: tuple(s) for n, s in expert_shapes.items()}
+        self.surrogate_shapes = {n: tuple(s) for n, s in (surrogate_shapes or {}).items()}
         self.heir_targets = heir_targets
         self.snapshot_every = snapshot_every
         self.poll_s, self.timeout_s = poll_s, timeout_s
@@ -304,7 +319,8 @@ class ExpertExchange:
             return None
         final, body = got
         try:
-            return decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer)
+            return decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer,
+                                   surrogate_shapes=self.surrogate_shapes)
         except ProtocolError as e:
             self.refused += 1
             logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)

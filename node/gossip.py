@@ -456,6 +456,10 @@ class SurrogateGossip:
         last = max(self.store.latest_owned(eid), self._held.get(eid, 0))
         return last + (self.config.max_behind + 1 if adopted else 1)
 
+    def hold(self, eid: ExpertId, version: int) -> None:
+        """Record that this node holds ``version`` of a surrogate it got outside the gossip (a snapshot)."""
+        self._held[eid] = max(self._held.get(eid, 0), version)
+
     def disown(self, layer: int, expert: int) -> None:
         """Stop announcing an expert as owned (it moved to another node); its payloads stay served."""
         self.store.disown((layer, expert))

@@ -59,8 +59,9 @@ from parallax.node.checkpoint import latest_checkpoint, load_latest, read_info, 
 from parallax.node.composer import Composer
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import load_corpus, split_corpus, val_batches
-from parallax.node.expert_exchange import ExpertExchange, Snapshot
+from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
+from parallax.node.lowrank import ErrorFeedbackPublisher
 from parallax.node.model import MoETransformer, Ownership
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
@@ -70,6 +71,9 @@ from parallax.protocol.identity import Identity
 logger = logging.getLogger(__name__)
 
 ExpertId = tuple[int, int]
+
+LEAVING = "leaving"
+"""Heartbeat ``versions`` key a node sets while it leaves: its heirs fetch its final snapshots at once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +166,7 @@ class _Adoption:
     started: float
     future: Any = None
     best: Snapshot | None = None
+    asked: float = 0.0
 
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
@@ -322,7 +327,7 @@ class Node:
         self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes, owner_of=self._owner_key,
                                       start_versions=versions, loop=self._loop).start()
         expert_shapes = {n: tuple(s) for n, s in _expert_shapes(cfg).items()}
-        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, expert_shapes,
+        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, expert_shapes, surrogate_shapes=shapes,
                                        heir_targets=self._heir_targets,
                                        snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
                                        timeout_s=5.0 if c.loopback else 30.0).start()
@@ -374,7 +379,10 @@ class Node:
             for e in experts:
                 owner = alive.get(assignment.owner(layer, e))
                 if owner is not None:
-                    out[(layer, e)] = (owner.heartbeat.peer_id, owner.heartbeat.step)
+                    hb = owner.heartbeat
+                    # A leaving owner serves its final snapshot now: make any older copy count as stale.
+                    step = hb.step + (self.config.snapshot_every if hb.versions.get(LEAVING) else 0)
+                    out[(layer, e)] = (hb.peer_id, step)
         return out
 
     def _current_owners(self, view: SwarmView) -> dict[ExpertId, str]:
@@ -435,15 +443,15 @@ class Node:
             for group in self.schedule.due(step):
                 if group not in composer.outer:
                     continue
-                if alone:  # a merge among one: the outer step with our own pseudo-gradient
+                if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
                     composer.apply_outer(group, composer.pseudo_gradient(group))
-                else:
+                elif not alone:
                     rounds.submit(group, round_id=step // self.schedule.periods[group])
             if step % self.cfg.surrogate.refresh_every == 0:
                 self._publish_refresh()
             if step % self.config.snapshot_every == 0:
                 for eid in composer.owned_experts():
-                    self.exchange.put(eid, step, composer.expert_snapshot(eid))  # type: ignore[union-attr]
+                    self.exchange.put(eid, step, self._snapshot(eid))  # type: ignore[union-attr]
         versions = gossip.versions()
         membership.update(step=step, loss=self.status.loss,
                           versions={"max": max(versions.values(), default=0), "held": len(versions)})
@@ -520,24 +528,56 @@ class Node:
                 if snap is not None and (a.best is None or snap.step >= a.best.step):
                     a.best = snap
                 if (snap is None or not snap.final) and waited < self.config.adopt_wait_s:
-                    a.future = exchange.fetch(a.source, a.eid)  # type: ignore[arg-type]
+                    if time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
+                        a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
         heir_copy = exchange.take_heir_copy(a.eid)
         snapshot = a.best if a.best is not None else heir_copy
         self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
         del self._adopting[a.eid]
 
+    def _snapshot(self, eid: ExpertId) -> dict[str, torch.Tensor]:
+        """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its
+        version, so whoever takes the expert over continues the surrogate's versions from the same base."""
+        composer, gossip = self.composer, self.gossip
+        assert composer is not None and gossip is not None
+        tensors = composer.expert_snapshot(eid)
+        for name, t in composer.publishers[eid].full().items():
+            tensors[f"{SURROGATE_PREFIX}{name}"] = t
+        tensors[SURROGATE_VERSION] = torch.tensor(float(gossip.versions().get(eid, 0)))
+        return tensors
+
     def _adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str) -> None:
-        composer = self.composer
-        assert composer is not None
+        composer, gossip = self.composer, self.gossip
+        assert composer is not None and gossip is not None
+        expert = None
+        if snapshot is not None:
+            expert = {k: v for k, v in snapshot.tensors.items() if not k.startswith(SURROGATE_PREFIX)}
+            surrogate = {k[len(SURROGATE_PREFIX):]: v for k, v in snapshot.tensors.items()
+                         if k.startswith(SURROGATE_PREFIX) and k != SURROGATE_VERSION}
+            try:
+                composer.adopt_expert(eid, expert)
+            except ValueError as e:  # a peer's snapshot the composer refuses: never raised into the loop
+                logger.warning("expert %s: refused the snapshot from the %s (%s); trying without it", eid, source, e)
+                snapshot = expert = None
+            else:
+                if surrogate:
+                    with torch.no_grad():
+                        for n, p in composer.model.surrogate_parameters(*eid).items():
+                            p.copy_(surrogate[n])
+                    composer.publishers[eid] = ErrorFeedbackPublisher(
+                        {n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()},
+                        rank=self.cfg.surrogate.delta_rank)
+                    gossip.hold(eid, int(snapshot.tensors[SURROGATE_VERSION]))
         if snapshot is None:
-            logger.warning("expert %s: no snapshot exists (its owner left before any); restarting it from init", eid)
+            logger.warning("expert %s: no usable snapshot (its owner left before any); restarting it from init", eid)
             source = "init"
-        composer.adopt_expert(eid, snapshot.tensors if snapshot is not None else None)
+            composer.adopt_expert(eid, None)
         self._adopted.add(eid)
         self.status.adoptions += 1
         self._event("adopted", layer=eid[0], expert=eid[1], source=source,
-                    snapshot_step=snapshot.step if snapshot else None)
+                    snapshot_step=snapshot.step if snapshot else None,
+                    surrogate_version=self.gossip.versions().get(eid, 0) if self.gossip else None)
         # Publish at once: every receiver switches to this node's copy of the surrogate (a full copy at a
         # version past anything the previous owner may have published).
         self._publish(eid[0], eid[1], composer.publishers[eid].delta(
@@ -547,7 +587,8 @@ class Node:
         composer, gossip, exchange = self.composer, self.gossip, self.exchange
         assert composer is not None and gossip is not None and exchange is not None
         mirror = composer.publishers[eid].full() if eid in composer.publishers else None
-        snapshot = composer.release_expert(eid)
+        snapshot = self._snapshot(eid)
+        composer.release_expert(eid)
         exchange.put(eid, composer.step, snapshot, final=True)
         gossip.disown(*eid)
         if mirror is not None:  # back to the surrogate every receiver holds
@@ -567,7 +608,7 @@ class Node:
         if len(membership.view().composers()) > 1:  # alone, a round in flight can only time out
             rounds.wait(timeout_s=min(self.config.leave_timeout_s, 20.0))
         for eid in composer.owned_experts():
-            self.exchange.put(eid, composer.step, composer.expert_snapshot(eid), final=True)  # type: ignore[union-attr]
+            self.exchange.put(eid, composer.step, self._snapshot(eid), final=True)  # type: ignore[union-attr]
         self._push_final_snapshots(deadline=started + self.config.leave_timeout_s)
         if self.config.checkpoint_dir is not None:
             self._checkpoint()
@@ -588,7 +629,9 @@ class Node:
         owned = [eid for eid in self._heirs_of_owned()]
         if not owned:
             return
-        membership.update(step=composer.step)
+        versions = self.gossip.versions() if self.gossip else {}
+        membership.update(step=composer.step, versions={"max": max(versions.values(), default=0),
+                                                        "held": len(versions), LEAVING: 1})
         while time.monotonic() < deadline:
             served = exchange.servicer.served_steps
             if all(served.get(eid, -1) >= composer.step for eid in owned):
