@@ -95,14 +95,16 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
     round_id = meta.get("round")
     if not isinstance(round_id, int) or round_id < 0:
         raise ValueError(f"outer state of {group!r} has round {round_id!r}")
-    progress = {n: outer.live_copy()[n] - outer.anchor[n] for n in names}
+    live = outer.live_copy()
+    progress = {n: live[n] - outer.anchor[n] for n in names}
     for i, n in enumerate(names):
         outer.anchor[n].copy_(tensors[i])
         outer.params[n].copy_((outer.anchor[n] + progress[n]).to(outer.params[n].device, outer.params[n].dtype))
     outer.optimizer.state.clear()
     if meta.get("momentum"):
         for i, n in enumerate(names):
-            outer.optimizer.state[outer.anchor[n]] = {"momentum_buffer": tensors[len(names) + i].clone()}
+            outer.optimizer.state[outer.anchor[n]] = {"momentum_buffer": tensors[len(names) + i].to(torch.float32)
+                                                      .clone()}
     return round_id
 
 

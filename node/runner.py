@@ -682,6 +682,8 @@ class Node:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(10)
+            if self._loop_thread is None or not self._loop_thread.is_alive():
+                self._loop.close()
         if self.dht is not None:
             self.dht.shutdown()
         if self._metrics is not None:
