@@ -167,6 +167,7 @@ class _Adoption:
     future: Any = None
     best: Snapshot | None = None
     asked: float = 0.0
+    others: list[str] = field(default_factory=list)  # further peers to ask when the source holds none
 
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
@@ -503,8 +504,19 @@ class Node:
             previous = self._owners.get(eid)
             member = view.alive().get(previous) if previous and previous != self.identity.fingerprint else None
             adoption = _Adoption(eid, member.heartbeat.peer_id if member else None, time.monotonic())
+            # Under churn the previous owner in our view may not be the node that trained the expert last:
+            # after it, ask every other live composer (a releaser serves its final snapshot for minutes).
+            adoption.others = [m.heartbeat.peer_id for fp, m in sorted(view.alive().items())
+                               if m.heartbeat.role == "composer" and fp != self.identity.fingerprint
+                               and m.heartbeat.peer_id != adoption.source]
+            if adoption.source is None:  # the owner died: our heir copy if we hold one, else ask around
+                if self.exchange.heir_copy(eid) is not None:  # type: ignore[union-attr]
+                    adoption.others = []
+                elif adoption.others:
+                    adoption.source = adoption.others.pop(0)
             if adoption.source is not None:
                 adoption.future = self.exchange.fetch(adoption.source, eid)  # type: ignore[union-attr]
+                adoption.asked = time.monotonic()
             self._adopting[eid] = adoption
         for eid in list(self._adopting):
             if eid not in target:
@@ -527,11 +539,17 @@ class Node:
                 snap = a.future.result()
                 if snap is not None and (a.best is None or snap.step >= a.best.step):
                     a.best = snap
+                if snap is None and a.others and waited < self.config.adopt_wait_s:
+                    a.source = a.others.pop(0)  # this one holds none: the next live composer
+                    a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()
+                    return
                 if (snap is None or not snap.final) and waited < self.config.adopt_wait_s:
                     if time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
                         a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
         heir_copy = exchange.take_heir_copy(a.eid)
+        if a.best is not None and heir_copy is not None and heir_copy.step > a.best.step:
+            a.best = None  # our heir copy is newer than anything a live peer had
         snapshot = a.best if a.best is not None else heir_copy
         self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
         del self._adopting[a.eid]
