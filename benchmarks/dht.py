@@ -10,7 +10,6 @@ experts with valid claims; a graceful leave times the deathrattle.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -21,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from parallax.benchmarks.report import write_report
 from parallax.dht.adapter import dht_time
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import members_key
@@ -213,8 +213,4 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], json_path: str | Path | None) -> None:
-    if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        path.with_suffix(".md").write_text(markdown(report) + "\n")
+    write_report(report, markdown(report), json_path)

@@ -18,7 +18,6 @@ deletions, duplicated ranges, truncations, splices of two seeds. Deterministic f
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import traceback
@@ -29,6 +28,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from parallax.benchmarks.report import write_report
 from parallax.protocol import codec
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -265,8 +265,4 @@ def run_fuzz(count: int = 100_000, seed: int = 0, *, max_examples: int = 10) -> 
 
 def write(report: FuzzReport, json_path: str | Path | None) -> None:
     """Write the report as JSON to ``json_path`` and as markdown beside it (``.md``)."""
-    if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(report), indent=2) + "\n")
-        path.with_suffix(".md").write_text(report.markdown() + "\n")
+    write_report(asdict(report), report.markdown(), json_path)

@@ -14,7 +14,6 @@ MB/s is of the float32 input (MB = 10^6 bytes), best of several runs.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from parallax.benchmarks.report import write_report
 from parallax.protocol import codec
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.identity import Identity
@@ -156,8 +156,4 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], json_path: str | Path | None) -> None:
-    if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        path.with_suffix(".md").write_text(markdown(report) + "\n")
+    write_report(report, markdown(report), json_path)

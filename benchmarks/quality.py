@@ -13,7 +13,6 @@ and the assembled model (every expert real from its owner, merged shared groups)
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from parallax.benchmarks.report import write_report
 from parallax.node import config as config_mod
 from parallax.node.config import TrainConfig
 from parallax.node.data import load_corpus, split_corpus
@@ -131,11 +131,7 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, json_path: str | Path | None) -> None:
-    if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        path.with_suffix(".md").write_text(markdown(report) + "\n")
+    write_report(report, markdown(report), json_path)
 
 
 def _asdict(cfg: object) -> dict:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parallax.benchmarks.report import write_report
 from parallax.node.local_swarm import LocalSwarm, read_metrics
 
 
@@ -273,8 +274,4 @@ def _loss(x: float | None) -> str:
 
 
 def write(report: dict[str, Any], json_path: str | Path | None) -> None:
-    if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        path.with_suffix(".md").write_text(markdown(report) + "\n")
+    write_report(report, markdown(report), json_path)
