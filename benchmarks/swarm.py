@@ -205,24 +205,11 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
 
 def _group_bytes(cfg: Any) -> dict[str, int]:
     """Bytes of one outer round's averaged buffers per group, as the node sends them (fp16 when large)."""
-    import torch
+    from parallax.node.outer_sync import OuterSyncConfig, payload_bytes
+    from parallax.node.runner import model_shapes
 
-    from parallax.node.composer import Composer
-    from parallax.node.model import own_all
-    from parallax.node.outer_sync import SMALL_TENSOR_NUMEL, OuterSyncConfig, component_shapes
-
-    composer = Composer(cfg, own_all(cfg.model), torch.zeros(4 * cfg.model.seq_len, dtype=torch.uint8),
-                        sampler_seed=0)
-    method = OuterSyncConfig().method
-    out = {}
-    for group, outer in composer.outer.items():
-        shapes = {n: tuple(a.shape) for n, a in outer.anchor.items()}
-        total = 0
-        for s in component_shapes(shapes, method):
-            numel = int(torch.Size(s).numel())
-            total += numel * (2 if numel >= SMALL_TENSOR_NUMEL else 4)
-        out[group] = total
-    return out
+    config = OuterSyncConfig()
+    return {g: payload_bytes(shapes, config) for g, shapes in model_shapes(cfg).groups.items()}
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -86,6 +86,7 @@ __all__ = [
     "majority_agrees",
     "merged_from_components",
     "outer_prefix",
+    "payload_bytes",
     "round_key",
 ]
 
@@ -212,6 +213,17 @@ class OuterSyncConfig:
 
 # ---- names ----------------------------------------------------------------------------------------
 # Candidates for dht/keys.py (the one file that names DHT keys); kept here until that file takes them.
+
+
+def payload_bytes(shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig) -> int:
+    """Bytes of one peer's averaged buffers of a group on the wire (hivemind does not count them): the RDA
+    components at 2 bytes per entry under fp16 for tensors of SMALL_TENSOR_NUMEL entries or more, else 4."""
+    fp16 = config.compression == "fp16"
+    total = 0
+    for shape in component_shapes(shapes, config.method):
+        numel = torch.Size(shape).numel()
+        total += numel * (2 if fp16 and numel >= SMALL_TENSOR_NUMEL else 4)
+    return total
 
 
 def outer_prefix(run_id: str, group: str) -> str:
@@ -850,7 +862,7 @@ class TieredOuterSync:
     Args:
         dht: this node's DHT.
         run_id: the run.
-        groups: group -> (name -> shape), e.g. ``TieredOuterSync.group_shapes(composer)``.
+        groups: group -> (name -> shape), in the composer's anchors' order (``node.runner.model_shapes(cfg).groups``).
         config: shared by every group.
 
     Raises:
@@ -867,11 +879,6 @@ class TieredOuterSync:
         except BaseException:
             self.shutdown()
             raise
-
-    @staticmethod
-    def group_shapes(composer: Composer) -> dict[str, dict[str, tuple[int, ...]]]:
-        """group -> (name -> shape) of a composer's merged groups, in its anchors' order."""
-        return {g: {name: tuple(a.shape) for name, a in outer.anchor.items()} for g, outer in composer.outer.items()}
 
     def run_round(self, group: str, delta: Mapping[str, torch.Tensor], tokens: float, *,
                   round_id: int | None = None) -> dict[str, torch.Tensor] | None:

@@ -53,19 +53,19 @@ from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Membership, MembershipConfig, PeerState, SwarmView
 from parallax.dht.records import Ed25519RecordValidator
-from parallax.dht.shards import assign_experts
+from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import NodeError
-from parallax.node.checkpoint import latest_checkpoint, load_latest, read_info, save_checkpoint, state_hash
+from parallax.node.checkpoint import latest_checkpoint, load_checkpoint, read_info, save_checkpoint, state_hash
 from parallax.node.composer import Composer
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.lowrank import ErrorFeedbackPublisher
-from parallax.node.model import MoETransformer, Ownership
+from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
-from parallax.node.outer_sync import SMALL_TENSOR_NUMEL, OuterSyncConfig, TieredOuterSync
+from parallax.node.outer_sync import OuterSyncConfig, TieredOuterSync, payload_bytes
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,6 @@ class Node:
         self._adopted: set[ExpertId] = set()  # taken over since start: next publication jumps versions
         self._started = time.monotonic()
         self.join_to_first_step_s: float | None = None
-        self.joined_running_swarm = False
 
     # --- public ---
 
@@ -247,7 +246,7 @@ class Node:
         self.dht = SwarmDHT.start(dht_config, [validator])
         self.status.peer_id = self.dht.peer_id
         self.status.join_command = self.dht.join_command()
-        self._event("dht_started", join=self.dht.join_command())
+        self._event("dht_started", join=self.status.join_command)
         shards = ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts)
         mcfg = MembershipConfig(run_id=c.run_id, role="composer")
         self.membership = Membership(self.dht, self.identity, mcfg, shards=shards)
@@ -276,23 +275,21 @@ class Node:
         self.composer = Composer(cfg, ownership, self.train_tokens,
                                  sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
         if checkpoint is not None:
-            loaded = load_latest(c.checkpoint_dir, self.composer, run_id=c.run_id)  # type: ignore[arg-type]
+            loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
             self._event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(self.composer))
         assert self.sync is not None
         self.rounds = BackgroundRounds(self.sync, self.composer)
-        assert self.rounds is not None
         if joining and checkpoint is None:
-            self.joined_running_swarm = True
             self._phase("loading state")
             taken = self.rounds.load_from_peers(timeout_s=30.0)
             self._fast_forward(swarm_step)
             self._event("loaded_state", groups=taken, step=swarm_step)
         self.rounds.publish_state()
-        self._owners = self._current_owners(self.membership.view())
         if joining:
             before = {m.fingerprint: m.heartbeat.capacity for m in others}
-            previous = assign_experts(c.run_id, cfg.model.n_layers, cfg.model.n_experts, before)
-            self._owners = {(layer, e): owner for layer, e, owner, _ in previous.items()}
+            self._owners = _owners(assign_experts(c.run_id, cfg.model.n_layers, cfg.model.n_experts, before))
+        else:
+            self._owners = _owners(self.membership.view().assignment())
 
     def _wait_for_shard(self) -> dict[int, frozenset[int]]:
         """Wait until the live assignment gives us experts and has been stable for a moment."""
@@ -322,19 +319,16 @@ class Node:
         self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
         gcfg = GossipConfig(run_id=c.run_id, n_layers=cfg.model.n_layers,
                             **({"poll_s": 0.5, "announce_period_s": 2.0, "announce_ttl_s": 30.0} if c.loopback else {}))
-        m = cfg.model
-        shapes = {"w_gate.weight": (m.d_surrogate, m.d_latent), "w_up.weight": (m.d_surrogate, m.d_latent),
-                  "w_down.weight": (m.d_latent, m.d_surrogate)}
-        self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes, owner_of=self._owner_key,
-                                      start_versions=versions, loop=self._loop).start()
-        expert_shapes = {n: tuple(s) for n, s in _expert_shapes(cfg).items()}
-        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, expert_shapes, surrogate_shapes=shapes,
-                                       heir_targets=self._heir_targets,
+        shapes = model_shapes(cfg)
+        self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes.surrogate,
+                                      owner_of=self._owner_key, start_versions=versions, loop=self._loop).start()
+        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, shapes.expert,
+                                       surrogate_shapes=shapes.surrogate, heir_targets=self._heir_targets,
                                        snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
                                        timeout_s=5.0 if c.loopback else 30.0).start()
         ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
         ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge})
-        self.sync = TieredOuterSync(self.dht, c.run_id, _group_shapes(cfg), ocfg)
+        self.sync = TieredOuterSync(self.dht, c.run_id, shapes.groups, ocfg)
 
     def _fast_forward(self, step: int) -> None:
         """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm."""
@@ -385,10 +379,6 @@ class Node:
                     step = hb.step + (self.config.snapshot_every if hb.versions.get(LEAVING) else 0)
                     out[(layer, e)] = (hb.peer_id, step)
         return out
-
-    def _current_owners(self, view: SwarmView) -> dict[ExpertId, str]:
-        assignment = view.assignment()
-        return {} if assignment is None else {(layer, e): owner for layer, e, owner, _ in assignment.items()}
 
     # --- training ---
 
@@ -459,16 +449,13 @@ class Node:
         self._refresh_status()
 
     def _round_bytes(self, report: Any) -> int:
-        """Bytes this node sent in an all-reduce (hivemind does not count them): a butterfly all-reduce sends
-        (n-1)/n of the payload to the others and receives as much back; fp16 above SMALL_TENSOR_NUMEL."""
+        """Bytes this node sent in an all-reduce: a butterfly all-reduce sends (n-1)/n of the payload to the
+        others and receives as much back."""
         n = len(report.participants)
         if self.sync is None or n < 2 or not report.began_allreduce:
             return 0
         averager = self.sync.groups[report.group]
-        fp16 = averager.config.compression == "fp16"
-        payload = sum(b.numel() * (2 if fp16 and b.numel() >= SMALL_TENSOR_NUMEL else 4)
-                      for b in averager._buffers)  # noqa: SLF001 - the averaged buffers' sizes
-        return int(payload * (n - 1) / n)
+        return int(payload_bytes(averager.shapes, averager.config) * (n - 1) / n)
 
     def _publish_refresh(self) -> None:
         composer, gossip = self.composer, self.gossip
@@ -523,7 +510,7 @@ class Node:
                 del self._adopting[eid]  # it moved on before we took it
                 continue
             self._progress_adoption(self._adopting[eid])
-        self._owners = self._current_owners(view)
+        self._owners = _owners(assignment)
         if set(composer.owned_experts()) != current:
             self._shard_event()
 
@@ -761,17 +748,29 @@ class Node:
             self._metrics.flush()
 
 
-def _group_shapes(cfg: TrainConfig) -> dict[str, dict[str, tuple[int, ...]]]:
-    """group -> (name -> shape) of the shared groups a composer of ``cfg`` merges, in its anchors' order."""
+def _owners(assignment: Assignment | None) -> dict[ExpertId, str]:
+    """expert -> owner fingerprint in ``assignment`` (empty without one)."""
+    return {} if assignment is None else {(layer, e): owner for layer, e, owner, _ in assignment.items()}
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """Tensor shapes a node needs before it has a composer (name -> shape)."""
+
+    groups: dict[str, dict[str, tuple[int, ...]]]
+    """group -> tensors of each shared group a composer merges, in its anchors' order."""
+    surrogate: dict[str, tuple[int, ...]]
+    expert: dict[str, tuple[int, ...]]
+
+
+def model_shapes(cfg: TrainConfig) -> ModelShapes:
+    """Read from a model of ``cfg`` that owns no expert (and one expert module), so the shapes are the model's."""
     model = MoETransformer(cfg.model, ownership_of({}, cfg.model.n_layers), cfg.surrogate.non_owned, seed=cfg.seed)
-    return {g: {n: tuple(p.shape) for n, p in model.group_parameters(g).items()}
-            for g in SHARED_GROUPS if model.group_parameters(g)}
-
-
-def _expert_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int]]:
-    m = cfg.model
-    return {"w_gate.weight": (m.d_expert, m.d_latent), "w_up.weight": (m.d_expert, m.d_latent),
-            "w_down.weight": (m.d_latent, m.d_expert)}
+    groups = {g: {n: tuple(p.shape) for n, p in model.group_parameters(g).items()}
+              for g in SHARED_GROUPS if model.group_parameters(g)}
+    surrogate = {n: tuple(p.shape) for n, p in model.surrogate_parameters(0, 0).items()}
+    expert = {n: tuple(p.shape) for n, p in SwiGLU(cfg.model.d_latent, cfg.model.d_expert).named_parameters()}
+    return ModelShapes(groups, surrogate, expert)
 
 
 def install_signal_handlers(node: Node) -> dict[int, Any]:
