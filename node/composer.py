@@ -104,10 +104,14 @@ class Composer:
         if cfg.surrogate.non_owned == "surrogate":
             self.recorder = ActivationRecorder(cfg.surrogate.buffer_tokens, cfg.model.d_latent)
             self.model.set_recorder(self.recorder)
-            for layer, expert in self.owned_experts():
-                self.publishers[(layer, expert)] = ErrorFeedbackPublisher(
-                    _detached(self.model.surrogate_parameters(layer, expert)), rank=cfg.surrogate.delta_rank
-                )
+            for eid in self.owned_experts():
+                self.reset_publisher(eid)
+
+    def reset_publisher(self, eid: ExpertId) -> None:
+        """Publish an owned expert's surrogate deltas from its current surrogate (what receivers hold now)."""
+        sc = self.cfg.surrogate
+        self.publishers[eid] = ErrorFeedbackPublisher(_detached(self.model.surrogate_parameters(*eid)),
+                                                      rank=sc.delta_rank, half=sc.delta_dtype == "float16")
 
     def owned_experts(self) -> Iterable[ExpertId]:
         for layer, experts in enumerate(self.owned):
@@ -303,9 +307,7 @@ class Composer:
         if self.cfg.surrogate.non_owned == "surrogate":
             # Receivers hold our copy of its surrogate (every composer applied the same deltas), so the
             # next refresh publishes only what changes from here.
-            self.publishers[(layer, expert)] = ErrorFeedbackPublisher(
-                _detached(self.model.surrogate_parameters(layer, expert)), rank=self.cfg.surrogate.delta_rank
-            )
+            self.reset_publisher((layer, expert))
 
     def release_expert(self, expert_id: ExpertId) -> dict[str, torch.Tensor]:
         """Stop owning an expert: hand back its snapshot and forget its weights, optimizer state, publisher

@@ -139,12 +139,17 @@ class SurrogateConfig:
     """Most recent routed activations kept per owned expert for distillation."""
     delta_rank: int = 8
     """Rank of the published low-rank delta (error feedback carries the rest)."""
+    delta_dtype: str = "float16"
+    """Width of the published delta's numbers: "float16" (half the bytes; error feedback carries the
+    rounding to the next refresh) or "float32"."""
     non_owned: str = "surrogate"
     """What a non-owned selection calls: "surrogate", "drop" (output zero) or "frozen_copy" (full expert)."""
 
     def __post_init__(self) -> None:
         if min(self.refresh_every, self.distill_steps, self.buffer_tokens, self.delta_rank) <= 0:
             raise ValueError("SurrogateConfig periods, steps, buffer and rank must be positive")
+        if self.delta_dtype not in ("float16", "float32"):
+            raise ValueError(f"SurrogateConfig.delta_dtype must be float16 or float32, got {self.delta_dtype!r}")
         if self.non_owned not in ("surrogate", "drop", "frozen_copy"):
             raise ValueError(f"non_owned must be surrogate, drop or frozen_copy, got {self.non_owned!r}")
 

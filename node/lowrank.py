@@ -84,12 +84,14 @@ def apply_delta(target: Mapping[str, torch.Tensor], factors: Mapping[str, Factor
 class ErrorFeedbackPublisher:
     """Owner side: turns the current surrogate into rank-r deltas against what receivers hold."""
 
-    def __init__(self, initial: Mapping[str, torch.Tensor], rank: int = 8) -> None:
+    def __init__(self, initial: Mapping[str, torch.Tensor], rank: int = 8, *, half: bool = False) -> None:
         """Args:
             initial: name -> tensor that every receiver holds now (e.g. the surrogate at init or
                 at the last full copy). Copied to the CPU, keeping its dtype, so the mirror
                 rounds exactly like a receiver that holds that dtype.
             rank: rank r of the published deltas.
+            half: round every sent tensor to float16 values (half the bytes on the wire; see
+                ``to_half``); error feedback carries the rounding error to the next refresh.
 
         Raises:
             ValueError: rank < 1.
@@ -97,6 +99,7 @@ class ErrorFeedbackPublisher:
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.rank = rank
+        self.half = half
         self.published: dict[str, torch.Tensor] = {n: t.detach().cpu().clone() for n, t in initial.items()}
 
     def _check(self, current: Mapping[str, torch.Tensor]) -> None:
@@ -136,6 +139,8 @@ class ErrorFeedbackPublisher:
                 if not torch.isfinite(diff).all():
                     raise ValueError(f"{name} has NaN or infinite entries")
                 f = (diff, torch.empty(0))
+            if self.half:
+                f = (to_half(f[0]), to_half(f[1]))
             _add(self.published[name], f)
             out[name] = f
         return out
@@ -145,6 +150,23 @@ class ErrorFeedbackPublisher:
         return {n: p.clone() for n, p in self.published.items()}
 
 
-def payload_numel(factors: Mapping[str, Factors]) -> int:
-    """Numbers in a published delta (r * (m + n) per matrix), for logging and bandwidth accounting."""
-    return sum(u.numel() + v.numel() for u, v in factors.values())
+def to_half(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to float16 values, kept as float32; unchanged where a value lies beyond float16's
+    range (a diverging surrogate still publishes, at full width).
+
+    The owner adds exactly these values to its mirror and the wire carries them losslessly as float16
+    (``is_half_exact``), so receivers stay bit-identical to the mirror.
+    """
+    rounded = t.to(torch.float16)
+    return rounded.float() if torch.isfinite(rounded).all() else t
+
+
+def is_half_exact(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is a float16 value: it then crosses the wire in 2 bytes, losslessly."""
+    return bool(torch.equal(t.to(torch.float16).float(), t.float()))
+
+
+def payload_bytes(factors: Mapping[str, Factors]) -> int:
+    """Bytes of a published delta's numbers on the wire (2 per float16-exact tensor's value, else 4), for
+    bandwidth accounting; framing excluded."""
+    return sum((2 if is_half_exact(t) else 4) * t.numel() for f in factors.values() for t in f)

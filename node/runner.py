@@ -61,7 +61,6 @@ from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
-from parallax.node.lowrank import ErrorFeedbackPublisher
 from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
@@ -570,9 +569,7 @@ class Node:
                     with torch.no_grad():
                         for n, p in composer.model.surrogate_parameters(*eid).items():
                             p.copy_(surrogate[n])
-                    composer.publishers[eid] = ErrorFeedbackPublisher(
-                        {n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()},
-                        rank=self.cfg.surrogate.delta_rank)
+                    composer.reset_publisher(eid)
                     gossip.hold(eid, int(snapshot.tensors[SURROGATE_VERSION]))
         if snapshot is None:
             logger.warning("expert %s: no usable snapshot (its owner left before any); restarting it from init", eid)

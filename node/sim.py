@@ -27,7 +27,7 @@ from parallax.node.composer import Composer, evaluate
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import shard, val_batches
 from parallax.node.flops import step_flops
-from parallax.node.lowrank import payload_numel
+from parallax.node.lowrank import payload_bytes
 from parallax.node.model import MoETransformer, Ownership, own_all
 from parallax.node.outer import TierSchedule
 from parallax.node.rda import merge_groups
@@ -221,7 +221,7 @@ def publish(composers: Sequence[Composer]) -> tuple[float, int]:
             continue
         deltas = owner.refresh_surrogates()
         flops += distill_cost(owner, deltas.keys())
-        wire += receivers * sum(4 * payload_numel(factors) for factors in deltas.values())
+        wire += receivers * sum(payload_bytes(factors) for factors in deltas.values())
         for other in composers:
             if other is not owner:
                 for eid, factors in deltas.items():

@@ -2,7 +2,8 @@
 
 A payload is the canonical body of a ``SurrogatePayload`` message; its sha256 is what the owner signs
 into its DHT announcement (``dht.surrogates``), so a payload pulled from any peer can be checked. The
-tensors are raw float32 codec blobs, so a receiver's arithmetic is bit-identical to the owner's mirror
+tensors are float32 codec blobs, sent as float16 when that is lossless (an owner publishing with
+``half`` rounds its deltas so), so a receiver's arithmetic is bit-identical to the owner's mirror
 (``node.lowrank``):
 
     delta      ``<name>#u`` [m, r] and ``<name>#v`` [r, n] for each 2-D tensor (U @ V is the change),
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
-from parallax.node.lowrank import Factors
+from parallax.node.lowrank import Factors, is_half_exact
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.messages import SurrogateDelta, SurrogatePayload
@@ -47,17 +48,23 @@ def encode_delta(layer: int, expert: int, version: int, factors: Mapping[str, Fa
     tensors = {}
     for name, (u, v) in factors.items():
         if v.numel() == 0:
-            tensors[f"{name}#d"] = encode(_numpy(u))
+            tensors[f"{name}#d"] = _encode_exact(u)
         else:
-            tensors[f"{name}#u"] = encode(_numpy(u))
-            tensors[f"{name}#v"] = encode(_numpy(v))
+            tensors[f"{name}#u"] = _encode_exact(u)
+            tensors[f"{name}#v"] = _encode_exact(v)
     return SurrogatePayload(layer=layer, expert=expert, version=version, tensors=tensors).encode()
 
 
 def encode_full(layer: int, expert: int, version: int, state: Mapping[str, torch.Tensor]) -> bytes:
     """The canonical ``SurrogatePayload`` body of a full copy."""
-    tensors = {name: encode(_numpy(t)) for name, t in state.items()}
+    tensors = {name: _encode_exact(t) for name, t in state.items()}
     return SurrogatePayload(layer=layer, expert=expert, version=version, tensors=tensors).encode()
+
+
+def _encode_exact(t: torch.Tensor) -> bytes:
+    # float16 on the wire whenever that is lossless (a publisher with ``half`` rounded it so): half the
+    # bytes, and the receiver decodes the very float32 values the owner's mirror added.
+    return encode(_numpy(t), "fp16" if is_half_exact(t) else "raw")
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -68,7 +75,7 @@ def payload_limits(shapes: Shapes, max_norm: float | None) -> TensorLimits:
     """What a receiver accepts in a payload for surrogates of ``shapes``."""
     biggest = max((int(np.prod(s)) for s in shapes.values()), default=1)
     return TensorLimits(max_elements=max(biggest, 1), max_ndim=2, dtypes=frozenset({"float32"}),
-                        codecs=frozenset({"raw"}), max_rank=MAX_RANK, max_norm=max_norm)
+                        codecs=frozenset({"raw", "fp16"}), max_rank=MAX_RANK, max_norm=max_norm)
 
 
 def _open_payload(body: bytes, eid: ExpertId, version: int, limits: TensorLimits,

@@ -61,6 +61,17 @@ def test_delta_roundtrip_is_bit_identical_to_the_owner_mirror():
     assert all(torch.equal(held[n], pub.published[n]) for n in SHAPES)
 
 
+def test_half_delta_travels_as_float16_and_decodes_to_the_mirror_bits():
+    pub, wide = ErrorFeedbackPublisher(_state(0), rank=4, half=True), ErrorFeedbackPublisher(_state(0), rank=4)
+    held = _state(0)
+    for v in (1, 2, 3):
+        factors = pub.delta(_state(v))
+        body = encode_delta(*EID, v, factors)
+        assert len(body) < 0.6 * len(encode_delta(*EID, v, wide.delta(_state(v))))
+        apply_delta(held, decode_delta(body, EID, v, SHAPES, LIMITS))
+    assert all(torch.equal(held[n], pub.published[n]) for n in SHAPES)
+
+
 def test_full_roundtrip_and_update_apply():
     state = _state(5)
     body = encode_full(*EID, 7, state)

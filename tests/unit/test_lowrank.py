@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from parallax.node.lowrank import ErrorFeedbackPublisher, apply_delta, low_rank_factors, payload_numel
+from parallax.node.lowrank import (
+    ErrorFeedbackPublisher,
+    apply_delta,
+    is_half_exact,
+    low_rank_factors,
+    payload_bytes,
+    to_half,
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,7 +97,7 @@ def test_apply_to_parameters_and_full_copy():
     assert torch.equal(module.weight.data, pub.published["w"])
     joiner = pub.full()
     assert torch.equal(joiner["w"], pub.published["w"]) and joiner["w"] is not pub.published["w"]
-    assert payload_numel(factors) == 6 * 5  # dense: rank-5 factors would be 5 * (6 + 5) numbers
+    assert payload_bytes(factors) == 4 * 6 * 5  # dense: rank-5 factors would be 5 * (6 + 5) numbers
 
 
 def test_factors_only_where_smaller_than_the_change():
@@ -99,7 +106,7 @@ def test_factors_only_where_smaller_than_the_change():
     factors = pub.delta({"wide": torch.randn(64, 64, generator=g), "narrow": torch.randn(8, 128, generator=g)})
     assert factors["wide"][0].shape == (64, 8) and factors["wide"][1].shape == (8, 64)  # 1,024 < 4,096 numbers
     assert factors["narrow"][1].numel() == 0  # 8 x (8 + 128) = 1,088 >= 1,024: dense
-    assert payload_numel(factors) == 8 * 128 + 8 * 128
+    assert payload_bytes(factors) == 4 * (8 * 128 + 8 * 128)
 
 
 def test_mismatches_refused():
@@ -114,3 +121,28 @@ def test_mismatches_refused():
         apply_delta({"w": torch.zeros(4, 4)}, {"w": (torch.zeros(3, 1), torch.zeros(1, 4))})
     with pytest.raises(ValueError):
         ErrorFeedbackPublisher({}, rank=0)
+
+
+def test_half_deltas_cost_half_the_bytes_and_still_converge():
+    g = torch.Generator().manual_seed(5)
+    init = {"w": torch.randn(48, 32, generator=g), "narrow": torch.randn(8, 48, generator=g)}
+    target = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in init.items()}
+    pub = ErrorFeedbackPublisher(init, rank=4, half=True)
+    held = {n: t.clone() for n, t in init.items()}
+    for i in range(40):
+        factors = pub.delta(target)
+        assert all(is_half_exact(t) for f in factors.values() for t in f)
+        if i == 0:
+            numbers = sum(t.numel() for f in factors.values() for t in f)
+            assert payload_bytes(factors) == 2 * numbers
+        apply_delta(held, factors)
+        assert all(torch.equal(held[n], pub.published[n]) for n in init)  # receivers mirror exactly
+    # The float16 rounding of each delta is not lost: it goes out with the next refresh.
+    assert max(_rel(pub.published[n], target[n]) for n in init) < 1e-4
+
+
+def test_to_half_keeps_values_beyond_float16_range():
+    big = torch.tensor([1e5, 1.0 / 3])
+    assert torch.equal(to_half(big), big) and not is_half_exact(big)
+    small = torch.tensor([1.0 / 3, -2.5])
+    assert is_half_exact(to_half(small)) and not torch.equal(to_half(small), small)
