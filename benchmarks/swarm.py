@@ -205,10 +205,10 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
 
 def _group_bytes(cfg: Any) -> dict[str, int]:
     """Bytes of one outer round's averaged buffers per group, as the node sends them (fp16 when large)."""
-    from parallax.node.outer_sync import OuterSyncConfig, payload_bytes
+    from parallax.node.outer_wire import OuterSyncConfig, payload_bytes
     from parallax.node.runner import model_shapes
 
-    config = OuterSyncConfig()
+    config = OuterSyncConfig(method=cfg.sync.merge, compression=cfg.sync.compression)
     return {g: payload_bytes(shapes, config) for g, shapes in model_shapes(cfg).groups.items()}
 
 

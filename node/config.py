@@ -113,12 +113,17 @@ class SyncConfig:
     """Inner steps between merges of each shared group, H_G."""
     merge: str = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
+    compression: str = "fp16"
+    """Wire format of the outer all-reduce: "fp16", "uint8" (hivemind's uniform 8-bit) or "none"; tensors
+    under 4096 entries always go uncompressed. The in-process simulator applies the same rounding."""
 
     def __post_init__(self) -> None:
         if set(self.periods) != set(SHARED_GROUPS):
             raise ValueError(f"SyncConfig.periods needs exactly the groups {SHARED_GROUPS}, got {sorted(self.periods)}")
         if any(p <= 0 for p in self.periods.values()):
             raise ValueError("every SyncConfig period must be a positive number of steps")
+        if self.compression not in ("fp16", "uint8", "none"):
+            raise ValueError(f"SyncConfig.compression must be fp16, uint8 or none, got {self.compression!r}")
         if self.merge not in ("rda", "mean"):
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
@@ -176,6 +181,60 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
+RESULT_CODECS = ("ternary", "lowrank", "fp16")
+ONBOARD_CODECS = ("ternary", "fp16", "raw")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """Worker offload (DESIGN.md section 4): owned experts run forward only on the composer, a worker
+    updates them from sketches of (x, dL/dy) with a Taylor-proxy objective and sends the weight change."""
+
+    enabled: bool = False
+    """Hand the update of owned experts (outside the private layers) to workers."""
+    worker_steps: int = 1
+    """AdamW steps the worker takes on the proxy objective per sketch, k (1 = the composer's own step)."""
+    worker_lr: float = 3e-3
+    """Peak learning rate of the worker's AdamW; it follows the composer's warm-up and cosine schedule by
+    the sketch's step (the composer's optim.lr, 3e-3 by default, reproduces direct ownership)."""
+    proxy_lambda: float = 0.0
+    """lambda of the proxy's trust term lambda/2 ||f(x) - y0||^2, per (token, latent unit) of the
+    sketch's mean-loss scale; 0 = the linear proxy. Matters only with worker_steps > 1."""
+    sample_fraction: float = 1.0
+    """Probability of keeping each owned selection in a sketch (kept rows' g scaled by 1/p: unbiased)."""
+    wire_codec: str = "int8"
+    """Codec of the sketch's x and g: raw, fp16, int8 or int4 (parallax.protocol.codec)."""
+    result_codec: str = "ternary"
+    """How the worker sends a weight change: "ternary" (1.6 bits a weight, per-row scale, error feedback
+    on the worker), "lowrank" (rank result_rank per matrix, error feedback) or "fp16"."""
+    result_rank: int = 8
+    """Rank of a "lowrank" result per weight matrix."""
+    onboard_codec: str = "fp16"
+    """How a worker receives its expert's weights: "fp16", "raw" (the worker's copy then equals the
+    composer's) or "ternary" (1.6 bits a weight: the worker trains a ternary copy's Jacobian)."""
+    private_layers: int = 0
+    """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
+    delay: int = 1
+    """Steps between a sketch and the composer applying the worker's answer (network latency; 0 = same step)."""
+    max_change: float = 0.5
+    """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
+
+    def __post_init__(self) -> None:
+        if self.worker_steps < 1 or self.worker_lr <= 0 or self.proxy_lambda < 0:
+            raise ValueError("OffloadConfig needs worker_steps >= 1, worker_lr > 0 and proxy_lambda >= 0")
+        if not 0 < self.sample_fraction <= 1:
+            raise ValueError(f"OffloadConfig.sample_fraction must be in (0, 1], got {self.sample_fraction}")
+        if self.wire_codec not in ("raw", "fp16", "int8", "int4"):
+            raise ValueError(f"OffloadConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
+        if self.result_codec not in RESULT_CODECS:
+            raise ValueError(f"OffloadConfig.result_codec must be one of {RESULT_CODECS}, got {self.result_codec!r}")
+        if self.onboard_codec not in ONBOARD_CODECS:
+            raise ValueError(f"OffloadConfig.onboard_codec must be one of {ONBOARD_CODECS}, "
+                             f"got {self.onboard_codec!r}")
+        if self.result_rank < 1 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:
+            raise ValueError("OffloadConfig needs result_rank >= 1, private_layers >= 0, delay >= 0, max_change > 0")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One composer's training run."""
@@ -185,6 +244,7 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
     sketch: SketchConfig = field(default_factory=SketchConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     batch_size: int = 8
     """Sequences per composer step."""
     steps: int = 500
@@ -201,6 +261,9 @@ class TrainConfig:
             raise ValueError("batch_size, steps and eval_batches must be positive")
         if self.eval_every < 0:
             raise ValueError("eval_every must be >= 0 (0 = evaluate only at the end)")
+        if self.offload.enabled and self.offload.private_layers > self.model.n_layers:
+            raise ValueError(f"offload.private_layers={self.offload.private_layers} exceeds the model's "
+                             f"{self.model.n_layers} layers")
 
     @property
     def tokens_per_step(self) -> int:

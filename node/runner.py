@@ -64,7 +64,8 @@ from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
-from parallax.node.outer_sync import OuterSyncConfig, TieredOuterSync, payload_bytes
+from parallax.node.outer_sync import TieredOuterSync
+from parallax.node.outer_wire import OuterSyncConfig, payload_bytes
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -326,7 +327,7 @@ class Node:
                                        snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
                                        timeout_s=5.0 if c.loopback else 30.0).start()
         ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
-        ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge})
+        ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge, "compression": cfg.sync.compression})
         self.sync = TieredOuterSync(self.dht, c.run_id, shapes.groups, ocfg)
 
     def _fast_forward(self, step: int) -> None:

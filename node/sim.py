@@ -30,6 +30,8 @@ from parallax.node.flops import step_flops
 from parallax.node.lowrank import payload_bytes
 from parallax.node.model import MoETransformer, Ownership, own_all
 from parallax.node.outer import TierSchedule
+from parallax.node.outer_wire import OuterSyncConfig, wire_roundtrip
+from parallax.node.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.rda import merge_groups
 
 RUN_KINDS = ("baseline", "diloco", "parallax")
@@ -158,7 +160,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if spec.kind == "diloco" and "backbone" in due:
             due.append("expert")  # the DiLoCo reference merges its experts on the backbone's cadence
         for group in due:
-            traffic["outer"] += merge_round(composers, group, cfg.sync.merge)
+            traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression)
     wall_s = time.perf_counter() - started
 
     composer_losses = [c.evaluate(batches) for c in composers]
@@ -241,23 +243,33 @@ def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-
     return total
 
 
-def merge_round(composers: Sequence[Composer], group: str, method: str) -> int:
+def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none") -> int:
     """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere.
 
+    ``compression`` rounds what crosses the wire as hivemind's all-reduce does (``outer_wire.wire_roundtrip``):
+    each composer's pseudo-gradient on the way in, and on the way back each composer gets its own
+    ``local + round(merged - local)``, so the composers' copies differ by the rounding as on the network
+    (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
+
     Returns:
-        Bytes all composers together would send in a ring all-reduce of the fp32 pseudo-gradients
-        (2 (n - 1) / n x the group's size each; RDA averages one extra norm per tensor).
+        Bytes all composers together would send and receive in the ring all-reduce of the node's wire
+        buffers (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per composer).
     """
     if group not in composers[0].outer:
         return 0
     weights = [float(c.tokens_since_merge[group]) for c in composers]
     if sum(weights) == 0:
         return 0
-    merged = merge_groups([c.pseudo_gradient(group) for c in composers], weights, method=method)
-    for c in composers:
-        c.apply_outer(group, merged)
+    deltas = [c.pseudo_gradient(group) for c in composers]
+    sent = deltas if compression == "none" else [
+        {n: wire_roundtrip(t, compression) for n, t in d.items()} for d in deltas]
+    merged = merge_groups(sent, weights, method=method)
+    for c, local in zip(composers, deltas, strict=True):
+        c.apply_outer(group, merged if compression == "none" else {
+            n: local[n] + wire_roundtrip(t - local[n], compression) for n, t in merged.items()})
     n = len(composers)
-    size = sum(4 * t.numel() for t in merged.values())
+    wire = OuterSyncConfig(method=method, compression=compression)
+    size = outer_payload_bytes({k: t.shape for k, t in merged.items()}, wire)
     return int(2 * (n - 1) * size)
 
 

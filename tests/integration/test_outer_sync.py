@@ -18,7 +18,8 @@ import torch
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
-from parallax.node.outer_sync import GroupAverager, OuterSyncConfig, RoundStatus, TieredOuterSync
+from parallax.node.outer_sync import GroupAverager, RoundStatus, TieredOuterSync
+from parallax.node.outer_wire import OuterSyncConfig
 from parallax.node.rda import merge_groups
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,8 +81,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("method", "compression", "tol"), [("rda", "fp16", 5e-3), ("mean", "fp16", 5e-3),
-                                                            ("rda", "none", 1e-5)])
+                                                            ("rda", "uint8", 0.2), ("rda", "none", 1e-5)])
 def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
+    # Each peer gets local + round(mean - local): the error is relative to (mean - local), which for "c"
+    # (whose deltas cancel) is 5-10x the mean, hence uint8's loose tolerance on the merge itself.
     config = OuterSyncConfig.loopback(method=method, compression=compression, target_group_size=3)
     averagers = _start(dhts, f"merge-{method}-{compression}", config)
     try:

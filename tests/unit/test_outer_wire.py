@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.outer_sync import (
+from parallax.node.outer_wire import (
     FP_SLOTS,
+    SMALL_TENSOR_NUMEL,
     OuterSyncConfig,
     _hash_signs,
     component_shapes,
@@ -18,8 +19,10 @@ from parallax.node.outer_sync import (
     majority_agrees,
     merged_from_components,
     outer_prefix,
+    payload_bytes,
     round_key,
     round_tag,
+    wire_roundtrip,
 )
 from parallax.node.rda import merge_groups
 
@@ -169,6 +172,7 @@ def test_config_defaults_and_validation():
     assert loopback.round_budget_s < 40 < internet.round_budget_s
     assert OuterSyncConfig(compression="none").tolerance < internet.tolerance
     assert OuterSyncConfig(compression="none").rda_eps == 1e-6 and internet.rda_eps == 0.05
+    assert internet.tolerance < OuterSyncConfig(compression="uint8").tolerance < 0.5
     for bad in (dict(method="median"), dict(compression="int8"), dict(min_group_size=1),
                 dict(target_group_size=1), dict(request_timeout_s=20.0),
                 dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0)):
@@ -193,3 +197,36 @@ def test_a_fingerprint_counts_only_for_the_round_it_was_made_in():
     # the same round number among other peers (peers at other steps meet under the largest number)
     assert decode_fingerprint(value, round_tag(10, ["a", "c"])) is None
     assert decode_fingerprint(value, round_tag(11, ["a", "b"])) is None
+
+
+@pytest.mark.parametrize(("compression", "bytes_per_entry", "max_err"), [("none", 4, 0.0), ("fp16", 2, 1e-3),
+                                                                         ("uint8", 1, 0.08)])
+def test_wire_rounding_and_bytes_by_compression(compression, bytes_per_entry, max_err):
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(64, 128, generator=g) * 1e-3
+    small = torch.randn(SMALL_TENSOR_NUMEL - 1, generator=g)
+    back = wire_roundtrip(big, compression)
+    assert back.shape == big.shape and back.dtype == torch.float32
+    assert float((back - big).norm() / big.norm()) <= max_err
+    assert torch.equal(wire_roundtrip(small, compression), small)  # small tensors always go exact
+    config = OuterSyncConfig(method="mean", compression=compression)
+    codebook = 8 + 256 * 4 if compression == "uint8" else 0
+    assert payload_bytes({"big": big.shape, "small": small.shape}, config) == (
+        bytes_per_entry * big.numel() + codebook + 4 * small.numel())
+    rda = OuterSyncConfig(method="rda", compression=compression)  # directions + norms + raw deltas
+    assert payload_bytes({"big": big.shape}, rda) == 2 * (bytes_per_entry * big.numel() + codebook) + 4
+
+
+def test_uint8_rounding_stays_within_its_fingerprint_tolerance():
+    # Two peers of a uint8 round hold local + round(mean - local): their fingerprints must still agree,
+    # and a result merged from a subset of the peers must not.
+    deltas = _deltas(3, seed=5)
+    deltas = [{n: t.repeat(1000) if t.dim() == 1 else t.repeat(100, 100) for n, t in d.items()} for d in deltas]
+    merged = merge_groups(deltas, [1.0, 1.0, 1.0], method="mean")
+    local_norms = [float(t.norm()) for t in deltas[0].values()]
+    tol = OuterSyncConfig(compression="uint8").tolerance
+    views = [[d[n] + wire_roundtrip(merged[n] - d[n], "uint8") for n in merged] for d in deltas]
+    fps = [fingerprint(v, local_norms) for v in views]
+    assert fingerprints_agree(fps[0], fps[1], tol) and fingerprints_agree(fps[1], fps[2], tol)
+    subset = merge_groups(deltas[:2], [1.0, 1.0], method="mean")
+    assert not fingerprints_agree(fps[0], fingerprint(list(subset.values()), local_norms), tol)

@@ -1,0 +1,426 @@
+"""What an outer round puts on the wire and how its peers check each other: pure, no network.
+
+``node.outer_sync`` runs a round over hivemind; this module holds what that round is made of, so it
+can be tested byte for byte and shared with the in-process simulator:
+
+- ``OuterSyncConfig``: timings, merge method and wire compression of a node's outer rounds;
+- names: the averager prefix and the DHT key of a round's fingerprints;
+- components: the buffers a group averages (RDA: scaled unit directions, norms, raw deltas) and how
+  the merged group is rebuilt from their means;
+- compression: hivemind's codec for each buffer ("fp16", "uint8" or none; small tensors always go
+  uncompressed), ``wire_roundtrip`` to apply the same rounding in one process, ``payload_bytes``;
+- fingerprints: a ~260-byte summary of a merged result that peers compare within the compression's
+  tolerance, the round tag that binds it to one round, and the majority vote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+
+from parallax.dht.keys import check_run_id
+from parallax.node.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+
+COMPRESSIONS = ("fp16", "uint8", "none")
+"""Wire formats of an outer all-reduce: float16, hivemind's uniform 8-bit quantisation (256 buckets over
+6 standard deviations, each decoded to its bucket's mean; about 3.5% relative error on a backbone
+pseudo-gradient of the small preset, against 0.02% for float16), or float32."""
+SMALL_TENSOR_NUMEL = 4096
+"""Tensors (parts) smaller than this are sent uncompressed under any compression: the norms, biases
+and norm-layer weights cost nothing and keep full precision."""
+_TOLERANCE = {"fp16": 2e-2, "uint8": 0.15, "none": 1e-5}
+_RDA_EPS = {"fp16": 0.05, "uint8": 0.1, "none": DIRECTION_EPS}
+_CODEBOOK_BYTES = 8 + 256 * 4  # uint8: codebook length + one float32 per bucket, per tensor part
+MIN_WEIGHT = 1e-3
+"""Averaging weight of a peer that processed no tokens: hivemind's all-zero weights give NaN (trap 12)."""
+FP_SLOTS = 16
+"""Fingerprint size bound: tensors share slots (index mod FP_SLOTS), each slot 4 floats."""
+FP_BLOCK = 4096
+"""Projections use a +-1 vector of this length, its blocks flipped by a hashed sign per block."""
+_FP_FIELDS = 4  # per slot: projection 1, projection 2, norm, scale
+_FP_MAGIC = b"PXF2"
+_TAG_BYTES = 8
+_FP_SEED = 0x5058_4F53  # "PXOS"
+BUFFER_LOCK_TIMEOUT_S = 5.0
+
+
+# ---- config ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterSyncConfig:
+    """How a node merges its shared groups over the network. Defaults suit peers on the internet;
+    ``OuterSyncConfig.loopback()`` suits tests on one machine. Times in seconds."""
+
+    method: str = "rda"
+    """"rda" (radial-directional) or "mean"; every peer of a run must use the same."""
+    compression: str = "fp16"
+    """Wire format of the all-reduce (``COMPRESSIONS``): "fp16" (half the traffic), "uint8" (a quarter) or
+    "none" (fp32); every peer of a run must use the same."""
+    target_group_size: int = 16
+    """A round starts at once when this many peers are looking: set it to the live composer count."""
+    min_group_size: int = 2
+    """Fewer peers than this is no round (returns None)."""
+    min_matchmaking_time_s: float = 15.0
+    """With fewer than target_group_size peers, wait this long for more before averaging with those present
+    (internet: 15, covering peers whose inner steps run a few seconds apart; loopback: 1)."""
+    request_timeout_s: float = 5.0
+    """A matchmaking request to one peer is lost after this long; must be < min_matchmaking_time_s."""
+    matchmaking_timeout_s: float = 60.0
+    """Give up the round when no group formed within this long (> min_matchmaking_time_s)."""
+    allreduce_timeout_s: float = 300.0
+    """Give up an all-reduce that has not finished this long after the group formed (internet: 300 s is
+    ~1 GB of fp16 pseudo-gradient over a 30 Mbit/s uplink; loopback: 20)."""
+    next_chunk_timeout_s: float = 30.0
+    """A groupmate that sends no chunk for this long is dropped from the all-reduce (the round is then
+    inconsistent and verification discards it)."""
+    verify_timeout_s: float = 15.0
+    """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
+    dht_timeout_s: float = 5.0
+    """Each DHT store/get of a fingerprint."""
+    fingerprint_ttl_s: float = 600.0
+    """Fingerprint records expire after this long (only the round just run is read)."""
+    fingerprint_tolerance: float | None = None
+    """Two merged results agree when every projection and norm differs by at most this times their scale;
+    None: by compression (fp16 2e-2, uint8 0.15, none 1e-5), far above rounding noise, below a broken round
+    (under uint8 the margin is thinner: a round merged from a subset differs by tens of percent)."""
+    direction_eps: float | None = None
+    """RDA falls back to the plain mean below this length of the mean unit direction; None: by compression.
+    fp16 gives the mean direction ~3e-4 of noise per peer and the rebuilt direction amplifies it by
+    1/length, so under fp16 we fall back below 0.05, under uint8 (~3.5e-2 per peer) below 0.1
+    (rda.DIRECTION_EPS, 1e-6, when uncompressed)."""
+    startup_timeout_s: float = 60.0
+    """Starting an averager process (busy hosts need 30-120 s)."""
+    shutdown_timeout_s: float = 5.0
+    """Grace period of an averager process at shutdown before it is terminated."""
+
+    def __post_init__(self) -> None:
+        if self.method not in MERGE_METHODS:
+            raise ValueError(f"OuterSyncConfig.method must be one of {MERGE_METHODS}, got {self.method!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"OuterSyncConfig.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.min_group_size < 2 or self.target_group_size < self.min_group_size:
+            raise ValueError("OuterSyncConfig needs 2 <= min_group_size <= target_group_size")
+        for name in ("min_matchmaking_time_s", "request_timeout_s", "matchmaking_timeout_s", "allreduce_timeout_s",
+                     "next_chunk_timeout_s", "verify_timeout_s", "dht_timeout_s", "fingerprint_ttl_s",
+                     "startup_timeout_s", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"OuterSyncConfig.{name} must be > 0 seconds")
+        if self.request_timeout_s >= self.min_matchmaking_time_s:
+            raise ValueError("OuterSyncConfig: request_timeout_s must be < min_matchmaking_time_s (hivemind can "
+                             "deadlock otherwise); lower request_timeout_s or raise min_matchmaking_time_s")
+        if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
+            raise ValueError("OuterSyncConfig: matchmaking_timeout_s must exceed min_matchmaking_time_s, or no group "
+                             "smaller than target_group_size can ever form")
+        for name in ("fingerprint_tolerance", "direction_eps"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"OuterSyncConfig.{name} must be in (0, 1) or None, got {value}")
+
+    @classmethod
+    def loopback(cls, **overrides: Any) -> OuterSyncConfig:
+        """Timings for peers on one machine (tests, ``parallax swarm local``)."""
+        base: dict[str, Any] = dict(min_matchmaking_time_s=1.0, request_timeout_s=0.5, matchmaking_timeout_s=4.0,
+                                    allreduce_timeout_s=20.0, next_chunk_timeout_s=5.0, verify_timeout_s=3.0,
+                                    dht_timeout_s=2.0, startup_timeout_s=30.0, shutdown_timeout_s=3.0)
+        return cls(**{**base, **overrides})
+
+    @property
+    def tolerance(self) -> float:
+        if self.fingerprint_tolerance is not None:
+            return self.fingerprint_tolerance
+        return _TOLERANCE[self.compression]
+
+    @property
+    def rda_eps(self) -> float:
+        if self.direction_eps is not None:
+            return self.direction_eps
+        return _RDA_EPS[self.compression]
+
+    @property
+    def round_budget_s(self) -> float:
+        """The longest ``run_round`` blocks: matchmaking, all-reduce, verification, and slack."""
+        return (self.matchmaking_timeout_s + self.allreduce_timeout_s + self.verify_timeout_s
+                + 2 * self.dht_timeout_s + BUFFER_LOCK_TIMEOUT_S)
+
+    def hivemind_compression(self) -> CompressionBase:
+        return wire_compression(self.compression)
+
+
+def wire_compression(name: str) -> CompressionBase:
+    """hivemind's codec for an outer all-reduce under compression ``name`` (one of ``COMPRESSIONS``)."""
+    if name not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {name!r}")
+    if name == "none":
+        return NoCompression()
+    big = Float16Compression() if name == "fp16" else Uniform8BitQuantization()
+    return SizeAdaptiveCompression(SMALL_TENSOR_NUMEL, less=NoCompression(), greater_equal=big)
+
+
+def wire_roundtrip(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` as a peer receives it under compression ``name``: the in-process simulator applies this
+    rounding to what it merges, so its runs see the wire's error."""
+    codec = wire_compression(name)
+    return codec.extract(codec.compress(tensor.detach(), CompressionInfo.from_tensor(tensor)))
+
+
+# ---- names ----------------------------------------------------------------------------------------
+# Candidates for dht/keys.py (the one file that names DHT keys); kept here until that file takes them.
+
+
+def payload_bytes(shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig) -> int:
+    """Bytes of one peer's averaged buffers of a group on the wire (hivemind does not count them): the RDA
+    components of SMALL_TENSOR_NUMEL entries or more at 2 bytes per entry under fp16, 1 (+ a 1 KiB
+    codebook) under uint8, the others at 4."""
+    total = 0
+    for shape in component_shapes(shapes, config.method):
+        numel = torch.Size(shape).numel()
+        if numel < SMALL_TENSOR_NUMEL or config.compression == "none":
+            total += 4 * numel
+        else:
+            total += 2 * numel if config.compression == "fp16" else numel + _CODEBOOK_BYTES
+    return total
+
+
+def outer_prefix(run_id: str, group: str) -> str:
+    """The averager prefix (and P2P namespace) of one shared group: ``{run_id}/outer/{group}``.
+
+    Raises:
+        ValueError: an invalid run id or group name; hivemind refuses '.' in prefixes.
+    """
+    check_run_id(run_id)
+    if "." in run_id or not group or "." in group or "/" in group:
+        raise ValueError(f"run id {run_id!r} and group {group!r} must not contain '.' (hivemind's averager "
+                         "uses it as a separator); the group must be non-empty and contain no '/'")
+    return f"{run_id}/outer/{group}"
+
+
+def round_key(run_id: str, group: str, round_id: int) -> str:
+    """The DHT key of round ``round_id``'s fingerprints (subkey: participant's peer id)."""
+    return f"{outer_prefix(run_id, group)}/round/{int(round_id)}"
+
+
+# ---- pure parts: pack, rebuild, fingerprint --------------------------------------------------------
+
+
+def _direction_scale(numel: int) -> float:
+    # A unit vector of n entries has entries ~1/sqrt(n); times sqrt(n) they are O(1), where fp16 is exact
+    # to 3 digits instead of sinking into subnormals. The same constant on every peer: the mean scales too.
+    return math.sqrt(max(numel, 1))
+
+
+def component_shapes(shapes: Mapping[str, Sequence[int]], method: str) -> list[torch.Size]:
+    """Shapes of the averaged buffers for a group with tensors ``shapes`` (see ``component_tensors``)."""
+    if method not in MERGE_METHODS:
+        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
+    sizes = [torch.Size(s) for s in shapes.values()]
+    if method == "mean":
+        return sizes
+    return sizes + [torch.Size([len(sizes)])] + sizes
+
+
+def component_tensors(delta: Mapping[str, torch.Tensor], method: str) -> list[torch.Tensor]:
+    """What one peer puts into the all-reduce for its pseudo-gradient ``delta`` (CPU float32).
+
+    Args:
+        delta: name -> pseudo-gradient of one group.
+        method: "rda": [direction_t * sqrt(numel_t) for each t] + [norms, shape [T]] + [delta_t for each t];
+            "mean": [delta_t for each t].
+
+    Returns:
+        The buffers in that order. Their token-weighted means give ``merged_from_components`` what
+        ``rda.merge_groups`` computes from all peers' deltas.
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
+    deltas = [d.detach().to(device="cpu", dtype=torch.float32) for d in delta.values()]
+    if method == "mean":
+        return deltas
+    directions, norms = [], []
+    for d in deltas:
+        direction, norm_1 = rda_components(d)
+        directions.append(direction.mul_(_direction_scale(d.numel())))
+        norms.append(norm_1)
+    norms_T = torch.cat(norms) if norms else torch.zeros(0)
+    return directions + [norms_T] + deltas
+
+
+def merged_from_components(
+    means: Sequence[torch.Tensor], shapes: Mapping[str, Sequence[int]], method: str, *, eps: float = DIRECTION_EPS
+) -> dict[str, torch.Tensor]:
+    """Finish the merge from the weighted means of ``component_tensors``.
+
+    Args:
+        means: the averaged buffers, in ``component_shapes`` order.
+        shapes: name -> shape of the group's tensors, in the same order as when packing.
+        method: "rda" or "mean".
+        eps: RDA falls back to the mean delta when the mean direction is shorter than this.
+
+    Returns:
+        name -> merged pseudo-gradient (CPU float32, new tensors not sharing the inputs' memory).
+
+    Raises:
+        ValueError: the buffers do not match ``component_shapes(shapes, method)``.
+    """
+    expected = component_shapes(shapes, method)
+    got = [m.shape for m in means]
+    if got != expected:
+        raise ValueError(f"averaged buffers have shapes {got}, expected {expected}")
+    names = list(shapes)
+    if method == "mean":
+        return {n: m.detach().to(torch.float32).clone() for n, m in zip(names, means, strict=True)}
+    k = len(names)
+    directions, norms_T, deltas = means[:k], means[k], means[k + 1:]
+    return {
+        name: rda_rebuild(directions[i] / _direction_scale(directions[i].numel()), norms_T[i:i + 1], deltas[i],
+                          eps=eps)
+        for i, name in enumerate(names)
+    }
+
+
+def _hash_signs(n: int, seed: int) -> np.ndarray:
+    """n pseudo-random +-1.0 (float64) from splitmix64 of (seed, index): the same on every machine and
+    numpy/torch version, unlike library RNG streams."""
+    with np.errstate(over="ignore"):
+        z = np.arange(n, dtype=np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF)
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return np.where((z >> np.uint64(63)) == 1, -1.0, 1.0)
+
+
+@lru_cache(maxsize=256)
+def _block_vector(seed: int) -> torch.Tensor:
+    return torch.from_numpy(_hash_signs(FP_BLOCK, seed))
+
+
+def _project(flat: torch.Tensor, seed: int, chunk_rows: int = 256) -> float:
+    """<flat, r> in float64 for a seeded +-1 vector r (a fixed block, each block's sign hashed)."""
+    r = _block_vector(seed)
+    rows = flat.numel() // FP_BLOCK
+    total = 0.0
+    if rows:
+        block_signs = torch.from_numpy(_hash_signs(rows, seed ^ 0x5A5A5A5A))
+        for start in range(0, rows, chunk_rows):
+            stop = min(rows, start + chunk_rows)
+            chunk = flat[start * FP_BLOCK:stop * FP_BLOCK].reshape(-1, FP_BLOCK).to(torch.float64)
+            total += float(torch.mv(chunk, r) @ block_signs[start:stop])
+    tail = flat[rows * FP_BLOCK:]
+    if tail.numel():
+        total += float(tail.to(torch.float64) @ r[:tail.numel()])
+    return total
+
+
+def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float]) -> tuple[float, ...]:
+    """A small summary of a round's merged tensors that two peers can compare with a tolerance.
+
+    Tensor i goes to slot i mod FP_SLOTS; each slot sums, over its tensors, two float64 projections on
+    seeded +-1 vectors, the norm, and a scale = norm + the norm of this peer's own input. Rounding in a
+    compressed all-reduce moves a peer's result by a small multiple of that scale; a broken round (a
+    mix of partial means, or a corrupted tensor) moves it by a sizeable fraction of the norm.
+
+    Args:
+        merged: the merged tensors, in the group's order.
+        local_norms: the norm of this peer's pseudo-gradient of each tensor (before averaging).
+
+    Returns:
+        4 x min(FP_SLOTS, len(merged)) floats.
+    """
+    if len(merged) != len(local_norms):
+        raise ValueError(f"{len(merged)} tensors but {len(local_norms)} local norms")
+    n_slots = min(FP_SLOTS, len(merged))
+    out = [0.0] * (_FP_FIELDS * n_slots)
+    for i, (t, local) in enumerate(zip(merged, local_norms, strict=True)):
+        base = _FP_FIELDS * (i % n_slots)
+        flat = t.detach().reshape(-1)
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        out[base] += _project(flat, _FP_SEED + 2 * i)
+        out[base + 1] += _project(flat, _FP_SEED + 2 * i + 1)
+        out[base + 2] += norm
+        out[base + 3] += norm + abs(float(local))
+    return tuple(out)
+
+
+def round_tag(round_id: int, participants: Sequence[str]) -> bytes:
+    """8 bytes naming one round: its number and its participants.
+
+    Round numbers alone repeat: peers at different steps meet under the largest of their numbers, so two
+    different rounds can share a number (and a DHT key). A fingerprint counts only for the round whose tag
+    it carries, so a stale record of an earlier round is never compared with this one's.
+    """
+    h = hashlib.sha256(f"{round_id}|".encode() + "|".join(sorted(participants)).encode())
+    return h.digest()[:_TAG_BYTES]
+
+
+def encode_fingerprint(fp: Sequence[float], tag: bytes = bytes(8)) -> bytes:
+    """DHT value of a fingerprint: magic, round tag, count, float32s (<= 4 + 8 + 2 + 256 bytes)."""
+    if len(tag) != _TAG_BYTES:
+        raise ValueError(f"a round tag has {_TAG_BYTES} bytes")
+    return _FP_MAGIC + tag + struct.pack(f"<H{len(fp)}f", len(fp), *fp)
+
+
+def decode_fingerprint(value: object, tag: bytes = bytes(8)) -> tuple[float, ...] | None:
+    """Inverse of ``encode_fingerprint``; None for anything malformed or of another round (a peer's record is
+    data, not trusted)."""
+    head = len(_FP_MAGIC) + _TAG_BYTES
+    if not isinstance(value, bytes) or len(value) < head + 2 or not value.startswith(_FP_MAGIC):
+        return None
+    if value[len(_FP_MAGIC):head] != tag:
+        return None
+    (n,) = struct.unpack_from("<H", value, head)
+    if n % _FP_FIELDS or n > _FP_FIELDS * FP_SLOTS or len(value) != head + 2 + 4 * n:
+        return None
+    return tuple(struct.unpack_from(f"<{n}f", value, head + 2))
+
+
+def fingerprints_agree(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:
+    """True when every projection and norm of a and b differ by at most ``tolerance`` x their mean scale.
+
+    Non-finite values never agree (a NaN round is no round)."""
+    if len(a) != len(b) or len(a) % _FP_FIELDS:
+        return False
+    for base in range(0, len(a), _FP_FIELDS):
+        slot_a, slot_b = a[base:base + _FP_FIELDS], b[base:base + _FP_FIELDS]
+        if not all(math.isfinite(x) for x in (*slot_a, *slot_b)):
+            return False
+        allowed = tolerance * 0.5 * (abs(slot_a[3]) + abs(slot_b[3]))
+        if any(abs(x - y) > allowed for x, y in zip(slot_a[:3], slot_b[:3], strict=True)):
+            return False
+    return True
+
+
+def majority_agrees(
+    mine: Sequence[float], others: Mapping[str, Sequence[float]], n_participants: int, tolerance: float
+) -> tuple[bool, int]:
+    """Does a strict majority of the round's participants (me included) hold a result agreeing with mine?
+
+    Args:
+        mine: my fingerprint.
+        others: the fingerprints found of the other participants (absent ones count against me).
+        n_participants: how many peers took part in the round, me included.
+        tolerance: see ``fingerprints_agree``.
+
+    Returns:
+        (verdict, how many participants agree with me, me included).
+    """
+    if not all(math.isfinite(x) for x in mine) or not fingerprints_agree(mine, mine, tolerance):
+        return False, 0
+    agreeing = 1 + sum(fingerprints_agree(mine, fp, tolerance) for fp in others.values())
+    return 2 * agreeing > n_participants, agreeing
