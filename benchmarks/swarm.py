@@ -198,7 +198,8 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
     t0 = _events(records, "first_step")[0]
     start = t0["t"] - t0["seconds"]
     phases = {kind: round(_events(records, kind)[0]["t"] - start, 3)
-              for kind in ("dht_started", "network_started", "shard_offered", "loaded_state", "first_step")
+              for kind in ("dht_started", "network_started", "shard_offered", "composer_built", "loaded_state",
+                           "first_step")
               if _events(records, kind)}
     return {"phases_s": phases, "node_start_to_first_step_s": t0["seconds"]}
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -106,13 +108,19 @@ def join(
         "steps of its experts a crash loses; shorter costs traffic."),
     final_eval: bool = typer.Option(
         False, "--final-eval", help="Evaluate on the validation split when leaving (val loss in the metrics)."),
+    no_supervise: bool = typer.Option(
+        False, "--no-supervise", help="Run the node in this process. By default it runs in a session of its own "
+        "that Ctrl+C reaches only through this process, so its p2pd daemon lives until the graceful leave is "
+        "done; use this under a process manager that signals the node by pid."),
+    supervised_by: int | None = typer.Option(None, "--supervised-by", hidden=True),
 ) -> None:
     """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background."""
     from parallax.dht.adapter import parse_initial_peers
     from parallax.errors import ParallaxError
     from parallax.node.config import override, parse_changes, train_config
     from parallax.node.device import DeviceError, resolve_device
-    from parallax.node.runner import Node, NodeConfig, install_signal_handlers
+    from parallax.node.processes import ForcedStop, die_with_parent, install_signal_handlers, python_cli, supervise
+    from parallax.node.runner import Node, NodeConfig
 
     file, file_changes = _read_config_file(config_file)
 
@@ -147,6 +155,16 @@ def join(
     except (ValueError, DeviceError) as e:
         raise typer.BadParameter(str(e)) from e
 
+    # Checked above, run below: in a session of its own under this process (processes.py says why), unless
+    # told otherwise or not started from a command line (CliRunner).
+    if supervised_by is None and not no_supervise and sys.argv[1:3] == ["node", "join"]:
+        raise typer.Exit(supervise(python_cli(*sys.argv[1:], "--supervised-by", str(os.getpid()))))
+    if supervised_by is not None:
+        try:
+            die_with_parent(supervised_by)
+        except ProcessLookupError as e:
+            raise typer.Exit(1) from e
+
     console = Console(stderr=True)
     live = None if quiet else Live(console=console, refresh_per_second=4, transient=False)
 
@@ -170,6 +188,9 @@ def join(
     except (ParallaxError, ValueError, OSError) as e:  # bad key file, data, checkpoint, unreachable swarm
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e
+    except ForcedStop as e:  # the node closed everything it started before this propagated
+        console.print(f"[yellow]{e}[/yellow]; the checkpoint on disk is the last one written")
+        raise typer.Exit(130) from e
     finally:
         if live is not None:
             live.stop()

@@ -11,7 +11,6 @@ table and the summary are built from those files alone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.errors import NodeError
+from parallax.node.processes import kill_group, send, spawn, stop
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,7 @@ class LocalSwarm:
         threads = str(self.threads_per_node)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log.open("ab") as out:
-            return subprocess.Popen([self.python, "-m", "parallax.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+            return spawn([self.python, "-m", "parallax.cli", *args], env=env, stdout=out)
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> str:
         """Start the bootstrap peer; returns the multiaddr others join through."""
@@ -121,7 +120,8 @@ class LocalSwarm:
         folder = self.workdir / f"node-{i}"
         folder.mkdir(exist_ok=True)
         metrics = folder / "metrics.jsonl"
-        args = ["node", "join", "--cpu", "--quiet", "--loopback", "--run-id", self.run_id,
+        # Each node already has a session of its own here and is signalled by pid: no supervisor in between.
+        args = ["node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise", "--run-id", self.run_id,
                 "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers,
                 "--metrics", str(metrics), *self.node_args, *extra]
         node = NodeProcess(i, self._spawn(args, folder / "node.log"), metrics, folder / "node.log", args)
@@ -145,56 +145,28 @@ class LocalSwarm:
 
     def kill(self, index: int) -> None:
         """SIGKILL a node and every process of its group (its DHT, p2pd and averagers): a machine dying."""
-        _kill_group(self.nodes[index].process, signal.SIGKILL)
+        kill_group(self.nodes[index].process, signal.SIGKILL)
         self.nodes[index].process.wait(10)
 
     def stop_node(self, index: int, timeout_s: float = 60.0) -> int | None:
         """Ask one node to leave (SIGINT) and wait; returns its exit code."""
-        return _stop(self.nodes[index].process, timeout_s)
+        return stop(self.nodes[index].process, timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop every node (SIGINT, then SIGTERM, then SIGKILL of the group), then the bootstrap peer."""
         for n in self.nodes:
             if n.alive:
-                _signal(n.process, signal.SIGINT)
+                send(n.process, signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for n in self.nodes:
-            _stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False)
+            stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False)
         if self.bootstrap is not None:
-            _stop(self.bootstrap, 15.0)
+            stop(self.bootstrap, 15.0)
         for p in [n.process for n in self.nodes] + ([self.bootstrap] if self.bootstrap else []):
-            _kill_group(p, signal.SIGKILL)  # leftovers of a child that died without cleaning up
+            kill_group(p, signal.SIGKILL)  # leftovers of a child that died without cleaning up
 
     def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, sig)
-
-
-def _kill_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)  # the child is its session's leader: its pid is the group id
-
-
-def _stop(p: subprocess.Popen[bytes], timeout_s: float, *, interrupt: bool = True) -> int | None:
-    """SIGINT (unless sent already), wait; SIGTERM, wait; SIGKILL the group. Returns the exit code."""
-    steps = ([(signal.SIGINT, timeout_s)] if interrupt else [(None, timeout_s)]) + [(signal.SIGTERM, 10.0)]
-    for sig, wait_s in steps:
-        if sig is not None:
-            _signal(p, sig)
-        try:
-            return p.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("process %d did not exit within %.0f s", p.pid, wait_s)
-    _kill_group(p, signal.SIGKILL)
-    try:
-        return p.wait(10)
-    except subprocess.TimeoutExpired:
-        return None

@@ -34,10 +34,9 @@ random windows of a large corpus rarely overlap).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
-import os
-import signal
 import threading
 import time
 import zlib
@@ -232,6 +231,10 @@ class Node:
 
     def _start(self) -> None:
         c, cfg = self.config, self.cfg
+        # torch's optimizers import torch._dynamo (about 2 s) when the first one is built: overlap that with
+        # the network start-up, which mostly waits on p2pd and peers.
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-imports",
+                         daemon=True).start()
         corpus = load_corpus(c.data)
         self.train_tokens, val = split_corpus(corpus, seq_len=cfg.model.seq_len)
         self.val = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
@@ -274,6 +277,7 @@ class Node:
             ownership = info.owned
         self.composer = Composer(cfg, ownership, self.train_tokens,
                                  sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
+        self._event("composer_built", seconds=round(time.monotonic() - self._started, 3))
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
             self._event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(self.composer))
@@ -292,7 +296,9 @@ class Node:
             self._owners = _owners(self.membership.view().assignment())
 
     def _wait_for_shard(self) -> dict[int, frozenset[int]]:
-        """Wait until the live assignment gives us experts and has been stable for a moment."""
+        """Wait until the live assignment gives us experts and has been stable for a moment, or, joining a
+        swarm that already trains, until we see it (a joiner starts owning nothing and takes its experts
+        over at its first seams, so the assignment need not have settled)."""
         assert self.membership is not None
         deadline = time.monotonic() + self.config.start_timeout_s
         settle = 2 * self.membership.config.refresh_s + 0.5
@@ -300,9 +306,11 @@ class Node:
             if self.stop_event.is_set():
                 raise NodeError("stopped before training began")
             owned = self.membership.owned()
-            peers = len(self.membership.view().composers())
+            view = self.membership.view()
+            peers = len(view.composers())
             stable = time.monotonic() - self.membership.owned_changed_at >= settle
-            if owned and peers >= self.config.min_peers and stable:
+            running = any(m.heartbeat.step > 0 and m.heartbeat.role == "composer" for m in view.alive().values())
+            if peers >= self.config.min_peers and ((owned and stable) or running):
                 return owned
             if time.monotonic() > deadline:
                 raise NodeError(f"no expert shard within {self.config.start_timeout_s:.0f} s ({peers} live composers "
@@ -619,8 +627,8 @@ class Node:
             self.status.val_loss = composer.evaluate(self.val)
             self._event("final_eval", step=composer.step, val_loss=round(self.status.val_loss, 5),
                         tokens=composer.tokens_seen)
-        membership.leave("leaving after training" if not self.stop_event.is_set() else "stopped by the user")
-        self._event("left", step=composer.step, seconds=round(time.monotonic() - started, 3))
+        rattle = membership.leave("leaving after training" if not self.stop_event.is_set() else "stopped by the user")
+        self._event("left", step=composer.step, seconds=round(time.monotonic() - started, 3), deathrattle=rattle)
 
     def _push_final_snapshots(self, deadline: float) -> None:
         """Hand our experts' final state to their heirs before the deathrattle.
@@ -771,21 +779,4 @@ def model_shapes(cfg: TrainConfig) -> ModelShapes:
     return ModelShapes(groups, surrogate, expert)
 
 
-def install_signal_handlers(node: Node) -> dict[int, Any]:
-    """SIGINT/SIGTERM ask ``node`` to leave gracefully (a second one is left to the default handler)."""
-
-    owner = os.getpid()
-
-    def handler(signum: int, _frame: Any) -> None:
-        if os.getpid() != owner:  # a forked hivemind child inherited this handler: die as it would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        logger.warning("signal %d: leaving after this step (again to force)", signum)
-        node.stop()
-        signal.signal(signum, signal.SIG_DFL)
-
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-
-__all__ = ["SHARED_GROUPS", "Node", "NodeConfig", "NodeStatus", "install_signal_handlers"]
+__all__ = ["SHARED_GROUPS", "Node", "NodeConfig", "NodeStatus"]

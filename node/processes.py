@@ -1,0 +1,167 @@
+"""Child processes in their own session: start, signal, stop and supervise them, ending only our own.
+
+A node is a tree of processes: the Python main process, hivemind's forked DHT and averager processes,
+and the p2pd daemon the DHT spawns (through libuv, which resets every signal to its default in the
+child). A signal sent to the whole process group — Ctrl+C in a terminal — would end p2pd at once and
+leave the node's graceful leave (final snapshots, deathrattle) with no network. So a node runs in a
+session of its own and is signalled by PID: by ``LocalSwarm`` in tests and ``parallax swarm local``,
+and by ``supervise`` when a volunteer runs ``parallax node join`` in a terminal. Whatever of a child's
+session is left after it (its daemons, when it died the hard way) is SIGKILLed by group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+
+def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, stdout: IO[Any] | int | None = None,
+          stdin: IO[Any] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a new session (its pid is its process group's id)."""
+    return subprocess.Popen(list(argv), stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
+                            stdin=stdin, start_new_session=True, env=dict(env) if env is not None else None)
+
+
+def send(p: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal the child itself (not its group), if it still runs."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def kill_group(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Signal every process left in the child's session (the child led it: its pid is the group id)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
+def stop(p: subprocess.Popen[bytes], timeout_s: float, *, interrupt: bool = True) -> int | None:
+    """SIGINT (unless sent already), wait; SIGTERM, wait; SIGKILL the group. Returns the exit code."""
+    steps = ([(signal.SIGINT, timeout_s)] if interrupt else [(None, timeout_s)]) + [(signal.SIGTERM, 10.0)]
+    for sig, wait_s in steps:
+        if sig is not None:
+            send(p, sig)
+        try:
+            return p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("process %d did not exit within %.0f s", p.pid, wait_s)
+    kill_group(p)
+    try:
+        return p.wait(10)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def supervise(argv: Sequence[str]) -> int:
+    """Run ``argv`` in its own session and relay SIGINT/SIGTERM to it alone; returns its exit code.
+
+    The first two signals are passed on (the node leaves gracefully, then stops at once); a third
+    SIGKILLs the child's session. The child learns of our death through ``die_with_parent``. When the
+    child did not exit cleanly, what is left of its session (p2pd, hivemind's children) is SIGKILLed.
+    """
+    child = spawn(argv, stdin=None)
+    received = [0]
+
+    def relay(signum: int, _frame: Any) -> None:
+        received[0] += 1
+        if received[0] <= 2:
+            send(child, signum)
+        else:
+            kill_group(child)
+
+    previous = {s: signal.signal(s, relay) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if child.poll() is None:
+            code = stop(child, 30.0)
+    if code != 0:
+        kill_group(child)
+    return code if code is not None else 1
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send us ``sig`` when our parent (a ``supervise`` process) dies, so a supervisor killed
+    the hard way still gets us to leave gracefully. Elsewhere (no prctl) a no-op.
+
+    Raises:
+        ProcessLookupError: the parent died before we could ask (we were re-parented already).
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != expected_parent:
+        raise ProcessLookupError(f"the supervising process {expected_parent} is gone")
+
+
+class ForcedStop(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: the node skips what is left of its graceful leave (rounds in flight, final
+    snapshots); ``Node.run``'s ``close()`` still publishes the deathrattle and stops every child process."""
+
+
+def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
+    """SIGINT/SIGTERM: the first asks ``node`` to leave gracefully after its step, the second raises
+    ``ForcedStop`` in the main thread (a fast but clean shutdown), a third is left to the default handler.
+
+    hivemind's forked children (the DHT and averager processes) inherit this handler: they ignore SIGINT
+    (Ctrl+C in a terminal reaches the whole process group and must not kill them under the parent's
+    leave; hivemind ignores it there too) and die of SIGTERM, which is how hivemind's own shutdown stops
+    them the hard way. A SIGTERM sent to the whole group (systemd's default KillMode=control-group) also
+    ends p2pd at once, so the leave cannot reach peers: run units with KillMode=mixed (README).
+    """
+    owner = os.getpid()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    received = [0]
+
+    def handler(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        received[0] += 1
+        if received[0] == 1:
+            logger.warning("signal %d: leaving after this step (again to stop at once)", signum)
+            node.stop()
+            return
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
+        raise ForcedStop(f"signal {signum} received twice: stopping without the graceful leave")
+
+    return {s: signal.signal(s, handler) for s in signals}
+
+
+def python_cli(*args: str) -> list[str]:
+    """The command line that runs ``parallax`` with this interpreter."""
+    return [sys.executable, "-m", "parallax.cli", *args]
+
+
+__all__ = [
+    "ForcedStop",
+    "die_with_parent",
+    "install_signal_handlers",
+    "kill_group",
+    "python_cli",
+    "send",
+    "spawn",
+    "stop",
+    "supervise",
+]

@@ -1,0 +1,85 @@
+"""``parallax node join`` in a terminal: Ctrl+C reaches its whole process group, yet the node leaves
+gracefully (deathrattle stored, checkpoint written) and nothing it started outlives it; a supervisor
+killed the hard way still gets its node to leave."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _sessions_of(marker: str) -> dict[int, int]:
+    """pid -> session id of every process whose command line holds ``marker``, and of everything else in
+    those sessions (p2pd's command line does not name our folder)."""
+    rows = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            sid = os.getsid(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+        rows.append((int(entry.name), sid, cmdline))
+    sessions = {sid for _, sid, cmd in rows if marker in cmd}
+    return {pid: sid for pid, sid, _ in rows if sid in sessions}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["ctrl-c to the group", "supervisor SIGKILLed"])
+def test_node_leaves_gracefully_and_leaves_nothing_behind(tmp_path: Path, how: str) -> None:
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "parallax.cli", "node", "join", "--cpu", "--quiet", "--loopback",
+           "--identity", str(tmp_path / "k"), "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ck")]
+    with (tmp_path / "out.log").open("wb") as out:
+        supervisor = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env)
+    started: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum(e["kind"] == "step" for e in _events(metrics)) < 3:
+            assert supervisor.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.2)
+        started = _sessions_of(str(tmp_path))
+        assert len(set(started.values())) == 2, started  # the supervisor's session and the node's own
+        if how == "ctrl-c to the group":
+            os.killpg(supervisor.pid, signal.SIGINT)  # what a terminal does: every process of the foreground group
+            assert supervisor.wait(60) == 0, (tmp_path / "out.log").read_text()[-3000:]
+        else:
+            supervisor.kill()
+            supervisor.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.2)
+        assert not [p for p in started if _alive(p)]
+        left = [e for e in _events(metrics) if e["kind"] == "left"]
+        assert left and left[-1]["deathrattle"] is True
+        assert any(e["kind"] == "checkpoint" and e["step"] == left[-1]["step"] for e in _events(metrics))
+    finally:
+        for sid in set(started.values()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(sid, signal.SIGKILL)  # only sessions led by processes this test started
+        with contextlib.suppress(ProcessLookupError):
+            supervisor.kill()
+        supervisor.wait(10)

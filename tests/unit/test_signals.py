@@ -1,0 +1,60 @@
+"""SIGINT/SIGTERM handling of a node process: graceful first, forced second, ignored by forked children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from parallax.node.processes import ForcedStop, install_signal_handlers
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.stops = 0
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def _restore(previous: dict[int, object]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)  # type: ignore[arg-type]
+
+
+def test_first_signal_asks_to_leave_second_forces_then_default() -> None:
+    node = _Node()
+    previous = install_signal_handlers(node)  # type: ignore[arg-type]
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs in the main thread at the next bytecode
+        assert node.stops == 1
+        with pytest.raises(ForcedStop):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        _restore(previous)
+
+
+@pytest.mark.parametrize(("signum", "killed"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_forked_children_ignore_ctrl_c_and_die_of_sigterm(signum: int, killed: bool) -> None:
+    previous = install_signal_handlers(_Node())  # type: ignore[arg-type]
+    try:
+        pid = os.fork()
+        if pid == 0:  # a hivemind child: Ctrl+C to the group must not kill it; hivemind's terminate() must
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.1)
+            finally:
+                os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        if killed:
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        else:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
+    finally:
+        _restore(previous)
