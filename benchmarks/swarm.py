@@ -61,7 +61,7 @@ def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == kind]
 
 
-def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", join_at: int = 10,
+def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", join_at: int = 10,
                     periods: str = '{"router": 25, "latent": 50, "backbone": 100}', refresh_every: int = 25,
                     snapshot_every: int = 50, workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns the report (JSON-able)."""
@@ -144,9 +144,14 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", 
 
     progress("join probe: one node training, a second joining")
     probe = join_probe(preset, workdir / "probe")
-    progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {steps} steps)")
+    # Equal tokens: the joiner's steps count too, so the in-process composers train as many tokens in all.
+    swarm_tokens = sum(e[-1]["tokens"] for r in records if (e := _events(r, "final_eval")))
+    per_step = nodes * cfg.batch_size * cfg.model.seq_len
+    ref_steps = max(1, round(swarm_tokens / per_step)) if swarm_tokens else steps
+    progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {ref_steps} steps)")
     train, val = split_corpus(load_corpus(None), seq_len=cfg.model.seq_len)
-    sim = run(RunSpec(name="parallax", kind="parallax", cfg=cfg, composers=nodes), train, val)
+    ref_cfg = override(cfg, {"steps": ref_steps})
+    sim = run(RunSpec(name="parallax", kind="parallax", cfg=ref_cfg, composers=nodes), train, val)
 
     losses = [n["val_loss"] for n in per_node if n["val_loss"] is not None and not n["joiner"]]
     traffic = [n["bytes_per_step"] for n in per_node if n["bytes_per_step"]]
@@ -167,8 +172,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 150, preset: str = "small", 
         "outer_round_time": round_times,
         "join": {"node_start_to_first_step_s": per_node[joiner_index]["first_step_s"],
                  "spawn_to_first_step_s": spawn_to_first, "probe": probe},
-        "tokens": {"swarm": sum(e[-1]["tokens"] for r in records if (e := _events(r, "final_eval"))),
-                   "in_process": sim.tokens},
+        "tokens": {"swarm": swarm_tokens, "in_process": sim.tokens, "in_process_steps": ref_steps},
         "val_loss": {"swarm_median": statistics.median(losses) if losses else None,
                      "in_process_median": sim.val_loss, "in_process_assembled": sim.assembled_val_loss,
                      "in_process_wall_s": sim.wall_s},
@@ -239,8 +243,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"| join probe (1 node training + 1 joining): node start to first step | "
         f"{_sec(j['probe']['node_start_to_first_step_s'])} | target <= 5 s; phases {j['probe']['phases_s']} |",
         f"| final val loss, swarm (median of the first nodes' own views; {report['tokens']['swarm']:,} tokens) | "
-        f"{_loss(v['swarm_median'])} | in-process {_loss(v['in_process_median'])} (assembled "
-        f"{_loss(v['in_process_assembled'])}; {report['tokens']['in_process']:,} tokens) |",
+        f"{_loss(v['swarm_median'])} | in-process at equal tokens {_loss(v['in_process_median'])} (assembled "
+        f"{_loss(v['in_process_assembled'])}; {report['tokens']['in_process']:,} tokens: {report['nodes']} "
+        f"composers x {report['tokens']['in_process_steps']} steps) |",
     ]
     return "\n".join(lines)
 

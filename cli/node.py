@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from parallax.cli.options import Data, Preset
+from parallax.cli.options import Data, Preset, Sets
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
 logger = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ def join(
     preset: Preset = "tiny",
     config_file: Path | None = typer.Option(
         None, "--config", help="TOML file: top-level node settings and a [train] table; flags override it."),
-    set_: list[str] = typer.Option(
-        [], "--set", help="TrainConfig override PATH=VALUE, e.g. sync.periods={...} or surrogate.refresh_every=10."),
+    set_: Sets = None,
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every N steps."),
     resume: bool = typer.Option(False, "--resume", help="Resume from the latest checkpoint in --checkpoint-dir."),
@@ -131,7 +130,7 @@ def join(
     try:
         device = resolve_device(gpu, cpu)
         cfg = train_config(pick(preset if preset != "tiny" else None, "preset", "tiny"))
-        cfg = override(cfg, {**file_changes, **parse_changes(set_)})
+        cfg = override(cfg, {**file_changes, **parse_changes(set_ or [])})
         peers = pick(initial_peers, "initial_peers", [])
         config = NodeConfig(
             train=cfg,

@@ -23,3 +23,8 @@ JsonPath = Annotated[
     Path | None, typer.Option("--json", help="Write the result as JSON to this path (and a .md beside it).")
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", help="No progress bars.")]
+Sets = Annotated[
+    list[str] | None, typer.Option(
+        "--set", help="TrainConfig override PATH=VALUE (repeatable), e.g. sync.compression=fp16 or "
+        'sync.periods={"router": 25, "latent": 50, "backbone": 100}.')
+]

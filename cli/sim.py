@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Steps
+from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Sets, Steps
 from parallax.cli.progress import run_progress
-from parallax.node.config import train_config
+from parallax.node.config import override, parse_changes, train_config
 from parallax.node.data import load_corpus, split_corpus
 from parallax.node.sim import RUN_KINDS, RunSpec, run
 
@@ -23,12 +23,14 @@ def sim(
     seed: Seed = 0,
     kind: str = typer.Option("parallax", "--kind", help=f"What to run: {', '.join(RUN_KINDS)}."),
     data: Data = None,
+    set_: Sets = None,
     json_path: JsonPath = None,
     quiet: Quiet = False,
 ) -> None:
     """Run C composers in one process (no network) and print each one's validation loss."""
     try:
         cfg = train_config(preset, steps=steps, batch_size=batch_size, seed=seed)
+        cfg = override(cfg, parse_changes(set_ or []))
         spec = RunSpec(name=kind, kind=kind, cfg=cfg, composers=composers)
         train, val = split_corpus(load_corpus(data))
     except ValueError as e:

@@ -473,6 +473,10 @@ class Membership:
         return ok
 
     def _store(self, key: str, value: bytes, expiration: float, timeout_s: float) -> bool:
+        if self._stop.is_set() and threading.current_thread() is self._thread:
+            # An announcer that was stuck in a DHT call past leave()'s join must not re-announce us after the
+            # deathrattle (whose expiration, bumped past any store begun earlier, wins over those).
+            return False
         expiration = max(expiration, self._last_expiry.get(key, 0.0) + _MIN_EXPIRY_STEP_S)
         self._last_expiry[key] = expiration  # even on failure: a half-done store may have landed
         return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)

@@ -70,8 +70,11 @@ def group_state(outer: OuterOptimizer, *, group: str, round_id: int, step: int) 
 
 
 @torch.no_grad()
-def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor]) -> int:
-    """Take a peer's anchor (and momentum) for one group; keep our progress since our own anchor.
+def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor],
+                     since: dict[str, torch.Tensor] | None = None) -> int:
+    """Take a peer's anchor (and momentum) for one group; keep our progress since our own anchor, or since
+    ``since`` (the parameters we submitted to a round whose merge the peer's anchor already holds: what we
+    trained before it is in there once, weighted like everyone's, and must not be added a second time).
 
     Returns:
         The round number the state was taken at.
@@ -96,7 +99,8 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
     if not isinstance(round_id, int) or round_id < 0:
         raise ValueError(f"outer state of {group!r} has round {round_id!r}")
     live = outer.live_copy()
-    progress = {n: live[n] - outer.anchor[n] for n in names}
+    base = since if since is not None else outer.anchor
+    progress = {n: live[n] - base[n] for n in names}
     for i, n in enumerate(names):
         outer.anchor[n].copy_(tensors[i])
         outer.params[n].copy_((outer.anchor[n] + progress[n]).to(outer.params[n].device, outer.params[n].dtype))
@@ -115,9 +119,12 @@ class BackgroundRounds:
         sync: the node's averagers, one per group.
         composer: the composer whose groups are merged (read and written only by the training thread,
             in ``submit``/``collect``/``publish_state``).
+        serve: serve every group's state to joiners from the start (a node of a new swarm: its seeded
+            init is the swarm's). A joiner passes False: it serves a group only once it holds the swarm's
+            state of it (downloaded, or a round applied), never its own init to the next joiner.
     """
 
-    def __init__(self, sync: TieredOuterSync, composer: Composer) -> None:
+    def __init__(self, sync: TieredOuterSync, composer: Composer, *, serve: bool = True) -> None:
         self.sync = sync
         self.composer = composer
         self.counts = RoundCounts()
@@ -127,10 +134,14 @@ class BackgroundRounds:
                                                            thread_name_prefix="parallax-outer")
         self._in_flight: dict[str, _InFlight] = {}
         self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
+        # group -> (parameters, tokens) submitted to the round whose failure started the reload
+        self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._served_lock = threading.Lock()
-        for group, averager in sync.groups.items():
-            averager.serve_state(lambda g=group: self._serve(g))
+        self._serving: set[str] = set()
+        if serve:
+            for group in sync.groups:
+                self._start_serving(group)
         self.last_round: dict[str, int] = dict.fromkeys(sync.groups, -1)
 
     # --- training thread ---
@@ -176,34 +187,48 @@ class BackgroundRounds:
                 self.rounds_ok[group] += 1
                 self.last_round[group] = report.round_id if report.round_id is not None else flight.round_id
                 self.publish_state(group)
+                self._start_serving(group)
             else:
                 self.counts.failed += 1
-                self.composer.tokens_since_merge[group] += flight.tokens  # their weight counts next time
-                if report.needs_reload:
-                    self._start_reload(group)
+                if report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already
+                    self._start_reload(group, since=(flight.submitted, flight.tokens))
+                else:  # no merge happened anywhere: our delta and its tokens go into the next round
+                    self.composer.tokens_since_merge[group] += flight.tokens
             self.reports.append(report)
             done.append(report)
         for group in [g for g, f in self._reloads.items() if f.done()]:
             future = self._reloads.pop(group)
+            submitted, tokens = self._reload_since.pop(group, (None, 0))
             found = future.result() if future.exception() is None else None
             if found is None:
                 logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
                                group)
+                self.composer.tokens_since_merge[group] += tokens  # our delta is still ours to send
                 continue
             try:
-                self.last_round[group] = load_group_state(self.composer.outer[group], group, *found)
+                self.last_round[group] = load_group_state(self.composer.outer[group], group, *found,
+                                                          since=submitted)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
+                self.composer.tokens_since_merge[group] += tokens
                 continue
             self.counts.reloads += 1
             self.publish_state(group)
+            self._start_serving(group)
         return done
 
-    def _start_reload(self, group: str) -> None:
+    def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None) -> None:
         if group not in self._reloads:
+            if since is not None:
+                self._reload_since[group] = since
             logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
                            group)
             self._reloads[group] = self._pool.submit(self.sync.groups[group].load_state_from_peers, 30.0)
+
+    def _start_serving(self, group: str) -> None:
+        if group not in self._serving:
+            self._serving.add(group)
+            self.sync.groups[group].serve_state(lambda g=group: self._serve(g))
 
     def publish_state(self, group: str | None = None) -> None:
         """Make the current anchor (and momentum) of ``group`` (default: all) what joiners download."""
@@ -249,6 +274,7 @@ class BackgroundRounds:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
                 continue
             self.last_round[group] = taken[group]
+            self._start_serving(group)
         self.publish_state()
         return taken
 

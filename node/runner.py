@@ -282,7 +282,7 @@ class Node:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
             self._event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(self.composer))
         assert self.sync is not None
-        self.rounds = BackgroundRounds(self.sync, self.composer)
+        self.rounds = BackgroundRounds(self.sync, self.composer, serve=not joining or checkpoint is not None)
         if joining and checkpoint is None:
             self._phase("loading state")
             taken = self.rounds.load_from_peers(timeout_s=30.0)
@@ -534,12 +534,15 @@ class Node:
                 snap = a.future.result()
                 if snap is not None and (a.best is None or snap.step >= a.best.step):
                     a.best = snap
-                if snap is None and a.others and waited < self.config.adopt_wait_s:
-                    a.source = a.others.pop(0)  # this one holds none: the next live composer
-                    a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()
-                    return
-                if (snap is None or not snap.final) and waited < self.config.adopt_wait_s:
-                    if time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
+                # Only a recent final snapshot ends the wait: a releaser keeps serving its final one for minutes,
+                # and under churn an expert may have moved on since (measured: a step-0 final won at step 410).
+                recent_final = (snap is not None and snap.final
+                                and snap.step >= self._current_step() - self.config.snapshot_every)
+                if not recent_final and waited < self.config.adopt_wait_s:
+                    if (snap is None or snap.final) and a.others:  # none here, or a stale final: ask the next one
+                        a.source = a.others.pop(0)
+                        a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()
+                    elif time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
                         a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
         heir_copy = exchange.take_heir_copy(a.eid)
@@ -548,6 +551,9 @@ class Node:
         snapshot = a.best if a.best is not None else heir_copy
         self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
         del self._adopting[a.eid]
+
+    def _current_step(self) -> int:
+        return self.composer.step if self.composer is not None else 0
 
     def _snapshot(self, eid: ExpertId) -> dict[str, torch.Tensor]:
         """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its

@@ -62,6 +62,26 @@ def test_group_state_round_trips_with_momentum_and_keeps_the_joiners_progress() 
     assert torch.equal(buf, src.optimizer.state[src.anchor["w"]]["momentum_buffer"])
 
 
+def test_reload_after_a_round_peers_applied_keeps_only_the_progress_since_submission() -> None:
+    """A round whose all-reduce ran but did not verify here: the peers' new anchor holds our delta once;
+    the reload must not add it again (only what we trained while the round ran)."""
+    src_params, src = make()
+    with torch.no_grad():
+        src_params["w"].add_(1.0)
+    src.step(src.pseudo_gradient())  # the peers applied the round: anchor 1.0, our delta included
+    meta, tensors = group_state(src, group="router", round_id=3, step=30)
+
+    params, outer = make()
+    with torch.no_grad():
+        params["w"].add_(1.0)  # trained before the round: what we submitted
+    submitted = outer.live_copy()
+    with torch.no_grad():
+        params["w"].add_(0.25)  # trained while the round ran
+    load_group_state(outer, "router", meta, tensors, since=submitted)
+    assert torch.allclose(params["w"].detach(), torch.full((3, 2), 1.25))  # not 2.25
+    assert torch.allclose(outer.pseudo_gradient()["w"], torch.full((3, 2), -0.25))
+
+
 @pytest.mark.parametrize("breakage", ["group", "names", "count", "shape", "nan", "round"])
 def test_group_state_that_does_not_fit_is_refused_before_any_change(breakage: str) -> None:
     _, src = make()
