@@ -34,7 +34,6 @@ random windows of a large corpus rarely overlap).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import threading
@@ -231,10 +230,6 @@ class Node:
 
     def _start(self) -> None:
         c, cfg = self.config, self.cfg
-        # torch's optimizers import torch._dynamo (about 2 s) when the first one is built: overlap that with
-        # the network start-up, which mostly waits on p2pd and peers.
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-imports",
-                         daemon=True).start()
         corpus = load_corpus(c.data)
         self.train_tokens, val = split_corpus(corpus, seq_len=cfg.model.seq_len)
         self.val = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
