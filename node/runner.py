@@ -531,8 +531,10 @@ class Node:
                     a.best = snap
                 # Only a recent final snapshot ends the wait: a releaser keeps serving its final one for minutes,
                 # and under churn an expert may have moved on since (measured: a step-0 final won at step 410).
+                # Recent by the releaser's own clock (its heartbeat step): peers train at different speeds.
+                releaser_step = self._peer_step(a.source)
                 recent_final = (snap is not None and snap.final
-                                and snap.step >= self._current_step() - self.config.snapshot_every)
+                                and snap.step >= releaser_step - self.config.snapshot_every)
                 if not recent_final and waited < self.config.adopt_wait_s:
                     if (snap is None or snap.final) and a.others:  # none here, or a stale final: ask the next one
                         a.source = a.others.pop(0)
@@ -547,8 +549,11 @@ class Node:
         self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
         del self._adopting[a.eid]
 
-    def _current_step(self) -> int:
-        return self.composer.step if self.composer is not None else 0
+    def _peer_step(self, peer_id: str | None) -> int:
+        """The step a live peer last announced (0 when unknown)."""
+        assert self.membership is not None
+        steps = [m.heartbeat.step for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
+        return max(steps, default=0)
 
     def _snapshot(self, eid: ExpertId) -> dict[str, torch.Tensor]:
         """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its
