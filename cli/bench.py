@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from parallax.benchmarks.quality import DEFAULT_RUNS
-from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Steps
+from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Sets, Steps
 
 bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.", no_args_is_help=True)
 
@@ -20,24 +22,55 @@ def quality(
     data: Data = None,
     runs: str = typer.Option(",".join(DEFAULT_RUNS), "--runs",
                              help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py)."),
-    changes: list[str] = typer.Option([], "--set", help="Config change for every run, e.g. --set sketch.enabled=true."),
+    changes: Sets = None,
     json_path: JsonPath = None,
     quiet: Quiet = False,
 ) -> None:
     """Parallax vs a synchronous MoE and a DiLoCo reference at equal tokens (about 25 min on 2 cores)."""
-    from parallax.benchmarks.quality import markdown, run_quality, write
+    from parallax.benchmarks import quality as bench
+
+    _run_set(bench, bench.run_quality, composers, preset, steps, batch_size, seed, data, runs, changes, json_path,
+             quiet)
+
+
+@bench_app.command("offload")
+def offload(
+    composers: Composers = 4,
+    preset: Preset = "small",
+    steps: Steps = None,
+    batch_size: BatchSize = None,
+    seed: Seed = 0,
+    data: Data = None,
+    runs: str = typer.Option("direct,offload", "--runs",
+                             help="Comma-separated runs: direct, offload and its variations (benchmarks/offload.py)."),
+    changes: Sets = None,
+    json_path: JsonPath = None,
+    quiet: Quiet = False,
+) -> None:
+    """Worker offload in process vs direct ownership at equal tokens; counted composer FLOPs vs the analytic
+    ratio; bytes per sketch and result; onboarding bytes (small preset, 300 steps: about 4 min a run on 1 core)."""
+    from parallax.benchmarks import offload as bench
+
+    _run_set(bench, bench.run_offload, composers, preset, steps, batch_size, seed, data, runs, changes, json_path,
+             quiet)
+
+
+def _run_set(bench: Any, run: Any, composers: int, preset: str, steps: int | None, batch_size: int | None, seed: int,
+             data: str | None, runs: str, changes: list[str] | None, json_path: Any, quiet: bool) -> None:
+    """A set of in-process runs of one benchmark module: ``run`` it, then its ``write`` and ``markdown``."""
     from parallax.cli.progress import run_progress
     from parallax.node.config import override, parse_changes, train_config
 
     try:
-        cfg = override(train_config(preset, steps=steps, batch_size=batch_size, seed=seed), parse_changes(changes))
+        cfg = override(train_config(preset, steps=steps, batch_size=batch_size, seed=seed),
+                       parse_changes(changes or []))
         names = [r.strip() for r in runs.split(",") if r.strip()]
         with run_progress(cfg.steps, enabled=not quiet) as progress:
-            report = run_quality(cfg, composers, data, runs=names, progress=progress)
+            report = run(cfg, composers, data, runs=names, progress=progress)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    write(report, json_path)
-    typer.echo(markdown(report))
+    bench.write(report, json_path)
+    typer.echo(bench.markdown(report))
 
 
 @bench_app.command("horizon")

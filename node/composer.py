@@ -96,8 +96,8 @@ class Composer:
         self.selections_total = 0
         self.sketcher: SketchRecorder | None = None
         self.sketch_rng = torch.Generator().manual_seed(sampler_seed + 7919)
-        if cfg.sketch.enabled:
-            self.sketcher = SketchRecorder()
+        if cfg.sketch.enabled or cfg.offload.enabled:
+            self.sketcher = SketchRecorder(keep=self._sketched)
             self.model.set_sketcher(self.sketcher.attach)
         self.recorder: ActivationRecorder | None = None
         self.publishers: dict[ExpertId, ErrorFeedbackPublisher] = {}
@@ -159,13 +159,43 @@ class Composer:
 
     # ---- sketched expert gradients ----------------------------------------------------------------
 
+    def _sketched(self, layer: int, expert: int) -> bool:
+        """Whether the sketcher captures this expert's selections: offloaded owned experts (for their
+        worker), non-owned ones when their owners absorb sketches (cfg.sketch)."""
+        moe = self.model.blocks[layer].moe
+        return expert in moe.offloaded if expert in moe.owned else self.cfg.sketch.enabled
+
     def take_sketches(self) -> dict[ExpertId, Sketch]:
         """The (x, g) sketches of this step's non-owned selections, compressed as for the wire."""
         assert self.sketcher is not None, "sketches need cfg.sketch.enabled"
         sk = self.cfg.sketch
+        non_owned = [(layer, e) for layer, experts in enumerate(self.owned)
+                     for e in range(self.cfg.model.n_experts) if e not in experts]
         return {eid: compress(s, sample_fraction=sk.sample_fraction, generator=self.sketch_rng,
                               wire_codec=sk.wire_codec)
-                for eid, s in self.sketcher.take().items()}
+                for eid, s in self.sketcher.take(non_owned).items()}
+
+    def offload_expert(self, expert_id: ExpertId, offloaded: bool) -> None:
+        """Hand an owned expert's update to a worker (it then runs forward only here and is sketched), or
+        take it back (trained here again, as without offload).
+
+        Raises:
+            ValueError: the expert is not owned here, or lies in the private layers (cfg.offload.private_layers).
+        """
+        layer, expert = self._check_expert(expert_id, owned=True)
+        if offloaded and (not self.cfg.offload.enabled or layer < self.cfg.offload.private_layers):
+            raise ValueError(f"expert {expert_id} cannot be offloaded: needs offload.enabled and a layer >= "
+                             f"offload.private_layers={self.cfg.offload.private_layers}")
+        self.model.blocks[layer].moe.set_offloaded(expert, offloaded)
+
+    def offloaded_experts(self) -> list[ExpertId]:
+        """The owned experts whose update is offloaded now."""
+        return [(layer, e) for layer, moe in enumerate(self.model.moe_layers()) for e in sorted(moe.offloaded)]
+
+    def take_offload_sketches(self) -> dict[ExpertId, Sketch]:
+        """This step's raw (x, g) of the offloaded experts' selections; compress with ``sketch.compress``."""
+        assert self.sketcher is not None, "offload needs cfg.offload.enabled"
+        return self.sketcher.take(self.offloaded_experts())
 
     def absorb_sketches(self, sketches: Mapping[ExpertId, list[Sketch]], composers: int) -> None:
         """Turn other composers' sketches of our experts into expert gradient before ``optimizer_step``.

@@ -210,7 +210,7 @@ class OffloadConfig:
     """How the worker sends a weight change: "ternary" (1.6 bits a weight, per-row scale, error feedback
     on the worker), "lowrank" (rank result_rank per matrix, error feedback) or "fp16"."""
     result_rank: int = 8
-    """Rank of a "lowrank" result per weight matrix."""
+    """Rank of a "lowrank" result per weight matrix, at most 64."""
     onboard_codec: str = "fp16"
     """How a worker receives its expert's weights: "fp16", "raw" (the worker's copy then equals the
     composer's) or "ternary" (1.6 bits a weight: the worker trains a ternary copy's Jacobian)."""
@@ -233,8 +233,9 @@ class OffloadConfig:
         if self.onboard_codec not in ONBOARD_CODECS:
             raise ValueError(f"OffloadConfig.onboard_codec must be one of {ONBOARD_CODECS}, "
                              f"got {self.onboard_codec!r}")
-        if self.result_rank < 1 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:
-            raise ValueError("OffloadConfig needs result_rank >= 1, private_layers >= 0, delay >= 0, max_change > 0")
+        if not 1 <= self.result_rank <= 64 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:
+            raise ValueError("OffloadConfig needs 1 <= result_rank <= 64 (the receivers' cap), private_layers >= 0, "
+                             "delay >= 0 and max_change > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,7 +33,8 @@ Recorder = Callable[[int, int, torch.Tensor], None]
 """Called as recorder(layer, expert, x_NL) with the detached inputs routed to an owned expert."""
 
 Sketcher = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
-"""Called as sketcher(layer, expert, x_NL, y_NL) with a non-owned selection's input and stand-in output;
+"""Called as sketcher(layer, expert, x_NL, y_NL) with a forward-only selection's input and output (a
+non-owned stand-in, or an offloaded owned expert);
 returns the output to use (a leaf whose gradient it hooks: see ``sketch.SketchRecorder``)."""
 
 
@@ -121,6 +122,8 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(cfg.d_model, cfg.d_shared) if cfg.d_shared else None
         self.recorder: Recorder | None = None
         self.sketcher: Sketcher | None = None
+        self.offloaded: frozenset[int] = frozenset()
+        """Owned experts run forward only like a stand-in (worker offload); they still get sketched."""
         self._freeze_non_trainable()
 
     def adopt_expert(self, e: int, module: SwiGLU) -> None:
@@ -153,7 +156,18 @@ class MoELayer(nn.Module):
         assert isinstance(module, SwiGLU)
         del self.experts[str(e)]
         self.owned = self.owned - {e}
+        self.offloaded = self.offloaded - {e}
         return module
+
+    def set_offloaded(self, e: int, offloaded: bool) -> None:
+        """Run owned expert e forward only, its update offloaded to a worker (True), or train it here (False).
+
+        Raises:
+            ValueError: e is not owned here.
+        """
+        if e not in self.owned:
+            raise ValueError(f"expert ({self.layer}, {e}) is not owned here: only owned experts are offloaded")
+        self.offloaded = self.offloaded | {e} if offloaded else self.offloaded - {e}
 
     def _check_ownership_change(self, e: int, *, owned: bool) -> None:
         if self.non_owned == "frozen_copy":
@@ -172,11 +186,14 @@ class MoELayer(nn.Module):
                 p.requires_grad_(int(key) in self.owned)
 
     def _expert_output(self, e: int, h_NL: torch.Tensor) -> torch.Tensor | None:
-        if e in self.owned:
+        if e in self.owned and e not in self.offloaded:
             return self.experts[str(e)](h_NL)
-        if self.non_owned == "drop":
+        if e in self.offloaded:
+            stand_in = self.experts[str(e)]  # the real expert, forward only: a worker updates it from sketches
+        elif self.non_owned == "drop":
             return None
-        stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
+        else:
+            stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
         with torch.no_grad():  # forward only: no gradient into its weights or its input
             y_NL = stand_in(h_NL.detach())
         if self.sketcher is not None and self.training:

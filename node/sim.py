@@ -11,6 +11,9 @@ Run kinds (``RunSpec.kind``):
     diloco     C composers that each hold and train every expert; all parameters merged (experts on the
                backbone's cadence);
     parallax   C composers with disjoint expert shards; non-owned selections per cfg.surrogate.non_owned.
+    offload    parallax with every owned expert outside cfg.offload.private_layers updated by an in-process
+               worker through the wire path (sketch, Taylor-proxy steps, compressed result, checked apply),
+               answers cfg.offload.delay steps late (``offload.LocalWorkers``).
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ from dataclasses import dataclass, field
 import torch
 
 from parallax.dht.shards import assign_experts
+from parallax.node import config as config_mod
 from parallax.node.composer import Composer, evaluate
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import shard, val_batches
 from parallax.node.flops import step_flops
 from parallax.node.lowrank import payload_bytes
 from parallax.node.model import MoETransformer, Ownership, own_all
+from parallax.node.offload import LocalWorkers
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.rda import merge_groups
 
-RUN_KINDS = ("baseline", "diloco", "parallax")
+RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
+SHARDED = ("parallax", "offload")
 
 ProgressFn = Callable[[str, int, float], None]
 """progress(run name, step, mean training loss of the step)."""
@@ -75,7 +81,12 @@ class RunResult:
     """Measured share of routed selections that hit a real expert (1.0 for baseline and DiLoCo)."""
     network_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes that would cross the network over the run, all composers together, by what carries them:
-    "surrogates" (deltas or frozen copies), "outer" (all-reduce of pseudo-gradients), "sketches"."""
+    "surrogates" (deltas or frozen copies), "outer" (all-reduce of pseudo-gradients), "sketches"; with
+    offload also "onboarding", "offload_sketches" (composer -> worker) and "offload_results" (back)."""
+    worker_flops: float = 0.0
+    """FLOPs the offload workers spent (not in train_flops, which counts the composers)."""
+    offload_messages: dict[str, int] = field(default_factory=dict)
+    """Payloads behind the offload entries of network_bytes (one per expert each), by the same names."""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     val_history: list[tuple[int, float]] = field(default_factory=list)
     """(tokens so far, median own-view validation loss), every cfg.eval_every steps and at the end."""
@@ -110,6 +121,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         device: where the models live.
     """
     cfg, C = spec.cfg, spec.composers
+    if spec.kind == "offload":
+        cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True))
     torch.manual_seed(cfg.seed)
     batches = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
     started = time.perf_counter()
@@ -117,13 +130,14 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         composers = [Composer(cfg, own_all(cfg.model), train, sampler_seed=cfg.seed,
                               batch_size=C * cfg.batch_size, device=device)]
     else:
-        shards = ownership_for(cfg, C) if spec.kind == "parallax" else [own_all(cfg.model)] * C
-        merged_groups = SHARED_GROUPS if spec.kind == "parallax" else (*SHARED_GROUPS, "expert")
+        shards = ownership_for(cfg, C) if spec.kind in SHARDED else [own_all(cfg.model)] * C
+        merged_groups = SHARED_GROUPS if spec.kind in SHARDED else (*SHARED_GROUPS, "expert")
         composers = [
             Composer(cfg, shards[i], shard(train, i, C), sampler_seed=cfg.seed + 1 + i,
                      merged_groups=merged_groups, device=device)
             for i in range(C)
         ]
+    workers = LocalWorkers(composers) if spec.kind == "offload" else None
     schedule = TierSchedule(cfg.sync.periods)
     history: list[tuple[int, float]] = []
     val_history: list[tuple[int, float]] = []
@@ -132,7 +146,9 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     for step in range(1, cfg.steps + 1):
         losses = [c.forward_backward().loss for c in composers]
-        if spec.kind == "parallax" and cfg.sketch.enabled:
+        if workers is not None:
+            workers.exchange()
+        if spec.kind in SHARDED and cfg.sketch.enabled:
             in_flight.append({i: c.take_sketches() for i, c in enumerate(composers)})
             traffic["sketches"] += sum(s.wire_bytes for sent in in_flight[-1].values() for s in sent.values())
             arrived = in_flight.pop(0) if len(in_flight) > cfg.sketch.delay else {}
@@ -152,7 +168,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if spec.kind == "baseline":
             continue
         last = step == cfg.steps
-        if spec.kind == "parallax" and (step % cfg.surrogate.refresh_every == 0 or last):
+        if spec.kind in SHARDED and (step % cfg.surrogate.refresh_every == 0 or last):
             flops, wire = publish(composers)
             extra_flops += flops
             traffic["surrogates"] += wire
@@ -168,9 +184,16 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     tokens = sum(c.tokens_seen for c in composers)
     train_flops = extra_flops
     for c in composers:
-        per_token = step_flops(cfg.model, c.owned_fraction if spec.kind == "parallax" else 1.0,
-                               non_owned=cfg.surrogate.non_owned)
-        train_flops += per_token.total * c.tokens_seen
+        owned_fraction = c.owned_fraction if spec.kind in SHARDED else 1.0
+        direct = step_flops(cfg.model, owned_fraction, non_owned=cfg.surrogate.non_owned)
+        per_token = direct.total
+        if workers is not None:  # owned experts outside the private layers run forward only
+            forward_only = step_flops(cfg.model, owned_fraction, non_owned=cfg.surrogate.non_owned, offload=True)
+            offloaded_share = 1 - cfg.offload.private_layers / cfg.model.n_layers
+            per_token -= offloaded_share * (direct.experts - forward_only.experts)
+        train_flops += per_token * c.tokens_seen
+    if workers is not None:
+        traffic.update(workers.bytes)
     return RunResult(
         name=spec.name, kind=spec.kind, composer_val_losses=composer_losses, assembled_val_loss=assembled,
         tokens=tokens, train_flops=train_flops, wall_s=wall_s,
@@ -178,7 +201,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
-        network_bytes=traffic,
+        network_bytes=traffic, worker_flops=workers.worker_flops if workers is not None else 0.0,
+        offload_messages=dict(workers.messages) if workers is not None else {},
     )
 
 

@@ -21,7 +21,7 @@ Shape legend: N sampled selections of one expert, L latent width.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,17 +46,24 @@ class Sketch:
 
 
 class SketchRecorder:
-    """Captures (x, g) for non-owned selections; plugs into ``MoELayer.sketcher``.
+    """Captures (x, g) for forward-only selections; plugs into ``MoELayer.sketcher``.
 
-    ``attach`` is called in the forward with the detached stand-in output; it returns that output as a
-    leaf that requires grad and hooks its gradient, so after ``backward`` the recorder holds
-    g = dL/dy for every non-owned selection of the step.
+    ``attach`` is called in the forward with the detached output of a non-owned stand-in or of an
+    offloaded owned expert; for the experts ``keep`` accepts it returns that output as a leaf that
+    requires grad and hooks its gradient, so after ``backward`` the recorder holds g = dL/dy for every
+    such selection of the step.
+
+    Args:
+        keep: keep(layer, expert) says which experts to capture (all when None).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: Callable[[int, int], bool] | None = None) -> None:
         self._pending: dict[ExpertId, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._keep = keep
 
     def attach(self, layer: int, expert: int, x_NL: torch.Tensor, y_NL: torch.Tensor) -> torch.Tensor:
+        if self._keep is not None and not self._keep(layer, expert):
+            return y_NL
         y_NL = y_NL.detach().requires_grad_(True)
         x_NL = x_NL.detach()
 
@@ -66,14 +73,18 @@ class SketchRecorder:
         y_NL.register_hook(keep)
         return y_NL
 
-    def take(self) -> dict[ExpertId, Sketch]:
-        """The sketches captured since the last call, one per expert, uncompressed."""
+    def take(self, experts: Collection[ExpertId] | None = None) -> dict[ExpertId, Sketch]:
+        """The sketches captured since the last call, one per expert, uncompressed.
+
+        Args:
+            experts: take only these (the others stay pending); None takes every one.
+        """
         out = {}
-        for eid, parts in self._pending.items():
+        for eid in [e for e in self._pending if experts is None or e in experts]:
+            parts = self._pending.pop(eid)
             x = torch.cat([p[0] for p in parts])
             g = torch.cat([p[1] for p in parts])
             out[eid] = Sketch(x, g, tokens=x.shape[0])
-        self._pending.clear()
         return out
 
 
@@ -109,16 +120,43 @@ def compress(sketch: Sketch, *, sample_fraction: float, generator: torch.Generat
     return Sketch(decoded[0].to(x.dtype), decoded[1].to(g.dtype), sketch.tokens, wire)
 
 
+def taylor_proxy(expert: nn.Module, x_NL: torch.Tensor, g_NL: torch.Tensor, y0_NL: torch.Tensor | None = None,
+                 lam: float = 0.0) -> torch.Tensor:
+    """The Taylor-proxy objective sum_n g_n . (f(x_n) - y0_n) + lam/2 sum_n ||f(x_n) - y0_n||^2.
+
+    Its gradient where f(x) = y0 (the weights the sketch was taken at) is sum_n J_n^T g_n: exactly the
+    expert's gradient on those tokens. y0 shifts the value, not the gradient of the linear term; it anchors
+    the trust term (None: the linear proxy alone, which needs no y0).
+
+    Args:
+        expert: the module f, its weights trainable.
+        x_NL: expert inputs.
+        g_NL: dL/dy at the expert output (with any 1/p sampling correction).
+        y0_NL: f(x) at the anchor weights, detached; required when lam > 0.
+        lam: weight of the trust term, >= 0.
+
+    Returns:
+        A 0-d tensor with a graph to the expert's weights.
+    """
+    y_NL = expert(x_NL)
+    proxy = (g_NL * y_NL).sum()
+    if lam > 0:
+        if y0_NL is None:
+            raise ValueError("the trust term (lam > 0) needs y0, the output at the anchor weights")
+        proxy = proxy + 0.5 * lam * (y_NL - y0_NL).square().sum()
+    return proxy
+
+
 def accumulate_expert_gradient(expert: nn.Module, sketches: list[Sketch], scale: float) -> None:
     """Add ``scale`` x the Taylor-proxy gradient of ``sketches`` to ``expert``'s ``.grad``.
 
     Args:
         expert: the real (owned, trainable) expert.
-        sketches: sketches of this expert from other composers.
+        sketches: sketches of this expert from other composers (or its own, when a worker fell away).
         scale: weight of these tokens relative to the owner's own loss (1/C for a token-weighted mean).
     """
     device = next(expert.parameters()).device
-    proxy = sum(((s.g_NL.to(device) * expert(s.x_NL.to(device))).sum() for s in sketches if s.x_NL.numel()),
+    proxy = sum((taylor_proxy(expert, s.x_NL.to(device), s.g_NL.to(device)) for s in sketches if s.x_NL.numel()),
                 torch.zeros((), device=device))
     if proxy.requires_grad:
         (proxy * scale).backward()

@@ -13,8 +13,8 @@ Compressed layouts (n elements, c = ceil(n / chunk) chunks, each with a float32 
     fp16     n float16
     int8     c scales || n int8 q,                    x = scale * q,  |q| <= 127
     int4     c scales || ceil(n/2) bytes of nibbles,  x = scale * (nibble - 8), low nibble first
-    ternary  c scales || ceil(n/4) bytes of 2-bit codes (00 = 0, 01 = +1, 10 = -1; 11 invalid),
-             x = scale * code, lowest bits first (TWN: threshold 0.7 * mean|x|, scale = mean of kept |x|)
+    ternary  c scales || ceil(n/5) bytes of base-3 trits, 5 a byte (``ternary.py``: TWN quantiser,
+             threshold 0.7 * mean|x|, scale = mean of kept |x|), x = scale * trit
     lowrank  (m*r) float32 left || (r*k) float32 right, x = left @ right, m = shape[0], k = prod(shape[1:])
 
 ``decode`` refuses, with ``BadTensor`` (a ``RemoteProtocolError``): a blob over the size its limits allow
@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from parallax.protocol import ternary
 from parallax.protocol.errors import BadTensor, LocalProtocolError, OversizedMessage
 from parallax.protocol.schema import MSGPACK_ERRORS
 
@@ -55,7 +56,6 @@ DEFAULT_CHUNK = 1024
 MAX_CHUNK = 1 << 20
 _SCALE = np.dtype("<f4")
 _HEADER_SLACK = 64  # msgpack framing around the payload: codec, dtype, params, length prefixes
-_TERNARY_THRESHOLD = 0.7  # Li & Liu, "Ternary Weight Networks" (2016): Delta = 0.7 * E|w|
 
 Array = npt.NDArray[Any]
 
@@ -122,20 +122,6 @@ def _quantize(x: Array, chunk: int, levels: int) -> tuple[Array, Array]:
     return scale, q.reshape(-1)[: x.size]
 
 
-def _ternarize(x: Array, chunk: int) -> tuple[Array, Array]:
-    xc = _chunked(x, chunk)
-    a = np.abs(xc)
-    counts = np.full(xc.shape[0], chunk, dtype=np.float32)
-    if counts.size:
-        counts[-1] = x.size - chunk * (counts.size - 1)  # the last chunk's padding is not data
-    delta = _TERNARY_THRESHOLD * a.sum(axis=1) / counts
-    keep = a > delta[:, None]
-    kept = keep.sum(axis=1)
-    scale = np.where(kept > 0, (a * keep).sum(axis=1) / np.maximum(kept, 1), 0.0).astype(np.float32)
-    codes = np.where(keep, np.where(xc > 0, 1, 2), 0).astype(np.uint8)
-    return scale, codes.reshape(-1)[: x.size]
-
-
 def _pack_bits(codes: Array, bits: int, pad: int) -> bytes:
     per = 8 // bits
     n = codes.size
@@ -195,8 +181,8 @@ def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHU
         scale, q = _quantize(flat, chunk, 7)
         payload = scale.astype(_SCALE).tobytes() + _pack_bits((q + 8).astype(np.uint8), 4, pad=8)
     else:  # ternary
-        scale, codes = _ternarize(flat, chunk)
-        payload = scale.astype(_SCALE).tobytes() + _pack_bits(codes, 2, pad=0)
+        scale, trits = ternary.quantize(flat, chunk)
+        payload = scale.astype(_SCALE).tobytes() + ternary.pack(trits)
     return _pack(codec, out_dtype, shape, [chunk], payload)
 
 
@@ -346,8 +332,8 @@ def decode(
             raise bad(f"{codec} takes params [chunk] with chunk in [1, {MAX_CHUNK}]")
         chunk = params[0]
         c = -(-n // chunk)
-        per = {"int8": 1, "int4": 2, "ternary": 4}[codec]
-        expect(4 * c + -(-n // per))
+        body_bytes = ternary.packed_bytes(n) if codec == "ternary" else -(-n // {"int8": 1, "int4": 2}[codec])
+        expect(4 * c + body_bytes)
         scale = np.frombuffer(payload, dtype=_SCALE, count=c)
         if not (np.isfinite(scale).all() and (scale >= 0).all()):
             raise bad(f"{codec} scales must be finite and >= 0")
@@ -360,12 +346,7 @@ def decode(
                 raise bad("int4 padding nibble is not the zero code")
             q = nib[:n].astype(np.int8) - 8
         else:
-            codes = _unpack_bits(body, 2)
-            if (codes == 3).any():
-                raise bad("ternary payload contains the invalid code 0b11")
-            if (codes[n:] != 0).any():
-                raise bad("ternary padding is not zero")
-            q = np.where(codes[:n] == 2, -1, codes[:n]).astype(np.int8)
+            q = ternary.unpack(body, n, what=what, peer=peer)
         with np.errstate(over="ignore", invalid="ignore"):
             out = _dequantize(scale, q, chunk, n).astype(DTYPES[dtype])
     out = out.reshape(dims)

@@ -1,0 +1,286 @@
+"""Worker offload, the in-process part (DESIGN.md section 4, issue 7): the worker's Taylor-proxy update and the
+composer's side of it, wired together without a network.
+
+A composer in offload mode runs its offloaded experts forward only (``MoELayer.offloaded``: no weight
+gradient, no gradient into their input, as a surrogate), and its ``SketchRecorder`` captures x and
+g = dL/dy for their selections. ``sketch.compress`` sub-samples and quantises them. A worker holding a
+copy of the expert and its own AdamW state runs k steps on
+
+    P(w) = sum_n g_n . (f_w(x_n) - y0_n) + lambda/2 sum_n ||f_w(x_n) - y0_n||^2,   y0 = f at the start
+
+(``sketch.taylor_proxy``) and sends back the change of its weights, compressed.
+
+Decisions, and why:
+- y0 is not sent: the worker recomputes it from its own copy (one forward, no bytes). Its copy equals the
+  composer's when onboarded with "raw"; with "fp16" or "ternary" it differs by that rounding, and the
+  expansion is around the worker's copy. The linear term needs no y0 at all.
+- Estimator: rows kept with probability p, g scaled by 1/p, so the first step's gradient is an unbiased
+  estimate of the expert's gradient on the composer's tokens (Horvitz-Thompson; variance ~ (1-p)/p). The
+  int8/int4 rounding of x and g is deterministic round-to-nearest: biased, within max/254 (int8) per
+  chunk. Steps after the first (k > 1) re-use the sample, so they are no longer unbiased.
+- Result: Delta = w - m, where m mirrors what the composer holds (the worker's onboarded copy plus every
+  change it sent, decoded exactly as the composer decodes it). Whatever the codec drops stays in w - m
+  and goes out with the next result: error feedback with no separate residual buffer, as in
+  ``lowrank.ErrorFeedbackPublisher``. Ternary (``protocol/ternary.py``) is per-row scaled.
+- The composer checks every result (codec limits: shape, finite; ||dW|| <= max_change ||W||) before
+  adding it. A refused result drops the worker for that expert: the composer trains it itself again and
+  applies every sketch still unanswered as a local Taylor-proxy gradient, so no step's tokens are lost.
+
+Shape legend: N sampled selections, L latent width, F expert hidden width.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from parallax.node.composer import Composer, lr_lambda
+from parallax.node.config import TrainConfig
+from parallax.node.model import SwiGLU
+from parallax.node.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
+from parallax.protocol import codec
+from parallax.protocol.errors import RemoteProtocolError
+
+log = logging.getLogger(__name__)
+
+ExpertId = tuple[int, int]
+Blobs = dict[str, bytes]
+"""Weight name ("w_gate.weight", ...) -> a ``protocol.codec`` blob."""
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor], codec_name: str, *, rank: int = 8) -> Blobs:
+    """Encode expert-shaped tensors for the wire; ternary gets one scale per row (the last dimension).
+
+    Args:
+        tensors: name -> tensor (weights or weight changes).
+        codec_name: "raw", "fp16", "ternary" or "lowrank".
+        rank: rank of "lowrank" per matrix.
+
+    Returns:
+        name -> blob.
+    """
+    out = {}
+    for name, t in tensors.items():
+        a = t.detach().cpu().float().numpy()
+        chunk = a.shape[-1] if a.ndim else 1
+        out[name] = codec.encode(a, codec_name, chunk=chunk, rank=rank)
+    return out
+
+
+def decode_tensors(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.Size], *,
+                   max_norms: Mapping[str, float] | None = None, peer: str | None = None,
+                   what: str = "expert") -> dict[str, torch.Tensor]:
+    """Decode and check a peer's expert-shaped tensors.
+
+    Args:
+        blobs: name -> blob, exactly the names of ``shapes``.
+        shapes: the expected names and shapes.
+        max_norms: per name, the largest L2 norm accepted (None: no bound).
+        peer: the sender, for error messages.
+        what: names the payload in error messages.
+
+    Returns:
+        name -> float32 CPU tensor.
+
+    Raises:
+        RemoteProtocolError: missing or extra names, a wrong shape, and everything ``codec.decode`` refuses
+            (oversized, malformed, non-finite, norm above the bound).
+    """
+    if set(blobs) != set(shapes):
+        raise RemoteProtocolError(f"{what}: tensors {sorted(blobs)}, expected {sorted(shapes)}", peer=peer)
+    out = {}
+    for name, shape in shapes.items():
+        limits = codec.TensorLimits(max_elements=max(1, shape.numel()), max_ndim=len(shape),
+                                    max_norm=None if max_norms is None else max_norms[name])
+        a = codec.decode(blobs[name], limits, peer=peer, what=f"{what} {name}")
+        if tuple(a.shape) != tuple(shape):
+            raise RemoteProtocolError(f"{what} {name}: shape {a.shape}, expected {tuple(shape)}", peer=peer)
+        out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    return out
+
+
+def blob_bytes(blobs: Mapping[str, bytes]) -> int:
+    return sum(len(b) for b in blobs.values())
+
+
+class TaylorProxyTrainer:
+    """The worker's side for one expert: its copy, its AdamW state, and the mirror of the composer's copy.
+
+    Args:
+        cfg: the run's config (model shapes, optimizer betas and decay, cfg.offload).
+        onboard: the expert's weights as the composer sent them (``encode_tensors``).
+    """
+
+    def __init__(self, cfg: TrainConfig, onboard: Mapping[str, bytes]) -> None:
+        self.cfg = cfg
+        m, o = cfg.model, cfg.optim
+        self.expert = SwiGLU(m.d_latent, m.d_expert)
+        shapes = {n: p.shape for n, p in self.expert.named_parameters()}
+        weights = decode_tensors(onboard, shapes, what="onboarding")
+        with torch.no_grad():
+            for name, p in self.expert.named_parameters():
+                p.copy_(weights[name])
+        self.mirror = {n: w.clone() for n, w in weights.items()}
+        self.optimizer = torch.optim.AdamW(self.expert.parameters(), lr=cfg.offload.worker_lr, betas=o.betas,
+                                           weight_decay=o.weight_decay)
+        self._schedule = lr_lambda(o.warmup_steps, cfg.steps, o.min_lr_ratio)
+        self.rows = 0
+        """Sketch rows trained on so far (for FLOP accounting)."""
+
+    def update(self, sketches: list[Sketch], step: int) -> Blobs:
+        """k AdamW steps on the proxy of ``sketches``; return the change since the last result, compressed.
+
+        Args:
+            sketches: decoded sketches of this expert (in order of arrival).
+            step: the composer step they were taken at (1-based); sets the learning rate as the composer's
+                scheduler would for that step.
+
+        Returns:
+            name -> blob of the weight change (cfg.offload.result_codec); the mirror already includes it.
+        """
+        off = self.cfg.offload
+        x_NL = torch.cat([s.x_NL for s in sketches]).float()
+        g_NL = torch.cat([s.g_NL for s in sketches]).float()
+        self.rows += x_NL.shape[0]
+        for group in self.optimizer.param_groups:
+            group["lr"] = off.worker_lr * self._schedule(max(step - 1, 0))
+        if x_NL.shape[0]:
+            with torch.no_grad():
+                y0_NL = self.expert(x_NL) if off.proxy_lambda > 0 else None
+            for _ in range(off.worker_steps):
+                self.optimizer.zero_grad(set_to_none=True)
+                taylor_proxy(self.expert, x_NL, g_NL, y0_NL, off.proxy_lambda).backward()
+                self.optimizer.step()
+        current = {n: p.detach() for n, p in self.expert.named_parameters()}
+        delta = {n: current[n] - self.mirror[n] for n in current}
+        blobs = encode_tensors(delta, off.result_codec, rank=off.result_rank)
+        # Decode our own bytes as the composer will, so the mirror stays bit-identical to its copy's changes.
+        sent = decode_tensors(blobs, {n: t.shape for n, t in delta.items()}, what="own result")
+        for n, t in sent.items():
+            self.mirror[n] += t
+        return blobs
+
+
+def onboard_blobs(composer: Composer, expert_id: ExpertId) -> Blobs:
+    """What a worker receives to start on an owned expert: its weights, cfg.offload.onboard_codec."""
+    weights = composer.model.expert_parameters(*expert_id)
+    return encode_tensors(weights, composer.cfg.offload.onboard_codec)
+
+
+def apply_result(composer: Composer, expert_id: ExpertId, blobs: Mapping[str, bytes], *,
+                 peer: str | None = None) -> None:
+    """Check a worker's weight change and add it to the composer's expert (between steps).
+
+    Raises:
+        RemoteProtocolError: the result is malformed, misshapen, non-finite or above the norm bound
+            (||dW|| > max_change x ||W||); the expert is left unchanged.
+    """
+    params = composer.model.expert_parameters(*expert_id)
+    bound = {n: composer.cfg.offload.max_change * float(p.detach().float().norm()) for n, p in params.items()}
+    delta = decode_tensors(blobs, {n: p.shape for n, p in params.items()}, max_norms=bound, peer=peer,
+                           what=f"worker result for expert {expert_id}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.add_(delta[name].to(p.device, p.dtype))
+
+
+def fall_back(composer: Composer, expert_id: ExpertId, unanswered: list[Sketch]) -> None:
+    """Take an expert back from its worker: train it here from now on, and turn the sketches the worker
+    never answered into a local gradient (their mean Taylor-proxy gradient) for the coming optimizer step.
+
+    Call between ``forward_backward`` and ``optimizer_step``.
+    """
+    composer.offload_expert(expert_id, False)
+    layer, expert = expert_id
+    module = composer.model.blocks[layer].moe.experts[str(expert)]
+    if unanswered:
+        accumulate_expert_gradient(module, unanswered, scale=1.0 / len(unanswered))
+
+
+Tamper = Callable[[int, ExpertId, int, Blobs], Blobs]
+"""tamper(composer index, expert, step, result) -> the result the composer receives (fault injection)."""
+
+
+class LocalWorkers:
+    """Every composer's offloaded experts updated by in-process workers through the wire path.
+
+    One ``TaylorProxyTrainer`` per (composer, owned expert outside the private layers), onboarded at
+    construction. ``exchange`` is called once a step, after every composer's ``forward_backward`` and before
+    its ``optimizer_step``: it compresses this step's sketches and sends them; the answers to the sketches of
+    ``cfg.offload.delay`` steps ago are computed and applied (delay 0: this step's own).
+
+    Args:
+        composers: the composers of the run, each built with cfg.offload.enabled.
+        tamper: optional fault injection on every result before the composer checks it.
+    """
+
+    def __init__(self, composers: Sequence[Composer], *, tamper: Tamper | None = None) -> None:
+        self.composers = list(composers)
+        self.cfg = self.composers[0].cfg
+        self.tamper = tamper
+        self.trainers: dict[tuple[int, ExpertId], TaylorProxyTrainer] = {}
+        self.in_flight: list[dict[tuple[int, ExpertId], tuple[int, Sketch, Sketch]]] = []
+        """Per step sent, oldest first: (composer, expert) -> (step, raw sketch, decoded wire sketch)."""
+        self.bytes = {"onboarding": 0, "offload_sketches": 0, "offload_results": 0}
+        self.messages = {"onboarding": 0, "offload_sketches": 0, "offload_results": 0}
+        """How many payloads of each kind crossed (one per expert)."""
+        self.fallbacks: list[tuple[int, ExpertId, str]] = []
+        """(composer, expert, reason) for every worker dropped."""
+        self._dropped_rows = 0
+        for i, c in enumerate(self.composers):
+            for eid in c.owned_experts():
+                if eid[0] >= self.cfg.offload.private_layers:
+                    blobs = onboard_blobs(c, eid)
+                    self.bytes["onboarding"] += blob_bytes(blobs)
+                    self.messages["onboarding"] += 1
+                    self.trainers[(i, eid)] = TaylorProxyTrainer(self.cfg, blobs)
+                    c.offload_expert(eid, True)
+
+    @property
+    def worker_flops(self) -> float:
+        """FLOPs the workers spent: per sketch row k x (forward + backward) plus the y0 forward if used."""
+        m, off = self.cfg.model, self.cfg.offload
+        per_row = 6.0 * m.d_latent * m.d_expert * (3 * off.worker_steps + (1 if off.proxy_lambda > 0 else 0))
+        return per_row * (sum(t.rows for t in self.trainers.values()) + self._dropped_rows)
+
+    def exchange(self) -> None:
+        """Send this step's sketches; answer and apply those that arrive now (see the class docstring)."""
+        off = self.cfg.offload
+        sent = {}
+        for i, c in enumerate(self.composers):
+            for eid, raw in c.take_offload_sketches().items():
+                wire = compress(raw, sample_fraction=off.sample_fraction, generator=c.sketch_rng,
+                                wire_codec=off.wire_codec)
+                self.bytes["offload_sketches"] += wire.wire_bytes
+                self.messages["offload_sketches"] += 1
+                sent[(i, eid)] = (c.step, raw, wire)
+        self.in_flight.append(sent)
+        if len(self.in_flight) <= off.delay:
+            return
+        for key, (step, raw, wire) in self.in_flight.pop(0).items():
+            trainer = self.trainers.get(key)
+            if trainer is None:
+                continue  # its worker was dropped: the sketch was applied locally then
+            i, eid = key
+            blobs = trainer.update([wire], step)
+            self.bytes["offload_results"] += blob_bytes(blobs)
+            self.messages["offload_results"] += 1
+            if self.tamper is not None:
+                blobs = self.tamper(i, eid, step, blobs)
+            try:
+                apply_result(self.composers[i], eid, blobs, peer=f"worker-{i}-{eid[0]}-{eid[1]}")
+            except RemoteProtocolError as e:
+                log.warning("composer %d drops the worker of expert %s and trains it locally: %s", i, eid, e)
+                self.drop(key, [raw], str(e))
+
+    def drop(self, key: tuple[int, ExpertId], unanswered: list[Sketch], reason: str) -> None:
+        """Drop a worker: its expert is trained by the composer again, every sketch it left unanswered
+        (those given and those still in flight) applied as a local gradient. Call before ``optimizer_step``."""
+        i, eid = key
+        unanswered = unanswered + [item.pop(key)[1] for item in self.in_flight if key in item]
+        self._dropped_rows += self.trainers.pop(key).rows
+        self.fallbacks.append((i, eid, reason))
+        fall_back(self.composers[i], eid, unanswered)

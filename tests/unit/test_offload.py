@@ -1,0 +1,255 @@
+"""Worker offload in process: the proxy gradient, the worker's update, error feedback, refusals and
+fall-back, private layers, and the simulator's offload run."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from parallax.node import config
+from parallax.node.composer import Composer
+from parallax.node.data import load_corpus, shard, split_corpus
+from parallax.node.offload import LocalWorkers, TaylorProxyTrainer, apply_result, encode_tensors, onboard_blobs
+from parallax.node.sim import RunSpec, ownership_for, run
+from parallax.node.sketch import Sketch, compress, taylor_proxy
+from parallax.protocol.errors import RemoteProtocolError
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return split_corpus(load_corpus()[:200_000])
+
+
+def _cfg(steps: int = 8, **offload) -> config.TrainConfig:
+    return config.TrainConfig(
+        model=config.preset("tiny"), steps=steps, batch_size=4, eval_batches=2,
+        sync=config.SyncConfig(periods={"router": 2, "latent": 3, "backbone": 4}),
+        surrogate=config.SurrogateConfig(refresh_every=3, distill_steps=2, buffer_tokens=64),
+        offload=config.OffloadConfig(enabled=True, **offload),
+    )
+
+
+def _composers(cfg, train, n=2):
+    shards = ownership_for(cfg, n)
+    return [Composer(cfg, shards[i], shard(train, i, n), sampler_seed=1 + i) for i in range(n)]
+
+
+def test_proxy_gradient_at_the_current_weights_is_the_expert_gradient(splits):
+    train, _ = splits
+    cfg = _cfg()
+    owned = ownership_for(cfg, 2)[0]
+    direct = Composer(config.replace(cfg, offload=config.OffloadConfig()), owned, train, sampler_seed=5)
+    offload = Composer(cfg, owned, train, sampler_seed=5)  # same weights, same batch
+    for eid in offload.owned_experts():
+        offload.offload_expert(eid, True)
+    direct.forward_backward()
+    offload.forward_backward()
+    sketches = offload.take_offload_sketches()
+    assert set(sketches) == set(offload.owned_experts())
+    rng = torch.Generator().manual_seed(0)
+    for eid, sketch in sketches.items():
+        params = offload.model.expert_parameters(*eid)
+        assert all(p.grad is None for p in params.values())  # forward only on the composer
+        for s in (sketch, compress(sketch, sample_fraction=1.0, generator=rng, wire_codec="raw")):
+            module = offload.model.blocks[eid[0]].moe.experts[str(eid[1])]
+            module.zero_grad(set_to_none=True)
+            taylor_proxy(module, s.x_NL, s.g_NL).backward()
+            for name, p in direct.model.expert_parameters(*eid).items():
+                assert p.grad is not None and p.grad.abs().sum() > 0
+                assert torch.allclose(params[name].grad, p.grad, rtol=1e-5, atol=1e-9), (eid, name)
+
+
+def _sketch(cfg, n=64, seed=0) -> Sketch:
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.model
+    return Sketch(torch.randn(n, m.d_latent, generator=g), 1e-3 * torch.randn(n, m.d_latent, generator=g), n)
+
+
+def _trainer(cfg, seed=0) -> TaylorProxyTrainer:
+    torch.manual_seed(seed)
+    from parallax.node.model import SwiGLU
+
+    expert = SwiGLU(cfg.model.d_latent, cfg.model.d_expert)
+    return TaylorProxyTrainer(cfg, encode_tensors(dict(expert.named_parameters()), "raw"))
+
+
+def test_worker_steps_decrease_the_proxy_objective():
+    cfg = config.replace(_cfg(worker_steps=5, proxy_lambda=1e-3, worker_lr=1e-3),
+                         optim=config.OptimConfig(warmup_steps=0, weight_decay=0.0))
+    trainer = _trainer(cfg)
+    s = _sketch(cfg)
+    with torch.no_grad():
+        y0 = trainer.expert(s.x_NL)
+        before = float(taylor_proxy(trainer.expert, s.x_NL, s.g_NL, y0, 1e-3))
+    trainer.update([s], step=1)
+    with torch.no_grad():
+        after = float(taylor_proxy(trainer.expert, s.x_NL, s.g_NL, y0, 1e-3))
+    assert after < before
+
+
+def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
+    cfg = _cfg(result_codec="ternary")
+    trainer = _trainer(cfg)
+    composer_copy = {n: p.detach().clone() for n, p in trainer.expert.named_parameters()}
+    shapes = {n: t.shape for n, t in composer_copy.items()}
+    from parallax.node.offload import decode_tensors
+
+    empty = Sketch(torch.zeros(0, cfg.model.d_latent), torch.zeros(0, cfg.model.d_latent), 0)
+    gaps = []
+    for i in range(20):
+        blobs = trainer.update([_sketch(cfg, seed=i)] if i == 0 else [empty], step=30)
+        for name, change in decode_tensors(blobs, shapes).items():
+            composer_copy[name] += change
+        target = {n: p.detach() for n, p in trainer.expert.named_parameters()}
+        moved = math.sqrt(sum(float((target[n] - composer_copy[n]).square().sum()) for n in shapes))
+        gaps.append(moved)
+        for n in shapes:  # the worker's mirror is exactly what the composer holds
+            assert torch.equal(trainer.mirror[n], composer_copy[n])
+    assert gaps[0] > 0 and gaps[-1] < 0.05 * gaps[0]
+
+
+def _nan_blob(shape) -> bytes:
+    payload = np.full(shape, np.nan, "<f4").tobytes()
+    return msgpack.packb(["raw", "float32", list(shape), [], payload], use_bin_type=True)
+
+
+def test_bad_results_are_refused_and_leave_the_expert_unchanged(splits):
+    train, _ = splits
+    cfg = _cfg()
+    c = _composers(cfg, train, 1)[0]
+    eid = next(iter(c.owned_experts()))
+    params = c.model.expert_parameters(*eid)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    shapes = {n: p.shape for n, p in params.items()}
+    huge = encode_tensors({n: 10 * p.detach() for n, p in params.items()}, "fp16")  # 10x the weights' norm
+    bad = [
+        {n: _nan_blob(s) for n, s in shapes.items()},
+        huge,
+        dict(list(huge.items())[:1]),  # a weight missing
+        {n: b"\x93junk" for n in shapes},
+        encode_tensors({n: torch.zeros(s[::-1]) for n, s in shapes.items()}, "fp16"),  # transposed
+    ]
+    for blobs in bad:
+        with pytest.raises(RemoteProtocolError):
+            apply_result(c, eid, blobs)
+        for n, p in params.items():
+            assert torch.equal(p.detach(), before[n])
+    apply_result(c, eid, encode_tensors({n: 0.01 * p.detach() for n, p in params.items()}, "fp16"))
+    assert not torch.equal(params["w_up.weight"].detach(), before["w_up.weight"])
+
+
+def test_a_nan_result_drops_the_worker_and_the_composer_updates_locally(splits):
+    train, _ = splits
+    cfg = _cfg(delay=1)
+    composers = _composers(cfg, train)
+    victim = (0, next(iter(composers[0].owned_experts())))
+
+    def tamper(i, eid, step, blobs):
+        if (i, eid) != victim:
+            return blobs
+        return {n: _nan_blob(tuple(msgpack.unpackb(b)[2])) for n, b in blobs.items()}  # right shapes, all NaN
+
+    workers = LocalWorkers(composers, tamper=tamper)
+    assert victim[1] in composers[0].offloaded_experts()
+    module = composers[0].model.blocks[victim[1][0]].moe.experts[str(victim[1][1])]
+    for step in range(3):
+        for c in composers:
+            c.forward_backward()
+        workers.exchange()
+        if step == 0:  # nothing has arrived yet (delay 1)
+            assert not workers.fallbacks
+            for c in composers:
+                c.optimizer_step()
+            continue
+        if step == 1:
+            assert [(i, e) for i, e, _ in workers.fallbacks] == [victim]
+            assert "NaN" in workers.fallbacks[0][2]
+            assert victim[1] not in composers[0].offloaded_experts()
+            # both unanswered sketches (step 1's, and step 2's still in flight) became a local gradient
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.parameters())
+            before = module.w_up.weight.detach().clone()
+        for c in composers:
+            c.optimizer_step()
+        if step == 1:
+            assert not torch.equal(module.w_up.weight.detach(), before)
+    assert torch.isfinite(module.w_up.weight).all() and len(workers.fallbacks) == 1
+    assert composers[1].offloaded_experts()  # the other composer's workers carry on
+
+
+def test_private_layers_never_produce_sketches(splits):
+    train, _ = splits
+    cfg = _cfg(private_layers=1)
+    composers = _composers(cfg, train)
+    workers = LocalWorkers(composers)
+    assert all(eid[0] >= 1 for _, eid in workers.trainers)
+    with pytest.raises(ValueError, match="private_layers"):
+        composers[0].offload_expert(next(e for e in composers[0].owned_experts() if e[0] == 0), True)
+    for _ in range(2):
+        for c in composers:
+            c.forward_backward()
+            captured = c.sketcher.take()  # everything captured this step, not only what offload takes
+            assert captured and all(layer >= 1 for layer, _ in captured)
+            assert all(p.grad is not None for eid in c.owned_experts() if eid[0] == 0
+                       for p in c.model.expert_parameters(*eid).values())  # trained here, as without offload
+            c.optimizer_step()
+
+
+def test_the_simulators_offload_run_trains_every_expert_through_workers(splits):
+    train, val = splits
+    cfg = _cfg(steps=6)
+    result = run(RunSpec(name="offload", kind="offload", cfg=cfg, composers=2), train, val)
+    assert math.isfinite(result.val_loss) and math.isfinite(result.assembled_val_loss)
+    experts = 2 * cfg.model.n_experts  # every expert of both layers has a worker
+    assert result.offload_messages["onboarding"] == experts
+    assert result.offload_messages["offload_results"] > 0 and result.worker_flops > 0
+    assert all(result.network_bytes[k] > 0 for k in ("onboarding", "offload_sketches", "offload_results"))
+    direct = run(RunSpec(name="direct", kind="parallax", cfg=cfg, composers=2), train, val)
+    assert result.train_flops < direct.train_flops  # owned experts ran forward only
+    assert result.tokens == direct.tokens
+
+
+def test_onboarding_blobs_carry_the_weights_and_nothing_else(splits):
+    train, _ = splits
+    cfg = _cfg(onboard_codec="raw")
+    c = _composers(cfg, train, 1)[0]
+    eid = next(iter(c.owned_experts()))
+    trainer = TaylorProxyTrainer(cfg, onboard_blobs(c, eid))
+    for name, p in c.model.expert_parameters(*eid).items():
+        assert torch.equal(dict(trainer.expert.named_parameters())[name].detach(), p.detach())
+
+
+def test_bench_offload_command_writes_the_promised_numbers(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from parallax.cli.main import app
+
+    out = tmp_path / "offload.json"
+    result = CliRunner().invoke(app, ["bench", "offload", "--preset", "tiny", "--composers", "2", "--steps", "3",
+                                      "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"direct", "offload"}
+    assert report["runs"]["offload"]["bytes_per_sketch"] > 0 and report["runs"]["offload"]["bytes_per_result"] > 0
+    flops = report["flops"]
+    assert flops["measured_routed_speedup"] > 1 and abs(flops["relative_difference"]) < 0.05
+    tiny, big = report["onboarding"]
+    assert tiny["bytes"] < tiny["fp32_bytes"] / 4 and big["preset"] == "report"
+    assert out.with_suffix(".md").read_text().startswith("| run |")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"result_codec": "int8"}, "result_codec"), ({"onboard_codec": "lowrank"}, "onboard_codec"),
+    ({"worker_steps": 0}, "worker_steps"), ({"sample_fraction": 0.0}, "sample_fraction"),
+    ({"result_rank": 65}, "result_rank"), ({"delay": -1}, "delay"),
+])
+def test_offload_config_says_what_to_fix(change, message):
+    with pytest.raises(ValueError, match=message):
+        config.OffloadConfig(**change)
+    with pytest.raises(ValueError, match="private_layers"):
+        config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, private_layers=3))
