@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -179,8 +179,15 @@ class SwarmDHT:
         self.forbidden_calls = 0
 
     @classmethod
-    def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = ()) -> SwarmDHT:
+    def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = (),
+              while_starting: Callable[[], object] | None = None) -> SwarmDHT:
         """Start the node, joining ``config.initial_peers`` (or a new swarm when empty).
+
+        Args:
+            config: addresses, identity, timeouts.
+            validators: record validators plugged into hivemind.
+            while_starting: work for the calling thread while the DHT process starts (p2pd, bootstrap),
+                called once, after hivemind forked it: nothing forks concurrently with it.
 
         Raises:
             DHTError: the node could not start or reach any initial peer; the message says what to check.
@@ -192,6 +199,7 @@ class SwarmDHT:
                 dht = DHT(
                     initial_peers=list(config.initial_peers) or None,
                     start=True,
+                    await_ready=False,
                     record_validators=list(validators),
                     host_maddrs=list(config.host_maddrs),
                     announce_maddrs=list(config.announce_maddrs) or None,
@@ -202,6 +210,14 @@ class SwarmDHT:
                     cache_refresh_before_expiry=0,  # our records live seconds; refreshing them is waste
                     **config.extra,
                 )
+                try:
+                    if while_starting is not None:
+                        while_starting()
+                        while_starting = None
+                    dht.wait_until_ready()
+                except BaseException:
+                    dht.shutdown()
+                    raise
             except Exception as e:  # hivemind raises many types here (P2PDaemonError, TimeoutError, ...)
                 last = e
                 if "already taken" in str(e):

@@ -34,6 +34,7 @@ random windows of a large corpus rarely overlap).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import threading
@@ -241,7 +242,9 @@ class Node:
                                announce_maddrs=c.announce_maddrs,
                                identity_path=c.identity_path.with_name(c.identity_path.name + ".p2p"))
         validator = Ed25519RecordValidator(self.identity, protected_keys=protected_keys(c.run_id, cfg.model.n_layers))
-        self.dht = SwarmDHT.start(dht_config, [validator])
+        # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
+        self.dht = SwarmDHT.start(dht_config, [validator],
+                                  while_starting=lambda: importlib.import_module("torch._dynamo"))
         self.status.peer_id = self.dht.peer_id
         self.status.join_command = self.dht.join_command()
         self._event("dht_started", join=self.status.join_command)
