@@ -245,11 +245,12 @@ class BackgroundRounds:
             raise RuntimeError(f"no outer state of {group} published yet")
         return state
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave)."""
+    def wait(self, timeout_s: float) -> list[RoundReport]:
+        """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
+        reports of the rounds that ended, as ``collect``."""
         futures = [f.future for f in self._in_flight.values()] + list(self._reloads.values())
         concurrent.futures.wait(futures, timeout=timeout_s)
-        self.collect()
+        return self.collect()
 
     def load_from_peers(self, timeout_s: float) -> dict[str, int]:
         """A joiner's start: download every group's anchor and momentum from a live peer (blocking).

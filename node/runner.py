@@ -431,9 +431,7 @@ class Node:
                 update.apply({n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()})
         self._reconcile_ownership()
         for report in rounds.collect():
-            self._event("round", group=report.group, status=report.status.value, round_id=report.round_id,
-                        participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
-                        total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
+            self._round_event(report)
         step = composer.step
         if step > 0:
             alone = len(membership.view().composers()) < 2
@@ -453,6 +451,11 @@ class Node:
         membership.update(step=step, loss=self.status.loss,
                           versions={"max": max(versions.values(), default=0), "held": len(versions)})
         self._refresh_status()
+
+    def _round_event(self, report: Any) -> None:
+        self._event("round", group=report.group, status=report.status.value, round_id=report.round_id,
+                    participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
+                    total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
 
     def _round_bytes(self, report: Any) -> int:
         """Bytes this node sent in an all-reduce: a butterfly all-reduce sends (n-1)/n of the payload to the
@@ -626,7 +629,8 @@ class Node:
         self._phase("leaving")
         started = time.monotonic()
         if len(membership.view().composers()) > 1:  # alone, a round in flight can only time out
-            rounds.wait(timeout_s=min(self.config.leave_timeout_s, 20.0))
+            for report in rounds.wait(timeout_s=min(self.config.leave_timeout_s, 20.0)):
+                self._round_event(report)  # the last rounds count in the metrics too
         for eid in composer.owned_experts():
             self.exchange.put(eid, composer.step, self._snapshot(eid), final=True)  # type: ignore[union-attr]
         self._push_final_snapshots(deadline=started + self.config.leave_timeout_s)
