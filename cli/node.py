@@ -53,6 +53,11 @@ def _read_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, obje
     return doc, changes
 
 
+def _invoked_as_node_join(argv: list[str]) -> bool:
+    """Whether this process's command line is ``parallax [global options] node join ...`` (re-runnable)."""
+    return any(argv[i:i + 2] == ["node", "join"] for i in range(1, len(argv) - 1))
+
+
 def _status_table(status: Any) -> Table:
     table = Table(title=f"parallax node {status.fingerprint} — {status.phase}", show_header=False)
     table.add_column(style="bold")
@@ -156,7 +161,7 @@ def join(
 
     # Checked above, run below: in a session of its own under this process (processes.py says why), unless
     # told otherwise or not started from a command line (CliRunner).
-    if supervised_by is None and not no_supervise and sys.argv[1:3] == ["node", "join"]:
+    if supervised_by is None and not no_supervise and _invoked_as_node_join(sys.argv):
         raise typer.Exit(supervise(python_cli(*sys.argv[1:], "--supervised-by", str(os.getpid()))))
     if supervised_by is not None:
         try:

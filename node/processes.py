@@ -30,7 +30,6 @@ class Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
-
 def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, stdout: IO[Any] | int | None = None,
           stdin: IO[Any] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     """Start ``argv`` as the leader of a new session (its pid is its process group's id)."""

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from parallax.cli.main import app
-from parallax.cli.node import _read_config_file
+from parallax.cli.node import _invoked_as_node_join, _read_config_file
 
 runner = CliRunner()
 
@@ -59,3 +59,10 @@ def test_missing_data_file_is_an_error_not_a_traceback(tmp_path) -> None:
     result = join("--cpu", "--data", str(tmp_path / "nope.txt"), "--identity", str(tmp_path / "k"))
     assert result.exit_code == 1
     assert "nope.txt" in result.output
+
+
+def test_supervision_only_when_run_from_a_command_line() -> None:
+    assert _invoked_as_node_join(["/bin/parallax", "node", "join", "--cpu"])
+    assert _invoked_as_node_join(["/x/__main__.py", "--log-level", "DEBUG", "node", "join"])
+    assert not _invoked_as_node_join(["/bin/pytest", "tests/unit", "-q"])
+    assert not _invoked_as_node_join(["node", "join"])  # argv[0] is the program, never the command
