@@ -19,7 +19,9 @@ One round of a group (``GroupAverager.run_round``):
 4. Verify (HIVEMIND.md trap 3: a peer dying mid-all-reduce leaves the survivors with different
    tensors while ``step()`` reports success). Each participant stores a fingerprint of its merged
    tensors (``fingerprint``: seeded random projections and norms, about 260 bytes) in the DHT under
-   ``{run_id}/outer/{group}/round/{n}``, subkey = its libp2p peer id, and keeps its result only when
+   ``{run_id}/outer/{group}/round/{n}``, subkey = its libp2p peer id, signed by its identity for that key
+   (``outer_wire.seal_fingerprint``; others accept it only from the key the membership names for that
+   peer id), and keeps its result only when
    a strict majority of the round's participants (its own fingerprint included) agree with it
    within the compression's tolerance. Peers never agree bit for bit: hivemind returns to each peer
    ``local + compress(mean - local)``, so each peer's rounding differs; hence a tolerance, not a hash.
@@ -59,6 +61,7 @@ from parallax.errors import NodeError
 from parallax.node.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
+    FingerprintSigner,
     OuterSyncConfig,
     component_shapes,
     component_tensors,
@@ -67,9 +70,11 @@ from parallax.node.outer_wire import (
     fingerprint,
     majority_agrees,
     merged_from_components,
+    open_fingerprint,
     outer_prefix,
     round_key,
     round_tag,
+    seal_fingerprint,
 )
 
 if TYPE_CHECKING:
@@ -177,6 +182,8 @@ class GroupAverager:
         group: the shared group's name.
         shapes: name -> shape of the group's tensors, in a fixed order (every peer the same).
         config: timings, compression, merge method.
+        signer: signs this node's fingerprints and checks the others' (``outer_wire.FingerprintSigner``);
+            None stores and accepts unsigned ones (tests of the averaging alone).
 
     Raises:
         ValueError: bad names or an empty group.
@@ -184,11 +191,11 @@ class GroupAverager:
     """
 
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, shapes: Mapping[str, Sequence[int]],
-                 config: OuterSyncConfig) -> None:
+                 config: OuterSyncConfig, signer: FingerprintSigner | None = None) -> None:
         self.prefix = outer_prefix(run_id, group)
         if not shapes:
             raise ValueError(f"group {group!r} has no tensors")
-        self.run_id, self.group, self.config = run_id, group, config
+        self.run_id, self.group, self.config, self.signer = run_id, group, config, signer
         self.shapes = {name: torch.Size(s) for name, s in shapes.items()}
         self.peer_id = dht.peer_id
         self.last_report: RoundReport | None = None
@@ -389,8 +396,11 @@ class GroupAverager:
         cfg = self.config
         key = round_key(self.run_id, self.group, n)
         tag = round_tag(n, participants)
-        if not self._dht.store(key, self.peer_id.encode(), encode_fingerprint(fp, tag),
-                               dht_time() + cfg.fingerprint_ttl_s, timeout_s=cfg.dht_timeout_s):
+        value = encode_fingerprint(fp, tag)
+        if self.signer is not None:
+            value = seal_fingerprint(value, key, self.signer.identity)
+        if not self._dht.store(key, self.peer_id.encode(), value, dht_time() + cfg.fingerprint_ttl_s,
+                               timeout_s=cfg.dht_timeout_s):
             logger.debug("could not store the fingerprint of %s round %d", self.group, n)
         deadline = time.monotonic() + cfg.verify_timeout_s
         others: dict[str, tuple[float, ...]] = {}
@@ -401,9 +411,12 @@ class GroupAverager:
             for subkey, (value, _expiration) in (found or {}).get(key, {}).items():
                 peer = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
                 if peer in wanted and peer not in others:
+                    if self.signer is not None:
+                        value = open_fingerprint(value, key, self.signer.public_key_of(peer))
                     decoded = decode_fingerprint(value, tag)
                     if decoded is None:
-                        logger.debug("malformed or stale fingerprint from %s for %s round %d", peer, self.group, n)
+                        logger.debug("unsigned, malformed or stale fingerprint from %s for %s round %d", peer,
+                                     self.group, n)
                         continue
                     others[peer] = decoded
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
@@ -498,18 +511,19 @@ class TieredOuterSync:
         run_id: the run.
         groups: group -> (name -> shape), in the composer's anchors' order (``node.runner.model_shapes(cfg).groups``).
         config: shared by every group.
+        signer: see ``GroupAverager``.
 
     Raises:
         NodeError: an averager did not start (those already started are shut down).
     """
 
     def __init__(self, dht: SwarmDHT, run_id: str, groups: Mapping[str, Mapping[str, Sequence[int]]],
-                 config: OuterSyncConfig | None = None) -> None:
+                 config: OuterSyncConfig | None = None, signer: FingerprintSigner | None = None) -> None:
         self.config = config or OuterSyncConfig()
         self.groups: dict[str, GroupAverager] = {}
         try:
             for group, shapes in groups.items():
-                self.groups[group] = GroupAverager(dht, run_id, group, shapes, self.config)
+                self.groups[group] = GroupAverager(dht, run_id, group, shapes, self.config, signer)
         except BaseException:
             self.shutdown()
             raise

@@ -10,7 +10,10 @@ can be tested byte for byte and shared with the in-process simulator:
 - compression: hivemind's codec for each buffer ("fp16", "uint8" or none; small tensors always go
   uncompressed), ``wire_roundtrip`` to apply the same rounding in one process, ``payload_bytes``;
 - fingerprints: a ~260-byte summary of a merged result that peers compare within the compression's
-  tolerance, the round tag that binds it to one round, and the majority vote.
+  tolerance, the round tag that binds it to one round, the majority vote, and the seal that signs it:
+  round keys are made per round, so the DHT's key-based record validator cannot protect them; instead
+  each value is signed by its node's identity over the DHT key and the value, and a reader accepts it
+  only from the key the live membership names for that subkey's peer id (``seal_fingerprint``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 from hivemind.compression import (
@@ -36,6 +40,7 @@ from hivemind.compression import (
 
 from parallax.dht.keys import check_run_id
 from parallax.node.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+from parallax.protocol.identity import Identity, verify
 
 COMPRESSIONS = ("fp16", "uint8", "none")
 """Wire formats of an outer all-reduce: float16, hivemind's uniform 8-bit quantisation (256 buckets over
@@ -388,6 +393,43 @@ def decode_fingerprint(value: object, tag: bytes = bytes(8)) -> tuple[float, ...
     if n % _FP_FIELDS or n > _FP_FIELDS * FP_SLOTS or len(value) != head + 2 + 4 * n:
         return None
     return tuple(struct.unpack_from(f"<{n}f", value, head + 2))
+
+
+FINGERPRINT_DOMAIN = b"parallax/outer-fingerprint/v1"
+_SEALED_MAX_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class FingerprintSigner:
+    """What a node needs to sign its fingerprints and check its peers': its identity, and the Ed25519 key
+    the live membership names for a libp2p peer id (its signed heartbeat carries the peer id)."""
+
+    identity: Identity
+    public_key_of: Callable[[str], bytes | None]
+
+
+def seal_fingerprint(value: bytes, dht_key: str, identity: Identity) -> bytes:
+    """``value`` signed by ``identity`` for ``dht_key`` (another round's key makes the signature invalid)."""
+    signature = identity.sign(FINGERPRINT_DOMAIN, dht_key.encode() + value)
+    return msgpack.packb([value, identity.public_key, signature], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def open_fingerprint(sealed: object, dht_key: str, expected_public_key: bytes | None) -> bytes | None:
+    """The value inside a sealed fingerprint if ``expected_public_key`` signed it for ``dht_key``; None for
+    anything else (unsigned, malformed, another signer, another round, or no key known for the peer)."""
+    if expected_public_key is None or not isinstance(sealed, bytes) or len(sealed) > _SEALED_MAX_BYTES:
+        return None
+    try:
+        obj = msgpack.unpackb(sealed, raw=False, max_bin_len=_SEALED_MAX_BYTES, max_array_len=3)
+    except Exception:  # msgpack raises several types on hostile input; a peer's record is data
+        return None
+    if not (isinstance(obj, list) and len(obj) == 3 and all(isinstance(x, bytes) for x in obj)):
+        return None
+    value, public_key, signature = obj
+    if public_key != expected_public_key or not verify(public_key, signature, FINGERPRINT_DOMAIN,
+                                                       dht_key.encode() + value):
+        return None
+    return value  # type: ignore[no-any-return]
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:

@@ -50,7 +50,7 @@ import torch
 from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
-from parallax.dht.membership import Membership, MembershipConfig, PeerState, SwarmView
+from parallax.dht.membership import Member, Membership, MembershipConfig, PeerState, SwarmView
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import NodeError
@@ -64,7 +64,7 @@ from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.outer_sync import TieredOuterSync
-from parallax.node.outer_wire import OuterSyncConfig, payload_bytes
+from parallax.node.outer_wire import FingerprintSigner, OuterSyncConfig, payload_bytes
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -334,7 +334,8 @@ class Node:
                                        timeout_s=5.0 if c.loopback else 30.0).start()
         ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
         ocfg = OuterSyncConfig(**{**asdict(ocfg), "method": cfg.sync.merge, "compression": cfg.sync.compression})
-        self.sync = TieredOuterSync(self.dht, c.run_id, shapes.groups, ocfg)
+        self.sync = TieredOuterSync(self.dht, c.run_id, shapes.groups, ocfg,
+                                    signer=FingerprintSigner(self.identity, self._public_key_of))
 
     def _fast_forward(self, step: int) -> None:
         """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm."""
@@ -555,11 +556,22 @@ class Node:
         self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
         del self._adopting[a.eid]
 
+    def _member(self, peer_id: str | None) -> Member | None:
+        """The live member whose signed heartbeat names this libp2p peer id (thread-safe: views are immutable)."""
+        if self.membership is None or peer_id is None:
+            return None
+        found = [m for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
+        return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
+
     def _peer_step(self, peer_id: str | None) -> int:
         """The step a live peer last announced (0 when unknown)."""
-        assert self.membership is not None
-        steps = [m.heartbeat.step for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
-        return max(steps, default=0)
+        member = self._member(peer_id)
+        return member.heartbeat.step if member is not None else 0
+
+    def _public_key_of(self, peer_id: str) -> bytes | None:
+        """The identity key a live peer id belongs to, for its outer-round fingerprints."""
+        member = self._member(peer_id)
+        return member.public_key if member is not None else None
 
     def _snapshot(self, eid: ExpertId) -> dict[str, torch.Tensor]:
         """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its

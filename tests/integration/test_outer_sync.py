@@ -19,8 +19,9 @@ import torch
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.outer_sync import GroupAverager, RoundStatus, TieredOuterSync
-from parallax.node.outer_wire import OuterSyncConfig
+from parallax.node.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.rda import merge_groups
+from parallax.protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,6 +110,25 @@ def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
         results = _run(averagers, deltas, TOKENS)
         assert all(r is not None for r in results)
         assert {a.last_report.round_id for a in averagers} == {1}
+    finally:
+        _stop(averagers)
+
+
+def test_signed_fingerprints_count_only_from_the_key_the_membership_names(dhts):
+    identities = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
+    keys = {dht.peer_id: identity.public_key for dht, identity in zip(dhts, identities, strict=True)}
+    # Peer 0's view does not know peer 2 (say its heartbeat has not reached it): 2's fingerprint is ignored there.
+    views = [{p: k for p, k in keys.items() if p != dhts[2].peer_id}, keys, keys]
+    config = OuterSyncConfig.loopback(target_group_size=3)
+    averagers: list[GroupAverager] = []
+    try:
+        for dht, identity, view in zip(dhts, identities, views, strict=True):
+            signer = FingerprintSigner(identity, view.get)
+            averagers.append(GroupAverager(dht, "signed", "router", SHAPES, config, signer))
+        results = _run(averagers, _deltas(3), TOKENS)
+        assert all(r is not None for r in results), [a.last_report for a in averagers]
+        assert averagers[0].last_report.agreeing == 2  # itself and peer 1
+        assert averagers[1].last_report.agreeing == 3 and averagers[2].last_report.agreeing == 3
     finally:
         _stop(averagers)
 

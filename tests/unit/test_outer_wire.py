@@ -18,13 +18,16 @@ from parallax.node.outer_wire import (
     fingerprints_agree,
     majority_agrees,
     merged_from_components,
+    open_fingerprint,
     outer_prefix,
     payload_bytes,
     round_key,
     round_tag,
+    seal_fingerprint,
     wire_roundtrip,
 )
 from parallax.node.rda import merge_groups
+from parallax.protocol.identity import Identity
 
 SHAPES = {"w": (6, 5), "b": (5,), "c": (7,), "z": (3,)}
 
@@ -230,3 +233,22 @@ def test_uint8_rounding_stays_within_its_fingerprint_tolerance():
     assert fingerprints_agree(fps[0], fps[1], tol) and fingerprints_agree(fps[1], fps[2], tol)
     subset = merge_groups(deltas[:2], [1.0, 1.0], method="mean")
     assert not fingerprints_agree(fps[0], fingerprint(list(subset.values()), local_norms), tol)
+
+
+def test_sealed_fingerprints_open_only_for_their_signer_and_round() -> None:
+    alice, mallory = Identity.from_seed(b"a" * 32), Identity.from_seed(b"m" * 32)
+    key = round_key("run", "router", 3)
+    value = encode_fingerprint((1.0, 2.0, 3.0, 4.0), round_tag(3, ["p1", "p2"]))
+    sealed = seal_fingerprint(value, key, alice)
+    assert open_fingerprint(sealed, key, alice.public_key) == value
+    assert open_fingerprint(sealed, key, mallory.public_key) is None  # not the key the membership names
+    assert open_fingerprint(sealed, key, None) is None  # a peer id nobody live claims
+    assert open_fingerprint(sealed, round_key("run", "router", 4), alice.public_key) is None  # replayed
+    assert open_fingerprint(value, key, alice.public_key) is None  # unsigned
+    forged = seal_fingerprint(value, key, mallory).replace(mallory.public_key, alice.public_key)
+    assert open_fingerprint(forged, key, alice.public_key) is None
+    tampered = bytearray(sealed)
+    tampered[10] ^= 1
+    assert open_fingerprint(bytes(tampered), key, alice.public_key) is None
+    for junk in (b"", b"\xc1", b"x" * 5000, 7, None):
+        assert open_fingerprint(junk, key, alice.public_key) is None
