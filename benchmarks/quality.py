@@ -49,6 +49,18 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "tiers_25": ("parallax", {"sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
     "tiers_10_25_50": ("parallax", {"sync.periods": {"router": 10, "latent": 25, "backbone": 50}}),
     "mean_merge": ("parallax", {"sync.merge": "mean"}),
+    # Decomposing the expert split's cost: gradient into the input through non-owned stand-ins, and
+    # stand-ins as accurate as full copies refreshed every 5 steps (a diagnostic: it costs DiLoCo's bytes).
+    "input_grad": ("parallax", {"surrogate.input_grad": True}),
+    "input_grad_sketch": ("parallax", {"surrogate.input_grad": True, "sketch.enabled": True, "sketch.delay": 0}),
+    "frozen5": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5}),
+    "frozen5_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
+                                    "sketch.enabled": True, "sketch.delay": 0}),
+    "frozen5_input_grad": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
+                                        "surrogate.input_grad": True}),
+    "frozen5_input_grad_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
+                                               "surrogate.input_grad": True, "sketch.enabled": True,
+                                               "sketch.delay": 0}),
 }
 """Named variations measured for issue 3 (``--runs`` accepts these names too)."""
 

@@ -72,6 +72,8 @@ class Composer:
         self.owned = owned
         self.device = torch.device(device)
         self.model = MoETransformer(cfg.model, owned, cfg.surrogate.non_owned, seed=cfg.seed).to(self.device)
+        for moe in self.model.moe_layers():
+            moe.stand_in_input_grad = cfg.surrogate.input_grad
         self.batch_size = batch_size or cfg.batch_size
         self.sampler = BatchSampler(train_tokens, self.batch_size, cfg.model.seq_len, seed=sampler_seed)
         decay, no_decay = _inner_param_groups(self.model)

@@ -146,6 +146,9 @@ class SurrogateConfig:
     """Most recent routed activations kept per owned expert for distillation."""
     delta_rank: int = 8
     """Rank of the published low-rank delta (error feedback carries the rest)."""
+    input_grad: bool = False
+    """Backpropagate through non-owned stand-ins into their input (the latent interface and backbone then
+    learn from every selection, as in the baseline); their weights stay frozen. Costs ~2x their forward."""
     delta_dtype: str = "float16"
     """Width of the published delta's numbers: "float16" (half the bytes; error feedback carries the
     rounding to the next refresh) or "float32"."""

@@ -104,7 +104,8 @@ class FlopBreakdown:
 
 
 def step_flops(
-    cfg: ModelConfig, owned_fraction: float, *, non_owned: str = "surrogate", offload: bool = False
+    cfg: ModelConfig, owned_fraction: float, *, non_owned: str = "surrogate", offload: bool = False,
+    stand_in_input_grad: bool = False,
 ) -> FlopBreakdown:
     """FLOPs per token of one composer's training step.
 
@@ -115,6 +116,8 @@ def step_flops(
         non_owned: what a non-owned selection runs: "surrogate" (d_surrogate hidden units, forward
             only), "frozen_copy" (the full expert, forward only) or "drop" (nothing).
         offload: owned experts run forward only on the composer; their update runs on a worker.
+        stand_in_input_grad: non-owned stand-ins also backpropagate into their input (2x forward:
+            forward + the input gradient, no weight gradient).
 
     Returns:
         The breakdown, FLOPs per token.
@@ -146,7 +149,8 @@ def step_flops(
         router=L * train * 2.0 * d * cfg.n_experts,
         latent=L * train * latent,
         experts=L * (1.0 if offload else train) * real,
-        surrogates=L * stand_in,  # forward only: detached, no gradient into weights or input
+        # forward only (detached), or forward + input gradient: never a weight gradient
+        surrogates=L * (2.0 if stand_in_input_grad else 1.0) * stand_in,
         head=train * 2.0 * d * cfg.vocab_size,
     )
 

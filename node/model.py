@@ -122,6 +122,8 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(cfg.d_model, cfg.d_shared) if cfg.d_shared else None
         self.recorder: Recorder | None = None
         self.sketcher: Sketcher | None = None
+        self.stand_in_input_grad = False
+        """Let the loss's gradient flow through a non-owned stand-in into its input (never its weights)."""
         self.offloaded: frozenset[int] = frozenset()
         """Owned experts run forward only like a stand-in (worker offload); they still get sketched."""
         self._freeze_non_trainable()
@@ -194,8 +196,11 @@ class MoELayer(nn.Module):
             return None
         else:
             stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
-        with torch.no_grad():  # forward only: no gradient into its weights or its input
-            y_NL = stand_in(h_NL.detach())
+        if self.stand_in_input_grad and e not in self.offloaded and self.training:
+            y_NL = stand_in(h_NL)  # its weights are frozen (requires_grad False): only the input gets a gradient
+        else:
+            with torch.no_grad():  # forward only: no gradient into its weights or its input
+                y_NL = stand_in(h_NL.detach())
         if self.sketcher is not None and self.training:
             y_NL = self.sketcher(self.layer, e, h_NL, y_NL)
         return y_NL

@@ -185,10 +185,11 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     train_flops = extra_flops
     for c in composers:
         owned_fraction = c.owned_fraction if spec.kind in SHARDED else 1.0
-        direct = step_flops(cfg.model, owned_fraction, non_owned=cfg.surrogate.non_owned)
+        stand_in = {"non_owned": cfg.surrogate.non_owned, "stand_in_input_grad": cfg.surrogate.input_grad}
+        direct = step_flops(cfg.model, owned_fraction, **stand_in)
         per_token = direct.total
         if workers is not None:  # owned experts outside the private layers run forward only
-            forward_only = step_flops(cfg.model, owned_fraction, non_owned=cfg.surrogate.non_owned, offload=True)
+            forward_only = step_flops(cfg.model, owned_fraction, offload=True, **stand_in)
             offloaded_share = 1 - cfg.offload.private_layers / cfg.model.n_layers
             per_token -= offloaded_share * (direct.experts - forward_only.experts)
         train_flops += per_token * c.tokens_seen

@@ -64,7 +64,8 @@ class SketchRecorder:
     def attach(self, layer: int, expert: int, x_NL: torch.Tensor, y_NL: torch.Tensor) -> torch.Tensor:
         if self._keep is not None and not self._keep(layer, expert):
             return y_NL
-        y_NL = y_NL.detach().requires_grad_(True)
+        if not y_NL.requires_grad:  # a forward-only output: a leaf of its own, so that it gets a gradient
+            y_NL = y_NL.detach().requires_grad_(True)
         x_NL = x_NL.detach()
 
         def keep(g_NL: torch.Tensor) -> None:

@@ -31,6 +31,18 @@ def test_surrogates_get_no_gradient_and_add_none_to_their_inputs():
     assert layer.latent_down.weight.grad is None, "surrogates must not backpropagate into their input"
 
 
+@pytest.mark.parametrize("non_owned", ["surrogate", "frozen_copy"])
+def test_stand_in_input_grad_reaches_the_input_not_the_weights(non_owned):
+    layer = _layer(owned=set(), non_owned=non_owned)
+    layer.stand_in_input_grad = True
+    x = torch.randn(2, 16, TINY.d_model, requires_grad=True)
+    y, _ = layer(x)
+    y.sum().backward()
+    frozen = layer.surrogates.parameters() if non_owned == "surrogate" else layer.experts.parameters()
+    assert all(p.grad is None for p in frozen)
+    assert layer.latent_down.weight.grad is not None and layer.latent_down.weight.grad.abs().sum() > 0
+
+
 def test_owned_experts_train_and_their_gates_learn():
     layer = _layer(owned={0, 1, 2, 3})
     x = torch.randn(2, 16, TINY.d_model)
