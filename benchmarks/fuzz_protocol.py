@@ -111,7 +111,7 @@ def _message_seeds() -> list[Message]:
         StateRequest(groups=("attn",), experts=((0, 1),)),
         StateOffer(peer_id="QmPeer", step=400, versions={"attn": 4}, size=10**8),
         StatePart(group="attn", version=4, index=0, total=2, tensors={"wq": blob}),
-        Sketch(layer=0, expert=1, step=3, tokens=2, tensors={"x": blob, "g": blob, "gate": blob}),
+        Sketch(layer=0, expert=1, step=3, tokens=2, tensors={"x": blob, "g": blob}),
         WorkerResult(layer=0, expert=1, step=3, tensors={"w1": blob}, loss=0.5),
     ]
 

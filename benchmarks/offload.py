@@ -6,7 +6,8 @@
   matmuls executed inside routed experts and surrogates (forward and backward), for the synchronous
   baseline's layer (every expert real and trained, batch B) and for each of C offload composers on the
   same batch at initialisation (so each selection hits exactly one owner). Compared with the analytic
-  1 / ((1/C)/3 + (1 - 1/C)(r/f)/3) of ``flops.offload_routed_speedup``; the target is within 5%.
+  1 / ((1/C)/3 + (1 - 1/C)(r/f)k/3) of ``flops.offload_routed_speedup`` (k = 1 as in the report, k = 2
+  when surrogates also pass the gradient to their input, ``surrogate.input_grad``); the target is within 5%.
 - Bytes per sketch and per worker result (from the offload run), onboarding bytes of one expert
   (ternary-packed, per-row scales) for the chosen preset and the report preset, and the in-process
   seconds from onboarding blobs to a first result.
@@ -76,9 +77,10 @@ def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict
         routed, total = routed_flops(c)
         per_composer.append({"routed": routed, "total": total, "owned_fraction": c.owned_fraction,
                              "routed_speedup": base_routed / routed,
-                             "analytic_at_owned_fraction": _analytic(c.owned_fraction, cfg.model)})
+                             "analytic_at_owned_fraction": _analytic(c.owned_fraction, cfg)})
     mean_routed = statistics.mean(p["routed"] for p in per_composer)
-    analytic = fl.offload_routed_speedup(composers, cfg.model.d_expert / cfg.model.d_surrogate)
+    analytic = fl.offload_routed_speedup(composers, cfg.model.d_expert / cfg.model.d_surrogate,
+                                         stand_in_input_grad=cfg.surrogate.input_grad)
     measured = base_routed / mean_routed
     return {"composers": composers, "baseline_routed": base_routed, "baseline_total": base_total,
             "per_composer": per_composer, "measured_routed_speedup": measured, "analytic_routed_speedup": analytic,
@@ -86,9 +88,10 @@ def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict
             "measured_total_speedup": base_total / statistics.mean(p["total"] for p in per_composer)}
 
 
-def _analytic(owned_fraction: float, m: config_mod.ModelConfig) -> float:
+def _analytic(owned_fraction: float, cfg: TrainConfig) -> float:
     """The offload formula with the measured owned share in place of 1/C."""
-    return 1.0 / (owned_fraction / 3 + (1 - owned_fraction) * m.d_surrogate / m.d_expert / 3)
+    m, k = cfg.model, 2.0 if cfg.surrogate.input_grad else 1.0
+    return 1.0 / (owned_fraction / 3 + (1 - owned_fraction) * k * m.d_surrogate / m.d_expert / 3)
 
 
 def onboarding(cfg: TrainConfig, preset: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, dht, keys, node, sim, swarm
+    from parallax.cli import bench, dht, keys, node, sim, swarm, worker
 
     sim.register(app)
     bench.register(app)
@@ -48,6 +48,7 @@ def _register() -> None:
     dht.register(app)
     swarm.register(app)
     node.register(app)
+    worker.register(app)
 
 
 _register()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from parallax.cli.options import Data, Preset, Sets
+from parallax.cli.options import Data, Preset, Sets, invoked_as, supervise_or_continue
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
 logger = logging.getLogger(__name__)
@@ -55,7 +53,7 @@ def _read_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, obje
 
 def _invoked_as_node_join(argv: list[str]) -> bool:
     """Whether this process's command line is ``parallax [global options] node join ...`` (re-runnable)."""
-    return any(argv[i:i + 2] == ["node", "join"] for i in range(1, len(argv) - 1))
+    return invoked_as(argv, "node", "join")
 
 
 def _status_table(status: Any) -> Table:
@@ -123,7 +121,7 @@ def join(
     from parallax.errors import ParallaxError
     from parallax.node.config import override, parse_changes, train_config
     from parallax.node.device import DeviceError, resolve_device
-    from parallax.node.processes import ForcedStop, die_with_parent, install_signal_handlers, python_cli, supervise
+    from parallax.node.processes import ForcedStop, install_signal_handlers
     from parallax.node.runner import Node, NodeConfig
 
     file, file_changes = _read_config_file(config_file)
@@ -161,13 +159,7 @@ def join(
 
     # Checked above, run below: in a session of its own under this process (processes.py says why), unless
     # told otherwise or not started from a command line (CliRunner).
-    if supervised_by is None and not no_supervise and _invoked_as_node_join(sys.argv):
-        raise typer.Exit(supervise(python_cli(*sys.argv[1:], "--supervised-by", str(os.getpid()))))
-    if supervised_by is not None:
-        try:
-            die_with_parent(supervised_by)
-        except ProcessLookupError as e:
-            raise typer.Exit(1) from e
+    supervise_or_continue("node", supervised_by, no_supervise)
 
     console = Console(stderr=True)
     live = None if quiet else Live(console=console, refresh_per_second=4, transient=False)

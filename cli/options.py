@@ -28,3 +28,30 @@ Sets = Annotated[
         "--set", help="TrainConfig override PATH=VALUE (repeatable), e.g. sync.compression=fp16 or "
         'sync.periods={"router": 25, "latent": 50, "backbone": 100}.')
 ]
+
+
+def invoked_as(argv: list[str], group: str, command: str) -> bool:
+    """Whether this process's command line is ``parallax [global options] GROUP COMMAND ...`` (re-runnable)."""
+    return any(argv[i:i + 2] == [group, command] for i in range(1, len(argv) - 1))
+
+
+def supervise_or_continue(group: str, supervised_by: int | None, no_supervise: bool) -> None:
+    """Re-run this command in a session of its own under this process (``node/processes.py`` says why) and exit
+    with its code, unless told not to or not started from a command line (``CliRunner``); in the supervised
+    child, arrange to die with the supervisor. Returns when this process should do the work itself.
+
+    Raises:
+        typer.Exit: always in the supervisor (the child's exit code), and in a child whose supervisor is gone.
+    """
+    import os
+    import sys
+
+    from parallax.node.processes import die_with_parent, python_cli, supervise
+
+    if supervised_by is None and not no_supervise and invoked_as(sys.argv, group, "join"):
+        raise typer.Exit(supervise(python_cli(*sys.argv[1:], "--supervised-by", str(os.getpid()))))
+    if supervised_by is not None:
+        try:
+            die_with_parent(supervised_by)
+        except ProcessLookupError as e:
+            raise typer.Exit(1) from e

@@ -41,15 +41,21 @@ def routed_speedup(composers: int, f_over_r: float) -> float:
     return 1.0 / (c + (1.0 - c) / f_over_r / 3.0)
 
 
-def offload_routed_speedup(composers: int, f_over_r: float) -> float:
+def offload_routed_speedup(composers: int, f_over_r: float, *, stand_in_input_grad: bool = False) -> float:
     """Like ``routed_speedup`` with the owned experts' update offloaded (forward only on the composer).
 
+    Args:
+        composers: C >= 1.
+        f_over_r: expert hidden width over surrogate hidden width, f/r > 0.
+        stand_in_input_grad: surrogates also backpropagate into their input (2x forward instead of 1x).
+
     Returns:
-        1 / ((1/C) / 3 + (1 - 1/C) * (r/f) / 3).
+        1 / ((1/C) / 3 + (1 - 1/C) * (r/f) * k / 3), k = 2 with the input gradient, else 1 (the report's).
     """
     _check_analytic(composers, f_over_r)
     c = 1.0 / composers
-    return 1.0 / (c / 3.0 + (1.0 - c) / f_over_r / 3.0)
+    k = 2.0 if stand_in_input_grad else 1.0
+    return 1.0 / (c / 3.0 + (1.0 - c) * k / f_over_r / 3.0)
 
 
 def total_speedup(routed: float, routed_share: float = REPORT_ROUTED_SHARE) -> float:

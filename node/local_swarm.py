@@ -89,6 +89,7 @@ class LocalSwarm:
         self.bootstrap: subprocess.Popen[bytes] | None = None
         self.initial_peers: str = ""
         self.nodes: list[NodeProcess] = []
+        self.workers: list[NodeProcess] = []
 
     def _spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         threads = str(self.threads_per_node)
@@ -131,6 +132,21 @@ class LocalSwarm:
             self.nodes.append(node)
         return node
 
+    def add_worker(self, *extra: str) -> NodeProcess:
+        """Start an offload worker (``parallax worker join``) joining through the bootstrap peer; it is stopped
+        and killed like a node (``self.workers``, closed in ``close``)."""
+        if not self.initial_peers:
+            raise NodeError("start_bootstrap() first")
+        i = len(self.workers)
+        folder = self.workdir / f"worker-{i}"
+        folder.mkdir(exist_ok=True)
+        metrics = folder / "metrics.jsonl"
+        args = ["worker", "join", "--cpu", "--no-supervise", "--run-id", self.run_id, "--identity",
+                str(folder / "worker.key"), "--initial-peers", self.initial_peers, "--metrics", str(metrics), *extra]
+        worker = NodeProcess(i, self._spawn(args, folder / "worker.log"), metrics, folder / "worker.log", args)
+        self.workers.append(worker)
+        return worker
+
     def metrics(self) -> list[list[dict[str, Any]]]:
         return [read_metrics(n.metrics) for n in self.nodes]
 
@@ -154,15 +170,16 @@ class LocalSwarm:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop every node (SIGINT, then SIGTERM, then SIGKILL of the group), then the bootstrap peer."""
-        for n in self.nodes:
+        everyone = self.nodes + self.workers
+        for n in everyone:
             if n.alive:
                 send(n.process, signal.SIGINT)
         deadline = time.monotonic() + timeout_s
-        for n in self.nodes:
+        for n in everyone:
             stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False)
         if self.bootstrap is not None:
             stop(self.bootstrap, 15.0)
-        for p in [n.process for n in self.nodes] + ([self.bootstrap] if self.bootstrap else []):
+        for p in [n.process for n in everyone] + ([self.bootstrap] if self.bootstrap else []):
             kill_group(p, signal.SIGKILL)  # leftovers of a child that died without cleaning up
 
     def __enter__(self) -> LocalSwarm:

@@ -61,6 +61,8 @@ from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.model import MoETransformer, Ownership, SwiGLU
+from parallax.node.offload_client import OffloadSession
+from parallax.node.offload_exchange import OffloadClient
 from parallax.node.outer import TierSchedule
 from parallax.node.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.outer_sync import TieredOuterSync
@@ -196,6 +198,7 @@ class Node:
         self.exchange: ExpertExchange | None = None
         self.sync: TieredOuterSync | None = None
         self.rounds: BackgroundRounds | None = None
+        self.offload: OffloadSession | None = None  # only with cfg.offload.enabled
         self.schedule = TierSchedule(self.cfg.sync.periods)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -276,6 +279,11 @@ class Node:
         self.composer = Composer(cfg, ownership, self.train_tokens,
                                  sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
         self._event("composer_built", seconds=round(time.monotonic() - self._started, 3))
+        if cfg.offload.enabled:
+            assert self._p2p is not None and self._loop is not None
+            client = OffloadClient(self._p2p, self._loop, c.run_id, onboard_timeout_s=5.0 if c.loopback else 30.0,
+                                   update_timeout_s=5.0 if c.loopback else 30.0)
+            self.offload = OffloadSession(self.composer, client, c.run_id, self._live_workers, event=self._event)
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
             self._event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(self.composer))
@@ -403,7 +411,12 @@ class Node:
         trained, tokens_window, window_started = 0, 0, time.monotonic()
         while not self.stop_event.is_set() and (self.config.steps is None or trained < self.config.steps):
             self._seam()
-            stats = composer.train_step()
+            if self.offload is None:
+                stats = composer.train_step()
+            else:  # the offload exchange must sit between backward and the optimizer step (offload_client.py)
+                stats = composer.forward_backward()
+                self.offload.exchange()
+                composer.optimizer_step()
             trained += 1
             if self.join_to_first_step_s is None:
                 self.join_to_first_step_s = time.monotonic() - self._started
@@ -414,7 +427,9 @@ class Node:
                 self.status.tokens_per_s = tokens_window / elapsed
                 tokens_window, window_started = 0, time.monotonic()
             self.status.step, self.status.trained, self.status.loss = composer.step, trained, stats.loss
-            self._metric(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5))
+            self._metric(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5),
+                         **({} if self.offload is None else {"offload_applied": self.offload.applied,
+                                                             "offloaded": len(self.offload.offloaded)}))
             if self.config.checkpoint_dir is not None and composer.step % self.config.checkpoint_every == 0:
                 self._checkpoint()
         self._seam()  # apply what arrived during the last step before leaving
@@ -621,6 +636,8 @@ class Node:
     def _release(self, eid: ExpertId) -> None:
         composer, gossip, exchange = self.composer, self.gossip, self.exchange
         assert composer is not None and gossip is not None and exchange is not None
+        if self.offload is not None:  # trained here again before its snapshot (unanswered sketches are dropped)
+            self.offload.release(eid)
         mirror = composer.publishers[eid].full() if eid in composer.publishers else None
         snapshot = self._snapshot(eid)
         composer.release_expert(eid)
@@ -694,8 +711,18 @@ class Node:
                                versions=gossip.versions())
         self._event("checkpoint", step=composer.step, path=str(path), state_hash=state_hash(composer))
 
+    def _live_workers(self) -> dict[str, float] | None:
+        """Offload workers in the membership view: libp2p peer id -> capacity (a cached read, no DHT call)."""
+        if self.membership is None:
+            return None
+        return {m.heartbeat.peer_id: m.heartbeat.capacity for m in self.membership.view().alive().values()
+                if m.heartbeat.role == "worker"}
+
     def close(self) -> None:
         """Stop everything this node started, in reverse order. Safe to call twice and after a failed start."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.membership is not None and self.membership.state is not PeerState.STOPPED:
             try:
                 self.membership.leave("shutting down")

@@ -314,9 +314,11 @@ class StatePart(_TensorMessage):
 @register
 @dataclass(frozen=True, slots=True)
 class Sketch(_TensorMessage):
-    """A composer's compressed sample of (x, g, gate) for one owned expert, sent to a worker.
+    """A composer's compressed sample of (x, g) for one owned expert, sent to a worker.
 
-    ``tensors`` holds ``x`` (tokens × d_model), ``g`` (tokens × d_model) and ``gate`` (tokens,).
+    ``tensors`` holds exactly ``x`` (rows × d_latent: the expert's input at the latent width) and ``g``
+    (rows × d_latent: dL/dy at the expert's output, the gate already folded in and the 1/p sub-sampling
+    correction applied). ``tokens`` is how many selections the sample stands for. No token ids, no text.
     """
 
     KIND: ClassVar[str] = "sketch"
@@ -324,6 +326,7 @@ class Sketch(_TensorMessage):
     TENSOR_LIMITS: ClassVar[TensorLimits] = TensorLimits(
         max_elements=16 * 2**20, max_ndim=2, codecs=frozenset({"raw", "fp16", "int8", "int4"})
     )
+    NAMES: ClassVar[frozenset[str]] = frozenset({"x", "g"})
 
     layer: int = wire(_LAYER)
     expert: int = wire(_EXPERT)
@@ -332,9 +335,9 @@ class Sketch(_TensorMessage):
     tensors: Mapping[str, bytes] = wire(_tensors(64 * MiB))
 
     def _validate(self) -> None:
-        missing = {"x", "g", "gate"} - set(self.tensors)
-        if missing:
-            raise ValueError(f"tensors lacks {sorted(missing)}")
+        # Exactly x and g: an extra name is a channel for whatever else a buggy composer might leak.
+        if set(self.tensors) != self.NAMES:
+            raise ValueError(f"tensors are {sorted(self.tensors)}, expected exactly ['g', 'x']")
 
 
 @register

@@ -64,7 +64,7 @@ EXAMPLES: dict[str, Message] = {
         StateRequest(groups=("attn", "embed"), experts=((0, 1),)),
         StateOffer(peer_id="QmPeer", step=400, versions={"attn": 4}, size=10**8),
         StatePart(group="attn", version=4, index=0, total=2, tensors={"wq": BLOB}),
-        Sketch(layer=0, expert=1, step=3, tokens=2, tensors={"x": BLOB, "g": BLOB, "gate": BLOB}),
+        Sketch(layer=0, expert=1, step=3, tokens=2, tensors={"x": BLOB, "g": BLOB}),
         WorkerResult(layer=0, expert=1, step=3, tensors={"w1": BLOB}, loss=0.5),
     ]
 }
@@ -181,8 +181,10 @@ def test_cross_field_checks():
         SurrogateDelta(layer=1, expert=2, version=3, base_version=3, rank=8, digest=b"\x01" * 32, size=1)
     with pytest.raises(LocalProtocolError, match="index"):
         StatePart(group="g", version=1, index=2, total=2, tensors={})
-    with pytest.raises(LocalProtocolError, match="lacks"):
+    with pytest.raises(LocalProtocolError, match="expected exactly"):
         Sketch(layer=0, expert=0, step=0, tokens=1, tensors={"x": BLOB})
+    with pytest.raises(LocalProtocolError, match="expected exactly"):  # no third tensor rides along
+        Sketch(layer=0, expert=0, step=0, tokens=1, tensors={"x": BLOB, "g": BLOB, "gate": BLOB})
 
 
 def test_building_an_invalid_message_is_a_local_error():

@@ -1,0 +1,296 @@
+"""Worker offload over P2P streams: the worker's service (onboard, update) and the composer's calls.
+
+DESIGN.md section 4 ("Worker offload"), issue 7. Two unary RPCs under the namespace
+``parallax.<run_id>.offload``:
+
+- ``rpc_onboard``: body = an ``ExpertSnapshot`` message (layer, expert, the composer's step, the expert's
+  weights as ``offload.encode_tensors`` blobs); the worker builds a ``TaylorProxyTrainer`` for it. The
+  answer is empty.
+- ``rpc_update``: body = a ``Sketch`` message (exactly ``x`` and ``g``, rows x d_latent, float codecs);
+  the answer is a ``WorkerResult`` message holding the weight change blobs (``TaylorProxyTrainer.update``).
+
+What the worker sees: latent activations and gradients of one expert, never token ids or text (the
+``Sketch`` kind admits exactly x and g, the decoder only float dtypes of the latent width).
+
+Bounds, checked in this order on every request: body size (``max_request_bytes``, below hivemind's 4 MiB
+unary cap) before any decoding; the message kind's own checks; expert inside the model's grid; tensor
+names, codecs, float dtypes, shapes and element counts; then the update itself runs on one training
+thread under ``update_timeout_s``. A refused request raises ``RemoteProtocolError`` to the caller (it
+arrives as ``P2PHandlerError``) and is logged at debug level: a malformed request never ends the worker.
+
+Trust: requests are not signed at the message level. libp2p authenticates the stream
+(``P2PContext.remote_id`` is the caller's verified peer id, as for ``expert_exchange``), and a worker keys
+its trainers by (caller, expert), so one composer can neither read nor overwrite another's expert. The
+composer checks every result (``offload.apply_result``) before using it.
+
+Concurrency: the servicer and the client coroutines run on the process's network loop; the Taylor-proxy
+steps run on a one-thread executor, so the loop keeps answering while a worker trains and updates of one
+worker never race on a trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from parallax.dht.shards import hrw_score
+from parallax.node.config import TrainConfig
+from parallax.node.offload import Blobs, TaylorProxyTrainer
+from parallax.node.sketch import Sketch
+from parallax.protocol import codec
+from parallax.protocol.errors import ProtocolError, RemoteProtocolError
+from parallax.protocol.messages import ExpertSnapshot, WorkerResult
+from parallax.protocol.messages import Sketch as SketchMessage
+
+logger = logging.getLogger(__name__)
+
+ExpertId = tuple[int, int]
+
+UNARY_CAP = 4 * 2**20  # hivemind refuses a larger unary message
+WIRE_CODECS = frozenset({"raw", "fp16", "int8", "int4"})
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLimits:
+    """What one worker accepts.
+
+    Attributes:
+        max_request_bytes: cap on a request body, checked before decoding (bytes, < 4 MiB).
+        max_rows: cap on sketch rows per update request.
+        max_experts: experts one worker trains at once (its memory), over all composers.
+        update_timeout_s: one update's Taylor-proxy steps (seconds); past it the caller gets an error.
+    """
+
+    max_request_bytes: int = UNARY_CAP - 64 * 1024
+    max_rows: int = 65536
+    max_experts: int = 64
+    update_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_request_bytes < UNARY_CAP:
+            raise ValueError(f"WorkerLimits.max_request_bytes must be in (0, {UNARY_CAP}) bytes")
+        if self.max_rows < 1 or self.max_experts < 1 or self.update_timeout_s <= 0:
+            raise ValueError("WorkerLimits needs max_rows >= 1, max_experts >= 1 and update_timeout_s > 0")
+
+
+# --- the messages, both ways (pure) ----------------------------------------------------------------
+
+
+def check_size(body: bytes, limits: WorkerLimits, *, peer: str | None = None) -> None:
+    """Refuse a body over the cap before anything decodes it.
+
+    Raises:
+        RemoteProtocolError: ``body`` is longer than ``limits.max_request_bytes``.
+    """
+    if len(body) > limits.max_request_bytes:
+        raise RemoteProtocolError(f"request of {len(body)} bytes, cap {limits.max_request_bytes}", peer=peer)
+
+
+def _check_expert(cfg: TrainConfig, layer: int, expert: int, peer: str | None) -> ExpertId:
+    m = cfg.model
+    if not (cfg.offload.private_layers <= layer < m.n_layers and 0 <= expert < m.n_experts):
+        raise RemoteProtocolError(f"expert {(layer, expert)} is not an offloadable expert of this run", peer=peer)
+    return layer, expert
+
+
+def encode_sketch(eid: ExpertId, step: int, sketch: Sketch, wire_codec: str) -> bytes:
+    """The ``Sketch`` message of one expert's sub-sampled (x, g) for step ``step`` (x, g quantised)."""
+    tensors = {"x": codec.encode(sketch.x_NL.detach().cpu().float().numpy(), wire_codec),
+               "g": codec.encode(sketch.g_NL.detach().cpu().float().numpy(), wire_codec)}
+    return SketchMessage(layer=eid[0], expert=eid[1], step=step, tokens=max(1, sketch.tokens),
+                         tensors=tensors).encode()
+
+
+def decode_sketch(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
+                  peer: str | None = None) -> tuple[ExpertId, int, Sketch]:
+    """Decode and check an update request.
+
+    Returns:
+        (expert, step, sketch) with float32 x and g of shape rows x d_latent.
+
+    Raises:
+        RemoteProtocolError: oversized, undecodable, another kind or extra tensors, an expert outside the
+            offloadable grid, a non-float dtype, a wrong width or row count, non-finite values.
+    """
+    check_size(body, limits, peer=peer)
+    msg = SketchMessage.decode(body, peer=peer)
+    eid = _check_expert(cfg, msg.layer, msg.expert, peer)
+    width = cfg.model.d_latent
+    tensor_limits = codec.TensorLimits(max_elements=limits.max_rows * width, max_ndim=2, codecs=WIRE_CODECS)
+    arrays = msg.decode_tensors(tensor_limits, peer=peer)
+    x, g = arrays["x"], arrays["g"]
+    if x.ndim != 2 or x.shape != g.shape or x.shape[1] != width:
+        raise RemoteProtocolError(f"sketch x {x.shape} and g {g.shape}, expected equal (rows, {width})", peer=peer)
+    if not (np.isfinite(x).all() and np.isfinite(g).all()):
+        raise RemoteProtocolError("sketch is not finite", peer=peer)
+    sketch = Sketch(torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(g, dtype=np.float32)),
+                    msg.tokens, len(body))
+    return eid, msg.step, sketch
+
+
+def decode_onboard(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
+                   peer: str | None = None) -> tuple[ExpertId, Blobs]:
+    """Decode an onboarding request to (expert, weight blobs); the trainer checks the blobs' shapes.
+
+    Raises:
+        RemoteProtocolError: oversized, undecodable, or an expert outside the offloadable grid.
+    """
+    check_size(body, limits, peer=peer)
+    msg = ExpertSnapshot.decode(body, peer=peer)
+    return _check_expert(cfg, msg.layer, msg.expert, peer), dict(msg.tensors)
+
+
+def assign_to_workers(run_id: str, experts: list[ExpertId], workers: Mapping[str, float]) -> dict[ExpertId, str]:
+    """Each expert to the worker with the highest capacity-weighted rendezvous score (``shards.hrw_score``).
+
+    A worker that leaves moves only its own experts; one that joins takes about its capacity's share.
+
+    Args:
+        run_id: the run (salts the hash).
+        experts: the offloadable experts of one composer.
+        workers: worker peer id -> capacity (> 0); empty: nothing is offloaded.
+
+    Returns:
+        expert -> worker peer id.
+    """
+    live = {w: c for w, c in workers.items() if c > 0}
+    if not live:
+        return {}
+    return {eid: max(sorted(live), key=lambda w: hrw_score(run_id, eid[0], eid[1], w, live[w])) for eid in experts}
+
+
+# --- the worker's side -----------------------------------------------------------------------------
+
+
+class OffloadServicer(ServicerBase):
+    """Serves onboard and update requests from composers. Do not rename (it is part of the protocol id).
+
+    Args:
+        cfg: the run's config (model shapes, cfg.offload).
+        limits: request bounds.
+    """
+
+    def __init__(self, cfg: TrainConfig, limits: WorkerLimits) -> None:
+        self.cfg, self.limits = cfg, limits
+        self.trainers: dict[tuple[str, ExpertId], TaylorProxyTrainer] = {}
+        self.refused = 0
+        self.updates = 0
+        self.seen: list[tuple[str, ExpertId, dict[str, tuple[str, tuple[int, ...]]]]] = []
+        """Per decoded update (kept only when ``record`` is set, for tests): caller, expert, and every tensor's
+        dtype and shape exactly as it arrived."""
+        self.record = False
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
+        self._lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def rpc_onboard(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        peer = context.remote_id.to_base58()
+        try:
+            eid, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits, peer=peer)
+            with self._lock:
+                if (peer, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
+                    raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
+            trainer = await asyncio.get_running_loop().run_in_executor(
+                self._executor, TaylorProxyTrainer, self.cfg, blobs)
+        except (ProtocolError, ValueError) as e:
+            self.refused += 1
+            logger.debug("refused onboarding from %s: %s", peer, e)
+            raise RemoteProtocolError(str(e), peer=peer) from None
+        with self._lock:
+            self.trainers[(peer, eid)] = trainer  # a repeated onboarding restarts the expert from these weights
+        logger.info("onboarded expert %s for %s", eid, peer)
+        return runtime_pb2.ExpertInfo(serialized_info=b"")
+
+    async def rpc_update(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        peer = context.remote_id.to_base58()
+        try:
+            eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, peer=peer)
+            with self._lock:
+                trainer = self.trainers.get((peer, eid))
+            if trainer is None:
+                raise RemoteProtocolError(f"expert {eid} was not onboarded by this composer", peer=peer)
+        except (ProtocolError, ValueError) as e:
+            self.refused += 1
+            logger.debug("refused an update from %s: %s", peer, e)
+            raise RemoteProtocolError(str(e), peer=peer) from None
+        if self.record:
+            self.seen.append((peer, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
+                                          "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
+        job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, [sketch], step)
+        # On timeout the thread finishes its step anyway; the caller treats the missing answer as a failure.
+        blobs = await asyncio.wait_for(job, self.limits.update_timeout_s)
+        self.updates += 1
+        return runtime_pb2.ExpertInfo(
+            serialized_info=WorkerResult(layer=eid[0], expert=eid[1], step=step, tensors=blobs).encode())
+
+
+# --- the composer's side ---------------------------------------------------------------------------
+
+
+class OffloadClient:
+    """A composer's calls to workers; every call returns a future and never blocks the training thread.
+
+    Args:
+        p2p: this process's P2P replica (on ``loop``).
+        loop: the network loop, running in a background thread.
+        run_id: namespaces the handler.
+        onboard_timeout_s: one onboarding round trip (seconds).
+        update_timeout_s: one update round trip (seconds), including the worker's Taylor-proxy steps.
+    """
+
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, *, onboard_timeout_s: float = 30.0,
+                 update_timeout_s: float = 30.0) -> None:
+        self.p2p, self.loop = p2p, loop
+        self.namespace = f"parallax.{run_id}.offload"
+        self.onboard_timeout_s, self.update_timeout_s = onboard_timeout_s, update_timeout_s
+
+    def onboard(self, worker: str, eid: ExpertId, step: int,
+                blobs: Mapping[str, bytes]) -> concurrent.futures.Future[bytes | None]:
+        """Send expert ``eid``'s weights to ``worker``; the future raises on refusal, timeout or a dead peer."""
+        body = ExpertSnapshot(layer=eid[0], expert=eid[1], step=step, tensors=dict(blobs)).encode()
+        return asyncio.run_coroutine_threadsafe(self._call("rpc_onboard", worker, body, self.onboard_timeout_s),
+                                                self.loop)
+
+    def update(self, worker: str, eid: ExpertId, step: int, body: bytes) -> concurrent.futures.Future[Blobs]:
+        """Send one encoded sketch (``encode_sketch``); the future gives the result blobs of ``eid`` for ``step``.
+
+        The result is checked for kind, expert and step here; its tensors by ``offload.apply_result``.
+        """
+        return asyncio.run_coroutine_threadsafe(self._update(worker, eid, step, body), self.loop)
+
+    async def _update(self, worker: str, eid: ExpertId, step: int, body: bytes) -> Blobs:
+        answer = await self._call("rpc_update", worker, body, self.update_timeout_s)
+        result = WorkerResult.decode(answer or b"", peer=worker)
+        if (result.layer, result.expert, result.step) != (eid[0], eid[1], step):
+            raise RemoteProtocolError(f"asked for {eid} at step {step}, got {(result.layer, result.expert)} at "
+                                      f"step {result.step}", peer=worker)
+        return dict(result.tensors)
+
+    async def _call(self, method: str, worker: str, body: bytes, timeout_s: float) -> bytes | None:
+        stub = OffloadServicer.get_stub(self.p2p, PeerID.from_base58(worker), namespace=self.namespace)
+        reply = await asyncio.wait_for(getattr(stub, method)(runtime_pb2.ExpertInfo(serialized_info=body)), timeout_s)
+        return reply.serialized_info
+
+
+async def serve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:
+    """Register ``servicer`` on ``p2p`` (call on the network loop)."""
+    await servicer.add_p2p_handlers(p2p, namespace=f"parallax.{run_id}.offload")
+
+
+async def unserve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:
+    """Remove the handlers again; the daemon may already be gone."""
+    with contextlib.suppress(Exception):
+        await servicer.remove_p2p_handlers(p2p, namespace=f"parallax.{run_id}.offload")
+    servicer.shutdown()

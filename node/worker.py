@@ -1,0 +1,151 @@
+"""``parallax worker join``'s process: announce as a worker, serve onboard/update requests, leave cleanly.
+
+DESIGN.md section 4 ("Worker offload"). A worker holds no data and no model: it starts the swarm DHT (as a
+composer does), announces itself with role "worker" and its capacity (heartbeats; a deathrattle on leave),
+and serves ``offload_exchange.OffloadServicer`` on a background asyncio loop ("parallax-worker-net"). The
+main thread only waits for a stop (SIGINT/SIGTERM set ``stop_event``) and reports status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.keys import protected_keys
+from parallax.dht.membership import Membership, MembershipConfig, PeerState
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.node.config import TrainConfig
+from parallax.node.offload_exchange import OffloadServicer, WorkerLimits, serve, unserve
+from parallax.protocol.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What ``parallax worker join`` runs with."""
+
+    train: TrainConfig
+    """The run's config (model shapes and cfg.offload must match the composers')."""
+    run_id: str
+    """Training run id (namespaces keys and the P2P handler)."""
+    identity_path: Path
+    """Ed25519 key file (created on first run)."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of live peers."""
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Listen addresses."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Public addresses others dial."""
+    capacity: float = 1.0
+    """Relative capacity (> 0): composers give this worker experts in proportion to it."""
+    device: str = "cpu"
+    """The device resolved from --cpu/--gpu. Recorded only: the Taylor-proxy steps run on the CPU so far."""
+    metrics_path: Path | None = None
+    """JSONL file for events (one line each)."""
+    limits: WorkerLimits = WorkerLimits()
+    """Request bounds."""
+
+    def __post_init__(self) -> None:
+        if not self.capacity > 0:
+            raise ValueError("--capacity must be > 0 (a relative weight; 1.0 = a reference worker)")
+
+
+class Worker:
+    """One worker peer. ``run`` blocks until ``stop``; ``close`` undoes everything (safe twice).
+
+    Args:
+        config: what to run.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.identity = Identity.load_or_create(config.identity_path)
+        self.stop_event = threading.Event()
+        self.dht: SwarmDHT | None = None
+        self.membership: Membership | None = None
+        self.servicer = OffloadServicer(config.train, config.limits)
+        self.peer_id: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._p2p: Any = None
+        self._metrics: Any = None
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self, poll_s: float = 0.5) -> None:
+        """Start, serve until ``stop``, then leave (deathrattle) and close."""
+        try:
+            self._start()
+            last: tuple[int, int, int] | None = None
+            while not self.stop_event.wait(poll_s):
+                now = (len(self.servicer.trainers), self.servicer.updates, self.servicer.refused)
+                if now != last:  # a line per change, not per poll
+                    self._event("status", onboarded=now[0], updates=now[1], refused=now[2])
+                    last = now
+        finally:
+            self.close()
+
+    def _start(self) -> None:
+        c = self.config
+        if c.metrics_path is not None:
+            c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = c.metrics_path.open("a", encoding="utf-8")
+        dht_config = DHTConfig(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
+                               announce_maddrs=c.announce_maddrs,
+                               identity_path=c.identity_path.with_name(c.identity_path.name + ".p2p"))
+        validator = Ed25519RecordValidator(self.identity,
+                                           protected_keys=protected_keys(c.run_id, c.train.model.n_layers))
+        self.dht = SwarmDHT.start(dht_config, [validator])
+        self.peer_id = self.dht.peer_id
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="parallax-worker-net", daemon=True)
+        self._loop_thread.start()
+        self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
+        # Serve before announcing: a composer that sees the heartbeat may onboard at once.
+        asyncio.run_coroutine_threadsafe(serve(self.servicer, self._p2p, c.run_id), self._loop).result(10)
+        self.membership = Membership(self.dht, self.identity,
+                                     MembershipConfig(run_id=c.run_id, role="worker", capacity=c.capacity))
+        self.membership.start()
+        self._event("worker_started", peer_id=self.peer_id, join=self.dht.join_command())
+        logger.info("worker %s serving run %s", self.peer_id, c.run_id)
+
+    def close(self) -> None:
+        """Leave (deathrattle), stop serving, stop the loop and the DHT; safe to call twice."""
+        if self.membership is not None and self.membership.state is not PeerState.STOPPED:
+            try:
+                self.membership.leave("shutting down")
+            except Exception as e:
+                logger.debug("leave during close: %r", e)
+        self.membership = None
+        if self._loop is not None:
+            for coro in ([unserve(self.servicer, self._p2p, self.config.run_id), self._p2p.shutdown()]
+                         if self._p2p is not None else []):
+                try:
+                    asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+                except Exception as e:
+                    logger.debug("worker shutdown step: %r", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(10)
+            self._loop = None
+        self.servicer.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+            self._metrics.flush()

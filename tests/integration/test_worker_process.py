@@ -1,0 +1,77 @@
+"""A real `parallax worker join` process on loopback: it announces itself as a worker, answers onboard and
+update requests from a composer peer, and once SIGKILLed its requests fail and its heartbeat expires."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallax.dht.membership import read_view
+from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
+from parallax.node import config
+from parallax.node.local_swarm import read_metrics
+from parallax.node.model import SwiGLU
+from parallax.node.offload import encode_tensors
+from parallax.node.offload_exchange import OffloadClient, encode_sketch
+from parallax.node.processes import kill_group, spawn, stop
+from parallax.node.sketch import Sketch
+
+RUN = "wproc"
+CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True))
+EID = (1, 0)
+
+
+def _workers(dht) -> dict[str, float]:
+    view = read_view(dht, RUN, timeout_s=3.0)
+    return {} if view is None else {m.heartbeat.peer_id: m.heartbeat.capacity
+                                    for m in view.alive().values() if m.heartbeat.role == "worker"}
+
+
+def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    metrics = tmp_path / "worker.jsonl"
+    proc = None
+    p2p = None
+    with LocalSwarm(RUN) as swarm:
+        try:
+            composer = swarm.add_dht(fixed_identity(1))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            with (tmp_path / "worker.log").open("ab") as log:
+                proc = spawn([sys.executable, "-m", "parallax.cli", "worker", "join", "--cpu", "--no-supervise",
+                              "--run-id", RUN, "--identity", str(tmp_path / "worker.key"), "--capacity", "2.5",
+                              "--initial-peers", composer.dht.visible_maddrs()[0], "--metrics", str(metrics)],
+                             env=env, stdout=log)
+            wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
+            (worker, capacity), = _workers(composer.dht).items()
+            assert capacity == 2.5
+            p2p = asyncio.run_coroutine_threadsafe(composer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
+            client = OffloadClient(p2p, loop, RUN, onboard_timeout_s=20.0, update_timeout_s=5.0)
+            expert = SwiGLU(CFG.model.d_latent, CFG.model.d_expert)
+            client.onboard(worker, EID, 0, encode_tensors(dict(expert.named_parameters()), "fp16")).result(30)
+            L = CFG.model.d_latent
+            sketch = Sketch(torch.randn(8, L), 0.01 * torch.randn(8, L), tokens=8)
+            assert set(client.update(worker, EID, 1, encode_sketch(EID, 1, sketch, "int8")).result(30)) == {
+                n for n, _ in expert.named_parameters()}
+            kill_group(proc, signal.SIGKILL)  # the machine dies: no deathrattle
+            proc.wait(10)
+            with pytest.raises(Exception):  # noqa: B017 - any failure: dead peer or timeout
+                client.update(worker, EID, 2, encode_sketch(EID, 2, sketch, "int8")).result(30)
+            wait_until(lambda: not _workers(composer.dht), 30)  # its heartbeat expires
+            assert any(r.get("event") == "worker_started" for r in read_metrics(metrics))
+        finally:
+            if proc is not None:
+                stop(proc, 15.0)
+                kill_group(proc, signal.SIGKILL)
+            if p2p is not None:
+                asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)

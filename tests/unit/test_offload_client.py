@@ -1,0 +1,96 @@
+"""The composer's offload session with stand-in workers (in-process trainers behind futures): results applied,
+a vanished or lying worker dropped with nothing lost, private layers never offloaded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from parallax.node import config
+from parallax.node.composer import Composer
+from parallax.node.data import load_corpus, shard, split_corpus
+from parallax.node.offload import TaylorProxyTrainer, encode_tensors
+from parallax.node.offload_client import OffloadSession
+from parallax.node.offload_exchange import WorkerLimits, decode_sketch
+from parallax.node.sim import ownership_for
+
+
+class FakeWorkers:
+    """``OffloadClient``'s interface, answered at once by in-process trainers; ``tamper`` corrupts results."""
+
+    def __init__(self, cfg: config.TrainConfig) -> None:
+        self.cfg, self.trainers, self.tamper, self.fail = cfg, {}, False, False
+
+    def _done(self, value=None, error=None) -> concurrent.futures.Future:
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_exception(error) if error else f.set_result(value)
+        return f
+
+    def onboard(self, worker, eid, step, blobs):
+        self.trainers[(worker, eid)] = TaylorProxyTrainer(self.cfg, blobs)
+        return self._done(None)
+
+    def update(self, worker, eid, step, body):
+        if self.fail:
+            return self._done(error=TimeoutError("no answer"))
+        got, got_step, sketch = decode_sketch(body, self.cfg, WorkerLimits())
+        blobs = self.trainers[(worker, got)].update([sketch], got_step)
+        if self.tamper:
+            blobs = encode_tensors({n: 1e6 + 0 * p for n, p in self.trainers[(worker, got)].mirror.items()}, "raw")
+        return self._done(blobs)
+
+
+@pytest.fixture(scope="module")
+def train():
+    return split_corpus(load_corpus()[:100_000])[0]
+
+
+def _session(train, workers, **offload):
+    cfg = config.TrainConfig(model=config.preset("tiny"), steps=20, batch_size=2,
+                             offload=config.OffloadConfig(enabled=True, delay=0, **offload))
+    composer = Composer(cfg, ownership_for(cfg, 1)[0], shard(train, 0, 1), sampler_seed=1)
+    fake = FakeWorkers(cfg)
+    events = []
+    session = OffloadSession(composer, fake, "run", lambda: dict(workers),
+                             event=lambda kind, **f: events.append((kind, f)), retry_s=1e9)
+    return composer, fake, session, events
+
+
+def _steps(composer, session, n):
+    for _ in range(n):
+        composer.forward_backward()
+        session.exchange()
+        composer.optimizer_step()
+
+
+def test_results_are_applied_and_private_layers_stay_home(train) -> None:
+    composer, _, session, events = _session(train, {"w1": 1.0, "w2": 2.0}, private_layers=1)
+    _steps(composer, session, 4)
+    assert session.offloaded and all(eid[0] >= 1 for eid in session.offloaded)
+    assert session.applied > 0 and not session.fallbacks
+    assert {w for _, f in events for w in [f["worker"]]} <= {"w1", "w2"}
+
+
+def test_a_vanished_worker_is_dropped_and_its_experts_train_locally(train) -> None:
+    workers = {"w1": 1.0}
+    composer, _, session, events = _session(train, workers)
+    _steps(composer, session, 3)
+    assert composer.offloaded_experts()
+    workers.clear()
+    _steps(composer, session, 1)
+    assert not composer.offloaded_experts() and not session.offloaded
+    assert [k for k, _ in events].count("offload_fallback") == len(session.fallbacks) > 0
+
+
+@pytest.mark.parametrize("fault", ["tamper", "fail"])
+def test_a_bad_or_silent_worker_is_dropped(train, fault) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0})
+    _steps(composer, session, 2)
+    setattr(fake, fault, True)
+    eid = next(iter(session.offloaded))
+    _steps(composer, session, 2)
+    assert not session.offloaded and session.fallbacks
+    assert ("w1" in session.banned) == (fault == "tamper")
+    # The refused change never reached the weights.
+    assert all(float(p.abs().max()) < 1e3 for p in composer.model.expert_parameters(*eid).values())

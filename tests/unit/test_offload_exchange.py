@@ -1,0 +1,90 @@
+"""Worker offload's wire, pure parts: request bounds, what a sketch request may carry, worker assignment."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from parallax.node import config
+from parallax.node.offload_exchange import (
+    WorkerLimits,
+    assign_to_workers,
+    check_size,
+    decode_onboard,
+    decode_sketch,
+    encode_sketch,
+)
+from parallax.node.sketch import Sketch
+from parallax.protocol import codec
+from parallax.protocol.errors import RemoteProtocolError
+from parallax.protocol.messages import ExpertSnapshot
+from parallax.protocol.messages import Sketch as SketchMessage
+
+CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, private_layers=1))
+L = CFG.model.d_latent
+LIMITS = WorkerLimits(max_rows=16)
+
+
+def _sketch(rows: int = 5, width: int = L) -> Sketch:
+    gen = torch.Generator().manual_seed(0)
+    return Sketch(torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen), tokens=rows)
+
+
+def test_a_sketch_round_trips_at_the_latent_width() -> None:
+    body = encode_sketch((1, 2), 7, _sketch(), "int8")
+    eid, step, got = decode_sketch(body, CFG, LIMITS)
+    assert (eid, step) == ((1, 2), 7)
+    assert got.x_NL.shape == (5, L) and got.x_NL.dtype == torch.float32
+    assert torch.allclose(got.g_NL, _sketch().g_NL, atol=0.05)
+
+
+def test_the_size_cap_comes_before_decoding() -> None:
+    with pytest.raises(RemoteProtocolError, match="cap"):
+        check_size(b"\x00" * (LIMITS.max_request_bytes + 1), LIMITS)
+    with pytest.raises(RemoteProtocolError, match="cap"):
+        decode_sketch(b"\xff" * (LIMITS.max_request_bytes + 1), CFG, LIMITS)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: encode_sketch((0, 1), 1, _sketch(), "int8"),  # a private layer
+    lambda: encode_sketch((1, CFG.model.n_experts), 1, _sketch(), "int8"),  # outside the grid
+    lambda: encode_sketch((1, 0), 1, _sketch(rows=17), "raw"),  # more rows than the worker takes
+    lambda: encode_sketch((1, 0), 1, _sketch(width=CFG.model.d_model + 1), "raw"),  # not the latent width
+    lambda: SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # token ids where x should be
+        "x": codec.encode(np.arange(3 * L, dtype=np.int64).reshape(3, L), "raw"),
+        "g": codec.encode(np.zeros((3, L), np.float32), "raw")}).encode(),
+    lambda: SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # x and g of different rows
+        "x": codec.encode(np.zeros((2, L), np.float32), "raw"),
+        "g": codec.encode(np.zeros((3, L), np.float32), "raw")}).encode(),
+    lambda: b"\x93garbage",
+    lambda: ExpertSnapshot(layer=1, expert=0, step=1, tensors={}).encode(),  # another kind
+])
+def test_malformed_update_requests_are_refused(bad) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_sketch(bad(), CFG, LIMITS)
+
+
+def test_onboarding_is_bounded_to_offloadable_experts() -> None:
+    body = ExpertSnapshot(layer=1, expert=3, step=0, tensors={"w": codec.encode(np.zeros(4, np.float32))}).encode()
+    assert decode_onboard(body, CFG, LIMITS)[0] == (1, 3)
+    with pytest.raises(RemoteProtocolError, match="offloadable"):
+        decode_onboard(ExpertSnapshot(layer=0, expert=3, step=0, tensors={}).encode(), CFG, LIMITS)
+
+
+def test_worker_limits_refuse_a_cap_above_the_unary_message_limit() -> None:
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        WorkerLimits(max_request_bytes=5 * 2**20)
+
+
+def test_assignment_is_capacity_weighted_and_moves_only_a_dead_workers_experts() -> None:
+    experts = [(layer, e) for layer in range(4) for e in range(64)]
+    workers = {"big": 3.0, "small": 1.0}
+    got = assign_to_workers("run", experts, workers)
+    share = sum(w == "big" for w in got.values()) / len(experts)
+    assert 0.6 < share < 0.9  # about 3/4
+    assert assign_to_workers("run", experts, workers) == got  # deterministic
+    with_third = assign_to_workers("run", experts, {**workers, "third": 1.0})
+    after = assign_to_workers("run", experts, workers)  # "third" died: back to exactly the old map
+    assert after == got and all(with_third[e] == got[e] for e in experts if with_third[e] != "third")
+    assert assign_to_workers("run", experts, {}) == {}
