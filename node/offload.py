@@ -112,17 +112,19 @@ class TaylorProxyTrainer:
     Args:
         cfg: the run's config (model shapes, optimizer betas and decay, cfg.offload).
         onboard: the expert's weights as the composer sent them (``encode_tensors``).
+        device: where the worker's copy and its optimizer state live (the mirror stays on the CPU).
     """
 
-    def __init__(self, cfg: TrainConfig, onboard: Mapping[str, bytes]) -> None:
+    def __init__(self, cfg: TrainConfig, onboard: Mapping[str, bytes], device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         m, o = cfg.model, cfg.optim
-        self.expert = SwiGLU(m.d_latent, m.d_expert)
+        self.device = torch.device(device)
+        self.expert = SwiGLU(m.d_latent, m.d_expert).to(self.device)
         shapes = {n: p.shape for n, p in self.expert.named_parameters()}
         weights = decode_tensors(onboard, shapes, what="onboarding")
         with torch.no_grad():
             for name, p in self.expert.named_parameters():
-                p.copy_(weights[name])
+                p.copy_(weights[name].to(self.device))
         self.mirror = {n: w.clone() for n, w in weights.items()}
         self.optimizer = torch.optim.AdamW(self.expert.parameters(), lr=cfg.offload.worker_lr, betas=o.betas,
                                            weight_decay=o.weight_decay)
@@ -142,8 +144,8 @@ class TaylorProxyTrainer:
             name -> blob of the weight change (cfg.offload.result_codec); the mirror already includes it.
         """
         off = self.cfg.offload
-        x_NL = torch.cat([s.x_NL for s in sketches]).float()
-        g_NL = torch.cat([s.g_NL for s in sketches]).float()
+        x_NL = torch.cat([s.x_NL for s in sketches]).float().to(self.device)
+        g_NL = torch.cat([s.g_NL for s in sketches]).float().to(self.device)
         self.rows += x_NL.shape[0]
         for group in self.optimizer.param_groups:
             group["lr"] = off.worker_lr * self._schedule(max(step - 1, 0))
@@ -154,7 +156,7 @@ class TaylorProxyTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 taylor_proxy(self.expert, x_NL, g_NL, y0_NL, off.proxy_lambda).backward()
                 self.optimizer.step()
-        current = {n: p.detach() for n, p in self.expert.named_parameters()}
+        current = {n: p.detach().cpu() for n, p in self.expert.named_parameters()}
         delta = {n: current[n] - self.mirror[n] for n in current}
         blobs = encode_tensors(delta, off.result_codec, rank=off.result_rank)
         # Decode our own bytes as the composer will, so the mirror stays bit-identical to its copy's changes.

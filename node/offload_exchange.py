@@ -178,10 +178,11 @@ class OffloadServicer(ServicerBase):
     Args:
         cfg: the run's config (model shapes, cfg.offload).
         limits: request bounds.
+        device: where the experts' copies are trained (``--gpu N``: cuda:N).
     """
 
-    def __init__(self, cfg: TrainConfig, limits: WorkerLimits) -> None:
-        self.cfg, self.limits = cfg, limits
+    def __init__(self, cfg: TrainConfig, limits: WorkerLimits, device: str = "cpu") -> None:
+        self.cfg, self.limits, self.device = cfg, limits, device
         self.trainers: dict[tuple[str, ExpertId], TaylorProxyTrainer] = {}
         self.refused = 0
         self.updates = 0
@@ -203,7 +204,7 @@ class OffloadServicer(ServicerBase):
                 if (peer, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
                     raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
             trainer = await asyncio.get_running_loop().run_in_executor(
-                self._executor, TaylorProxyTrainer, self.cfg, blobs)
+                self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused onboarding from %s: %s", peer, e)

@@ -47,7 +47,7 @@ class WorkerConfig:
     capacity: float = 1.0
     """Relative capacity (> 0): composers give this worker experts in proportion to it."""
     device: str = "cpu"
-    """The device resolved from --cpu/--gpu. Recorded only: the Taylor-proxy steps run on the CPU so far."""
+    """The device resolved from --cpu/--gpu: the experts' copies and their optimizer state live there."""
     metrics_path: Path | None = None
     """JSONL file for events (one line each)."""
     limits: WorkerLimits = WorkerLimits()
@@ -71,7 +71,7 @@ class Worker:
         self.stop_event = threading.Event()
         self.dht: SwarmDHT | None = None
         self.membership: Membership | None = None
-        self.servicer = OffloadServicer(config.train, config.limits)
+        self.servicer = OffloadServicer(config.train, config.limits, config.device)
         self.peer_id: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
