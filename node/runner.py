@@ -33,7 +33,6 @@ random windows of a large corpus rarely overlap).
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import logging
@@ -47,11 +46,9 @@ from typing import Any
 
 import torch
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
+from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Member, Membership, MembershipConfig, PeerState, SwarmView
-from parallax.dht.records import Ed25519RecordValidator
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import NodeError
 from parallax.node.checkpoint import latest_checkpoint, load_checkpoint, read_info, save_checkpoint, state_hash
@@ -61,6 +58,7 @@ from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.model import MoETransformer, Ownership, SwiGLU
+from parallax.node.network import NetworkLoop, start_dht
 from parallax.node.offload_client import OffloadSession
 from parallax.node.offload_exchange import OffloadClient
 from parallax.node.outer import TierSchedule
@@ -200,9 +198,7 @@ class Node:
         self.rounds: BackgroundRounds | None = None
         self.offload: OffloadSession | None = None  # only with cfg.offload.enabled
         self.schedule = TierSchedule(self.cfg.sync.periods)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._p2p: Any = None
+        self._net: NetworkLoop | None = None
         self._metrics: Any = None
         self._owners: dict[ExpertId, str] = {}  # expert -> owner fingerprint at the last seam
         self._adopting: dict[ExpertId, _Adoption] = {}
@@ -241,13 +237,11 @@ class Node:
             c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = c.metrics_path.open("a", encoding="utf-8")
         self._phase("joining")
-        dht_config = DHTConfig(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
-                               announce_maddrs=c.announce_maddrs,
-                               identity_path=c.identity_path.with_name(c.identity_path.name + ".p2p"))
-        validator = Ed25519RecordValidator(self.identity, protected_keys=protected_keys(c.run_id, cfg.model.n_layers))
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
-        self.dht = SwarmDHT.start(dht_config, [validator],
-                                  while_starting=lambda: importlib.import_module("torch._dynamo"))
+        self.dht = start_dht(self.identity, run_id=c.run_id, n_layers=cfg.model.n_layers,
+                             identity_path=c.identity_path, initial_peers=c.initial_peers,
+                             host_maddrs=c.host_maddrs, announce_maddrs=c.announce_maddrs,
+                             while_starting=lambda: importlib.import_module("torch._dynamo"))
         self.status.peer_id = self.dht.peer_id
         self.status.join_command = self.dht.join_command()
         self._event("dht_started", join=self.status.join_command)
@@ -280,9 +274,10 @@ class Node:
                                  sampler_seed=data_seed(self.identity.fingerprint, cfg.seed), device=c.device)
         self._event("composer_built", seconds=round(time.monotonic() - self._started, 3))
         if cfg.offload.enabled:
-            assert self._p2p is not None and self._loop is not None
-            client = OffloadClient(self._p2p, self._loop, c.run_id, onboard_timeout_s=5.0 if c.loopback else 30.0,
-                                   update_timeout_s=5.0 if c.loopback else 30.0)
+            assert self._net is not None
+            timeout_s = 5.0 if c.loopback else 30.0
+            client = OffloadClient(self._net.p2p, self._net.loop, c.run_id, onboard_timeout_s=timeout_s,
+                                   update_timeout_s=timeout_s)
             self.offload = OffloadSession(self.composer, client, c.run_id, self._live_workers, event=self._event)
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
@@ -327,16 +322,13 @@ class Node:
     def _start_network(self, versions: dict[ExpertId, int]) -> None:
         assert self.dht is not None
         c, cfg = self.config, self.cfg
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="parallax-net", daemon=True)
-        self._loop_thread.start()
-        self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
+        self._net = net = NetworkLoop(self.dht, "parallax-net")
         gcfg = GossipConfig(run_id=c.run_id, n_layers=cfg.model.n_layers,
                             **({"poll_s": 0.5, "announce_period_s": 2.0, "announce_ttl_s": 30.0} if c.loopback else {}))
         shapes = model_shapes(cfg)
         self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes.surrogate,
-                                      owner_of=self._owner_key, start_versions=versions, loop=self._loop).start()
-        self.exchange = ExpertExchange(self._p2p, self._loop, c.run_id, shapes.expert,
+                                      owner_of=self._owner_key, start_versions=versions, loop=net.loop).start()
+        self.exchange = ExpertExchange(net.p2p, net.loop, c.run_id, shapes.expert,
                                        surrogate_shapes=shapes.surrogate, heir_targets=self._heir_targets,
                                        snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
                                        timeout_s=5.0 if c.loopback else 30.0).start()
@@ -736,17 +728,8 @@ class Node:
             self.exchange.close()
         if self.gossip is not None:
             self.gossip.close()
-        if self._loop is not None:
-            if self._p2p is not None:
-                try:
-                    asyncio.run_coroutine_threadsafe(self._p2p.shutdown(), self._loop).result(10)
-                except Exception as e:
-                    logger.debug("p2p replica shutdown: %r", e)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._loop_thread is not None:
-                self._loop_thread.join(10)
-            if self._loop_thread is None or not self._loop_thread.is_alive():
-                self._loop.close()
+        if self._net is not None:
+            self._net.close()
         if self.dht is not None:
             self.dht.shutdown()
         if self._metrics is not None:
@@ -754,7 +737,7 @@ class Node:
             self._metrics = None
         self.rounds = self.sync = self.exchange = self.gossip = None
         self.membership = None
-        self._loop = None
+        self._net = None
 
     # --- status and metrics ---
 

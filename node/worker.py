@@ -8,7 +8,6 @@ main thread only waits for a stop (SIGINT/SIGTERM set ``stop_event``) and report
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -17,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT
-from parallax.dht.keys import protected_keys
+from parallax.dht.adapter import SwarmDHT
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
-from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config import TrainConfig
+from parallax.node.network import NetworkLoop, start_dht
 from parallax.node.offload_exchange import OffloadServicer, WorkerLimits, serve, unserve
 from parallax.protocol.identity import Identity
 
@@ -73,9 +71,7 @@ class Worker:
         self.membership: Membership | None = None
         self.servicer = OffloadServicer(config.train, config.limits, config.device)
         self.peer_id: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._p2p: Any = None
+        self._net: NetworkLoop | None = None
         self._metrics: Any = None
 
     def stop(self) -> None:
@@ -99,19 +95,13 @@ class Worker:
         if c.metrics_path is not None:
             c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = c.metrics_path.open("a", encoding="utf-8")
-        dht_config = DHTConfig(initial_peers=c.initial_peers, host_maddrs=c.host_maddrs,
-                               announce_maddrs=c.announce_maddrs,
-                               identity_path=c.identity_path.with_name(c.identity_path.name + ".p2p"))
-        validator = Ed25519RecordValidator(self.identity,
-                                           protected_keys=protected_keys(c.run_id, c.train.model.n_layers))
-        self.dht = SwarmDHT.start(dht_config, [validator])
+        self.dht = start_dht(self.identity, run_id=c.run_id, n_layers=c.train.model.n_layers,
+                             identity_path=c.identity_path, initial_peers=c.initial_peers,
+                             host_maddrs=c.host_maddrs, announce_maddrs=c.announce_maddrs)
         self.peer_id = self.dht.peer_id
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="parallax-worker-net", daemon=True)
-        self._loop_thread.start()
-        self._p2p = asyncio.run_coroutine_threadsafe(self.dht.hivemind_dht.replicate_p2p(), self._loop).result(30)
+        self._net = NetworkLoop(self.dht, "parallax-worker-net")
         # Serve before announcing: a composer that sees the heartbeat may onboard at once.
-        asyncio.run_coroutine_threadsafe(serve(self.servicer, self._p2p, c.run_id), self._loop).result(10)
+        self._net.run(serve(self.servicer, self._net.p2p, c.run_id), 10.0)
         self.membership = Membership(self.dht, self.identity,
                                      MembershipConfig(run_id=c.run_id, role="worker", capacity=c.capacity))
         self.membership.start()
@@ -126,17 +116,9 @@ class Worker:
             except Exception as e:
                 logger.debug("leave during close: %r", e)
         self.membership = None
-        if self._loop is not None:
-            for coro in ([unserve(self.servicer, self._p2p, self.config.run_id), self._p2p.shutdown()]
-                         if self._p2p is not None else []):
-                try:
-                    asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
-                except Exception as e:
-                    logger.debug("worker shutdown step: %r", e)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._loop_thread is not None:
-                self._loop_thread.join(10)
-            self._loop = None
+        if self._net is not None:
+            self._net.close(unserve(self.servicer, self._net.p2p, self.config.run_id))
+            self._net = None
         self.servicer.shutdown()
         if self.dht is not None:
             self.dht.shutdown()

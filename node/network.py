@@ -1,0 +1,81 @@
+"""A peer's way onto the network, shared by the composer (``runner.Node``) and the worker (``worker.Worker``).
+
+``start_dht`` starts the run's DHT node with the record validator that protects the run's signed keys.
+``NetworkLoop`` is the one asyncio loop of a peer's network side, in a thread of its own, with a replica of
+the DHT's libp2p daemon handle: P2P services and clients are scheduled on it from other threads, and
+``close`` shuts the replica down and stops the loop, each step bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.keys import protected_keys
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.protocol.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(identity: Identity, *, run_id: str, n_layers: int, identity_path: Path,
+              initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+              announce_maddrs: Sequence[str] = (), while_starting: Callable[[], object] | None = None) -> SwarmDHT:
+    """The run's DHT node: its libp2p key beside ``identity_path`` (``.p2p``), records of the run's protected
+    keys signed and checked with ``identity``.
+
+    Raises:
+        DHTError: as ``SwarmDHT.start``.
+    """
+    config = DHTConfig(initial_peers=tuple(initial_peers), host_maddrs=tuple(host_maddrs),
+                       announce_maddrs=tuple(announce_maddrs),
+                       identity_path=identity_path.with_name(identity_path.name + ".p2p"))
+    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(run_id, n_layers))
+    return SwarmDHT.start(config, [validator], while_starting=while_starting)
+
+
+class NetworkLoop:
+    """An asyncio loop in a daemon thread and a replica of ``dht``'s P2P daemon handle (``p2p``).
+
+    Raises:
+        TimeoutError and hivemind's errors: the replica did not come up within ``timeout_s`` (the loop is
+            stopped again).
+    """
+
+    def __init__(self, dht: SwarmDHT, name: str, timeout_s: float = 30.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.p2p: Any = None
+        try:
+            self.p2p = self.run(dht.hivemind_dht.replicate_p2p(), timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+        """Run ``coro`` on the loop from another thread and wait for it, at most ``timeout_s``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self, *first: Coroutine[Any, Any, Any], timeout_s: float = 10.0) -> None:
+        """Run ``first`` (e.g. removing handlers), shut the P2P replica down, stop the loop; each step bounded,
+        failures logged (shutting down must not raise)."""
+        steps = [*first, *([self.p2p.shutdown()] if self.p2p is not None else [])]
+        for coro in steps:
+            try:
+                self.run(coro, timeout_s)
+            except Exception as e:
+                logger.debug("network loop shutdown step: %r", e)
+        self.p2p = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+__all__ = ["NetworkLoop", "start_dht"]
