@@ -1,10 +1,11 @@
 """Membership: a signed heartbeat per node in the DHT, a deathrattle on leave, and the live view.
 
-Each node runs one announcer thread (``Membership``) with explicit states:
+Each node runs one ``Membership`` with explicit states:
 
     JOINING  -> checks that its identity is not already alive, publishes its first heartbeat
-    ONLINE   -> every ``refresh_s``: re-reads the members (and claims), re-announces its heartbeat every
-                ``heartbeat_period_s`` (and at once when what it owns changes), renews its claims
+    ONLINE   -> a reader thread re-reads the members (and claims) every ``refresh_s``; an announcer
+                thread re-announces the heartbeat every ``heartbeat_period_s`` (and at once when what the
+                node owns changes) and renews its claims
     LEAVING  -> releases its claims and publishes a signed Deathrattle, so others react at once
     STOPPED  -> nothing more is sent
 
@@ -12,7 +13,13 @@ A heartbeat record expires ``heartbeat_ttl_s`` after it is sent (default 2 s per
 node killed without a deathrattle drops out of every view within ``heartbeat_ttl_s``; liveness is
 judged against each record's expiration at the moment it is asked, not at the last refresh.
 
-The view (``SwarmView``) is an immutable snapshot replaced whole by the thread; readers (the training
+Reads and writes run in two threads because on a loaded host each DHT call may take a second or more
+(measured: 0.3 s median, 2 s worst, four nodes and their averagers on two cores). In one loop, a tick of
+a read, a heartbeat and a claim per layer ran 2-8 s, so views went stale and heartbeats lapsed: live
+nodes dropped out of each other's views and experts moved for nothing. What a node owns follows only
+from a read that succeeded: a failed read proves nobody dead.
+
+The view (``SwarmView``) is an immutable snapshot replaced whole by the reader thread; readers (the training
 loop, the CLI) never block on the network. Records that fail to parse, or whose content does not
 match their signer, are logged and skipped.
 """
@@ -209,7 +216,7 @@ def read_view(
     """Read the run's members (and, with ``shards``, its claims) once and parse them into a view.
 
     One ``get(latest=True)`` of ``members_key(run_id)`` plus one claims key per layer. Used by the
-    announcer thread every refresh and by tools that only look (``parallax swarm status``).
+    reader thread every refresh and by tools that only look (``parallax swarm status``).
 
     Args:
         dht: a started node (a client-mode one is enough).
@@ -271,7 +278,7 @@ def read_live_view(
 
 
 class Membership:
-    """The announcer thread of one node: heartbeats, deathrattle, claims, and the live view.
+    """The reader and announcer threads of one node: heartbeats, deathrattle, claims, and the live view.
 
     Usage::
 
@@ -303,7 +310,8 @@ class Membership:
         self._addresses = tuple(dht.visible_maddrs()[: config.max_addresses])
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._announce_now = threading.Event()
+        self._threads: list[threading.Thread] = []
         self._state = PeerState.JOINING
         self._view = SwarmView(run_id=config.run_id, read_at=0.0, shards=shards)
         self._step = 0
@@ -313,6 +321,8 @@ class Membership:
         self._next_heartbeat = 0.0
         self._next_claims = 0.0
         self._owned: dict[int, frozenset[int]] = {}
+        self._ownership: tuple[Assignment | None, dict[int, frozenset[int]]] = (None, {})
+        """The assignment of the reader's last successful view and what we own in it (replaced whole)."""
         self.owned_changed_at = time.monotonic()
         """When ``owned()`` last changed (monotonic clock): lets a caller wait for a settled assignment."""
         self._claimed: dict[int, frozenset[int]] = {}
@@ -344,7 +354,7 @@ class Membership:
                 self._loss = loss
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """JOINING: refuse a duplicate identity, publish the first heartbeat, start the thread -> ONLINE.
+        """JOINING: refuse a duplicate identity, publish the first heartbeat, start the threads -> ONLINE.
 
         Raises:
             DuplicateIdentityError: a live heartbeat under this identity comes from another peer id.
@@ -361,8 +371,14 @@ class Membership:
             time.sleep(min(0.5, self.config.refresh_s))
         self._refresh()
         self._state = PeerState.ONLINE
-        self._thread = threading.Thread(target=self._run, name=f"parallax-announcer-{self.fingerprint}", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._read_tick,), name=f"parallax-view-{self.fingerprint}",
+                             daemon=True),
+            threading.Thread(target=self._loop, args=(self._write_tick,),
+                             name=f"parallax-announcer-{self.fingerprint}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         logger.info("%s is online in run %s as %s", self.fingerprint, self.config.run_id, self.config.role)
 
     def leave(self, reason: str = "", timeout_s: float = 5.0) -> bool:
@@ -387,59 +403,72 @@ class Membership:
     def abandon(self, wait: bool = True) -> None:
         """Stop announcing without a deathrattle, as a crash would (tests and fault injection).
 
-        With ``wait=False`` the thread is only told to stop (it may be inside a DHT call for up to
+        With ``wait=False`` the threads are only told to stop (it may be inside a DHT call for up to
         ``request_timeout_s``).
         """
         self._stop_thread(self.config.request_timeout_s + 1.0 if wait else 0.0)
         self._state = PeerState.STOPPED
 
-    # --- the thread ---
+    # --- the threads ---
 
     def _stop_thread(self, timeout_s: float) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        self._announce_now.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _run(self) -> None:
+    def _loop(self, tick: Callable[[], None]) -> None:
         while not self._stop.is_set():
             try:
-                self._tick()
+                tick()
             except Exception:  # the announcer must survive anything a peer or the DHT throws at it
-                logger.exception("announcer tick failed; retrying")
-            self._stop.wait(self.config.refresh_s)
+                logger.exception("membership %s failed; retrying", tick.__name__)
+                self._stop.wait(self.config.refresh_s)
+
+    def _read_tick(self) -> None:
+        """The reader: a fresh view, and from it (only) what we own; a change wakes the announcer."""
+        if self._refresh() and self.shards is not None and not self._stop.is_set():
+            assignment = self._view.assignment(self._clock())
+            owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
+            self._ownership = (assignment, owned)
+            if owned != self._owned:
+                self._owned = owned
+                self.owned_changed_at = time.monotonic()
+                self._announce_now.set()  # say so now, not at the next period
+        self._stop.wait(self.config.refresh_s)
+
+    def _write_tick(self) -> None:
+        """The announcer: the heartbeat when due (or ownership changed), then the claims when due."""
+        changed = self._announce_now.is_set()
+        self._announce_now.clear()
+        if changed or self._clock() >= self._next_heartbeat:
+            self._send_heartbeat()
+        if self.shards is not None and not self._stop.is_set():
+            assignment, _owned = self._ownership
+            now = self._clock()
+            if changed or now >= self._next_claims:
+                self._send_claims(assignment, now)
+        due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
+        self._announce_now.wait(min(self.config.refresh_s, max(0.0, due - self._clock())))
 
     def _heartbeat_if_due(self) -> None:
-        # Checked between every DHT call of a tick: on a loaded host each call may take seconds, and a tick
-        # of several slow calls must not let our heartbeat lapse while we are alive.
+        # Checked between the claim stores: on a loaded host each call may take seconds, and several slow
+        # calls must not let our heartbeat lapse while we are alive.
         if self._clock() >= self._next_heartbeat and not self._stop.is_set():
             self._send_heartbeat()
-
-    def _tick(self) -> None:
-        self._heartbeat_if_due()
-        self._refresh()
-        self._heartbeat_if_due()
-        if self.shards is None or self._stop.is_set():
-            return
-        now = self._clock()
-        assignment = self._view.assignment(now)
-        owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
-        if owned != self._owned:
-            self._owned = owned
-            self.owned_changed_at = time.monotonic()
-            self._send_heartbeat()  # what we own changed: say so now, not at the next period
-            self._send_claims(assignment, now)
-        elif now >= self._next_claims:
-            self._send_claims(assignment, now)
 
     def _lease_s(self) -> float:
         return self.shards.lease_s if self.shards else self.config.heartbeat_ttl_s
 
     def _send_claims(self, assignment: Assignment | None, now: float) -> None:
-        if assignment is None:
+        if assignment is None:  # no successful read yet: nothing to claim; the reader wakes us when there is
+            self._next_claims = now + self.config.heartbeat_period_s
             return
         peer_ids = {fp: m.heartbeat.peer_id for fp, m in self._view.members.items()}
         claimed: dict[int, frozenset[int]] = {}
-        for layer in sorted(set(self._owned) | set(self._claimed)):
+        for layer in sorted(set(assignment.owned_by(self.fingerprint)) | set(self._claimed)):
             self._heartbeat_if_due()
             claim_set = build_claim_set(
                 assignment, self.fingerprint, layer, self._claimed.get(layer, ()), now=now,
@@ -473,7 +502,7 @@ class Membership:
         return ok
 
     def _store(self, key: str, value: bytes, expiration: float, timeout_s: float) -> bool:
-        if self._stop.is_set() and threading.current_thread() is self._thread:
+        if self._stop.is_set() and threading.current_thread() in self._threads:
             # An announcer that was stuck in a DHT call past leave()'s join must not re-announce us after the
             # deathrattle (whose expiration, bumped past any store begun earlier, wins over those).
             return False
@@ -481,15 +510,17 @@ class Membership:
         self._last_expiry[key] = expiration  # even on failure: a half-done store may have landed
         return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> bool:
+        """Read a new view; False (the previous view kept) when the read failed."""
         view = read_view(self.dht, self.config.run_id, shards=self.shards, timeout_s=self.config.request_timeout_s,
                          clock=self._clock)
         if view is None:
-            return  # keep the previous view; its expirations still age correctly
+            return False  # keep the previous view; its expirations still age correctly
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
         self._view = view
+        return True
 
     def _check_duplicate(self) -> None:
         now = self._clock()
