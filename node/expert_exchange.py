@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
+import math
 import threading
 import time
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -55,7 +56,7 @@ CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 MAX_NORM = 1e6  # per tensor: far above any trained expert or Adam moment, far below an overflow
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Snapshot:
     """A decoded, checked snapshot: ``tensors`` as ``Composer.adopt_expert`` takes them."""
 
@@ -64,6 +65,8 @@ class Snapshot:
     step: int
     final: bool
     tensors: dict[str, torch.Tensor]
+    age_s: float = 0.0
+    """How long before it was served the holder took it (a final one: when the holder released the expert)."""
 
 
 # --- the message, both ways (pure) ----------------------------------------------------------------
@@ -142,7 +145,8 @@ class SnapshotStore:
         with self._lock:
             self._bodies[eid] = (step, final, body, time.monotonic())
 
-    def get(self, eid: ExpertId) -> tuple[int, bool, bytes] | None:
+    def get(self, eid: ExpertId) -> tuple[int, bool, bytes, float] | None:
+        """(step, final, body, age in seconds) of the snapshot of ``eid`` held, or None."""
         with self._lock:
             entry = self._bodies.get(eid)
             if entry is None:
@@ -151,7 +155,7 @@ class SnapshotStore:
             if final and time.monotonic() - stamp > self.keep_s:
                 del self._bodies[eid]
                 return None
-            return step, final, body
+            return step, final, body, time.monotonic() - stamp
 
     def drop(self, eid: ExpertId) -> None:
         with self._lock:
@@ -159,8 +163,8 @@ class SnapshotStore:
 
 
 class ExpertServicer(ServicerBase):
-    """Streams a held snapshot: request ``uid`` = expert id; the first message is msgpack [step, final],
-    the rest the body in chunks; an empty stream means "not held here". Do not rename (protocol id)."""
+    """Streams a held snapshot: request ``uid`` = expert id; the first message is msgpack [step, final, age
+    in seconds], the rest the body in chunks; an empty stream means "not held here". Do not rename (protocol id)."""
 
     def __init__(self, store: SnapshotStore) -> None:
         self._store = store
@@ -178,8 +182,8 @@ class ExpertServicer(ServicerBase):
         held = self._store.get(eid)
         if held is None:
             return
-        step, final, body = held
-        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final]))
+        step, final, body, age_s = held
+        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final, round(age_s, 3)]))
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start : start + CHUNK_BYTES])
         self.bytes_served += len(body)
@@ -271,6 +275,30 @@ class ExpertExchange:
         with self._lock:
             return self._heirs.pop(eid, None)
 
+    def has_local_copy(self, eid: ExpertId) -> bool:
+        """Whether this node holds a copy of ``eid`` itself: an heir copy, or the final snapshot it kept when
+        it released ``eid`` (served ``keep_s`` after)."""
+        entry = self.store.get(eid)
+        return self.heir_copy(eid) is not None or (entry is not None and entry[1])
+
+    def take_local_copy(self, eid: ExpertId) -> tuple[Snapshot, str] | None:
+        """The newest copy of ``eid`` this node holds itself, with where it came from ("heir copy" or "own
+        release"); the heir copy is taken. An expert that comes back to the node that released it resumes
+        from that node's own final snapshot rather than from init (seen: a joiner that left before taking
+        its experts over)."""
+        found = []
+        heir = self.take_heir_copy(eid)
+        if heir is not None:
+            found.append((heir, "heir copy"))
+        entry = self.store.get(eid)
+        if entry is not None and entry[1]:
+            try:
+                found.append((decode_snapshot(entry[2], eid, self.expert_shapes, final=True,
+                                              surrogate_shapes=self.surrogate_shapes), "own release"))
+            except ProtocolError as e:  # our own encoding: only a bug gets here
+                logger.warning("own final snapshot of %s does not decode: %s", eid, e)
+        return max(found, key=lambda f: f[0].step, default=None)
+
     def forget_heir_copies(self, keep: set[ExpertId]) -> None:
         with self._lock:
             for eid in set(self._heirs) - keep:
@@ -317,19 +345,20 @@ class ExpertExchange:
             return None
         if got is None:
             return None
-        final, body = got
+        final, age_s, body = got
         try:
-            return decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer,
+            snap = decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer,
                                    surrogate_shapes=self.surrogate_shapes)
         except ProtocolError as e:
             self.refused += 1
             logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)
             return None
+        return dataclasses.replace(snap, age_s=age_s)
 
-    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[bool, bytes] | None:
+    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[bool, float, bytes] | None:
         stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid)))
-        header: tuple[int, bool] | None = None
+        header: tuple[int, bool, float] | None = None
         buf = bytearray()
         try:
             async for msg in stream:
@@ -345,15 +374,16 @@ class ExpertExchange:
         if header is None:
             return None
         self.bytes_fetched += len(buf)
-        return header[1], bytes(buf)
+        return header[1], header[2], bytes(buf)
 
 
-def _header(data: bytes) -> tuple[int, bool]:
+def _header(data: bytes) -> tuple[int, bool, float]:
     try:
-        obj = msgpack.unpackb(data, raw=False, max_array_len=2, max_str_len=0, max_bin_len=0, max_map_len=0,
+        obj = msgpack.unpackb(data, raw=False, max_array_len=3, max_str_len=0, max_bin_len=0, max_map_len=0,
                               max_ext_len=0)
     except MSGPACK_ERRORS:
         raise RemoteProtocolError("undecodable snapshot header") from None
-    if not (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0):
-        raise RemoteProtocolError("snapshot header is not [step >= 0, final]")
-    return obj[0], obj[1]
+    if not (isinstance(obj, list) and len(obj) == 3 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0
+            and type(obj[2]) in (int, float) and math.isfinite(obj[2]) and obj[2] >= 0):
+        raise RemoteProtocolError("snapshot header is not [step >= 0, final, age >= 0]")
+    return obj[0], obj[1], float(obj[2])

@@ -74,6 +74,13 @@ ExpertId = tuple[int, int]
 LEAVING = "leaving"
 """Heartbeat ``versions`` key a node sets while it leaves: its heirs fetch its final snapshots at once."""
 
+HANDOVER_WINDOW_S = 30.0
+"""A released expert's final snapshot is the hand-over to us only when released at most this long before our
+adoption began, and not before we came online (less a heartbeat TTL for views that lag): a releaser serves
+its final snapshot for minutes, and under churn the expert may have been trained elsewhere since (seen: a
+step-0 final won at step 410). In seconds, not steps: the releaser trains on after the release, at its own
+speed, while a joiner first loads the shared state (measured: a final 4 s old was 60 releaser steps back)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:
@@ -140,6 +147,8 @@ class NodeStatus:
     loss: float | None = None
     tokens_per_s: float = 0.0
     live_peers: int = 0
+    view_age_s: float = 0.0
+    """Seconds since this node last read the swarm's members (grows while its DHT reads fail)."""
     owned: int = 0
     surrogates_held: int = 0
     surrogate_version_max: int = 0
@@ -202,6 +211,7 @@ class Node:
         self._metrics: Any = None
         self._owners: dict[ExpertId, str] = {}  # expert -> owner fingerprint at the last seam
         self._adopting: dict[ExpertId, _Adoption] = {}
+        self._online_at = 0.0  # when our first heartbeat was stored (monotonic clock)
         self._adopted: set[ExpertId] = set()  # taken over since start: next publication jumps versions
         self._started = time.monotonic()
         self.join_to_first_step_s: float | None = None
@@ -249,6 +259,7 @@ class Node:
         mcfg = MembershipConfig(run_id=c.run_id, role="composer")
         self.membership = Membership(self.dht, self.identity, mcfg, shards=shards)
         self.membership.start()
+        self._online_at = time.monotonic()
         checkpoint = latest_checkpoint(c.checkpoint_dir) if c.resume and c.checkpoint_dir else None
         if c.resume and checkpoint is None:
             raise NodeError(f"--resume: no checkpoint in {c.checkpoint_dir}; start without --resume")
@@ -513,8 +524,8 @@ class Node:
             adoption.others = [m.heartbeat.peer_id for fp, m in sorted(view.alive().items())
                                if m.heartbeat.role == "composer" and fp != self.identity.fingerprint
                                and m.heartbeat.peer_id != adoption.source]
-            if adoption.source is None:  # the owner died: our heir copy if we hold one, else ask around
-                if self.exchange.heir_copy(eid) is not None:  # type: ignore[union-attr]
+            if adoption.source is None:  # the owner died: our own copy if we hold one, else ask around
+                if self.exchange.has_local_copy(eid):  # type: ignore[union-attr]
                     adoption.others = []
                 elif adoption.others:
                     adoption.source = adoption.others.pop(0)
@@ -543,12 +554,10 @@ class Node:
                 snap = a.future.result()
                 if snap is not None and (a.best is None or snap.step >= a.best.step):
                     a.best = snap
-                # Only a recent final snapshot ends the wait: a releaser keeps serving its final one for minutes,
-                # and under churn an expert may have moved on since (measured: a step-0 final won at step 410).
-                # Recent by the releaser's own clock (its heartbeat step): peers train at different speeds.
-                releaser_step = self._peer_step(a.source)
-                recent_final = (snap is not None and snap.final
-                                and snap.step >= releaser_step - self.config.snapshot_every)
+                # Only the final snapshot of this hand-over ends the wait (HANDOVER_WINDOW_S).
+                not_before = max(self._online_at - self.membership.config.heartbeat_ttl_s,  # type: ignore[union-attr]
+                                 a.started - HANDOVER_WINDOW_S)
+                recent_final = snap is not None and snap.final and time.monotonic() - snap.age_s >= not_before
                 if not recent_final and waited < self.config.adopt_wait_s:
                     if (snap is None or snap.final) and a.others:  # none here, or a stale final: ask the next one
                         a.source = a.others.pop(0)
@@ -556,11 +565,13 @@ class Node:
                     elif time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
                         a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
-        heir_copy = exchange.take_heir_copy(a.eid)
-        if a.best is not None and heir_copy is not None and heir_copy.step > a.best.step:
-            a.best = None  # our heir copy is newer than anything a live peer had
-        snapshot = a.best if a.best is not None else heir_copy
-        self._adopt(a.eid, snapshot, source="previous owner" if a.best is not None else "heir copy")
+        local = exchange.take_local_copy(a.eid)
+        if a.best is not None and local is not None and local[0].step > a.best.step:
+            a.best = None  # our own copy is newer than anything a live peer had
+        if a.best is not None:
+            self._adopt(a.eid, a.best, source="previous owner")
+        else:
+            self._adopt(a.eid, local[0] if local else None, source=local[1] if local else "init")
         del self._adopting[a.eid]
 
     def _member(self, peer_id: str | None) -> Member | None:
@@ -569,11 +580,6 @@ class Node:
             return None
         found = [m for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
         return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
-
-    def _peer_step(self, peer_id: str | None) -> int:
-        """The step a live peer last announced (0 when unknown)."""
-        member = self._member(peer_id)
-        return member.heartbeat.step if member is not None else 0
 
     def _public_key_of(self, peer_id: str) -> bytes | None:
         """The identity key a live peer id belongs to, for its outer-round fingerprints."""
@@ -746,6 +752,7 @@ class Node:
         assert composer is not None
         view = self.membership.view() if self.membership else None
         s.live_peers = len(view.composers()) if view else 0
+        s.view_age_s = max(0.0, dht_time() - view.read_at) if view else 0.0
         s.owned = sum(len(es) for es in composer.owned)
         if self.gossip is not None:
             versions = self.gossip.versions()
@@ -774,8 +781,9 @@ class Node:
         if self._metrics is None:
             return
         s = self.status
-        line = {"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers, "owned": s.owned,
-                "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
+        line = {"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers,
+                "view_age_s": round(s.view_age_s, 2), "owned": s.owned, "surrogates_held": s.surrogates_held,
+                "surrogate_version_max": s.surrogate_version_max,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
                 "snapshot_bytes": s.snapshot_bytes, "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok,
                 "tokens_per_s": round(s.tokens_per_s, 1)}

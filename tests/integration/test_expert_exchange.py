@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -61,9 +62,29 @@ def test_fetch_returns_the_snapshot_the_owner_serves(pair) -> None:
     assert torch.equal(got.tensors["w_up.weight"], torch.full((6, 4), 7.0))
     assert float(got.tensors["adam.step"]) == 7.0
     owner.put(EID, 9, snapshot(9.0), final=True)
+    time.sleep(0.3)
     got = heir.fetch(targets["peer"], EID).result(10)
     assert got is not None and got.final and got.step == 9
+    assert 0.3 <= got.age_s < 10.0  # how long ago the owner released it: adopters judge hand-overs by it
     assert owner.servicer.served_steps[EID] == 9
+
+
+def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:
+    owner, heir, ids = pair
+    owner.put(EID, 5, snapshot(5.0))  # a periodic snapshot of an owned expert is not a copy to adopt from
+    assert not owner.has_local_copy(EID) and owner.take_local_copy(EID) is None
+    owner.put(EID, 6, snapshot(6.0), final=True)  # released: if it comes back, resume from here, not init
+    assert owner.has_local_copy(EID)
+    got = owner.take_local_copy(EID)
+    assert got is not None and got[1] == "own release" and got[0].step == 6
+    assert torch.equal(got[0].tensors["w_up.weight"], torch.full((6, 4), 6.0))
+    # the heir also holds a newer copy: the newest wins, and the heir copy is taken
+    owner.put(EID, 30, snapshot(30.0))
+    ids["targets"][EID] = (ids["peer"], 30)
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
+    heir.put(EID, 12, snapshot(12.0), final=True)
+    got = heir.take_local_copy(EID)
+    assert got is not None and got[1] == "heir copy" and got[0].step == 30
 
 
 def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:
