@@ -10,10 +10,14 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
 1. take this step's raw sketches of the offloaded experts;
 2. apply every finished result, oldest first per expert (``offload.apply_result`` checks it);
 3. drop the worker of every expert whose worker left the live view, whose request failed (refused, timed out,
-   dead peer), whose result was malformed or non-finite, or which has too many answers outstanding: the
-   expert is trained locally again and every unanswered sketch, this step's included, becomes local gradient
-   (``offload.fall_back``); a worker that sent a bad result is not used again by this composer;
-4. send this step's sketches of the experts still offloaded;
+   dead peer), or whose result was malformed or non-finite: the expert is trained locally again and every
+   unanswered sketch, this step's included, becomes local gradient (``offload.fall_back``); a worker that sent
+   a bad result is not used again by this composer;
+4. send this step's sketches of the experts still offloaded, except to a worker that is ``max_in_flight``
+   answers behind on that expert: that step's sample is left out (``skipped``), so a slow worker sees a
+   smaller sample of the steps instead of being dropped and onboarded again (which restarts its optimizer;
+   measured in ``parallax bench offload-swarm`` at tiny steps: a worker on a shared CPU fell 8 answers
+   behind within 12 steps, again and again). A worker that stops answering is dropped by its timeout.
 5. onboard offloadable experts (layers >= cfg.offload.private_layers) that have no worker, to the worker
    ``offload_exchange.assign_to_workers`` picks; an expert is offloaded only once its onboarding is answered.
    Assignment is sticky: an expert moves only when its worker goes, so a joining worker takes only new work.
@@ -43,6 +47,8 @@ Event = Callable[..., None]
 @dataclass
 class _Offloaded:
     worker: str
+    onboard_started: float | None
+    """When its onboarding was sent (monotonic clock): the first applied result reports the time to it."""
     in_flight: list[tuple[int, Sketch, concurrent.futures.Future]] = field(default_factory=list)
     """(step, raw sketch, future of the result blobs), oldest first."""
 
@@ -57,8 +63,10 @@ class OffloadSession:
         workers: () -> {worker peer id: capacity} from the live membership view, or None when there is no
             fresh view (then no worker is dropped for being absent); called on the training thread, so it
             must be a cheap read.
-        event: the node's event sink (``offload_onboarded``, ``offload_fallback``).
-        max_in_flight: answers outstanding per expert before its worker counts as too slow.
+        event: the node's event sink (``offload_onboarded`` with the seconds from sending the weights to the
+            answer, ``offload_first_update`` with the seconds from sending them to the first applied result,
+            ``offload_fallback``).
+        max_in_flight: answers outstanding per expert beyond which its sketches are left out (backpressure).
         retry_s: wait before onboarding an expert again after its onboarding failed (seconds).
     """
 
@@ -72,6 +80,8 @@ class OffloadSession:
         self.onboarding: dict[ExpertId, tuple[str, concurrent.futures.Future, float]] = {}
         self.banned: set[str] = set()
         self.applied = 0
+        self.skipped = 0
+        """Sketches left out because their worker was ``max_in_flight`` answers behind."""
         self.fallbacks: list[tuple[ExpertId, str, str]] = []
         """(expert, worker, reason) of every drop."""
         self._retry_at: dict[ExpertId, float] = {}
@@ -85,8 +95,6 @@ class OffloadSession:
             reason = self._apply_done(eid, entry)
             if reason is None and live is not None and entry.worker not in live:
                 reason = "worker left the live view"
-            if reason is None and len(entry.in_flight) >= self.max_in_flight:
-                reason = f"{len(entry.in_flight)} answers outstanding"
             if reason is not None:
                 self.drop(eid, reason, extra=[raw.pop(eid)] if eid in raw else [])
         off = c.cfg.offload
@@ -97,6 +105,9 @@ class OffloadSession:
             wire = compress(sketch, sample_fraction=off.sample_fraction, generator=c.sketch_rng, wire_codec="raw")
             if wire.x_NL.shape[0] == 0:
                 continue  # nothing sampled this step
+            if len(entry.in_flight) >= self.max_in_flight:
+                self.skipped += 1  # the worker is behind on this expert: leave this step's sample out
+                continue
             body = encode_sketch(eid, c.step, wire, off.wire_codec)
             entry.in_flight.append((c.step, sketch, self.client.update(entry.worker, eid, c.step, body)))
         self._onboard(live)
@@ -115,6 +126,10 @@ class OffloadSession:
                 return f"request for step {step} failed: {e!r}"
             entry.in_flight.pop(0)
             self.applied += 1
+            if entry.onboard_started is not None:
+                self.event("offload_first_update", step=self.composer.step, expert=list(eid), worker=entry.worker,
+                           seconds=round(time.monotonic() - entry.onboard_started, 3))
+                entry.onboard_started = None
         return None
 
     def drop(self, eid: ExpertId, reason: str, extra: list[Sketch] | None = None) -> None:
@@ -133,7 +148,7 @@ class OffloadSession:
 
     def _onboard(self, live: Mapping[str, float] | None) -> None:
         c = self.composer
-        for eid, (worker, future, _) in list(self.onboarding.items()):
+        for eid, (worker, future, sent) in list(self.onboarding.items()):
             if not future.done():
                 continue
             del self.onboarding[eid]
@@ -146,8 +161,9 @@ class OffloadSession:
                 self._retry_at[eid] = time.monotonic() + self.retry_s
                 continue
             c.offload_expert(eid, True)
-            self.offloaded[eid] = _Offloaded(worker)
-            self.event("offload_onboarded", step=c.step, expert=list(eid), worker=worker)
+            self.offloaded[eid] = _Offloaded(worker, sent)
+            self.event("offload_onboarded", step=c.step, expert=list(eid), worker=worker,
+                       seconds=round(time.monotonic() - sent, 3))
         if not live:
             return
         usable = {w: cap for w, cap in live.items() if w not in self.banned}

@@ -256,6 +256,12 @@ class OffloadClient:
         self.p2p, self.loop = p2p, loop
         self.namespace = f"parallax.{run_id}.offload"
         self.onboard_timeout_s, self.update_timeout_s = onboard_timeout_s, update_timeout_s
+        self.bytes_sent = {"rpc_onboard": 0, "rpc_update": 0}
+        """Request bodies handed to the P2P layer, by call (onboarding weights; sketches)."""
+        self.bytes_received = {"rpc_onboard": 0, "rpc_update": 0}
+        """Answer bodies received, by call (acknowledgements; worker results)."""
+        self.requests = {"rpc_onboard": 0, "rpc_update": 0}
+        self.replies = {"rpc_onboard": 0, "rpc_update": 0}
 
     def onboard(self, worker: str, eid: ExpertId, step: int,
                 blobs: Mapping[str, bytes]) -> concurrent.futures.Future[bytes | None]:
@@ -281,7 +287,11 @@ class OffloadClient:
 
     async def _call(self, method: str, worker: str, body: bytes, timeout_s: float) -> bytes | None:
         stub = OffloadServicer.get_stub(self.p2p, PeerID.from_base58(worker), namespace=self.namespace)
+        self.requests[method] += 1  # counted on the loop thread only
+        self.bytes_sent[method] += len(body)
         reply = await asyncio.wait_for(getattr(stub, method)(runtime_pb2.ExpertInfo(serialized_info=body)), timeout_s)
+        self.replies[method] += 1
+        self.bytes_received[method] += len(reply.serialized_info)
         return reply.serialized_info
 
 

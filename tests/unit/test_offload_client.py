@@ -21,6 +21,8 @@ class FakeWorkers:
 
     def __init__(self, cfg: config.TrainConfig) -> None:
         self.cfg, self.trainers, self.tamper, self.fail = cfg, {}, False, False
+        self.hold: list[tuple[concurrent.futures.Future, tuple]] = []  # while ``slow``: answered on release()
+        self.slow, self.sent = False, 0
 
     def _done(self, value=None, error=None) -> concurrent.futures.Future:
         f: concurrent.futures.Future = concurrent.futures.Future()
@@ -32,6 +34,11 @@ class FakeWorkers:
         return self._done(None)
 
     def update(self, worker, eid, step, body):
+        self.sent += 1
+        if self.slow:
+            f: concurrent.futures.Future = concurrent.futures.Future()
+            self.hold.append((f, (worker, eid, step, body)))
+            return f
         if self.fail:
             return self._done(error=TimeoutError("no answer"))
         got, got_step, sketch = decode_sketch(body, self.cfg, WorkerLimits())
@@ -39,6 +46,12 @@ class FakeWorkers:
         if self.tamper:
             blobs = encode_tensors({n: 1e6 + 0 * p for n, p in self.trainers[(worker, got)].mirror.items()}, "raw")
         return self._done(blobs)
+
+
+    def release(self):
+        held, self.hold, self.slow = self.hold, [], False
+        for f, args in held:
+            f.set_result(self.update(*args).result())
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +107,19 @@ def test_a_bad_or_silent_worker_is_dropped(train, fault) -> None:
     assert ("w1" in session.banned) == (fault == "tamper")
     # The refused change never reached the weights.
     assert all(float(p.abs().max()) < 1e3 for p in composer.model.expert_parameters(*eid).values())
+
+
+def test_a_slow_worker_gets_fewer_sketches_and_is_kept(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0})
+    _steps(composer, session, 2)
+    offloaded = set(session.offloaded)
+    fake.slow = True  # answers nothing until released: the composer must neither wait nor drop it
+    before = fake.sent
+    _steps(composer, session, session.max_in_flight + 3)
+    assert set(session.offloaded) == offloaded and not session.fallbacks
+    assert fake.sent - before == session.max_in_flight * len(offloaded)  # at most max_in_flight outstanding each
+    assert session.skipped == 3 * len(offloaded)
+    applied = session.applied
+    fake.release()
+    _steps(composer, session, 1)
+    assert session.applied >= applied + session.max_in_flight * len(offloaded)  # the late answers all count
