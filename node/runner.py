@@ -431,13 +431,23 @@ class Node:
                 tokens_window, window_started = 0, time.monotonic()
             self.status.step, self.status.trained, self.status.loss = composer.step, trained, stats.loss
             self._metric(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5),
-                         **({} if self.offload is None else {"offload_applied": self.offload.applied,
-                                                             "offloaded": len(self.offload.offloaded)}))
+                         **({} if self.offload is None else self._offload_fields()))
             if self.config.checkpoint_dir is not None and composer.step % self.config.checkpoint_every == 0:
                 self._checkpoint()
         self._seam()  # apply what arrived during the last step before leaving
         self.dht.forbidden_thread = None
         self._event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
+
+    def _offload_fields(self) -> dict[str, int]:
+        session = self.offload
+        assert session is not None
+        client = session.client
+        sent, received = client.bytes_sent, client.bytes_received
+        return {"offload_applied": session.applied, "offloaded": len(session.offloaded),
+                "offload_skipped": session.skipped,
+                "offload_sketches": client.requests["rpc_update"], "offload_sketch_bytes": sent["rpc_update"],
+                "offload_results": client.replies["rpc_update"], "offload_result_bytes": received["rpc_update"],
+                "offload_onboards": client.requests["rpc_onboard"], "offload_onboard_bytes": sent["rpc_onboard"]}
 
     def _seam(self) -> None:
         """The one place the training loop meets the network (module docstring). Never waits on it."""

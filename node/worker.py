@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallax.dht.adapter import SwarmDHT
+from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
 from parallax.node.config import TrainConfig
 from parallax.node.network import NetworkLoop, start_dht
@@ -129,5 +128,6 @@ class Worker:
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self._metrics is not None:
-            self._metrics.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+            # The nodes' format ({"t": DHT clock, "kind": ...}): one reader for both (local_swarm.read_metrics).
+            self._metrics.write(json.dumps({"t": round(dht_time(), 3), "kind": kind, **fields}) + "\n")
             self._metrics.flush()

@@ -33,7 +33,7 @@ def test_a_worker_trains_the_composers_experts_and_its_death_costs_nothing(tmp_p
     try:
         swarm.start_bootstrap()
         worker = swarm.add_worker()
-        wait_until(lambda: any(r.get("event") == "worker_started" for r in read_metrics(worker.metrics)), 90)
+        wait_until(lambda: any(r.get("kind") == "worker_started" for r in read_metrics(worker.metrics)), 90)
         node = swarm.add_node()
         # 40 steps of results for all 8 experts of the tiny preset (the only composer owns them all).
         wait_until(lambda: (s := _steps(node.metrics)) and s[-1].get("offload_applied", 0) >= 8 * 40, 240)

@@ -66,7 +66,7 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
             with pytest.raises(Exception):  # noqa: B017 - any failure: dead peer or timeout
                 client.update(worker, EID, 2, encode_sketch(EID, 2, sketch, "int8")).result(30)
             wait_until(lambda: not _workers(composer.dht), 30)  # its heartbeat expires
-            assert any(r.get("event") == "worker_started" for r in read_metrics(metrics))
+            assert any(r.get("kind") == "worker_started" for r in read_metrics(metrics))
         finally:
             if proc is not None:
                 stop(proc, 15.0)
