@@ -165,6 +165,36 @@ def swarm(
     typer.echo(markdown(report))
 
 
+@bench_app.command("offload-swarm")
+def offload_swarm(
+    nodes: int = typer.Option(2, "--nodes", min=1, help="Composer processes (the same in both swarms)."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Worker processes in the offload swarm."),
+    steps: int = typer.Option(200, "--steps", min=10, help="Inner steps per composer."),
+    preset: Preset = "small",
+    kill_at: float = typer.Option(0.6, "--kill-at", min=0.0, max=0.95,
+                                  help="SIGKILL the busiest worker once the composers passed this share of --steps "
+                                       "(0: no kill)."),
+    workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
+    json_path: JsonPath = None,
+) -> None:
+    """Worker offload over the network: composers + workers vs the same composers alone, one run: val-loss
+    ratio, bytes per sketch and result on the wire, onboarding bytes and seconds, fall-back after a worker's
+    death (small preset, 200 steps: about 10 min on 2 cores)."""
+    import signal
+    from pathlib import Path
+
+    from parallax.benchmarks.offload_swarm import markdown, run_offload_swarm_bench, write
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
+
+    signal.signal(signal.SIGTERM, interrupt)
+    report = run_offload_swarm_bench(nodes=nodes, workers=workers, steps=steps, preset=preset, kill_at=kill_at,
+                                     workdir=Path(workdir) if workdir else None, progress=typer.echo)
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("protocol")
 def protocol(
     seconds: float = typer.Option(1.0, "--seconds", min=0.05, help="Timing budget per envelope size, in seconds."),
