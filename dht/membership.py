@@ -403,7 +403,7 @@ class Membership:
     def abandon(self, wait: bool = True) -> None:
         """Stop announcing without a deathrattle, as a crash would (tests and fault injection).
 
-        With ``wait=False`` the threads are only told to stop (it may be inside a DHT call for up to
+        With ``wait=False`` the threads are only told to stop (they may be inside a DHT call for up to
         ``request_timeout_s``).
         """
         self._stop_thread(self.config.request_timeout_s + 1.0 if wait else 0.0)
@@ -443,15 +443,18 @@ class Membership:
         """The announcer: the heartbeat when due (or ownership changed), then the claims when due."""
         changed = self._announce_now.is_set()
         self._announce_now.clear()
+        failed = False
         if changed or self._clock() >= self._next_heartbeat:
-            self._send_heartbeat()
+            failed = not self._send_heartbeat()
         if self.shards is not None and not self._stop.is_set():
             assignment, _owned = self._ownership
             now = self._clock()
             if changed or now >= self._next_claims:
                 self._send_claims(assignment, now)
         due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
-        self._announce_now.wait(min(self.config.refresh_s, max(0.0, due - self._clock())))
+        # A failed heartbeat is retried after refresh_s, not at once: a DHT that fails fast must not spin us.
+        wait = self.config.refresh_s if failed else min(self.config.refresh_s, max(0.0, due - self._clock()))
+        self._announce_now.wait(wait)
 
     def _heartbeat_if_due(self) -> None:
         # Checked between the claim stores: on a loaded host each call may take seconds, and several slow
