@@ -26,6 +26,7 @@ match their signer, are logged and skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -142,6 +143,30 @@ class SwarmView:
         now = dht_time() if now is None else now
         found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
         return {shard: c.holder for shard, c in found.items()}
+
+
+def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
+    """``new``, keeping every record of ``previous`` that is later than what ``new`` has for its signer and
+    has not expired at ``new.read_at``.
+
+    A signed heartbeat we saw is proof of life until its expiration. One read may not return it: a fresh
+    joiner's routing table, or a replica that missed the latest store, answers with an older copy of the
+    ``members`` dictionary (seen: a joiner's view lacked a live node, took that node's experts and restarted
+    one from init). Merging keeps knowledge monotonic; a killed node still drops out when its last heartbeat
+    expires, a leaver when its (later) deathrattle arrives.
+    """
+    members, departed, expiry = dict(new.members), dict(new.departed), dict(new.record_expiry)
+    for fp, old_expiry in previous.record_expiry.items():
+        if old_expiry <= new.read_at or old_expiry <= expiry.get(fp, float("-inf")):
+            continue
+        expiry[fp] = old_expiry
+        if fp in previous.members:
+            members[fp] = previous.members[fp]
+            departed.pop(fp, None)
+        elif fp in previous.departed:
+            departed[fp] = previous.departed[fp]
+            members.pop(fp, None)
+    return dataclasses.replace(new, members=members, departed=departed, record_expiry=expiry)
 
 
 _assignment_cache: dict[tuple[object, ...], Assignment] = {}
@@ -522,7 +547,7 @@ class Membership:
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
-        self._view = view
+        self._view = merge_views(self._view, view)
         return True
 
     def _check_duplicate(self) -> None:

@@ -7,11 +7,11 @@ import pytest
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
-from parallax.dht.membership import MembershipConfig, SwarmView, parse_members
-from parallax.dht.records import owner_subkey, pack_message
+from parallax.dht.membership import MembershipConfig, SwarmView, merge_views, parse_members
+from parallax.dht.records import owner_subkey, pack_message, subkey_owner
 from parallax.dht.shards import assign_experts
 from parallax.protocol.errors import RemoteProtocolError
-from parallax.protocol.identity import Identity
+from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim, ShardRelease
 
 PEER = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWAQJufR1qkp5iYZfUv6bGSLnHSkcsZJ63uJhvVyMz1q8f"
@@ -121,3 +121,29 @@ def test_view_parsing_skips_bad_entries_and_tracks_deathrattles():
     view = SwarmView(run_id="r", read_at=100.0, members=members, departed=departed)
     assert view.composers(150.0) == {alice.fingerprint: 2.0}
     assert view.alive(200.0) == {}
+
+
+def test_a_read_that_misses_a_live_heartbeat_does_not_kill_its_node():
+    alice, bob = Identity.from_seed(b"a" * 32), Identity.from_seed(b"b" * 32)
+
+    def hb(step: int) -> bytes:
+        return pack_message(Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(),
+                                      step=step))
+
+    def view(read_at: float, raw: dict) -> SwarmView:
+        members, departed = parse_members(raw)
+        expiry = {fingerprint(subkey_owner(k)): e for k, (_, e) in raw.items()}
+        return SwarmView(run_id="r", read_at=read_at, members=members, departed=departed, record_expiry=expiry)
+
+    a, b = owner_subkey(alice.public_key), owner_subkey(bob.public_key)
+    first = view(100.0, {a: (hb(1), 106.0), b: (hb(1), 105.0)})
+    second = merge_views(first, view(101.0, {a: (hb(2), 107.0)}))  # this read missed bob's heartbeat
+    assert set(second.alive(102.0)) == {alice.fingerprint, bob.fingerprint}
+    assert second.members[alice.fingerprint].heartbeat.step == 2  # the newer record wins
+    assert set(second.alive(105.5)) == {alice.fingerprint}  # ... and bob's last one still expires on time
+    gone = merge_views(second, view(102.0, {a: (hb(2), 107.0),
+                                            b: (pack_message(Deathrattle(peer_id="12D3KooWb", step=3)), 108.0)}))
+    assert set(gone.alive(103.0)) == {alice.fingerprint} and bob.fingerprint in gone.departed
+    later = merge_views(gone, view(103.0, {a: (hb(3), 109.0), b: (hb(1), 105.0)}))  # a stale replica answers
+    assert bob.fingerprint in later.departed and bob.fingerprint not in later.alive(104.0)
+    assert merge_views(later, view(200.0, {})).members == {}  # expired records are not carried on
