@@ -14,6 +14,7 @@ and the assembled model (every expert real from its owner, merged shared groups)
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,11 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "frozen5_input_grad_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
                                                "surrogate.input_grad": True, "sketch.enabled": True,
                                                "sketch.delay": 0}),
+    # Surrogate fidelity: the fit's length (8 steps was the default before) and its input-gradient term.
+    "distill_8": ("parallax", {"surrogate.distill_steps": 8}),
+    "jacobian": ("parallax", {"surrogate.jacobian_weight": 1.0}),
+    "jacobian_refresh_10": ("parallax", {"surrogate.jacobian_weight": 1.0, "surrogate.refresh_every": 10}),
+    "jacobian_sketch": ("parallax", {"surrogate.jacobian_weight": 1.0, "sketch.enabled": True, "sketch.delay": 0}),
 }
 """Named variations measured for issue 3 (``--runs`` accepts these names too)."""
 
@@ -105,7 +111,7 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
             "optimizer_state_bytes_per_composer": r.optimizer_state_bytes_per_composer,
             "owned_fraction": r.owned_fraction, "network_bytes": r.network_bytes,
             "network_bytes_per_composer_step": sum(r.network_bytes.values()) / (composers * cfg.steps),
-            "loss_history": r.loss_history, "val_history": r.val_history,
+            "loss_history": r.loss_history, "val_history": r.val_history, "stand_in_error": r.stand_in_error,
         }
     if "parallax" in results:
         report["assembled_val_loss"] = results["parallax"].assembled_val_loss
@@ -117,8 +123,9 @@ def markdown(report: dict) -> str:
     base = report["runs"].get("baseline", {}).get("val_loss")
     lines = [
         "| run | val loss (own view, median) | assembled | / baseline | tokens | train PFLOP | wall s "
-        "| params/composer | opt. state MB/composer | network KB/composer-step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| params/composer | opt. state MB/composer | network KB/composer-step "
+        "| stand-in error (output / input grad) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["runs"].items():
         ratio = f"{r['val_loss'] / base:.3f}" if base else "-"
@@ -126,7 +133,7 @@ def markdown(report: dict) -> str:
             f"| {name} | {r['val_loss']:.4f} | {r['assembled_val_loss']:.4f} | {ratio} | {r['tokens']:,} "
             f"| {r['train_flops'] / 1e15:.4g} | {r['wall_s']:.0f} | {r['params_per_composer']:,} "
             f"| {r['optimizer_state_bytes_per_composer'] / 2**20:.1f} "
-            f"| {r.get('network_bytes_per_composer_step', 0) / 1024:.1f} |"
+            f"| {r.get('network_bytes_per_composer_step', 0) / 1024:.1f} | {_stand_in(r)} |"
         )
     c = report["config"]
     if "baseline" in report["runs"]:
@@ -140,6 +147,14 @@ def markdown(report: dict) -> str:
                  f"{c['batch_size']} x {c['seq_len']} bytes per composer, seed {c['seed']}, data {c['data']}, "
                  f"sync periods {c['sync_periods']}, surrogate refresh every {c['refresh_every']} steps.")
     return "\n".join(lines)
+
+
+def _stand_in(run: dict) -> str:
+    """The surrogates' median errors over the run's refreshes, "-" where there are none."""
+    errors = [(out, back) for _, out, back in run.get("stand_in_error", [])]
+    if not errors:
+        return "-"
+    return f"{statistics.median(e[0] for e in errors):.3f} / {statistics.median(e[1] for e in errors):.3f}"
 
 
 def write(report: dict, json_path: str | Path | None) -> None:

@@ -46,6 +46,10 @@ def sim(
     console.print(table)
     console.print(f"median {result.val_loss:.4f}  assembled {result.assembled_val_loss:.4f}  "
                   f"tokens {result.tokens:,}  train FLOPs {result.train_flops:.3e}  wall {result.wall_s:.1f} s")
+    if result.stand_in_error:
+        step, output, backward = result.stand_in_error[-1]
+        console.print(f"surrogates at the last refresh (step {step}): relative output error {output:.4f}, "
+                      f"input-gradient error {backward:.4f}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.__dict__ | {"val_loss": result.val_loss}, indent=2))

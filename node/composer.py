@@ -237,7 +237,8 @@ class Composer:
             if rows is None:
                 continue
             moe = self.model.blocks[layer].moe
-            distill(moe.surrogates[expert], moe.experts[str(expert)], rows, steps=sc.distill_steps, lr=sc.distill_lr)
+            distill(moe.surrogates[expert], moe.experts[str(expert)], rows, steps=sc.distill_steps, lr=sc.distill_lr,
+                    jacobian_weight=sc.jacobian_weight, seed=self.step)
             current = _detached(self.model.surrogate_parameters(layer, expert))
             deltas[(layer, expert)] = self.publishers[(layer, expert)].delta(current)
         return deltas

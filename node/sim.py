@@ -38,6 +38,7 @@ from parallax.node.outer import TierSchedule
 from parallax.node.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.rda import merge_groups
+from parallax.node.surrogate import jacobian_error, relative_error
 
 RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
 SHARDED = ("parallax", "offload")
@@ -87,6 +88,10 @@ class RunResult:
     """FLOPs the offload workers spent (not in train_flops, which counts the composers)."""
     offload_messages: dict[str, int] = field(default_factory=dict)
     """Payloads behind the offload entries of network_bytes (one per expert each), by the same names."""
+    stand_in_error: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step, output error, input-gradient error) of the surrogates right after each refresh: medians over
+    experts of ``relative_error`` and ``jacobian_error`` of a receiver's copy against the owner's expert, on
+    the owner's most recent inputs (``stand_in_error``)."""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     val_history: list[tuple[int, float]] = field(default_factory=list)
     """(tokens so far, median own-view validation loss), every cfg.eval_every steps and at the end."""
@@ -144,6 +149,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     extra_flops = 0.0  # surrogate distillation and sketch absorption, beyond the inner steps
     in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
+    stand_in_history: list[tuple[int, float, float]] = []
     for step in range(1, cfg.steps + 1):
         losses = [c.forward_backward().loss for c in composers]
         if workers is not None:
@@ -172,6 +178,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             flops, wire = publish(composers)
             extra_flops += flops
             traffic["surrogates"] += wire
+            if cfg.surrogate.non_owned == "surrogate":
+                stand_in_history.append((step, *stand_in_error(composers)))
         due = schedule.due(step) if not last else list(SHARED_GROUPS)
         if spec.kind == "diloco" and "backbone" in due:
             due.append("expert")  # the DiLoCo reference merges its experts on the backbone's cadence
@@ -202,7 +210,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
-        network_bytes=traffic, worker_flops=workers.worker_flops if workers is not None else 0.0,
+        network_bytes=traffic, stand_in_error=stand_in_history,
+        worker_flops=workers.worker_flops if workers is not None else 0.0,
         offload_messages=dict(workers.messages) if workers is not None else {},
     )
 
@@ -256,15 +265,45 @@ def publish(composers: Sequence[Composer]) -> tuple[float, int]:
     return flops, wire
 
 
+def stand_in_error(composers: Sequence[Composer], rows: int = 512) -> tuple[float, float]:
+    """How well receivers' surrogates stand in for their experts, forward and backward.
+
+    For every owned expert that has seen tokens: its owner's most recent ``rows`` inputs, the copy of its
+    surrogate held by the next composer (every receiver applies the same deltas), ``relative_error``
+    (outputs) and ``jacobian_error`` (input gradients for Gaussian probes). Returns the medians over
+    experts (nan when no expert has seen a token)."""
+    outputs, backwards = [], []
+    for i, owner in enumerate(composers):
+        receiver = composers[(i + 1) % len(composers)]
+        for layer, expert in owner.owned_experts():
+            x_NL = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
+            if x_NL is None:
+                continue
+            real = owner.model.blocks[layer].moe.experts[str(expert)]
+            copy = receiver.model.blocks[layer].moe.surrogates[expert]
+            outputs.append(relative_error(copy, real, x_NL[-rows:]))
+            backwards.append(jacobian_error(copy, real, x_NL[-rows:]))
+    if not outputs:
+        return float("nan"), float("nan")
+    return statistics.median(outputs), statistics.median(backwards)
+
+
 def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-def]
-    """FLOPs of one refresh: teacher forward once, then distill_steps x (student forward + backward)."""
+    """FLOPs of one refresh: teacher forward once, then distill_steps x (student forward + backward).
+
+    With the input-gradient term (``surrogate.jacobian_weight``) the teacher also passes one probe back
+    (forward + input backward: 3 x forward) and each student step is forward, input backward with its
+    graph, and the backward through both (counted 3 x the plain step: double backward of a small MLP)."""
     m, sc = owner.cfg.model, owner.cfg.surrogate
     teacher, student = 6 * m.d_latent * m.d_expert, 6 * m.d_latent * m.d_surrogate  # 3 matmuls x 2 FLOPs
+    per_step, per_row = 3 * student, teacher
+    if sc.jacobian_weight > 0:
+        per_step, per_row = 3 * per_step, per_row + 3 * teacher
     total = 0.0
     for layer, expert in experts:
         rows = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
         n = 0 if rows is None else rows.shape[0]
-        total += n * (teacher + sc.distill_steps * 3 * student)
+        total += n * (per_row + sc.distill_steps * per_step)
     return total
 
 

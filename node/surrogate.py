@@ -89,11 +89,18 @@ class ActivationRecorder:
         self.buffers.pop((layer, expert), None)
 
 
-def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, steps: int, lr: float) -> float:
+def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, steps: int, lr: float,
+            jacobian_weight: float = 0.0, seed: int = 0) -> float:
     """Fit ``surrogate`` to ``expert`` on inputs ``x_NL`` with ``steps`` full-batch Adam steps.
 
-    The expert is only read (its targets are computed once, without gradient). The surrogate's
-    parameters may have ``requires_grad=False`` (as on a composer); they are enabled for the fit only.
+    The objective is the relative output error ||s(x) - E(x)||^2 / ||E(x)||^2, plus, with
+    ``jacobian_weight`` w > 0, w times the relative error of the input gradients the two pass back,
+    ||J_s(x)^T u - J_E(x)^T u||^2 / ||J_E(x)^T u||^2, for one fixed Gaussian probe u per row (in
+    expectation over u: the Frobenius error of the input Jacobian). A stand-in whose input gradient feeds
+    the backbone (``surrogate.input_grad``) is judged by its backward pass as much as by its forward.
+
+    The expert is only read (its targets are computed once). The surrogate's parameters may have
+    ``requires_grad=False`` (as on a composer); they are enabled for the fit only.
 
     Args:
         surrogate: the low-rank SwiGLU to update in place.
@@ -101,14 +108,24 @@ def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, step
         x_NL: inputs routed to the expert.
         steps: optimizer steps.
         lr: Adam learning rate.
+        jacobian_weight: weight of the input-gradient term (0: outputs only).
+        seed: seed of the probes (the fit is deterministic given it).
 
     Returns:
-        The relative squared error ||s(x) - E(x)||^2 / ||E(x)||^2 after the fit.
+        The relative squared output error after the fit (``relative_error``).
     """
     device = next(surrogate.parameters()).device
     x_NL = x_NL.to(device)
+    probe_NL = target_jac_NL = None
+    if jacobian_weight > 0:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        probe_NL = torch.randn(x_NL.shape, generator=generator).to(device)
+        x_NL = x_NL.detach().requires_grad_(True)
+        (target_jac_NL,) = torch.autograd.grad(expert(x_NL), x_NL, probe_NL)
+        jac_scale = target_jac_NL.pow(2).sum().clamp_min(1e-12)
     with torch.no_grad():
         target_NL = expert(x_NL)
+        out_scale = target_NL.pow(2).sum().clamp_min(1e-12)
     params = list(surrogate.parameters())
     flags = [p.requires_grad for p in params]
     for p in params:
@@ -117,14 +134,30 @@ def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, step
         opt = torch.optim.Adam(params, lr=lr)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            loss = (surrogate(x_NL) - target_NL).pow(2).mean()
+            y_NL = surrogate(x_NL)
+            loss = (y_NL - target_NL).pow(2).sum() / out_scale
+            if probe_NL is not None:
+                (jac_NL,) = torch.autograd.grad(y_NL, x_NL, probe_NL, create_graph=True)
+                loss = loss + jacobian_weight * (jac_NL - target_jac_NL).pow(2).sum() / jac_scale
             loss.backward()
             opt.step()
     finally:
         for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(flag)
             p.grad = None
-    return relative_error(surrogate, expert, x_NL)
+    return relative_error(surrogate, expert, x_NL.detach())
+
+
+@torch.no_grad()
+def jacobian_error(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, seed: int = 1) -> float:
+    """||J_s^T u - J_E^T u||^2 / ||J_E^T u||^2 for Gaussian probes u (one per row) on ``x_NL``: how well the
+    surrogate's backward pass stands in for its expert's (an estimate of the relative Frobenius error)."""
+    probe_NL = torch.randn(x_NL.shape, generator=torch.Generator(device="cpu").manual_seed(seed)).to(x_NL.device)
+    with torch.enable_grad():
+        x_NL = x_NL.detach().requires_grad_(True)
+        (target_NL,) = torch.autograd.grad(expert(x_NL), x_NL, probe_NL)
+        (got_NL,) = torch.autograd.grad(surrogate(x_NL), x_NL, probe_NL)
+    return float((got_NL - target_NL).pow(2).sum() / target_NL.pow(2).sum().clamp_min(1e-12))
 
 
 @torch.no_grad()

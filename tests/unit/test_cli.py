@@ -43,7 +43,10 @@ def test_quality_benchmark_short_variant_has_the_promised_keys(tmp_path):
         assert parallax[key] > 0, key
     assert report["runs"]["baseline"]["tokens"] == parallax["tokens"], "equal token counts"
     assert parallax["params_per_composer"] < report["runs"]["baseline"]["params_per_composer"]
-    assert out.with_suffix(".md").read_text().startswith("| run |")
+    assert [step for step, _, _ in parallax["stand_in_error"]] == [4]  # the final publication
+    assert report["runs"]["frozen_copies"]["stand_in_error"] == []
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("| run |") and "stand-in error" in table
     png = tmp_path / "horizon.png"
     result = runner.invoke(app, ["bench", "horizon", str(out), "--out", str(png)])
     assert result.exit_code == 0, result.output

@@ -89,6 +89,21 @@ def test_runs_are_reproducible_and_learn(splits, kind):
         assert 0 < a.owned_fraction < 1
         # After the final merge and publication, the composers' views differ only in which experts are real.
         assert a.assembled_val_loss == pytest.approx(a.val_loss, abs=0.05)
+        assert [step for step, _, _ in a.stand_in_error] == [3, 6, 9, 12]
+        assert a.stand_in_error == b.stand_in_error
+
+
+def test_receivers_surrogates_follow_their_experts_closer_with_a_longer_fit(splits):
+    train, val = splits
+    errors = {}
+    for steps, weight in ((2, 0.0), (64, 0.0), (64, 1.0)):
+        cfg = _cfg(steps=6)
+        cfg = config.replace(cfg, surrogate=config.replace(cfg.surrogate, distill_steps=steps, jacobian_weight=weight))
+        errors[steps, weight] = run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=2), train, val).stand_in_error
+    (_, short_out, short_back), (_, long_out, long_back), (_, jac_out, jac_back) = (
+        errors[k][-1] for k in ((2, 0.0), (64, 0.0), (64, 1.0)))
+    assert long_out < 0.5 * short_out
+    assert jac_back < long_back  # the input-gradient term teaches the backward pass too
 
 
 def cfg_seq() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from parallax.node.model import SwiGLU
-from parallax.node.surrogate import ActivationBuffer, ActivationRecorder, distill, relative_error
+from parallax.node.surrogate import ActivationBuffer, ActivationRecorder, distill, jacobian_error, relative_error
 
 
 def test_buffer_keeps_the_most_recent_rows():
@@ -42,3 +42,20 @@ def test_distillation_brings_the_surrogate_closer_to_its_expert():
     assert all(torch.equal(a, b) for a, b in zip(expert_before, expert.parameters(), strict=True))
     assert not any(p.requires_grad for p in surrogate.parameters()), "flags restored"
     assert all(p.grad is None for p in surrogate.parameters())
+
+
+def test_the_input_gradient_term_teaches_the_surrogate_its_experts_backward_pass():
+    torch.manual_seed(0)
+    expert = SwiGLU(16, 96)
+    x = torch.randn(512, 16)
+    plain, sobolev = SwiGLU(16, 8), SwiGLU(16, 8)
+    sobolev.load_state_dict(plain.state_dict())
+    for p in sobolev.parameters():
+        p.requires_grad_(False)
+    distill(plain, expert, x, steps=300, lr=1e-2)
+    distill(sobolev, expert, x, steps=300, lr=1e-2, jacobian_weight=1.0)
+    # measured on probes the fit never saw (a rank-8 stand-in of a width-96 expert: 0.70 vs 0.76)
+    assert jacobian_error(sobolev, expert, x, seed=5) < 0.95 * jacobian_error(plain, expert, x, seed=5)
+    assert relative_error(sobolev, expert, x) < 1.1 * relative_error(plain, expert, x)  # still answers alike
+    assert not any(p.requires_grad for p in sobolev.parameters()) and all(p.grad is None for p in sobolev.parameters())
+    assert jacobian_error(expert, expert, x) == 0.0
