@@ -80,7 +80,8 @@ def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict
                              "analytic_at_owned_fraction": _analytic(c.owned_fraction, cfg)})
     mean_routed = statistics.mean(p["routed"] for p in per_composer)
     analytic = fl.offload_routed_speedup(composers, cfg.model.d_expert / cfg.model.d_surrogate,
-                                         stand_in_input_grad=cfg.surrogate.input_grad)
+                                         stand_in_input_grad=cfg.surrogate.input_grad,
+                                         offload_input_grad=cfg.offload.input_grad)
     measured = base_routed / mean_routed
     return {"composers": composers, "baseline_routed": base_routed, "baseline_total": base_total,
             "per_composer": per_composer, "measured_routed_speedup": measured, "analytic_routed_speedup": analytic,
@@ -90,8 +91,8 @@ def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict
 
 def _analytic(owned_fraction: float, cfg: TrainConfig) -> float:
     """The offload formula with the measured owned share in place of 1/C."""
-    m, k = cfg.model, 2.0 if cfg.surrogate.input_grad else 1.0
-    return 1.0 / (owned_fraction / 3 + (1 - owned_fraction) * k * m.d_surrogate / m.d_expert / 3)
+    m, k, j = cfg.model, 2.0 if cfg.surrogate.input_grad else 1.0, 2.0 if cfg.offload.input_grad else 1.0
+    return 1.0 / (owned_fraction * j / 3 + (1 - owned_fraction) * k * m.d_surrogate / m.d_expert / 3)
 
 
 def onboarding(cfg: TrainConfig, preset: str) -> dict[str, Any]:

@@ -67,6 +67,9 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "jacobian": ("parallax", {"surrogate.jacobian_weight": 1.0}),
     "jacobian_refresh_10": ("parallax", {"surrogate.jacobian_weight": 1.0, "surrogate.refresh_every": 10}),
     "jacobian_sketch": ("parallax", {"surrogate.jacobian_weight": 1.0, "sketch.enabled": True, "sketch.delay": 0}),
+    # start-up phase: every composer trains every expert (DiLoCo) for the first K steps, then the split
+    "dense_50": ("parallax", {"sync.dense_steps": 50}),
+    "dense_100": ("parallax", {"sync.dense_steps": 100}),
 }
 """Named variations measured for issue 3 (``--runs`` accepts these names too)."""
 

@@ -74,6 +74,7 @@ class Composer:
         self.model = MoETransformer(cfg.model, owned, cfg.surrogate.non_owned, seed=cfg.seed).to(self.device)
         for moe in self.model.moe_layers():
             moe.stand_in_input_grad = cfg.surrogate.input_grad
+            moe.offload_input_grad = cfg.offload.input_grad
         self.batch_size = batch_size or cfg.batch_size
         self.sampler = BatchSampler(train_tokens, self.batch_size, cfg.model.seq_len, seed=sampler_seed)
         decay, no_decay = _inner_param_groups(self.model)
@@ -368,6 +369,26 @@ class Composer:
         if self.recorder is not None:
             self.recorder.drop(layer, expert)
         return snapshot
+
+    def split_experts(self, owned: Ownership) -> None:
+        """End the dense start-up phase (``sync.dense_steps``): stop merging the "expert" group and release
+        every expert outside ``owned``, whose selections go to its surrogate from now on. Call between steps,
+        right after the experts' last merge. The owned-selection counters restart, so ``owned_fraction``
+        measures the sharded phase.
+
+        Raises:
+            ValueError: the "expert" group is not merged here, or ``owned`` is not a subset of what is held.
+        """
+        if "expert" not in self.outer:
+            raise ValueError("split_experts needs a composer built with the 'expert' group merged (the dense phase)")
+        if len(owned) != len(self.owned) or any(not set(o) <= set(h) for o, h in zip(owned, self.owned, strict=True)):
+            raise ValueError("split_experts keeps a subset of the experts held now, one set per layer")
+        del self.outer["expert"]
+        self.tokens_since_merge.pop("expert", None)
+        for layer, held in enumerate(self.owned):
+            for expert in sorted(set(held) - set(owned[layer])):
+                self.release_expert((layer, expert))
+        self.selections_owned = self.selections_total = 0
 
     def _check_expert(self, expert_id: ExpertId, *, owned: bool, changing: bool = False) -> ExpertId:
         """(layer, expert) as ints, checked to exist and to be owned (or not); with ``changing`` (implied

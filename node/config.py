@@ -113,6 +113,11 @@ class SyncConfig:
     """Inner steps between merges of each shared group, H_G."""
     merge: str = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
+    dense_steps: int = 0
+    """A start-up phase (issue 3): for the first dense_steps inner steps every composer trains every expert,
+    merged with the backbone on its cadence as in the DiLoCo reference; then the experts are merged once
+    more and split into the shards. 0 = split from the start. Costs the full model's memory and expert
+    compute per composer, and expert traffic, while it lasts. In-process simulator only for now."""
     compression: str = "uint8"
     """Wire format of the outer all-reduce: "fp16", "uint8" (hivemind's uniform 8-bit) or "none"; tensors
     under 4096 entries always go uncompressed. The in-process simulator applies the same rounding. uint8
@@ -130,6 +135,8 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("SyncConfig needs outer_lr > 0 and 0 <= outer_momentum < 1")
+        if self.dense_steps < 0:
+            raise ValueError(f"SyncConfig.dense_steps must be >= 0 (0 = split from the start), got {self.dense_steps}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,6 +239,9 @@ class OffloadConfig:
     """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
     delay: int = 1
     """Steps between a sketch and the composer applying the worker's answer (network latency; 0 = same step)."""
+    input_grad: bool = False
+    """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
+    worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward."""
     max_change: float = 0.5
     """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
 

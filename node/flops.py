@@ -41,21 +41,25 @@ def routed_speedup(composers: int, f_over_r: float) -> float:
     return 1.0 / (c + (1.0 - c) / f_over_r / 3.0)
 
 
-def offload_routed_speedup(composers: int, f_over_r: float, *, stand_in_input_grad: bool = False) -> float:
+def offload_routed_speedup(composers: int, f_over_r: float, *, stand_in_input_grad: bool = False,
+                           offload_input_grad: bool = False) -> float:
     """Like ``routed_speedup`` with the owned experts' update offloaded (forward only on the composer).
 
     Args:
         composers: C >= 1.
         f_over_r: expert hidden width over surrogate hidden width, f/r > 0.
         stand_in_input_grad: surrogates also backpropagate into their input (2x forward instead of 1x).
+        offload_input_grad: offloaded experts also backpropagate into their input (2x forward).
 
     Returns:
-        1 / ((1/C) / 3 + (1 - 1/C) * (r/f) * k / 3), k = 2 with the input gradient, else 1 (the report's).
+        1 / ((1/C) * j / 3 + (1 - 1/C) * (r/f) * k / 3), k (j) = 2 with the surrogates' (offloaded
+        experts') input gradient, else 1 (the report's formula has j = k = 1).
     """
     _check_analytic(composers, f_over_r)
     c = 1.0 / composers
     k = 2.0 if stand_in_input_grad else 1.0
-    return 1.0 / (c / 3.0 + (1.0 - c) * k / f_over_r / 3.0)
+    j = 2.0 if offload_input_grad else 1.0
+    return 1.0 / (c * j / 3.0 + (1.0 - c) * k / f_over_r / 3.0)
 
 
 def total_speedup(routed: float, routed_share: float = REPORT_ROUTED_SHARE) -> float:
@@ -111,7 +115,7 @@ class FlopBreakdown:
 
 def step_flops(
     cfg: ModelConfig, owned_fraction: float, *, non_owned: str = "surrogate", offload: bool = False,
-    stand_in_input_grad: bool = False,
+    stand_in_input_grad: bool = False, offload_input_grad: bool = False,
 ) -> FlopBreakdown:
     """FLOPs per token of one composer's training step.
 
@@ -124,6 +128,7 @@ def step_flops(
         offload: owned experts run forward only on the composer; their update runs on a worker.
         stand_in_input_grad: non-owned stand-ins also backpropagate into their input (2x forward:
             forward + the input gradient, no weight gradient).
+        offload_input_grad: with ``offload``, the owned experts also backpropagate into their input (2x forward).
 
     Returns:
         The breakdown, FLOPs per token.
@@ -154,7 +159,7 @@ def step_flops(
         backbone=L * train * (attention + shared),
         router=L * train * 2.0 * d * cfg.n_experts,
         latent=L * train * latent,
-        experts=L * (1.0 if offload else train) * real,
+        experts=L * ((2.0 if offload_input_grad else 1.0) if offload else train) * real,
         # forward only (detached), or forward + input gradient: never a weight gradient
         surrogates=L * (2.0 if stand_in_input_grad else 1.0) * stand_in,
         head=train * 2.0 * d * cfg.vocab_size,

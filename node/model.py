@@ -126,6 +126,8 @@ class MoELayer(nn.Module):
         """Let the loss's gradient flow through a non-owned stand-in into its input (never its weights)."""
         self.offloaded: frozenset[int] = frozenset()
         """Owned experts run forward only like a stand-in (worker offload); they still get sketched."""
+        self.offload_input_grad = False
+        """Let the loss's gradient flow through an offloaded expert into its input (never its weights)."""
         self._freeze_non_trainable()
 
     def adopt_expert(self, e: int, module: SwiGLU) -> None:
@@ -196,7 +198,12 @@ class MoELayer(nn.Module):
             return None
         else:
             stand_in = self.experts[str(e)] if self.non_owned == "frozen_copy" else self.surrogates[e]
-        if self.stand_in_input_grad and e not in self.offloaded and self.training:
+        if e in self.offloaded and self.offload_input_grad and self.training:
+            # Its weights are trainable here but updated by a worker: run them detached, so only the input
+            # gets a gradient and the composer's optimizer never steps them.
+            weights = {name: p.detach() for name, p in stand_in.named_parameters()}
+            y_NL = torch.func.functional_call(stand_in, weights, (h_NL,))
+        elif self.stand_in_input_grad and e not in self.offloaded and self.training:
             y_NL = stand_in(h_NL)  # its weights are frozen (requires_grad False): only the input gets a gradient
         else:
             with torch.no_grad():  # forward only: no gradient into its weights or its input

@@ -131,6 +131,13 @@ class NodeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        # Levers measured in the in-process simulator only (issue 3); the node has no path for them.
+        if self.train.sketch.enabled:
+            raise ValueError("sketch.enabled (non-owners' (x, g) sketches to the owners) runs in `parallax sim` "
+                             "only; a node offloads its own experts' updates with offload.enabled instead")
+        if self.train.sync.dense_steps:
+            raise ValueError("sync.dense_steps (a dense start-up phase) runs in `parallax sim` only; "
+                             "a node splits the experts from the start: leave it at 0")
 
 
 @dataclass

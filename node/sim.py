@@ -128,6 +128,12 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     cfg, C = spec.cfg, spec.composers
     if spec.kind == "offload":
         cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True))
+    dense_steps = cfg.sync.dense_steps if spec.kind in SHARDED else 0
+    if dense_steps and (spec.kind == "offload" or cfg.surrogate.non_owned == "frozen_copy"):
+        raise ValueError("sync.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
+    if dense_steps >= cfg.steps:
+        raise ValueError(f"sync.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
+                         "a run that never splits its experts is the DiLoCo reference (--kind diloco)")
     torch.manual_seed(cfg.seed)
     batches = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
     started = time.perf_counter()
@@ -136,12 +142,15 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
                               batch_size=C * cfg.batch_size, device=device)]
     else:
         shards = ownership_for(cfg, C) if spec.kind in SHARDED else [own_all(cfg.model)] * C
-        merged_groups = SHARED_GROUPS if spec.kind in SHARDED else (*SHARED_GROUPS, "expert")
+        dense = spec.kind == "diloco" or dense_steps > 0  # every composer holds and trains every expert
+        merged_groups = (*SHARED_GROUPS, "expert") if dense else SHARED_GROUPS
         composers = [
-            Composer(cfg, shards[i], shard(train, i, C), sampler_seed=cfg.seed + 1 + i,
-                     merged_groups=merged_groups, device=device)
+            Composer(cfg, own_all(cfg.model) if dense else shards[i], shard(train, i, C),
+                     sampler_seed=cfg.seed + 1 + i, merged_groups=merged_groups, device=device)
             for i in range(C)
         ]
+    dense_tokens = [0] * len(composers)  # tokens each composer trained with every expert real
+    peak = (0, 0)  # (parameters, optimizer-state bytes) a composer held before the split
     workers = LocalWorkers(composers) if spec.kind == "offload" else None
     schedule = TierSchedule(cfg.sync.periods)
     history: list[tuple[int, float]] = []
@@ -174,6 +183,21 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if spec.kind == "baseline":
             continue
         last = step == cfg.steps
+        if step <= dense_steps:
+            due = list(SHARED_GROUPS) if step == dense_steps or last else schedule.due(step)
+            if step == dense_steps or last or "backbone" in due:
+                due.append("expert")
+            for group in due:
+                traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression)
+            if step == dense_steps:  # every composer holds the same experts now: split them into the shards
+                dense_tokens = [c.tokens_seen for c in composers]
+                peak = (max(c.parameter_count() for c in composers), max(c.optimizer_state_bytes() for c in composers))
+                for c, owned in zip(composers, shards, strict=True):
+                    c.split_experts(owned)
+                flops, wire = publish(composers)  # the owners' first surrogates
+                extra_flops += flops
+                traffic["surrogates"] += wire
+            continue
         if spec.kind in SHARDED and (step % cfg.surrogate.refresh_every == 0 or last):
             flops, wire = publish(composers)
             extra_flops += flops
@@ -191,23 +215,25 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     assembled = composer_losses[0] if len(composers) == 1 else evaluate(assemble(composers, cfg), batches)
     tokens = sum(c.tokens_seen for c in composers)
     train_flops = extra_flops
-    for c in composers:
+    for c, dense_seen in zip(composers, dense_tokens, strict=True):
         owned_fraction = c.owned_fraction if spec.kind in SHARDED else 1.0
         stand_in = {"non_owned": cfg.surrogate.non_owned, "stand_in_input_grad": cfg.surrogate.input_grad}
+        train_flops += step_flops(cfg.model, 1.0).total * dense_seen
         direct = step_flops(cfg.model, owned_fraction, **stand_in)
         per_token = direct.total
         if workers is not None:  # owned experts outside the private layers run forward only
-            forward_only = step_flops(cfg.model, owned_fraction, offload=True, **stand_in)
+            forward_only = step_flops(cfg.model, owned_fraction, offload=True,
+                                      offload_input_grad=cfg.offload.input_grad, **stand_in)
             offloaded_share = 1 - cfg.offload.private_layers / cfg.model.n_layers
             per_token -= offloaded_share * (direct.experts - forward_only.experts)
-        train_flops += per_token * c.tokens_seen
+        train_flops += per_token * (c.tokens_seen - dense_seen)
     if workers is not None:
         traffic.update(workers.bytes)
     return RunResult(
         name=spec.name, kind=spec.kind, composer_val_losses=composer_losses, assembled_val_loss=assembled,
         tokens=tokens, train_flops=train_flops, wall_s=wall_s,
-        params_per_composer=max(c.parameter_count() for c in composers),
-        optimizer_state_bytes_per_composer=max(c.optimizer_state_bytes() for c in composers),
+        params_per_composer=max(peak[0], *(c.parameter_count() for c in composers)),
+        optimizer_state_bytes_per_composer=max(peak[1], *(c.optimizer_state_bytes() for c in composers)),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
         network_bytes=traffic, stand_in_error=stand_in_history,

@@ -41,6 +41,19 @@ def test_config_accounting_reproduces_analytic_routed_speedup(name, offload):
     assert total == pytest.approx(total_speedup(routed, routed_share(cfg)), rel=1e-9)
 
 
+@pytest.mark.parametrize("stand_in_grad", [False, True])
+@pytest.mark.parametrize("offload_grad", [False, True])
+def test_input_gradients_cost_one_more_forward_in_the_formula_and_the_accounting(stand_in_grad, offload_grad):
+    cfg = preset("small")
+    base = step_flops(cfg, 1.0)
+    mine = step_flops(cfg, 1 / 8, offload=True, stand_in_input_grad=stand_in_grad, offload_input_grad=offload_grad)
+    analytic = offload_routed_speedup(8, 48, stand_in_input_grad=stand_in_grad, offload_input_grad=offload_grad)
+    assert base.routed / mine.routed == pytest.approx(analytic, rel=0.01)
+    plain = step_flops(cfg, 1 / 8, offload=True)
+    assert mine.experts == pytest.approx(plain.experts * (2 if offload_grad else 1))
+    assert mine.surrogates == pytest.approx(plain.surrogates * (2 if stand_in_grad else 1))
+
+
 def test_breakdown_parts():
     cfg = preset("small")
     base = step_flops(cfg, 1.0)

@@ -43,6 +43,25 @@ def test_stand_in_input_grad_reaches_the_input_not_the_weights(non_owned):
     assert layer.latent_down.weight.grad is not None and layer.latent_down.weight.grad.abs().sum() > 0
 
 
+def test_offloaded_experts_with_input_grad_pass_the_direct_input_gradient_and_keep_their_weights():
+    """offload.input_grad: the latent interface gets the same gradient as when the expert trains here,
+    and the expert's weights get none (a worker updates them)."""
+    x = torch.randn(2, 16, TINY.d_model)
+    direct = _layer(owned=set(range(TINY.n_experts)))
+    direct(x)[0].sum().backward()
+    offloaded = _layer(owned=set(range(TINY.n_experts)))
+    for e in range(TINY.n_experts):
+        offloaded.set_offloaded(e, True)
+    offloaded(x)[0].sum().backward()
+    assert offloaded.latent_down.weight.grad is None  # forward only by default: nothing reaches the input
+    offloaded.zero_grad(set_to_none=True)
+    offloaded.offload_input_grad = True
+    offloaded(x)[0].sum().backward()
+    assert all(p.grad is None for p in offloaded.experts.parameters())
+    torch.testing.assert_close(offloaded.latent_down.weight.grad, direct.latent_down.weight.grad)
+    torch.testing.assert_close(offloaded.router.weight.grad, direct.router.weight.grad)
+
+
 def test_owned_experts_train_and_their_gates_learn():
     layer = _layer(owned={0, 1, 2, 3})
     x = torch.randn(2, 16, TINY.d_model)

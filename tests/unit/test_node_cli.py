@@ -41,6 +41,14 @@ def test_unknown_config_field_is_named(tmp_path) -> None:
     assert "no_such_field" in result.output
 
 
+@pytest.mark.parametrize("change", ["sketch.enabled=true", "sync.dense_steps=50"])
+def test_simulator_only_levers_are_refused_with_what_to_do(tmp_path, change) -> None:
+    result = join("--cpu", "--set", change, "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    message = " ".join(result.output.replace("│", " ").split())  # unwrapped from rich's error box
+    assert change.split("=")[0] in message and "parallax sim" in message
+
+
 def test_config_file_top_level_and_train_table(tmp_path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('run_id = "r7"\nsteps = 5\n[train]\nbatch_size = 4\n[train.sync]\nouter_lr = 0.5\n')

@@ -231,7 +231,7 @@ def test_bench_offload_command_writes_the_promised_numbers(tmp_path):
 
     out = tmp_path / "offload.json"
     result = CliRunner().invoke(app, ["bench", "offload", "--preset", "tiny", "--composers", "2", "--steps", "3",
-                                      "--quiet", "--json", str(out)])
+                                      "--set", "offload.input_grad=true", "--quiet", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"direct", "offload"}

@@ -117,3 +117,50 @@ def test_ablations_run(splits):
         cfg = config.replace(cfg, surrogate=config.replace(cfg.surrogate, non_owned=mode))
         result = run(RunSpec(name=mode, kind="parallax", cfg=cfg, composers=2), train, val)
         assert result.val_loss < 5.6
+
+
+def test_dense_start_up_splits_the_merged_experts_into_the_shards(splits):
+    """sync.dense_steps: every composer trains every expert until the split; then each keeps its shard of
+    the experts as they were right after their last merge, and surrogates for the rest."""
+    train, _ = splits
+    cfg = _cfg()
+    shards = ownership_for(cfg, 2)
+    everything = tuple(frozenset(range(cfg.model.n_experts)) for _ in range(cfg.model.n_layers))
+    composers = [Composer(cfg, everything, shard(train, i, 2), sampler_seed=i,
+                          merged_groups=(*config.SHARED_GROUPS, "expert")) for i in range(2)]
+    for _ in range(3):
+        for c in composers:
+            c.train_step()
+    for group in (*config.SHARED_GROUPS, "expert"):
+        merge_round(composers, group, "rda")
+    merged = {eid: composers[0].expert_state(eid) for eid in composers[0].owned_experts()}
+    for c, owned in zip(composers, shards, strict=True):
+        c.split_experts(owned)
+        assert c.owned == owned and "expert" not in c.outer and c.owned_fraction == 0.0
+        for eid in c.owned_experts():
+            for name, t in c.expert_state(eid).items():
+                torch.testing.assert_close(t, merged[eid][name], atol=1e-5, rtol=0)  # the merged copy, kept
+        trained = {id(p) for g in c.optimizer.param_groups for p in g["params"]}
+        assert all(id(p) in trained for eid in c.owned_experts() for p in c.model.expert_parameters(*eid).values())
+        assert {id(p) for p in c.optimizer.state} <= trained  # released experts' AdamW state is gone
+        c.train_step()  # and training goes on with the shard
+    with pytest.raises(ValueError, match="expert"):
+        composers[0].split_experts(shards[0])  # only once
+
+
+def test_a_run_with_a_dense_start_up_pays_for_it_in_memory_traffic_and_flops(splits):
+    train, val = splits
+    cfg = _cfg(steps=10)
+    dense = config.replace(cfg, sync=config.replace(cfg.sync, dense_steps=4))
+    split, start_dense = (run(RunSpec(name=n, kind="parallax", cfg=c, composers=2), train, val)
+                          for n, c in (("split", cfg), ("dense", dense)))
+    assert start_dense.val_loss < 5.6 and start_dense.tokens == split.tokens
+    assert 0 < start_dense.owned_fraction < 1  # measured over the sharded phase
+    assert start_dense.params_per_composer > split.params_per_composer
+    assert start_dense.network_bytes["outer"] > split.network_bytes["outer"]  # the experts' merges
+    assert start_dense.train_flops > split.train_flops
+    with pytest.raises(ValueError, match="dense_steps"):
+        never = config.replace(cfg, sync=config.replace(cfg.sync, dense_steps=10))
+        run(RunSpec(name="never", kind="parallax", cfg=never, composers=2), train, val)
+    with pytest.raises(ValueError, match="dense_steps"):
+        config.SyncConfig(dense_steps=-1)
