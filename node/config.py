@@ -239,6 +239,11 @@ class OffloadConfig:
     """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
     delay: int = 1
     """Steps between a sketch and the composer applying the worker's answer (network latency; 0 = same step)."""
+    lookahead: int = 0
+    """Delay compensation: the worker sends its weights extrapolated by this many of its own AdamW steps
+    with no new gradient (momentum only), so a composer that applies the result ``delay`` steps late runs
+    roughly the weights the worker will have by then; the next result takes the extrapolation back.
+    0 = send the weights as they are."""
     input_grad: bool = False
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward."""
@@ -257,6 +262,8 @@ class OffloadConfig:
         if self.onboard_codec not in ONBOARD_CODECS:
             raise ValueError(f"OffloadConfig.onboard_codec must be one of {ONBOARD_CODECS}, "
                              f"got {self.onboard_codec!r}")
+        if self.lookahead < 0:
+            raise ValueError(f"OffloadConfig.lookahead must be >= 0 (0 = no extrapolation), got {self.lookahead}")
         if not 1 <= self.result_rank <= 64 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:
             raise ValueError("OffloadConfig needs 1 <= result_rank <= 64 (the receivers' cap), private_layers >= 0, "
                              "delay >= 0 and max_change > 0")

@@ -157,6 +157,9 @@ class TaylorProxyTrainer:
                 taylor_proxy(self.expert, x_NL, g_NL, y0_NL, off.proxy_lambda).backward()
                 self.optimizer.step()
         current = {n: p.detach().cpu() for n, p in self.expert.named_parameters()}
+        if off.lookahead:
+            ahead = self._momentum_steps(off.lookahead, step)
+            current = {n: current[n] + ahead[n] for n in current}
         delta = {n: current[n] - self.mirror[n] for n in current}
         blobs = encode_tensors(delta, off.result_codec, rank=off.result_rank)
         # Decode our own bytes as the composer will, so the mirror stays bit-identical to its copy's changes.
@@ -164,6 +167,28 @@ class TaylorProxyTrainer:
         for n, t in sent.items():
             self.mirror[n] += t
         return blobs
+
+
+    def _momentum_steps(self, steps: int, step: int) -> dict[str, torch.Tensor]:
+        """The change ``steps`` more AdamW steps would make with zero gradients (both moments decay, the
+        weight decay applies), from the optimizer's state after the sketch of composer step ``step``."""
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        out = {}
+        for name, p in self.expert.named_parameters():
+            state = self.optimizer.state.get(p)
+            w = p.detach().clone()
+            if state:
+                m, v, k = state["exp_avg"].clone(), state["exp_avg_sq"].clone(), int(state["step"])
+                for j in range(1, steps + 1):
+                    lr = self.cfg.offload.worker_lr * self._schedule(step - 1 + j)
+                    m.mul_(beta1)
+                    v.mul_(beta2)
+                    w.mul_(1 - lr * group["weight_decay"])
+                    m_hat, v_hat = m / (1 - beta1 ** (k + j)), v / (1 - beta2 ** (k + j))
+                    w.addcdiv_(m_hat, v_hat.sqrt().add_(group["eps"]), value=-lr)
+            out[name] = (w - p.detach()).cpu()
+        return out
 
 
 def onboard_blobs(composer: Composer, expert_id: ExpertId) -> Blobs:

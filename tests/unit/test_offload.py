@@ -3,6 +3,7 @@ fall-back, private layers, and the simulator's offload run."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import msgpack
@@ -110,6 +111,30 @@ def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
         for n in shapes:  # the worker's mirror is exactly what the composer holds
             assert torch.equal(trainer.mirror[n], composer_copy[n])
     assert gaps[0] > 0 and gaps[-1] < 0.05 * gaps[0]
+
+
+def test_lookahead_sends_the_weights_of_the_next_momentum_only_adamw_step_and_takes_them_back():
+    """offload.lookahead=1: the composer's copy runs ahead of the worker's by exactly one AdamW step with a
+    zero gradient; the next result replaces that extrapolation with the next one."""
+    cfg = _cfg(result_codec="fp16", lookahead=1)
+    trainer = _trainer(cfg)
+    composer_copy = {n: p.detach().clone() for n, p in trainer.expert.named_parameters()}
+    shapes = {n: t.shape for n, t in composer_copy.items()}
+    from parallax.node.offload import decode_tensors
+
+    for step in (5, 6):
+        for name, change in decode_tensors(trainer.update([_sketch(cfg, seed=step)], step=step), shapes).items():
+            composer_copy[name] += change
+        shadow = copy.deepcopy(trainer)  # one more AdamW step with a zero gradient, at the next step's lr
+        for group in shadow.optimizer.param_groups:
+            group["lr"] = cfg.offload.worker_lr * shadow._schedule(step)
+        for p in shadow.expert.parameters():
+            p.grad = torch.zeros_like(p)
+        shadow.optimizer.step()
+        for name, p in shadow.expert.named_parameters():
+            worker = dict(trainer.expert.named_parameters())[name].detach()
+            assert (p.detach() - worker).abs().max() > 1e-4  # momentum alone moves the weights
+            torch.testing.assert_close(composer_copy[name], p.detach(), atol=1e-5, rtol=0)  # fp16 deltas
 
 
 def _nan_blob(shape) -> bytes:
