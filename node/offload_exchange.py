@@ -35,6 +35,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ from hivemind.proto import runtime_pb2
 
 from parallax.dht.shards import hrw_score
 from parallax.node.config import TrainConfig
-from parallax.node.offload import Blobs, TaylorProxyTrainer
+from parallax.node.model import SwiGLU
+from parallax.node.offload import Blobs, TaylorProxyTrainer, encode_tensors
 from parallax.node.sketch import Sketch
 from parallax.protocol import codec
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
@@ -196,6 +198,23 @@ class OffloadServicer(ServicerBase):
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def warm_up(self) -> float:
+        """One throwaway onboarding and update on the device, in the thread that serves them: CUDA's
+        context, its matmul handles and the optimizer's kernels start here (seconds on a GPU), not inside a
+        composer's first requests, which would time out. Returns the seconds it took."""
+        def work() -> float:
+            started = time.perf_counter()
+            m = self.cfg.model
+            expert = SwiGLU(m.d_latent, m.d_expert)
+            trainer = TaylorProxyTrainer(self.cfg, encode_tensors(dict(expert.named_parameters()), "fp16"),
+                                         self.device)
+            rows = torch.randn(8, m.d_latent)
+            trainer.update([Sketch(rows, 1e-3 * rows, 8)], step=1)
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize(trainer.device)
+            return time.perf_counter() - started
+        return self._executor.submit(work).result()
+
     async def rpc_onboard(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
@@ -289,10 +308,25 @@ class OffloadClient:
         stub = OffloadServicer.get_stub(self.p2p, PeerID.from_base58(worker), namespace=self.namespace)
         self.requests[method] += 1  # counted on the loop thread only
         self.bytes_sent[method] += len(body)
-        reply = await asyncio.wait_for(getattr(stub, method)(runtime_pb2.ExpertInfo(serialized_info=body)), timeout_s)
+        call = asyncio.ensure_future(getattr(stub, method)(runtime_pb2.ExpertInfo(serialized_info=body)))
+        try:
+            # Shielded: hivemind 1.1.12 cancels a unary call's future before it forgets it, and a reply that
+            # lands in between is set on the cancelled future, which kills the daemon connection's reader;
+            # every later unary call of this peer then hangs (seen on a GPU: all offload requests timed out
+            # from then on). A call we stop waiting for runs on until its reply or error, and is dropped.
+            reply = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        except BaseException:
+            call.add_done_callback(_forget)
+            raise
         self.replies[method] += 1
         self.bytes_received[method] += len(reply.serialized_info)
         return reply.serialized_info
+
+
+def _forget(call: asyncio.Future) -> None:
+    """Retrieve an abandoned call's outcome (no "exception was never retrieved" at exit)."""
+    if not call.cancelled():
+        call.exception()
 
 
 async def serve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:

@@ -94,6 +94,8 @@ class Worker:
         if c.metrics_path is not None:
             c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = c.metrics_path.open("a", encoding="utf-8")
+        # The device first (CUDA starts in seconds): composers onboard as soon as they see our heartbeat.
+        self._event("device_ready", device=c.device, seconds=round(self.servicer.warm_up(), 3))
         self.dht = start_dht(self.identity, run_id=c.run_id, n_layers=c.train.model.n_layers,
                              identity_path=c.identity_path, initial_peers=c.initial_peers,
                              host_maddrs=c.host_maddrs, announce_maddrs=c.announce_maddrs)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
 from parallax.node import config
 from parallax.node.offload_exchange import (
+    OffloadClient,
+    OffloadServicer,
     WorkerLimits,
     assign_to_workers,
     check_size,
@@ -88,3 +92,37 @@ def test_assignment_is_capacity_weighted_and_moves_only_a_dead_workers_experts()
     after = assign_to_workers("run", experts, workers)  # "third" died: back to exactly the old map
     assert after == got and all(with_third[e] == got[e] for e in experts if with_third[e] != "third")
     assert assign_to_workers("run", experts, {}) == {}
+
+
+def test_the_worker_warms_its_device_up_and_keeps_nothing_of_it() -> None:
+    servicer = OffloadServicer(CFG, LIMITS, "cpu")
+    try:
+        assert servicer.warm_up() > 0
+        assert servicer.trainers == {} and servicer.updates == 0 and servicer.refused == 0
+    finally:
+        servicer.shutdown()
+
+
+def test_a_call_past_its_timeout_is_abandoned_not_cancelled(monkeypatch) -> None:
+    """hivemind 1.1.12 kills a peer's unary path when a reply lands on a cancelled call: never cancel one."""
+    async def scenario() -> None:
+        reply = asyncio.get_running_loop().create_future()
+        calls = []
+
+        class Stub:
+            async def rpc_update(self, request):  # type: ignore[no-untyped-def]
+                calls.append(asyncio.current_task())
+                return await reply
+
+        monkeypatch.setattr(OffloadServicer, "get_stub", classmethod(lambda cls, *a, **k: Stub()))
+        client = OffloadClient(None, None, "run", update_timeout_s=0.05)  # type: ignore[arg-type]
+        worker = "QmXcfVXn6BcEonj4xq4XjzKHC1AgVmQVA3uTGKexNHrgAR"
+        with pytest.raises(asyncio.TimeoutError):
+            await client._call("rpc_update", worker, b"x", 0.05)
+        assert not calls[0].done()  # still waiting for its reply, as hivemind needs
+        reply.set_result(type("Reply", (), {"serialized_info": b"late"})())
+        await asyncio.sleep(0)
+        assert calls[0].done() and not calls[0].cancelled()
+        assert client.replies["rpc_update"] == 0  # a late reply counts for nothing
+
+    asyncio.run(scenario())
