@@ -181,6 +181,7 @@ class OffloadSession:
 
     def close(self) -> None:
         """Cancel every outstanding request (the composer is leaving; unanswered work is not needed)."""
+        self.client.close()
         for entry in self.offloaded.values():
             for _, _, future in entry.in_flight:
                 future.cancel()

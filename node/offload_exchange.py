@@ -281,6 +281,26 @@ class OffloadClient:
         """Answer bodies received, by call (acknowledgements; worker results)."""
         self.requests = {"rpc_onboard": 0, "rpc_update": 0}
         self.replies = {"rpc_onboard": 0, "rpc_update": 0}
+        self._closing = False
+        self._abandoned: set[asyncio.Future] = set()
+        """Calls past their timeout (or given up by the caller) still waiting for hivemind's reply."""
+
+    def close(self) -> None:
+        """From now on cancel calls outright, and cancel the abandoned ones (the peer is leaving: hivemind's
+        reader no longer matters). Thread-safe; call before cancelling the outstanding futures."""
+        self._closing = True
+
+        def cancel_all() -> None:
+            for call in list(self._abandoned):
+                call.cancel()
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing is left to cancel
+            self.loop.call_soon_threadsafe(cancel_all)
+
+    def _settled(self, call: asyncio.Future) -> None:
+        """An abandoned call ended: forget it, and retrieve its outcome (no "never retrieved" warning)."""
+        self._abandoned.discard(call)
+        if not call.cancelled():
+            call.exception()
 
     def onboard(self, worker: str, eid: ExpertId, step: int,
                 blobs: Mapping[str, bytes]) -> concurrent.futures.Future[bytes | None]:
@@ -316,17 +336,15 @@ class OffloadClient:
             # from then on). A call we stop waiting for runs on until its reply or error, and is dropped.
             reply = await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except BaseException:
-            call.add_done_callback(_forget)
+            if self._closing:
+                call.cancel()
+            else:
+                self._abandoned.add(call)
+                call.add_done_callback(self._settled)
             raise
         self.replies[method] += 1
         self.bytes_received[method] += len(reply.serialized_info)
         return reply.serialized_info
-
-
-def _forget(call: asyncio.Future) -> None:
-    """Retrieve an abandoned call's outcome (no "exception was never retrieved" at exit)."""
-    if not call.cancelled():
-        call.exception()
 
 
 async def serve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:

@@ -29,6 +29,9 @@ class FakeWorkers:
         f.set_exception(error) if error else f.set_result(value)
         return f
 
+    def close(self) -> None:
+        self.closed = True
+
     def onboard(self, worker, eid, step, blobs):
         self.trainers[(worker, eid)] = TaylorProxyTrainer(self.cfg, blobs)
         return self._done(None)

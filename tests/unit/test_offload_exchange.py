@@ -115,14 +115,26 @@ def test_a_call_past_its_timeout_is_abandoned_not_cancelled(monkeypatch) -> None
                 return await reply
 
         monkeypatch.setattr(OffloadServicer, "get_stub", classmethod(lambda cls, *a, **k: Stub()))
-        client = OffloadClient(None, None, "run", update_timeout_s=0.05)  # type: ignore[arg-type]
+        client = OffloadClient(None, asyncio.get_running_loop(), "run", update_timeout_s=0.05)  # type: ignore[arg-type]
         worker = "QmXcfVXn6BcEonj4xq4XjzKHC1AgVmQVA3uTGKexNHrgAR"
         with pytest.raises(asyncio.TimeoutError):
             await client._call("rpc_update", worker, b"x", 0.05)
         assert not calls[0].done()  # still waiting for its reply, as hivemind needs
         reply.set_result(type("Reply", (), {"serialized_info": b"late"})())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
         assert calls[0].done() and not calls[0].cancelled()
         assert client.replies["rpc_update"] == 0  # a late reply counts for nothing
+        assert not client._abandoned
+
+        reply = asyncio.get_running_loop().create_future()  # a call abandoned, then the peer leaves
+        with pytest.raises(asyncio.TimeoutError):
+            await client._call("rpc_update", worker, b"x", 0.05)
+        caller = asyncio.ensure_future(client._call("rpc_update", worker, b"x", 10.0))
+        await asyncio.sleep(0.01)
+        client.close()
+        caller.cancel()
+        await asyncio.sleep(0.01)
+        assert calls[1].cancelled() and calls[2].cancelled()  # nothing left pending when the loop closes
+        assert not client._abandoned
 
     asyncio.run(scenario())
