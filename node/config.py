@@ -239,14 +239,17 @@ class OffloadConfig:
     """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
     delay: int = 1
     """Steps between a sketch and the composer applying the worker's answer (network latency; 0 = same step)."""
-    lookahead: int = 0
+    lookahead: int = 1
     """Delay compensation: the worker sends its weights extrapolated by this many of its own AdamW steps
     with no new gradient (momentum only), so a composer that applies the result ``delay`` steps late runs
     roughly the weights the worker will have by then; the next result takes the extrapolation back.
-    0 = send the weights as they are."""
-    input_grad: bool = False
+    0 = send the weights as they are. A one-step-late expert update alone costs direct ownership 0.12 of
+    val loss (small preset, C=2, 200 steps); with input_grad, lookahead 1 takes offload from 2.5725 to
+    2.2615 (seed 0) against direct 2.1495."""
+    input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
-    worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward."""
+    worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With
+    lookahead 1: 1.052x / 1.024x direct (seeds 0 / 1) against 1.150x / 1.157x with neither."""
     max_change: float = 0.5
     """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
 

@@ -93,7 +93,7 @@ def test_worker_steps_decrease_the_proxy_objective():
 
 
 def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
-    cfg = _cfg(result_codec="ternary")
+    cfg = _cfg(result_codec="ternary", lookahead=0)  # the target is the worker's own weights
     trainer = _trainer(cfg)
     composer_copy = {n: p.detach().clone() for n, p in trainer.expert.named_parameters()}
     shapes = {n: t.shape for n, t in composer_copy.items()}
