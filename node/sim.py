@@ -182,33 +182,20 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             progress(spec.name, step, mean_loss)
         if spec.kind == "baseline":
             continue
-        last = step == cfg.steps
-        if step <= dense_steps:
-            due = list(SHARED_GROUPS) if step == dense_steps or last else schedule.due(step)
-            if step == dense_steps or last or "backbone" in due:
-                due.append("expert")
-            for group in due:
-                traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression)
-            if step == dense_steps:  # every composer holds the same experts now: split them into the shards
-                dense_tokens = [c.tokens_seen for c in composers]
-                peak = (max(c.parameter_count() for c in composers), max(c.optimizer_state_bytes() for c in composers))
-                for c, owned in zip(composers, shards, strict=True):
-                    c.split_experts(owned)
-                flops, wire = publish(composers)  # the owners' first surrogates
-                extra_flops += flops
-                traffic["surrogates"] += wire
-            continue
-        if spec.kind in SHARDED and (step % cfg.surrogate.refresh_every == 0 or last):
-            flops, wire = publish(composers)
-            extra_flops += flops
-            traffic["surrogates"] += wire
-            if cfg.surrogate.non_owned == "surrogate":
-                stand_in_history.append((step, *stand_in_error(composers)))
-        due = schedule.due(step) if not last else list(SHARED_GROUPS)
-        if spec.kind == "diloco" and "backbone" in due:
-            due.append("expert")  # the DiLoCo reference merges its experts on the backbone's cadence
+        last, split_now = step == cfg.steps, step == dense_steps
+        if spec.kind in SHARDED and step > dense_steps and (step % cfg.surrogate.refresh_every == 0 or last):
+            extra_flops += publish_round(composers, traffic, stand_in_history, step)
+        due = list(SHARED_GROUPS) if last or split_now else schedule.due(step)
+        if (spec.kind == "diloco" or step <= dense_steps) and "backbone" in due:
+            due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression)
+        if split_now:  # every composer holds the same experts now: split them into the shards
+            dense_tokens = [c.tokens_seen for c in composers]
+            peak = (max(c.parameter_count() for c in composers), max(c.optimizer_state_bytes() for c in composers))
+            for c, owned in zip(composers, shards, strict=True):
+                c.split_experts(owned)
+            extra_flops += publish_round(composers, traffic, stand_in_history, step)  # the first surrogates
     wall_s = time.perf_counter() - started
 
     composer_losses = [c.evaluate(batches) for c in composers]
@@ -240,6 +227,18 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         worker_flops=workers.worker_flops if workers is not None else 0.0,
         offload_messages=dict(workers.messages) if workers is not None else {},
     )
+
+
+def publish_round(composers: Sequence[Composer], traffic: dict[str, int],
+                  stand_in_history: list[tuple[int, float, float]], step: int) -> float:
+    """``publish``, its bytes added to ``traffic`` and, with surrogates, the stand-in error recorded.
+
+    Returns the distillation FLOPs spent."""
+    flops, wire = publish(composers)
+    traffic["surrogates"] += wire
+    if composers[0].cfg.surrogate.non_owned == "surrogate":
+        stand_in_history.append((step, *stand_in_error(composers)))
+    return flops
 
 
 def deliver_sketches(composers: Sequence[Composer], sent: dict[int, dict]) -> int:
