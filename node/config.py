@@ -249,7 +249,7 @@ class OffloadConfig:
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With
-    lookahead 1: 1.052x / 1.024x direct (seeds 0 / 1) against 1.150x / 1.157x with neither."""
+    lookahead 1: 1.052x / 1.024x / 1.029x direct (seeds 0-2) against 1.150x / 1.157x with neither (seeds 0-1)."""
     max_change: float = 0.5
     """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
 
