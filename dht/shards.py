@@ -41,14 +41,16 @@ _TIE_EXPERT = -1  # the pseudo-expert index whose hash breaks quota ties within 
 
 # Measured over 800 random equal-capacity swarms (2-16 peers, 4-64 experts per layer): when one peer
 # joins or leaves, the experts that move per layer are the ones it gains or loses (unavoidable) plus
-# at most ``n_experts // 2 + 1`` more pushed along by quota shifts (worst seen: 3 of 4, 4 of 8, 5 of
-# 16, 8 of 32, 9 of 64); in total 1.5-1.8x the unavoidable movement on average. Plain HRW moves only
+# a few more pushed along by quota shifts (worst seen: 3 of 4, 4 of 8, 5 of 16, 8 of 32, 9 of 64; and
+# 5 of 6, with 8 peers on 6 experts, found by the property test after 6,000 random swarms had shown at
+# most 3 of 6); in total 1.5-1.8x the unavoidable movement on average. The bound below is that
+# observation with a margin, not a proof. Plain HRW moves only
 # the unavoidable experts but leaves small swarms badly unbalanced; this is the price of balance.
 
 
 def max_extra_moves(n_experts: int) -> int:
     """The stated bound on experts moved per layer, beyond the unavoidable, by one join or leave."""
-    return n_experts // 2 + 1
+    return n_experts // 2 + 2
 
 
 def _unit_hash(run_id: str, layer: int, expert: int, peer: str) -> float:
