@@ -6,8 +6,9 @@
   matmuls executed inside routed experts and surrogates (forward and backward), for the synchronous
   baseline's layer (every expert real and trained, batch B) and for each of C offload composers on the
   same batch at initialisation (so each selection hits exactly one owner). Compared with the analytic
-  1 / ((1/C)/3 + (1 - 1/C)(r/f)k/3) of ``flops.offload_routed_speedup`` (k = 1 as in the report, k = 2
-  when surrogates also pass the gradient to their input, ``surrogate.input_grad``); the target is within 5%.
+  1 / ((1/C)j/3 + (1 - 1/C)(r/f)k/3) of ``flops.offload_routed_speedup`` (j = k = 1 as in the report; k = 2
+  when surrogates also pass the gradient to their input, ``surrogate.input_grad``, and j = 2 when offloaded
+  experts do, ``offload.input_grad``: both by default); the target is within 5%.
 - Bytes per sketch and per worker result (from the offload run), onboarding bytes of one expert
   (ternary-packed, per-row scales) for the chosen preset and the report preset, and the in-process
   seconds from onboarding blobs to a first result.

@@ -105,15 +105,21 @@ def flops(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     f_over_r = cfg.d_expert / cfg.d_surrogate
-    analytic, analytic_off = fl.routed_speedup(composers, f_over_r), fl.offload_routed_speedup(composers, f_over_r)
-    routed, total = fl.composer_speedup(cfg, composers)
-    routed_off, total_off = fl.composer_speedup(cfg, composers, offload=True)
+    grads = {"stand_in_input_grad": True, "offload_input_grad": True}  # the defaults since sessions 5 and 7
+    variants = (  # (name, analytic routed speed-up, composer_speedup's keyword arguments)
+        ("direct ownership (report)", fl.routed_speedup(composers, f_over_r), {}),
+        ("worker offload (report)", fl.offload_routed_speedup(composers, f_over_r), {"offload": True}),
+        ("direct, stand-ins pass the input gradient (default)",
+         fl.routed_speedup(composers, f_over_r, stand_in_input_grad=True), {"stand_in_input_grad": True}),
+        ("worker offload, both pass the input gradient (default)",
+         fl.offload_routed_speedup(composers, f_over_r, **grads), {"offload": True, **grads}),
+    )
     share = fl.routed_share(cfg)
     typer.echo(f"preset {preset}: C={composers}, f/r={f_over_r:g}, routed share of active compute {share:.3f}\n")
     typer.echo("| variant | routed speed-up (analytic) | routed (counted) | total (analytic, share 0.618) "
                "| total (counted, own share) |")
     typer.echo("|---|---|---|---|---|")
-    rows = (("direct ownership", analytic, routed, total), ("worker offload", analytic_off, routed_off, total_off))
+    rows = [(name, a, *fl.composer_speedup(cfg, composers, **kw)) for name, a, kw in variants]
     for name, a, counted, tot in rows:
         typer.echo(f"| {name} | {a:.2f}x | {counted:.2f}x | {fl.total_speedup(a):.2f}x | {tot:.2f}x |")
 

@@ -243,7 +243,9 @@ class OffloadConfig:
     """Delay compensation: the worker sends its weights extrapolated by this many of its own AdamW steps
     with no new gradient (momentum only), so a composer that applies the result ``delay`` steps late runs
     roughly the weights the worker will have by then; the next result takes the extrapolation back.
-    0 = send the weights as they are. A one-step-late expert update alone costs direct ownership 0.12 of
+    0 = send the weights as they are. Meant for worker_steps = 1 (one AdamW step per composer step); the
+    simulator caps it at offload.delay; after a fall-back the composer keeps the last extrapolation (one
+    momentum step) and trains on from there. A one-step-late expert update alone costs direct ownership 0.12 of
     val loss (small preset, C=2, 200 steps); with input_grad, lookahead 1 takes offload from 2.5725 to
     2.2615 (seed 0) against direct 2.1495."""
     input_grad: bool = True

@@ -26,19 +26,21 @@ REPORT_ROUTED_SHARE = 0.618
 NON_OWNED = ("surrogate", "frozen_copy", "drop")
 
 
-def routed_speedup(composers: int, f_over_r: float) -> float:
+def routed_speedup(composers: int, f_over_r: float, *, stand_in_input_grad: bool = False) -> float:
     """Routed-expert compute of the synchronous baseline / of one composer of C (no offload).
 
     Args:
         composers: C >= 1.
         f_over_r: expert hidden width over surrogate hidden width, f/r > 0.
+        stand_in_input_grad: surrogates also backpropagate into their input (2x forward instead of 1x).
 
     Returns:
-        1 / (1/C + (1 - 1/C) * (r/f) / 3).
+        1 / (1/C + (1 - 1/C) * (r/f) * k / 3), k = 2 with the input gradient, else 1 (the report's).
     """
     _check_analytic(composers, f_over_r)
     c = 1.0 / composers
-    return 1.0 / (c + (1.0 - c) / f_over_r / 3.0)
+    k = 2.0 if stand_in_input_grad else 1.0
+    return 1.0 / (c + (1.0 - c) * k / f_over_r / 3.0)
 
 
 def offload_routed_speedup(composers: int, f_over_r: float, *, stand_in_input_grad: bool = False,
@@ -177,7 +179,8 @@ def routed_share(cfg: ModelConfig) -> float:
 
 
 def composer_speedup(
-    cfg: ModelConfig, composers: int, *, non_owned: str = "surrogate", offload: bool = False
+    cfg: ModelConfig, composers: int, *, non_owned: str = "surrogate", offload: bool = False,
+    stand_in_input_grad: bool = False, offload_input_grad: bool = False,
 ) -> tuple[float, float]:
     """Baseline compute per token / one composer's, with balanced routing (owned_fraction = 1/C).
 
@@ -190,6 +193,7 @@ def composer_speedup(
     if composers < 1:
         raise ValueError(f"composers must be >= 1, got {composers}")
     base = step_flops(cfg, 1.0)
-    mine = step_flops(cfg, 1.0 / composers, non_owned=non_owned, offload=offload)
+    mine = step_flops(cfg, 1.0 / composers, non_owned=non_owned, offload=offload,
+                      stand_in_input_grad=stand_in_input_grad, offload_input_grad=offload_input_grad)
     routed = base.routed / mine.routed if mine.routed else float("inf")
     return routed, base.total / mine.total

@@ -125,7 +125,7 @@ class MoELayer(nn.Module):
         self.stand_in_input_grad = False
         """Let the loss's gradient flow through a non-owned stand-in into its input (never its weights)."""
         self.offloaded: frozenset[int] = frozenset()
-        """Owned experts run forward only like a stand-in (worker offload); they still get sketched."""
+        """Owned experts updated by a worker (worker offload): no weight gradient here; they still get sketched."""
         self.offload_input_grad = False
         """Let the loss's gradient flow through an offloaded expert into its input (never its weights)."""
         self._freeze_non_trainable()
@@ -193,7 +193,7 @@ class MoELayer(nn.Module):
         if e in self.owned and e not in self.offloaded:
             return self.experts[str(e)](h_NL)
         if e in self.offloaded:
-            stand_in = self.experts[str(e)]  # the real expert, forward only: a worker updates it from sketches
+            stand_in = self.experts[str(e)]  # the real expert, no weight gradient: a worker updates it from sketches
         elif self.non_owned == "drop":
             return None
         else:

@@ -1,8 +1,9 @@
 """Worker offload, the in-process part (DESIGN.md section 4, issue 7): the worker's Taylor-proxy update and the
 composer's side of it, wired together without a network.
 
-A composer in offload mode runs its offloaded experts forward only (``MoELayer.offloaded``: no weight
-gradient, no gradient into their input, as a surrogate), and its ``SketchRecorder`` captures x and
+A composer in offload mode runs its offloaded experts without a weight gradient (``MoELayer.offloaded``;
+with ``offload.input_grad``, the default, the loss's gradient still reaches their input through detached
+weights), and its ``SketchRecorder`` captures x and
 g = dL/dy for their selections. ``sketch.compress`` sub-samples and quantises them. A worker holding a
 copy of the expert and its own AdamW state runs k steps on
 
@@ -37,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from parallax.node import config as config_mod
 from parallax.node.composer import Composer, lr_lambda
 from parallax.node.config import TrainConfig
 from parallax.node.model import SwiGLU
@@ -131,6 +133,8 @@ class TaylorProxyTrainer:
         self._schedule = lr_lambda(o.warmup_steps, cfg.steps, o.min_lr_ratio)
         self.rows = 0
         """Sketch rows trained on so far (for FLOP accounting)."""
+        self.onboard_step = 0
+        """The composer's step when it sent these weights: older sketches are refused (the network worker)."""
 
     def update(self, sketches: list[Sketch], step: int) -> Blobs:
         """k AdamW steps on the proxy of ``sketches``; return the change since the last result, compressed.
@@ -247,6 +251,12 @@ class LocalWorkers:
     def __init__(self, composers: Sequence[Composer], *, tamper: Tamper | None = None) -> None:
         self.composers = list(composers)
         self.cfg = self.composers[0].cfg
+        if self.cfg.offload.lookahead > self.cfg.offload.delay:
+            # Extrapolating further than the answers are late would run the composer's copy ahead of
+            # the worker's: here the lateness is known exactly.
+            log.info("offload.lookahead %d > offload.delay %d: the workers look %d step(s) ahead",
+                     self.cfg.offload.lookahead, self.cfg.offload.delay, self.cfg.offload.delay)
+            self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
         self.tamper = tamper
         self.trainers: dict[tuple[int, ExpertId], TaylorProxyTrainer] = {}
         self.in_flight: list[dict[tuple[int, ExpertId], tuple[int, Sketch, Sketch]]] = []

@@ -141,15 +141,16 @@ def decode_sketch(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
 
 
 def decode_onboard(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
-                   peer: str | None = None) -> tuple[ExpertId, Blobs]:
-    """Decode an onboarding request to (expert, weight blobs); the trainer checks the blobs' shapes.
+                   peer: str | None = None) -> tuple[ExpertId, int, Blobs]:
+    """Decode an onboarding request to (expert, the composer's step, weight blobs); the trainer checks the
+    blobs' shapes.
 
     Raises:
         RemoteProtocolError: oversized, undecodable, or an expert outside the offloadable grid.
     """
     check_size(body, limits, peer=peer)
     msg = ExpertSnapshot.decode(body, peer=peer)
-    return _check_expert(cfg, msg.layer, msg.expert, peer), dict(msg.tensors)
+    return _check_expert(cfg, msg.layer, msg.expert, peer), msg.step, dict(msg.tensors)
 
 
 def assign_to_workers(run_id: str, experts: list[ExpertId], workers: Mapping[str, float]) -> dict[ExpertId, str]:
@@ -218,7 +219,7 @@ class OffloadServicer(ServicerBase):
     async def rpc_onboard(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            eid, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits, peer=peer)
+            eid, onboard_step, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits, peer=peer)
             with self._lock:
                 if (peer, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
                     raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
@@ -228,6 +229,7 @@ class OffloadServicer(ServicerBase):
             self.refused += 1
             logger.debug("refused onboarding from %s: %s", peer, e)
             raise RemoteProtocolError(str(e), peer=peer) from None
+        trainer.onboard_step = onboard_step
         with self._lock:
             self.trainers[(peer, eid)] = trainer  # a repeated onboarding restarts the expert from these weights
         logger.info("onboarded expert %s for %s", eid, peer)
@@ -241,6 +243,10 @@ class OffloadServicer(ServicerBase):
                 trainer = self.trainers.get((peer, eid))
             if trainer is None:
                 raise RemoteProtocolError(f"expert {eid} was not onboarded by this composer", peer=peer)
+            if step < trainer.onboard_step:  # sent before the composer took it back and onboarded it again:
+                # answering it would move our mirror past the copy the composer now holds
+                raise RemoteProtocolError(f"sketch of expert {eid} from step {step}, before its onboarding at "
+                                          f"step {trainer.onboard_step}", peer=peer)
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused an update from %s: %s", peer, e)
@@ -338,9 +344,10 @@ class OffloadClient:
         except BaseException:
             if self._closing:
                 call.cancel()
-            else:
+            else:  # a late reply lands on a live future; past ten timeouts none is expected any more
                 self._abandoned.add(call)
                 call.add_done_callback(self._settled)
+                asyncio.get_running_loop().call_later(10 * timeout_s, call.cancel)
             raise
         self.replies[method] += 1
         self.bytes_received[method] += len(reply.serialized_info)

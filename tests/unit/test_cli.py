@@ -69,3 +69,5 @@ def test_flops_table_reproduces_the_report():
     result = runner.invoke(app, ["bench", "flops", "--preset", "report", "--composers", "8"])
     assert result.exit_code == 0
     assert "7.63x" in result.output and "20.95x" in result.output
+    # with the default input gradients: 1 / ((1/8)(2/3) + (7/8)(2/48)/3) = 10.47x, and 7.29x direct
+    assert "10.47x" in result.output and "7.29x" in result.output

@@ -49,6 +49,9 @@ def test_input_gradients_cost_one_more_forward_in_the_formula_and_the_accounting
     mine = step_flops(cfg, 1 / 8, offload=True, stand_in_input_grad=stand_in_grad, offload_input_grad=offload_grad)
     analytic = offload_routed_speedup(8, 48, stand_in_input_grad=stand_in_grad, offload_input_grad=offload_grad)
     assert base.routed / mine.routed == pytest.approx(analytic, rel=0.01)
+    direct = step_flops(cfg, 1 / 8, stand_in_input_grad=stand_in_grad)
+    assert base.routed / direct.routed == pytest.approx(
+        routed_speedup(8, 48, stand_in_input_grad=stand_in_grad), rel=0.01)
     plain = step_flops(cfg, 1 / 8, offload=True)
     assert mine.experts == pytest.approx(plain.experts * (2 if offload_grad else 1))
     assert mine.surrogates == pytest.approx(plain.surrogates * (2 if stand_in_grad else 1))

@@ -137,6 +137,14 @@ def test_lookahead_sends_the_weights_of_the_next_momentum_only_adamw_step_and_ta
             torch.testing.assert_close(composer_copy[name], p.detach(), atol=1e-5, rtol=0)  # fp16 deltas
 
 
+def test_the_simulators_workers_look_no_further_ahead_than_their_answers_are_late(splits):
+    train, _ = splits
+    for delay, expected in ((0, 0), (1, 1), (3, 1)):
+        cfg = _cfg(delay=delay, lookahead=1)
+        workers = LocalWorkers(_composers(cfg, train))
+        assert {t.cfg.offload.lookahead for t in workers.trainers.values()} == {expected}
+
+
 def _nan_blob(shape) -> bytes:
     payload = np.full(shape, np.nan, "<f4").tobytes()
     return msgpack.packb(["raw", "float32", list(shape), [], payload], use_bin_type=True)

@@ -126,15 +126,49 @@ def test_a_call_past_its_timeout_is_abandoned_not_cancelled(monkeypatch) -> None
         assert client.replies["rpc_update"] == 0  # a late reply counts for nothing
         assert not client._abandoned
 
-        reply = asyncio.get_running_loop().create_future()  # a call abandoned, then the peer leaves
+        reply = asyncio.get_running_loop().create_future()  # never answered: given up after ten timeouts
         with pytest.raises(asyncio.TimeoutError):
             await client._call("rpc_update", worker, b"x", 0.05)
-        caller = asyncio.ensure_future(client._call("rpc_update", worker, b"x", 10.0))
+        await asyncio.sleep(0.3)
+        assert not calls[1].done()
+        await asyncio.sleep(0.4)
+        assert calls[1].cancelled() and not client._abandoned
+        caller = asyncio.ensure_future(client._call("rpc_update", worker, b"x", 10.0))  # then the peer leaves
         await asyncio.sleep(0.01)
         client.close()
         caller.cancel()
         await asyncio.sleep(0.01)
-        assert calls[1].cancelled() and calls[2].cancelled()  # nothing left pending when the loop closes
-        assert not client._abandoned
+        assert calls[2].cancelled()  # nothing left pending when the loop closes
 
     asyncio.run(scenario())
+
+
+def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
+    """Answering it would move the worker's mirror past the copy the composer re-onboarded it with."""
+    from hivemind.proto import runtime_pb2
+
+    from parallax.node.model import SwiGLU
+    from parallax.node.offload import encode_tensors
+
+    class Context:
+        remote_id = type("Peer", (), {"to_base58": staticmethod(lambda: "QmComposer")})()
+
+    weights = encode_tensors(dict(SwiGLU(L, CFG.model.d_expert).named_parameters()), "fp16")
+    onboard = ExpertSnapshot(layer=1, expert=2, step=10, tensors=weights).encode()
+    servicer = OffloadServicer(CFG, LIMITS, "cpu")
+
+    async def scenario() -> None:
+        await servicer.rpc_onboard(runtime_pb2.ExpertInfo(serialized_info=onboard), Context())
+        for step, fresh in ((9, False), (10, True)):
+            request = runtime_pb2.ExpertInfo(serialized_info=encode_sketch((1, 2), step, _sketch(), "int8"))
+            if fresh:
+                assert (await servicer.rpc_update(request, Context())).serialized_info
+            else:
+                with pytest.raises(RemoteProtocolError, match="before its onboarding"):
+                    await servicer.rpc_update(request, Context())
+
+    try:
+        asyncio.run(scenario())
+        assert servicer.updates == 1 and servicer.refused == 1
+    finally:
+        servicer.shutdown()
