@@ -92,8 +92,9 @@ def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict
 
 def _analytic(owned_fraction: float, cfg: TrainConfig) -> float:
     """The offload formula with the measured owned share in place of 1/C."""
-    m, k, j = cfg.model, 2.0 if cfg.surrogate.input_grad else 1.0, 2.0 if cfg.offload.input_grad else 1.0
-    return 1.0 / (owned_fraction * j / 3 + (1 - owned_fraction) * k * m.d_surrogate / m.d_expert / 3)
+    return fl.offload_routed_speedup_at(owned_fraction, cfg.model.d_expert / cfg.model.d_surrogate,
+                                        stand_in_input_grad=cfg.surrogate.input_grad,
+                                        offload_input_grad=cfg.offload.input_grad)
 
 
 def onboarding(cfg: TrainConfig, preset: str) -> dict[str, Any]:

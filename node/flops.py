@@ -58,7 +58,15 @@ def offload_routed_speedup(composers: int, f_over_r: float, *, stand_in_input_gr
         experts') input gradient, else 1 (the report's formula has j = k = 1).
     """
     _check_analytic(composers, f_over_r)
-    c = 1.0 / composers
+    return offload_routed_speedup_at(1.0 / composers, f_over_r, stand_in_input_grad=stand_in_input_grad,
+                                     offload_input_grad=offload_input_grad)
+
+
+def offload_routed_speedup_at(owned_fraction: float, f_over_r: float, *, stand_in_input_grad: bool = False,
+                              offload_input_grad: bool = False) -> float:
+    """``offload_routed_speedup`` with a composer's own share c of the routed selections in place of 1/C
+    (a measured share under unbalanced routing): 1 / (c * j / 3 + (1 - c) * (r/f) * k / 3)."""
+    c = owned_fraction
     k = 2.0 if stand_in_input_grad else 1.0
     j = 2.0 if offload_input_grad else 1.0
     return 1.0 / (c * j / 3.0 + (1.0 - c) * k / f_over_r / 3.0)

@@ -172,7 +172,6 @@ class TaylorProxyTrainer:
             self.mirror[n] += t
         return blobs
 
-
     def _momentum_steps(self, steps: int, step: int) -> dict[str, torch.Tensor]:
         """The change ``steps`` more AdamW steps would make with zero gradients (both moments decay, the
         weight decay applies), from the optimizer's state after the sketch of composer step ``step``."""
