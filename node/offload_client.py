@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from parallax.node.composer import Composer
 from parallax.node.offload import apply_result, fall_back, onboard_blobs
-from parallax.node.offload_exchange import OffloadClient, assign_to_workers, encode_sketch
+from parallax.node.offload_exchange import OffloadClient, assign_to_workers, sketch_message
 from parallax.node.sketch import Sketch, compress
 from parallax.protocol.errors import ProtocolError
 
@@ -108,8 +108,8 @@ class OffloadSession:
             if len(entry.in_flight) >= self.max_in_flight:
                 self.skipped += 1  # the worker is behind on this expert: leave this step's sample out
                 continue
-            body = encode_sketch(eid, c.step, wire, off.wire_codec)
-            entry.in_flight.append((c.step, sketch, self.client.update(entry.worker, eid, c.step, body)))
+            message = sketch_message(eid, c.step, wire, off.wire_codec)
+            entry.in_flight.append((c.step, sketch, self.client.update(entry.worker, message)))
         self._onboard(live)
 
     def _apply_done(self, eid: ExpertId, entry: _Offloaded) -> str | None:

@@ -3,25 +3,31 @@
 DESIGN.md section 4 ("Worker offload"), issue 7. Two unary RPCs under the namespace
 ``parallax.<run_id>.offload``:
 
-- ``rpc_onboard``: body = an ``ExpertSnapshot`` message (layer, expert, the composer's step, the expert's
-  weights as ``offload.encode_tensors`` blobs); the worker builds a ``TaylorProxyTrainer`` for it. The
-  answer is empty.
-- ``rpc_update``: body = a ``Sketch`` message (exactly ``x`` and ``g``, rows x d_latent, float codecs);
-  the answer is a ``WorkerResult`` message holding the weight change blobs (``TaylorProxyTrainer.update``).
+- ``rpc_onboard``: request = an ``ExpertSnapshot`` envelope (layer, expert, the composer's step, the
+  expert's weights as ``offload.encode_tensors`` blobs, addressed ``to`` the worker); the worker builds a
+  ``TaylorProxyTrainer`` for it. The answer is empty (what it acknowledges is checked by the first result).
+- ``rpc_update``: request = a ``Sketch`` envelope (exactly ``x`` and ``g``, rows x d_latent, float codecs,
+  addressed ``to`` the worker); the answer is a ``WorkerResult`` envelope signed by the worker, holding the
+  weight change blobs (``TaylorProxyTrainer.update``).
 
 What the worker sees: latent activations and gradients of one expert, never token ids or text (the
 ``Sketch`` kind admits exactly x and g, the decoder only float dtypes of the latent width).
 
-Bounds, checked in this order on every request: body size (``max_request_bytes``, below hivemind's 4 MiB
-unary cap) before any decoding; the message kind's own checks; expert inside the model's grid; tensor
-names, codecs, float dtypes, shapes and element counts; then the update itself runs on one training
-thread under ``update_timeout_s``. A refused request raises ``RemoteProtocolError`` to the caller (it
-arrives as ``P2PHandlerError``) and is logged at debug level: a malformed request never ends the worker.
+Bounds, checked in this order on every request: envelope size (``max_request_bytes``, below hivemind's
+4 MiB unary cap) before any decoding; the envelope's checks (``protocol.envelope.Opener``: kind, header,
+run, Ed25519 signature, timestamp window, sequence number); the addressee; the message kind's own checks;
+expert inside the model's grid; tensor names, codecs, float dtypes, shapes and element counts; then the
+update itself runs on one training thread under ``update_timeout_s``. A refused request raises
+``RemoteProtocolError`` to the caller (it arrives as ``P2PHandlerError``) and is logged at debug level: a
+malformed request never ends the worker.
 
-Trust: requests are not signed at the message level. libp2p authenticates the stream
-(``P2PContext.remote_id`` is the caller's verified peer id, as for ``expert_exchange``), and a worker keys
-its trainers by (caller, expert), so one composer can neither read nor overwrite another's expert. The
-composer checks every result (``offload.apply_result``) before using it.
+Trust: every request and every result is a signed envelope (DESIGN.md section 5). A worker keys its trainers
+by (the signer's public key, expert), so one composer can neither read nor overwrite another's expert; a
+replayed request is refused by its sequence number (a window of ``REPLAY_WINDOW``, since concurrent calls
+overtake each other) and a request recorded by one worker cannot be played to another (``to``). The
+composer accepts a result only when it is signed by the key the live membership names for the worker it
+called, and checks its tensors (``offload.apply_result``) before using them. libp2p authenticates and
+encrypts the stream underneath as well.
 
 Concurrency: the servicer and the client coroutines run on the process's network loop; the Taylor-proxy
 steps run on a one-thread executor, so the loop keeps answering while a worker trains and updates of one
@@ -33,11 +39,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,8 +58,10 @@ from parallax.node.model import SwiGLU
 from parallax.node.offload import Blobs, TaylorProxyTrainer, encode_tensors
 from parallax.node.sketch import Sketch
 from parallax.protocol import codec
+from parallax.protocol.envelope import Opener, Sealer, Signed
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
-from parallax.protocol.messages import ExpertSnapshot, WorkerResult
+from parallax.protocol.identity import Identity
+from parallax.protocol.messages import ExpertSnapshot, Message, WorkerResult
 from parallax.protocol.messages import Sketch as SketchMessage
 
 logger = logging.getLogger(__name__)
@@ -59,6 +69,11 @@ logger = logging.getLogger(__name__)
 ExpertId = tuple[int, int]
 
 UNARY_CAP = 4 * 2**20  # hivemind refuses a larger unary message
+REPLAY_WINDOW = 1 << 14
+"""Sequence numbers a request or answer may trail the highest one seen from its sender and still pass once
+(``ReplayGuard``): calls run concurrently and overtake each other. Above any realistic number in flight
+(max_in_flight 8 per expert x the experts one composer offloads)."""
+M = TypeVar("M", bound=Message)
 WIRE_CODECS = frozenset({"raw", "fp16", "int8", "int4"})
 
 
@@ -105,27 +120,44 @@ def _check_expert(cfg: TrainConfig, layer: int, expert: int, peer: str | None) -
     return layer, expert
 
 
-def encode_sketch(eid: ExpertId, step: int, sketch: Sketch, wire_codec: str) -> bytes:
-    """The ``Sketch`` message of one expert's sub-sampled (x, g) for step ``step`` (x, g quantised)."""
+def sketch_message(eid: ExpertId, step: int, sketch: Sketch, wire_codec: str) -> SketchMessage:
+    """The ``Sketch`` message of one expert's sub-sampled (x, g) for step ``step`` (x, g quantised); the client
+    addresses and signs it."""
     tensors = {"x": codec.encode(sketch.x_NL.detach().cpu().float().numpy(), wire_codec),
                "g": codec.encode(sketch.g_NL.detach().cpu().float().numpy(), wire_codec)}
-    return SketchMessage(layer=eid[0], expert=eid[1], step=step, tokens=max(1, sketch.tokens),
-                         tensors=tensors).encode()
+    return SketchMessage(layer=eid[0], expert=eid[1], step=step, tokens=max(1, sketch.tokens), tensors=tensors)
 
 
-def decode_sketch(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
-                  peer: str | None = None) -> tuple[ExpertId, int, Sketch]:
-    """Decode and check an update request.
-
-    Returns:
-        (expert, step, sketch) with float32 x and g of shape rows x d_latent.
+def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLimits, *, me: str,
+                 peer: str | None = None) -> Signed[M]:
+    """Verify a request's envelope: size before anything decodes it, then every envelope check (signature,
+    run, time window, replay), then that it is addressed to this peer (``me``: our libp2p peer id).
 
     Raises:
-        RemoteProtocolError: oversized, undecodable, another kind or extra tensors, an expert outside the
-            offloadable grid, a non-float dtype, a wrong width or row count, non-finite values.
+        RemoteProtocolError: any refusal, naming the sender when it is known.
     """
-    check_size(body, limits, peer=peer)
-    msg = SketchMessage.decode(body, peer=peer)
+    check_size(data, limits, peer=peer)
+    signed = opener.open(data, expect)
+    to = getattr(signed.message, "to", None)  # Sketch and ExpertSnapshot carry their addressee
+    if to != me:
+        raise RemoteProtocolError(f"{expect.KIND} addressed to {to!r:.60}, not to this peer", peer=signed.envelope.peer)
+    return signed
+
+
+def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
+                  peer: str | None = None) -> tuple[bytes, ExpertId, int, Sketch]:
+    """Open and check an update request.
+
+    Returns:
+        (the signer's public key, expert, step, sketch) with float32 x and g of shape rows x d_latent.
+
+    Raises:
+        RemoteProtocolError: oversized, a failed envelope check (forged, replayed, stale, another run or
+            addressee), undecodable, another kind or extra tensors, an expert outside the offloadable grid, a
+            non-float dtype, a wrong width or row count, non-finite values.
+    """
+    signed = open_request(data, SketchMessage, opener, limits, me=me, peer=peer)
+    msg, peer = signed.message, signed.envelope.peer
     eid = _check_expert(cfg, msg.layer, msg.expert, peer)
     width = cfg.model.d_latent
     tensor_limits = codec.TensorLimits(max_elements=limits.max_rows * width, max_ndim=2, codecs=WIRE_CODECS)
@@ -136,21 +168,22 @@ def decode_sketch(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
     if not (np.isfinite(x).all() and np.isfinite(g).all()):
         raise RemoteProtocolError("sketch is not finite", peer=peer)
     sketch = Sketch(torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(g, dtype=np.float32)),
-                    msg.tokens, len(body))
-    return eid, msg.step, sketch
+                    msg.tokens, len(data))
+    return signed.sender, eid, msg.step, sketch
 
 
-def decode_onboard(body: bytes, cfg: TrainConfig, limits: WorkerLimits, *,
-                   peer: str | None = None) -> tuple[ExpertId, int, Blobs]:
-    """Decode an onboarding request to (expert, the composer's step, weight blobs); the trainer checks the
-    blobs' shapes.
+def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
+                   peer: str | None = None) -> tuple[bytes, ExpertId, int, Blobs]:
+    """Open an onboarding request to (the signer's public key, expert, the composer's step, weight blobs);
+    the trainer checks the blobs' shapes.
 
     Raises:
-        RemoteProtocolError: oversized, undecodable, or an expert outside the offloadable grid.
+        RemoteProtocolError: oversized, a failed envelope check, undecodable, or an expert outside the
+            offloadable grid.
     """
-    check_size(body, limits, peer=peer)
-    msg = ExpertSnapshot.decode(body, peer=peer)
-    return _check_expert(cfg, msg.layer, msg.expert, peer), msg.step, dict(msg.tensors)
+    signed = open_request(data, ExpertSnapshot, opener, limits, me=me, peer=peer)
+    msg = signed.message
+    return signed.sender, _check_expert(cfg, msg.layer, msg.expert, signed.envelope.peer), msg.step, dict(msg.tensors)
 
 
 def assign_to_workers(run_id: str, experts: list[ExpertId], workers: Mapping[str, float]) -> dict[ExpertId, str]:
@@ -184,14 +217,18 @@ class OffloadServicer(ServicerBase):
         device: where the experts' copies are trained (``--gpu N``: cuda:N).
     """
 
-    def __init__(self, cfg: TrainConfig, limits: WorkerLimits, device: str = "cpu") -> None:
+    def __init__(self, cfg: TrainConfig, limits: WorkerLimits, identity: Identity, run_id: str,
+                 device: str = "cpu") -> None:
         self.cfg, self.limits, self.device = cfg, limits, device
-        self.trainers: dict[tuple[str, ExpertId], TaylorProxyTrainer] = {}
+        self.sealer = Sealer(identity, run_id)
+        self.opener = Opener(run_id, replay_window=REPLAY_WINDOW)
+        self.trainers: dict[tuple[bytes, ExpertId], TaylorProxyTrainer] = {}
+        """Keyed by (the composer's public key, expert): one composer can neither read nor overwrite another's."""
         self.refused = 0
         self.updates = 0
-        self.seen: list[tuple[str, ExpertId, dict[str, tuple[str, tuple[int, ...]]]]] = []
-        """Per decoded update (kept only when ``record`` is set, for tests): caller, expert, and every tensor's
-        dtype and shape exactly as it arrived."""
+        self.seen: list[tuple[bytes, ExpertId, dict[str, tuple[str, tuple[int, ...]]]]] = []
+        """Per decoded update (kept only when ``record`` is set, for tests): the signer's key, expert, and every
+        tensor's dtype and shape exactly as it arrived."""
         self.record = False
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
         self._lock = threading.Lock()
@@ -219,9 +256,10 @@ class OffloadServicer(ServicerBase):
     async def rpc_onboard(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            eid, onboard_step, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits, peer=peer)
+            caller, eid, onboard_step, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits,
+                                                              self.opener, me=context.local_id.to_base58(), peer=peer)
             with self._lock:
-                if (peer, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
+                if (caller, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
                     raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
             trainer = await asyncio.get_running_loop().run_in_executor(
                 self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
@@ -231,16 +269,17 @@ class OffloadServicer(ServicerBase):
             raise RemoteProtocolError(str(e), peer=peer) from None
         trainer.onboard_step = onboard_step
         with self._lock:
-            self.trainers[(peer, eid)] = trainer  # a repeated onboarding restarts the expert from these weights
+            self.trainers[(caller, eid)] = trainer  # a repeated onboarding restarts the expert from these weights
         logger.info("onboarded expert %s for %s", eid, peer)
         return runtime_pb2.ExpertInfo(serialized_info=b"")
 
     async def rpc_update(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, peer=peer)
+            caller, eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
+                                                      me=context.local_id.to_base58(), peer=peer)
             with self._lock:
-                trainer = self.trainers.get((peer, eid))
+                trainer = self.trainers.get((caller, eid))
             if trainer is None:
                 raise RemoteProtocolError(f"expert {eid} was not onboarded by this composer", peer=peer)
             if step < trainer.onboard_step:  # sent before the composer took it back and onboarded it again:
@@ -252,14 +291,14 @@ class OffloadServicer(ServicerBase):
             logger.debug("refused an update from %s: %s", peer, e)
             raise RemoteProtocolError(str(e), peer=peer) from None
         if self.record:
-            self.seen.append((peer, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
-                                          "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
+            self.seen.append((caller, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
+                                            "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
         job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, [sketch], step)
         # On timeout the thread finishes its step anyway; the caller treats the missing answer as a failure.
         blobs = await asyncio.wait_for(job, self.limits.update_timeout_s)
         self.updates += 1
-        return runtime_pb2.ExpertInfo(
-            serialized_info=WorkerResult(layer=eid[0], expert=eid[1], step=step, tensors=blobs).encode())
+        result = WorkerResult(layer=eid[0], expert=eid[1], step=step, tensors=blobs)
+        return runtime_pb2.ExpertInfo(serialized_info=self.sealer.seal(result))
 
 
 # --- the composer's side ---------------------------------------------------------------------------
@@ -268,23 +307,32 @@ class OffloadServicer(ServicerBase):
 class OffloadClient:
     """A composer's calls to workers; every call returns a future and never blocks the training thread.
 
+    Requests are signed envelopes addressed to the worker (``to``); answers must be envelopes signed by the key
+    the live membership names for the worker called.
+
     Args:
         p2p: this process's P2P replica (on ``loop``).
         loop: the network loop, running in a background thread.
-        run_id: namespaces the handler.
+        run_id: namespaces the handler; envelopes are for this run.
+        identity: this composer's key: it signs the requests.
+        key_of: worker peer id -> its identity's public key from the live membership, or None (then its
+            answers are refused); called on the network loop, so a cheap read.
         onboard_timeout_s: one onboarding round trip (seconds).
         update_timeout_s: one update round trip (seconds), including the worker's Taylor-proxy steps.
     """
 
-    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, *, onboard_timeout_s: float = 30.0,
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, identity: Identity,
+                 key_of: Callable[[str], bytes | None], *, onboard_timeout_s: float = 30.0,
                  update_timeout_s: float = 30.0) -> None:
-        self.p2p, self.loop = p2p, loop
+        self.p2p, self.loop, self.key_of = p2p, loop, key_of
         self.namespace = f"parallax.{run_id}.offload"
+        self.sealer = Sealer(identity, run_id)
+        self.opener = Opener(run_id, replay_window=REPLAY_WINDOW)
         self.onboard_timeout_s, self.update_timeout_s = onboard_timeout_s, update_timeout_s
         self.bytes_sent = {"rpc_onboard": 0, "rpc_update": 0}
-        """Request bodies handed to the P2P layer, by call (onboarding weights; sketches)."""
+        """Request envelopes handed to the P2P layer, by call (onboarding weights; sketches)."""
         self.bytes_received = {"rpc_onboard": 0, "rpc_update": 0}
-        """Answer bodies received, by call (acknowledgements; worker results)."""
+        """Answers received, by call (acknowledgements; worker results)."""
         self.requests = {"rpc_onboard": 0, "rpc_update": 0}
         self.replies = {"rpc_onboard": 0, "rpc_update": 0}
         self._closing = False
@@ -311,24 +359,42 @@ class OffloadClient:
     def onboard(self, worker: str, eid: ExpertId, step: int,
                 blobs: Mapping[str, bytes]) -> concurrent.futures.Future[bytes | None]:
         """Send expert ``eid``'s weights to ``worker``; the future raises on refusal, timeout or a dead peer."""
-        body = ExpertSnapshot(layer=eid[0], expert=eid[1], step=step, tensors=dict(blobs)).encode()
+        body = self.sealer.seal(ExpertSnapshot(layer=eid[0], expert=eid[1], step=step, tensors=dict(blobs), to=worker))
         return asyncio.run_coroutine_threadsafe(self._call("rpc_onboard", worker, body, self.onboard_timeout_s),
                                                 self.loop)
 
-    def update(self, worker: str, eid: ExpertId, step: int, body: bytes) -> concurrent.futures.Future[Blobs]:
-        """Send one encoded sketch (``encode_sketch``); the future gives the result blobs of ``eid`` for ``step``.
-
-        The result is checked for kind, expert and step here; its tensors by ``offload.apply_result``.
+    def update(self, worker: str, sketch: SketchMessage) -> concurrent.futures.Future[Blobs]:
+        """Send one sketch (``sketch_message``) to ``worker``; the future gives the result blobs of its expert for
+        its step. The answer's envelope, expert and step are checked here; its tensors by ``offload.apply_result``.
         """
-        return asyncio.run_coroutine_threadsafe(self._update(worker, eid, step, body), self.loop)
+        body = self.sealer.seal(dataclasses.replace(sketch, to=worker))
+        return asyncio.run_coroutine_threadsafe(self._update(worker, (sketch.layer, sketch.expert), sketch.step, body),
+                                                self.loop)
 
     async def _update(self, worker: str, eid: ExpertId, step: int, body: bytes) -> Blobs:
         answer = await self._call("rpc_update", worker, body, self.update_timeout_s)
-        result = WorkerResult.decode(answer or b"", peer=worker)
+        result = self.open_answer(answer or b"", WorkerResult, worker).message
         if (result.layer, result.expert, result.step) != (eid[0], eid[1], step):
             raise RemoteProtocolError(f"asked for {eid} at step {step}, got {(result.layer, result.expert)} at "
                                       f"step {result.step}", peer=worker)
         return dict(result.tensors)
+
+    def open_answer(self, data: bytes, expect: type[M], worker: str) -> Signed[M]:
+        """Verify a worker's answer: every envelope check, then that its signer is the key the membership names
+        for ``worker``.
+
+        Raises:
+            RemoteProtocolError: a failed check, or the signer is not ``worker``'s key.
+            ConnectionError: the membership names no key for ``worker`` (it left the live view).
+        """
+        signed = self.opener.open(data, expect)
+        key = self.key_of(worker)
+        if key is None:  # not the worker's fault: the caller drops it without banning it
+            raise ConnectionError(f"worker {worker} is not in the live membership, its answer cannot be checked")
+        if key != signed.sender:
+            raise RemoteProtocolError(f"{expect.KIND} signed by {signed.envelope.peer}, which the live membership "
+                                      f"does not name for this worker", peer=worker)
+        return signed
 
     async def _call(self, method: str, worker: str, body: bytes, timeout_s: float) -> bytes | None:
         stub = OffloadServicer.get_stub(self.p2p, PeerID.from_base58(worker), namespace=self.namespace)

@@ -294,8 +294,8 @@ class Node:
         if cfg.offload.enabled:
             assert self._net is not None
             timeout_s = 5.0 if c.loopback else 30.0
-            client = OffloadClient(self._net.p2p, self._net.loop, c.run_id, onboard_timeout_s=timeout_s,
-                                   update_timeout_s=timeout_s)
+            client = OffloadClient(self._net.p2p, self._net.loop, c.run_id, self.identity, self._public_key_of,
+                                   onboard_timeout_s=timeout_s, update_timeout_s=timeout_s)
             self.offload = OffloadSession(self.composer, client, c.run_id, self._live_workers, event=self._event)
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
@@ -599,7 +599,7 @@ class Node:
         return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
 
     def _public_key_of(self, peer_id: str) -> bytes | None:
-        """The identity key a live peer id belongs to, for its outer-round fingerprints."""
+        """The identity key a live peer id belongs to, for its outer-round fingerprints and offload answers."""
         member = self._member(peer_id)
         return member.public_key if member is not None else None
 

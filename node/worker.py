@@ -68,7 +68,7 @@ class Worker:
         self.stop_event = threading.Event()
         self.dht: SwarmDHT | None = None
         self.membership: Membership | None = None
-        self.servicer = OffloadServicer(config.train, config.limits, config.device)
+        self.servicer = OffloadServicer(config.train, config.limits, self.identity, config.run_id, config.device)
         self.peer_id: str | None = None
         self._net: NetworkLoop | None = None
         self._metrics: Any = None

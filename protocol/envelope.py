@@ -72,6 +72,7 @@ MAX_HEADER_BYTES = 192  # run id (<= 128 chars), 32-byte key, seq, time, length
 MAX_RUN_ID = 128
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_REPLAY_CACHE = 65536
+MAX_REPLAY_WINDOW = 1 << 16
 _HEADER_FIELDS = 5
 _COPY_BELOW = 128 * 1024
 _PREFIX = re.compile(rb"parallax/([a-z0-9_]{1,40})/v([1-9][0-9]{0,5})\x00")
@@ -245,20 +246,29 @@ class Sealer:
 
 
 class ReplayGuard:
-    """The last sequence number accepted per (sender, kind), in an LRU of at most ``capacity`` entries.
+    """Which sequence numbers were accepted per (sender, kind), in an LRU of at most ``capacity`` entries.
 
-    Evicting an entry forgets a sender's last number; to stay safe, the guard remembers the latest
-    timestamp it has evicted (``horizon``) and refuses messages from senders it does not know that are
-    not newer than that. With the default capacity this only bites when more than 65,536 senders talk
-    within one timestamp window.
+    With ``window == 0`` a number must be above the last accepted one (messages of one kind arrive in
+    order: DHT records). With ``window = W > 0`` a number below the highest accepted one still passes once
+    if it is within ``W`` of it (the anti-replay window of IPsec, RFC 4303 section 3.4.3): concurrent
+    requests on separate streams may arrive out of order, and each is accepted exactly once. The seen
+    numbers of a window are one bitmask per entry.
+
+    Evicting an entry forgets a sender's numbers; to stay safe, the guard remembers the latest timestamp
+    it has evicted (``horizon``) and refuses messages from senders it does not know that are not newer
+    than that. With the default capacity this only bites when more than 65,536 senders talk within one
+    timestamp window.
     """
 
-    def __init__(self, capacity: int = DEFAULT_REPLAY_CACHE) -> None:
+    def __init__(self, capacity: int = DEFAULT_REPLAY_CACHE, *, window: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"replay cache capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        if not 0 <= window <= MAX_REPLAY_WINDOW:
+            raise ValueError(f"replay window must be in [0, {MAX_REPLAY_WINDOW}], got {window}")
+        self.capacity, self.window = capacity, window
         self.horizon = -math.inf
-        self._last: OrderedDict[tuple[bytes, str], tuple[int, float]] = OrderedDict()
+        # (sender, kind) -> (highest accepted seq, bit i set = highest - i accepted, latest timestamp)
+        self._last: OrderedDict[tuple[bytes, str], tuple[int, int, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -269,23 +279,35 @@ class ReplayGuard:
         key = (sender, kind)
         with self._lock:
             last = self._last.get(key)
-            if last is not None and seq <= last[0]:
-                raise ReplayedMessage(
-                    f"{kind} sequence number {seq} is not above the last accepted {last[0]}",
-                    peer=fingerprint(sender),
-                )
-            if last is None and timestamp <= self.horizon:
-                raise ReplayedMessage(
-                    f"{kind} from a sender the replay cache has forgotten, not newer than its horizon",
-                    peer=fingerprint(sender),
-                )
-            self._last[key] = (seq, timestamp)
+            if last is None:
+                if timestamp <= self.horizon:
+                    raise ReplayedMessage(
+                        f"{kind} from a sender the replay cache has forgotten, not newer than its horizon",
+                        peer=fingerprint(sender),
+                    )
+                entry = (seq, 1, timestamp)
+            else:
+                top, seen, latest = last
+                behind = top - seq
+                if behind >= 0 and (behind > self.window or behind == 0 or seen >> behind & 1):
+                    if self.window == 0:
+                        why = f"is not above the last accepted {top}"
+                    elif behind > self.window:
+                        why = f"is more than {self.window} below the highest accepted {top}"
+                    else:
+                        why = "was accepted before"
+                    raise ReplayedMessage(f"{kind} sequence number {seq} {why}", peer=fingerprint(sender))
+                latest = max(latest, timestamp)
+                if behind < 0:  # a new highest number: slide the window (a jump past it clears it, no huge shift)
+                    kept = (seen << -behind) & ((1 << (self.window + 1)) - 1) if -behind <= self.window else 0
+                    entry = (seq, kept | 1, latest)
+                else:
+                    entry = (top, seen | 1 << behind, latest)
+            self._last[key] = entry
             self._last.move_to_end(key)
             while len(self._last) > self.capacity:
-                _, (_, evicted_ts) = self._last.popitem(last=False)
+                _, (_, _, evicted_ts) = self._last.popitem(last=False)
                 self.horizon = max(self.horizon, evicted_ts)
-
-
 
 
 def _read_prefix(data: bytes) -> tuple[str, int, int] | None:
@@ -299,7 +321,8 @@ def _read_prefix(data: bytes) -> tuple[str, int, int] | None:
 class Opener:
     """Verifies envelopes for one run: size, prefix, version, kind, header, run, signature, time, replay.
 
-    Thread-safe. ``now`` is injectable so tests can move the clock.
+    Thread-safe. ``now`` is injectable so tests can move the clock. ``replay_window``: see ``ReplayGuard``
+    (0: strictly increasing numbers per sender and kind; > 0 for requests that may overtake each other).
     """
 
     def __init__(
@@ -309,13 +332,14 @@ class Opener:
         window_s: float = DEFAULT_WINDOW_S,
         now: Callable[[], float] = time.time,
         replay_cache: int = DEFAULT_REPLAY_CACHE,
+        replay_window: int = 0,
     ) -> None:
         if not (window_s > 0 and math.isfinite(window_s)):
             raise ValueError(f"window_s must be a positive number of seconds, got {window_s!r}")
         self.run_id = _check_run_id(run_id)
         self.window_s = float(window_s)
         self._now = now
-        self.replay = ReplayGuard(replay_cache)
+        self.replay = ReplayGuard(replay_cache, window=replay_window)
 
     def open(self, data: bytes, expect: type[M], *, check_replay: bool = True) -> Signed[M]:
         """Verify ``data`` as an envelope of kind ``expect`` and decode its body.

@@ -243,6 +243,8 @@ class ExpertSnapshot(_TensorMessage):
     expert: int = wire(_EXPERT)
     step: int = wire(_COUNT)
     tensors: Mapping[str, bytes] = wire(_tensors(256 * MiB))
+    to: str | None = wire(Optional(_PEER_ID), default=None)
+    """The libp2p peer id this copy is for (a worker's onboarding): signed, so it cannot be replayed to another."""
 
 
 @register
@@ -333,6 +335,8 @@ class Sketch(_TensorMessage):
     step: int = wire(_COUNT)
     tokens: int = wire(Int(1, 1 << 24))
     tensors: Mapping[str, bytes] = wire(_tensors(64 * MiB))
+    to: str | None = wire(Optional(_PEER_ID), default=None)
+    """The worker's libp2p peer id: signed, so one worker cannot replay a composer's sketch to another."""
 
     def _validate(self) -> None:
         # Exactly x and g: an extra name is a channel for whatever else a buggy composer might leak.

@@ -19,7 +19,7 @@ from parallax.node import config
 from parallax.node.local_swarm import read_metrics
 from parallax.node.model import SwiGLU
 from parallax.node.offload import encode_tensors
-from parallax.node.offload_exchange import OffloadClient, encode_sketch
+from parallax.node.offload_exchange import OffloadClient, sketch_message
 from parallax.node.processes import kill_group, spawn, stop
 from parallax.node.sketch import Sketch
 
@@ -28,9 +28,10 @@ CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConf
 EID = (1, 0)
 
 
-def _workers(dht) -> dict[str, float]:
+def _workers(dht) -> dict[str, tuple[float, bytes]]:
+    """Live workers: peer id -> (capacity, identity key)."""
     view = read_view(dht, RUN, timeout_s=3.0)
-    return {} if view is None else {m.heartbeat.peer_id: m.heartbeat.capacity
+    return {} if view is None else {m.heartbeat.peer_id: (m.heartbeat.capacity, m.public_key)
                                     for m in view.alive().values() if m.heartbeat.role == "worker"}
 
 
@@ -51,20 +52,21 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
                               "--initial-peers", composer.dht.visible_maddrs()[0], "--metrics", str(metrics)],
                              env=env, stdout=log)
             wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
-            (worker, capacity), = _workers(composer.dht).items()
+            (worker, (capacity, key)), = _workers(composer.dht).items()
             assert capacity == 2.5
             p2p = asyncio.run_coroutine_threadsafe(composer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
-            client = OffloadClient(p2p, loop, RUN, onboard_timeout_s=20.0, update_timeout_s=5.0)
+            client = OffloadClient(p2p, loop, RUN, fixed_identity(1), {worker: key}.get, onboard_timeout_s=20.0,
+                                   update_timeout_s=5.0)
             expert = SwiGLU(CFG.model.d_latent, CFG.model.d_expert)
             client.onboard(worker, EID, 0, encode_tensors(dict(expert.named_parameters()), "fp16")).result(30)
             L = CFG.model.d_latent
             sketch = Sketch(torch.randn(8, L), 0.01 * torch.randn(8, L), tokens=8)
-            assert set(client.update(worker, EID, 1, encode_sketch(EID, 1, sketch, "int8")).result(30)) == {
+            assert set(client.update(worker, sketch_message(EID, 1, sketch, "int8")).result(30)) == {
                 n for n, _ in expert.named_parameters()}
             kill_group(proc, signal.SIGKILL)  # the machine dies: no deathrattle
             proc.wait(10)
             with pytest.raises(Exception):  # noqa: B017 - any failure: dead peer or timeout
-                client.update(worker, EID, 2, encode_sketch(EID, 2, sketch, "int8")).result(30)
+                client.update(worker, sketch_message(EID, 2, sketch, "int8")).result(30)
             wait_until(lambda: not _workers(composer.dht), 30)  # its heartbeat expires
             assert any(r.get("kind") == "worker_started" for r in read_metrics(metrics))
         finally:

@@ -4,6 +4,7 @@ a vanished or lying worker dropped with nothing lost, private layers never offlo
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 import pytest
 
@@ -14,6 +15,8 @@ from parallax.node.offload import TaylorProxyTrainer, encode_tensors
 from parallax.node.offload_client import OffloadSession
 from parallax.node.offload_exchange import WorkerLimits, decode_sketch
 from parallax.node.sim import ownership_for
+from parallax.protocol.envelope import Opener, Sealer
+from parallax.protocol.identity import Identity
 
 
 class FakeWorkers:
@@ -23,6 +26,7 @@ class FakeWorkers:
         self.cfg, self.trainers, self.tamper, self.fail = cfg, {}, False, False
         self.hold: list[tuple[concurrent.futures.Future, tuple]] = []  # while ``slow``: answered on release()
         self.slow, self.sent = False, 0
+        self.sealer, self.opener = Sealer(Identity.generate(), "run"), Opener("run")
 
     def _done(self, value=None, error=None) -> concurrent.futures.Future:
         f: concurrent.futures.Future = concurrent.futures.Future()
@@ -36,15 +40,16 @@ class FakeWorkers:
         self.trainers[(worker, eid)] = TaylorProxyTrainer(self.cfg, blobs)
         return self._done(None)
 
-    def update(self, worker, eid, step, body):
+    def update(self, worker, message):
         self.sent += 1
         if self.slow:
             f: concurrent.futures.Future = concurrent.futures.Future()
-            self.hold.append((f, (worker, eid, step, body)))
+            self.hold.append((f, (worker, message)))
             return f
         if self.fail:
             return self._done(error=TimeoutError("no answer"))
-        got, got_step, sketch = decode_sketch(body, self.cfg, WorkerLimits())
+        body = self.sealer.seal(dataclasses.replace(message, to=worker))  # through the wire's encoding
+        _, got, got_step, sketch = decode_sketch(body, self.cfg, WorkerLimits(), self.opener, me=worker)
         blobs = self.trainers[(worker, got)].update([sketch], got_step)
         if self.tamper:
             blobs = encode_tensors({n: 1e6 + 0 * p for n, p in self.trainers[(worker, got)].mirror.items()}, "raw")

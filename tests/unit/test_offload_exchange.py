@@ -1,8 +1,11 @@
-"""Worker offload's wire, pure parts: request bounds, what a sketch request may carry, worker assignment."""
+"""Worker offload's wire, pure parts: request bounds and signatures, what a sketch request may carry, worker
+assignment."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -17,17 +20,31 @@ from parallax.node.offload_exchange import (
     check_size,
     decode_onboard,
     decode_sketch,
-    encode_sketch,
+    sketch_message,
 )
 from parallax.node.sketch import Sketch
 from parallax.protocol import codec
-from parallax.protocol.errors import RemoteProtocolError
-from parallax.protocol.messages import ExpertSnapshot
+from parallax.protocol.envelope import Opener, Sealer, seal
+from parallax.protocol.errors import BadSignature, RemoteProtocolError, ReplayedMessage, WrongRun
+from parallax.protocol.identity import Identity
+from parallax.protocol.messages import ExpertSnapshot, WorkerResult
 from parallax.protocol.messages import Sketch as SketchMessage
 
 CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, private_layers=1))
 L = CFG.model.d_latent
 LIMITS = WorkerLimits(max_rows=16)
+RUN = "offx"
+WORKER = "QmWorker"
+COMPOSER, MALLORY, WORKER_KEY = Identity.generate(), Identity.generate(), Identity.generate()
+
+
+def _sealed(message, *, to: str | None = WORKER, sealer: Sealer | None = None) -> bytes:
+    """A request envelope as a composer sends it: addressed ``to`` the worker, signed by COMPOSER."""
+    return (sealer or Sealer(COMPOSER, RUN)).seal(dataclasses.replace(message, to=to))
+
+
+def _decode_sketch(data: bytes, opener: Opener | None = None):
+    return decode_sketch(data, CFG, LIMITS, opener or Opener(RUN, replay_window=64), me=WORKER)
 
 
 def _sketch(rows: int = 5, width: int = L) -> Sketch:
@@ -36,9 +53,8 @@ def _sketch(rows: int = 5, width: int = L) -> Sketch:
 
 
 def test_a_sketch_round_trips_at_the_latent_width() -> None:
-    body = encode_sketch((1, 2), 7, _sketch(), "int8")
-    eid, step, got = decode_sketch(body, CFG, LIMITS)
-    assert (eid, step) == ((1, 2), 7)
+    caller, eid, step, got = _decode_sketch(_sealed(sketch_message((1, 2), 7, _sketch(), "int8")))
+    assert (caller, eid, step) == (COMPOSER.public_key, (1, 2), 7)
     assert got.x_NL.shape == (5, L) and got.x_NL.dtype == torch.float32
     assert torch.allclose(got.g_NL, _sketch().g_NL, atol=0.05)
 
@@ -47,33 +63,72 @@ def test_the_size_cap_comes_before_decoding() -> None:
     with pytest.raises(RemoteProtocolError, match="cap"):
         check_size(b"\x00" * (LIMITS.max_request_bytes + 1), LIMITS)
     with pytest.raises(RemoteProtocolError, match="cap"):
-        decode_sketch(b"\xff" * (LIMITS.max_request_bytes + 1), CFG, LIMITS)
+        _decode_sketch(b"\xff" * (LIMITS.max_request_bytes + 1))
 
 
 @pytest.mark.parametrize("bad", [
-    lambda: encode_sketch((0, 1), 1, _sketch(), "int8"),  # a private layer
-    lambda: encode_sketch((1, CFG.model.n_experts), 1, _sketch(), "int8"),  # outside the grid
-    lambda: encode_sketch((1, 0), 1, _sketch(rows=17), "raw"),  # more rows than the worker takes
-    lambda: encode_sketch((1, 0), 1, _sketch(width=CFG.model.d_model + 1), "raw"),  # not the latent width
-    lambda: SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # token ids where x should be
+    lambda: _sealed(sketch_message((0, 1), 1, _sketch(), "int8")),  # a private layer
+    lambda: _sealed(sketch_message((1, CFG.model.n_experts), 1, _sketch(), "int8")),  # outside the grid
+    lambda: _sealed(sketch_message((1, 0), 1, _sketch(rows=17), "raw")),  # more rows than the worker takes
+    lambda: _sealed(sketch_message((1, 0), 1, _sketch(width=CFG.model.d_model + 1), "raw")),  # not the latent width
+    lambda: _sealed(SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # token ids where x should be
         "x": codec.encode(np.arange(3 * L, dtype=np.int64).reshape(3, L), "raw"),
-        "g": codec.encode(np.zeros((3, L), np.float32), "raw")}).encode(),
-    lambda: SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # x and g of different rows
+        "g": codec.encode(np.zeros((3, L), np.float32), "raw")})),
+    lambda: _sealed(SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # x and g of different rows
         "x": codec.encode(np.zeros((2, L), np.float32), "raw"),
-        "g": codec.encode(np.zeros((3, L), np.float32), "raw")}).encode(),
+        "g": codec.encode(np.zeros((3, L), np.float32), "raw")})),
     lambda: b"\x93garbage",
-    lambda: ExpertSnapshot(layer=1, expert=0, step=1, tensors={}).encode(),  # another kind
+    lambda: sketch_message((1, 0), 1, _sketch(), "int8").encode(),  # a bare body: not an envelope
+    lambda: _sealed(ExpertSnapshot(layer=1, expert=0, step=1, tensors={})),  # another kind
+    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), to="QmOtherWorker"),  # recorded for another worker
+    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), to=None),  # addressed to nobody
+    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), sealer=Sealer(COMPOSER, "another-run")),
 ])
 def test_malformed_update_requests_are_refused(bad) -> None:
     with pytest.raises(RemoteProtocolError):
-        decode_sketch(bad(), CFG, LIMITS)
+        _decode_sketch(bad())
+
+
+def test_a_forged_or_replayed_sketch_is_refused_and_concurrent_ones_pass_once() -> None:
+    opener, sealer = Opener(RUN, replay_window=64), Sealer(COMPOSER, RUN)
+    first, second = (_sealed(sketch_message((1, 0), step, _sketch(), "int8"), sealer=sealer) for step in (1, 2))
+    _decode_sketch(second, opener)  # calls overtake each other on the wire: the older one still passes...
+    _decode_sketch(first, opener)
+    with pytest.raises(ReplayedMessage):  # ...once
+        _decode_sketch(first, opener)
+    body = dataclasses.replace(sketch_message((1, 0), 3, _sketch(), "int8"), to=WORKER).encode()
+    forged = seal(MALLORY, dataclasses.replace(sketch_message((1, 0), 3, _sketch(), "int8"), to=WORKER),
+                  run_id=RUN, seq=10**17, timestamp=time.time())
+    claimed = forged.replace(MALLORY.public_key, COMPOSER.public_key)  # Mallory's signature, Alice's name
+    with pytest.raises(BadSignature):
+        _decode_sketch(claimed, opener)
+    assert _decode_sketch(forged, opener)[0] == MALLORY.public_key  # signed by Mallory: Mallory's own trainers only
+    assert len(body) < len(forged) < len(body) + 256  # what signing costs on the wire
+    with pytest.raises(WrongRun):
+        _decode_sketch(_sealed(sketch_message((1, 0), 4, _sketch(), "int8"), sealer=Sealer(COMPOSER, "other")), opener)
 
 
 def test_onboarding_is_bounded_to_offloadable_experts() -> None:
-    body = ExpertSnapshot(layer=1, expert=3, step=0, tensors={"w": codec.encode(np.zeros(4, np.float32))}).encode()
-    assert decode_onboard(body, CFG, LIMITS)[0] == (1, 3)
+    weights = {"w": codec.encode(np.zeros(4, np.float32))}
+    got = decode_onboard(_sealed(ExpertSnapshot(layer=1, expert=3, step=0, tensors=weights)), CFG, LIMITS,
+                         Opener(RUN), me=WORKER)
+    assert got[:2] == (COMPOSER.public_key, (1, 3))
     with pytest.raises(RemoteProtocolError, match="offloadable"):
-        decode_onboard(ExpertSnapshot(layer=0, expert=3, step=0, tensors={}).encode(), CFG, LIMITS)
+        decode_onboard(_sealed(ExpertSnapshot(layer=0, expert=3, step=0, tensors={})), CFG, LIMITS, Opener(RUN),
+                       me=WORKER)
+
+
+def test_an_answer_counts_only_when_signed_by_the_key_the_membership_names() -> None:
+    keys = {"QmWorker": WORKER_KEY.public_key}
+    client = OffloadClient(None, None, RUN, COMPOSER, keys.get)  # type: ignore[arg-type]
+    result = WorkerResult(layer=1, expert=0, step=3, tensors={})
+    assert client.open_answer(Sealer(WORKER_KEY, RUN).seal(result), WorkerResult, "QmWorker").message == result
+    with pytest.raises(RemoteProtocolError, match="does not name"):  # another peer's valid signature
+        client.open_answer(Sealer(MALLORY, RUN).seal(result), WorkerResult, "QmWorker")
+    with pytest.raises(ConnectionError, match="live membership"):  # a worker that left: dropped, not banned
+        client.open_answer(Sealer(WORKER_KEY, RUN).seal(result), WorkerResult, "QmGone")
+    with pytest.raises(RemoteProtocolError):  # the unsigned body
+        client.open_answer(result.encode(), WorkerResult, "QmWorker")
 
 
 def test_worker_limits_refuse_a_cap_above_the_unary_message_limit() -> None:
@@ -95,7 +150,7 @@ def test_assignment_is_capacity_weighted_and_moves_only_a_dead_workers_experts()
 
 
 def test_the_worker_warms_its_device_up_and_keeps_nothing_of_it() -> None:
-    servicer = OffloadServicer(CFG, LIMITS, "cpu")
+    servicer = OffloadServicer(CFG, LIMITS, WORKER_KEY, RUN, "cpu")
     try:
         assert servicer.warm_up() > 0
         assert servicer.trainers == {} and servicer.updates == 0 and servicer.refused == 0
@@ -115,7 +170,8 @@ def test_a_call_past_its_timeout_is_abandoned_not_cancelled(monkeypatch) -> None
                 return await reply
 
         monkeypatch.setattr(OffloadServicer, "get_stub", classmethod(lambda cls, *a, **k: Stub()))
-        client = OffloadClient(None, asyncio.get_running_loop(), "run", update_timeout_s=0.05)  # type: ignore[arg-type]
+        client = OffloadClient(None, asyncio.get_running_loop(), RUN, COMPOSER, {}.get,  # type: ignore[arg-type]
+                               update_timeout_s=0.05)
         worker = "QmXcfVXn6BcEonj4xq4XjzKHC1AgVmQVA3uTGKexNHrgAR"
         with pytest.raises(asyncio.TimeoutError):
             await client._call("rpc_update", worker, b"x", 0.05)
@@ -152,23 +208,30 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
 
     class Context:
         remote_id = type("Peer", (), {"to_base58": staticmethod(lambda: "QmComposer")})()
+        local_id = type("Peer", (), {"to_base58": staticmethod(lambda: WORKER)})()
 
     weights = encode_tensors(dict(SwiGLU(L, CFG.model.d_expert).named_parameters()), "fp16")
-    onboard = ExpertSnapshot(layer=1, expert=2, step=10, tensors=weights).encode()
-    servicer = OffloadServicer(CFG, LIMITS, "cpu")
+    sealer = Sealer(COMPOSER, RUN)
+    onboard = _sealed(ExpertSnapshot(layer=1, expert=2, step=10, tensors=weights), sealer=sealer)
+    servicer = OffloadServicer(CFG, LIMITS, WORKER_KEY, RUN, "cpu")
 
     async def scenario() -> None:
         await servicer.rpc_onboard(runtime_pb2.ExpertInfo(serialized_info=onboard), Context())
         for step, fresh in ((9, False), (10, True)):
-            request = runtime_pb2.ExpertInfo(serialized_info=encode_sketch((1, 2), step, _sketch(), "int8"))
+            request = runtime_pb2.ExpertInfo(
+                serialized_info=_sealed(sketch_message((1, 2), step, _sketch(), "int8"), sealer=sealer))
             if fresh:
-                assert (await servicer.rpc_update(request, Context())).serialized_info
+                answer = (await servicer.rpc_update(request, Context())).serialized_info
+                assert Opener(RUN).open(answer, WorkerResult).sender == WORKER_KEY.public_key
             else:
                 with pytest.raises(RemoteProtocolError, match="before its onboarding"):
                     await servicer.rpc_update(request, Context())
+        with pytest.raises(RemoteProtocolError, match="not onboarded"):  # another composer's key: not its trainer
+            await servicer.rpc_update(runtime_pb2.ExpertInfo(serialized_info=_sealed(
+                sketch_message((1, 2), 11, _sketch(), "int8"), sealer=Sealer(MALLORY, RUN))), Context())
 
     try:
         asyncio.run(scenario())
-        assert servicer.updates == 1 and servicer.refused == 1
+        assert servicer.updates == 1 and servicer.refused == 2
     finally:
         servicer.shutdown()

@@ -301,6 +301,38 @@ def test_replay_guard_is_bounded_and_stays_safe_after_eviction():
         ReplayGuard(0)
 
 
+def test_replay_window_accepts_out_of_order_numbers_once():
+    guard = ReplayGuard(window=4)
+    a = b"a" * 32
+    for seq in (10, 8, 9, 12, 11):  # concurrent requests overtaking each other
+        guard.accept(a, "k", seq, 100.0)
+    for seq, why in ((9, "accepted before"), (12, "accepted before"), (7, "more than 4 below")):
+        with pytest.raises(ReplayedMessage, match=why):
+            guard.accept(a, "k", seq, 100.0)
+    guard.accept(a, "k", 10**15, 100.0)  # a jump far past the window clears it (no shift by 10**15 bits)
+    with pytest.raises(ReplayedMessage):
+        guard.accept(a, "k", 12, 100.0)
+    with pytest.raises(ValueError):
+        ReplayGuard(window=-1)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(window=st.integers(0, 6), seqs=st.lists(st.integers(0, 40), max_size=60))
+def test_replay_window_agrees_with_a_set_of_every_accepted_number(window, seqs):
+    # The reference: a number passes iff it was never accepted and is within `window` of the highest so far.
+    guard, accepted = ReplayGuard(window=window), set()
+    for seq in seqs:
+        expected = seq not in accepted and (not accepted or seq >= max(accepted) - window)
+        try:
+            guard.accept(b"s" * 32, "k", seq, 1.0)
+            passed = True
+        except ReplayedMessage:
+            passed = False
+        assert passed == expected, (seq, sorted(accepted))
+        if passed:
+            accepted.add(seq)
+
+
 def test_checks_run_in_the_documented_order():
     # Each envelope fails two checks; the earlier one in the documented order must be the one reported.
     clock = Clock()
