@@ -12,10 +12,14 @@ and pulls, in the background every ``poll_s``, the periodic snapshot of every ex
 of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. When the
 owner dies, the heir already holds its expert and loses at most the steps since that snapshot.
 
-Trust: a snapshot is asked for by peer id from the node the signed membership names as the
-expert's owner (or previous owner), over libp2p's authenticated stream, so it comes from that peer;
-its tensors are still checked (names, shapes, finite, a norm bound) before use — a bad one is refused
-and logged, never raised into the training loop.
+Trust: a snapshot is a signed envelope (``protocol.envelope``), sealed once when the owner takes it, and is
+asked for by peer id from the node the signed membership names as the expert's owner (or previous owner);
+the asker accepts it only when it is signed by the key the membership names for that peer, so a copy can
+come from no one else even if it travels further some day. Its sequence number is not checked (the same
+snapshot is served again and again; its ``step`` is what orders copies) and its timestamp may be up to
+``SNAPSHOT_WINDOW_S`` old. Its tensors are still checked (names, shapes, finite, a norm bound) before use —
+a bad one is refused and logged, never raised into the training loop. The stream's first message (step,
+final, age) is unsigned metadata from that authenticated peer; the step is checked against the signed one.
 
 Concurrency: the servicer and the pulls run on the node's network loop (``loop``, shared with the
 surrogate gossip); the training thread calls ``put``/``release`` (never blocks on the network),
@@ -43,7 +47,9 @@ from hivemind.proto import runtime_pb2
 
 from parallax.dht.keys import expert_id, parse_expert_id
 from parallax.protocol.codec import TensorLimits, encode
+from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
+from parallax.protocol.identity import Identity
 from parallax.protocol.messages import ExpertSnapshot
 from parallax.protocol.schema import MSGPACK_ERRORS
 
@@ -53,6 +59,9 @@ ExpertId = tuple[int, int]
 Shapes = Mapping[str, tuple[int, ...]]
 
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
+SNAPSHOT_WINDOW_S = 3600.0
+"""How old a snapshot's signature may be: a periodic one is replaced every ``snapshot_every`` steps and a final
+one served ``keep_s``; a slow owner's can be minutes old. Older copies cannot harm: steps order them."""
 MAX_NORM = 1e6  # per tensor: far above any trained expert or Adam moment, far below an overflow
 
 
@@ -90,20 +99,30 @@ def snapshot_shapes(expert_shapes: Shapes, surrogate_shapes: Shapes | None = Non
     return out
 
 
-def encode_snapshot(layer: int, expert: int, step: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
+def encode_snapshot(layer: int, expert: int, step: int, tensors: Mapping[str, torch.Tensor]) -> ExpertSnapshot:
     blobs = {name: encode(t.detach().cpu().to(torch.float32).contiguous().numpy()) for name, t in tensors.items()}
-    return ExpertSnapshot(layer=layer, expert=expert, step=step, tensors=blobs).encode()
+    return ExpertSnapshot(layer=layer, expert=expert, step=step, tensors=blobs)
 
 
-def decode_snapshot(body: bytes, eid: ExpertId, expert_shapes: Shapes, *, final: bool,
-                    peer: str | None = None, surrogate_shapes: Shapes | None = None) -> Snapshot:
-    """Decode and check a snapshot of expert ``eid``.
+def snapshot_opener(run_id: str) -> Opener:
+    """The checks a received snapshot's envelope gets (no sequence numbers: see the module docstring)."""
+    return Opener(run_id, window_s=SNAPSHOT_WINDOW_S)
+
+
+def decode_snapshot(data: bytes, eid: ExpertId, expert_shapes: Shapes, *, final: bool, opener: Opener,
+                    signer: bytes | None, peer: str | None = None,
+                    surrogate_shapes: Shapes | None = None) -> Snapshot:
+    """Open and check a snapshot of expert ``eid`` that ``signer`` (a public key) must have signed.
 
     Raises:
-        ProtocolError: undecodable, another expert, an unknown or missing weight, a wrong shape, a
-            non-finite value or a norm above ``MAX_NORM``.
+        ProtocolError: a failed envelope check, another signer (or none known), undecodable, another expert,
+            an unknown or missing weight, a wrong shape, a non-finite value or a norm above ``MAX_NORM``.
     """
-    msg = ExpertSnapshot.decode(body)
+    signed = opener.open(data, ExpertSnapshot, check_replay=False)
+    if signer is None or signed.sender != signer:
+        raise RemoteProtocolError(f"snapshot of {eid} signed by {signed.envelope.peer}, not by the key the "
+                                  f"membership names for this peer", peer=peer)
+    msg = signed.message
     if (msg.layer, msg.expert) != eid:
         raise RemoteProtocolError(f"asked for expert {eid}, got a snapshot of {(msg.layer, msg.expert)}")
     allowed = snapshot_shapes(expert_shapes, surrogate_shapes)
@@ -199,8 +218,11 @@ class ExpertExchange:
     Args:
         p2p: this node's P2P replica (``await dht.replicate_p2p()`` on ``loop``).
         loop: the node's network loop, running in a background thread.
-        run_id: namespaces the P2P handler.
+        run_id: namespaces the P2P handler; snapshots are envelopes of this run.
         expert_shapes: name -> shape of one expert's weights (``model.expert_shapes``).
+        identity: this node's key: it signs the snapshots it serves.
+        key_of: peer id -> the public key the live membership names for it, or None (its snapshots are then
+            refused); called on the loop thread, so thread-safe and cheap.
         heir_targets: () -> {expert: (owner peer id, owner step)} for every expert this node is the heir
             of, and {expert: None} for every expert it owns (its copy is kept until the training thread
             takes it over), or None when it has no fresh view (then nothing changes); called on the loop
@@ -213,13 +235,15 @@ class ExpertExchange:
     """
 
     def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, expert_shapes: Shapes, *,
+                 identity: Identity, key_of: Callable[[str], bytes | None],
                  surrogate_shapes: Shapes | None = None,
                  heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
                  snapshot_every: int = 10,
                  poll_s: float = 10.0,
                  timeout_s: float = 30.0, keep_s: float = 120.0) -> None:
-        self.p2p, self.loop = p2p, loop
+        self.p2p, self.loop, self.key_of = p2p, loop, key_of
         self.namespace = f"parallax.{run_id}.experts"
+        self.sealer, self.opener = Sealer(identity, run_id), snapshot_opener(run_id)
         self.expert_shapes = {n: tuple(s) for n, s in expert_shapes.items()}
         self.surrogate_shapes = {n: tuple(s) for n, s in (surrogate_shapes or {}).items()}
         self.heir_targets = heir_targets
@@ -256,7 +280,7 @@ class ExpertExchange:
 
     def put(self, eid: ExpertId, step: int, tensors: Mapping[str, torch.Tensor], *, final: bool = False) -> int:
         """Serve this snapshot of an owned (or, ``final``, just released) expert; returns its size in bytes."""
-        body = encode_snapshot(eid[0], eid[1], step, tensors)
+        body = self.sealer.seal(encode_snapshot(eid[0], eid[1], step, tensors))
         self.store.put(eid, step, body, final=final)
         return len(body)
 
@@ -293,7 +317,8 @@ class ExpertExchange:
         entry = self.store.get(eid)
         if entry is not None and entry[1]:
             try:
-                found.append((decode_snapshot(entry[2], eid, self.expert_shapes, final=True,
+                found.append((decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
+                                              signer=self.sealer.identity.public_key,
                                               surrogate_shapes=self.surrogate_shapes), "own release"))
             except ProtocolError as e:  # our own encoding: only a bug gets here
                 logger.warning("own final snapshot of %s does not decode: %s", eid, e)
@@ -345,17 +370,19 @@ class ExpertExchange:
             return None
         if got is None:
             return None
-        final, age_s, body = got
+        step, final, age_s, body = got
         try:
-            snap = decode_snapshot(body, eid, self.expert_shapes, final=final, peer=peer,
-                                   surrogate_shapes=self.surrogate_shapes)
+            snap = decode_snapshot(body, eid, self.expert_shapes, final=final, opener=self.opener,
+                                   signer=self.key_of(peer), peer=peer, surrogate_shapes=self.surrogate_shapes)
+            if snap.step != step:
+                raise RemoteProtocolError(f"snapshot of {eid} announced as step {step}, signed as {snap.step}")
         except ProtocolError as e:
             self.refused += 1
             logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)
             return None
         return dataclasses.replace(snap, age_s=age_s)
 
-    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[bool, float, bytes] | None:
+    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[int, bool, float, bytes] | None:
         stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid)))
         header: tuple[int, bool, float] | None = None
@@ -374,7 +401,7 @@ class ExpertExchange:
         if header is None:
             return None
         self.bytes_fetched += len(buf)
-        return header[1], header[2], bytes(buf)
+        return header[0], header[1], header[2], bytes(buf)
 
 
 def _header(data: bytes) -> tuple[int, bool, float]:

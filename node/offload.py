@@ -32,6 +32,8 @@ Shape legend: N sampled selections, L latent width, F expert hidden width.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -106,6 +108,28 @@ def decode_tensors(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.Size],
 
 def blob_bytes(blobs: Mapping[str, bytes]) -> int:
     return sum(len(b) for b in blobs.values())
+
+
+SETTINGS_KEY = "offload_settings"
+"""Heartbeat ``versions`` key under which a worker announces ``settings_digest`` of its config."""
+
+
+def worker_settings(cfg: TrainConfig) -> dict[str, object]:
+    """Every setting a worker's answers depend on (``TaylorProxyTrainer`` and the request checks): a worker and
+    a composer that differ in any of them would train the expert differently without either noticing."""
+    m, o, off = cfg.model, cfg.optim, cfg.offload
+    return {"d_latent": m.d_latent, "d_expert": m.d_expert, "n_layers": m.n_layers, "n_experts": m.n_experts,
+            "betas": list(o.betas), "weight_decay": o.weight_decay, "warmup_steps": o.warmup_steps,
+            "min_lr_ratio": o.min_lr_ratio, "steps": cfg.steps, "worker_steps": off.worker_steps,
+            "worker_lr": off.worker_lr, "proxy_lambda": off.proxy_lambda, "result_codec": off.result_codec,
+            "result_rank": off.result_rank, "onboard_codec": off.onboard_codec, "lookahead": off.lookahead,
+            "private_layers": off.private_layers}
+
+
+def settings_digest(cfg: TrainConfig) -> int:
+    """``worker_settings`` as a 62-bit number (it travels in a heartbeat's ``versions``)."""
+    canonical = json.dumps(worker_settings(cfg), sort_keys=True, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.sha256(canonical).digest()[:8], "big") >> 2
 
 
 class TaylorProxyTrainer:

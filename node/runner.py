@@ -59,6 +59,7 @@ from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, E
 from parallax.node.gossip import GossipConfig, SurrogateGossip
 from parallax.node.model import MoETransformer, Ownership, SwiGLU
 from parallax.node.network import NetworkLoop, start_dht
+from parallax.node.offload import SETTINGS_KEY, settings_digest
 from parallax.node.offload_client import OffloadSession
 from parallax.node.offload_exchange import OffloadClient
 from parallax.node.outer import TierSchedule
@@ -213,6 +214,8 @@ class Node:
         self.sync: TieredOuterSync | None = None
         self.rounds: BackgroundRounds | None = None
         self.offload: OffloadSession | None = None  # only with cfg.offload.enabled
+        self._mismatched_workers: set[str] = set()  # workers named in the log for running other settings
+        self._settings_digest: int | None = None  # offload.settings_digest of this node's config
         self.schedule = TierSchedule(self.cfg.sync.periods)
         self._net: NetworkLoop | None = None
         self._metrics: Any = None
@@ -296,6 +299,7 @@ class Node:
             timeout_s = 5.0 if c.loopback else 30.0
             client = OffloadClient(self._net.p2p, self._net.loop, c.run_id, self.identity, self._public_key_of,
                                    onboard_timeout_s=timeout_s, update_timeout_s=timeout_s)
+            self._settings_digest = settings_digest(cfg)
             self.offload = OffloadSession(self.composer, client, c.run_id, self._live_workers, event=self._event)
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, self.composer, run_id=c.run_id)
@@ -346,8 +350,9 @@ class Node:
         shapes = model_shapes(cfg)
         self.gossip = SurrogateGossip(self.dht, self.identity, gcfg, shapes=shapes.surrogate,
                                       owner_of=self._owner_key, start_versions=versions, loop=net.loop).start()
-        self.exchange = ExpertExchange(net.p2p, net.loop, c.run_id, shapes.expert,
-                                       surrogate_shapes=shapes.surrogate, heir_targets=self._heir_targets,
+        self.exchange = ExpertExchange(net.p2p, net.loop, c.run_id, shapes.expert, identity=self.identity,
+                                       key_of=self._public_key_of, surrogate_shapes=shapes.surrogate,
+                                       heir_targets=self._heir_targets,
                                        snapshot_every=c.snapshot_every, poll_s=2.0 if c.loopback else 10.0,
                                        timeout_s=5.0 if c.loopback else 30.0).start()
         ocfg = OuterSyncConfig.loopback(matchmaking_timeout_s=15.0) if c.loopback else OuterSyncConfig()
@@ -599,7 +604,8 @@ class Node:
         return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
 
     def _public_key_of(self, peer_id: str) -> bytes | None:
-        """The identity key a live peer id belongs to, for its outer-round fingerprints and offload answers."""
+        """The identity key a live peer id belongs to, for its outer-round fingerprints, expert snapshots and
+        offload answers."""
         member = self._member(peer_id)
         return member.public_key if member is not None else None
 
@@ -727,11 +733,26 @@ class Node:
         self._event("checkpoint", step=composer.step, path=str(path), state_hash=state_hash(composer))
 
     def _live_workers(self) -> dict[str, float] | None:
-        """Offload workers in the membership view: libp2p peer id -> capacity (a cached read, no DHT call)."""
+        """Offload workers in the membership view that run this node's worker settings: libp2p peer id ->
+        capacity (a cached read, no DHT call). A worker with other settings is named once in the log."""
         if self.membership is None:
             return None
-        return {m.heartbeat.peer_id: m.heartbeat.capacity for m in self.membership.view().alive().values()
-                if m.heartbeat.role == "worker"}
+        ours, live = self._settings_digest, {}
+        for m in self.membership.view().alive().values():
+            hb = m.heartbeat
+            if hb.role != "worker":
+                continue
+            if hb.versions.get(SETTINGS_KEY) == ours:
+                live[hb.peer_id] = hb.capacity
+            elif hb.peer_id not in self._mismatched_workers:
+                self._mismatched_workers.add(hb.peer_id)
+                logger.warning("worker %s runs other offload settings than this node (settings digest %s, ours %s): "
+                               "not used. Start it with the composers' --preset and --set options (model shapes, "
+                               "steps, optim betas / weight decay / warm-up, offload.worker_*, offload codecs, "
+                               "offload.lookahead, offload.private_layers)", hb.peer_id,
+                               hb.versions.get(SETTINGS_KEY), ours)
+                self._event("offload_worker_mismatch", worker=hb.peer_id)
+        return live
 
     def close(self) -> None:
         """Stop everything this node started, in reverse order. Safe to call twice and after a failed start."""

@@ -19,6 +19,7 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
 from parallax.node.config import TrainConfig
 from parallax.node.network import NetworkLoop, start_dht
+from parallax.node.offload import SETTINGS_KEY, settings_digest
 from parallax.node.offload_exchange import OffloadServicer, WorkerLimits, serve, unserve
 from parallax.protocol.identity import Identity
 
@@ -105,6 +106,8 @@ class Worker:
         self._net.run(serve(self.servicer, self._net.p2p, c.run_id), 10.0)
         self.membership = Membership(self.dht, self.identity,
                                      MembershipConfig(run_id=c.run_id, role="worker", capacity=c.capacity))
+        # Composers use only workers that announce their own settings (offload.worker_settings).
+        self.membership.update(versions={SETTINGS_KEY: settings_digest(c.train)})
         self.membership.start()
         self._event("worker_started", peer_id=self.peer_id, join=self.dht.join_command())
         logger.info("worker %s serving run %s", self.peer_id, c.run_id)

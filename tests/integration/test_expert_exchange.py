@@ -13,6 +13,8 @@ import torch
 
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.expert_exchange import ExpertExchange, encode_snapshot
+from parallax.protocol.envelope import Sealer
+from parallax.protocol.identity import Identity
 
 SHAPES = {"w_gate.weight": (6, 4), "w_up.weight": (6, 4), "w_down.weight": (4, 6)}
 EID = (1, 2)
@@ -38,11 +40,12 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
         try:
             owner = swarm.add_dht(fixed_identity(0))
             heir = swarm.add_dht(fixed_identity(1))
-            for peer, heir_targets in ((owner, dict), (heir, lambda: dict(targets))):
+            keys = {owner.dht.peer_id: fixed_identity(0).public_key, heir.dht.peer_id: fixed_identity(1).public_key}
+            for i, (peer, heir_targets) in enumerate(((owner, dict), (heir, lambda: dict(targets)))):
                 p2p = asyncio.run_coroutine_threadsafe(peer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
                 replicas.append(p2p)
-                exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, heir_targets=heir_targets, poll_s=0.2,
-                                                timeout_s=5.0).start())
+                exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, identity=fixed_identity(i), key_of=keys.get,
+                                                heir_targets=heir_targets, poll_s=0.2, timeout_s=5.0).start())
             yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets}
         finally:
             for x in exchanges:
@@ -110,13 +113,28 @@ def test_bad_snapshots_are_refused_not_raised(pair) -> None:
     owner, heir, targets = pair
     bad = snapshot(1.0)
     bad["w_gate.weight"][0, 0] = 1e30  # our encoder refuses NaN; a norm far past MAX_NORM stands for poison
-    owner.store.put(EID, 1, encode_snapshot(*EID, 1, bad))
+    owner.store.put(EID, 1, owner.sealer.seal(encode_snapshot(*EID, 1, bad)))
     assert heir.fetch(targets["peer"], EID).result(10) is None
     wrong_shape = snapshot(1.0)
     wrong_shape["w_down.weight"] = torch.zeros(6, 4)
-    owner.store.put(EID, 2, encode_snapshot(*EID, 2, wrong_shape))
+    owner.store.put(EID, 2, owner.sealer.seal(encode_snapshot(*EID, 2, wrong_shape)))
     assert heir.fetch(targets["peer"], EID).result(10) is None
-    other_expert = encode_snapshot(0, 0, 3, snapshot(3.0))
+    other_expert = owner.sealer.seal(encode_snapshot(0, 0, 3, snapshot(3.0)))
     owner.store.put(EID, 3, other_expert)
     assert heir.fetch(targets["peer"], EID).result(10) is None
     assert heir.refused == 3
+
+
+def test_a_snapshot_counts_only_when_signed_by_the_peer_asked(pair) -> None:
+    owner, heir, targets = pair
+    good = encode_snapshot(*EID, 4, snapshot(4.0))
+    owner.store.put(EID, 4, Sealer(Identity.generate(), "xchg").seal(good))  # another key's (valid) signature
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    owner.store.put(EID, 4, good.encode())  # the bare body: no signature at all
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    owner.store.put(EID, 5, owner.sealer.seal(good))  # announced as step 5, signed as step 4
+    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert heir.refused == 3
+    owner.store.put(EID, 4, owner.sealer.seal(good))
+    got = heir.fetch(targets["peer"], EID).result(10)
+    assert got is not None and got.step == 4

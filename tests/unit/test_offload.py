@@ -14,7 +14,14 @@ import torch
 from parallax.node import config
 from parallax.node.composer import Composer
 from parallax.node.data import load_corpus, shard, split_corpus
-from parallax.node.offload import LocalWorkers, TaylorProxyTrainer, apply_result, encode_tensors, onboard_blobs
+from parallax.node.offload import (
+    LocalWorkers,
+    TaylorProxyTrainer,
+    apply_result,
+    encode_tensors,
+    onboard_blobs,
+    settings_digest,
+)
 from parallax.node.sim import RunSpec, ownership_for, run
 from parallax.node.sketch import Sketch, compress, taylor_proxy
 from parallax.protocol.errors import RemoteProtocolError
@@ -286,3 +293,18 @@ def test_offload_config_says_what_to_fix(change, message):
         config.OffloadConfig(**change)
     with pytest.raises(ValueError, match="private_layers"):
         config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, private_layers=3))
+
+
+def test_the_settings_digest_follows_exactly_what_a_worker_trains_with() -> None:
+    base = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True))
+    digest = settings_digest(base)
+    assert 0 <= digest < 2**62 and settings_digest(config.override(base, {})) == digest
+    for key, value in [("offload.worker_lr", 1e-2), ("offload.lookahead", 0), ("offload.result_codec", "fp16"),
+                       ("offload.private_layers", 1), ("optim.weight_decay", 0.0), ("steps", 99)]:
+        assert settings_digest(config.override(base, {key: value})) != digest, key
+    base_small = config.TrainConfig(model=config.preset("small"), offload=base.offload)
+    assert settings_digest(base_small) != digest
+    # Composer-side settings leave it alone: a worker serves composers that sample or wait differently.
+    for key, value in [("offload.sample_fraction", 0.5), ("offload.delay", 2), ("offload.max_change", 0.1),
+                       ("offload.input_grad", False), ("offload.wire_codec", "fp16"), ("seed", 7)]:
+        assert settings_digest(config.override(base, {key: value})) == digest, key
