@@ -110,16 +110,16 @@ def snapshot_opener(run_id: str) -> Opener:
 
 
 def decode_snapshot(data: bytes, eid: ExpertId, expert_shapes: Shapes, *, final: bool, opener: Opener,
-                    signer: bytes | None, peer: str | None = None,
+                    signer: bytes, peer: str | None = None,
                     surrogate_shapes: Shapes | None = None) -> Snapshot:
     """Open and check a snapshot of expert ``eid`` that ``signer`` (a public key) must have signed.
 
     Raises:
-        ProtocolError: a failed envelope check, another signer (or none known), undecodable, another expert,
+        ProtocolError: a failed envelope check, another signer, undecodable, another expert,
             an unknown or missing weight, a wrong shape, a non-finite value or a norm above ``MAX_NORM``.
     """
     signed = opener.open(data, ExpertSnapshot, check_replay=False)
-    if signer is None or signed.sender != signer:
+    if signed.sender != signer:
         raise RemoteProtocolError(f"snapshot of {eid} signed by {signed.envelope.peer}, not by the key the "
                                   f"membership names for this peer", peer=peer)
     msg = signed.message
@@ -371,9 +371,13 @@ class ExpertExchange:
         if got is None:
             return None
         step, final, age_s, body = got
+        signer = self.key_of(peer)
+        if signer is None:  # it left our view meanwhile (or never was in it): nothing to check it against
+            logger.debug("snapshot of %s from %s: the membership names no key for that peer", eid, peer)
+            return None
         try:
             snap = decode_snapshot(body, eid, self.expert_shapes, final=final, opener=self.opener,
-                                   signer=self.key_of(peer), peer=peer, surrogate_shapes=self.surrogate_shapes)
+                                   signer=signer, peer=peer, surrogate_shapes=self.surrogate_shapes)
             if snap.step != step:
                 raise RemoteProtocolError(f"snapshot of {eid} announced as step {step}, signed as {snap.step}")
         except ProtocolError as e:

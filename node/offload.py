@@ -118,12 +118,15 @@ def worker_settings(cfg: TrainConfig) -> dict[str, object]:
     """Every setting a worker's answers depend on (``TaylorProxyTrainer`` and the request checks): a worker and
     a composer that differ in any of them would train the expert differently without either noticing."""
     m, o, off = cfg.model, cfg.optim, cfg.offload
-    return {"d_latent": m.d_latent, "d_expert": m.d_expert, "n_layers": m.n_layers, "n_experts": m.n_experts,
-            "betas": list(o.betas), "weight_decay": o.weight_decay, "warmup_steps": o.warmup_steps,
-            "min_lr_ratio": o.min_lr_ratio, "steps": cfg.steps, "worker_steps": off.worker_steps,
-            "worker_lr": off.worker_lr, "proxy_lambda": off.proxy_lambda, "result_codec": off.result_codec,
-            "result_rank": off.result_rank, "onboard_codec": off.onboard_codec, "lookahead": off.lookahead,
-            "private_layers": off.private_layers}
+    # int() and float(): `--set offload.proxy_lambda=0` parses as an int; it must hash like the default 0.0.
+    return {"d_latent": int(m.d_latent), "d_expert": int(m.d_expert), "n_layers": int(m.n_layers),
+            "n_experts": int(m.n_experts), "betas": [float(b) for b in o.betas],
+            "weight_decay": float(o.weight_decay), "warmup_steps": int(o.warmup_steps),
+            "min_lr_ratio": float(o.min_lr_ratio), "steps": int(cfg.steps), "worker_steps": int(off.worker_steps),
+            "worker_lr": float(off.worker_lr), "proxy_lambda": float(off.proxy_lambda),
+            "result_codec": off.result_codec, "result_rank": int(off.result_rank),
+            "onboard_codec": off.onboard_codec, "lookahead": int(off.lookahead),
+            "private_layers": int(off.private_layers)}
 
 
 def settings_digest(cfg: TrainConfig) -> int:

@@ -58,8 +58,8 @@ from parallax.node.model import SwiGLU
 from parallax.node.offload import Blobs, TaylorProxyTrainer, encode_tensors
 from parallax.node.sketch import Sketch
 from parallax.protocol import codec
-from parallax.protocol.envelope import Opener, Sealer, Signed
-from parallax.protocol.errors import ProtocolError, RemoteProtocolError
+from parallax.protocol.envelope import Envelope, Opener, Sealer, Signed
+from parallax.protocol.errors import BadTimestamp, ProtocolError, RemoteProtocolError
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import ExpertSnapshot, Message, WorkerResult
 from parallax.protocol.messages import Sketch as SketchMessage
@@ -130,26 +130,34 @@ def sketch_message(eid: ExpertId, step: int, sketch: Sketch, wire_codec: str) ->
 
 def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLimits, *, me: str,
                  peer: str | None = None) -> Signed[M]:
-    """Verify a request's envelope: size before anything decodes it, then every envelope check (signature,
-    run, time window, replay), then that it is addressed to this peer (``me``: our libp2p peer id).
+    """Verify a request's envelope: size before anything decodes it, then every envelope check but the replay
+    check (signature, run, time window), then that it is addressed to this peer (``me``: our libp2p peer id).
+    The caller records the sequence number (``accept``) only once the request is one it will serve, so that
+    keys nobody onboarded cannot fill the replay cache.
 
     Raises:
         RemoteProtocolError: any refusal, naming the sender when it is known.
     """
     check_size(data, limits, peer=peer)
-    signed = opener.open(data, expect)
+    signed = opener.open(data, expect, check_replay=False)
     to = getattr(signed.message, "to", None)  # Sketch and ExpertSnapshot carry their addressee
     if to != me:
         raise RemoteProtocolError(f"{expect.KIND} addressed to {to!r:.60}, not to this peer", peer=signed.envelope.peer)
     return signed
 
 
+def accept(opener: Opener, envelope: Envelope) -> None:
+    """Record a verified request's sequence number, or raise ``ReplayedMessage`` if it was seen."""
+    opener.replay.accept(envelope.sender, envelope.kind, envelope.seq, envelope.timestamp)
+
+
 def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
-                  peer: str | None = None) -> tuple[bytes, ExpertId, int, Sketch]:
-    """Open and check an update request.
+                  peer: str | None = None) -> tuple[Envelope, ExpertId, int, Sketch]:
+    """Open and check an update request (its sequence number is not recorded yet: ``accept``).
 
     Returns:
-        (the signer's public key, expert, step, sketch) with float32 x and g of shape rows x d_latent.
+        (the verified envelope: its ``sender`` is the signer's public key, expert, step, sketch) with float32 x
+        and g of shape rows x d_latent.
 
     Raises:
         RemoteProtocolError: oversized, a failed envelope check (forged, replayed, stale, another run or
@@ -169,13 +177,13 @@ def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: O
         raise RemoteProtocolError("sketch is not finite", peer=peer)
     sketch = Sketch(torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(g, dtype=np.float32)),
                     msg.tokens, len(data))
-    return signed.sender, eid, msg.step, sketch
+    return signed.envelope, eid, msg.step, sketch
 
 
 def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
-                   peer: str | None = None) -> tuple[bytes, ExpertId, int, Blobs]:
-    """Open an onboarding request to (the signer's public key, expert, the composer's step, weight blobs);
-    the trainer checks the blobs' shapes.
+                   peer: str | None = None) -> tuple[Envelope, ExpertId, int, Blobs]:
+    """Open an onboarding request to (the verified envelope, expert, the composer's step, weight blobs); the
+    trainer checks the blobs' shapes. Its sequence number is not recorded yet (``accept``).
 
     Raises:
         RemoteProtocolError: oversized, a failed envelope check, undecodable, or an expert outside the
@@ -183,7 +191,7 @@ def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: 
     """
     signed = open_request(data, ExpertSnapshot, opener, limits, me=me, peer=peer)
     msg = signed.message
-    return signed.sender, _check_expert(cfg, msg.layer, msg.expert, signed.envelope.peer), msg.step, dict(msg.tensors)
+    return signed.envelope, _check_expert(cfg, msg.layer, msg.expert, signed.envelope.peer), msg.step, dict(msg.tensors)
 
 
 def assign_to_workers(run_id: str, experts: list[ExpertId], workers: Mapping[str, float]) -> dict[ExpertId, str]:
@@ -256,11 +264,13 @@ class OffloadServicer(ServicerBase):
     async def rpc_onboard(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            caller, eid, onboard_step, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits,
-                                                              self.opener, me=context.local_id.to_base58(), peer=peer)
+            envelope, eid, onboard_step, blobs = decode_onboard(request.serialized_info, self.cfg, self.limits,
+                                                                self.opener, me=context.local_id.to_base58(), peer=peer)
+            caller = envelope.sender
             with self._lock:
                 if (caller, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
                     raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
+            accept(self.opener, envelope)
             trainer = await asyncio.get_running_loop().run_in_executor(
                 self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
         except (ProtocolError, ValueError) as e:
@@ -276,8 +286,9 @@ class OffloadServicer(ServicerBase):
     async def rpc_update(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            caller, eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
-                                                      me=context.local_id.to_base58(), peer=peer)
+            envelope, eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
+                                                        me=context.local_id.to_base58(), peer=peer)
+            caller = envelope.sender
             with self._lock:
                 trainer = self.trainers.get((caller, eid))
             if trainer is None:
@@ -286,6 +297,7 @@ class OffloadServicer(ServicerBase):
                 # answering it would move our mirror past the copy the composer now holds
                 raise RemoteProtocolError(f"sketch of expert {eid} from step {step}, before its onboarding at "
                                           f"step {trainer.onboard_step}", peer=peer)
+            accept(self.opener, envelope)
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused an update from %s: %s", peer, e)
@@ -385,15 +397,20 @@ class OffloadClient:
 
         Raises:
             RemoteProtocolError: a failed check, or the signer is not ``worker``'s key.
-            ConnectionError: the membership names no key for ``worker`` (it left the live view).
+            ConnectionError: the membership names no key for ``worker`` (it left the live view), or the answer's
+                timestamp is outside the window (a clock is off).
         """
-        signed = self.opener.open(data, expect)
         key = self.key_of(worker)
         if key is None:  # not the worker's fault: the caller drops it without banning it
             raise ConnectionError(f"worker {worker} is not in the live membership, its answer cannot be checked")
+        try:
+            signed = self.opener.open(data, expect, check_replay=False)
+        except BadTimestamp as e:  # a clock that is off, not a lie: drop the worker, do not ban it
+            raise ConnectionError(f"worker {worker}'s answer: {e} (are both clocks right?)") from None
         if key != signed.sender:
             raise RemoteProtocolError(f"{expect.KIND} signed by {signed.envelope.peer}, which the live membership "
                                       f"does not name for this worker", peer=worker)
+        accept(self.opener, signed.envelope)  # only the workers we call get entries in the replay cache
         return signed
 
     async def _call(self, method: str, worker: str, body: bytes, timeout_s: float) -> bytes | None:

@@ -18,15 +18,16 @@ parsing (its size cap is checked first), and a signature made for one kind can n
 trusting: total size against the cap of the expected kind(s); structure of the prefix; protocol
 version; kind (registered, expected here, within its own cap): all before any decoding; then the header
 (a bounded msgpack parse of at most ``MAX_HEADER_BYTES``, its types, canonical form and exact length);
-run id; signature; timestamp within ``window_s`` of the local clock; sequence number strictly above the
-last one accepted from the sender for this kind. Only then is the body decoded (``Opener.open``).
+run id; signature; timestamp within ``window_s`` of the local clock; sequence number not accepted before
+from the sender for this kind (above the last one, or with ``replay_window`` W within W of the highest,
+once). Only then is the body decoded (``Opener.open``).
 Every refusal is a ``RemoteProtocolError`` subclass naming the claimed sender once it is known.
 
 Sequence numbers: a ``Sealer`` starts at the current time in microseconds and counts up, so a node that
-restarts keeps its numbers increasing without storing them. Receivers track the last number per
-(sender, kind) in a bounded LRU (``ReplayGuard``): one counter per sender, but the kinds travel on
-different paths (DHT records, streams) and may overtake each other, while replays across kinds are
-already impossible by the signing domain.
+restarts keeps its numbers increasing without storing them. Receivers track the highest number per
+(sender, kind), and with a window which of the W below it were seen, in a bounded LRU (``ReplayGuard``):
+one counter per sender, but the kinds travel on different paths (DHT records, streams) and may overtake
+each other, while replays across kinds are already impossible by the signing domain.
 """
 
 from __future__ import annotations

@@ -138,3 +138,6 @@ def test_a_snapshot_counts_only_when_signed_by_the_peer_asked(pair) -> None:
     owner.store.put(EID, 4, owner.sealer.seal(good))
     got = heir.fetch(targets["peer"], EID).result(10)
     assert got is not None and got.step == 4
+    key_of, heir.key_of = heir.key_of, {}.get  # the owner left the heir's view: nothing to check against
+    assert heir.fetch(targets["peer"], EID).result(10) is None and heir.refused == 3  # dropped, not "refused"
+    heir.key_of = key_of

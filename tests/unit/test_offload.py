@@ -299,6 +299,8 @@ def test_the_settings_digest_follows_exactly_what_a_worker_trains_with() -> None
     base = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True))
     digest = settings_digest(base)
     assert 0 <= digest < 2**62 and settings_digest(config.override(base, {})) == digest
+    # Written as an int on one command line and left at the float default on the other: the same settings.
+    assert settings_digest(config.override(base, {"offload.proxy_lambda": 0, "optim.weight_decay": 0.1})) == digest
     for key, value in [("offload.worker_lr", 1e-2), ("offload.lookahead", 0), ("offload.result_codec", "fp16"),
                        ("offload.private_layers", 1), ("optim.weight_decay", 0.0), ("steps", 99)]:
         assert settings_digest(config.override(base, {key: value})) != digest, key

@@ -16,6 +16,7 @@ from parallax.node.offload_exchange import (
     OffloadClient,
     OffloadServicer,
     WorkerLimits,
+    accept,
     assign_to_workers,
     check_size,
     decode_onboard,
@@ -44,7 +45,11 @@ def _sealed(message, *, to: str | None = WORKER, sealer: Sealer | None = None) -
 
 
 def _decode_sketch(data: bytes, opener: Opener | None = None):
-    return decode_sketch(data, CFG, LIMITS, opener or Opener(RUN, replay_window=64), me=WORKER)
+    """What the worker does with an update request before training on it: open, check, record its number."""
+    opener = opener or Opener(RUN, replay_window=64)
+    got = decode_sketch(data, CFG, LIMITS, opener, me=WORKER)
+    accept(opener, got[0])
+    return got
 
 
 def _sketch(rows: int = 5, width: int = L) -> Sketch:
@@ -53,8 +58,8 @@ def _sketch(rows: int = 5, width: int = L) -> Sketch:
 
 
 def test_a_sketch_round_trips_at_the_latent_width() -> None:
-    caller, eid, step, got = _decode_sketch(_sealed(sketch_message((1, 2), 7, _sketch(), "int8")))
-    assert (caller, eid, step) == (COMPOSER.public_key, (1, 2), 7)
+    envelope, eid, step, got = _decode_sketch(_sealed(sketch_message((1, 2), 7, _sketch(), "int8")))
+    assert (envelope.sender, eid, step) == (COMPOSER.public_key, (1, 2), 7)
     assert got.x_NL.shape == (5, L) and got.x_NL.dtype == torch.float32
     assert torch.allclose(got.g_NL, _sketch().g_NL, atol=0.05)
 
@@ -102,7 +107,8 @@ def test_a_forged_or_replayed_sketch_is_refused_and_concurrent_ones_pass_once() 
     claimed = forged.replace(MALLORY.public_key, COMPOSER.public_key)  # Mallory's signature, Alice's name
     with pytest.raises(BadSignature):
         _decode_sketch(claimed, opener)
-    assert _decode_sketch(forged, opener)[0] == MALLORY.public_key  # signed by Mallory: Mallory's own trainers only
+    # Signed by Mallory: it counts as Mallory's, and reaches only trainers Mallory onboarded.
+    assert _decode_sketch(forged, opener)[0].sender == MALLORY.public_key
     assert len(body) < len(forged) < len(body) + 256  # what signing costs on the wire
     with pytest.raises(WrongRun):
         _decode_sketch(_sealed(sketch_message((1, 0), 4, _sketch(), "int8"), sealer=Sealer(COMPOSER, "other")), opener)
@@ -112,7 +118,7 @@ def test_onboarding_is_bounded_to_offloadable_experts() -> None:
     weights = {"w": codec.encode(np.zeros(4, np.float32))}
     got = decode_onboard(_sealed(ExpertSnapshot(layer=1, expert=3, step=0, tensors=weights)), CFG, LIMITS,
                          Opener(RUN), me=WORKER)
-    assert got[:2] == (COMPOSER.public_key, (1, 3))
+    assert (got[0].sender, got[1]) == (COMPOSER.public_key, (1, 3))
     with pytest.raises(RemoteProtocolError, match="offloadable"):
         decode_onboard(_sealed(ExpertSnapshot(layer=0, expert=3, step=0, tensors={})), CFG, LIMITS, Opener(RUN),
                        me=WORKER)
@@ -233,5 +239,6 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
     try:
         asyncio.run(scenario())
         assert servicer.updates == 1 and servicer.refused == 2
+        assert len(servicer.opener.replay) == 2  # the composer's onboarding and sketches; nothing of Mallory's
     finally:
         servicer.shutdown()
