@@ -63,9 +63,13 @@ def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", join_at: int = 10,
                     periods: str = '{"router": 25, "latent": 50, "backbone": 100}', refresh_every: int = 25,
-                    snapshot_every: int = 50, workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
-    """Run the benchmark (module docstring); returns the report (JSON-able)."""
-    from parallax.node.config import override, train_config
+                    snapshot_every: int = 50, changes: list[str] | None = None, workdir: Path | None = None,
+                    progress: Any = print) -> dict[str, Any]:
+    """Run the benchmark (module docstring); returns the report (JSON-able).
+
+    ``changes``: ``PATH=VALUE`` config overrides given to every node and to the in-process reference alike.
+    """
+    from parallax.node.config import override, parse_changes, train_config
     from parallax.node.data import load_corpus, split_corpus
     from parallax.node.model import MoETransformer
     from parallax.node.sim import RunSpec, run
@@ -73,6 +77,10 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-swarm-"))
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--set", f"steps={steps}", "--final-eval", "--snapshot-every", str(snapshot_every)]
+    changes = list(changes or [])
+    extra = parse_changes(changes)
+    for change in changes:
+        args += ["--set", change]
     bandwidth = loopback_bandwidth()
     progress(f"loopback bandwidth {bandwidth / 1e9:.2f} GB/s; starting {nodes} nodes + 1 joiner in {workdir}")
     swarm = LocalSwarm(workdir, run_id="bench", node_args=args)
@@ -98,7 +106,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     codes = [n.process.returncode for n in swarm.nodes]
 
     cfg = override(train_config(preset), {"steps": steps, "sync.periods": json.loads(periods),
-                                          "surrogate.refresh_every": refresh_every})
+                                          "surrogate.refresh_every": refresh_every, **extra})
     full = MoETransformer(cfg.model, None, "drop")  # DDP trains the plain MoE: every expert, no surrogates
     params = sum(p.numel() for p in full.parameters())
     ddp_per_step = 2 * (nodes - 1) / nodes * 4 * params
@@ -158,7 +166,8 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     training = [n["training_bytes_per_step"] for n in per_node if n["training_bytes_per_step"]]
     snapshots = [n["snapshot_bytes_per_step"] for n in per_node if n["snapshot_bytes_per_step"] is not None]
     return {
-        "nodes": nodes, "steps": steps, "preset": preset, "join_at": join_at, "periods": json.loads(periods),
+        "nodes": nodes, "steps": steps, "preset": preset, "changes": changes, "join_at": join_at,
+        "periods": json.loads(periods),
         "refresh_every": refresh_every, "wall_s": wall_s, "exit_codes": codes, "per_node": per_node,
         "loopback_bytes_per_s": bandwidth,
         "step_path_dht_calls": sum(n["step_path_dht_calls"] or 0 for n in per_node),
@@ -221,7 +230,8 @@ def markdown(report: dict[str, Any]) -> str:
     t, j, v = report["traffic"], report["join"], report["val_loss"]
     lines = [
         f"P2P swarm: {report['nodes']} nodes + 1 joiner, preset {report['preset']}, {report['steps']} steps, "
-        f"periods {report['periods']}, refresh every {report['refresh_every']} (exit codes {report['exit_codes']})",
+        f"periods {report['periods']}, refresh every {report['refresh_every']}"
+        + "".join(f", --set {c}" for c in report.get("changes", [])) + f" (exit codes {report['exit_codes']})",
         "",
         "| measure | value | reference |",
         "|---|---|---|",

@@ -151,11 +151,13 @@ def swarm(
     steps: int = typer.Option(150, "--steps", min=10, help="Inner steps per node (and of the in-process reference)."),
     preset: Preset = "small",
     join_at: int = typer.Option(10, "--join-at", min=1, help="The joiner starts once every node passed this step."),
+    changes: Sets = None,
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
     json_path: JsonPath = None,
 ) -> None:
     """A local process swarm side by side with the in-process run: step-path I/O, traffic vs DDP, outer-round
-    time vs the bandwidth bound, join-to-first-step, final loss (a few minutes on 2 cores)."""
+    time vs the bandwidth bound, join-to-first-step, final loss (a few minutes on 2 cores). ``--set`` applies to
+    the nodes and the in-process reference alike."""
     import signal
     from pathlib import Path
 
@@ -165,7 +167,13 @@ def swarm(
         raise KeyboardInterrupt  # SIGTERM too: the swarm's ``finally`` stops every node it started
 
     signal.signal(signal.SIGTERM, interrupt)
-    report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at,
+    from parallax.node.config import override, parse_changes, train_config
+
+    try:  # a bad --set is refused here, before any process starts
+        override(train_config(preset), parse_changes(changes or []))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at, changes=changes,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo)
     write(report, json_path)
     typer.echo(markdown(report))
