@@ -120,6 +120,11 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
                           if adopted[0]["t"] <= r["t"] < left})
         assert any(_is_partition([shard_at(r, t) for r in records]) for t in moments), "no moment with a partition"
         assert events(records[3], "loaded_state"), "the joiner did not load the shared groups from peers"
+        # It fits no surrogate on its not-yet-merged backbone: refits only after its first backbone round.
+        merged = [r["t"] for r in events(records[3], "round") if r["group"] == "backbone" and r["status"] == "ok"]
+        refits, deferred = events(records[3], "refit"), events(records[3], "refit_deferred")
+        assert merged and refits and all(r["t"] > merged[0] for r in refits), (merged[:1], refits[:1])
+        assert all(d["t"] < merged[0] for d in deferred), deferred
         assert steps_of(records[3])[0]["step"] > 12, "the joiner did not take the swarm's step count"
 
         for i, r in enumerate(records[:3]):
