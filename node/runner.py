@@ -183,7 +183,10 @@ class _Adoption:
     future: Any = None
     best: Snapshot | None = None
     asked: float = 0.0
-    others: list[str] = field(default_factory=list)  # further peers to ask when the source holds none
+    others: list[str] = field(default_factory=list)
+    """Further peers to ask when the source holds none, in turn: the source goes back to the end of the queue,
+    so a previous owner that had nothing yet (its view lagged ours, it released the expert a few seconds
+    later) is asked again."""
 
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
@@ -611,11 +614,13 @@ class Node:
                                  a.started - HANDOVER_WINDOW_S)
                 recent_final = snap is not None and snap.final and time.monotonic() - snap.age_s >= not_before
                 if not recent_final and waited < self.config.adopt_wait_s:
-                    if (snap is None or snap.final) and a.others:  # none here, or a stale final: ask the next one
+                    if time.monotonic() - a.asked < 0.5:  # at most two requests a second per expert
+                        return
+                    if (snap is None or snap.final) and a.others:  # none here, or a stale final: the next in turn
+                        if a.source is not None:
+                            a.others.append(a.source)
                         a.source = a.others.pop(0)
-                        a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()
-                    elif time.monotonic() - a.asked >= 0.5:  # ask again, at most twice a second
-                        a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
+                    a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
         local = exchange.take_local_copy(a.eid)
         if a.best is not None and local is not None and local[0].step > a.best.step:
@@ -671,7 +676,8 @@ class Node:
                     composer.reset_publisher(eid)
                     gossip.hold(eid, int(snapshot.tensors[SURROGATE_VERSION]))
         if snapshot is None:
-            logger.warning("expert %s: no usable snapshot (its owner left before any); restarting it from init", eid)
+            logger.warning("expert %s: no live peer served a usable snapshot of it within the adoption wait; "
+                           "restarting it from init", eid)
             source = "init"
             composer.adopt_expert(eid, None)
         self._adopted.add(eid)
