@@ -220,10 +220,9 @@ class Node:
         self._mismatched_workers: set[str] = set()  # workers named in the log for running other settings
         self._settings_digest: int | None = None  # offload.settings_digest of this node's config
         self._refits_wait_for: str | None = None
-        """A joiner publishes no surrogate refresh until this group has merged once (None: ready), or at most
-        until step ``_refits_wait_until`` (two of its periods: rounds that keep failing must not freeze its
-        surrogates for good)."""
-        self._refits_wait_until = 0
+        """A joiner publishes no surrogate refresh until this group has merged once (None: ready), or until two
+        of its rounds failed (rounds that keep failing must not freeze its surrogates for good)."""
+        self._refits_rounds_failed = 0
         self.schedule = TierSchedule(self.cfg.sync.periods)
         self._net: NetworkLoop | None = None
         self._metrics: Any = None
@@ -323,7 +322,6 @@ class Node:
             # surrogates fitted on its activations would stand in badly for everyone (see _publish_refresh).
             if "backbone" in self.composer.outer:
                 self._refits_wait_for = "backbone"
-                self._refits_wait_until = swarm_step + 2 * cfg.sync.periods["backbone"]
         self.rounds.publish_state()
         if joining:
             before = {m.fingerprint: m.heartbeat.capacity for m in others}
@@ -486,8 +484,14 @@ class Node:
         self._reconcile_ownership()
         for report in rounds.collect():
             self._round_event(report)
-            if report.group == self._refits_wait_for and report.status is RoundStatus.OK:
-                self._refits_wait_for = None
+            if report.group == self._refits_wait_for:
+                self._refits_rounds_failed += report.status is not RoundStatus.OK
+                if report.status is RoundStatus.OK:
+                    self._refits_ready("merged")
+                elif self._refits_rounds_failed >= 2:
+                    logger.warning("%d %s rounds failed since joining; refitting surrogates without a merged "
+                                   "backbone", self._refits_rounds_failed, report.group)
+                    self._refits_ready("rounds_failed")
         step = composer.step
         if step > 0:
             alone = len(membership.view().composers()) < 2
@@ -497,7 +501,7 @@ class Node:
                 if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
                     composer.apply_outer(group, composer.pseudo_gradient(group))
                     if group == self._refits_wait_for:
-                        self._refits_wait_for = None
+                        self._refits_ready("alone")
                 elif not alone:
                     rounds.submit(group, round_id=step // self.schedule.periods[group])
             if step % self.cfg.surrogate.refresh_every == 0:
@@ -524,6 +528,11 @@ class Node:
         averager = self.sync.groups[report.group]
         return int(payload_bytes(averager.shapes, averager.config) * (n - 1) / n)
 
+    def _refits_ready(self, reason: str) -> None:
+        """The joiner's wait for a merged backbone is over (``reason``: merged, alone, rounds_failed)."""
+        self._event("refits_ready", step=self.composer.step if self.composer else 0, reason=reason)
+        self._refits_wait_for = None
+
     def _publish_refresh(self) -> None:
         """Distil the owned experts and publish the deltas; not while this node is a joiner whose backbone has
         not merged with the swarm's yet (``_refits_wait_for``): until then its activations come from the last
@@ -536,10 +545,6 @@ class Node:
         assert composer is not None and gossip is not None
         if composer.recorder is None:
             return
-        if self._refits_wait_for is not None and composer.step >= self._refits_wait_until:
-            logger.warning("no %s round merged in the %d steps since joining; refitting surrogates anyway",
-                           self._refits_wait_for, 2 * self.cfg.sync.periods[self._refits_wait_for])
-            self._refits_wait_for = None
         if self._refits_wait_for is not None:
             self._event("refit_deferred", step=composer.step, until=self._refits_wait_for)
             return

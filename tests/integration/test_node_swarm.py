@@ -120,11 +120,18 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
                           if adopted[0]["t"] <= r["t"] < left})
         assert any(_is_partition([shard_at(r, t) for r in records]) for t in moments), "no moment with a partition"
         assert events(records[3], "loaded_state"), "the joiner did not load the shared groups from peers"
-        # It fits no surrogate on its not-yet-merged backbone: refits only after its first backbone round.
-        merged = [r["t"] for r in events(records[3], "round") if r["group"] == "backbone" and r["status"] == "ok"]
+        # It fits no surrogate on its not-yet-merged backbone: it refits only once a backbone round merged (or,
+        # should two fail, without one), and defers every refresh before.
+        (ready,) = events(records[3], "refits_ready")
+        backbone = [r for r in events(records[3], "round") if r["group"] == "backbone" and r["t"] <= ready["t"]]
+        if ready["reason"] == "merged":
+            assert backbone and backbone[-1]["status"] == "ok", backbone
+            assert all(r["status"] != "ok" for r in backbone[:-1]), backbone
+        else:
+            assert ready["reason"] == "rounds_failed" and not any(r["status"] == "ok" for r in backbone), backbone
         refits, deferred = events(records[3], "refit"), events(records[3], "refit_deferred")
-        assert merged and refits and all(r["t"] > merged[0] for r in refits), (merged[:1], refits[:1])
-        assert all(d["t"] < merged[0] for d in deferred), deferred
+        assert refits and all(r["t"] > ready["t"] for r in refits), (ready, refits[:1])
+        assert all(d["t"] < ready["t"] for d in deferred), deferred
         assert steps_of(records[3])[0]["step"] > 12, "the joiner did not take the swarm's step count"
 
         for i, r in enumerate(records[:3]):
