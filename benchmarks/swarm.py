@@ -61,6 +61,25 @@ def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == kind]
 
 
+OWN_OPTIONS = {"steps": "--steps", "sync.periods": "25/50/100, reported", "surrogate.refresh_every": "25, reported"}
+"""Settings the benchmark sets itself (and reports): ``--set`` may not change them behind its back."""
+
+
+def swarm_changes(changes: list[str]) -> dict[str, object]:
+    """``--set`` overrides for the benchmark's nodes and reference, parsed.
+
+    Raises:
+        ValueError: unparsable, or one of ``OWN_OPTIONS``.
+    """
+    from parallax.node.config import parse_changes
+
+    parsed = parse_changes(changes)
+    taken = sorted(set(parsed) & set(OWN_OPTIONS))
+    if taken:
+        raise ValueError(f"--set {taken[0]}: the benchmark sets it itself ({OWN_OPTIONS[taken[0]]})")
+    return parsed
+
+
 def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", join_at: int = 10,
                     periods: str = '{"router": 25, "latent": 50, "backbone": 100}', refresh_every: int = 25,
                     snapshot_every: int = 50, changes: list[str] | None = None, workdir: Path | None = None,
@@ -69,7 +88,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
 
     ``changes``: ``PATH=VALUE`` config overrides given to every node and to the in-process reference alike.
     """
-    from parallax.node.config import override, parse_changes, train_config
+    from parallax.node.config import override, train_config
     from parallax.node.data import load_corpus, split_corpus
     from parallax.node.model import MoETransformer
     from parallax.node.sim import RunSpec, run
@@ -78,7 +97,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--set", f"steps={steps}", "--final-eval", "--snapshot-every", str(snapshot_every)]
     changes = list(changes or [])
-    extra = parse_changes(changes)
+    extra = swarm_changes(changes)
     for change in changes:
         args += ["--set", change]
     bandwidth = loopback_bandwidth()

@@ -167,10 +167,11 @@ def swarm(
         raise KeyboardInterrupt  # SIGTERM too: the swarm's ``finally`` stops every node it started
 
     signal.signal(signal.SIGTERM, interrupt)
-    from parallax.node.config import override, parse_changes, train_config
+    from parallax.benchmarks.swarm import swarm_changes
+    from parallax.node.config import override, train_config
 
     try:  # a bad --set is refused here, before any process starts
-        override(train_config(preset), parse_changes(changes or []))
+        override(train_config(preset), swarm_changes(changes or []))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at, changes=changes,

@@ -184,9 +184,11 @@ class _Adoption:
     best: Snapshot | None = None
     asked: float = 0.0
     others: list[str] = field(default_factory=list)
-    """Further peers to ask when the source holds none, in turn: the source goes back to the end of the queue,
-    so a previous owner that had nothing yet (its view lagged ours, it released the expert a few seconds
-    later) is asked again."""
+    """Further peers to ask when the source holds none, in turn, every other request going to the source again:
+    a previous owner that had nothing yet (its view lagged ours; it releases the expert seconds later) is asked
+    again within a second, however many peers there are."""
+    asking: str | None = None
+    """The peer the pending (or last) request went to."""
 
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
@@ -220,8 +222,9 @@ class Node:
         self._mismatched_workers: set[str] = set()  # workers named in the log for running other settings
         self._settings_digest: int | None = None  # offload.settings_digest of this node's config
         self._refits_wait_for: str | None = None
-        """A joiner publishes no surrogate refresh until this group has merged once (None: ready), or until two
-        of its rounds failed (rounds that keep failing must not freeze its surrogates for good)."""
+        """A joiner publishes no surrogate refresh until this group has merged once (None: ready), it is alone in
+        a fresh view (its own outer steps are the swarm's), or two of the group's rounds failed (rounds that keep
+        failing must not freeze its surrogates for good)."""
         self._refits_rounds_failed = 0
         self.schedule = TierSchedule(self.cfg.sync.periods)
         self._net: NetworkLoop | None = None
@@ -318,10 +321,10 @@ class Node:
             taken = self.rounds.load_from_peers(timeout_s=30.0)
             self._fast_forward(swarm_step)
             self._event("loaded_state", groups=taken, step=swarm_step)
-            # Our backbone is the swarm's last merged anchor, not where the others have trained it since:
-            # surrogates fitted on its activations would stand in badly for everyone (see _publish_refresh).
-            if "backbone" in self.composer.outer:
-                self._refits_wait_for = "backbone"
+        if joining and "backbone" in self.composer.outer:
+            # Our backbone is the swarm's last merged anchor (or our own checkpoint's), not where the others
+            # have trained it since: surrogates fitted on its activations would mislead everyone (_publish_refresh).
+            self._refits_wait_for = "backbone"
         self.rounds.publish_state()
         if joining:
             before = {m.fingerprint: m.heartbeat.capacity for m in others}
@@ -500,7 +503,8 @@ class Node:
                     continue
                 if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
                     composer.apply_outer(group, composer.pseudo_gradient(group))
-                    if group == self._refits_wait_for:
+                    fresh = self._fresh_view()  # not a view that lost the others for a moment
+                    if group == self._refits_wait_for and fresh is not None and len(fresh.composers()) < 2:
                         self._refits_ready("alone")
                 elif not alone:
                     rounds.submit(group, round_id=step // self.schedule.periods[group])
@@ -590,6 +594,7 @@ class Node:
                 elif adoption.others:
                     adoption.source = adoption.others.pop(0)
             if adoption.source is not None:
+                adoption.asking = adoption.source
                 adoption.future = self.exchange.fetch(adoption.source, eid)  # type: ignore[union-attr]
                 adoption.asked = time.monotonic()
             self._adopting[eid] = adoption
@@ -621,11 +626,13 @@ class Node:
                 if not recent_final and waited < self.config.adopt_wait_s:
                     if time.monotonic() - a.asked < 0.5:  # at most two requests a second per expert
                         return
-                    if (snap is None or snap.final) and a.others:  # none here, or a stale final: the next in turn
-                        if a.source is not None:
-                            a.others.append(a.source)
-                        a.source = a.others.pop(0)
-                    a.future, a.asked = exchange.fetch(a.source, a.eid), time.monotonic()  # type: ignore[arg-type]
+                    if (snap is None or snap.final) and a.others:  # none here, or a stale final: someone else
+                        if a.asking == a.source:  # the next of the others, in turn
+                            a.asking = a.others.pop(0)
+                            a.others.append(a.asking)
+                        else:  # and every other time the previous owner again
+                            a.asking = a.source
+                    a.future, a.asked = exchange.fetch(a.asking, a.eid), time.monotonic()  # type: ignore[arg-type]
                     return
         local = exchange.take_local_copy(a.eid)
         if a.best is not None and local is not None and local[0].step > a.best.step:

@@ -40,14 +40,14 @@ def _node(exchange: Exchange) -> SimpleNamespace:
 
 def test_a_previous_owner_that_had_nothing_yet_is_asked_again_in_turn() -> None:
     """The previous owner's view lagged ours: it releases (and serves its final snapshot) only after the other
-    live peers said they hold nothing. It must be asked again, not the last peer over and over (that ended in
-    a restart from init in `parallax bench swarm` runs, losing the expert's training)."""
+    live peers said they hold nothing. It must be asked again, every other request, not the last peer over and
+    over (that ended in a restart from init in `parallax bench swarm` runs, losing the expert's training)."""
     exchange = Exchange({"owner": None, "b": None, "c": None})
     node = _node(exchange)
-    adoption = _Adoption(EID, "owner", time.monotonic(), others=["b", "c"])
+    adoption = _Adoption(EID, "owner", time.monotonic(), others=["b", "c"], asking="owner")
     adoption.future, adoption.asked = exchange.fetch("owner", EID), 0.0
     node._adopting[EID] = adoption
-    for _ in range(2):  # the owner, then b: nobody holds it yet; c is asked
+    for _ in range(3):  # the owner, b, the owner, c: nobody holds it yet
         adoption.asked = 0.0  # as if half a second passed between seams
         Node._progress_adoption(node, adoption)
     final = Snapshot(EID[0], EID[1], step=51, final=True, tensors={}, age_s=0.1)
@@ -55,14 +55,14 @@ def test_a_previous_owner_that_had_nothing_yet_is_asked_again_in_turn() -> None:
     for _ in range(2):  # c holds nothing either: the owner's turn again, and its final snapshot ends the wait
         adoption.asked = 0.0
         Node._progress_adoption(node, adoption)
-    assert exchange.asked == ["owner", "b", "c", "owner"]
+    assert exchange.asked == ["owner", "b", "owner", "c", "owner"]
     assert node.adopted == [(final, "previous owner")] and EID not in node._adopting
 
 
 def test_requests_are_paced_and_the_wait_ends_in_init_only_when_nobody_served_one() -> None:
     exchange = Exchange({"owner": None})
     node = _node(exchange)
-    adoption = _Adoption(EID, "owner", time.monotonic(), others=[])
+    adoption = _Adoption(EID, "owner", time.monotonic(), others=[], asking="owner")
     adoption.future, adoption.asked = exchange.fetch("owner", EID), time.monotonic()
     node._adopting[EID] = adoption
     for _ in range(5):  # seams within half a second: no new request

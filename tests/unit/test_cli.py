@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from parallax.cli.main import app
@@ -71,3 +72,10 @@ def test_flops_table_reproduces_the_report():
     assert "7.63x" in result.output and "20.95x" in result.output
     # with the default input gradients: 1 / ((1/8)(2/3) + (7/8)(2/48)/3) = 10.47x, and 7.29x direct
     assert "10.47x" in result.output and "7.29x" in result.output
+
+
+@pytest.mark.parametrize("change, says", [("nonsense.key=1", "unknown config section"),
+                                          ("steps=5", "sets it itself"), ("sync.periods={}", "sets it itself")])
+def test_bench_swarm_refuses_a_bad_set_before_starting_anything(change, says):
+    result = runner.invoke(app, ["bench", "swarm", "--set", change])
+    assert result.exit_code == 2 and says in result.output
