@@ -132,7 +132,7 @@ def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLim
                  peer: str | None = None) -> Signed[M]:
     """Verify a request's envelope: size before anything decodes it, then every envelope check but the replay
     check (signature, run, time window), then that it is addressed to this peer (``me``: our libp2p peer id).
-    The caller records the sequence number (``accept``) only once the request is one it will serve, so that
+    The caller records the sequence number (``Opener.accept``) only once the request is one it will serve, so that
     keys nobody onboarded cannot fill the replay cache.
 
     Raises:
@@ -146,14 +146,9 @@ def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLim
     return signed
 
 
-def accept(opener: Opener, envelope: Envelope) -> None:
-    """Record a verified request's sequence number, or raise ``ReplayedMessage`` if it was seen."""
-    opener.replay.accept(envelope.sender, envelope.kind, envelope.seq, envelope.timestamp)
-
-
 def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
                   peer: str | None = None) -> tuple[Envelope, ExpertId, int, Sketch]:
-    """Open and check an update request (its sequence number is not recorded yet: ``accept``).
+    """Open and check an update request (its sequence number is not recorded yet: ``Opener.accept``).
 
     Returns:
         (the verified envelope: its ``sender`` is the signer's public key, expert, step, sketch) with float32 x
@@ -183,7 +178,7 @@ def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: O
 def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
                    peer: str | None = None) -> tuple[Envelope, ExpertId, int, Blobs]:
     """Open an onboarding request to (the verified envelope, expert, the composer's step, weight blobs); the
-    trainer checks the blobs' shapes. Its sequence number is not recorded yet (``accept``).
+    trainer checks the blobs' shapes. Its sequence number is not recorded yet (``Opener.accept``).
 
     Raises:
         RemoteProtocolError: oversized, a failed envelope check, undecodable, or an expert outside the
@@ -270,7 +265,7 @@ class OffloadServicer(ServicerBase):
             with self._lock:
                 if (caller, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
                     raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
-            accept(self.opener, envelope)
+            self.opener.accept(envelope)
             trainer = await asyncio.get_running_loop().run_in_executor(
                 self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
         except (ProtocolError, ValueError) as e:
@@ -297,7 +292,7 @@ class OffloadServicer(ServicerBase):
                 # answering it would move our mirror past the copy the composer now holds
                 raise RemoteProtocolError(f"sketch of expert {eid} from step {step}, before its onboarding at "
                                           f"step {trainer.onboard_step}", peer=peer)
-            accept(self.opener, envelope)
+            self.opener.accept(envelope)
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused an update from %s: %s", peer, e)
@@ -410,7 +405,7 @@ class OffloadClient:
         if key != signed.sender:
             raise RemoteProtocolError(f"{expect.KIND} signed by {signed.envelope.peer}, which the live membership "
                                       f"does not name for this worker", peer=worker)
-        accept(self.opener, signed.envelope)  # only the workers we call get entries in the replay cache
+        self.opener.accept(signed.envelope)  # only the workers we call get entries in the replay cache
         return signed
 
     async def _call(self, method: str, worker: str, body: bytes, timeout_s: float) -> bytes | None:

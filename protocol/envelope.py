@@ -453,11 +453,17 @@ class Opener:
                 stale=False,
             )
 
+        envelope = Envelope(version, kind, run_id, sender, seq, timestamp, data, body_offset)
         # 9. Replay.
         if check_replay:
-            self.replay.accept(sender, kind, seq, timestamp)
+            self.accept(envelope)
+        return envelope
 
-        return Envelope(version, kind, run_id, sender, seq, timestamp, data, body_offset)
+    def accept(self, envelope: Envelope) -> None:
+        """Record a verified envelope's sequence number, or raise ``ReplayedMessage`` if it is not new. The
+        replay check of ``open_envelope``, for a caller that opened with ``check_replay=False`` and records
+        the number only once it knows it will act on the message (so strangers cannot fill the cache)."""
+        self.replay.accept(envelope.sender, envelope.kind, envelope.seq, envelope.timestamp)
 
 
 def peek_kind(data: bytes) -> str | None:

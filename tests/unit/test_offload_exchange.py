@@ -16,7 +16,6 @@ from parallax.node.offload_exchange import (
     OffloadClient,
     OffloadServicer,
     WorkerLimits,
-    accept,
     assign_to_workers,
     check_size,
     decode_onboard,
@@ -48,7 +47,7 @@ def _decode_sketch(data: bytes, opener: Opener | None = None):
     """What the worker does with an update request before training on it: open, check, record its number."""
     opener = opener or Opener(RUN, replay_window=64)
     got = decode_sketch(data, CFG, LIMITS, opener, me=WORKER)
-    accept(opener, got[0])
+    opener.accept(got[0])
     return got
 
 
