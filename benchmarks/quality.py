@@ -53,6 +53,7 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # Decomposing the expert split's cost: gradient into the input through non-owned stand-ins, and
     # stand-ins as accurate as full copies refreshed every 5 steps (a diagnostic: it costs DiLoCo's bytes).
     "input_grad": ("parallax", {"surrogate.input_grad": True}),
+    "detached": ("parallax", {"surrogate.input_grad": False}),
     "input_grad_sketch": ("parallax", {"surrogate.input_grad": True, "sketch.enabled": True, "sketch.delay": 0}),
     "frozen5": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5}),
     "frozen5_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
