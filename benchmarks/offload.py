@@ -116,7 +116,7 @@ def onboarding(cfg: TrainConfig, preset: str) -> dict[str, Any]:
         sketch = Sketch(torch.randn(tokens, m.d_latent), torch.randn(tokens, m.d_latent) * 1e-4, tokens)
         started = time.perf_counter()
         trainer = TaylorProxyTrainer(config_mod.override(cfg, {"offload.onboard_codec": "ternary"}), blobs)
-        trainer.update([sketch], step=1)
+        trainer.update([(1, sketch)])
         out["seconds_to_first_result"] = time.perf_counter() - started
     return out
 

@@ -129,7 +129,8 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "node": i, "steps": n_steps, "offloaded_last": last.get("offloaded"),
             "sketches": last.get("offload_sketches", 0), "sketch_bytes": last.get("offload_sketch_bytes", 0),
             "results": last.get("offload_results", 0), "result_bytes": last.get("offload_result_bytes", 0),
-            "results_applied": last.get("offload_applied", 0), "sketches_skipped": last.get("offload_skipped", 0),
+            "results_applied": last.get("offload_applied", 0), "sketches_coalesced": last.get("offload_coalesced", 0),
+            "sketches_merged": last.get("offload_merged", 0),
             "onboards": last.get("offload_onboards", 0), "onboard_bytes": last.get("offload_onboard_bytes", 0),
             "onboard_s": [e["seconds"] for e in onboarded], "first_update_s": [e["seconds"] for e in first],
         })
@@ -161,7 +162,8 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "sketch_bytes_per_composer_step": total("sketch_bytes") / composer_steps if composer_steps else None,
             "result_bytes_per_composer_step": total("result_bytes") / composer_steps if composer_steps else None,
             "bytes_per_onboarding": total("onboard_bytes") / total("onboards") if total("onboards") else None,
-            "results_applied": total("results_applied"), "sketches_skipped": total("sketches_skipped"),
+            "results_applied": total("results_applied"), "sketches_coalesced": total("sketches_coalesced"),
+            "sketches_merged": total("sketches_merged"),
         },
         "onboarding": {"answer_s_median": statistics.median(onboard_s) if onboard_s else None,
                        "first_update_s_median": statistics.median(first_s) if first_s else None,
@@ -186,8 +188,8 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| final val loss, offload swarm (median of the composers' own views) | {_loss(v['offload_median'])} | "
         f"direct swarm {_loss(v['direct_median'])}: {ratio} (target <= 1.02x); tokens {v['tokens']} |",
-        f"| bytes per sketch (request body) | {_num(w['bytes_per_sketch'])} | {w['sketches_skipped']:,} left out "
-        "while their worker was behind |",
+        f"| bytes per sketch (request body) | {_num(w['bytes_per_sketch'])} | {w['sketches_coalesced']:,} steps sent "
+        f"with an older one while their worker was behind, {w['sketches_merged']:,} merged into one |",
         f"| bytes per worker result (answer body) | {_num(w['bytes_per_result'])} | "
         f"{w['results_applied']:,} results applied |",
         f"| sketch + result bytes per composer-step | "

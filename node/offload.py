@@ -163,30 +163,36 @@ class TaylorProxyTrainer:
         self.onboard_step = 0
         """The composer's step when it sent these weights: older sketches are refused (the network worker)."""
 
-    def update(self, sketches: list[Sketch], step: int) -> Blobs:
-        """k AdamW steps on the proxy of ``sketches``; return the change since the last result, compressed.
+    def update(self, parts: Sequence[tuple[int, Sketch]]) -> Blobs:
+        """For each (step, sketch) in turn, k AdamW steps on its proxy at that step's learning rate; return the
+        change since the last result, compressed.
 
         Args:
-            sketches: decoded sketches of this expert (in order of arrival).
-            step: the composer step they were taken at (1-based); sets the learning rate as the composer's
-                scheduler would for that step.
+            parts: decoded sketches of this expert, oldest first, each with the composer step it was taken at
+                (1-based; sets the learning rate as the composer's scheduler would for that step). One request
+                carries one part, or several when the composer coalesced them (``Sketch.parts``): the weights
+                then move exactly as they would for separate requests; only the answer is one.
 
         Returns:
             name -> blob of the weight change (cfg.offload.result_codec); the mirror already includes it.
         """
+        if not parts:
+            raise ValueError("an update needs at least one (step, sketch) part")
         off = self.cfg.offload
-        x_NL = torch.cat([s.x_NL for s in sketches]).float().to(self.device)
-        g_NL = torch.cat([s.g_NL for s in sketches]).float().to(self.device)
-        self.rows += x_NL.shape[0]
-        for group in self.optimizer.param_groups:
-            group["lr"] = off.worker_lr * self._schedule(max(step - 1, 0))
-        if x_NL.shape[0]:
+        for step, sketch in parts:
+            x_NL, g_NL = sketch.x_NL.float().to(self.device), sketch.g_NL.float().to(self.device)
+            self.rows += x_NL.shape[0]
+            for group in self.optimizer.param_groups:
+                group["lr"] = off.worker_lr * self._schedule(max(step - 1, 0))
+            if not x_NL.shape[0]:
+                continue
             with torch.no_grad():
                 y0_NL = self.expert(x_NL) if off.proxy_lambda > 0 else None
             for _ in range(off.worker_steps):
                 self.optimizer.zero_grad(set_to_none=True)
                 taylor_proxy(self.expert, x_NL, g_NL, y0_NL, off.proxy_lambda).backward()
                 self.optimizer.step()
+        step = parts[-1][0]
         current = {n: p.detach().cpu() for n, p in self.expert.named_parameters()}
         if off.lookahead:
             ahead = self._momentum_steps(off.lookahead, step)
@@ -328,7 +334,7 @@ class LocalWorkers:
             if trainer is None:
                 continue  # its worker was dropped: the sketch was applied locally then
             i, eid = key
-            blobs = trainer.update([wire], step)
+            blobs = trainer.update([(step, wire)])
             self.bytes["offload_results"] += blob_bytes(blobs)
             self.messages["offload_results"] += 1
             if self.tamper is not None:

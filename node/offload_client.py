@@ -13,11 +13,16 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
    dead peer), or whose result was malformed or non-finite: the expert is trained locally again and every
    unanswered sketch, this step's included, becomes local gradient (``offload.fall_back``); a worker that sent
    a bad result is not used again by this composer;
-4. send this step's sketches of the experts still offloaded, except to a worker that is ``max_in_flight``
-   answers behind on that expert: that step's sample is left out (``skipped``), so a slow worker sees a
-   smaller sample of the steps instead of being dropped and onboarded again (which restarts its optimizer;
-   measured in ``parallax bench offload-swarm`` at tiny steps: a worker on a shared CPU fell 8 answers
-   behind within 12 steps, again and again). A worker that stops answering is dropped by its timeout.
+4. queue this step's sub-sampled sketch of each expert still offloaded, and send what is queued for an expert
+   while fewer than ``max_in_flight`` of its requests are unanswered: everything queued goes out as one
+   request (``Sketch.parts``), and the worker trains on each step's part in turn, as on separate requests.
+   So a worker that falls behind gets the same data in fewer, larger requests: its queue is at most
+   ``max_in_flight`` requests per expert, whatever its speed, and no step's tokens are left out. (Before, the
+   sketches of an expert ``max_in_flight`` answers behind were dropped, and the bound was per expert, so one
+   worker serving 32 experts of two GPU composers queued longer than the request timeout; seen on an H100.)
+   Past ``max_parts`` queued steps the two oldest parts are merged into one (one optimizer step on their
+   union: the data stays, the worker does a step fewer), and no part grows past ``max_rows`` rows (more are
+   sub-sampled, g scaled up so the sum stays unbiased), which bounds a request's size whatever the lateness.
 5. onboard offloadable experts (layers >= cfg.offload.private_layers) that have no worker, to the worker
    ``offload_exchange.assign_to_workers`` picks; an expert is offloaded only once its onboarding is answered.
    Assignment is sticky: an expert moves only when its worker goes, so a joining worker takes only new work.
@@ -33,9 +38,10 @@ from dataclasses import dataclass, field
 
 from parallax.node.composer import Composer
 from parallax.node.offload import apply_result, fall_back, onboard_blobs
-from parallax.node.offload_exchange import OffloadClient, assign_to_workers, sketch_message
-from parallax.node.sketch import Sketch, compress
+from parallax.node.offload_exchange import OffloadClient, assign_to_workers, row_budget, sketch_message
+from parallax.node.sketch import Sketch, compress, concat, subsample
 from parallax.protocol.errors import ProtocolError
+from parallax.protocol.messages import MAX_SKETCH_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +51,25 @@ Event = Callable[..., None]
 
 
 @dataclass
+class _Part:
+    """One step's sample of an expert waiting to be answered (or several steps' once merged)."""
+
+    step: int
+    wire: Sketch
+    """The sub-sampled rows that go out."""
+    raw: list[Sketch]
+    """The whole sketches it stands for: what a fall-back turns into local gradient."""
+
+
+@dataclass
 class _Offloaded:
     worker: str
     onboard_started: float | None
     """When its onboarding was sent (monotonic clock): the first applied result reports the time to it."""
-    in_flight: list[tuple[int, Sketch, concurrent.futures.Future]] = field(default_factory=list)
-    """(step, raw sketch, future of the result blobs), oldest first."""
+    pending: list[_Part] = field(default_factory=list)
+    """Parts not sent yet (the expert has ``max_in_flight`` requests unanswered), oldest first."""
+    in_flight: list[tuple[list[_Part], concurrent.futures.Future]] = field(default_factory=list)
+    """(the parts of one request, future of the result blobs), oldest first."""
 
 
 class OffloadSession:
@@ -66,22 +85,30 @@ class OffloadSession:
         event: the node's event sink (``offload_onboarded`` with the seconds from sending the weights to the
             answer, ``offload_first_update`` with the seconds from sending them to the first applied result,
             ``offload_fallback``).
-        max_in_flight: answers outstanding per expert beyond which its sketches are left out (backpressure).
+        max_in_flight: requests unanswered per expert beyond which its sketches wait and go out together.
+        max_parts: steps one expert's queue holds before its two oldest parts merge (<= ``MAX_SKETCH_PARTS``).
+        max_rows: rows one part may hold (None: what fits half a request under hivemind's unary cap).
         retry_s: wait before onboarding an expert again after its onboarding failed (seconds).
     """
 
     def __init__(self, composer: Composer, client: OffloadClient, run_id: str,
                  workers: Callable[[], Mapping[str, float] | None], *, event: Event | None = None,
-                 max_in_flight: int = 8, retry_s: float = 5.0) -> None:
+                 max_in_flight: int = 4, max_parts: int = 16, max_rows: int | None = None,
+                 retry_s: float = 5.0) -> None:
+        if not (max_in_flight >= 1 and 1 <= max_parts <= MAX_SKETCH_PARTS):
+            raise ValueError(f"OffloadSession needs max_in_flight >= 1 and 1 <= max_parts <= {MAX_SKETCH_PARTS}")
         self.composer, self.client, self.run_id = composer, client, run_id
         self.workers, self.event = workers, event or (lambda kind, **fields: None)
-        self.max_in_flight, self.retry_s = max_in_flight, retry_s
+        self.max_in_flight, self.max_parts, self.retry_s = max_in_flight, max_parts, retry_s
+        self.max_rows = max_rows or row_budget(composer.cfg)
         self.offloaded: dict[ExpertId, _Offloaded] = {}
         self.onboarding: dict[ExpertId, tuple[str, concurrent.futures.Future, float]] = {}
         self.banned: set[str] = set()
         self.applied = 0
-        self.skipped = 0
-        """Sketches left out because their worker was ``max_in_flight`` answers behind."""
+        self.coalesced = 0
+        """Steps' sketches that went out in a request with an older one, because their worker was behind."""
+        self.merged = 0
+        """Steps' sketches merged into an older one's part (the worker takes one optimizer step fewer)."""
         self.fallbacks: list[tuple[ExpertId, str, str]] = []
         """(expert, worker, reason) of every drop."""
         self._retry_at: dict[ExpertId, float] = {}
@@ -105,17 +132,39 @@ class OffloadSession:
             wire = compress(sketch, sample_fraction=off.sample_fraction, generator=c.sketch_rng, wire_codec="raw")
             if wire.x_NL.shape[0] == 0:
                 continue  # nothing sampled this step
-            if len(entry.in_flight) >= self.max_in_flight:
-                self.skipped += 1  # the worker is behind on this expert: leave this step's sample out
-                continue
-            message = sketch_message(eid, c.step, wire, off.wire_codec)
-            entry.in_flight.append((c.step, sketch, self.client.update(entry.worker, message)))
+            entry.pending.append(_Part(c.step, self._fit(wire), [sketch]))
+            while len(entry.pending) > self.max_parts:
+                first, second = entry.pending.pop(0), entry.pending.pop(0)
+                entry.pending.insert(0, _Part(second.step, self._fit(concat(first.wire, second.wire)),
+                                              first.raw + second.raw))
+                self.merged += 1
+        for eid, entry in self.offloaded.items():
+            self._send(eid, entry)
         self._onboard(live)
+
+    def _fit(self, wire: Sketch) -> Sketch:
+        """``wire`` with at most ``max_rows`` rows (a uniform sample, g scaled by rows / kept)."""
+        return subsample(wire, self.max_rows, self.composer.sketch_rng)
+
+    def _send(self, eid: ExpertId, entry: _Offloaded) -> None:
+        """Send what is queued for ``eid``, as few requests as the parts' count and rows allow, while its
+        worker has fewer than ``max_in_flight`` of them unanswered."""
+        while entry.pending and len(entry.in_flight) < self.max_in_flight:
+            batch = [entry.pending.pop(0)]
+            rows = batch[0].wire.x_NL.shape[0]
+            while entry.pending and rows + entry.pending[0].wire.x_NL.shape[0] <= self.max_rows:
+                batch.append(entry.pending.pop(0))
+                rows += batch[-1].wire.x_NL.shape[0]
+            self.coalesced += len(batch) - 1
+            message = sketch_message(eid, [(part.step, part.wire) for part in batch],
+                                     self.composer.cfg.offload.wire_codec)
+            entry.in_flight.append((batch, self.client.update(entry.worker, message)))
 
     def _apply_done(self, eid: ExpertId, entry: _Offloaded) -> str | None:
         """Apply the finished results at the head of ``entry``'s queue; a reason to drop the worker, or None."""
-        while entry.in_flight and entry.in_flight[0][2].done():
-            step, _, future = entry.in_flight[0]
+        while entry.in_flight and entry.in_flight[0][1].done():
+            batch, future = entry.in_flight[0]
+            step = batch[-1].step
             try:
                 blobs = future.result()
                 apply_result(self.composer, eid, blobs, peer=entry.worker)
@@ -136,9 +185,10 @@ class OffloadSession:
         """Take ``eid`` back from its worker: trained here again, unanswered sketches (and ``extra``) applied
         as local gradient for the coming optimizer step."""
         entry = self.offloaded.pop(eid)
-        for _, _, future in entry.in_flight:
+        for _, future in entry.in_flight:
             future.cancel()
-        unanswered = [sketch for _, sketch, _ in entry.in_flight] + list(extra or [])
+        parts = [part for batch, _ in entry.in_flight for part in batch] + entry.pending
+        unanswered = [sketch for part in parts for sketch in part.raw] + list(extra or [])
         fall_back(self.composer, eid, unanswered)
         self.fallbacks.append((eid, entry.worker, reason))
         self._retry_at[eid] = time.monotonic() + self.retry_s
@@ -183,7 +233,7 @@ class OffloadSession:
         """Cancel every outstanding request (the composer is leaving; unanswered work is not needed)."""
         self.client.close()
         for entry in self.offloaded.values():
-            for _, _, future in entry.in_flight:
+            for _, future in entry.in_flight:
                 future.cancel()
         for _, future, _ in self.onboarding.values():
             future.cancel()

@@ -7,8 +7,9 @@ DESIGN.md section 4 ("Worker offload"), issue 7. Two unary RPCs under the namesp
   expert's weights as ``offload.encode_tensors`` blobs, addressed ``to`` the worker); the worker builds a
   ``TaylorProxyTrainer`` for it. The answer is empty (what it acknowledges is checked by the first result).
 - ``rpc_update``: request = a ``Sketch`` envelope (exactly ``x`` and ``g``, rows x d_latent, float codecs,
-  addressed ``to`` the worker); the answer is a ``WorkerResult`` envelope signed by the worker, holding the
-  weight change blobs (``TaylorProxyTrainer.update``).
+  addressed ``to`` the worker; one step's sample, or several steps' in ``parts`` when the composer's earlier
+  requests were still unanswered); the answer is a ``WorkerResult`` envelope signed by the worker, holding the
+  weight change blobs (``TaylorProxyTrainer.update``: one optimizer step per part, one change for all).
 
 What the worker sees: latent activations and gradients of one expert, never token ids or text (the
 ``Sketch`` kind admits exactly x and g, the decoder only float dtypes of the latent width).
@@ -43,7 +44,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -72,7 +73,7 @@ UNARY_CAP = 4 * 2**20  # hivemind refuses a larger unary message
 REPLAY_WINDOW = 1 << 14
 """Sequence numbers a request or answer may trail the highest one seen from its sender and still pass once
 (``ReplayGuard``): calls run concurrently and overtake each other. Above any realistic number in flight
-(max_in_flight 8 per expert x the experts one composer offloads)."""
+(max_in_flight 4 per expert x the experts one composer offloads)."""
 M = TypeVar("M", bound=Message)
 WIRE_CODECS = frozenset({"raw", "fp16", "int8", "int4"})
 
@@ -120,12 +121,26 @@ def _check_expert(cfg: TrainConfig, layer: int, expert: int, peer: str | None) -
     return layer, expert
 
 
-def sketch_message(eid: ExpertId, step: int, sketch: Sketch, wire_codec: str) -> SketchMessage:
-    """The ``Sketch`` message of one expert's sub-sampled (x, g) for step ``step`` (x, g quantised); the client
-    addresses and signs it."""
-    tensors = {"x": codec.encode(sketch.x_NL.detach().cpu().float().numpy(), wire_codec),
-               "g": codec.encode(sketch.g_NL.detach().cpu().float().numpy(), wire_codec)}
-    return SketchMessage(layer=eid[0], expert=eid[1], step=step, tokens=max(1, sketch.tokens), tensors=tensors)
+def sketch_message(eid: ExpertId, parts: Sequence[tuple[int, Sketch]], wire_codec: str) -> SketchMessage:
+    """The ``Sketch`` message of one expert's sub-sampled (x, g) of one step or several (``parts``: (step,
+    sketch), oldest first, each with at least one row), x and g quantised; the client addresses and signs it."""
+    if not parts or any(sketch.x_NL.shape[0] == 0 for _, sketch in parts):
+        raise ValueError("a sketch message needs at least one part, each with at least one row")
+    x = torch.cat([sketch.x_NL for _, sketch in parts]).detach().cpu().float().numpy()
+    g = torch.cat([sketch.g_NL for _, sketch in parts]).detach().cpu().float().numpy()
+    tokens = [max(1, sketch.tokens) for _, sketch in parts]
+    coalesced = tuple((step, sketch.x_NL.shape[0], t) for (step, sketch), t in zip(parts, tokens, strict=True))
+    return SketchMessage(layer=eid[0], expert=eid[1], step=parts[-1][0], tokens=sum(tokens),
+                         tensors={"x": codec.encode(x, wire_codec), "g": codec.encode(g, wire_codec)},
+                         parts=coalesced if len(parts) > 1 else ())
+
+
+def row_budget(cfg: TrainConfig) -> int:
+    """Sketch rows that fit half a request under hivemind's unary cap at cfg.offload.wire_codec (x and g, a
+    byte per element for int4 too: an upper bound), so a composer's requests stay far below every worker's
+    ``max_request_bytes``."""
+    per_element = {"raw": 4, "fp16": 2}.get(cfg.offload.wire_codec, 1)
+    return max(1, (UNARY_CAP // 2) // (2 * cfg.model.d_latent * per_element))
 
 
 def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLimits, *, me: str,
@@ -147,17 +162,17 @@ def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLim
 
 
 def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
-                  peer: str | None = None) -> tuple[Envelope, ExpertId, int, Sketch]:
+                  peer: str | None = None) -> tuple[Envelope, ExpertId, list[tuple[int, Sketch]]]:
     """Open and check an update request (its sequence number is not recorded yet: ``Opener.accept``).
 
     Returns:
-        (the verified envelope: its ``sender`` is the signer's public key, expert, step, sketch) with float32 x
-        and g of shape rows x d_latent.
+        (the verified envelope: its ``sender`` is the signer's public key, expert, its parts: (step, sketch) oldest
+        first, one unless the composer coalesced several steps), each sketch's x and g float32, rows x d_latent.
 
     Raises:
         RemoteProtocolError: oversized, a failed envelope check (forged, replayed, stale, another run or
             addressee), undecodable, another kind or extra tensors, an expert outside the offloadable grid, a
-            non-float dtype, a wrong width or row count, non-finite values.
+            non-float dtype, a wrong width or row count (also against the parts' rows), non-finite values.
     """
     signed = open_request(data, SketchMessage, opener, limits, me=me, peer=peer)
     msg, peer = signed.message, signed.envelope.peer
@@ -170,9 +185,16 @@ def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: O
         raise RemoteProtocolError(f"sketch x {x.shape} and g {g.shape}, expected equal (rows, {width})", peer=peer)
     if not (np.isfinite(x).all() and np.isfinite(g).all()):
         raise RemoteProtocolError("sketch is not finite", peer=peer)
-    sketch = Sketch(torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(g, dtype=np.float32)),
-                    msg.tokens, len(data))
-    return signed.envelope, eid, msg.step, sketch
+    layout = msg.parts or ((msg.step, x.shape[0], msg.tokens),)
+    if sum(rows for _, rows, _ in layout) != x.shape[0]:
+        raise RemoteProtocolError(f"sketch parts hold {sum(r for _, r, _ in layout)} rows, x and g {x.shape[0]}",
+                                  peer=peer)
+    x_t, g_t = torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(g, dtype=np.float32))
+    parts, start = [], 0
+    for step, rows, tokens in layout:
+        parts.append((step, Sketch(x_t[start:start + rows], g_t[start:start + rows], tokens, len(data))))
+        start += rows
+    return signed.envelope, eid, parts
 
 
 def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
@@ -230,8 +252,8 @@ class OffloadServicer(ServicerBase):
         self.refused = 0
         self.updates = 0
         self.seen: list[tuple[bytes, ExpertId, dict[str, tuple[str, tuple[int, ...]]]]] = []
-        """Per decoded update (kept only when ``record`` is set, for tests): the signer's key, expert, and every
-        tensor's dtype and shape exactly as it arrived."""
+        """Per decoded step's part of an update (kept only when ``record`` is set, for tests): the signer's key,
+        expert, and every tensor's dtype and shape exactly as it arrived."""
         self.record = False
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
         self._lock = threading.Lock()
@@ -250,7 +272,7 @@ class OffloadServicer(ServicerBase):
             trainer = TaylorProxyTrainer(self.cfg, encode_tensors(dict(expert.named_parameters()), "fp16"),
                                          self.device)
             rows = torch.randn(8, m.d_latent)
-            trainer.update([Sketch(rows, 1e-3 * rows, 8)], step=1)
+            trainer.update([(1, Sketch(rows, 1e-3 * rows, 8))])
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize(trainer.device)
             return time.perf_counter() - started
@@ -281,26 +303,28 @@ class OffloadServicer(ServicerBase):
     async def rpc_update(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            envelope, eid, step, sketch = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
-                                                        me=context.local_id.to_base58(), peer=peer)
+            envelope, eid, parts = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
+                                                 me=context.local_id.to_base58(), peer=peer)
             caller = envelope.sender
             with self._lock:
                 trainer = self.trainers.get((caller, eid))
             if trainer is None:
                 raise RemoteProtocolError(f"expert {eid} was not onboarded by this composer", peer=peer)
-            if step < trainer.onboard_step:  # sent before the composer took it back and onboarded it again:
-                # answering it would move our mirror past the copy the composer now holds
-                raise RemoteProtocolError(f"sketch of expert {eid} from step {step}, before its onboarding at "
-                                          f"step {trainer.onboard_step}", peer=peer)
+            if parts[0][0] < trainer.onboard_step:  # sent before the composer took it back and onboarded it
+                # again: answering it would move our mirror past the copy the composer now holds
+                raise RemoteProtocolError(f"sketch of expert {eid} from step {parts[0][0]}, before its onboarding "
+                                          f"at step {trainer.onboard_step}", peer=peer)
             self.opener.accept(envelope)
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused an update from %s: %s", peer, e)
             raise RemoteProtocolError(str(e), peer=peer) from None
         if self.record:
-            self.seen.append((caller, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
-                                            "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
-        job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, [sketch], step)
+            for _, sketch in parts:
+                self.seen.append((caller, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
+                                                "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
+        step = parts[-1][0]
+        job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, parts)
         # On timeout the thread finishes its step anyway; the caller treats the missing answer as a failure.
         blobs = await asyncio.wait_for(job, self.limits.update_timeout_s)
         self.updates += 1

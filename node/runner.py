@@ -470,7 +470,7 @@ class Node:
         client = session.client
         sent, received = client.bytes_sent, client.bytes_received
         return {"offload_applied": session.applied, "offloaded": len(session.offloaded),
-                "offload_skipped": session.skipped,
+                "offload_coalesced": session.coalesced, "offload_merged": session.merged,
                 "offload_sketches": client.requests["rpc_update"], "offload_sketch_bytes": sent["rpc_update"],
                 "offload_results": client.replies["rpc_update"], "offload_result_bytes": received["rpc_update"],
                 "offload_onboards": client.requests["rpc_onboard"], "offload_onboard_bytes": sent["rpc_onboard"]}

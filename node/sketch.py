@@ -121,6 +121,22 @@ def compress(sketch: Sketch, *, sample_fraction: float, generator: torch.Generat
     return Sketch(decoded[0].to(x.dtype), decoded[1].to(g.dtype), sketch.tokens, wire)
 
 
+def concat(a: Sketch, b: Sketch) -> Sketch:
+    """Both sketches' rows as one sample (an optimizer step on it follows their summed gradient)."""
+    return Sketch(torch.cat([a.x_NL, b.x_NL]), torch.cat([a.g_NL, b.g_NL]), a.tokens + b.tokens,
+                  a.wire_bytes + b.wire_bytes)
+
+
+def subsample(sketch: Sketch, rows: int, generator: torch.Generator) -> Sketch:
+    """At most ``rows`` rows of ``sketch``: n > rows rows are thinned to a uniform sample of ``rows`` without
+    replacement, g scaled by n / rows, so the sum of g . f(x) (the Taylor proxy's gradient) stays unbiased."""
+    n = sketch.x_NL.shape[0]
+    if n <= rows:
+        return sketch
+    keep = torch.randperm(n, generator=generator)[:rows]
+    return Sketch(sketch.x_NL[keep], sketch.g_NL[keep] * (n / rows), sketch.tokens, sketch.wire_bytes)
+
+
 def taylor_proxy(expert: nn.Module, x_NL: torch.Tensor, g_NL: torch.Tensor, y0_NL: torch.Tensor | None = None,
                  lam: float = 0.0) -> torch.Tensor:
     """The Taylor-proxy objective sum_n g_n . (f(x_n) - y0_n) + lam/2 sum_n ||f(x_n) - y0_n||^2.

@@ -54,6 +54,7 @@ ROLES = frozenset({"composer", "worker", "bootstrap"})
 MAX_LAYER = 2**16 - 1
 MAX_EXPERT = 2**16 - 1
 MAX_TENSORS = 256  # tensors in one payload message
+MAX_SKETCH_PARTS = 64  # steps coalesced into one Sketch
 
 _PEER_ID = Str(128, min_len=1)
 _ADDRESS = Str(256, min_len=1)
@@ -337,11 +338,23 @@ class Sketch(_TensorMessage):
     tensors: Mapping[str, bytes] = wire(_tensors(64 * MiB))
     to: str | None = wire(Optional(_PEER_ID), default=None)
     """The worker's libp2p peer id: signed, so one worker cannot replay a composer's sketch to another."""
+    parts: tuple[tuple[int, int, int], ...] = wire(
+        Seq(Fixed(_COUNT, Int(1, 1 << 24), Int(1, 1 << 24)), max_len=MAX_SKETCH_PARTS), default=())
+    """Several steps' samples in one request (a composer whose worker is behind coalesces them), oldest first:
+    ``(step, rows, tokens)`` of each, its rows in that order in ``x`` and ``g``; the worker trains on each in
+    turn as on a request of its own. Empty: one step, ``step``."""
 
     def _validate(self) -> None:
         # Exactly x and g: an extra name is a channel for whatever else a buggy composer might leak.
         if set(self.tensors) != self.NAMES:
             raise ValueError(f"tensors are {sorted(self.tensors)}, expected exactly ['g', 'x']")
+        if self.parts:
+            steps = [part[0] for part in self.parts]
+            if any(a >= b for a, b in zip(steps, steps[1:], strict=False)) or steps[-1] != self.step:
+                raise ValueError(f"part steps {steps} must increase and end at step {self.step}")
+            tokens = sum(part[2] for part in self.parts)
+            if tokens != self.tokens:
+                raise ValueError(f"parts stand for {tokens} tokens, the sketch for {self.tokens}")
 
 
 @register

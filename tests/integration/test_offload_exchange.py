@@ -73,7 +73,7 @@ def test_onboard_then_update_returns_a_checked_weight_change(pair) -> None:
     expert = _expert()
     weights = {n: p.detach() for n, p in expert.named_parameters()}
     client.onboard(worker, EID, 0, encode_tensors(weights, "raw")).result(20)
-    blobs = client.update(worker, sketch_message(EID, 1, _sketch(), "int8")).result(20)
+    blobs = client.update(worker, sketch_message(EID, [(1, _sketch())], "int8")).result(20)
     delta = decode_tensors(blobs, {n: w.shape for n, w in weights.items()})
     assert servicer.updates == 1 and any(float(d.abs().sum()) > 0 for d in delta.values())
     # What crossed to the worker: exactly x and g, float, at the latent width; no integer (token-like) arrays.
@@ -85,7 +85,7 @@ def test_onboard_then_update_returns_a_checked_weight_change(pair) -> None:
 def test_malformed_or_unknown_requests_are_refused_and_the_worker_keeps_serving(pair) -> None:
     client, servicer, worker = pair
     with pytest.raises(P2PHandlerError, match="not onboarded"):  # an update before onboarding
-        client.update(worker, sketch_message(EID, 1, _sketch(), "int8")).result(20)
+        client.update(worker, sketch_message(EID, [(1, _sketch())], "int8")).result(20)
     with pytest.raises(P2PHandlerError):  # garbage
         _send(client, worker, b"\x93garbage")
     with pytest.raises(P2PHandlerError, match="shape|expected"):  # weights of the wrong shape
@@ -94,18 +94,18 @@ def test_malformed_or_unknown_requests_are_refused_and_the_worker_keeps_serving(
     assert servicer.refused == 3 and servicer.trainers == {}
     weights = {n: p.detach() for n, p in _expert().named_parameters()}
     client.onboard(worker, EID, 0, encode_tensors(weights, "raw")).result(20)
-    assert client.update(worker, sketch_message(EID, 1, _sketch(), "int8")).result(20)
+    assert client.update(worker, sketch_message(EID, [(1, _sketch())], "int8")).result(20)
 
 
 def test_a_replayed_or_misaddressed_sketch_is_refused_over_the_wire(pair) -> None:
     client, servicer, worker = pair
     weights = {n: p.detach() for n, p in _expert().named_parameters()}
     client.onboard(worker, EID, 0, encode_tensors(weights, "raw")).result(20)
-    sealed = client.sealer.seal(dataclasses.replace(sketch_message(EID, 1, _sketch(), "int8"), to=worker))
+    sealed = client.sealer.seal(dataclasses.replace(sketch_message(EID, [(1, _sketch())], "int8"), to=worker))
     assert _send(client, worker, sealed)
     with pytest.raises(P2PHandlerError, match="accepted before"):  # the same bytes again
         _send(client, worker, sealed)
-    elsewhere = client.sealer.seal(dataclasses.replace(sketch_message(EID, 2, _sketch(), "int8"), to="QmElsewhere"))
+    elsewhere = client.sealer.seal(dataclasses.replace(sketch_message(EID, [(2, _sketch())], "int8"), to="QmElsewhere"))
     with pytest.raises(P2PHandlerError, match="addressed to"):  # recorded by another worker, played to this one
         _send(client, worker, elsewhere)
     assert servicer.updates == 1 and servicer.refused == 2

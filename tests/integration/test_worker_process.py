@@ -61,12 +61,12 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
             client.onboard(worker, EID, 0, encode_tensors(dict(expert.named_parameters()), "fp16")).result(30)
             L = CFG.model.d_latent
             sketch = Sketch(torch.randn(8, L), 0.01 * torch.randn(8, L), tokens=8)
-            assert set(client.update(worker, sketch_message(EID, 1, sketch, "int8")).result(30)) == {
+            assert set(client.update(worker, sketch_message(EID, [(1, sketch)], "int8")).result(30)) == {
                 n for n, _ in expert.named_parameters()}
             kill_group(proc, signal.SIGKILL)  # the machine dies: no deathrattle
             proc.wait(10)
             with pytest.raises(Exception):  # noqa: B017 - any failure: dead peer or timeout
-                client.update(worker, sketch_message(EID, 2, sketch, "int8")).result(30)
+                client.update(worker, sketch_message(EID, [(2, sketch)], "int8")).result(30)
             wait_until(lambda: not _workers(composer.dht), 30)  # its heartbeat expires
             assert any(r.get("kind") == "worker_started" for r in read_metrics(metrics))
         finally:

@@ -93,10 +93,26 @@ def test_worker_steps_decrease_the_proxy_objective():
     with torch.no_grad():
         y0 = trainer.expert(s.x_NL)
         before = float(taylor_proxy(trainer.expert, s.x_NL, s.g_NL, y0, 1e-3))
-    trainer.update([s], step=1)
+    trainer.update([(1, s)])
     with torch.no_grad():
         after = float(taylor_proxy(trainer.expert, s.x_NL, s.g_NL, y0, 1e-3))
     assert after < before
+
+
+def test_coalesced_parts_train_the_expert_exactly_as_separate_requests():
+    """A request carrying several steps (a composer whose worker was behind) is one optimizer step per part at
+    that part's learning rate: the worker's weights end where separate requests would have left them."""
+    cfg = _cfg(worker_steps=2)
+    separate, coalesced = _trainer(cfg), _trainer(cfg)
+    parts = [(step, _sketch(cfg, seed=step)) for step in (2, 3, 5)]
+    for part in parts:
+        separate.update([part])
+    coalesced.update(parts)
+    for (name, a), b in zip(separate.expert.named_parameters(), coalesced.expert.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert coalesced.rows == separate.rows == sum(s.x_NL.shape[0] for _, s in parts)
+    with pytest.raises(ValueError, match="at least one"):
+        coalesced.update([])
 
 
 def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
@@ -109,7 +125,7 @@ def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
     empty = Sketch(torch.zeros(0, cfg.model.d_latent), torch.zeros(0, cfg.model.d_latent), 0)
     gaps = []
     for i in range(20):
-        blobs = trainer.update([_sketch(cfg, seed=i)] if i == 0 else [empty], step=30)
+        blobs = trainer.update([(30, _sketch(cfg, seed=i) if i == 0 else empty)])
         for name, change in decode_tensors(blobs, shapes).items():
             composer_copy[name] += change
         target = {n: p.detach() for n, p in trainer.expert.named_parameters()}
@@ -130,7 +146,7 @@ def test_lookahead_sends_the_weights_of_the_next_momentum_only_adamw_step_and_ta
     from parallax.node.offload import decode_tensors
 
     for step in (5, 6):
-        for name, change in decode_tensors(trainer.update([_sketch(cfg, seed=step)], step=step), shapes).items():
+        for name, change in decode_tensors(trainer.update([(step, _sketch(cfg, seed=step))]), shapes).items():
             composer_copy[name] += change
         shadow = copy.deepcopy(trainer)  # one more AdamW step with a zero gradient, at the next step's lr
         for group in shadow.optimizer.param_groups:

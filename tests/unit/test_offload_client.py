@@ -26,6 +26,7 @@ class FakeWorkers:
         self.cfg, self.trainers, self.tamper, self.fail = cfg, {}, False, False
         self.hold: list[tuple[concurrent.futures.Future, tuple]] = []  # while ``slow``: answered on release()
         self.slow, self.sent = False, 0
+        self.parts: list[tuple[tuple[int, int], list[int], int]] = []  # per answered request: expert, steps, rows
         self.sealer, self.opener = Sealer(Identity.generate(), "run"), Opener("run")
 
     def _done(self, value=None, error=None) -> concurrent.futures.Future:
@@ -49,8 +50,9 @@ class FakeWorkers:
         if self.fail:
             return self._done(error=TimeoutError("no answer"))
         body = self.sealer.seal(dataclasses.replace(message, to=worker))  # through the wire's encoding
-        _, got, got_step, sketch = decode_sketch(body, self.cfg, WorkerLimits(), self.opener, me=worker)
-        blobs = self.trainers[(worker, got)].update([sketch], got_step)
+        _, got, parts = decode_sketch(body, self.cfg, WorkerLimits(), self.opener, me=worker)
+        self.parts.append((got, [step for step, _ in parts], sum(sk.x_NL.shape[0] for _, sk in parts)))
+        blobs = self.trainers[(worker, got)].update(parts)
         if self.tamper:
             blobs = encode_tensors({n: 1e6 + 0 * p for n, p in self.trainers[(worker, got)].mirror.items()}, "raw")
         return self._done(blobs)
@@ -67,14 +69,14 @@ def train():
     return split_corpus(load_corpus()[:100_000])[0]
 
 
-def _session(train, workers, **offload):
+def _session(train, workers, session_kw=None, **offload):
     cfg = config.TrainConfig(model=config.preset("tiny"), steps=20, batch_size=2,
                              offload=config.OffloadConfig(enabled=True, delay=0, **offload))
     composer = Composer(cfg, ownership_for(cfg, 1)[0], shard(train, 0, 1), sampler_seed=1)
     fake = FakeWorkers(cfg)
     events = []
     session = OffloadSession(composer, fake, "run", lambda: dict(workers),
-                             event=lambda kind, **f: events.append((kind, f)), retry_s=1e9)
+                             event=lambda kind, **f: events.append((kind, f)), retry_s=1e9, **(session_kw or {}))
     return composer, fake, session, events
 
 
@@ -117,17 +119,54 @@ def test_a_bad_or_silent_worker_is_dropped(train, fault) -> None:
     assert all(float(p.abs().max()) < 1e3 for p in composer.model.expert_parameters(*eid).values())
 
 
-def test_a_slow_worker_gets_fewer_sketches_and_is_kept(train) -> None:
+def _steps_sent(fake, eid):
+    return [step for got, steps, _ in fake.parts if got == eid for step in steps]
+
+
+def test_a_slow_worker_gets_the_same_steps_in_fewer_requests(train) -> None:
     composer, fake, session, _ = _session(train, {"w1": 1.0})
-    _steps(composer, session, 2)
+    _steps(composer, session, 3)
     offloaded = set(session.offloaded)
+    first = {eid: _steps_sent(fake, eid)[0] for eid in offloaded}
     fake.slow = True  # answers nothing until released: the composer must neither wait nor drop it
     before = fake.sent
     _steps(composer, session, session.max_in_flight + 3)
     assert set(session.offloaded) == offloaded and not session.fallbacks
     assert fake.sent - before == session.max_in_flight * len(offloaded)  # at most max_in_flight outstanding each
-    assert session.skipped == 3 * len(offloaded)
-    applied = session.applied
+    assert all(len(entry.pending) == 3 for entry in session.offloaded.values())  # the rest waits, none dropped
     fake.release()
     _steps(composer, session, 1)
-    assert session.applied >= applied + session.max_in_flight * len(offloaded)  # the late answers all count
+    # The held answers are applied; the three waiting steps and this one go out as one request per expert.
+    assert [len(steps) for _, steps, _ in fake.parts[-len(offloaded):]] == [4] * len(offloaded)
+    assert session.coalesced == 3 * len(offloaded) and session.merged == 0
+    for eid in offloaded:  # every step's sample reached the worker exactly once, in order
+        assert _steps_sent(fake, eid) == list(range(first[eid], composer.step + 1))
+
+
+def test_a_queue_past_max_parts_merges_its_oldest_parts_and_rows_stay_capped(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0}, session_kw={"max_in_flight": 1, "max_parts": 2,
+                                                                         "max_rows": 6})
+    _steps(composer, session, 3)
+    fake.slow = True
+    _steps(composer, session, 6)  # one request in flight, then up to six steps' samples for a queue of two
+    queued = [part for entry in session.offloaded.values() for part in entry.pending]
+    assert all(len(entry.pending) <= 2 for entry in session.offloaded.values())
+    assert session.merged > 0 and session.merged == sum(len(part.raw) - 1 for part in queued)  # no sketch lost
+    assert all(part.wire.x_NL.shape[0] <= 6 for part in queued)
+    fake.release()
+    _steps(composer, session, 2)
+    assert all(rows <= 6 or len(steps) == 1 for _, steps, rows in fake.parts)  # requests stay under the row cap
+    assert not session.fallbacks
+
+
+def test_a_dropped_worker_leaves_nothing_unapplied(train) -> None:
+    workers = {"w1": 1.0}
+    composer, fake, session, events = _session(train, workers)
+    _steps(composer, session, 2)
+    fake.slow = True
+    _steps(composer, session, session.max_in_flight + 3)
+    workers.clear()
+    _steps(composer, session, 1)
+    # Every unanswered step's whole sketch becomes local gradient: those in flight, those queued, this step's.
+    drops = [f for kind, f in events if kind == "offload_fallback"]
+    assert drops and all(f["unanswered"] == session.max_in_flight + 3 + 1 for f in drops)

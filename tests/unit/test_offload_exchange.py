@@ -25,7 +25,7 @@ from parallax.node.offload_exchange import (
 from parallax.node.sketch import Sketch
 from parallax.protocol import codec
 from parallax.protocol.envelope import Opener, Sealer, seal
-from parallax.protocol.errors import BadSignature, RemoteProtocolError, ReplayedMessage, WrongRun
+from parallax.protocol.errors import BadSignature, LocalProtocolError, RemoteProtocolError, ReplayedMessage, WrongRun
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import ExpertSnapshot, WorkerResult
 from parallax.protocol.messages import Sketch as SketchMessage
@@ -57,10 +57,35 @@ def _sketch(rows: int = 5, width: int = L) -> Sketch:
 
 
 def test_a_sketch_round_trips_at_the_latent_width() -> None:
-    envelope, eid, step, got = _decode_sketch(_sealed(sketch_message((1, 2), 7, _sketch(), "int8")))
+    envelope, eid, [(step, got)] = _decode_sketch(_sealed(sketch_message((1, 2), [(7, _sketch())], "int8")))
     assert (envelope.sender, eid, step) == (COMPOSER.public_key, (1, 2), 7)
     assert got.x_NL.shape == (5, L) and got.x_NL.dtype == torch.float32
     assert torch.allclose(got.g_NL, _sketch().g_NL, atol=0.05)
+
+
+def test_coalesced_steps_come_apart_as_they_were_sent() -> None:
+    a, b = _sketch(rows=3), Sketch(torch.ones(2, L), -torch.ones(2, L), tokens=9)
+    message = sketch_message((1, 2), [(7, a), (9, b)], "raw")
+    assert message.parts == ((7, 3, 3), (9, 2, 9)) and (message.step, message.tokens) == (9, 12)
+    _, _, parts = _decode_sketch(_sealed(message))
+    assert [(step, s.tokens) for step, s in parts] == [(7, 3), (9, 9)]
+    assert torch.equal(parts[0][1].x_NL, a.x_NL) and torch.equal(parts[1][1].g_NL, b.g_NL)
+    # parts that do not add up to the rows sent are refused
+    lying = dataclasses.replace(message, parts=((7, 3, 3), (9, 3, 9)))
+    with pytest.raises(RemoteProtocolError, match="parts hold 6 rows"):
+        _decode_sketch(_sealed(lying))
+
+
+@pytest.mark.parametrize("parts, step, tokens", [
+    (((9, 3, 3), (7, 2, 9)), 7, 12),  # steps out of order
+    (((7, 3, 3), (7, 2, 9)), 7, 12),  # a step twice
+    (((7, 3, 3), (9, 2, 9)), 10, 12),  # the last part is not the sketch's step
+    (((7, 3, 3), (9, 2, 9)), 9, 13),  # tokens do not add up
+])
+def test_inconsistent_parts_do_not_make_a_message(parts, step, tokens) -> None:
+    message = sketch_message((1, 2), [(1, _sketch())], "raw")
+    with pytest.raises(LocalProtocolError):
+        dataclasses.replace(message, parts=parts, step=step, tokens=tokens)
 
 
 def test_the_size_cap_comes_before_decoding() -> None:
@@ -71,10 +96,10 @@ def test_the_size_cap_comes_before_decoding() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    lambda: _sealed(sketch_message((0, 1), 1, _sketch(), "int8")),  # a private layer
-    lambda: _sealed(sketch_message((1, CFG.model.n_experts), 1, _sketch(), "int8")),  # outside the grid
-    lambda: _sealed(sketch_message((1, 0), 1, _sketch(rows=17), "raw")),  # more rows than the worker takes
-    lambda: _sealed(sketch_message((1, 0), 1, _sketch(width=CFG.model.d_model + 1), "raw")),  # not the latent width
+    lambda: _sealed(sketch_message((0, 1), [(1, _sketch())], "int8")),  # a private layer
+    lambda: _sealed(sketch_message((1, CFG.model.n_experts), [(1, _sketch())], "int8")),  # outside the grid
+    lambda: _sealed(sketch_message((1, 0), [(1, _sketch(rows=17))], "raw")),  # more rows than the worker takes
+    lambda: _sealed(sketch_message((1, 0), [(1, _sketch(width=CFG.model.d_model + 1))], "raw")),  # not the latent width
     lambda: _sealed(SketchMessage(layer=1, expert=0, step=1, tokens=3, tensors={  # token ids where x should be
         "x": codec.encode(np.arange(3 * L, dtype=np.int64).reshape(3, L), "raw"),
         "g": codec.encode(np.zeros((3, L), np.float32), "raw")})),
@@ -82,11 +107,11 @@ def test_the_size_cap_comes_before_decoding() -> None:
         "x": codec.encode(np.zeros((2, L), np.float32), "raw"),
         "g": codec.encode(np.zeros((3, L), np.float32), "raw")})),
     lambda: b"\x93garbage",
-    lambda: sketch_message((1, 0), 1, _sketch(), "int8").encode(),  # a bare body: not an envelope
+    lambda: sketch_message((1, 0), [(1, _sketch())], "int8").encode(),  # a bare body: not an envelope
     lambda: _sealed(ExpertSnapshot(layer=1, expert=0, step=1, tensors={})),  # another kind
-    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), to="QmOtherWorker"),  # recorded for another worker
-    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), to=None),  # addressed to nobody
-    lambda: _sealed(sketch_message((1, 0), 1, _sketch(), "int8"), sealer=Sealer(COMPOSER, "another-run")),
+    lambda: _sealed(sketch_message((1, 0), [(1, _sketch())], "int8"), to="QmOtherWorker"),  # for another worker
+    lambda: _sealed(sketch_message((1, 0), [(1, _sketch())], "int8"), to=None),  # addressed to nobody
+    lambda: _sealed(sketch_message((1, 0), [(1, _sketch())], "int8"), sealer=Sealer(COMPOSER, "another-run")),
 ])
 def test_malformed_update_requests_are_refused(bad) -> None:
     with pytest.raises(RemoteProtocolError):
@@ -95,13 +120,13 @@ def test_malformed_update_requests_are_refused(bad) -> None:
 
 def test_a_forged_or_replayed_sketch_is_refused_and_concurrent_ones_pass_once() -> None:
     opener, sealer = Opener(RUN, replay_window=64), Sealer(COMPOSER, RUN)
-    first, second = (_sealed(sketch_message((1, 0), step, _sketch(), "int8"), sealer=sealer) for step in (1, 2))
+    first, second = (_sealed(sketch_message((1, 0), [(step, _sketch())], "int8"), sealer=sealer) for step in (1, 2))
     _decode_sketch(second, opener)  # calls overtake each other on the wire: the older one still passes...
     _decode_sketch(first, opener)
     with pytest.raises(ReplayedMessage):  # ...once
         _decode_sketch(first, opener)
-    body = dataclasses.replace(sketch_message((1, 0), 3, _sketch(), "int8"), to=WORKER).encode()
-    forged = seal(MALLORY, dataclasses.replace(sketch_message((1, 0), 3, _sketch(), "int8"), to=WORKER),
+    body = dataclasses.replace(sketch_message((1, 0), [(3, _sketch())], "int8"), to=WORKER).encode()
+    forged = seal(MALLORY, dataclasses.replace(sketch_message((1, 0), [(3, _sketch())], "int8"), to=WORKER),
                   run_id=RUN, seq=10**17, timestamp=time.time())
     claimed = forged.replace(MALLORY.public_key, COMPOSER.public_key)  # Mallory's signature, Alice's name
     with pytest.raises(BadSignature):
@@ -110,7 +135,8 @@ def test_a_forged_or_replayed_sketch_is_refused_and_concurrent_ones_pass_once() 
     assert _decode_sketch(forged, opener)[0].sender == MALLORY.public_key
     assert len(body) < len(forged) < len(body) + 256  # what signing costs on the wire
     with pytest.raises(WrongRun):
-        _decode_sketch(_sealed(sketch_message((1, 0), 4, _sketch(), "int8"), sealer=Sealer(COMPOSER, "other")), opener)
+        other_run = Sealer(COMPOSER, "other")
+        _decode_sketch(_sealed(sketch_message((1, 0), [(4, _sketch())], "int8"), sealer=other_run), opener)
 
 
 def test_onboarding_is_bounded_to_offloadable_experts() -> None:
@@ -224,7 +250,7 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
         await servicer.rpc_onboard(runtime_pb2.ExpertInfo(serialized_info=onboard), Context())
         for step, fresh in ((9, False), (10, True)):
             request = runtime_pb2.ExpertInfo(
-                serialized_info=_sealed(sketch_message((1, 2), step, _sketch(), "int8"), sealer=sealer))
+                serialized_info=_sealed(sketch_message((1, 2), [(step, _sketch())], "int8"), sealer=sealer))
             if fresh:
                 answer = (await servicer.rpc_update(request, Context())).serialized_info
                 assert Opener(RUN).open(answer, WorkerResult).sender == WORKER_KEY.public_key
@@ -233,7 +259,7 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
                     await servicer.rpc_update(request, Context())
         with pytest.raises(RemoteProtocolError, match="not onboarded"):  # another composer's key: not its trainer
             await servicer.rpc_update(runtime_pb2.ExpertInfo(serialized_info=_sealed(
-                sketch_message((1, 2), 11, _sketch(), "int8"), sealer=Sealer(MALLORY, RUN))), Context())
+                sketch_message((1, 2), [(11, _sketch())], "int8"), sealer=Sealer(MALLORY, RUN))), Context())
 
     try:
         asyncio.run(scenario())

@@ -7,7 +7,7 @@ import torch
 
 from parallax.node.config import preset
 from parallax.node.model import MoELayer
-from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
+from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress, concat, subsample
 
 TINY = preset("tiny")
 
@@ -74,3 +74,26 @@ def test_subsampling_is_unbiased():
     assert empty.x_NL.shape == (0, 4) and empty.wire_bytes == 0
     with pytest.raises(ValueError, match="sample_fraction"):
         compress(Sketch(x, g, 4000), sample_fraction=0.0, generator=gen)
+
+
+def test_subsample_caps_rows_and_keeps_the_gradient_sum_unbiased() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(40, 4, generator=gen), torch.randn(40, 4, generator=gen)
+    full = Sketch(x, g, tokens=40)
+    assert subsample(full, 40, gen) is full and subsample(full, 100, gen) is full
+    draws = [subsample(full, 10, gen) for _ in range(4000)]
+    assert all(d.x_NL.shape == (10, 4) and d.tokens == 40 for d in draws)
+    # the rows kept are rows of the sketch, with g scaled by 40 / 10
+    row = {tuple(r.tolist()): i for i, r in enumerate(x)}
+    d = draws[0]
+    assert torch.allclose(d.g_NL, 4 * g[[row[tuple(r.tolist())] for r in d.x_NL]])
+    # E[sum_n g_n x_n^T] over the draws equals the full sum (the Taylor proxy's gradient is linear in it)
+    mean = torch.stack([dd.g_NL.T @ dd.x_NL for dd in draws]).mean(0)
+    assert torch.allclose(mean, g.T @ x, atol=0.1 * float((g.T @ x).abs().max()))
+
+
+def test_concat_keeps_both_samples() -> None:
+    a = Sketch(torch.ones(2, 3), torch.ones(2, 3), tokens=5, wire_bytes=10)
+    b = Sketch(torch.zeros(1, 3), torch.zeros(1, 3), tokens=4, wire_bytes=7)
+    both = concat(a, b)
+    assert both.x_NL.shape == (3, 3) and (both.tokens, both.wire_bytes) == (9, 17)
