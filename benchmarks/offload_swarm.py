@@ -130,7 +130,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "sketches": last.get("offload_sketches", 0), "sketch_bytes": last.get("offload_sketch_bytes", 0),
             "results": last.get("offload_results", 0), "result_bytes": last.get("offload_result_bytes", 0),
             "results_applied": last.get("offload_applied", 0), "sketches_coalesced": last.get("offload_coalesced", 0),
-            "sketches_merged": last.get("offload_merged", 0),
+            "sketches_merged": last.get("offload_merged", 0), "lateness_steps": last.get("offload_lateness"),
             "onboards": last.get("offload_onboards", 0), "onboard_bytes": last.get("offload_onboard_bytes", 0),
             "onboard_s": [e["seconds"] for e in onboarded], "first_update_s": [e["seconds"] for e in first],
         })
@@ -164,6 +164,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "bytes_per_onboarding": total("onboard_bytes") / total("onboards") if total("onboards") else None,
             "results_applied": total("results_applied"), "sketches_coalesced": total("sketches_coalesced"),
             "sketches_merged": total("sketches_merged"),
+            "lateness_steps_per_node": [n["lateness_steps"] for n in per_node],
         },
         "onboarding": {"answer_s_median": statistics.median(onboard_s) if onboard_s else None,
                        "first_update_s_median": statistics.median(first_s) if first_s else None,
@@ -191,7 +192,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"| bytes per sketch (request body) | {_num(w['bytes_per_sketch'])} | {w['sketches_coalesced']:,} steps sent "
         f"with an older one while their worker was behind, {w['sketches_merged']:,} merged into one |",
         f"| bytes per worker result (answer body) | {_num(w['bytes_per_result'])} | "
-        f"{w['results_applied']:,} results applied |",
+        f"{w['results_applied']:,} results applied, mean lateness per composer "
+        f"{', '.join('-' if x is None else f'{x:.2f}' for x in w['lateness_steps_per_node'])} steps |",
         f"| sketch + result bytes per composer-step | "
         f"{_num((w['sketch_bytes_per_composer_step'] or 0) + (w['result_bytes_per_composer_step'] or 0))} | |",
         f"| onboarding: bytes per expert | {_num(w['bytes_per_onboarding'])} | |",

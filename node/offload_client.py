@@ -30,6 +30,7 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -109,6 +110,9 @@ class OffloadSession:
         """Steps' sketches that went out in a request with an older one, because their worker was behind."""
         self.merged = 0
         """Steps' sketches merged into an older one's part (the worker takes one optimizer step fewer)."""
+        self.lateness: collections.Counter[int] = collections.Counter()
+        """Steps from a request's newest sketch to the step its result was applied at -> results (in process,
+        ``offload.delay``; on the wire, the round trip in steps)."""
         self.fallbacks: list[tuple[ExpertId, str, str]] = []
         """(expert, worker, reason) of every drop."""
         self._retry_at: dict[ExpertId, float] = {}
@@ -141,6 +145,12 @@ class OffloadSession:
         for eid, entry in self.offloaded.items():
             self._send(eid, entry)
         self._onboard(live)
+
+    @property
+    def mean_lateness(self) -> float | None:
+        """Mean steps from sketch to applied result over the run so far (None before the first result)."""
+        n = sum(self.lateness.values())
+        return sum(k * v for k, v in self.lateness.items()) / n if n else None
 
     def _fit(self, wire: Sketch) -> Sketch:
         """``wire`` with at most ``max_rows`` rows (a uniform sample, g scaled by rows / kept)."""
@@ -175,6 +185,7 @@ class OffloadSession:
                 return f"request for step {step} failed: {e!r}"
             entry.in_flight.pop(0)
             self.applied += 1
+            self.lateness[self.composer.step - step] += 1
             if entry.onboard_started is not None:
                 self.event("offload_first_update", step=self.composer.step, expert=list(eid), worker=entry.worker,
                            seconds=round(time.monotonic() - entry.onboard_started, 3))

@@ -464,13 +464,14 @@ class Node:
         self.dht.forbidden_thread = None
         self._event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
 
-    def _offload_fields(self) -> dict[str, int]:
+    def _offload_fields(self) -> dict[str, int | float | None]:
         session = self.offload
         assert session is not None
         client = session.client
         sent, received = client.bytes_sent, client.bytes_received
         return {"offload_applied": session.applied, "offloaded": len(session.offloaded),
                 "offload_coalesced": session.coalesced, "offload_merged": session.merged,
+                "offload_lateness": None if session.mean_lateness is None else round(session.mean_lateness, 3),
                 "offload_sketches": client.requests["rpc_update"], "offload_sketch_bytes": sent["rpc_update"],
                 "offload_results": client.replies["rpc_update"], "offload_result_bytes": received["rpc_update"],
                 "offload_onboards": client.requests["rpc_onboard"], "offload_onboard_bytes": sent["rpc_onboard"]}

@@ -92,6 +92,8 @@ def test_results_are_applied_and_private_layers_stay_home(train) -> None:
     _steps(composer, session, 4)
     assert session.offloaded and all(eid[0] >= 1 for eid in session.offloaded)
     assert session.applied > 0 and not session.fallbacks
+    # answered at once, applied at the next step's exchange: one step late
+    assert dict(session.lateness) == {1: session.applied} and session.mean_lateness == 1.0
     assert {w for _, f in events for w in [f["worker"]]} <= {"w1", "w2"}
 
 
@@ -136,6 +138,7 @@ def test_a_slow_worker_gets_the_same_steps_in_fewer_requests(train) -> None:
     assert all(len(entry.pending) == 3 for entry in session.offloaded.values())  # the rest waits, none dropped
     fake.release()
     _steps(composer, session, 1)
+    assert max(session.lateness) == session.max_in_flight + 3  # the oldest held answer, applied now
     # The held answers are applied; the three waiting steps and this one go out as one request per expert.
     assert [len(steps) for _, steps, _ in fake.parts[-len(offloaded):]] == [4] * len(offloaded)
     assert session.coalesced == 3 * len(offloaded) and session.merged == 0
