@@ -292,6 +292,17 @@ class Composer:
             out[f"{ADAM_PREFIX}step"] = torch.tensor(steps.pop(), dtype=torch.float64)
         return out
 
+    def load_expert_adam(self, expert_id: ExpertId, step: float, moments: Mapping[str, torch.Tensor]) -> None:
+        """Set an owned expert's AdamW state (checked by ``check_snapshot``): an adopted expert's, or the state
+        its worker trained an offloaded expert with, so that a fall-back or the next worker carries on from it.
+        """
+        for name, p in self.model.expert_parameters(*expert_id).items():
+            self.optimizer.state[p] = {
+                "step": _adam_step(step, self.optimizer.defaults, p.device),
+                "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype, copy=True),
+                "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype, copy=True),
+            }
+
     def adopt_expert(self, expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor] | None) -> None:
         """Start owning an expert: hold it for real, train it, and publish its surrogate from now on.
 
@@ -318,7 +329,8 @@ class Composer:
         if snapshot is None:
             weights, adam = self.model.initial_expert_weights(layer, expert, self.cfg.seed), None
         else:
-            weights, adam = _check_snapshot((layer, expert), snapshot, shapes)
+            weights, adam = check_snapshot(f"snapshot of expert {(layer, expert)}", snapshot, shapes,
+                                          self.cfg.optim.betas)
 
         moe = self.model.blocks[layer].moe
         like = moe.router.weight
@@ -331,13 +343,7 @@ class Composer:
         self.owned = _with_expert(self.owned, layer, expert, owned_now=True)
         self._canonical_optimizer()
         if adam is not None:
-            step, moments = adam
-            for name, p in module.named_parameters():
-                self.optimizer.state[p] = {
-                    "step": _adam_step(step, self.optimizer.defaults, p.device),
-                    "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype, copy=True),
-                    "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype, copy=True),
-                }
+            self.load_expert_adam((layer, expert), *adam)
         if self.cfg.surrogate.non_owned == "surrogate":
             # Receivers hold our copy of its surrogate (every composer applied the same deltas), so the
             # next refresh publishes only what changes from here.
@@ -485,27 +491,46 @@ def _with_expert(owned: Ownership, layer: int, expert: int, *, owned_now: bool) 
                  for i, experts in enumerate(owned))
 
 
-def _check_snapshot(expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]
-                    ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
+def adam_state_shapes(shapes: Mapping[str, torch.Size]) -> dict[str, torch.Size]:
+    """The names and shapes of an expert's AdamW state in a snapshot (``Composer.expert_snapshot``)."""
+    out = {f"{ADAM_PREFIX}{moment}.{n}": shape for moment in ("exp_avg", "exp_avg_sq") for n, shape in shapes.items()}
+    out[f"{ADAM_PREFIX}step"] = torch.Size([])
+    return out
+
+
+def moment_bound(betas: tuple[float, float]) -> float | None:
+    """K with |exp_avg| <= K sqrt(exp_avg_sq) elementwise for any gradients AdamW ever saw (None: no such K).
+
+    m_t = (1-b1) sum_i b1^(t-i) g_i and v_t = (1-b2) sum_i b2^(t-i) g_i^2, so by Cauchy-Schwarz
+    |m_t| <= (1-b1) / sqrt((1-b2)(1-b1^2/b2)) sqrt(v_t) whenever b1^2 < b2 (1.16 for (0.9, 0.95)). A state
+    that breaks it was not made by AdamW: it would turn into steps far larger than the learning rate.
+    """
+    b1, b2 = betas
+    if not b1 * b1 < b2 < 1:
+        return None
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+
+
+def check_snapshot(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size],
+                   betas: tuple[float, float] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
     """Check an expert snapshot (see ``Composer.expert_snapshot``) before anything is changed.
 
     Args:
-        expert_id: the expert, for the messages.
-        snapshot: name -> tensor, from another composer (possibly over the network).
+        where: what is checked, for the messages ("snapshot of expert (1, 2)").
+        snapshot: name -> tensor, from another composer or a worker (possibly over the network).
         shapes: the expert's parameter names and shapes.
+        betas: AdamW's betas: when given, the moments must also keep ``moment_bound``.
 
     Returns:
         (weights by parameter name, (AdamW step, moments by "exp_avg.<name>" / "exp_avg_sq.<name>") or None).
 
     Raises:
         ValueError: missing or unexpected names, wrong shapes, non-floating or non-finite values, a negative
-            second moment, or a step that is not a whole number >= 0.
+            second moment, a first moment AdamW cannot have made, or a step that is not a whole number >= 0.
     """
-    where = f"snapshot of expert {expert_id}"
     step_name = f"{ADAM_PREFIX}step"
-    adam_shapes = {f"{ADAM_PREFIX}{moment}.{n}": shape for moment in ("exp_avg", "exp_avg_sq")
-                   for n, shape in shapes.items()}
-    adam_shapes[step_name] = torch.Size([])
+    adam_shapes = adam_state_shapes(shapes)
     has_adam = any(str(k).startswith(ADAM_PREFIX) for k in snapshot)
     expected = {**shapes, **(adam_shapes if has_adam else {})}
     missing, extra = sorted(set(expected) - set(snapshot)), sorted(map(str, set(snapshot) - set(expected)))
@@ -530,6 +555,14 @@ def _check_snapshot(expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor], s
     if step < 0 or not step.is_integer():
         raise ValueError(f"{where}: {step_name} must be a whole number >= 0, got {step}")
     moments = {k[len(ADAM_PREFIX):]: snapshot[k] for k in adam_shapes if k != step_name}
+    bound = None if betas is None else moment_bound(betas)
+    if bound is not None:
+        for name in shapes:
+            m, v = moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"]
+            # the tolerance covers float32 rounding and second moments that underflowed to zero
+            if (m.abs() > bound * 1.001 * v.sqrt() + 1e-12).any():
+                raise ValueError(f"{where}: exp_avg.{name} exceeds {bound:.3f} x sqrt(exp_avg_sq) somewhere: "
+                                 "not a state AdamW makes")
     return weights, (step, moments)
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from parallax.node import config as config_mod
-from parallax.node.composer import Composer, lr_lambda
+from parallax.node.composer import ADAM_PREFIX, Composer, adam_state_shapes, check_snapshot, lr_lambda
 from parallax.node.config import TrainConfig
 from parallax.node.model import SwiGLU
 from parallax.node.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
@@ -102,13 +102,17 @@ def decode_tensors(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.Size],
         a = codec.decode(blobs[name], limits, peer=peer, what=f"{what} {name}")
         if tuple(a.shape) != tuple(shape):
             raise RemoteProtocolError(f"{what} {name}: shape {a.shape}, expected {tuple(shape)}", peer=peer)
-        out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+        out[name] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(shape)  # 0-d stays 0-d
     return out
 
 
 def blob_bytes(blobs: Mapping[str, bytes]) -> int:
     return sum(len(b) for b in blobs.values())
 
+
+STATE_BUDGET = 2 * 2**20
+"""An AdamW state travels with an onboarding or a result only when the message stays under this (half of
+hivemind's 4 MiB unary cap): true for the small preset (1.18 MB of state an expert), not for the report's."""
 
 SETTINGS_KEY = "offload_settings"
 """Heartbeat ``versions`` key under which a worker announces ``settings_digest`` of its config."""
@@ -126,7 +130,7 @@ def worker_settings(cfg: TrainConfig) -> dict[str, object]:
             "worker_lr": float(off.worker_lr), "proxy_lambda": float(off.proxy_lambda),
             "result_codec": off.result_codec, "result_rank": int(off.result_rank),
             "onboard_codec": off.onboard_codec, "lookahead": int(off.lookahead),
-            "private_layers": int(off.private_layers)}
+            "private_layers": int(off.private_layers), "state_every": int(off.state_every)}
 
 
 def settings_digest(cfg: TrainConfig) -> int:
@@ -150,13 +154,22 @@ class TaylorProxyTrainer:
         self.device = torch.device(device)
         self.expert = SwiGLU(m.d_latent, m.d_expert).to(self.device)
         shapes = {n: p.shape for n, p in self.expert.named_parameters()}
-        weights = decode_tensors(onboard, shapes, what="onboarding")
+        weights, adam = decode_expert_state(onboard, shapes, cfg.optim.betas, what="onboarding")
         with torch.no_grad():
             for name, p in self.expert.named_parameters():
                 p.copy_(weights[name].to(self.device))
         self.mirror = {n: w.clone() for n, w in weights.items()}
         self.optimizer = torch.optim.AdamW(self.expert.parameters(), lr=cfg.offload.worker_lr, betas=o.betas,
                                            weight_decay=o.weight_decay)
+        if adam is not None:  # the composer's state of this expert: go on from it instead of restarting AdamW
+            step, moments = adam
+            for name, p in self.expert.named_parameters():
+                self.optimizer.state[p] = {"step": torch.tensor(float(step)),
+                                           "exp_avg": moments[f"exp_avg.{name}"].to(self.device, copy=True),
+                                           "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(self.device, copy=True)}
+        self.results = 0
+        """Results sent so far: every ``offload.state_every``-th carries the AdamW state."""
+        self._state_too_big = False
         self._schedule = lr_lambda(o.warmup_steps, cfg.steps, o.min_lr_ratio)
         self.rows = 0
         """Sketch rows trained on so far (for FLOP accounting)."""
@@ -203,7 +216,28 @@ class TaylorProxyTrainer:
         sent = decode_tensors(blobs, {n: t.shape for n, t in delta.items()}, what="own result")
         for n, t in sent.items():
             self.mirror[n] += t
+        self.results += 1
+        if off.state_every and self.results % off.state_every == 0:
+            state = encode_tensors(self.adam_state(), "raw")
+            if blob_bytes(blobs) + blob_bytes(state) <= STATE_BUDGET:
+                blobs.update(state)
+            elif not self._state_too_big:
+                self._state_too_big = True
+                log.warning("this expert's AdamW state (%d B) does not fit a result (budget %d B): not sent, so "
+                            "a fall-back restarts AdamW", blob_bytes(state), STATE_BUDGET)
         return blobs
+
+    def adam_state(self) -> dict[str, torch.Tensor]:
+        """The AdamW state as ``Composer.expert_snapshot`` names it (empty before the first step)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.expert.named_parameters():
+            state = self.optimizer.state.get(p)
+            if not state:
+                return {}
+            out[f"{ADAM_PREFIX}exp_avg.{name}"] = state["exp_avg"].detach().float().cpu()
+            out[f"{ADAM_PREFIX}exp_avg_sq.{name}"] = state["exp_avg_sq"].detach().float().cpu()
+            out[f"{ADAM_PREFIX}step"] = torch.tensor(float(state["step"]))
+        return out
 
     def _momentum_steps(self, steps: int, step: int) -> dict[str, torch.Tensor]:
         """The change ``steps`` more AdamW steps would make with zero gradients (both moments decay, the
@@ -228,26 +262,66 @@ class TaylorProxyTrainer:
 
 
 def onboard_blobs(composer: Composer, expert_id: ExpertId) -> Blobs:
-    """What a worker receives to start on an owned expert: its weights, cfg.offload.onboard_codec."""
-    weights = composer.model.expert_parameters(*expert_id)
-    return encode_tensors(weights, composer.cfg.offload.onboard_codec)
+    """What a worker receives to start on an owned expert: its weights (cfg.offload.onboard_codec) and, once
+    that state has taken ``offload.state_every`` steps and if it fits ``STATE_BUDGET``, its AdamW state (float32:
+    what the composer trained it with, or its last worker's state)."""
+    off = composer.cfg.offload
+    snapshot = composer.expert_snapshot(expert_id)
+    weights = encode_tensors({n: t for n, t in snapshot.items() if not n.startswith(ADAM_PREFIX)}, off.onboard_codec)
+    steps = float(snapshot.get(f"{ADAM_PREFIX}step", 0.0))
+    if not off.state_every or steps < off.state_every:
+        return weights  # a younger state is worth less than its bytes (4x the fp16 weights)
+    state = encode_tensors({n: t for n, t in snapshot.items() if n.startswith(ADAM_PREFIX)}, "raw")
+    return {**weights, **state} if blob_bytes(weights) + blob_bytes(state) <= STATE_BUDGET else weights
+
+
+def decode_expert_state(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.Size], betas: tuple[float, float],
+                        *, max_norms: Mapping[str, float] | None = None, peer: str | None = None, what: str
+                        ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
+    """Decode expert-shaped tensors with an optional AdamW state (``adam.*`` names, all or none) and check
+    both (``composer.check_snapshot``: the moments must be ones AdamW can have made).
+
+    Returns:
+        (name -> tensor of ``shapes``, (AdamW step, moments) or None).
+
+    Raises:
+        RemoteProtocolError: what ``decode_tensors`` refuses, or a state that is incomplete or impossible.
+    """
+    state_names = {n for n in blobs if n.startswith(ADAM_PREFIX)}
+    main = decode_tensors({n: b for n, b in blobs.items() if n not in state_names}, shapes, max_norms=max_norms,
+                          peer=peer, what=what)
+    if not state_names:
+        return main, None
+    state_shapes = adam_state_shapes(shapes)
+    state = decode_tensors({n: blobs[n] for n in state_names}, state_shapes, peer=peer, what=f"{what} AdamW state")
+    # The moments are checked alone (the weights' shapes stand in for the weights: ``main`` may be a change).
+    try:
+        _, adam = check_snapshot(what, {**{n: torch.zeros(s) for n, s in shapes.items()}, **state}, shapes,
+                                 betas)
+    except ValueError as e:
+        raise RemoteProtocolError(str(e), peer=peer) from None
+    return main, adam
 
 
 def apply_result(composer: Composer, expert_id: ExpertId, blobs: Mapping[str, bytes], *,
                  peer: str | None = None) -> None:
-    """Check a worker's weight change and add it to the composer's expert (between steps).
+    """Check a worker's weight change and add it to the composer's expert (between steps); a result that
+    carries the worker's AdamW state (every ``offload.state_every``-th) sets the expert's optimizer state.
 
     Raises:
         RemoteProtocolError: the result is malformed, misshapen, non-finite or above the norm bound
-            (||dW|| > max_change x ||W||); the expert is left unchanged.
+            (||dW|| > max_change x ||W||), or its AdamW state is incomplete or impossible; the expert is left
+            unchanged.
     """
     params = composer.model.expert_parameters(*expert_id)
     bound = {n: composer.cfg.offload.max_change * float(p.detach().float().norm()) for n, p in params.items()}
-    delta = decode_tensors(blobs, {n: p.shape for n, p in params.items()}, max_norms=bound, peer=peer,
-                           what=f"worker result for expert {expert_id}")
+    delta, adam = decode_expert_state(blobs, {n: p.shape for n, p in params.items()}, composer.cfg.optim.betas,
+                                      max_norms=bound, peer=peer, what=f"worker result for expert {expert_id}")
     with torch.no_grad():
         for name, p in params.items():
             p.add_(delta[name].to(p.device, p.dtype))
+    if adam is not None:  # the worker's optimizer state: a fall-back or the next worker goes on from it
+        composer.load_expert_adam(expert_id, *adam)
 
 
 def fall_back(composer: Composer, expert_id: ExpertId, unanswered: list[Sketch]) -> None:

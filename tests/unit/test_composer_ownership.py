@@ -4,12 +4,14 @@ included), and a bad snapshot changes nothing."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from parallax.node import config
 from parallax.node.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.composer import Composer
+from parallax.node.composer import Composer, moment_bound
 from parallax.node.config import train_config
 from parallax.node.data import load_corpus, split_corpus
 
@@ -166,6 +168,11 @@ def _negative_second_moment(snap):
     snap["adam.exp_avg_sq.w_gate.weight"][0, 0] = -1.0
 
 
+def _impossible_first_moment(snap):  # finite and signed right, but no gradient history makes it
+    v = snap["adam.exp_avg_sq.w_up.weight"]
+    snap["adam.exp_avg.w_up.weight"] = 10 * v.sqrt() + 1e-3
+
+
 def _fractional_step(snap):
     snap["adam.step"] = torch.tensor(1.5, dtype=torch.float64)
 
@@ -178,6 +185,7 @@ def _integer_weights(snap):
     (_nan, "NaN or infinite"), (_shape, "shape"), (_missing, "missing"), (_extra, "unexpected"),
     (_partial_adam, "missing"), (_adam_inf, "NaN or infinite"), (_negative_second_moment, "negative"),
     (_fractional_step, "whole number"), (_integer_weights, "floating-point"),
+    (_impossible_first_moment, "not a state AdamW makes"),
 ])
 def test_a_bad_snapshot_is_refused_and_nothing_changes(train, corrupt, message):
     a, b = _composer(train, OWNED_A), _composer(train, OWNED_B)
@@ -242,3 +250,30 @@ def test_forward_uses_the_real_expert_after_adopt_and_the_surrogate_after_releas
     c.release_expert((0, 3))
     forward()
     assert calls == {"surrogate": 1, "expert": 0}
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.5, 0.3)])
+def test_adamw_states_keep_the_moment_bound_and_the_bound_is_tight(betas):
+    """Real AdamW steps on random and on adversarial (growing) gradients stay within moment_bound; the
+    growing sequence g_i ~ (b1/b2)^-i comes within 1% of it, so the bound is neither loose nor wrong."""
+    b1, b2 = betas
+    bound = moment_bound(betas)
+    assert bound is not None
+    gen = torch.Generator().manual_seed(0)
+    # Cauchy-Schwarz is tight when the gradient at lag k is proportional to (b1/b2)^k: the newest gradient 1,
+    # as many steps as keep the oldest within float32's range when squared.
+    r = b2 / b1
+    n = min(300, int(15 / abs(math.log10(r))))
+    extremal = (r ** (torch.arange(n, dtype=torch.float64) - (n - 1))).unsqueeze(1).repeat(1, 50)
+    for grads in (torch.randn(300, 50, generator=gen) * torch.rand(300, 1, generator=gen) * 10, extremal):
+        p = torch.nn.Parameter(torch.zeros(50))
+        opt = torch.optim.AdamW([p], lr=1e-3, betas=betas)
+        ratios = []
+        for g in grads:
+            p.grad = g.float().clone()
+            opt.step()
+            st = opt.state[p]
+            ratios.append(float((st["exp_avg"].abs() / st["exp_avg_sq"].sqrt().clamp_min(1e-30)).max()))
+        assert max(ratios) <= bound * 1.001
+    assert ratios[-1] >= 0.99 * bound
+    assert moment_bound((0.99, 0.9)) is None  # b1^2 >= b2: AdamW's moments admit no such bound

@@ -24,6 +24,7 @@ from parallax.node.offload import (
 )
 from parallax.node.sim import RunSpec, ownership_for, run
 from parallax.node.sketch import Sketch, compress, taylor_proxy
+from parallax.protocol import codec
 from parallax.protocol.errors import RemoteProtocolError
 
 
@@ -278,6 +279,70 @@ def test_onboarding_blobs_carry_the_weights_and_nothing_else(splits):
         assert torch.equal(dict(trainer.expert.named_parameters())[name].detach(), p.detach())
 
 
+def _adam(optimizer, params):
+    return {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in params.items()}
+
+
+def test_the_workers_adamw_state_comes_back_and_goes_on_to_the_next_worker(splits):
+    """Every state_every-th result carries the worker's AdamW state; the composer keeps it as the expert's
+    optimizer state (a fall-back trains on with it), and onboarding the next worker hands it on."""
+    train, _ = splits
+    cfg = _cfg(state_every=2, onboard_codec="raw")
+    c = _composers(cfg, train, 1)[0]
+    eid = next(iter(c.owned_experts()))
+    params = c.model.expert_parameters(*eid)
+    first = TaylorProxyTrainer(cfg, onboard_blobs(c, eid))
+    assert not first.optimizer.state  # a composer that never trained the expert has no state to hand on
+    one = first.update([(1, _sketch(cfg, seed=1))])
+    assert not any(n.startswith("adam.") for n in one)
+    apply_result(c, eid, one)
+    assert all(p not in c.optimizer.state for p in params.values())
+    two = first.update([(2, _sketch(cfg, seed=2))])
+    apply_result(c, eid, two)
+    worker = _adam(first.optimizer, dict(first.expert.named_parameters()))
+    composer = _adam(c.optimizer, params)
+    for name in params:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(composer[name][key].float(), worker[name][key].float()), (name, key)
+    assert int(composer[next(iter(params))]["step"]) == 2
+    second = TaylorProxyTrainer(cfg, onboard_blobs(c, eid))  # the next worker goes on from that state
+    handed = _adam(second.optimizer, dict(second.expert.named_parameters()))
+    for name in params:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(handed[name][key].float(), worker[name][key].float()), (name, key)
+
+
+def test_an_impossible_adamw_state_in_a_result_is_refused_and_nothing_changes(splits):
+    train, _ = splits
+    cfg = _cfg(state_every=1)
+    c = _composers(cfg, train, 1)[0]
+    eid = next(iter(c.owned_experts()))
+    trainer = TaylorProxyTrainer(cfg, onboard_blobs(c, eid))
+    blobs = trainer.update([(1, _sketch(cfg))])
+    name = next(n for n in blobs if n.startswith("adam.exp_avg_sq."))
+    sq = codec.decode(blobs[name], codec.TensorLimits(max_elements=10**7))
+    blobs[name.replace("exp_avg_sq", "exp_avg")] = codec.encode(100 * np.sqrt(sq) + 1e-3)  # no AdamW makes this
+    before = {n: p.detach().clone() for n, p in c.model.expert_parameters(*eid).items()}
+    with pytest.raises(RemoteProtocolError, match="not a state AdamW makes"):
+        apply_result(c, eid, blobs)
+    assert all(torch.equal(p, before[n]) for n, p in c.model.expert_parameters(*eid).items())
+    assert all(p not in c.optimizer.state for p in c.model.expert_parameters(*eid).values())
+
+
+def test_a_state_too_big_for_a_message_is_left_out(splits, monkeypatch, caplog):
+    from parallax.node import offload
+
+    monkeypatch.setattr(offload, "STATE_BUDGET", 1000)
+    train, _ = splits
+    cfg = _cfg(state_every=1)
+    c = _composers(cfg, train, 1)[0]
+    eid = next(iter(c.owned_experts()))
+    trainer = TaylorProxyTrainer(cfg, onboard_blobs(c, eid))
+    for step in (1, 2):
+        assert not any(n.startswith("adam.") for n in trainer.update([(step, _sketch(cfg))]))
+    assert sum("does not fit a result" in r.message for r in caplog.records) == 1  # said once
+
+
 def test_bench_offload_command_writes_the_promised_numbers(tmp_path):
     import json
 
@@ -318,7 +383,8 @@ def test_the_settings_digest_follows_exactly_what_a_worker_trains_with() -> None
     # Written as an int on one command line and left at the float default on the other: the same settings.
     assert settings_digest(config.override(base, {"offload.proxy_lambda": 0, "optim.weight_decay": 0.1})) == digest
     for key, value in [("offload.worker_lr", 1e-2), ("offload.lookahead", 0), ("offload.result_codec", "fp16"),
-                       ("offload.private_layers", 1), ("optim.weight_decay", 0.0), ("steps", 99)]:
+                       ("offload.private_layers", 1), ("offload.state_every", 0), ("optim.weight_decay", 0.0),
+                       ("steps", 99)]:
         assert settings_digest(config.override(base, {key: value})) != digest, key
     base_small = config.TrainConfig(model=config.preset("small"), offload=base.offload)
     assert settings_digest(base_small) != digest
