@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.benchmarks.report import write_report
-from parallax.benchmarks.swarm import _loss, _num, _sec
+from parallax.benchmarks.swarm import _loss, _num, _sec, swarm_changes
 from parallax.dht.adapter import dht_time
 from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.processes import kill_group
@@ -59,7 +59,8 @@ def _busiest(crew: list[NodeProcess], composers: list[NodeProcess]) -> tuple[str
 
 
 def _run_swarm(workdir: Path, name: str, args: list[str], preset: str, nodes: int, workers: int, steps: int,
-               kill_at: float, keys_from: Path | None, progress: Any) -> dict[str, Any]:
+               kill_at: float, keys_from: Path | None, progress: Any, worker_args: tuple[str, ...] = ()
+               ) -> dict[str, Any]:
     """One swarm to the end; returns its records and, with workers, when and whom it killed. Both swarms use
     one run id: it salts the expert assignment, which must be the same in both."""
     swarm = LocalSwarm(workdir, run_id="offload-bench", node_args=args)
@@ -67,7 +68,7 @@ def _run_swarm(workdir: Path, name: str, args: list[str], preset: str, nodes: in
     started = time.monotonic()
     try:
         swarm.start_bootstrap()
-        crew = [swarm.add_worker("--preset", preset) for _ in range(workers)]
+        crew = [swarm.add_worker("--preset", preset, *worker_args) for _ in range(workers)]
         deadline = time.monotonic() + 300
         while crew and time.monotonic() < deadline and not all(
                 _events(read_metrics(w.metrics), "worker_started") for w in crew):
@@ -98,17 +99,23 @@ def _run_swarm(workdir: Path, name: str, args: list[str], preset: str, nodes: in
 
 def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 200, preset: str = "small",
                             periods: str = '{"router": 25, "latent": 50, "backbone": 100}', refresh_every: int = 25,
-                            snapshot_every: int = 50, kill_at: float = 0.6, workdir: Path | None = None,
-                            progress: Any = print) -> dict[str, Any]:
-    """Run the benchmark (module docstring); returns the report (JSON-able)."""
+                            snapshot_every: int = 50, kill_at: float = 0.6, changes: list[str] | None = None,
+                            workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
+    """Run the benchmark (module docstring); returns the report (JSON-able).
+
+    ``changes``: ``PATH=VALUE`` config overrides given to every composer of both swarms and to the workers.
+    """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-offload-swarm-"))
+    changes = list(changes or [])
+    swarm_changes(changes)  # refuses what the benchmark sets itself
+    sets = [arg for change in changes for arg in ("--set", change)]
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
-            "--final-eval", "--snapshot-every", str(snapshot_every)]
+            "--final-eval", "--snapshot-every", str(snapshot_every), *sets]
     progress(f"direct: {nodes} composers x {steps} steps in {workdir / 'direct'}")
     direct = _run_swarm(workdir / "direct", "direct", args, preset, nodes, 0, steps, 0.0, None, progress)
     progress(f"offload: the same {nodes} composers + {workers} workers in {workdir / 'offload'}")
     offload = _run_swarm(workdir / "offload", "offload", [*args, "--set", "offload.enabled=true"], preset, nodes,
-                         workers, steps, kill_at, workdir / "direct", progress)
+                         workers, steps, kill_at, workdir / "direct", progress, worker_args=tuple(sets))
 
     def val(run: dict[str, Any]) -> tuple[float | None, int]:
         evals = [e[-1] for r in run["records"] if (e := _events(r, "final_eval"))]
@@ -150,6 +157,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
     period = min(json.loads(periods).values())
     return {
         "nodes": nodes, "workers": workers, "steps": steps, "preset": preset, "periods": json.loads(periods),
+        "changes": changes,
         "refresh_every": refresh_every, "kill_at": kill_at,
         "exit_codes": {"direct": direct["codes"], "offload": offload["codes"]},
         "wall_s": {"direct": direct["wall_s"], "offload": offload["wall_s"]},
@@ -182,8 +190,8 @@ def markdown(report: dict[str, Any]) -> str:
     ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}x"
     lines = [
         f"Worker offload over the network: {report['nodes']} composers (+ {report['workers']} workers in the offload "
-        f"run), preset {report['preset']}, {report['steps']} steps, periods {report['periods']} "
-        f"(exit codes {report['exit_codes']})",
+        f"run), preset {report['preset']}, {report['steps']} steps, periods {report['periods']}"
+        + "".join(f", --set {c}" for c in report.get("changes", [])) + f" (exit codes {report['exit_codes']})",
         "",
         "| measure | value | reference |",
         "|---|---|---|",

@@ -167,17 +167,22 @@ def swarm(
         raise KeyboardInterrupt  # SIGTERM too: the swarm's ``finally`` stops every node it started
 
     signal.signal(signal.SIGTERM, interrupt)
-    from parallax.benchmarks.swarm import swarm_changes
-    from parallax.node.config import override, train_config
-
-    try:  # a bad --set is refused here, before any process starts
-        override(train_config(preset), swarm_changes(changes or []))
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
+    _check_swarm_sets(preset, changes)
     report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at, changes=changes,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo)
     write(report, json_path)
     typer.echo(markdown(report))
+
+
+def _check_swarm_sets(preset: str, changes: list[str] | None) -> None:
+    """Refuse a bad ``--set`` of a process benchmark here, before any process starts."""
+    from parallax.benchmarks.swarm import swarm_changes
+    from parallax.node.config import override, train_config
+
+    try:
+        override(train_config(preset), swarm_changes(changes or []))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 @bench_app.command("offload-swarm")
@@ -189,12 +194,14 @@ def offload_swarm(
     kill_at: float = typer.Option(0.6, "--kill-at", min=0.0, max=0.95,
                                   help="SIGKILL the busiest worker once the composers passed this share of --steps "
                                        "(0: no kill)."),
+    changes: Sets = None,
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     json_path: JsonPath = None,
 ) -> None:
     """Worker offload over the network: composers + workers vs the same composers alone, one run: val-loss
     ratio, bytes per sketch and result on the wire, onboarding bytes and seconds, fall-back after a worker's
-    death (small preset, 200 steps: about 10 min on 2 cores)."""
+    death (small preset, 200 steps: about 10 min on 2 cores). ``--set`` applies to every composer of both
+    swarms and to the workers."""
     import signal
     from pathlib import Path
 
@@ -204,8 +211,10 @@ def offload_swarm(
         raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
 
     signal.signal(signal.SIGTERM, interrupt)
+    _check_swarm_sets(preset, changes)
     report = run_offload_swarm_bench(nodes=nodes, workers=workers, steps=steps, preset=preset, kill_at=kill_at,
-                                     workdir=Path(workdir) if workdir else None, progress=typer.echo)
+                                     changes=changes, workdir=Path(workdir) if workdir else None,
+                                     progress=typer.echo)
     write(report, json_path)
     typer.echo(markdown(report))
 

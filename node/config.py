@@ -248,6 +248,10 @@ class OffloadConfig:
     momentum step) and trains on from there. A one-step-late expert update alone costs direct ownership 0.12 of
     val loss (small preset, C=2, 200 steps); with input_grad, lookahead 1 takes offload from 2.5725 to
     2.2615 (seed 0) against direct 2.1495."""
+    lookahead_measured: bool = False
+    """Over the network: ask each worker to extrapolate by the lateness this composer measures for the expert
+    (steps from a request's newest sketch to its applied result, a moving average, rounded, at most 16) instead
+    of offload.lookahead. (In process the lateness is offload.delay, which already caps the lookahead.)"""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With

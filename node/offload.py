@@ -176,7 +176,7 @@ class TaylorProxyTrainer:
         self.onboard_step = 0
         """The composer's step when it sent these weights: older sketches are refused (the network worker)."""
 
-    def update(self, parts: Sequence[tuple[int, Sketch]]) -> Blobs:
+    def update(self, parts: Sequence[tuple[int, Sketch]], lookahead: int | None = None) -> Blobs:
         """For each (step, sketch) in turn, k AdamW steps on its proxy at that step's learning rate; return the
         change since the last result, compressed.
 
@@ -185,6 +185,8 @@ class TaylorProxyTrainer:
                 (1-based; sets the learning rate as the composer's scheduler would for that step). One request
                 carries one part, or several when the composer coalesced them (``Sketch.parts``): the weights
                 then move exactly as they would for separate requests; only the answer is one.
+            lookahead: momentum-only steps to extrapolate the answer by (the composer's measured lateness);
+                None: cfg.offload.lookahead.
 
         Returns:
             name -> blob of the weight change (cfg.offload.result_codec); the mirror already includes it.
@@ -207,8 +209,9 @@ class TaylorProxyTrainer:
                 self.optimizer.step()
         step = parts[-1][0]
         current = {n: p.detach().cpu() for n, p in self.expert.named_parameters()}
-        if off.lookahead:
-            ahead = self._momentum_steps(off.lookahead, step)
+        lookahead = off.lookahead if lookahead is None else lookahead
+        if lookahead:
+            ahead = self._momentum_steps(lookahead, step)
             current = {n: current[n] + ahead[n] for n in current}
         delta = {n: current[n] - self.mirror[n] for n in current}
         blobs = encode_tensors(delta, off.result_codec, rank=off.result_rank)

@@ -42,13 +42,15 @@ from parallax.node.offload import apply_result, fall_back, onboard_blobs
 from parallax.node.offload_exchange import OffloadClient, assign_to_workers, row_budget, sketch_message
 from parallax.node.sketch import Sketch, compress, concat, subsample
 from parallax.protocol.errors import ProtocolError
-from parallax.protocol.messages import MAX_SKETCH_PARTS
+from parallax.protocol.messages import MAX_LOOKAHEAD, MAX_SKETCH_PARTS
 
 logger = logging.getLogger(__name__)
 
 ExpertId = tuple[int, int]
 Event = Callable[..., None]
 """event(kind, **fields): the node's metrics/event sink."""
+LATENESS_WEIGHT = 0.2
+"""Weight of the newest result in an expert's lateness average (cfg.offload.lookahead_measured)."""
 
 
 @dataclass
@@ -71,6 +73,8 @@ class _Offloaded:
     """Parts not sent yet (the expert has ``max_in_flight`` requests unanswered), oldest first."""
     in_flight: list[tuple[list[_Part], concurrent.futures.Future]] = field(default_factory=list)
     """(the parts of one request, future of the result blobs), oldest first."""
+    lateness: float | None = None
+    """Moving average of the steps its results arrive late (``LATENESS_WEIGHT`` on the newest)."""
 
 
 class OffloadSession:
@@ -166,8 +170,12 @@ class OffloadSession:
                 batch.append(entry.pending.pop(0))
                 rows += batch[-1].wire.x_NL.shape[0]
             self.coalesced += len(batch) - 1
-            message = sketch_message(eid, [(part.step, part.wire) for part in batch],
-                                     self.composer.cfg.offload.wire_codec)
+            off = self.composer.cfg.offload
+            lookahead = None
+            if off.lookahead_measured and entry.lateness is not None:
+                lookahead = min(MAX_LOOKAHEAD, round(entry.lateness))
+            message = sketch_message(eid, [(part.step, part.wire) for part in batch], off.wire_codec,
+                                     lookahead=lookahead)
             entry.in_flight.append((batch, self.client.update(entry.worker, message)))
 
     def _apply_done(self, eid: ExpertId, entry: _Offloaded) -> str | None:
@@ -185,7 +193,10 @@ class OffloadSession:
                 return f"request for step {step} failed: {e!r}"
             entry.in_flight.pop(0)
             self.applied += 1
-            self.lateness[self.composer.step - step] += 1
+            late = self.composer.step - step
+            self.lateness[late] += 1
+            entry.lateness = late if entry.lateness is None else (
+                (1 - LATENESS_WEIGHT) * entry.lateness + LATENESS_WEIGHT * late)
             if entry.onboard_started is not None:
                 self.event("offload_first_update", step=self.composer.step, expert=list(eid), worker=entry.worker,
                            seconds=round(time.monotonic() - entry.onboard_started, 3))

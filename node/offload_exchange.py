@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -121,9 +121,11 @@ def _check_expert(cfg: TrainConfig, layer: int, expert: int, peer: str | None) -
     return layer, expert
 
 
-def sketch_message(eid: ExpertId, parts: Sequence[tuple[int, Sketch]], wire_codec: str) -> SketchMessage:
+def sketch_message(eid: ExpertId, parts: Sequence[tuple[int, Sketch]], wire_codec: str, *,
+                   lookahead: int | None = None) -> SketchMessage:
     """The ``Sketch`` message of one expert's sub-sampled (x, g) of one step or several (``parts``: (step,
-    sketch), oldest first, each with at least one row), x and g quantised; the client addresses and signs it."""
+    sketch), oldest first, each with at least one row), x and g quantised, asking for ``lookahead`` (None: the
+    worker's own); the client addresses and signs it."""
     if not parts or any(sketch.x_NL.shape[0] == 0 for _, sketch in parts):
         raise ValueError("a sketch message needs at least one part, each with at least one row")
     x = torch.cat([sketch.x_NL for _, sketch in parts]).detach().cpu().float().numpy()
@@ -132,7 +134,7 @@ def sketch_message(eid: ExpertId, parts: Sequence[tuple[int, Sketch]], wire_code
     coalesced = tuple((step, sketch.x_NL.shape[0], t) for (step, sketch), t in zip(parts, tokens, strict=True))
     return SketchMessage(layer=eid[0], expert=eid[1], step=parts[-1][0], tokens=sum(tokens),
                          tensors={"x": codec.encode(x, wire_codec), "g": codec.encode(g, wire_codec)},
-                         parts=coalesced if len(parts) > 1 else ())
+                         parts=coalesced if len(parts) > 1 else (), lookahead=lookahead)
 
 
 def row_budget(cfg: TrainConfig) -> int:
@@ -161,13 +163,20 @@ def open_request(data: bytes, expect: type[M], opener: Opener, limits: WorkerLim
     return signed
 
 
-def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
-                  peer: str | None = None) -> tuple[Envelope, ExpertId, list[tuple[int, Sketch]]]:
-    """Open and check an update request (its sequence number is not recorded yet: ``Opener.accept``).
+class UpdateRequest(NamedTuple):
+    """A checked update request: ``envelope.sender`` is the signer's public key; ``parts`` are (step, sketch),
+    oldest first (one unless the composer coalesced several steps), x and g float32, rows x d_latent;
+    ``lookahead``: the extrapolation the composer asks for (None: the worker's own)."""
 
-    Returns:
-        (the verified envelope: its ``sender`` is the signer's public key, expert, its parts: (step, sketch) oldest
-        first, one unless the composer coalesced several steps), each sketch's x and g float32, rows x d_latent.
+    envelope: Envelope
+    expert: ExpertId
+    parts: list[tuple[int, Sketch]]
+    lookahead: int | None
+
+
+def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
+                  peer: str | None = None) -> UpdateRequest:
+    """Open and check an update request (its sequence number is not recorded yet: ``Opener.accept``).
 
     Raises:
         RemoteProtocolError: oversized, a failed envelope check (forged, replayed, stale, another run or
@@ -194,7 +203,7 @@ def decode_sketch(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: O
     for step, rows, tokens in layout:
         parts.append((step, Sketch(x_t[start:start + rows], g_t[start:start + rows], tokens, len(data))))
         start += rows
-    return signed.envelope, eid, parts
+    return UpdateRequest(signed.envelope, eid, parts, msg.lookahead)
 
 
 def decode_onboard(data: bytes, cfg: TrainConfig, limits: WorkerLimits, opener: Opener, *, me: str,
@@ -303,8 +312,8 @@ class OffloadServicer(ServicerBase):
     async def rpc_update(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
         peer = context.remote_id.to_base58()
         try:
-            envelope, eid, parts = decode_sketch(request.serialized_info, self.cfg, self.limits, self.opener,
-                                                 me=context.local_id.to_base58(), peer=peer)
+            envelope, eid, parts, lookahead = decode_sketch(request.serialized_info, self.cfg, self.limits,
+                                                            self.opener, me=context.local_id.to_base58(), peer=peer)
             caller = envelope.sender
             with self._lock:
                 trainer = self.trainers.get((caller, eid))
@@ -324,7 +333,7 @@ class OffloadServicer(ServicerBase):
                 self.seen.append((caller, eid, {"x": (str(sketch.x_NL.dtype), tuple(sketch.x_NL.shape)),
                                                 "g": (str(sketch.g_NL.dtype), tuple(sketch.g_NL.shape))}))
         step = parts[-1][0]
-        job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, parts)
+        job = asyncio.get_running_loop().run_in_executor(self._executor, trainer.update, parts, lookahead)
         # On timeout the thread finishes its step anyway; the caller treats the missing answer as a failure.
         blobs = await asyncio.wait_for(job, self.limits.update_timeout_s)
         self.updates += 1

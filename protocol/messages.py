@@ -55,6 +55,7 @@ MAX_LAYER = 2**16 - 1
 MAX_EXPERT = 2**16 - 1
 MAX_TENSORS = 256  # tensors in one payload message
 MAX_SKETCH_PARTS = 64  # steps coalesced into one Sketch
+MAX_LOOKAHEAD = 16  # momentum-only steps a worker extrapolates at a composer's request
 
 _PEER_ID = Str(128, min_len=1)
 _ADDRESS = Str(256, min_len=1)
@@ -343,6 +344,9 @@ class Sketch(_TensorMessage):
     """Several steps' samples in one request (a composer whose worker is behind coalesces them), oldest first:
     ``(step, rows, tokens)`` of each, its rows in that order in ``x`` and ``g``; the worker trains on each in
     turn as on a request of its own. Empty: one step, ``step``."""
+    lookahead: int | None = wire(Optional(Int(0, MAX_LOOKAHEAD)), default=None)
+    """Steps late the composer expects to apply the answer (it measures that): the worker extrapolates its
+    weights by that many momentum-only steps. None: the worker's own ``offload.lookahead``."""
 
     def _validate(self) -> None:
         # Exactly x and g: an extra name is a channel for whatever else a buggy composer might leak.

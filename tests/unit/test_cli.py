@@ -76,6 +76,7 @@ def test_flops_table_reproduces_the_report():
 
 @pytest.mark.parametrize("change, says", [("nonsense.key=1", "unknown config section"),
                                           ("steps=5", "sets it itself"), ("sync.periods={}", "sets it itself")])
-def test_bench_swarm_refuses_a_bad_set_before_starting_anything(change, says):
-    result = runner.invoke(app, ["bench", "swarm", "--set", change])
+@pytest.mark.parametrize("bench", ["swarm", "offload-swarm"])
+def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change, says):
+    result = runner.invoke(app, ["bench", bench, "--set", change])
     assert result.exit_code == 2 and says in result.output

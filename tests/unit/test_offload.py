@@ -116,6 +116,12 @@ def test_coalesced_parts_train_the_expert_exactly_as_separate_requests():
         coalesced.update([])
 
 
+def test_a_requested_lookahead_replaces_the_workers_own():
+    asked, configured = _trainer(_cfg(lookahead=0)), _trainer(_cfg(lookahead=3))
+    part = [(5, _sketch(_cfg()))]
+    assert asked.update(part, lookahead=3) == configured.update(part)
+
+
 def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
     cfg = _cfg(result_codec="ternary", lookahead=0)  # the target is the worker's own weights
     trainer = _trainer(cfg)

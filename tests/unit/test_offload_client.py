@@ -27,6 +27,7 @@ class FakeWorkers:
         self.hold: list[tuple[concurrent.futures.Future, tuple]] = []  # while ``slow``: answered on release()
         self.slow, self.sent = False, 0
         self.parts: list[tuple[tuple[int, int], list[int], int]] = []  # per answered request: expert, steps, rows
+        self.lookaheads: list[int | None] = []  # per answered request: the extrapolation asked for
         self.sealer, self.opener = Sealer(Identity.generate(), "run"), Opener("run")
 
     def _done(self, value=None, error=None) -> concurrent.futures.Future:
@@ -50,9 +51,10 @@ class FakeWorkers:
         if self.fail:
             return self._done(error=TimeoutError("no answer"))
         body = self.sealer.seal(dataclasses.replace(message, to=worker))  # through the wire's encoding
-        _, got, parts = decode_sketch(body, self.cfg, WorkerLimits(), self.opener, me=worker)
+        _, got, parts, lookahead = decode_sketch(body, self.cfg, WorkerLimits(), self.opener, me=worker)
         self.parts.append((got, [step for step, _ in parts], sum(sk.x_NL.shape[0] for _, sk in parts)))
-        blobs = self.trainers[(worker, got)].update(parts)
+        self.lookaheads.append(lookahead)
+        blobs = self.trainers[(worker, got)].update(parts, lookahead)
         if self.tamper:
             blobs = encode_tensors({n: 1e6 + 0 * p for n, p in self.trainers[(worker, got)].mirror.items()}, "raw")
         return self._done(blobs)
@@ -173,3 +175,18 @@ def test_a_dropped_worker_leaves_nothing_unapplied(train) -> None:
     # Every unanswered step's whole sketch becomes local gradient: those in flight, those queued, this step's.
     drops = [f for kind, f in events if kind == "offload_fallback"]
     assert drops and all(f["unanswered"] == session.max_in_flight + 3 + 1 for f in drops)
+
+
+def test_measured_lateness_sets_the_lookahead_asked_for(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0}, lookahead_measured=True)
+    _steps(composer, session, 4)
+    assert fake.lookaheads[0] is None and fake.lookaheads[-1] == 1  # nothing measured yet, then one step late
+    fake.slow = True
+    _steps(composer, session, 6)
+    fake.release()
+    _steps(composer, session, 2)  # answers 6, 5, 4, 3 steps late pull the averages up
+    assert max(entry.lateness for entry in session.offloaded.values()) > 2
+    assert fake.lookaheads[-1] == round(session.offloaded[fake.parts[-1][0]].lateness) > 1
+    default, _, plain, _ = _session(train, {"w1": 1.0})
+    _steps(default, plain, 4)
+    assert set(plain.client.lookaheads) == {None}  # off: the worker's own offload.lookahead

@@ -57,7 +57,7 @@ def _sketch(rows: int = 5, width: int = L) -> Sketch:
 
 
 def test_a_sketch_round_trips_at_the_latent_width() -> None:
-    envelope, eid, [(step, got)] = _decode_sketch(_sealed(sketch_message((1, 2), [(7, _sketch())], "int8")))
+    envelope, eid, [(step, got)], _ = _decode_sketch(_sealed(sketch_message((1, 2), [(7, _sketch())], "int8")))
     assert (envelope.sender, eid, step) == (COMPOSER.public_key, (1, 2), 7)
     assert got.x_NL.shape == (5, L) and got.x_NL.dtype == torch.float32
     assert torch.allclose(got.g_NL, _sketch().g_NL, atol=0.05)
@@ -67,7 +67,7 @@ def test_coalesced_steps_come_apart_as_they_were_sent() -> None:
     a, b = _sketch(rows=3), Sketch(torch.ones(2, L), -torch.ones(2, L), tokens=9)
     message = sketch_message((1, 2), [(7, a), (9, b)], "raw")
     assert message.parts == ((7, 3, 3), (9, 2, 9)) and (message.step, message.tokens) == (9, 12)
-    _, _, parts = _decode_sketch(_sealed(message))
+    _, _, parts, _ = _decode_sketch(_sealed(message))
     assert [(step, s.tokens) for step, s in parts] == [(7, 3), (9, 9)]
     assert torch.equal(parts[0][1].x_NL, a.x_NL) and torch.equal(parts[1][1].g_NL, b.g_NL)
     # parts that do not add up to the rows sent are refused
@@ -86,6 +86,13 @@ def test_inconsistent_parts_do_not_make_a_message(parts, step, tokens) -> None:
     message = sketch_message((1, 2), [(1, _sketch())], "raw")
     with pytest.raises(LocalProtocolError):
         dataclasses.replace(message, parts=parts, step=step, tokens=tokens)
+
+
+def test_the_lookahead_asked_for_travels_and_is_bounded() -> None:
+    *_, lookahead = _decode_sketch(_sealed(sketch_message((1, 2), [(7, _sketch())], "int8", lookahead=3)))
+    assert lookahead == 3
+    with pytest.raises(LocalProtocolError):
+        sketch_message((1, 2), [(7, _sketch())], "int8", lookahead=17)
 
 
 def test_the_size_cap_comes_before_decoding() -> None:
