@@ -118,11 +118,7 @@ def decode_snapshot(data: bytes, eid: ExpertId, expert_shapes: Shapes, *, final:
         ProtocolError: a failed envelope check, another signer, undecodable, another expert,
             an unknown or missing weight, a wrong shape, a non-finite value or a norm above ``MAX_NORM``.
     """
-    signed = opener.open(data, ExpertSnapshot, check_replay=False)
-    if signed.sender != signer:
-        raise RemoteProtocolError(f"snapshot of {eid} signed by {signed.envelope.peer}, not by the key the "
-                                  f"membership names for this peer", peer=peer)
-    msg = signed.message
+    msg = opener.open(data, ExpertSnapshot, check_replay=False, signer=signer).message
     if (msg.layer, msg.expert) != eid:
         raise RemoteProtocolError(f"asked for expert {eid}, got a snapshot of {(msg.layer, msg.expert)}")
     allowed = snapshot_shapes(expert_shapes, surrogate_shapes)

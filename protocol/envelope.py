@@ -54,6 +54,7 @@ from parallax.protocol.errors import (
     UnknownKind,
     UnsupportedVersion,
     WrongRun,
+    WrongSigner,
 )
 from parallax.protocol.identity import (
     PUBLIC_KEY_BYTES,
@@ -342,13 +343,22 @@ class Opener:
         self._now = now
         self.replay = ReplayGuard(replay_cache, window=replay_window)
 
-    def open(self, data: bytes, expect: type[M], *, check_replay: bool = True) -> Signed[M]:
+    def open(self, data: bytes, expect: type[M], *, check_replay: bool = True,
+             signer: bytes | None = None) -> Signed[M]:
         """Verify ``data`` as an envelope of kind ``expect`` and decode its body.
 
+        Args:
+            signer: when given, the public key that must have signed it (the peer we asked, by the key the
+                membership names for it); checked after the signature, before the body is decoded.
+
         Raises:
-            RemoteProtocolError: a subclass naming the failed check and the claimed sender.
+            RemoteProtocolError: a subclass naming the failed check and the claimed sender (``WrongSigner``: a
+                valid signature by another key than ``signer``).
         """
         env = self.open_envelope(data, expect=(expect,), check_replay=check_replay)
+        if signer is not None and env.sender != signer:
+            raise WrongSigner(f"{expect.KIND} signed by {env.peer}, not by the key the membership names for the "
+                              "peer asked", peer=env.peer)
         return Signed(env, expect.decode(env.body_view, peer=env.peer))
 
     def open_any(self, data: bytes, *, check_replay: bool = True) -> Signed[Message]:

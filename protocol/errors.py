@@ -46,6 +46,11 @@ class BadSignature(RemoteProtocolError):
     """The signature does not verify under the claimed sender's key and the kind's domain."""
 
 
+class WrongSigner(RemoteProtocolError):
+    """A valid signature, but not by the key this message had to come from (the one the membership names for
+    the peer asked)."""
+
+
 class BadTimestamp(RemoteProtocolError):
     """The envelope's timestamp is outside the accepted window (``stale`` says which side)."""
 

@@ -22,6 +22,7 @@ from parallax.protocol.errors import (
     UnknownKind,
     UnsupportedVersion,
     WrongRun,
+    WrongSigner,
 )
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim
@@ -126,6 +127,14 @@ def test_wrong_key_for_the_claimed_sender_is_refused():
     assert info.value.peer == ALICE.fingerprint
     # ... and naming herself, the same bytes pass: the test above fails for the right reason.
     opener().open(craft("shard_claim", CLAIM.encode(), sender=MALLORY.public_key, signer=MALLORY), ShardClaim)
+
+
+def test_a_valid_signature_by_another_key_than_the_one_asked_for_is_refused():
+    env = craft("shard_claim", CLAIM.encode(), sender=MALLORY.public_key, signer=MALLORY)
+    with pytest.raises(WrongSigner) as info:
+        opener().open(env, ShardClaim, check_replay=False, signer=ALICE.public_key)
+    assert info.value.peer == MALLORY.fingerprint
+    assert opener().open(env, ShardClaim, signer=MALLORY.public_key).message == CLAIM
 
 
 def test_signature_is_bound_to_the_kind():
