@@ -31,10 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from parallax.benchmarks.report import write_report
+from parallax.benchmarks.swarm import OWN_OPTIONS as SWARM_OWN_OPTIONS
 from parallax.benchmarks.swarm import _loss, _num, _sec, swarm_changes
 from parallax.dht.adapter import dht_time
 from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.processes import kill_group
+
+OWN_OPTIONS = {**SWARM_OWN_OPTIONS, "offload.enabled": "off in the direct swarm, on in the offload swarm"}
+"""Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
 
 
 def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -107,7 +111,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-offload-swarm-"))
     changes = list(changes or [])
-    swarm_changes(changes)  # refuses what the benchmark sets itself
+    swarm_changes(changes, own=OWN_OPTIONS)  # refuses what the benchmark sets itself
     sets = [arg for change in changes for arg in ("--set", change)]
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--final-eval", "--snapshot-every", str(snapshot_every), *sets]

@@ -65,18 +65,22 @@ OWN_OPTIONS = {"steps": "--steps", "sync.periods": "25/50/100, reported", "surro
 """Settings the benchmark sets itself (and reports): ``--set`` may not change them behind its back."""
 
 
-def swarm_changes(changes: list[str]) -> dict[str, object]:
-    """``--set`` overrides for the benchmark's nodes and reference, parsed.
+def swarm_changes(changes: list[str], own: dict[str, str] | None = None) -> dict[str, object]:
+    """``--set`` overrides for a process benchmark's nodes and reference, parsed.
+
+    Args:
+        own: the settings that benchmark sets itself, with how (default: this one's ``OWN_OPTIONS``).
 
     Raises:
-        ValueError: unparsable, or one of ``OWN_OPTIONS``.
+        ValueError: unparsable, or one of ``own``.
     """
     from parallax.node.config import parse_changes
 
+    own = OWN_OPTIONS if own is None else own
     parsed = parse_changes(changes)
-    taken = sorted(set(parsed) & set(OWN_OPTIONS))
+    taken = sorted(set(parsed) & set(own))
     if taken:
-        raise ValueError(f"--set {taken[0]}: the benchmark sets it itself ({OWN_OPTIONS[taken[0]]})")
+        raise ValueError(f"--set {taken[0]}: the benchmark sets it itself ({own[taken[0]]})")
     return parsed
 
 

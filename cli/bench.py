@@ -174,13 +174,14 @@ def swarm(
     typer.echo(markdown(report))
 
 
-def _check_swarm_sets(preset: str, changes: list[str] | None) -> None:
-    """Refuse a bad ``--set`` of a process benchmark here, before any process starts."""
+def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str] | None = None) -> None:
+    """Refuse a bad ``--set`` of a process benchmark here, before any process starts (``own``: the settings
+    that benchmark sets itself; default: ``bench swarm``'s)."""
     from parallax.benchmarks.swarm import swarm_changes
     from parallax.node.config import override, train_config
 
     try:
-        override(train_config(preset), swarm_changes(changes or []))
+        override(train_config(preset), swarm_changes(changes or [], own))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -205,13 +206,13 @@ def offload_swarm(
     import signal
     from pathlib import Path
 
-    from parallax.benchmarks.offload_swarm import markdown, run_offload_swarm_bench, write
+    from parallax.benchmarks.offload_swarm import OWN_OPTIONS, markdown, run_offload_swarm_bench, write
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
 
     signal.signal(signal.SIGTERM, interrupt)
-    _check_swarm_sets(preset, changes)
+    _check_swarm_sets(preset, changes, OWN_OPTIONS)
     report = run_offload_swarm_bench(nodes=nodes, workers=workers, steps=steps, preset=preset, kill_at=kill_at,
                                      changes=changes, workdir=Path(workdir) if workdir else None,
                                      progress=typer.echo)

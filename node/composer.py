@@ -295,7 +295,11 @@ class Composer:
     def load_expert_adam(self, expert_id: ExpertId, step: float, moments: Mapping[str, torch.Tensor]) -> None:
         """Set an owned expert's AdamW state (checked by ``check_snapshot``): an adopted expert's, or the state
         its worker trained an offloaded expert with, so that a fall-back or the next worker carries on from it.
+
+        Raises:
+            ValueError: the expert is not owned here.
         """
+        self._check_expert(expert_id, owned=True)
         for name, p in self.model.expert_parameters(*expert_id).items():
             self.optimizer.state[p] = {
                 "step": _adam_step(step, self.optimizer.defaults, p.device),
@@ -330,7 +334,7 @@ class Composer:
             weights, adam = self.model.initial_expert_weights(layer, expert, self.cfg.seed), None
         else:
             weights, adam = check_snapshot(f"snapshot of expert {(layer, expert)}", snapshot, shapes,
-                                          self.cfg.optim.betas)
+                                           self.optimizer.param_groups[0]["betas"])
 
         moe = self.model.blocks[layer].moe
         like = moe.router.weight
@@ -511,6 +515,33 @@ def moment_bound(betas: tuple[float, float]) -> float | None:
     return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
 
 
+class BadOptimizerState(ValueError):
+    """A snapshot's weights are fine but its AdamW state is not (incomplete, non-finite, too large, or not one
+    AdamW can have made): adopt the weights with a fresh optimizer state rather than lose them."""
+
+
+MAX_STATE_NORM = 1e6
+"""Largest L2 norm of any tensor of an expert snapshot (weights or moments), as ``expert_exchange.MAX_NORM``:
+a second moment of 1e30 from a peer would freeze the expert for thousands of steps and make every later
+snapshot of it unusable for heirs."""
+MAX_ADAM_STEP = 2.0**40
+
+
+def _check_tensors(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size],
+                   error: type[ValueError]) -> None:
+    for name, want in shapes.items():
+        v = snapshot[name]
+        if not torch.is_tensor(v) or not v.is_floating_point():
+            what = f"a {v.dtype} tensor" if torch.is_tensor(v) else type(v).__name__
+            raise error(f"{where}: {name} must be a floating-point tensor, got {what}")
+        if v.shape != want:
+            raise error(f"{where}: {name} has shape {tuple(v.shape)}, expected {tuple(want)}")
+        if not torch.isfinite(v).all():
+            raise error(f"{where}: {name} has NaN or infinite entries")
+        if float(v.double().norm()) > MAX_STATE_NORM:
+            raise error(f"{where}: {name} has an L2 norm above {MAX_STATE_NORM:g}")
+
+
 def check_snapshot(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size],
                    betas: tuple[float, float] | None = None
                    ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
@@ -526,43 +557,40 @@ def check_snapshot(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Map
         (weights by parameter name, (AdamW step, moments by "exp_avg.<name>" / "exp_avg_sq.<name>") or None).
 
     Raises:
-        ValueError: missing or unexpected names, wrong shapes, non-floating or non-finite values, a negative
-            second moment, a first moment AdamW cannot have made, or a step that is not a whole number >= 0.
+        ValueError: missing or unexpected names, or a weight with a wrong shape, non-floating or non-finite
+            values or a norm above ``MAX_STATE_NORM``.
+        BadOptimizerState: the weights pass but the AdamW state does not: some of it missing, the same faults
+            as above, a negative second moment, a first moment AdamW cannot have made, or a step that is not a
+            whole number in [0, 2^40].
     """
-    step_name = f"{ADAM_PREFIX}step"
     adam_shapes = adam_state_shapes(shapes)
-    has_adam = any(str(k).startswith(ADAM_PREFIX) for k in snapshot)
-    expected = {**shapes, **(adam_shapes if has_adam else {})}
-    missing, extra = sorted(set(expected) - set(snapshot)), sorted(map(str, set(snapshot) - set(expected)))
+    extra = sorted(map(str, set(snapshot) - set(shapes) - set(adam_shapes)))
+    missing = sorted(set(shapes) - set(snapshot))
     if missing or extra:
         raise ValueError(f"{where}: missing {missing}, unexpected {extra}; expected the weights {sorted(shapes)} "
                          f"and either all or none of {sorted(adam_shapes)}")
-    for name, want in expected.items():
-        v = snapshot[name]
-        if not torch.is_tensor(v) or not v.is_floating_point():
-            what = f"a {v.dtype} tensor" if torch.is_tensor(v) else type(v).__name__
-            raise ValueError(f"{where}: {name} must be a floating-point tensor, got {what}")
-        if v.shape != want:
-            raise ValueError(f"{where}: {name} has shape {tuple(v.shape)}, expected {tuple(want)}")
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{where}: {name} has NaN or infinite entries")
-        if name.startswith(f"{ADAM_PREFIX}exp_avg_sq.") and (v < 0).any():
-            raise ValueError(f"{where}: {name} has negative entries (a second moment is >= 0)")
+    _check_tensors(where, snapshot, shapes, ValueError)
     weights = {n: snapshot[n] for n in shapes}
-    if not has_adam:
+    given = set(adam_shapes) & set(snapshot)
+    if not given:
         return weights, None
+    if given != set(adam_shapes):
+        raise BadOptimizerState(f"{where}: AdamW state missing {sorted(set(adam_shapes) - given)}")
+    _check_tensors(where, snapshot, adam_shapes, BadOptimizerState)
+    step_name = f"{ADAM_PREFIX}step"
     step = float(snapshot[step_name])
-    if step < 0 or not step.is_integer():
-        raise ValueError(f"{where}: {step_name} must be a whole number >= 0, got {step}")
+    if not (0 <= step <= MAX_ADAM_STEP and step.is_integer()):
+        raise BadOptimizerState(f"{where}: {step_name} must be a whole number in [0, 2^40], got {step}")
     moments = {k[len(ADAM_PREFIX):]: snapshot[k] for k in adam_shapes if k != step_name}
     bound = None if betas is None else moment_bound(betas)
-    if bound is not None:
-        for name in shapes:
-            m, v = moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"]
-            # the tolerance covers float32 rounding and second moments that underflowed to zero
-            if (m.abs() > bound * 1.001 * v.sqrt() + 1e-12).any():
-                raise ValueError(f"{where}: exp_avg.{name} exceeds {bound:.3f} x sqrt(exp_avg_sq) somewhere: "
-                                 "not a state AdamW makes")
+    for name in shapes:
+        m, v = moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"]
+        if (v < 0).any():
+            raise BadOptimizerState(f"{where}: exp_avg_sq.{name} has negative entries (a second moment is >= 0)")
+        # the tolerance covers float32 rounding and second moments that underflowed to zero
+        if bound is not None and (m.abs() > bound * 1.001 * v.sqrt() + 1e-12).any():
+            raise BadOptimizerState(f"{where}: exp_avg.{name} exceeds {bound:.3f} x sqrt(exp_avg_sq) somewhere: "
+                                    "not a state AdamW makes")
     return weights, (step, moments)
 
 

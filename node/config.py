@@ -251,7 +251,7 @@ class OffloadConfig:
     lookahead_measured: bool = False
     """Over the network: ask each worker to extrapolate by the lateness this composer measures for the expert
     (steps from a request's newest sketch to its applied result, a moving average, rounded, at most 16) instead
-    of offload.lookahead. (In process the lateness is offload.delay, which already caps the lookahead.)"""
+    of offload.lookahead. In process every answer is offload.delay steps late: the lookahead is then delay."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With
@@ -260,9 +260,9 @@ class OffloadConfig:
     """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
     state_every: int = 100
     """Every this many results of an expert, the worker sends its AdamW state too (float32 moments: 2x the
-    expert's weights: 1,179,819 B for the small preset, +11.8 KB per expert-step on average at 100); the
-    composer keeps it as the expert's optimizer state, so a fall-back, the next worker (onboarding carries the
-    composer's state once it has taken this many steps) and a checkpoint go on from it instead of restarting
+    expert's weights: 1,179,819 B for the small preset, +11.8 KB per result on average at 100); the composer
+    keeps it as the expert's optimizer state, so a fall-back, the next worker (onboarding carries the
+    composer's state once it has taken this many optimizer steps) and a checkpoint go on from it instead of restarting
     AdamW. Only where it fits half a unary message (``offload.STATE_BUDGET``: the small preset's does, the report
     preset's does not). 0: never."""
 

@@ -266,13 +266,13 @@ class TaylorProxyTrainer:
 
 def onboard_blobs(composer: Composer, expert_id: ExpertId) -> Blobs:
     """What a worker receives to start on an owned expert: its weights (cfg.offload.onboard_codec) and, once
-    that state has taken ``offload.state_every`` steps and if it fits ``STATE_BUDGET``, its AdamW state (float32:
-    what the composer trained it with, or its last worker's state)."""
+    that state has taken ``offload.state_every`` optimizer steps and if it fits ``STATE_BUDGET``, its AdamW
+    state (float32: what the composer trained it with, or its last worker's state)."""
     off = composer.cfg.offload
     snapshot = composer.expert_snapshot(expert_id)
     weights = encode_tensors({n: t for n, t in snapshot.items() if not n.startswith(ADAM_PREFIX)}, off.onboard_codec)
-    steps = float(snapshot.get(f"{ADAM_PREFIX}step", 0.0))
-    if not off.state_every or steps < off.state_every:
+    optimizer_steps = float(snapshot.get(f"{ADAM_PREFIX}step", 0.0))
+    if not off.state_every or optimizer_steps < off.state_every:
         return weights  # a younger state is worth less than its bytes (4x the fp16 weights)
     state = encode_tensors({n: t for n, t in snapshot.items() if n.startswith(ADAM_PREFIX)}, "raw")
     return {**weights, **state} if blob_bytes(weights) + blob_bytes(state) <= STATE_BUDGET else weights
@@ -318,8 +318,9 @@ def apply_result(composer: Composer, expert_id: ExpertId, blobs: Mapping[str, by
     """
     params = composer.model.expert_parameters(*expert_id)
     bound = {n: composer.cfg.offload.max_change * float(p.detach().float().norm()) for n, p in params.items()}
-    delta, adam = decode_expert_state(blobs, {n: p.shape for n, p in params.items()}, composer.cfg.optim.betas,
-                                      max_norms=bound, peer=peer, what=f"worker result for expert {expert_id}")
+    betas = composer.optimizer.param_groups[0]["betas"]
+    delta, adam = decode_expert_state(blobs, {n: p.shape for n, p in params.items()}, betas, max_norms=bound,
+                                      peer=peer, what=f"worker result for expert {expert_id}")
     with torch.no_grad():
         for name, p in params.items():
             p.add_(delta[name].to(p.device, p.dtype))
@@ -360,6 +361,8 @@ class LocalWorkers:
     def __init__(self, composers: Sequence[Composer], *, tamper: Tamper | None = None) -> None:
         self.composers = list(composers)
         self.cfg = self.composers[0].cfg
+        if self.cfg.offload.lookahead_measured:  # here the lateness is known: every answer is `delay` late
+            self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
         if self.cfg.offload.lookahead > self.cfg.offload.delay:
             # Extrapolating further than the answers are late would run the composer's copy ahead of
             # the worker's: here the lateness is known exactly.

@@ -14,15 +14,16 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
    unanswered sketch, this step's included, becomes local gradient (``offload.fall_back``); a worker that sent
    a bad result is not used again by this composer;
 4. queue this step's sub-sampled sketch of each expert still offloaded, and send what is queued for an expert
-   while fewer than ``max_in_flight`` of its requests are unanswered: everything queued goes out as one
-   request (``Sketch.parts``), and the worker trains on each step's part in turn, as on separate requests.
-   So a worker that falls behind gets the same data in fewer, larger requests: its queue is at most
-   ``max_in_flight`` requests per expert, whatever its speed, and no step's tokens are left out. (Before, the
-   sketches of an expert ``max_in_flight`` answers behind were dropped, and the bound was per expert, so one
-   worker serving 32 experts of two GPU composers queued longer than the request timeout; seen on an H100.)
-   Past ``max_parts`` queued steps the two oldest parts are merged into one (one optimizer step on their
-   union: the data stays, the worker does a step fewer), and no part grows past ``max_rows`` rows (more are
-   sub-sampled, g scaled up so the sum stays unbiased), which bounds a request's size whatever the lateness.
+   while it has fewer than ``max_in_flight`` requests and ``max_parts`` optimizer steps (parts) unanswered:
+   what is queued goes out as one request (``Sketch.parts``), and the worker trains on each step's part in
+   turn, as on separate requests. So a worker that falls behind gets the same data in fewer, larger requests,
+   and at most ``max_parts`` optimizer steps of one expert wait on it, whatever its speed. (Before, the
+   sketches of an expert 8 answers behind were left out, and a worker serving 32 experts of two GPU composers
+   still queued longer than the request timeout; seen on an H100.) Past ``max_parts`` the neighbouring queued
+   pair that stands for the fewest steps merges into their mean (one optimizer step fewer, no data lost); no
+   part grows past ``max_rows`` rows (more are sub-sampled, g scaled up so the sum stays unbiased), which
+   bounds a request's size; and a worker with ``max_held`` steps unanswered is dropped (step 3's fall-back),
+   which bounds the raw sketches the composer keeps for it.
 5. onboard offloadable experts (layers >= cfg.offload.private_layers) that have no worker, to the worker
    ``offload_exchange.assign_to_workers`` picks; an expert is offloaded only once its onboarding is answered.
    Assignment is sticky: an expert moves only when its worker goes, so a joining worker takes only new work.
@@ -59,9 +60,12 @@ class _Part:
 
     step: int
     wire: Sketch
-    """The sub-sampled rows that go out."""
+    """The sub-sampled rows that go out (a merged part: the mean of its steps', each step's g scaled by its
+    share, so one optimizer step on it is one step's worth)."""
     raw: list[Sketch]
     """The whole sketches it stands for: what a fall-back turns into local gradient."""
+    steps: int = 1
+    """Composer steps it stands for."""
 
 
 @dataclass
@@ -73,6 +77,16 @@ class _Offloaded:
     """Parts not sent yet (the expert has ``max_in_flight`` requests unanswered), oldest first."""
     in_flight: list[tuple[list[_Part], concurrent.futures.Future]] = field(default_factory=list)
     """(the parts of one request, future of the result blobs), oldest first."""
+
+    @property
+    def parts_in_flight(self) -> int:
+        return sum(len(batch) for batch, _ in self.in_flight)
+
+    @property
+    def held(self) -> int:
+        """Raw sketches unanswered (in flight and queued): what a fall-back would apply."""
+        return sum(len(part.raw) for batch, _ in self.in_flight for part in batch) + sum(
+            len(part.raw) for part in self.pending)
     lateness: float | None = None
     """Moving average of the steps its results arrive late (``LATENESS_WEIGHT`` on the newest)."""
 
@@ -91,21 +105,25 @@ class OffloadSession:
             answer, ``offload_first_update`` with the seconds from sending them to the first applied result,
             ``offload_fallback``).
         max_in_flight: requests unanswered per expert beyond which its sketches wait and go out together.
-        max_parts: steps one expert's queue holds before its two oldest parts merge (<= ``MAX_SKETCH_PARTS``).
+        max_parts: optimizer steps (parts) one expert may have waiting on its worker, in flight and queued; past
+            it queued parts merge (<= ``MAX_SKETCH_PARTS``).
         max_rows: rows one part may hold (None: what fits half a request under hivemind's unary cap).
+        max_held: unanswered steps (raw sketches, kept for a fall-back) past which the worker is dropped
+            (None: 2 x max_parts); bounds the composer's memory whatever the worker does.
         retry_s: wait before onboarding an expert again after its onboarding failed (seconds).
     """
 
     def __init__(self, composer: Composer, client: OffloadClient, run_id: str,
                  workers: Callable[[], Mapping[str, float] | None], *, event: Event | None = None,
                  max_in_flight: int = 4, max_parts: int = 16, max_rows: int | None = None,
-                 retry_s: float = 5.0) -> None:
+                 max_held: int | None = None, retry_s: float = 5.0) -> None:
         if not (max_in_flight >= 1 and 1 <= max_parts <= MAX_SKETCH_PARTS):
             raise ValueError(f"OffloadSession needs max_in_flight >= 1 and 1 <= max_parts <= {MAX_SKETCH_PARTS}")
         self.composer, self.client, self.run_id = composer, client, run_id
         self.workers, self.event = workers, event or (lambda kind, **fields: None)
         self.max_in_flight, self.max_parts, self.retry_s = max_in_flight, max_parts, retry_s
         self.max_rows = max_rows or row_budget(composer.cfg)
+        self.max_held = max_held or 2 * max_parts
         self.offloaded: dict[ExpertId, _Offloaded] = {}
         self.onboarding: dict[ExpertId, tuple[str, concurrent.futures.Future, float]] = {}
         self.banned: set[str] = set()
@@ -137,18 +155,34 @@ class OffloadSession:
             entry = self.offloaded.get(eid)
             if entry is None:
                 continue
+            if entry.held >= self.max_held:  # its worker is hopelessly behind: train the expert here again
+                self.drop(eid, f"{entry.held} steps of sketches unanswered", extra=[sketch])
+                continue
             wire = compress(sketch, sample_fraction=off.sample_fraction, generator=c.sketch_rng, wire_codec="raw")
-            if wire.x_NL.shape[0] == 0:
-                continue  # nothing sampled this step
+            if wire.x_NL.shape[0] == 0:  # nothing sampled this step: a fall-back still applies its sketch
+                newest = entry.pending or (entry.in_flight[-1][0] if entry.in_flight else [])
+                if newest:
+                    newest[-1].raw.append(sketch)
+                continue
             entry.pending.append(_Part(c.step, self._fit(wire), [sketch]))
-            while len(entry.pending) > self.max_parts:
-                first, second = entry.pending.pop(0), entry.pending.pop(0)
-                entry.pending.insert(0, _Part(second.step, self._fit(concat(first.wire, second.wire)),
-                                              first.raw + second.raw))
-                self.merged += 1
+            self._merge(entry)
         for eid, entry in self.offloaded.items():
             self._send(eid, entry)
         self._onboard(live)
+
+    def _merge(self, entry: _Offloaded) -> None:
+        """Keep the optimizer steps waiting on the worker for this expert (parts in flight and queued) at most
+        ``max_parts``: merge the neighbouring queued pair that stands for the fewest steps (the oldest of
+        equals) into their mean."""
+        while len(entry.pending) >= 2 and entry.parts_in_flight + len(entry.pending) > self.max_parts:
+            pending = entry.pending
+            i = min(range(len(pending) - 1), key=lambda j: pending[j].steps + pending[j + 1].steps)
+            a, b = pending[i], pending[i + 1]
+            n = a.steps + b.steps
+            mean = concat(Sketch(a.wire.x_NL, a.wire.g_NL * (a.steps / n), a.wire.tokens, a.wire.wire_bytes),
+                          Sketch(b.wire.x_NL, b.wire.g_NL * (b.steps / n), b.wire.tokens, b.wire.wire_bytes))
+            pending[i:i + 2] = [_Part(b.step, self._fit(mean), a.raw + b.raw, n)]
+            self.merged += 1
 
     @property
     def mean_lateness(self) -> float | None:
@@ -163,20 +197,24 @@ class OffloadSession:
     def _send(self, eid: ExpertId, entry: _Offloaded) -> None:
         """Send what is queued for ``eid``, as few requests as the parts' count and rows allow, while its
         worker has fewer than ``max_in_flight`` of them unanswered."""
-        while entry.pending and len(entry.in_flight) < self.max_in_flight:
-            batch = [entry.pending.pop(0)]
-            rows = batch[0].wire.x_NL.shape[0]
-            while entry.pending and rows + entry.pending[0].wire.x_NL.shape[0] <= self.max_rows:
-                batch.append(entry.pending.pop(0))
-                rows += batch[-1].wire.x_NL.shape[0]
-            self.coalesced += len(batch) - 1
-            off = self.composer.cfg.offload
+        off = self.composer.cfg.offload
+        while (entry.pending and len(entry.in_flight) < self.max_in_flight
+               and entry.parts_in_flight < self.max_parts):
+            room, count, rows = self.max_parts - entry.parts_in_flight, 1, entry.pending[0].wire.x_NL.shape[0]
+            while (count < min(room, len(entry.pending))
+                   and rows + entry.pending[count].wire.x_NL.shape[0] <= self.max_rows):
+                rows += entry.pending[count].wire.x_NL.shape[0]
+                count += 1
+            batch = entry.pending[:count]
             lookahead = None
             if off.lookahead_measured and entry.lateness is not None:
                 lookahead = min(MAX_LOOKAHEAD, round(entry.lateness))
+            # Built before the parts leave the queue: a refusal here loses nothing.
             message = sketch_message(eid, [(part.step, part.wire) for part in batch], off.wire_codec,
                                      lookahead=lookahead)
             entry.in_flight.append((batch, self.client.update(entry.worker, message)))
+            del entry.pending[:count]
+            self.coalesced += count - 1
 
     def _apply_done(self, eid: ExpertId, entry: _Offloaded) -> str | None:
         """Apply the finished results at the head of ``entry``'s queue; a reason to drop the worker, or None."""

@@ -52,7 +52,7 @@ from parallax.dht.membership import Member, Membership, MembershipConfig, PeerSt
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import NodeError
 from parallax.node.checkpoint import latest_checkpoint, load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.composer import Composer
+from parallax.node.composer import ADAM_PREFIX, BadOptimizerState, Composer
 from parallax.node.config import SHARED_GROUPS, TrainConfig
 from parallax.node.data import load_corpus, split_corpus, val_batches
 from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
@@ -677,7 +677,12 @@ class Node:
             surrogate = {k[len(SURROGATE_PREFIX):]: v for k, v in snapshot.tensors.items()
                          if k.startswith(SURROGATE_PREFIX) and k != SURROGATE_VERSION}
             try:
-                composer.adopt_expert(eid, expert)
+                try:
+                    composer.adopt_expert(eid, expert)
+                except BadOptimizerState as e:  # usable weights: keep them, start AdamW afresh
+                    logger.warning("expert %s: the %s's snapshot has an unusable AdamW state (%s); adopting its "
+                                   "weights with a fresh optimizer state", eid, source, e)
+                    composer.adopt_expert(eid, {k: v for k, v in expert.items() if not k.startswith(ADAM_PREFIX)})
             except ValueError as e:  # a peer's snapshot the composer refuses: never raised into the loop
                 logger.warning("expert %s: refused the snapshot from the %s (%s); trying without it", eid, source, e)
                 snapshot = expert = None

@@ -173,10 +173,9 @@ def accumulate_expert_gradient(expert: nn.Module, sketches: list[Sketch], scale:
         scale: weight of these tokens relative to the owner's own loss (1/C for a token-weighted mean).
     """
     device = next(expert.parameters()).device
-    proxy = sum((taylor_proxy(expert, s.x_NL.to(device), s.g_NL.to(device)) for s in sketches if s.x_NL.numel()),
-                torch.zeros((), device=device))
-    if proxy.requires_grad:
-        (proxy * scale).backward()
+    for s in sketches:  # one backward each: no graph over all of them at once
+        if s.x_NL.numel():
+            (taylor_proxy(expert, s.x_NL.to(device), s.g_NL.to(device)) * scale).backward()
 
 
 def sketch_bytes(sketches: Mapping[ExpertId, Sketch]) -> int:

@@ -357,7 +357,7 @@ class Opener:
         """
         env = self.open_envelope(data, expect=(expect,), check_replay=check_replay)
         if signer is not None and env.sender != signer:
-            raise WrongSigner(f"{expect.KIND} signed by {env.peer}, not by the key the membership names for the "
+            raise WrongSigner(f"{expect.KIND} signed by another key than the one the membership names for the "
                               "peer asked", peer=env.peer)
         return Signed(env, expect.decode(env.body_view, peer=env.peer))
 

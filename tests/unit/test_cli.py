@@ -80,3 +80,8 @@ def test_flops_table_reproduces_the_report():
 def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change, says):
     result = runner.invoke(app, ["bench", bench, "--set", change])
     assert result.exit_code == 2 and says in result.output
+
+
+def test_bench_offload_swarm_refuses_to_switch_offload_itself():
+    result = runner.invoke(app, ["bench", "offload-swarm", "--set", "offload.enabled=true"])
+    assert result.exit_code == 2 and "sets it itself" in result.output

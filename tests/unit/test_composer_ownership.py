@@ -11,7 +11,7 @@ import torch
 
 from parallax.node import config
 from parallax.node.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.composer import Composer, moment_bound
+from parallax.node.composer import BadOptimizerState, Composer, moment_bound
 from parallax.node.config import train_config
 from parallax.node.data import load_corpus, split_corpus
 
@@ -173,6 +173,10 @@ def _impossible_first_moment(snap):  # finite and signed right, but no gradient 
     snap["adam.exp_avg.w_up.weight"] = 10 * v.sqrt() + 1e-3
 
 
+def _huge_second_moment(snap):  # would freeze the expert for thousands of steps
+    snap["adam.exp_avg_sq.w_down.weight"] = torch.full_like(snap["adam.exp_avg_sq.w_down.weight"], 1e30)
+
+
 def _fractional_step(snap):
     snap["adam.step"] = torch.tensor(1.5, dtype=torch.float64)
 
@@ -181,20 +185,23 @@ def _integer_weights(snap):
     snap["w_gate.weight"] = snap["w_gate.weight"].long()
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (_nan, "NaN or infinite"), (_shape, "shape"), (_missing, "missing"), (_extra, "unexpected"),
-    (_partial_adam, "missing"), (_adam_inf, "NaN or infinite"), (_negative_second_moment, "negative"),
-    (_fractional_step, "whole number"), (_integer_weights, "floating-point"),
-    (_impossible_first_moment, "not a state AdamW makes"),
+@pytest.mark.parametrize("corrupt, message, state_only", [
+    (_nan, "NaN or infinite", False), (_shape, "shape", False), (_missing, "missing", False),
+    (_extra, "unexpected", False), (_integer_weights, "floating-point", False),
+    (_partial_adam, "missing", True), (_adam_inf, "NaN or infinite", True), (_negative_second_moment, "negative", True),
+    (_fractional_step, "whole number", True), (_impossible_first_moment, "not a state AdamW makes", True),
+    (_huge_second_moment, "L2 norm", True),
 ])
-def test_a_bad_snapshot_is_refused_and_nothing_changes(train, corrupt, message):
+def test_a_bad_snapshot_is_refused_and_nothing_changes(train, corrupt, message, state_only):
     a, b = _composer(train, OWNED_A), _composer(train, OWNED_B)
     _advance(a, 1)
     snap = a.expert_snapshot((0, 2))
     corrupt(snap)
     before, owned = state_hash(b), b.owned
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         b.adopt_expert((0, 2), snap)
+    # Only a fault in the AdamW state says the weights are still usable (the node then adopts them alone).
+    assert isinstance(info.value, BadOptimizerState) == state_only
     assert state_hash(b) == before and b.owned == owned and list(b.model.blocks[0].moe.experts) == ["1"]
     assert (0, 2) not in b.publishers
 

@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 
 import pytest
+import torch
 
 from parallax.node import config
 from parallax.node.composer import Composer
@@ -15,6 +16,7 @@ from parallax.node.offload import TaylorProxyTrainer, encode_tensors
 from parallax.node.offload_client import OffloadSession
 from parallax.node.offload_exchange import WorkerLimits, decode_sketch
 from parallax.node.sim import ownership_for
+from parallax.node.sketch import Sketch
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.identity import Identity
 
@@ -148,20 +150,50 @@ def test_a_slow_worker_gets_the_same_steps_in_fewer_requests(train) -> None:
         assert _steps_sent(fake, eid) == list(range(first[eid], composer.step + 1))
 
 
-def test_a_queue_past_max_parts_merges_its_oldest_parts_and_rows_stay_capped(train) -> None:
-    composer, fake, session, _ = _session(train, {"w1": 1.0}, session_kw={"max_in_flight": 1, "max_parts": 2,
-                                                                         "max_rows": 6})
+def test_a_queue_past_max_parts_merges_its_smallest_neighbours_and_rows_stay_capped(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0}, session_kw={"max_in_flight": 1, "max_parts": 3,
+                                                                         "max_rows": 6, "max_held": 100})
     _steps(composer, session, 3)
     fake.slow = True
-    _steps(composer, session, 6)  # one request in flight, then up to six steps' samples for a queue of two
-    queued = [part for entry in session.offloaded.values() for part in entry.pending]
-    assert all(len(entry.pending) <= 2 for entry in session.offloaded.values())
-    assert session.merged > 0 and session.merged == sum(len(part.raw) - 1 for part in queued)  # no sketch lost
+    _steps(composer, session, 8)  # one request in flight, then up to eight steps' samples
+    entries = list(session.offloaded.values())
+    queued = [part for entry in entries for part in entry.pending]
+    # at most max_parts optimizer steps wait on the worker per expert, in flight and queued
+    assert all(entry.parts_in_flight + len(entry.pending) <= 3 for entry in entries)
+    assert session.merged > 0 and session.merged == sum(part.steps - 1 for part in queued)  # no step lost
+    assert all(part.steps == len(part.raw) for part in queued)
     assert all(part.wire.x_NL.shape[0] <= 6 for part in queued)
     fake.release()
     _steps(composer, session, 2)
     assert all(rows <= 6 or len(steps) == 1 for _, steps, rows in fake.parts)  # requests stay under the row cap
     assert not session.fallbacks
+
+
+def test_a_merged_part_is_the_mean_of_its_steps(train) -> None:
+    from parallax.node.offload_client import _Offloaded, _Part
+
+    _, _, session, _ = _session(train, {}, session_kw={"max_parts": 2, "max_rows": 10**6})
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for step, steps in ((1, 3), (2, 1), (3, 1)):  # an earlier merge of three steps, then two single steps
+        x, g = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen)
+        parts.append(_Part(step, Sketch(x, g, 4), [Sketch(x, g, 4)] * steps, steps))
+    entry = _Offloaded("w1", None, pending=list(parts))
+    session._merge(entry)
+    # the pair standing for the fewest steps (the two singles) became one part worth one step: their mean
+    assert [(p.step, p.steps, len(p.raw)) for p in entry.pending] == [(1, 3, 3), (3, 2, 2)]
+    merged, (b, c) = entry.pending[1].wire, parts[1:]
+    assert torch.allclose(merged.g_NL.T @ merged.x_NL, (b.wire.g_NL.T @ b.wire.x_NL + c.wire.g_NL.T @ c.wire.x_NL) / 2)
+
+
+def test_a_worker_too_far_behind_is_dropped_before_the_composer_holds_too_much(train) -> None:
+    composer, fake, session, events = _session(train, {"w1": 1.0}, session_kw={"max_held": 6})
+    _steps(composer, session, 3)
+    fake.slow = True
+    _steps(composer, session, 8)
+    drops = [f for kind, f in events if kind == "offload_fallback"]
+    assert drops and all("unanswered" in f["reason"] and f["unanswered"] == 7 for f in drops)
+    assert not session.offloaded
 
 
 def test_a_dropped_worker_leaves_nothing_unapplied(train) -> None:

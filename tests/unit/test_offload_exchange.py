@@ -161,7 +161,7 @@ def test_an_answer_counts_only_when_signed_by_the_key_the_membership_names() -> 
     client = OffloadClient(None, None, RUN, COMPOSER, keys.get)  # type: ignore[arg-type]
     result = WorkerResult(layer=1, expert=0, step=3, tensors={})
     assert client.open_answer(Sealer(WORKER_KEY, RUN).seal(result), WorkerResult, "QmWorker").message == result
-    with pytest.raises(RemoteProtocolError, match="not by the key the membership names"):  # another peer's valid signature
+    with pytest.raises(RemoteProtocolError, match="another key than"):  # another peer's valid signature
         client.open_answer(Sealer(MALLORY, RUN).seal(result), WorkerResult, "QmWorker")
     with pytest.raises(ConnectionError, match="live membership"):  # a worker that left: dropped, not banned
         client.open_answer(Sealer(WORKER_KEY, RUN).seal(result), WorkerResult, "QmGone")
