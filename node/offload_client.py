@@ -77,6 +77,8 @@ class _Offloaded:
     """Parts not sent yet (the expert has ``max_in_flight`` requests unanswered), oldest first."""
     in_flight: list[tuple[list[_Part], concurrent.futures.Future]] = field(default_factory=list)
     """(the parts of one request, future of the result blobs), oldest first."""
+    lateness: float | None = None
+    """Moving average of the steps its results arrive late (``LATENESS_WEIGHT`` on the newest)."""
 
     @property
     def parts_in_flight(self) -> int:
@@ -87,8 +89,6 @@ class _Offloaded:
         """Raw sketches unanswered (in flight and queued): what a fall-back would apply."""
         return sum(len(part.raw) for batch, _ in self.in_flight for part in batch) + sum(
             len(part.raw) for part in self.pending)
-    lateness: float | None = None
-    """Moving average of the steps its results arrive late (``LATENESS_WEIGHT`` on the newest)."""
 
 
 class OffloadSession:
