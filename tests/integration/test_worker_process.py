@@ -52,6 +52,9 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
                               "--initial-peers", composer.dht.visible_maddrs()[0], "--metrics", str(metrics)],
                              env=env, stdout=log)
             wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
+            # Its heartbeat is visible before start() returns (it reads the view once more), and only then is
+            # "worker_started" written: wait for it here, or the SIGKILL below can come first (seen in CI).
+            wait_until(lambda: any(r.get("kind") == "worker_started" for r in read_metrics(metrics)), 30)
             (worker, (capacity, key)), = _workers(composer.dht).items()
             assert capacity == 2.5
             p2p = asyncio.run_coroutine_threadsafe(composer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
@@ -68,7 +71,6 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
             with pytest.raises(Exception):  # noqa: B017 - any failure: dead peer or timeout
                 client.update(worker, sketch_message(EID, [(2, sketch)], "int8")).result(30)
             wait_until(lambda: not _workers(composer.dht), 30)  # its heartbeat expires
-            assert any(r.get("kind") == "worker_started" for r in read_metrics(metrics))
         finally:
             if proc is not None:
                 stop(proc, 15.0)
