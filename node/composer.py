@@ -279,33 +279,17 @@ class Composer:
         layer, expert = self._check_expert(expert_id, owned=True)
         params = self.model.expert_parameters(layer, expert)
         out = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()}
-        states = [self.optimizer.state.get(p) for p in params.values()]
-        if any(states):
-            # An expert's weights are used (and so stepped) together; differing states would be a bug.
-            assert all(states), f"expert {expert_id} has optimizer state for some weights only"
-            steps = {float(st["step"]) for st in states}  # type: ignore[index]
-            assert len(steps) == 1, f"expert {expert_id} weights were stepped {sorted(steps)} times"
-            for name, st in zip(params, states, strict=True):
-                assert st is not None
-                out[f"{ADAM_PREFIX}exp_avg.{name}"] = st["exp_avg"].detach().to("cpu", torch.float32, copy=True)
-                out[f"{ADAM_PREFIX}exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True)
-            out[f"{ADAM_PREFIX}step"] = torch.tensor(steps.pop(), dtype=torch.float64)
-        return out
+        return {**out, **adam_state(self.optimizer, params)}
 
     def load_expert_adam(self, expert_id: ExpertId, step: float, moments: Mapping[str, torch.Tensor]) -> None:
-        """Set an owned expert's AdamW state (checked by ``check_snapshot``): an adopted expert's, or the state
+        """Set an owned expert's AdamW state (checked by ``check_adam_state``): an adopted expert's, or the state
         its worker trained an offloaded expert with, so that a fall-back or the next worker carries on from it.
 
         Raises:
             ValueError: the expert is not owned here.
         """
         self._check_expert(expert_id, owned=True)
-        for name, p in self.model.expert_parameters(*expert_id).items():
-            self.optimizer.state[p] = {
-                "step": _adam_step(step, self.optimizer.defaults, p.device),
-                "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype, copy=True),
-                "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype, copy=True),
-            }
+        load_adam_state(self.optimizer, self.model.expert_parameters(*expert_id), step, moments)
 
     def adopt_expert(self, expert_id: ExpertId, snapshot: Mapping[str, torch.Tensor] | None) -> None:
         """Start owning an expert: hold it for real, train it, and publish its surrogate from now on.
@@ -571,17 +555,34 @@ def check_snapshot(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Map
                          f"and either all or none of {sorted(adam_shapes)}")
     _check_tensors(where, snapshot, shapes, ValueError)
     weights = {n: snapshot[n] for n in shapes}
-    given = set(adam_shapes) & set(snapshot)
-    if not given:
+    if not set(adam_shapes) & set(snapshot):
         return weights, None
-    if given != set(adam_shapes):
-        raise BadOptimizerState(f"{where}: AdamW state missing {sorted(set(adam_shapes) - given)}")
-    _check_tensors(where, snapshot, adam_shapes, BadOptimizerState)
+    return weights, check_adam_state(where, {k: v for k, v in snapshot.items() if k in adam_shapes}, shapes, betas)
+
+
+def check_adam_state(where: str, state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size],
+                     betas: tuple[float, float] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """Check an expert's AdamW state alone (the ``adam.*`` entries of ``Composer.expert_snapshot``; a worker's
+    result carries it beside a weight change, not the weights).
+
+    Returns:
+        (AdamW step, moments by "exp_avg.<name>" / "exp_avg_sq.<name>").
+
+    Raises:
+        BadOptimizerState: missing or unexpected entries, a wrong shape, non-floating or non-finite values, a
+            norm above ``MAX_STATE_NORM``, a negative second moment, a first moment AdamW cannot have made
+            (``moment_bound``, when ``betas`` are given), or a step that is not a whole number in [0, 2^40].
+    """
+    adam_shapes = adam_state_shapes(shapes)
+    if set(state) != set(adam_shapes):
+        raise BadOptimizerState(f"{where}: AdamW state missing {sorted(set(adam_shapes) - set(state))}, "
+                                f"unexpected {sorted(map(str, set(state) - set(adam_shapes)))}")
+    _check_tensors(where, state, adam_shapes, BadOptimizerState)
     step_name = f"{ADAM_PREFIX}step"
-    step = float(snapshot[step_name])
+    step = float(state[step_name])
     if not (0 <= step <= MAX_ADAM_STEP and step.is_integer()):
         raise BadOptimizerState(f"{where}: {step_name} must be a whole number in [0, 2^40], got {step}")
-    moments = {k[len(ADAM_PREFIX):]: snapshot[k] for k in adam_shapes if k != step_name}
+    moments = {k[len(ADAM_PREFIX):]: state[k] for k in adam_shapes if k != step_name}
     bound = None if betas is None else moment_bound(betas)
     for name in shapes:
         m, v = moments[f"exp_avg.{name}"], moments[f"exp_avg_sq.{name}"]
@@ -591,7 +592,37 @@ def check_snapshot(where: str, snapshot: Mapping[str, torch.Tensor], shapes: Map
         if bound is not None and (m.abs() > bound * 1.001 * v.sqrt() + 1e-12).any():
             raise BadOptimizerState(f"{where}: exp_avg.{name} exceeds {bound:.3f} x sqrt(exp_avg_sq) somewhere: "
                                     "not a state AdamW makes")
-    return weights, (step, moments)
+    return step, moments
+
+
+def adam_state(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The AdamW state of one expert's weights (``params``: name -> parameter) as snapshots name it: CPU float32
+    "adam.exp_avg.<name>", "adam.exp_avg_sq.<name>" and "adam.step" (0-d float64); empty before the first step."""
+    states = [optimizer.state.get(p) for p in params.values()]
+    if not any(states):
+        return {}
+    # An expert's weights are used (and so stepped) together; differing states would be a bug.
+    assert all(states), "an expert has optimizer state for some weights only"
+    steps = {float(st["step"]) for st in states}  # type: ignore[index]
+    assert len(steps) == 1, f"an expert's weights were stepped {sorted(steps)} times"
+    out = {}
+    for name, st in zip(params, states, strict=True):
+        assert st is not None
+        out[f"{ADAM_PREFIX}exp_avg.{name}"] = st["exp_avg"].detach().to("cpu", torch.float32, copy=True)
+        out[f"{ADAM_PREFIX}exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True)
+    out[f"{ADAM_PREFIX}step"] = torch.tensor(steps.pop(), dtype=torch.float64)
+    return out
+
+
+def load_adam_state(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.nn.Parameter], step: float,
+                    moments: Mapping[str, torch.Tensor]) -> None:
+    """Set one expert's AdamW state (checked by ``check_adam_state``) on ``optimizer``, which holds ``params``."""
+    for name, p in params.items():
+        optimizer.state[p] = {
+            "step": _adam_step(step, optimizer.defaults, p.device),
+            "exp_avg": moments[f"exp_avg.{name}"].to(p.device, p.dtype, copy=True),
+            "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(p.device, p.dtype, copy=True),
+        }
 
 
 def _adam_step(step: float, group: Mapping[str, object], device: torch.device) -> torch.Tensor:

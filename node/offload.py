@@ -41,7 +41,15 @@ import numpy as np
 import torch
 
 from parallax.node import config as config_mod
-from parallax.node.composer import ADAM_PREFIX, Composer, adam_state_shapes, check_snapshot, lr_lambda
+from parallax.node.composer import (
+    ADAM_PREFIX,
+    Composer,
+    adam_state,
+    adam_state_shapes,
+    check_adam_state,
+    load_adam_state,
+    lr_lambda,
+)
 from parallax.node.config import TrainConfig
 from parallax.node.model import SwiGLU
 from parallax.node.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
@@ -162,11 +170,7 @@ class TaylorProxyTrainer:
         self.optimizer = torch.optim.AdamW(self.expert.parameters(), lr=cfg.offload.worker_lr, betas=o.betas,
                                            weight_decay=o.weight_decay)
         if adam is not None:  # the composer's state of this expert: go on from it instead of restarting AdamW
-            step, moments = adam
-            for name, p in self.expert.named_parameters():
-                self.optimizer.state[p] = {"step": torch.tensor(float(step)),
-                                           "exp_avg": moments[f"exp_avg.{name}"].to(self.device, copy=True),
-                                           "exp_avg_sq": moments[f"exp_avg_sq.{name}"].to(self.device, copy=True)}
+            load_adam_state(self.optimizer, dict(self.expert.named_parameters()), *adam)
         self.results = 0
         """Results sent so far: every ``offload.state_every``-th carries the AdamW state."""
         self._state_too_big = False
@@ -221,7 +225,7 @@ class TaylorProxyTrainer:
             self.mirror[n] += t
         self.results += 1
         if off.state_every and self.results % off.state_every == 0:
-            state = encode_tensors(self.adam_state(), "raw")
+            state = encode_tensors(adam_state(self.optimizer, dict(self.expert.named_parameters())), "raw")
             if blob_bytes(blobs) + blob_bytes(state) <= STATE_BUDGET:
                 blobs.update(state)
             elif not self._state_too_big:
@@ -229,18 +233,6 @@ class TaylorProxyTrainer:
                 log.warning("this expert's AdamW state (%d B) does not fit a result (budget %d B): not sent, so "
                             "a fall-back restarts AdamW", blob_bytes(state), STATE_BUDGET)
         return blobs
-
-    def adam_state(self) -> dict[str, torch.Tensor]:
-        """The AdamW state as ``Composer.expert_snapshot`` names it (empty before the first step)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.expert.named_parameters():
-            state = self.optimizer.state.get(p)
-            if not state:
-                return {}
-            out[f"{ADAM_PREFIX}exp_avg.{name}"] = state["exp_avg"].detach().float().cpu()
-            out[f"{ADAM_PREFIX}exp_avg_sq.{name}"] = state["exp_avg_sq"].detach().float().cpu()
-            out[f"{ADAM_PREFIX}step"] = torch.tensor(float(state["step"]))
-        return out
 
     def _momentum_steps(self, steps: int, step: int) -> dict[str, torch.Tensor]:
         """The change ``steps`` more AdamW steps would make with zero gradients (both moments decay, the
@@ -282,7 +274,7 @@ def decode_expert_state(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.S
                         *, max_norms: Mapping[str, float] | None = None, peer: str | None = None, what: str
                         ) -> tuple[dict[str, torch.Tensor], tuple[float, dict[str, torch.Tensor]] | None]:
     """Decode expert-shaped tensors with an optional AdamW state (``adam.*`` names, all or none) and check
-    both (``composer.check_snapshot``: the moments must be ones AdamW can have made).
+    both (``composer.check_adam_state``: the moments must be ones AdamW can have made).
 
     Returns:
         (name -> tensor of ``shapes``, (AdamW step, moments) or None).
@@ -295,15 +287,12 @@ def decode_expert_state(blobs: Mapping[str, bytes], shapes: Mapping[str, torch.S
                           peer=peer, what=what)
     if not state_names:
         return main, None
-    state_shapes = adam_state_shapes(shapes)
-    state = decode_tensors({n: blobs[n] for n in state_names}, state_shapes, peer=peer, what=f"{what} AdamW state")
-    # The moments are checked alone (the weights' shapes stand in for the weights: ``main`` may be a change).
+    state = decode_tensors({n: blobs[n] for n in state_names}, adam_state_shapes(shapes), peer=peer,
+                           what=f"{what} AdamW state")
     try:
-        _, adam = check_snapshot(what, {**{n: torch.zeros(s) for n, s in shapes.items()}, **state}, shapes,
-                                 betas)
+        return main, check_adam_state(what, state, shapes, betas)
     except ValueError as e:
         raise RemoteProtocolError(str(e), peer=peer) from None
-    return main, adam
 
 
 def apply_result(composer: Composer, expert_id: ExpertId, blobs: Mapping[str, bytes], *,
