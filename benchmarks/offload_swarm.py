@@ -142,6 +142,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "results": last.get("offload_results", 0), "result_bytes": last.get("offload_result_bytes", 0),
             "results_applied": last.get("offload_applied", 0), "sketches_coalesced": last.get("offload_coalesced", 0),
             "sketches_merged": last.get("offload_merged", 0), "lateness_steps": last.get("offload_lateness"),
+            "waited_s": last.get("offload_waited_s", 0.0),
             "onboards": last.get("offload_onboards", 0), "onboard_bytes": last.get("offload_onboard_bytes", 0),
             "onboard_s": [e["seconds"] for e in onboarded], "first_update_s": [e["seconds"] for e in first],
         })
@@ -177,6 +178,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "results_applied": total("results_applied"), "sketches_coalesced": total("sketches_coalesced"),
             "sketches_merged": total("sketches_merged"),
             "lateness_steps_per_node": [n["lateness_steps"] for n in per_node],
+            "waited_s_per_node": [n["waited_s"] for n in per_node],
         },
         "onboarding": {"answer_s_median": statistics.median(onboard_s) if onboard_s else None,
                        "first_update_s_median": statistics.median(first_s) if first_s else None,
@@ -206,6 +208,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"| bytes per worker result (answer body) | {_num(w['bytes_per_result'])} | "
         f"{w['results_applied']:,} results applied, mean lateness per composer "
         f"{', '.join('-' if x is None else f'{x:.2f}' for x in w['lateness_steps_per_node'])} steps |",
+        f"| wall time of the run, offload swarm | {_sec(report['wall_s']['offload'])} | direct swarm "
+        f"{_sec(report['wall_s']['direct'])}; composers waited for answers "
+        f"{', '.join(_sec(x) for x in w.get('waited_s_per_node', []))} (offload.wait_s) |",
         f"| sketch + result bytes per composer-step | "
         f"{_num((w['sketch_bytes_per_composer_step'] or 0) + (w['result_bytes_per_composer_step'] or 0))} | |",
         f"| onboarding: bytes per expert | {_num(w['bytes_per_onboarding'])} | |",

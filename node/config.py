@@ -204,8 +204,10 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
-RESULT_CODECS = ("ternary", "lowrank", "fp16")
+RESULT_CODECS = ("ternary", "lowrank", "fp16", "int8", "int4")
 ONBOARD_CODECS = ("ternary", "fp16", "raw")
+MAX_WAIT_S = 60.0
+"""Longest offload.wait_s: a composer should not stall a minute a step on a worker (drop it instead)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,6 +254,12 @@ class OffloadConfig:
     """Over the network: ask each worker to extrapolate by the lateness this composer measures for the expert
     (steps from a request's newest sketch to its applied result, a moving average, rounded, at most 16) instead
     of offload.lookahead. In process every answer is offload.delay steps late: the lookahead is then delay."""
+    wait_s: float = 0.0
+    """Over the network: after sending a step's sketches, wait up to this many seconds for the answers of every
+    request in flight and apply them before the next step, so a worker that answers within it is no step late
+    (the in-process run's offload.delay = 0); the requests then ask the worker to look ahead by the measured
+    lateness (0 while answers come in time) instead of offload.lookahead. 0 = never wait: answers are applied
+    when they have arrived (the round trip in steps late). The composer idles while it waits."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With
@@ -280,6 +288,8 @@ class OffloadConfig:
                              f"got {self.onboard_codec!r}")
         if self.state_every < 0:
             raise ValueError(f"OffloadConfig.state_every must be >= 0 (0 = never), got {self.state_every}")
+        if not 0 <= self.wait_s <= MAX_WAIT_S:
+            raise ValueError(f"OffloadConfig.wait_s must be in [0, {MAX_WAIT_S}] seconds, got {self.wait_s}")
         if self.lookahead < 0:
             raise ValueError(f"OffloadConfig.lookahead must be >= 0 (0 = no extrapolation), got {self.lookahead}")
         if not 1 <= self.result_rank <= 64 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:

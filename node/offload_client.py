@@ -2,9 +2,11 @@
 
 DESIGN.md section 4, issue 7. ``OffloadSession.exchange`` is called once a step by the training thread,
 between ``Composer.forward_backward`` and ``Composer.optimizer_step`` (the only point where a fall-back's
-unanswered sketches can still join a step's gradient). It never waits on the network: every call to a worker
-returns a future (``offload_exchange.OffloadClient``) that a later ``exchange`` reads only once it is done, so
-the results of step t are applied at step t + (round trip), like outer rounds.
+unanswered sketches can still join a step's gradient). Every call to a worker returns a future
+(``offload_exchange.OffloadClient``) that an ``exchange`` reads only once it is done. By default it never waits
+on the network, so the results of step t are applied at step t + (round trip), like outer rounds; with
+``offload.wait_s`` it waits up to that long at the end of the call for every request in flight (step 4b), so a
+worker that answers within it is no step late, at the price of the composer idling for the round trip.
 
 Per call, in this order (why: nothing captured may stay pending, nothing unanswered may be lost):
 1. take this step's raw sketches of the offloaded experts;
@@ -24,6 +26,7 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
    part grows past ``max_rows`` rows (more are sub-sampled, g scaled up so the sum stays unbiased), which
    bounds a request's size; and a worker with ``max_held`` steps unanswered is dropped (step 3's fall-back),
    which bounds the raw sketches the composer keeps for it.
+4b. with ``offload.wait_s``: wait for the requests in flight, apply what finished, drop what failed (as in 2-3);
 5. onboard offloadable experts (layers >= cfg.offload.private_layers) that have no worker, to the worker
    ``offload_exchange.assign_to_workers`` picks; an expert is offloaded only once its onboarding is answered.
    Assignment is sticky: an expert moves only when its worker goes, so a joining worker takes only new work.
@@ -137,6 +140,8 @@ class OffloadSession:
         ``offload.delay``; on the wire, the round trip in steps)."""
         self.fallbacks: list[tuple[ExpertId, str, str]] = []
         """(expert, worker, reason) of every drop."""
+        self.waited_s = 0.0
+        """Seconds the training thread spent waiting for answers (cfg.offload.wait_s)."""
         self._retry_at: dict[ExpertId, float] = {}
 
     def exchange(self) -> None:
@@ -168,7 +173,22 @@ class OffloadSession:
             self._merge(entry)
         for eid, entry in self.offloaded.items():
             self._send(eid, entry)
+        if off.wait_s > 0:
+            self._settle(off.wait_s)
         self._onboard(live)
+
+    def _settle(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` seconds for every request in flight (this step's included), then apply what
+        finished and drop the workers whose requests failed (still before the optimizer step)."""
+        futures = [future for entry in self.offloaded.values() for _, future in entry.in_flight]
+        if futures:
+            started = time.monotonic()
+            concurrent.futures.wait(futures, timeout=wait_s)
+            self.waited_s += time.monotonic() - started
+        for eid, entry in list(self.offloaded.items()):
+            reason = self._apply_done(eid, entry)
+            if reason is not None:
+                self.drop(eid, reason)
 
     def _merge(self, entry: _Offloaded) -> None:
         """Keep the optimizer steps waiting on the worker for this expert (parts in flight and queued) at most
@@ -206,9 +226,9 @@ class OffloadSession:
                 rows += entry.pending[count].wire.x_NL.shape[0]
                 count += 1
             batch = entry.pending[:count]
-            lookahead = None
-            if off.lookahead_measured and entry.lateness is not None:
-                lookahead = min(MAX_LOOKAHEAD, round(entry.lateness))
+            lookahead = None  # the worker's default, offload.lookahead
+            if off.wait_s > 0 or (off.lookahead_measured and entry.lateness is not None):
+                lookahead = min(MAX_LOOKAHEAD, round(entry.lateness or 0))  # waiting: on time until seen late
             # Built before the parts leave the queue: a refusal here loses nothing.
             message = sketch_message(eid, [(part.step, part.wire) for part in batch], off.wire_codec,
                                      lookahead=lookahead)

@@ -472,6 +472,7 @@ class Node:
         return {"offload_applied": session.applied, "offloaded": len(session.offloaded),
                 "offload_coalesced": session.coalesced, "offload_merged": session.merged,
                 "offload_lateness": None if session.mean_lateness is None else round(session.mean_lateness, 3),
+                "offload_waited_s": round(session.waited_s, 3),
                 "offload_sketches": client.requests["rpc_update"], "offload_sketch_bytes": sent["rpc_update"],
                 "offload_results": client.replies["rpc_update"], "offload_result_bytes": received["rpc_update"],
                 "offload_onboards": client.requests["rpc_onboard"], "offload_onboard_bytes": sent["rpc_onboard"]}

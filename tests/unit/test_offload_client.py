@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -222,3 +223,41 @@ def test_measured_lateness_sets_the_lookahead_asked_for(train) -> None:
     default, _, plain, _ = _session(train, {"w1": 1.0})
     _steps(default, plain, 4)
     assert set(plain.client.lookaheads) == {None}  # off: the worker's own offload.lookahead
+
+
+def test_waiting_applies_answers_in_their_own_step(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0}, wait_s=30.0)
+    _steps(composer, session, 3)
+    assert session.applied and dict(session.lateness) == {0: session.applied}  # no step late
+    assert set(fake.lookaheads) == {0}  # on time: nothing to extrapolate
+    fake.slow = True  # a worker that answers from its own thread a moment later: still in time
+    timer = threading.Timer(0.2, fake.release)
+    timer.start()
+    try:
+        applied = session.applied
+        _steps(composer, session, 1)
+    finally:
+        timer.cancel()
+    assert session.applied > applied and set(session.lateness) == {0} and session.waited_s < 30.0
+
+
+def test_waiting_is_bounded_and_a_late_answer_is_applied_later(train) -> None:
+    composer, fake, session, _ = _session(train, {"w1": 1.0}, wait_s=0.05)
+    _steps(composer, session, 2)
+    fake.slow = True
+    applied, waited = session.applied, session.waited_s
+    _steps(composer, session, 2)  # nothing answers: each exchange gives up after wait_s
+    assert session.applied == applied and session.waited_s - waited >= 2 * 0.05 * 0.9
+    fake.release()
+    _steps(composer, session, 1)
+    assert session.applied > applied and max(session.lateness) >= 1 and not session.fallbacks
+
+
+def test_waiting_drops_a_failing_worker_in_the_same_step(train) -> None:
+    composer, fake, session, events = _session(train, {"w1": 1.0}, wait_s=30.0)
+    _steps(composer, session, 2)
+    fake.fail = True
+    _steps(composer, session, 1)
+    assert not session.offloaded and not composer.offloaded_experts()
+    drops = [f for kind, f in events if kind == "offload_fallback"]
+    assert drops and all(f["unanswered"] == 1 and f["step"] == composer.step for f in drops)
