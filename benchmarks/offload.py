@@ -45,7 +45,7 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
     "offload_lowrank": ("offload", {"offload.result_codec": "lowrank"}),
     "offload_int4": ("offload", {"offload.wire_codec": "int4"}),
     "offload_p25": ("offload", {"offload.sample_fraction": 0.25}),
-    "offload_delay0": ("offload", {"offload.delay": 0}),
+    "offload_late": ("offload", {"offload.delay": 1}),
     "offload_ternary_onboard": ("offload", {"offload.onboard_codec": "ternary"}),
     "offload_private1": ("offload", {"offload.private_layers": 1}),
     "offload_k4": ("offload", {"offload.worker_steps": 4, "offload.worker_lr": 1e-3}),

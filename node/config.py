@@ -204,7 +204,7 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
-RESULT_CODECS = ("ternary", "lowrank", "fp16", "int8", "int4")
+RESULT_CODECS = ("ternary", "lowrank", "fp16")
 ONBOARD_CODECS = ("ternary", "fp16", "raw")
 MAX_WAIT_S = 60.0
 """Longest offload.wait_s: a composer should not stall a minute a step on a worker (drop it instead)."""
@@ -239,8 +239,10 @@ class OffloadConfig:
     composer's) or "ternary" (1.6 bits a weight: the worker trains a ternary copy's Jacobian)."""
     private_layers: int = 0
     """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
-    delay: int = 1
-    """Steps between a sketch and the composer applying the worker's answer (network latency; 0 = same step)."""
+    delay: int = 0
+    """In process: steps between a sketch and the composer applying the worker's answer. 0 = the same step, what a
+    networked composer gets with offload.wait_s (the default) from a worker that answers in time; 1+ = a
+    composer that does not wait (offload.wait_s=0) on a round trip of that many steps."""
     lookahead: int = 1
     """Delay compensation: the worker sends its weights extrapolated by this many of its own AdamW steps
     with no new gradient (momentum only), so a composer that applies the result ``delay`` steps late runs
@@ -254,12 +256,14 @@ class OffloadConfig:
     """Over the network: ask each worker to extrapolate by the lateness this composer measures for the expert
     (steps from a request's newest sketch to its applied result, a moving average, rounded, at most 16) instead
     of offload.lookahead. In process every answer is offload.delay steps late: the lookahead is then delay."""
-    wait_s: float = 0.0
+    wait_s: float = 10.0
     """Over the network: after sending a step's sketches, wait up to this many seconds for the answers of every
     request in flight and apply them before the next step, so a worker that answers within it is no step late
     (the in-process run's offload.delay = 0); the requests then ask the worker to look ahead by the measured
-    lateness (0 while answers come in time) instead of offload.lookahead. 0 = never wait: answers are applied
-    when they have arrived (the round trip in steps late). The composer idles while it waits."""
+    lateness (0 while answers come in time) instead of offload.lookahead. The composer idles while it waits, so
+    it trains at its workers' pace when they are slower. 0 = never wait: answers are applied when they have
+    arrived, the round trip in steps late (composer's pace; small preset, 2 composers + 2 workers on 2 cores:
+    1.140x direct's val loss at 2.2 steps late, against 1.007x waiting, for 11% more wall time)."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With

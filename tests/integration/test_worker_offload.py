@@ -50,6 +50,8 @@ def test_a_worker_trains_the_composers_experts_and_its_death_costs_nothing(tmp_p
         assert len(offloaded) >= 40
         first, last = (sum(r["loss"] for r in rs) / len(rs) for rs in (offloaded[:5], offloaded[-5:]))
         assert last < first, (first, last)  # the loss keeps falling while the worker trains every expert
+        # offload.wait_s (default): the composer waits for each step's answers, so none is applied late.
+        assert steps[-1]["offload_lateness"] < 0.5 and steps[-1]["offload_waited_s"] > 0, steps[-1]
         kill_group(worker.process, signal.SIGKILL)  # the machine dies: no deathrattle
         worker.process.wait(10)
         killed_at = steps[-1]["step"]

@@ -373,7 +373,8 @@ def test_bench_offload_command_writes_the_promised_numbers(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"result_codec": "int8"}, "result_codec"), ({"onboard_codec": "lowrank"}, "onboard_codec"),
     ({"worker_steps": 0}, "worker_steps"), ({"sample_fraction": 0.0}, "sample_fraction"),
-    ({"result_rank": 65}, "result_rank"), ({"delay": -1}, "delay"),
+    ({"result_rank": 65}, "result_rank"), ({"delay": -1}, "delay"), ({"wait_s": -1.0}, "wait_s"),
+    ({"wait_s": 61.0}, "wait_s"),
 ])
 def test_offload_config_says_what_to_fix(change, message):
     with pytest.raises(ValueError, match=message):

@@ -75,8 +75,9 @@ def train():
 
 
 def _session(train, workers, session_kw=None, **offload):
+    offload = {"wait_s": 0.0, **offload}  # by default these tests drive the non-waiting composer
     cfg = config.TrainConfig(model=config.preset("tiny"), steps=20, batch_size=2,
-                             offload=config.OffloadConfig(enabled=True, delay=0, **offload))
+                             offload=config.OffloadConfig(enabled=True, **offload))
     composer = Composer(cfg, ownership_for(cfg, 1)[0], shard(train, 0, 1), sampler_seed=1)
     fake = FakeWorkers(cfg)
     events = []
