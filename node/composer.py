@@ -196,9 +196,26 @@ class Composer:
         return [(layer, e) for layer, moe in enumerate(self.model.moe_layers()) for e in sorted(moe.offloaded)]
 
     def take_offload_sketches(self) -> dict[ExpertId, Sketch]:
-        """This step's raw (x, g) of the offloaded experts' selections; compress with ``sketch.compress``."""
+        """This step's raw (x, g) of the offloaded experts' selections; compress with ``sketch.compress``.
+
+        With cfg.offload.clip_sketches, g is scaled by this step's gradient-clip coefficient
+        (``clip_coefficient``), so a worker's expert gradient is clipped with the rest of the composer's step, as
+        direct ownership clips it. Call after ``forward_backward``, before anything else adds gradient."""
         assert self.sketcher is not None, "offload needs cfg.offload.enabled"
-        return self.sketcher.take(self.offloaded_experts())
+        sketches = self.sketcher.take(self.offloaded_experts())
+        coefficient = self.clip_coefficient() if self.cfg.offload.clip_sketches else 1.0
+        if coefficient == 1.0:
+            return sketches
+        return {eid: Sketch(s.x_NL, s.g_NL * coefficient, s.tokens, s.wire_bytes) for eid, s in sketches.items()}
+
+    def clip_coefficient(self) -> float:
+        """What ``optimizer_step``'s global-norm clip will scale the gradients now held by (1.0: no clip)."""
+        clip = self.cfg.optim.grad_clip
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if clip <= 0 or not grads:
+            return 1.0
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+        return min(1.0, clip / (norm + 1e-6))  # clip_grad_norm_'s own coefficient
 
     def absorb_sketches(self, sketches: Mapping[ExpertId, list[Sketch]], composers: int) -> None:
         """Turn other composers' sketches of our experts into expert gradient before ``optimizer_step``.

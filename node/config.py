@@ -264,6 +264,9 @@ class OffloadConfig:
     it trains at its workers' pace when they are slower. 0 = never wait: answers are applied when they have
     arrived, the round trip in steps late (composer's pace; small preset, 2 composers + 2 workers on 2 cores:
     1.140x direct's val loss at 2.2 steps late, against 1.007x waiting, for 11% more wall time)."""
+    clip_sketches: bool = True
+    """Scale a sketch's g by the composer's gradient-clip coefficient of its step (optim.grad_clip), so the
+    worker's expert gradient is clipped with the rest of the step as direct ownership clips it."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With

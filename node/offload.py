@@ -354,9 +354,10 @@ class LocalWorkers:
             self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
         if self.cfg.offload.lookahead > self.cfg.offload.delay:
             # Extrapolating further than the answers are late would run the composer's copy ahead of
-            # the worker's: here the lateness is known exactly.
-            log.info("offload.lookahead %d > offload.delay %d: the workers look %d step(s) ahead",
-                     self.cfg.offload.lookahead, self.cfg.offload.delay, self.cfg.offload.delay)
+            # the worker's: here the lateness is known exactly (none at delay 0, the default).
+            if self.cfg.offload.delay:
+                log.info("offload.lookahead %d > offload.delay %d: the workers look %d step(s) ahead",
+                         self.cfg.offload.lookahead, self.cfg.offload.delay, self.cfg.offload.delay)
             self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
         self.tamper = tamper
         self.trainers: dict[tuple[int, ExpertId], TaylorProxyTrainer] = {}

@@ -399,3 +399,29 @@ def test_the_settings_digest_follows_exactly_what_a_worker_trains_with() -> None
     for key, value in [("offload.sample_fraction", 0.5), ("offload.delay", 2), ("offload.max_change", 0.1),
                        ("offload.input_grad", False), ("offload.wire_codec", "fp16"), ("seed", 7)]:
         assert settings_digest(config.override(base, {key: value})) == digest, key
+
+
+@pytest.mark.parametrize("clip, expect_scaled", [(1e-3, True), (1e6, False), (0.0, False)])
+def test_sketches_are_clipped_with_the_composers_step(splits, clip, expect_scaled):
+    train, _ = splits
+    cfgs = [config.replace(_cfg(clip_sketches=on), optim=config.replace(config.OptimConfig(), grad_clip=clip))
+            for on in (True, False)]
+    clipped, plain = (_composers(cfg, train, 1)[0] for cfg in cfgs)
+    plain.model.load_state_dict(clipped.model.state_dict())
+    for c in (clipped, plain):
+        for eid in c.owned_experts():
+            c.offload_expert(eid, True)
+        torch.manual_seed(0)
+        c.forward_backward()
+    coefficient = clipped.clip_coefficient()
+    got, raw = clipped.take_offload_sketches(), plain.take_offload_sketches()
+    assert got and set(got) == set(raw)
+    for eid in got:
+        torch.testing.assert_close(got[eid].x_NL, raw[eid].x_NL)
+        torch.testing.assert_close(got[eid].g_NL, raw[eid].g_NL * coefficient)
+    params = [p for g in clipped.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if expect_scaled:  # the coefficient is the one the optimizer step's clip then applies
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        assert coefficient == pytest.approx(clip / (norm + 1e-6), rel=1e-5) and coefficient < 1e-2
+    else:
+        assert coefficient == 1.0
