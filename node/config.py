@@ -266,7 +266,9 @@ class OffloadConfig:
     1.140x direct's val loss at 2.2 steps late, against 1.007x waiting, for 11% more wall time)."""
     clip_sketches: bool = True
     """Scale a sketch's g by the composer's gradient-clip coefficient of its step (optim.grad_clip), so the
-    worker's expert gradient is clipped with the rest of the step as direct ownership clips it."""
+    worker's expert gradient is clipped with the rest of the step as direct ownership clips it (the composer
+    has no weight gradient for them, so their own share of the norm is left out). In process, C=4, same step:
+    1.054x / 1.045x direct's val loss without it, 1.021x / 1.004x with it (seeds 0 / 1)."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
     worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With

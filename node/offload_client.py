@@ -3,10 +3,11 @@
 DESIGN.md section 4, issue 7. ``OffloadSession.exchange`` is called once a step by the training thread,
 between ``Composer.forward_backward`` and ``Composer.optimizer_step`` (the only point where a fall-back's
 unanswered sketches can still join a step's gradient). Every call to a worker returns a future
-(``offload_exchange.OffloadClient``) that an ``exchange`` reads only once it is done. By default it never waits
-on the network, so the results of step t are applied at step t + (round trip), like outer rounds; with
-``offload.wait_s`` it waits up to that long at the end of the call for every request in flight (step 4b), so a
-worker that answers within it is no step late, at the price of the composer idling for the round trip.
+(``offload_exchange.OffloadClient``) that an ``exchange`` reads only once it is done. By default
+(``offload.wait_s``, 10 s) it waits up to that long at the end of the call for every request in flight (step
+4b), so a worker that answers within it is no step late, at the price of the composer idling for the round
+trip; with ``offload.wait_s = 0`` it never waits on the network, and the results of step t are applied at step
+t + (round trip), like outer rounds.
 
 Per call, in this order (why: nothing captured may stay pending, nothing unanswered may be lost):
 1. take this step's raw sketches of the offloaded experts;
