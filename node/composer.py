@@ -154,9 +154,7 @@ class Composer:
     def optimizer_step(self) -> None:
         """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches)."""
         if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in self.optimizer.param_groups for p in g["params"]], self.cfg.optim.grad_clip
-            )
+            torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
 
@@ -211,11 +209,14 @@ class Composer:
     def clip_coefficient(self) -> float:
         """What ``optimizer_step``'s global-norm clip will scale the gradients now held by (1.0: no clip)."""
         clip = self.cfg.optim.grad_clip
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in self._trained_parameters() if p.grad is not None]
         if clip <= 0 or not grads:
             return 1.0
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-        return min(1.0, clip / (norm + 1e-6))  # clip_grad_norm_'s own coefficient
+        return min(1.0, clip / (float(torch.nn.utils.get_total_norm(grads)) + 1e-6))  # clip_grad_norm_'s coefficient
+
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        """Everything this composer's optimizer steps (what its gradient clip covers)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def absorb_sketches(self, sketches: Mapping[ExpertId, list[Sketch]], composers: int) -> None:
         """Turn other composers' sketches of our experts into expert gradient before ``optimizer_step``.

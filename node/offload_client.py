@@ -150,12 +150,7 @@ class OffloadSession:
         c = self.composer
         raw = c.take_offload_sketches()
         live = self.workers()
-        for eid, entry in list(self.offloaded.items()):
-            reason = self._apply_done(eid, entry)
-            if reason is None and live is not None and entry.worker not in live:
-                reason = "worker left the live view"
-            if reason is not None:
-                self.drop(eid, reason, extra=[raw.pop(eid)] if eid in raw else [])
+        self._apply_finished(live, raw)
         off = c.cfg.offload
         for eid, sketch in raw.items():
             entry = self.offloaded.get(eid)
@@ -186,10 +181,18 @@ class OffloadSession:
             started = time.monotonic()
             concurrent.futures.wait(futures, timeout=wait_s)
             self.waited_s += time.monotonic() - started
+        self._apply_finished()
+
+    def _apply_finished(self, live: Mapping[str, float] | None = None,
+                        raw: dict[ExpertId, Sketch] | None = None) -> None:
+        """Apply every finished result; drop the worker of an expert whose request failed, whose result was bad,
+        or (given the ``live`` view) that left it: this step's ``raw`` sketch of the expert goes with the drop."""
         for eid, entry in list(self.offloaded.items()):
             reason = self._apply_done(eid, entry)
+            if reason is None and live is not None and entry.worker not in live:
+                reason = "worker left the live view"
             if reason is not None:
-                self.drop(eid, reason)
+                self.drop(eid, reason, extra=[raw.pop(eid)] if raw and eid in raw else [])
 
     def _merge(self, entry: _Offloaded) -> None:
         """Keep the optimizer steps waiting on the worker for this expert (parts in flight and queued) at most
