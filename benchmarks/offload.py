@@ -28,15 +28,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parallax.benchmarks.quality import _asdict, _preset_name
 from parallax.benchmarks.report import write_report
-from parallax.node import config as config_mod
-from parallax.node import flops as fl
-from parallax.node.composer import Composer
-from parallax.node.config import TrainConfig
-from parallax.node.data import load_corpus, split_corpus
-from parallax.node.model import SwiGLU, own_all
-from parallax.node.offload import TaylorProxyTrainer, blob_bytes, encode_tensors
-from parallax.node.sim import ProgressFn, RunSpec, ownership_for, run
-from parallax.node.sketch import Sketch
+from parallax.node.config import train as config_mod
+from parallax.node.config.train import TrainConfig
+from parallax.node.model import flops as fl
+from parallax.node.model.sketch import Sketch
+from parallax.node.model.transformer import SwiGLU, own_all
+from parallax.node.offload.proxy import TaylorProxyTrainer, blob_bytes, encode_tensors
+from parallax.node.sim.simulator import ProgressFn, RunSpec, ownership_for, run
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, split_corpus
 
 RUNS: dict[str, tuple[str, dict[str, object]]] = {
     "direct": ("parallax", {}),

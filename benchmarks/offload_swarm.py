@@ -34,8 +34,8 @@ from parallax.benchmarks.report import write_report
 from parallax.benchmarks.swarm import OWN_OPTIONS as SWARM_OWN_OPTIONS
 from parallax.benchmarks.swarm import _loss, _num, _sec, swarm_changes
 from parallax.dht.adapter import dht_time
-from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
-from parallax.node.processes import kill_group
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+from parallax.node.peer.processes import kill_group
 
 OWN_OPTIONS = {**SWARM_OWN_OPTIONS, "offload.enabled": "off in the direct swarm, on in the offload swarm"}
 """Settings the benchmark sets itself: ``--set`` may not change them behind its back."""

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from parallax.benchmarks.report import write_report
-from parallax.node import config as config_mod
-from parallax.node.config import TrainConfig
-from parallax.node.data import load_corpus, split_corpus
-from parallax.node.sim import ProgressFn, RunResult, RunSpec, run
+from parallax.node.config import train as config_mod
+from parallax.node.config.train import TrainConfig
+from parallax.node.sim.simulator import ProgressFn, RunResult, RunSpec, run
+from parallax.node.train.data import load_corpus, split_corpus
 
 RUNS: dict[str, tuple[str, dict[str, object]]] = {
     "baseline": ("baseline", {}),

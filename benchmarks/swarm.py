@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.benchmarks.report import write_report
-from parallax.node.local_swarm import LocalSwarm, read_metrics
+from parallax.node.peer.local_swarm import LocalSwarm, read_metrics
 
 
 def loopback_bandwidth(megabytes: int = 256) -> float:
@@ -74,7 +74,7 @@ def swarm_changes(changes: list[str], own: dict[str, str] | None = None) -> dict
     Raises:
         ValueError: unparsable, or one of ``own``.
     """
-    from parallax.node.config import parse_changes
+    from parallax.node.config.train import parse_changes
 
     own = OWN_OPTIONS if own is None else own
     parsed = parse_changes(changes)
@@ -92,10 +92,10 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
 
     ``changes``: ``PATH=VALUE`` config overrides given to every node and to the in-process reference alike.
     """
-    from parallax.node.config import override, train_config
-    from parallax.node.data import load_corpus, split_corpus
-    from parallax.node.model import MoETransformer
-    from parallax.node.sim import RunSpec, run
+    from parallax.node.config.train import override, train_config
+    from parallax.node.model.transformer import MoETransformer
+    from parallax.node.sim.simulator import RunSpec, run
+    from parallax.node.train.data import load_corpus, split_corpus
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-swarm-"))
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
@@ -242,8 +242,8 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
 
 def _group_bytes(cfg: Any) -> dict[str, int]:
     """Bytes of one outer round's averaged buffers per group, as the node sends them (fp16 when large)."""
-    from parallax.node.outer_wire import OuterSyncConfig, payload_bytes
-    from parallax.node.runner import model_shapes
+    from parallax.node.net.outer_wire import OuterSyncConfig, payload_bytes
+    from parallax.node.peer.runner import model_shapes
 
     config = OuterSyncConfig(method=cfg.sync.merge, compression=cfg.sync.compression)
     return {g: payload_bytes(shapes, config) for g, shapes in model_shapes(cfg).groups.items()}

@@ -59,7 +59,7 @@ def _run_set(bench: Any, run: Any, composers: int, preset: str, steps: int | Non
              data: str | None, runs: str, changes: list[str] | None, json_path: Any, quiet: bool) -> None:
     """A set of in-process runs of one benchmark module: ``run`` it, then its ``write`` and ``markdown``."""
     from parallax.cli.progress import run_progress
-    from parallax.node.config import override, parse_changes, train_config
+    from parallax.node.config.train import override, parse_changes, train_config
 
     try:
         cfg = override(train_config(preset, steps=steps, batch_size=batch_size, seed=seed),
@@ -97,8 +97,8 @@ def flops(
     preset: Preset = "report",
 ) -> None:
     """Per-composer compute savings: the report's analytic model beside our config-based FLOP count."""
-    from parallax.node import flops as fl
-    from parallax.node.config import preset as get_preset
+    from parallax.node.config.train import preset as get_preset
+    from parallax.node.model import flops as fl
 
     try:
         cfg = get_preset(preset)
@@ -178,7 +178,7 @@ def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str
     """Refuse a bad ``--set`` of a process benchmark here, before any process starts (``own``: the settings
     that benchmark sets itself; default: ``bench swarm``'s)."""
     from parallax.benchmarks.swarm import swarm_changes
-    from parallax.node.config import override, train_config
+    from parallax.node.config.train import override, train_config
 
     try:
         override(train_config(preset), swarm_changes(changes or [], own))

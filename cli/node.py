@@ -119,10 +119,10 @@ def join(
     """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background."""
     from parallax.dht.adapter import parse_initial_peers
     from parallax.errors import ParallaxError
-    from parallax.node.config import override, parse_changes, train_config
-    from parallax.node.device import DeviceError, resolve_device
-    from parallax.node.processes import ForcedStop, install_signal_handlers
-    from parallax.node.runner import Node, NodeConfig
+    from parallax.node.config.train import override, parse_changes, train_config
+    from parallax.node.peer.processes import ForcedStop, install_signal_handlers
+    from parallax.node.peer.runner import Node, NodeConfig
+    from parallax.node.train.device import DeviceError, resolve_device
 
     file, file_changes = _read_config_file(config_file)
 

@@ -36,7 +36,7 @@ def invoked_as(argv: list[str], group: str, command: str) -> bool:
 
 
 def supervise_or_continue(group: str, supervised_by: int | None, no_supervise: bool) -> None:
-    """Re-run this command in a session of its own under this process (``node/processes.py`` says why) and exit
+    """Re-run this command in a session of its own under this process (``node/peer/processes.py`` says why) and exit
     with its code, unless told not to or not started from a command line (``CliRunner``); in the supervised
     child, arrange to die with the supervisor. Returns when this process should do the work itself.
 
@@ -46,7 +46,7 @@ def supervise_or_continue(group: str, supervised_by: int | None, no_supervise: b
     import os
     import sys
 
-    from parallax.node.processes import die_with_parent, python_cli, supervise
+    from parallax.node.peer.processes import die_with_parent, python_cli, supervise
 
     if supervised_by is None and not no_supervise and invoked_as(sys.argv, group, "join"):
         raise typer.Exit(supervise(python_cli(*sys.argv[1:], "--supervised-by", str(os.getpid()))))

@@ -14,7 +14,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from parallax.node.sim import ProgressFn
+from parallax.node.sim.simulator import ProgressFn
 
 
 @contextmanager

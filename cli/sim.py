@@ -10,9 +10,9 @@ from rich.table import Table
 
 from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Sets, Steps
 from parallax.cli.progress import run_progress
-from parallax.node.config import override, parse_changes, train_config
-from parallax.node.data import load_corpus, split_corpus
-from parallax.node.sim import RUN_KINDS, RunSpec, run
+from parallax.node.config.train import override, parse_changes, train_config
+from parallax.node.sim.simulator import RUN_KINDS, RunSpec, run
+from parallax.node.train.data import load_corpus, split_corpus
 
 
 def sim(

@@ -166,7 +166,7 @@ def local(
     from rich.live import Live
 
     from parallax.errors import ParallaxError
-    from parallax.node.local_swarm import LocalSwarm, latest, read_metrics
+    from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
 
     args = ["--preset", preset, "--min-peers", str(nodes)]
     for change in set_:

@@ -38,10 +38,10 @@ def join(
     """Join a run as a worker: announce a capacity, take experts composers offload, answer their sketches."""
     from parallax.dht.adapter import parse_initial_peers
     from parallax.errors import ParallaxError
-    from parallax.node.config import override, parse_changes, train_config
-    from parallax.node.device import DeviceError, resolve_device
-    from parallax.node.processes import ForcedStop, install_signal_handlers
-    from parallax.node.worker import Worker, WorkerConfig
+    from parallax.node.config.train import override, parse_changes, train_config
+    from parallax.node.offload.worker import Worker, WorkerConfig
+    from parallax.node.peer.processes import ForcedStop, install_signal_handlers
+    from parallax.node.train.device import DeviceError, resolve_device
 
     try:
         device = resolve_device(gpu, cpu)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
-from parallax.node.expert_exchange import ExpertExchange, encode_snapshot
+from parallax.node.net.expert_exchange import ExpertExchange, encode_snapshot
 from parallax.protocol.envelope import Sealer
 from parallax.protocol.identity import Identity
 

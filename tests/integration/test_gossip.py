@@ -14,9 +14,9 @@ import torch
 
 from parallax.dht.surrogates import read_records
 from parallax.dht.testing import LocalPeer, LocalSwarm, fixed_identity, wait_until
-from parallax.node.gossip import GossipConfig, SurrogateGossip, SurrogateUpdate
-from parallax.node.lowrank import ErrorFeedbackPublisher
-from parallax.node.surrogate_payload import encode_delta, payload_digest
+from parallax.node.model.lowrank import ErrorFeedbackPublisher
+from parallax.node.net.gossip import GossipConfig, SurrogateGossip, SurrogateUpdate
+from parallax.node.net.surrogate_payload import encode_delta, payload_digest
 from parallax.protocol.messages import SurrogateDelta, SurrogatePayload
 
 RUN = "gossip"

@@ -14,8 +14,8 @@ import pytest
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
-from parallax.node.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
-from parallax.node.runner import HANDOVER_WINDOW_S
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+from parallax.node.peer.runner import HANDOVER_WINDOW_S
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -13,11 +13,11 @@ import torch
 from hivemind.p2p import P2PHandlerError
 
 from parallax.dht.testing import LocalSwarm, fixed_identity
-from parallax.node import config
-from parallax.node.model import SwiGLU
-from parallax.node.offload import decode_tensors, encode_tensors
-from parallax.node.offload_exchange import OffloadClient, OffloadServicer, WorkerLimits, serve, sketch_message, unserve
-from parallax.node.sketch import Sketch
+from parallax.node.config import train as config
+from parallax.node.model.sketch import Sketch
+from parallax.node.model.transformer import SwiGLU
+from parallax.node.offload.exchange import OffloadClient, OffloadServicer, WorkerLimits, serve, sketch_message, unserve
+from parallax.node.offload.proxy import decode_tensors, encode_tensors
 
 CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, onboard_codec="raw"))
 EID = (1, 2)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from parallax.dht.testing import wait_until
-from parallax.node.local_swarm import LocalSwarm, read_metrics
-from parallax.node.processes import kill_group
+from parallax.node.peer.local_swarm import LocalSwarm, read_metrics
+from parallax.node.peer.processes import kill_group
 
 pytestmark = pytest.mark.timeout(420)
 

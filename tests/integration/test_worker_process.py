@@ -15,13 +15,13 @@ import torch
 
 from parallax.dht.membership import read_view
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
-from parallax.node import config
-from parallax.node.local_swarm import read_metrics
-from parallax.node.model import SwiGLU
-from parallax.node.offload import encode_tensors
-from parallax.node.offload_exchange import OffloadClient, sketch_message
-from parallax.node.processes import kill_group, spawn, stop
-from parallax.node.sketch import Sketch
+from parallax.node.config import train as config
+from parallax.node.model.sketch import Sketch
+from parallax.node.model.transformer import SwiGLU
+from parallax.node.offload.exchange import OffloadClient, sketch_message
+from parallax.node.offload.proxy import encode_tensors
+from parallax.node.peer.local_swarm import read_metrics
+from parallax.node.peer.processes import kill_group, spawn, stop
 
 RUN = "wproc"
 CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True))

@@ -7,8 +7,8 @@ import concurrent.futures
 import time
 from types import SimpleNamespace
 
-from parallax.node.expert_exchange import Snapshot
-from parallax.node.runner import Node, _Adoption
+from parallax.node.net.expert_exchange import Snapshot
+from parallax.node.peer.runner import Node, _Adoption
 
 EID = (0, 3)
 

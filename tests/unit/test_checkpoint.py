@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from parallax.errors import NodeError
-from parallax.node import checkpoint as ckpt
-from parallax.node import config
-from parallax.node.checkpoint import (
+from parallax.node.config import train as config
+from parallax.node.train import checkpoint as ckpt
+from parallax.node.train.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
     latest_checkpoint,
@@ -22,8 +22,8 @@ from parallax.node.checkpoint import (
     save_checkpoint,
     state_hash,
 )
-from parallax.node.composer import Composer
-from parallax.node.data import load_corpus, split_corpus
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, split_corpus
 
 OWNED = (frozenset({0, 2}), frozenset({1}))
 RUN = "run-test"
@@ -167,7 +167,7 @@ def test_corrupt_tensor_file_is_refused_and_previous_is_used(train, two_checkpoi
     _untouched(train, refuse)
 
     fresh = _composer(train)
-    with caplog.at_level(logging.WARNING, logger="parallax.node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="parallax.node.train.checkpoint"):
         info = load_latest(tmp_path, fresh)
     assert info.path == older and state_hash(fresh) == older_hash
     assert "shared.safetensors is corrupt" in caplog.text

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from parallax.node import config
-from parallax.node.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.composer import BadOptimizerState, Composer, moment_bound
-from parallax.node.config import train_config
-from parallax.node.data import load_corpus, split_corpus
+from parallax.node.config import train as config
+from parallax.node.config.train import train_config
+from parallax.node.train.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
+from parallax.node.train.composer import BadOptimizerState, Composer, moment_bound
+from parallax.node.train.data import load_corpus, split_corpus
 
 OWNED_A = (frozenset({0, 2}), frozenset({3}))
 OWNED_B = (frozenset({1}), frozenset({0, 2}))

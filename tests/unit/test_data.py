@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.data import (
+from parallax.node.train.data import (
     DEFAULT_CORPUS,
     BatchSampler,
     load_corpus,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parallax.errors import NodeError
-from parallax.node.device import DeviceError, resolve_device
+from parallax.node.train.device import DeviceError, resolve_device
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from parallax.node.expert_exchange import _header
+from parallax.node.net.expert_exchange import _header
 from parallax.protocol.errors import RemoteProtocolError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.node.config import preset, replace
-from parallax.node.flops import (
+from parallax.node.config.train import preset, replace
+from parallax.node.model.flops import (
     composer_speedup,
     offload_routed_speedup,
     routed_share,

@@ -10,7 +10,8 @@ import torch
 
 from parallax.dht.records import MAX_RECORD_BYTES
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
-from parallax.node.gossip import (
+from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
+from parallax.node.net.gossip import (
     GossipConfig,
     Offer,
     SurrogateUpdate,
@@ -19,8 +20,7 @@ from parallax.node.gossip import (
     owner_first_then_random,
     plan,
 )
-from parallax.node.lowrank import ErrorFeedbackPublisher, apply_delta
-from parallax.node.surrogate_payload import (
+from parallax.node.net.surrogate_payload import (
     PayloadStore,
     decode_delta,
     decode_full,

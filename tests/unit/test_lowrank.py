@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from parallax.node.lowrank import (
+from parallax.node.model.lowrank import (
     ErrorFeedbackPublisher,
     apply_delta,
     is_half_exact,

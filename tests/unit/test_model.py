@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.config import GROUPS, ModelConfig, preset
-from parallax.node.model import MoELayer, MoETransformer, group_of, own_all
+from parallax.node.config.train import GROUPS, ModelConfig, preset
+from parallax.node.model.transformer import MoELayer, MoETransformer, group_of, own_all
 
 TINY = preset("tiny")
 

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from parallax.node import config
-from parallax.node.composer import Composer
-from parallax.node.data import load_corpus, shard, split_corpus
-from parallax.node.offload import (
+from parallax.node.config import train as config
+from parallax.node.model.sketch import Sketch, compress, taylor_proxy
+from parallax.node.offload.proxy import (
     LocalWorkers,
     TaylorProxyTrainer,
     apply_result,
@@ -22,8 +21,9 @@ from parallax.node.offload import (
     onboard_blobs,
     settings_digest,
 )
-from parallax.node.sim import RunSpec, ownership_for, run
-from parallax.node.sketch import Sketch, compress, taylor_proxy
+from parallax.node.sim.simulator import RunSpec, ownership_for, run
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, shard, split_corpus
 from parallax.protocol import codec
 from parallax.protocol.errors import RemoteProtocolError
 
@@ -80,7 +80,7 @@ def _sketch(cfg, n=64, seed=0) -> Sketch:
 
 def _trainer(cfg, seed=0) -> TaylorProxyTrainer:
     torch.manual_seed(seed)
-    from parallax.node.model import SwiGLU
+    from parallax.node.model.transformer import SwiGLU
 
     expert = SwiGLU(cfg.model.d_latent, cfg.model.d_expert)
     return TaylorProxyTrainer(cfg, encode_tensors(dict(expert.named_parameters()), "raw"))
@@ -127,7 +127,7 @@ def test_ternary_results_with_error_feedback_converge_to_the_workers_weights():
     trainer = _trainer(cfg)
     composer_copy = {n: p.detach().clone() for n, p in trainer.expert.named_parameters()}
     shapes = {n: t.shape for n, t in composer_copy.items()}
-    from parallax.node.offload import decode_tensors
+    from parallax.node.offload.proxy import decode_tensors
 
     empty = Sketch(torch.zeros(0, cfg.model.d_latent), torch.zeros(0, cfg.model.d_latent), 0)
     gaps = []
@@ -150,7 +150,7 @@ def test_lookahead_sends_the_weights_of_the_next_momentum_only_adamw_step_and_ta
     trainer = _trainer(cfg)
     composer_copy = {n: p.detach().clone() for n, p in trainer.expert.named_parameters()}
     shapes = {n: t.shape for n, t in composer_copy.items()}
-    from parallax.node.offload import decode_tensors
+    from parallax.node.offload.proxy import decode_tensors
 
     for step in (5, 6):
         for name, change in decode_tensors(trainer.update([(step, _sketch(cfg, seed=step))]), shapes).items():
@@ -336,7 +336,7 @@ def test_an_impossible_adamw_state_in_a_result_is_refused_and_nothing_changes(sp
 
 
 def test_a_state_too_big_for_a_message_is_left_out(splits, monkeypatch, caplog):
-    from parallax.node import offload
+    from parallax.node.offload import proxy as offload
 
     monkeypatch.setattr(offload, "STATE_BUDGET", 1000)
     train, _ = splits

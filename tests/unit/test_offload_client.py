@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
-from parallax.node import config
-from parallax.node.composer import Composer
-from parallax.node.data import load_corpus, shard, split_corpus
-from parallax.node.offload import TaylorProxyTrainer, encode_tensors
-from parallax.node.offload_client import OffloadSession
-from parallax.node.offload_exchange import WorkerLimits, decode_sketch
-from parallax.node.sim import ownership_for
-from parallax.node.sketch import Sketch
+from parallax.node.config import train as config
+from parallax.node.model.sketch import Sketch
+from parallax.node.offload.exchange import WorkerLimits, decode_sketch
+from parallax.node.offload.proxy import TaylorProxyTrainer, encode_tensors
+from parallax.node.offload.session import OffloadSession
+from parallax.node.sim.simulator import ownership_for
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, shard, split_corpus
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.identity import Identity
 
@@ -172,7 +172,7 @@ def test_a_queue_past_max_parts_merges_its_smallest_neighbours_and_rows_stay_cap
 
 
 def test_a_merged_part_is_the_mean_of_its_steps(train) -> None:
-    from parallax.node.offload_client import _Offloaded, _Part
+    from parallax.node.offload.session import _Offloaded, _Part
 
     _, _, session, _ = _session(train, {}, session_kw={"max_parts": 2, "max_rows": 10**6})
     gen = torch.Generator().manual_seed(0)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from parallax.node import config
-from parallax.node.offload_exchange import (
+from parallax.node.config import train as config
+from parallax.node.model.sketch import Sketch
+from parallax.node.offload.exchange import (
     OffloadClient,
     OffloadServicer,
     WorkerLimits,
@@ -22,7 +23,6 @@ from parallax.node.offload_exchange import (
     decode_sketch,
     sketch_message,
 )
-from parallax.node.sketch import Sketch
 from parallax.protocol import codec
 from parallax.protocol.envelope import Opener, Sealer, seal
 from parallax.protocol.errors import BadSignature, LocalProtocolError, RemoteProtocolError, ReplayedMessage, WrongRun
@@ -241,8 +241,8 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
     """Answering it would move the worker's mirror past the copy the composer re-onboarded it with."""
     from hivemind.proto import runtime_pb2
 
-    from parallax.node.model import SwiGLU
-    from parallax.node.offload import encode_tensors
+    from parallax.node.model.transformer import SwiGLU
+    from parallax.node.offload.proxy import encode_tensors
 
     class Context:
         remote_id = type("Peer", (), {"to_base58": staticmethod(lambda: "QmComposer")})()

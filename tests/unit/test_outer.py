@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.outer import OuterOptimizer, TierSchedule
+from parallax.node.train.outer import OuterOptimizer, TierSchedule
 
 
 def _param(values, dtype=torch.float32):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.outer import OuterOptimizer
-from parallax.node.outer_rounds import group_state, load_group_state
+from parallax.node.net.outer_rounds import group_state, load_group_state
+from parallax.node.train.outer import OuterOptimizer
 
 
 def make(lr: float = 1.0, momentum: float = 0.0) -> tuple[dict[str, torch.nn.Parameter], OuterOptimizer]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.outer_wire import (
+from parallax.node.net.outer_wire import (
     FP_SLOTS,
     SMALL_TENSOR_NUMEL,
     OuterSyncConfig,
@@ -26,7 +26,7 @@ from parallax.node.outer_wire import (
     seal_fingerprint,
     wire_roundtrip,
 )
-from parallax.node.rda import merge_groups
+from parallax.node.train.rda import merge_groups
 from parallax.protocol.identity import Identity
 
 SHAPES = {"w": (6, 5), "b": (5,), "c": (7,), "z": (3,)}

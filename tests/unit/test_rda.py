@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallax.node.rda import mean_merge, merge_groups, rda_components, rda_merge, rda_rebuild
+from parallax.node.train.rda import mean_merge, merge_groups, rda_components, rda_merge, rda_rebuild
 
 
 def test_orthogonal_deltas_keep_their_norm():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from parallax.node.processes import ForcedStop, install_signal_handlers
+from parallax.node.peer.processes import ForcedStop, install_signal_handlers
 
 
 class _Node:

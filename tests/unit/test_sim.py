@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node import config
-from parallax.node.composer import Composer, evaluate
-from parallax.node.data import load_corpus, shard, split_corpus, val_batches
-from parallax.node.sim import RunSpec, assemble, merge_round, ownership_for, publish, run
+from parallax.node.config import train as config
+from parallax.node.sim.simulator import RunSpec, assemble, merge_round, ownership_for, publish, run
+from parallax.node.train.composer import Composer, evaluate
+from parallax.node.train.data import load_corpus, shard, split_corpus, val_batches
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.config import preset
-from parallax.node.model import MoELayer
-from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress, concat, subsample
+from parallax.node.config.train import preset
+from parallax.node.model.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress, concat, subsample
+from parallax.node.model.transformer import MoELayer
 
 TINY = preset("tiny")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from parallax.node.model import SwiGLU
-from parallax.node.surrogate import ActivationBuffer, ActivationRecorder, distill, jacobian_error, relative_error
+from parallax.node.model.surrogate import ActivationBuffer, ActivationRecorder, distill, jacobian_error, relative_error
+from parallax.node.model.transformer import SwiGLU
 
 
 def test_buffer_keeps_the_most_recent_rows():

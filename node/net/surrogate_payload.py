@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
-from parallax.node.lowrank import Factors, is_half_exact
+from parallax.node.model.lowrank import Factors, is_half_exact
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.messages import SurrogateDelta, SurrogatePayload

@@ -17,10 +17,10 @@ from typing import Any
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
-from parallax.node.config import TrainConfig
-from parallax.node.network import NetworkLoop, start_dht
-from parallax.node.offload import SETTINGS_KEY, settings_digest
-from parallax.node.offload_exchange import OffloadServicer, WorkerLimits, serve, unserve
+from parallax.node.config.train import TrainConfig
+from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.offload.exchange import OffloadServicer, WorkerLimits, serve, unserve
+from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)

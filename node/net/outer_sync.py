@@ -2,7 +2,7 @@
 
 DESIGN.md section 4. Every H_G inner steps the composers of a run merge the pseudo-gradients of
 shared group G and each applies the same Nesterov outer step (``Composer.apply_outer``). This module
-does the merge between processes, computing what ``parallax.node.rda.merge_groups`` computes in one.
+does the merge between processes, computing what ``parallax.node.train.rda.merge_groups`` computes in one.
 
 One round of a group (``GroupAverager.run_round``):
 
@@ -58,7 +58,7 @@ from hivemind.averaging import DecentralizedAverager
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.errors import NodeError
-from parallax.node.outer_wire import (
+from parallax.node.net.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
     FingerprintSigner,
@@ -78,7 +78,7 @@ from parallax.node.outer_wire import (
 )
 
 if TYPE_CHECKING:
-    from parallax.node.composer import Composer
+    from parallax.node.train.composer import Composer
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parallax.node.config import ModelConfig
+from parallax.node.config.train import ModelConfig
 
 REPORT_ROUTED_SHARE = 0.618
 """Routed experts' share of active training compute in the report's baseline."""

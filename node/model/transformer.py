@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallax.node.config import GROUPS, ModelConfig
+from parallax.node.config.train import GROUPS, ModelConfig
 
 Ownership = tuple[frozenset[int], ...]
 """Per layer, the expert ids that are real and trained on this composer."""

@@ -40,8 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from parallax.node import config as config_mod
-from parallax.node.composer import (
+from parallax.node.config import train as config_mod
+from parallax.node.config.train import TrainConfig
+from parallax.node.model.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
+from parallax.node.model.transformer import SwiGLU
+from parallax.node.train.composer import (
     ADAM_PREFIX,
     Composer,
     adam_state,
@@ -50,9 +53,6 @@ from parallax.node.composer import (
     load_adam_state,
     lr_lambda,
 )
-from parallax.node.config import TrainConfig
-from parallax.node.model import SwiGLU
-from parallax.node.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
 from parallax.protocol import codec
 from parallax.protocol.errors import RemoteProtocolError
 

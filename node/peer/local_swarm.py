@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.errors import NodeError
-from parallax.node.processes import kill_group, send, spawn, stop
+from parallax.node.peer.processes import kill_group, send, spawn, stop
 
 logger = logging.getLogger(__name__)
 

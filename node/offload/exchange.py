@@ -54,10 +54,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from parallax.dht.shards import hrw_score
-from parallax.node.config import TrainConfig
-from parallax.node.model import SwiGLU
-from parallax.node.offload import Blobs, TaylorProxyTrainer, encode_tensors
-from parallax.node.sketch import Sketch
+from parallax.node.config.train import TrainConfig
+from parallax.node.model.sketch import Sketch
+from parallax.node.model.transformer import SwiGLU
+from parallax.node.offload.proxy import Blobs, TaylorProxyTrainer, encode_tensors
 from parallax.protocol import codec
 from parallax.protocol.envelope import Envelope, Opener, Sealer, Signed
 from parallax.protocol.errors import BadTimestamp, ProtocolError, RemoteProtocolError

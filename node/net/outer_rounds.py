@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallax.node.outer import OuterOptimizer
-from parallax.node.outer_sync import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.train.outer import OuterOptimizer
 
 if TYPE_CHECKING:
-    from parallax.node.composer import Composer
+    from parallax.node.train.composer import Composer
 
 logger = logging.getLogger(__name__)
 

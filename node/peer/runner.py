@@ -51,21 +51,21 @@ from parallax.dht.claims import ShardConfig
 from parallax.dht.membership import Member, Membership, MembershipConfig, PeerState, SwarmView
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import NodeError
-from parallax.node.checkpoint import latest_checkpoint, load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.composer import ADAM_PREFIX, BadOptimizerState, Composer
-from parallax.node.config import SHARED_GROUPS, TrainConfig
-from parallax.node.data import load_corpus, split_corpus, val_batches
-from parallax.node.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
-from parallax.node.gossip import GossipConfig, SurrogateGossip
-from parallax.node.model import MoETransformer, Ownership, SwiGLU
-from parallax.node.network import NetworkLoop, start_dht
-from parallax.node.offload import SETTINGS_KEY, settings_digest
-from parallax.node.offload_client import OffloadSession
-from parallax.node.offload_exchange import OffloadClient
-from parallax.node.outer import TierSchedule
-from parallax.node.outer_rounds import BackgroundRounds, next_round_in
-from parallax.node.outer_sync import RoundStatus, TieredOuterSync
-from parallax.node.outer_wire import FingerprintSigner, OuterSyncConfig, payload_bytes
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
+from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
+from parallax.node.net.gossip import GossipConfig, SurrogateGossip
+from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
+from parallax.node.net.outer_sync import RoundStatus, TieredOuterSync
+from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig, payload_bytes
+from parallax.node.offload.exchange import OffloadClient
+from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
+from parallax.node.offload.session import OffloadSession
+from parallax.node.train.checkpoint import latest_checkpoint, load_checkpoint, read_info, save_checkpoint, state_hash
+from parallax.node.train.composer import ADAM_PREFIX, BadOptimizerState, Composer
+from parallax.node.train.data import load_corpus, split_corpus, val_batches
+from parallax.node.train.outer import TierSchedule
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)

@@ -42,10 +42,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from parallax.node.composer import Composer
-from parallax.node.offload import apply_result, fall_back, onboard_blobs
-from parallax.node.offload_exchange import OffloadClient, assign_to_workers, row_budget, sketch_message
-from parallax.node.sketch import Sketch, compress, concat, subsample
+from parallax.node.model.sketch import Sketch, compress, concat, subsample
+from parallax.node.offload.exchange import OffloadClient, assign_to_workers, row_budget, sketch_message
+from parallax.node.offload.proxy import apply_result, fall_back, onboard_blobs
+from parallax.node.train.composer import Composer
 from parallax.protocol.errors import ProtocolError
 from parallax.protocol.messages import MAX_LOOKAHEAD, MAX_SKETCH_PARTS
 

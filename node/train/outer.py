@@ -2,7 +2,7 @@
 
 DiLoCo (Douillard et al., 2023) treats the change of the parameters since the last merge,
 delta = theta(last merge) - theta(now), as a pseudo-gradient: the composers' deltas are merged
-(``parallax.node.rda``) and applied to the anchor theta(last merge) by SGD with Nesterov momentum
+(``parallax.node.train.rda``) and applied to the anchor theta(last merge) by SGD with Nesterov momentum
 (lr 0.7, momentum 0.9); the live parameters then restart from the new anchor.
 
 The anchor and the momentum live on the CPU in float32 whatever the model's device and dtype: they
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from parallax.node.config import SHARED_GROUPS
+from parallax.node.config.train import SHARED_GROUPS
 
 
 class OuterOptimizer:

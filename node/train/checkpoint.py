@@ -55,12 +55,12 @@ import safetensors.torch
 import torch
 
 from parallax.errors import NodeError
-from parallax.node.config import TrainConfig
-from parallax.node.model import Ownership, group_of
-from parallax.node.surrogate import ActivationBuffer
+from parallax.node.config.train import TrainConfig
+from parallax.node.model.surrogate import ActivationBuffer
+from parallax.node.model.transformer import Ownership, group_of
 
 if TYPE_CHECKING:
-    from parallax.node.composer import Composer
+    from parallax.node.train.composer import Composer
 
 log = logging.getLogger(__name__)
 

@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 import torch
 
 from parallax.dht.shards import assign_experts
-from parallax.node import config as config_mod
-from parallax.node.composer import Composer, evaluate
-from parallax.node.config import SHARED_GROUPS, TrainConfig
-from parallax.node.data import shard, val_batches
-from parallax.node.flops import step_flops
-from parallax.node.lowrank import payload_bytes
-from parallax.node.model import MoETransformer, Ownership, own_all
-from parallax.node.offload import LocalWorkers
-from parallax.node.outer import TierSchedule
-from parallax.node.outer_wire import OuterSyncConfig, wire_roundtrip
-from parallax.node.outer_wire import payload_bytes as outer_payload_bytes
-from parallax.node.rda import merge_groups
-from parallax.node.surrogate import jacobian_error, relative_error
+from parallax.node.config import train as config_mod
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.model.flops import step_flops
+from parallax.node.model.lowrank import payload_bytes
+from parallax.node.model.surrogate import jacobian_error, relative_error
+from parallax.node.model.transformer import MoETransformer, Ownership, own_all
+from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
+from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
+from parallax.node.offload.proxy import LocalWorkers
+from parallax.node.train.composer import Composer, evaluate
+from parallax.node.train.data import shard, val_batches
+from parallax.node.train.outer import TierSchedule
+from parallax.node.train.rda import merge_groups
 
 RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
 SHARDED = ("parallax", "offload")

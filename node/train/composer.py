@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from parallax.node.config import SHARED_GROUPS, TrainConfig
-from parallax.node.data import BatchSampler
-from parallax.node.lowrank import ErrorFeedbackPublisher, apply_delta
-from parallax.node.model import MoETransformer, Ownership, SwiGLU
-from parallax.node.outer import OuterOptimizer
-from parallax.node.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
-from parallax.node.surrogate import ActivationRecorder, distill
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
+from parallax.node.model.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
+from parallax.node.model.surrogate import ActivationRecorder, distill
+from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
+from parallax.node.train.data import BatchSampler
+from parallax.node.train.outer import OuterOptimizer
 
 ExpertId = tuple[int, int]
 """(layer, expert)"""

@@ -53,8 +53,8 @@ from hivemind.proto import runtime_pb2
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import check_run_id, expert_id, parse_expert_id
 from parallax.dht.surrogates import Holding, SurrogateRecord, read_records, store_record
-from parallax.node.lowrank import Factors, apply_delta
-from parallax.node.surrogate_payload import (
+from parallax.node.model.lowrank import Factors, apply_delta
+from parallax.node.net.surrogate_payload import (
     ExpertId,
     PayloadStore,
     Shapes,

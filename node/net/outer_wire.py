@@ -39,7 +39,7 @@ from hivemind.compression import (
 )
 
 from parallax.dht.keys import check_run_id
-from parallax.node.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
 from parallax.protocol.identity import Identity, verify
 
 COMPRESSIONS = ("fp16", "uint8", "none")

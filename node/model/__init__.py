@@ -1,0 +1,1 @@
+"""The MoE transformer and its parts: experts, surrogates, low-rank factors, sketches, FLOP counts."""

@@ -1,0 +1,1 @@
+"""What crosses the network between composers: surrogate gossip, expert snapshots, outer rounds."""

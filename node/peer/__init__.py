@@ -1,0 +1,1 @@
+"""The node process: wiring, the training loop's seam, hand-over of experts, telemetry, local swarms."""

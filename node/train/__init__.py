@@ -1,0 +1,1 @@
+"""One composer's training: data, device, the composer step, outer optimizer, RDA merge, checkpoints."""
