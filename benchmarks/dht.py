@@ -94,7 +94,9 @@ def _store(p: LocalPeer, key: str, value: bytes) -> bool:
 def detection(n_peers: int, trials: int, rattles: int, progress: Progress = print) -> dict[str, Any]:
     """Kill (SIGKILL, no deathrattle) one peer per trial at default timings; time detection everywhere."""
     rng = random.Random(7)
-    detect, reassign, rattle = [], [], []
+    detect: list[float] = []  # seconds until every peer saw the kill
+    reassign: list[float] = []
+    rattle: list[float] = []
     next_id = 0
 
     def add(swarm: LocalSwarm) -> LocalPeer:

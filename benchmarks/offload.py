@@ -1,4 +1,4 @@
-"""Worker offload benchmark, in process (issue 7): quality, composer FLOPs, bytes, onboarding.
+"""Worker offload benchmark, in process: quality, composer FLOPs, bytes, onboarding.
 
 - Quality: direct ownership (run kind "parallax") against worker offload (kind "offload") and named
   variations of it, at equal tokens; the target is offload val loss <= 1.02 x direct.
@@ -30,6 +30,7 @@ from parallax.benchmarks.quality import _asdict, _preset_name
 from parallax.benchmarks.report import write_report
 from parallax.node.config import train as config_mod
 from parallax.node.config.train import TrainConfig
+from parallax.node.config.typed import apply_changes
 from parallax.node.model import flops as fl
 from parallax.node.model.sketch import Sketch
 from parallax.node.model.transformer import SwiGLU, own_all
@@ -45,7 +46,7 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
     "offload_lowrank": ("offload", {"offload.result_codec": "lowrank"}),
     "offload_int4": ("offload", {"offload.wire_codec": "int4"}),
     "offload_p25": ("offload", {"offload.sample_fraction": 0.25}),
-    "offload_late": ("offload", {"offload.delay": 1}),
+    "offload_late": ("offload", {"sim.offload_delay": 1}),
     "offload_ternary_onboard": ("offload", {"offload.onboard_codec": "ternary"}),
     "offload_private1": ("offload", {"offload.private_layers": 1}),
     "offload_k4": ("offload", {"offload.worker_steps": 4, "offload.worker_lr": 1e-3}),
@@ -115,7 +116,7 @@ def onboarding(cfg: TrainConfig, preset: str) -> dict[str, Any]:
         tokens = cfg.batch_size * m.seq_len * m.top_k // m.n_experts
         sketch = Sketch(torch.randn(tokens, m.d_latent), torch.randn(tokens, m.d_latent) * 1e-4, tokens)
         started = time.perf_counter()
-        trainer = TaylorProxyTrainer(config_mod.override(cfg, {"offload.onboard_codec": "ternary"}), blobs)
+        trainer = TaylorProxyTrainer(apply_changes(cfg, {"offload.onboard_codec": "ternary"}), blobs)
         trainer.update([(1, sketch)])
         out["seconds_to_first_result"] = time.perf_counter() - started
     return out
@@ -142,7 +143,7 @@ def run_offload(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
     }
     for name in runs:
         kind, changes = RUNS[name]
-        r = run(RunSpec(name=name, kind=kind, cfg=config_mod.override(cfg, changes), composers=composers),
+        r = run(RunSpec(name=name, kind=kind, cfg=apply_changes(cfg, changes), composers=composers),
                 train, val, progress=progress)
         msgs = r.offload_messages
         report["runs"][name] = {

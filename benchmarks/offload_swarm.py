@@ -1,4 +1,4 @@
-"""Worker offload over the network (issue 7): a local swarm of composers + workers beside the same swarm
+"""Worker offload over the network: a local swarm of composers + workers beside the same swarm
 without workers, one run.
 
 1. ``direct``: a bootstrap peer and N ``parallax node join`` processes train S steps each, every node

@@ -14,6 +14,7 @@ MB/s is of the float32 input (MB = 10^6 bytes), best of several runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -100,8 +101,8 @@ def bench_codecs(repeats: int = 5) -> list[dict[str, Any]]:
     for name in ("raw", "fp16", "int8", "int4", "ternary", "lowrank"):
         x = matrix if name == "lowrank" else vector
         blob = codec.encode(x, name)
-        enc = min(_best_per_op(lambda x=x, name=name: codec.encode(x, name), 1) for _ in range(repeats))
-        dec = min(_best_per_op(lambda blob=blob: codec.decode(blob, limits), 1) for _ in range(repeats))
+        enc = min(_best_per_op(functools.partial(codec.encode, x, name), 1) for _ in range(repeats))
+        dec = min(_best_per_op(functools.partial(codec.decode, blob, limits), 1) for _ in range(repeats))
         y = codec.decode(blob, limits)
         rows.append(
             {

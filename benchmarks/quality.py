@@ -2,7 +2,7 @@
 
 Runs, all with the same model preset, seed family and token count (C x B x steps):
     baseline        synchronous MoE, every expert real, batch C x B, ``steps`` steps;
-    diloco          C composers each training every expert, all parameters merged (outer Nesterov);
+    diloco          C composers each training every expert, all parameters merged (the same outer step);
     parallax        C composers with disjoint expert shards and forward-only surrogates (RDA merge);
     no_surrogates   Parallax with non-owned selections dropped;
     frozen_copies   Parallax with full frozen copies of non-owned experts (SPES-style);
@@ -24,6 +24,7 @@ import torch
 from parallax.benchmarks.report import write_report
 from parallax.node.config import train as config_mod
 from parallax.node.config.train import TrainConfig
+from parallax.node.config.typed import apply_changes
 from parallax.node.sim.simulator import ProgressFn, RunResult, RunSpec, run
 from parallax.node.train.data import load_corpus, split_corpus
 
@@ -39,13 +40,13 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
 DEFAULT_RUNS = tuple(RUNS)
 
 LEVERS: dict[str, tuple[str, dict[str, object]]] = {
-    # Issue 3's levers, each a variation of the Parallax run (or of the DiLoCo reference).
+    # Levers, each a variation of the Parallax run (or of the DiLoCo reference); docs/benchmarks.md has their results.
     "nesterov": ("parallax", {"sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
     "diloco_nesterov": ("diloco", {"sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
-    "sketch": ("parallax", {"sketch.enabled": True}),
-    "sketch_nesterov": ("parallax", {"sketch.enabled": True, "sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
-    "sketch_p25": ("parallax", {"sketch.enabled": True, "sketch.sample_fraction": 0.25}),
-    "sketch_delay0": ("parallax", {"sketch.enabled": True, "sketch.delay": 0}),
+    "sketch": ("parallax", {"sim.sketch.enabled": True}),
+    "sketch_nesterov": ("parallax", {"sim.sketch.enabled": True, "sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
+    "sketch_p25": ("parallax", {"sim.sketch.enabled": True, "sim.sketch.sample_fraction": 0.25}),
+    "sketch_delay0": ("parallax", {"sim.sketch.enabled": True, "sim.sketch.delay": 0}),
     "refresh_10": ("parallax", {"surrogate.refresh_every": 10}),
     "tiers_25": ("parallax", {"sync.periods": {"router": 25, "latent": 25, "backbone": 25}}),
     "tiers_10_25_50": ("parallax", {"sync.periods": {"router": 10, "latent": 25, "backbone": 50}}),
@@ -54,25 +55,27 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # stand-ins as accurate as full copies refreshed every 5 steps (a diagnostic: it costs DiLoCo's bytes).
     "input_grad": ("parallax", {"surrogate.input_grad": True}),
     "detached": ("parallax", {"surrogate.input_grad": False}),
-    "input_grad_sketch": ("parallax", {"surrogate.input_grad": True, "sketch.enabled": True, "sketch.delay": 0}),
+    "input_grad_sketch": ("parallax", {"surrogate.input_grad": True, "sim.sketch.enabled": True,
+                                       "sim.sketch.delay": 0}),
     "frozen5": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5}),
     "frozen5_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
-                                    "sketch.enabled": True, "sketch.delay": 0}),
+                                    "sim.sketch.enabled": True, "sim.sketch.delay": 0}),
     "frozen5_input_grad": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
                                         "surrogate.input_grad": True}),
     "frozen5_input_grad_sketch": ("parallax", {"surrogate.non_owned": "frozen_copy", "surrogate.refresh_every": 5,
-                                               "surrogate.input_grad": True, "sketch.enabled": True,
-                                               "sketch.delay": 0}),
-    # Surrogate fidelity: the fit's length (8 steps was the default before) and its input-gradient term.
+                                               "surrogate.input_grad": True, "sim.sketch.enabled": True,
+                                               "sim.sketch.delay": 0}),
+    # Surrogate fidelity: a shorter fit (the default is 64 steps) and its input-gradient term.
     "distill_8": ("parallax", {"surrogate.distill_steps": 8}),
     "jacobian": ("parallax", {"surrogate.jacobian_weight": 1.0}),
     "jacobian_refresh_10": ("parallax", {"surrogate.jacobian_weight": 1.0, "surrogate.refresh_every": 10}),
-    "jacobian_sketch": ("parallax", {"surrogate.jacobian_weight": 1.0, "sketch.enabled": True, "sketch.delay": 0}),
+    "jacobian_sketch": ("parallax", {"surrogate.jacobian_weight": 1.0, "sim.sketch.enabled": True,
+                                     "sim.sketch.delay": 0}),
     # start-up phase: every composer trains every expert (DiLoCo) for the first K steps, then the split
-    "dense_50": ("parallax", {"sync.dense_steps": 50}),
-    "dense_100": ("parallax", {"sync.dense_steps": 100}),
+    "dense_50": ("parallax", {"sim.dense_steps": 50}),
+    "dense_100": ("parallax", {"sim.dense_steps": 100}),
 }
-"""Named variations measured for issue 3 (``--runs`` accepts these names too)."""
+"""Named variations of the runs (``--runs`` accepts these names too)."""
 
 
 def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = DEFAULT_RUNS) -> list[RunSpec]:
@@ -84,7 +87,7 @@ def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = DEFAULT_RUNS) 
     out = []
     for name in runs:
         kind, changes = table[name]
-        out.append(RunSpec(name=name, kind=kind, cfg=config_mod.override(cfg, changes), composers=composers))
+        out.append(RunSpec(name=name, kind=kind, cfg=apply_changes(cfg, changes), composers=composers))
     return out
 
 

@@ -1,4 +1,4 @@
-"""The P2P swarm benchmark (issue 6): a local process swarm measured side by side with the in-process run.
+"""The P2P swarm benchmark: a local process swarm measured side by side with the in-process run.
 
 One run: a bootstrap peer and N ``parallax node join`` processes on loopback train S steps each (a
 joiner comes in once the others are past ``join_at`` steps and trains the rest), every node evaluates
@@ -74,10 +74,10 @@ def swarm_changes(changes: list[str], own: dict[str, str] | None = None) -> dict
     Raises:
         ValueError: unparsable, or one of ``own``.
     """
-    from parallax.node.config.train import parse_changes
+    from parallax.node.config.typed import parse_sets
 
     own = OWN_OPTIONS if own is None else own
-    parsed = parse_changes(changes)
+    parsed: dict[str, object] = dict(parse_sets(changes))
     taken = sorted(set(parsed) & set(own))
     if taken:
         raise ValueError(f"--set {taken[0]}: the benchmark sets it itself ({own[taken[0]]})")
@@ -92,7 +92,8 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
 
     ``changes``: ``PATH=VALUE`` config overrides given to every node and to the in-process reference alike.
     """
-    from parallax.node.config.train import override, train_config
+    from parallax.node.config.train import train_config
+    from parallax.node.config.typed import apply_changes
     from parallax.node.model.transformer import MoETransformer
     from parallax.node.sim.simulator import RunSpec, run
     from parallax.node.train.data import load_corpus, split_corpus
@@ -128,7 +129,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     records = swarm.metrics()
     codes = [n.process.returncode for n in swarm.nodes]
 
-    cfg = override(train_config(preset), {"steps": steps, "sync.periods": json.loads(periods),
+    cfg = apply_changes(train_config(preset), {"steps": steps, "sync.periods": json.loads(periods),
                                           "surrogate.refresh_every": refresh_every, **extra})
     full = MoETransformer(cfg.model, None, "drop")  # DDP trains the plain MoE: every expert, no surrogates
     params = sum(p.numel() for p in full.parameters())
@@ -181,7 +182,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     ref_steps = max(1, round(swarm_tokens / per_step)) if swarm_tokens else steps
     progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {ref_steps} steps)")
     train, val = split_corpus(load_corpus(None), seq_len=cfg.model.seq_len)
-    ref_cfg = override(cfg, {"steps": ref_steps})
+    ref_cfg = apply_changes(cfg, {"steps": ref_steps})
     sim = run(RunSpec(name="parallax", kind="parallax", cfg=ref_cfg, composers=nodes), train, val)
 
     losses = [n["val_loss"] for n in per_node if n["val_loss"] is not None and not n["joiner"]]

@@ -7,69 +7,50 @@ from typing import Any
 import typer
 
 from parallax.benchmarks.quality import DEFAULT_RUNS
-from parallax.cli.options import BatchSize, Composers, Data, JsonPath, Preset, Quiet, Seed, Sets, Steps
+from parallax.cli.options import JsonPath, PresetName, RunOptions, Sets, fail, with_run_options
 
 bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.", no_args_is_help=True)
 
 
 @bench_app.command("quality")
+@with_run_options
 def quality(
-    composers: Composers = 4,
-    preset: Preset = "small",
-    steps: Steps = None,
-    batch_size: BatchSize = None,
-    seed: Seed = 0,
-    data: Data = None,
+    opts: RunOptions,
     runs: str = typer.Option(",".join(DEFAULT_RUNS), "--runs",
                              help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py)."),
-    changes: Sets = None,
-    json_path: JsonPath = None,
-    quiet: Quiet = False,
 ) -> None:
     """Parallax vs a synchronous MoE and a DiLoCo reference at equal tokens (about 25 min on 2 cores)."""
     from parallax.benchmarks import quality as bench
 
-    _run_set(bench, bench.run_quality, composers, preset, steps, batch_size, seed, data, runs, changes, json_path,
-             quiet)
+    _run_set(bench, bench.run_quality, opts, runs)
 
 
 @bench_app.command("offload")
+@with_run_options
 def offload(
-    composers: Composers = 4,
-    preset: Preset = "small",
-    steps: Steps = None,
-    batch_size: BatchSize = None,
-    seed: Seed = 0,
-    data: Data = None,
+    opts: RunOptions,
     runs: str = typer.Option("direct,offload", "--runs",
                              help="Comma-separated runs: direct, offload and its variations (benchmarks/offload.py)."),
-    changes: Sets = None,
-    json_path: JsonPath = None,
-    quiet: Quiet = False,
 ) -> None:
     """Worker offload in process vs direct ownership at equal tokens; counted composer FLOPs vs the analytic
     ratio; bytes per sketch and result; onboarding bytes (small preset, 300 steps: about 4 min a run on 1 core)."""
     from parallax.benchmarks import offload as bench
 
-    _run_set(bench, bench.run_offload, composers, preset, steps, batch_size, seed, data, runs, changes, json_path,
-             quiet)
+    _run_set(bench, bench.run_offload, opts, runs)
 
 
-def _run_set(bench: Any, run: Any, composers: int, preset: str, steps: int | None, batch_size: int | None, seed: int,
-             data: str | None, runs: str, changes: list[str] | None, json_path: Any, quiet: bool) -> None:
+def _run_set(bench: Any, run: Any, opts: RunOptions, runs: str) -> None:
     """A set of in-process runs of one benchmark module: ``run`` it, then its ``write`` and ``markdown``."""
     from parallax.cli.progress import run_progress
-    from parallax.node.config.train import override, parse_changes, train_config
 
+    cfg = opts.train_config()
+    names = [r.strip() for r in runs.split(",") if r.strip()]
     try:
-        cfg = override(train_config(preset, steps=steps, batch_size=batch_size, seed=seed),
-                       parse_changes(changes or []))
-        names = [r.strip() for r in runs.split(",") if r.strip()]
-        with run_progress(cfg.steps, enabled=not quiet) as progress:
-            report = run(cfg, composers, data, runs=names, progress=progress)
+        with run_progress(cfg.steps, enabled=not opts.quiet) as progress:
+            report = run(cfg, opts.composers, opts.data, runs=names, progress=progress)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
-    bench.write(report, json_path)
+        fail(e)
+    bench.write(report, opts.json_path)
     typer.echo(bench.markdown(report))
 
 
@@ -94,7 +75,7 @@ def horizon(
 @bench_app.command("flops")
 def flops(
     composers: int = typer.Option(8, "--composers", "-c", min=1, help="Composers C."),
-    preset: Preset = "report",
+    preset: PresetName = "report",
 ) -> None:
     """Per-composer compute savings: the report's analytic model beside our config-based FLOP count."""
     from parallax.node.config.train import preset as get_preset
@@ -105,8 +86,9 @@ def flops(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     f_over_r = cfg.d_expert / cfg.d_surrogate
-    grads = {"stand_in_input_grad": True, "offload_input_grad": True}  # the defaults since sessions 5 and 7
-    variants = (  # (name, analytic routed speed-up, composer_speedup's keyword arguments)
+    grads = {"stand_in_input_grad": True, "offload_input_grad": True}  # the defaults
+    # (name, analytic routed speed-up, composer_speedup's keyword arguments)
+    variants: tuple[tuple[str, float, dict[str, Any]], ...] = (
         ("direct ownership (report)", fl.routed_speedup(composers, f_over_r), {}),
         ("worker offload (report)", fl.offload_routed_speedup(composers, f_over_r), {"offload": True}),
         ("direct, stand-ins pass the input gradient (default)",
@@ -149,7 +131,7 @@ def dht(
 def swarm(
     nodes: int = typer.Option(3, "--nodes", min=2, help="Composer processes started together (a joiner comes later)."),
     steps: int = typer.Option(150, "--steps", min=10, help="Inner steps per node (and of the in-process reference)."),
-    preset: Preset = "small",
+    preset: PresetName = "small",
     join_at: int = typer.Option(10, "--join-at", min=1, help="The joiner starts once every node passed this step."),
     changes: Sets = None,
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
@@ -178,10 +160,11 @@ def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str
     """Refuse a bad ``--set`` of a process benchmark here, before any process starts (``own``: the settings
     that benchmark sets itself; default: ``bench swarm``'s)."""
     from parallax.benchmarks.swarm import swarm_changes
-    from parallax.node.config.train import override, train_config
+    from parallax.node.config.train import train_config
+    from parallax.node.config.typed import apply_changes
 
     try:
-        override(train_config(preset), swarm_changes(changes or [], own))
+        apply_changes(train_config(preset), swarm_changes(changes or [], own))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -191,7 +174,7 @@ def offload_swarm(
     nodes: int = typer.Option(2, "--nodes", min=1, help="Composer processes (the same in both swarms)."),
     workers: int = typer.Option(2, "--workers", min=1, help="Worker processes in the offload swarm."),
     steps: int = typer.Option(200, "--steps", min=10, help="Inner steps per composer."),
-    preset: Preset = "small",
+    preset: PresetName = "small",
     kill_at: float = typer.Option(0.6, "--kill-at", min=0.0, max=0.95,
                                   help="SIGKILL the busiest worker once the composers passed this share of --steps "
                                        "(0: no kill)."),
@@ -236,7 +219,7 @@ def protocol(
 @bench_app.command("fuzz")
 def fuzz(
     count: int = typer.Option(100_000, "--count", min=1, help="Random and mutated inputs to feed the decoders."),
-    seed: Seed = 0,
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
     json_path: JsonPath = None,
 ) -> None:
     """Fuzz the wire decoders; exits 1 if any exception other than RemoteProtocolError escaped."""

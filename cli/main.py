@@ -40,10 +40,11 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, dht, keys, node, sim, swarm, worker
+    from parallax.cli import bench, config, dht, keys, node, sim, swarm, worker
 
     sim.register(app)
     bench.register(app)
+    config.register(app)
     keys.register(app)
     dht.register(app)
     swarm.register(app)

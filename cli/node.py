@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,43 +12,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from parallax.cli.options import Data, Preset, Sets, invoked_as, supervise_or_continue
+from parallax.cli.options import ConfigFile, Data, Preset, Sets, fail, invoked_as, supervise_or_continue
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
 logger = logging.getLogger(__name__)
-
-# Keys a --config TOML file may set at its top level (the [train] table holds TrainConfig overrides).
-_FILE_KEYS = {"run_id", "initial_peers", "identity", "data", "preset", "steps", "checkpoint_dir", "checkpoint_every",
-              "metrics", "host", "announce", "min_peers", "loopback", "snapshot_every"}
-
-
-def _read_config_file(path: Path | None) -> tuple[dict[str, Any], dict[str, object]]:
-    """(node settings, dotted TrainConfig overrides) from a TOML file; flags given on the command line win."""
-    if path is None:
-        return {}, {}
-    try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise typer.BadParameter(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise typer.BadParameter(f"--config {path} is not valid TOML: {e}") from None
-    train = doc.pop("train", {})
-    unknown = set(doc) - _FILE_KEYS
-    if unknown:
-        raise typer.BadParameter(f"--config {path}: unknown keys {sorted(unknown)}; top-level keys are "
-                                 f"{sorted(_FILE_KEYS)} and a [train] table of config overrides")
-    changes: dict[str, object] = {}
-
-    def flatten(prefix: str, table: dict[str, Any]) -> None:
-        for k, v in table.items():
-            if isinstance(v, dict) and k != "periods":
-                flatten(f"{prefix}{k}.", v)
-            else:
-                changes[f"{prefix}{k}"] = v
-
-    flatten("", train)
-    return doc, changes
-
 
 def _invoked_as_node_join(argv: list[str]) -> bool:
     """Whether this process's command line is ``parallax [global options] node join ...`` (re-runnable)."""
@@ -80,82 +46,67 @@ def _status_table(status: Any) -> Table:
 def join(
     gpu: int | None = typer.Option(None, "--gpu", help="Train on CUDA device N (default: cuda:0 when present)."),
     cpu: bool = typer.Option(False, "--cpu", help="Train on the CPU."),
-    initial_peers: list[str] = typer.Option(
-        [], "--initial-peers", help="Multiaddr of a live peer, ending in /p2p/<id> (repeatable). None: start a new "
+    initial_peers: list[str] | None = typer.Option(
+        None, "--initial-peers", help="Multiaddr of a live peer, ending in /p2p/<id> (repeatable). None: start a new "
         "swarm and print the join line."),
     identity: Path | None = typer.Option(
         None, "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/node.key)."),
     run_id: str | None = typer.Option(None, "--run-id", help="Training run id; every peer of a run uses the same."),
     data: Data = None,
-    preset: Preset = "tiny",
-    config_file: Path | None = typer.Option(
-        None, "--config", help="TOML file: top-level node settings and a [train] table; flags override it."),
+    preset: Preset = None,
+    config_file: ConfigFile = None,
     set_: Sets = None,
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every N steps."),
-    resume: bool = typer.Option(False, "--resume", help="Resume from the latest checkpoint in --checkpoint-dir."),
+    resume: bool | None = typer.Option(
+        None, "--resume/--no-resume", help="Resume from the latest checkpoint in --checkpoint-dir."),
     steps: int | None = typer.Option(
         None, "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."),
     metrics: Path | None = typer.Option(None, "--metrics", help="JSONL metrics file (one line per step and event)."),
-    host: list[str] = typer.Option(
-        [], "--host", help="Multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
+    host: list[str] | None = typer.Option(
+        None, "--host", help="Multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
         "/ip4/0.0.0.0/tcp/PORT with --announce for a real swarm)."),
-    announce: list[str] = typer.Option([], "--announce", help="Public multiaddr others dial (repeatable)."),
+    announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
     min_peers: int | None = typer.Option(
         None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
-    loopback: bool = typer.Option(False, "--loopback", help="Short timings for peers on one machine (local swarms)."),
+    loopback: bool | None = typer.Option(
+        None, "--loopback/--internet", help="Timings for peers on one machine (local swarms) or the internet's."),
     quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
     snapshot_every: int | None = typer.Option(
         None, "--snapshot-every", min=1, help="Steps between expert snapshots for heirs (default 50): the most "
         "steps of its experts a crash loses; shorter costs traffic."),
-    final_eval: bool = typer.Option(
-        False, "--final-eval", help="Evaluate on the validation split when leaving (val loss in the metrics)."),
+    final_eval: bool | None = typer.Option(
+        None, "--final-eval/--no-final-eval", help="Evaluate on the validation split when leaving."),
     no_supervise: bool = typer.Option(
         False, "--no-supervise", help="Run the node in this process. By default it runs in a session of its own "
         "that Ctrl+C reaches only through this process, so its p2pd daemon lives until the graceful leave is "
         "done; use this under a process manager that signals the node by pid."),
     supervised_by: int | None = typer.Option(None, "--supervised-by", hidden=True),
 ) -> None:
-    """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background."""
-    from parallax.dht.adapter import parse_initial_peers
+    """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background.
+
+    Settings: defaults < --config file < these flags < --set (``parallax config show`` prints the result)."""
     from parallax.errors import ParallaxError
-    from parallax.node.config.train import override, parse_changes, train_config
+    from parallax.node.config.peer import NodeConfig
+    from parallax.node.config.resolve import node_defaults, resolve
+    from parallax.node.config.typed import ConfigError
     from parallax.node.peer.processes import ForcedStop, install_signal_handlers
-    from parallax.node.peer.runner import Node, NodeConfig
-    from parallax.node.train.device import DeviceError, resolve_device
+    from parallax.node.peer.runner import Node
+    from parallax.node.train.device import DeviceError, device_of, device_setting
 
-    file, file_changes = _read_config_file(config_file)
-
-    def pick(flag: Any, key: str, default: Any) -> Any:
-        empty = flag is None or flag == [] or flag is False
-        return default if empty and key not in file else (file[key] if empty else flag)
-
+    flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
+             "peer.initial_peers": initial_peers or None, "peer.host": host or None,
+             "peer.announce": announce or None, "peer.loopback": loopback, "peer.metrics": metrics,
+             "node.data": data, "node.steps": steps, "node.checkpoint_dir": checkpoint_dir,
+             "node.checkpoint_every": checkpoint_every, "node.resume": resume, "node.min_peers": min_peers,
+             "node.snapshot_every": snapshot_every, "node.final_eval": final_eval}
     try:
-        device = resolve_device(gpu, cpu)
-        cfg = train_config(pick(preset if preset != "tiny" else None, "preset", "tiny"))
-        cfg = override(cfg, {**file_changes, **parse_changes(set_ or [])})
-        peers = pick(initial_peers, "initial_peers", [])
-        config = NodeConfig(
-            train=cfg,
-            run_id=pick(run_id, "run_id", "parallax"),
-            identity_path=Path(pick(identity, "identity", Path.home() / ".parallax" / "node.key")).expanduser(),
-            initial_peers=tuple(parse_initial_peers(peers)),
-            host_maddrs=tuple(pick(host, "host", ["/ip4/127.0.0.1/tcp/0"])),
-            announce_maddrs=tuple(pick(announce, "announce", [])),
-            data=pick(data, "data", None),
-            device=str(device),
-            steps=pick(steps, "steps", None),
-            checkpoint_dir=(Path(d) if (d := pick(checkpoint_dir, "checkpoint_dir", None)) else None),
-            checkpoint_every=pick(checkpoint_every, "checkpoint_every", 100),
-            resume=resume,
-            metrics_path=(Path(m) if (m := pick(metrics, "metrics", None)) else None),
-            loopback=pick(loopback, "loopback", False),
-            min_peers=pick(min_peers, "min_peers", 1),
-            final_eval=final_eval,
-            snapshot_every=pick(snapshot_every, "snapshot_every", 50),
-        )
-    except (ValueError, DeviceError) as e:
-        raise typer.BadParameter(str(e)) from e
+        flags["node.device"] = device_setting(gpu, cpu)
+        config = resolve(NodeConfig, node_defaults, file=config_file, flags=flags, sets=set_ or (),
+                         default_preset="tiny")
+        device_of(config.node.device)  # a device that cannot be used fails here, before anything starts
+    except (ConfigError, DeviceError) as e:
+        fail(e)
 
     # Checked above, run below: in a session of its own under this process (processes.py says why), unless
     # told otherwise or not started from a command line (CliRunner).
@@ -164,13 +115,13 @@ def join(
     console = Console(stderr=True)
     live = None if quiet else Live(console=console, refresh_per_second=4, transient=False)
 
-    printed = []
+    printed: list[bool] = []
 
     def show(status: Any) -> None:
         if status.join_command and not printed:
             printed.append(True)
             console.print(f"peer {status.peer_id} is up. Others join this swarm with:\n  parallax node join "
-                          f"--run-id {config.run_id} {status.join_command}")
+                          f"--run-id {config.peer.run_id} {status.join_command}")
         if live is not None:
             live.update(_status_table(status))
 

@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from parallax.node.config.train import TrainConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 Composers = Annotated[
     int, typer.Option("--composers", "-c", min=1, help="Composers C, each with its own expert shard.")
 ]
-Preset = Annotated[str, typer.Option("--preset", help="Model preset: tiny (tests, seconds), small (CPU benchmark).")]
+Preset = Annotated[
+    str | None, typer.Option("--preset", help="Model preset: tiny (tests, seconds), small (CPU benchmark), report "
+                             "(FLOP accounting only). Default: the --config file's, else the command's.")
+]
+PresetName = Annotated[str, typer.Option("--preset", help="Model preset: tiny, small or report.")]
 Steps = Annotated[int | None, typer.Option("--steps", min=1, help="Inner steps per composer (default 500).")]
 BatchSize = Annotated[
     int | None, typer.Option("--batch-size", min=1, help="Sequences per composer step (default 8).")
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of initialisation and data streams.")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed of initialisation and data streams (default 0).")]
+ConfigFile = Annotated[
+    Path | None, typer.Option("--config", help="TOML file of settings (`parallax config show` writes one); "
+                              "flags and --set override it.")
+]
 Data = Annotated[
     str | None, typer.Option("--data", help="Text file, folder or glob (default: built-in tinyshakespeare).")
 ]
@@ -25,9 +42,69 @@ JsonPath = Annotated[
 Quiet = Annotated[bool, typer.Option("--quiet", help="No progress bars.")]
 Sets = Annotated[
     list[str] | None, typer.Option(
-        "--set", help="TrainConfig override PATH=VALUE (repeatable), e.g. sync.compression=fp16 or "
-        'sync.periods={"router": 25, "latent": 50, "backbone": 100}.')
+        "--set", help="Setting PATH=VALUE (repeatable), typed as the setting, e.g. sync.compression=fp16, "
+        'surrogate.input_grad=false or sync.periods={"router": 25, "latent": 50, "backbone": 100}; '
+        "`parallax config show` lists every PATH.")
 ]
+
+
+def fail(message: object, code: int = 2) -> NoReturn:
+    """End the command with a one-line error on stderr (exit 2: bad settings or arguments)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The options every in-process run command shares (``parallax sim``, ``parallax bench quality|offload``)."""
+
+    composers: int
+    preset: str | None
+    steps: int | None
+    batch_size: int | None
+    seed: int | None
+    data: str | None
+    config: Path | None
+    sets: list[str] | None
+    json_path: Path | None
+    quiet: bool
+
+    def train_config(self) -> TrainConfig:
+        """The resolved settings (defaults < --config < flags < --set); a bad one ends the command (exit 2)."""
+        from parallax.node.config.resolve import resolve, train_defaults
+        from parallax.node.config.train import TrainConfig
+        from parallax.node.config.typed import ConfigError
+
+        flags = {"preset": self.preset, "steps": self.steps, "batch_size": self.batch_size, "seed": self.seed}
+        try:
+            return resolve(TrainConfig, train_defaults, file=self.config, flags=flags, sets=self.sets or ())
+        except ConfigError as e:
+            fail(e)
+
+
+_RUN_PARAMETERS = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    for name, annotation, default in (
+        ("composers", Composers, 4),
+        ("preset", Preset, None), ("steps", Steps, None), ("batch_size", BatchSize, None), ("seed", Seed, None),
+        ("data", Data, None), ("config", ConfigFile, None), ("sets", Sets, None), ("json_path", JsonPath, None),
+        ("quiet", Quiet, False))
+]
+
+
+def with_run_options(command: F) -> F:
+    """Give a command the shared run options, handed to it as one ``opts: RunOptions`` argument."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in signature.parameters.values() if p.name != "opts"]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        opts = RunOptions(**{p.name: kwargs.pop(p.name) for p in _RUN_PARAMETERS})
+        return command(opts=opts, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*_RUN_PARAMETERS, *own])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {}  # Typer reads the annotations from the signature above
+    return wrapper  # type: ignore[return-value]
 
 
 def invoked_as(argv: list[str], group: str, command: str) -> bool:

@@ -9,6 +9,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -26,7 +27,7 @@ def run_progress(total_steps: int, *, enabled: bool = True) -> Iterator[Progress
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=False) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def update(name: str, step: int, loss: float) -> None:
             if name not in tasks:

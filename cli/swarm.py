@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich import box
@@ -14,6 +15,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from parallax.dht.status import SwarmStatus
+    from parallax.node.peer.local_swarm import LocalSwarm
 
 swarm_app = typer.Typer(help="Run a local swarm, or look at a running one (from the DHT alone).",
                         no_args_is_help=True)
@@ -198,7 +200,12 @@ def local(
     console.print(f"logs and metrics: {workdir}")
 
 
-def _local_table(swarm, latest, read_metrics, title: str = "local swarm") -> Table:  # type: ignore[no-untyped-def]
+def _local_table(
+    swarm: LocalSwarm,
+    latest: Callable[[Sequence[dict[str, Any]]], dict[str, Any] | None],
+    read_metrics: Callable[[Path], list[dict[str, Any]]],
+    title: str = "local swarm",
+) -> Table:
     table = Table(title=title, box=box.SIMPLE)
     for col in ("node", "state", "step", "loss", "owned", "surrogates", "rounds ok", "sent MB", "received MB"):
         table.add_column(col, justify="right" if col not in ("node", "state") else "left")

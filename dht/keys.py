@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 
+ExpertId = tuple[int, int]
+"""An expert by (layer, index within the layer): the whole model's routed-expert namespace."""
+
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _EXPERT_ID_RE = re.compile(r"expert\.(\d{1,5})\.(\d{1,5})")
 

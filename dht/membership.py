@@ -14,9 +14,9 @@ node killed without a deathrattle drops out of every view within ``heartbeat_ttl
 judged against each record's expiration at the moment it is asked, not at the last refresh.
 
 Reads and writes run in two threads because on a loaded host each DHT call may take a second or more
-(measured: 0.3 s median, 2 s worst, four nodes and their averagers on two cores). In one loop, a tick of
-a read, a heartbeat and a claim per layer ran 2-8 s, so views went stale and heartbeats lapsed: live
-nodes dropped out of each other's views and experts moved for nothing. What a node owns follows only
+(four nodes and their averagers on two cores). In one loop, a tick of a read, a heartbeat and a claim
+per layer takes several such calls, so views go stale and heartbeats lapse: live nodes drop out of each
+other's views and experts move for nothing. What a node owns follows only
 from a read that succeeded: a failed read proves nobody dead.
 
 The view (``SwarmView``) is an immutable snapshot replaced whole by the reader thread; readers (the training
@@ -151,8 +151,8 @@ def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
 
     A signed heartbeat we saw is proof of life until its expiration. One read may not return it: a fresh
     joiner's routing table, or a replica that missed the latest store, answers with an older copy of the
-    ``members`` dictionary (seen: a joiner's view lacked a live node, took that node's experts and restarted
-    one from init). Merging keeps knowledge monotonic; a killed node still drops out when its last heartbeat
+    ``members`` dictionary (a joiner whose view lacked a live node would take that node's experts and restart
+    them from init). Merging keeps knowledge monotonic; a killed node still drops out when its last heartbeat
     expires, a leaver when its (later) deathrattle arrives.
     """
     members, departed, expiry = dict(new.members), dict(new.departed), dict(new.record_expiry)

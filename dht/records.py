@@ -72,7 +72,7 @@ def _split_signature(value: bytes) -> tuple[bytes, bytes] | None:
     return value[:-tail], value[-SIGNATURE_BYTES:]
 
 
-class Ed25519RecordValidator(RecordValidatorBase):
+class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind has no type hints: its base is Any
     """Only the owner of a subkey's Ed25519 key may write under it; see the module docstring.
 
     Args:
@@ -147,14 +147,16 @@ class Ed25519RecordValidator(RecordValidatorBase):
         return True
 
     def sign_value(self, record: DHTRecord) -> bytes:
+        value: bytes = record.value
         if self._identity is None or record.subkey != self._own_subkey_bytes:
-            return record.value  # not our subkey: left unsigned, so validate() will refuse it if protected
-        payload = _signed_payload(record.key, record.subkey, record.value, record.expiration_time)
-        return record.value + SIG_MAGIC + self._identity.sign(RECORD_DOMAIN, payload)
+            return value  # not our subkey: left unsigned, so validate() will refuse it if protected
+        payload = _signed_payload(record.key, record.subkey, value, record.expiration_time)
+        return value + SIG_MAGIC + self._identity.sign(RECORD_DOMAIN, payload)
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        split = _split_signature(record.value)
-        return record.value if split is None else split[0]
+        value: bytes = record.value
+        split = _split_signature(value)
+        return value if split is None else split[0]
 
     @property
     def priority(self) -> int:

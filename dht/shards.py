@@ -42,8 +42,8 @@ _TIE_EXPERT = -1  # the pseudo-expert index whose hash breaks quota ties within 
 # Measured over 800 random equal-capacity swarms (2-16 peers, 4-64 experts per layer): when one peer
 # joins or leaves, the experts that move per layer are the ones it gains or loses (unavoidable) plus
 # a few more pushed along by quota shifts (worst seen: 3 of 4, 4 of 8, 5 of 16, 8 of 32, 9 of 64; and
-# 5 of 6, with 8 peers on 6 experts, found by the property test after 6,000 random swarms had shown at
-# most 3 of 6); in total 1.5-1.8x the unavoidable movement on average. The bound below covers every
+# 5 of 6, with 8 peers on 6 experts, a case rarer than 1 in 6,000 random swarms that tests/unit/test_shards.py
+# keeps); in total 1.5-1.8x the unavoidable movement on average. The bound below covers every
 # case seen (exactly, for 6 experts); it is not a proof. Plain HRW moves only
 # the unavoidable experts but leaves small swarms badly unbalanced; this is the price of balance.
 
@@ -61,7 +61,7 @@ def _unit_hash(run_id: str, layer: int, expert: int, peer: str) -> float:
     for part in parts:  # length-prefixed, so no two tuples share an encoding
         h.update(struct.pack(">I", len(part)))
         h.update(part)
-    (n,) = struct.unpack(">Q", h.digest())
+    n: int = struct.unpack(">Q", h.digest())[0]
     return (n + 0.5) / 2.0**64
 
 

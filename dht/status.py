@@ -258,7 +258,7 @@ def peer_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
 
 def shard_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
     """The ownership table, one row per layer, in the order of ``SHARD_COLUMNS``."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for lo in status.layers:
         owned = sum(1 for o in lo.owners if o)
         by_owner = "  ".join(f"{fp}: {compact_ints(es)}" for fp, es in lo.by_owner().items())

@@ -193,7 +193,7 @@ def fit_record(peer_id: str, deltas: Iterable[SurrogateDelta], fulls: Iterable[S
             return record
         except LocalProtocolError:
             pass
-        newest = {}
+        newest: dict[int, int] = {}
         for d in deltas:
             if d.version > newest.get(d.expert, 0):
                 newest[d.expert] = d.version

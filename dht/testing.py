@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
@@ -35,6 +36,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 def fixed_identity(i: int) -> Identity:
     """A stable key per index, so failures reproduce with the same fingerprints (never use in production)."""
     return Identity.from_seed(i.to_bytes(4, "big") * 8)
+
+
+class MembershipTiming(TypedDict, total=False):
+    """The timings of ``MembershipConfig`` that a test may shorten (seconds)."""
+
+    heartbeat_period_s: float
+    heartbeat_ttl_s: float
+    refresh_s: float
+    request_timeout_s: float
 
 
 @dataclass
@@ -78,7 +88,7 @@ class LocalSwarm:
         shards: ShardConfig | None = None,
         capacity: float = 1.0,
         role: str = "composer",
-        **timing: float,
+        **timing: Unpack[MembershipTiming],
     ) -> LocalPeer:
         """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE)."""
         peer = self.add_dht(fixed_identity(i))

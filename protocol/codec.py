@@ -346,7 +346,7 @@ def decode(
                 raise bad("int4 padding nibble is not the zero code")
             q = nib[:n].astype(np.int8) - 8
         else:
-            q = ternary.unpack(body, n, what=what, peer=peer)
+            q = ternary.unpack(body.tobytes(), n, what=what, peer=peer)
         with np.errstate(over="ignore", invalid="ignore"):
             out = _dequantize(scale, q, chunk, n).astype(DTYPES[dtype])
     out = out.reshape(dims)

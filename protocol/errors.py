@@ -11,7 +11,8 @@ tell a replay from a forgery without parsing messages. Every one of them is stil
 
 from __future__ import annotations
 
-from parallax.errors import ProtocolError
+# Re-exported: the root of every wire error, so callers catch them all with one name from this module.
+from parallax.errors import ProtocolError as ProtocolError
 
 
 class RemoteProtocolError(ProtocolError):

@@ -10,8 +10,8 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
+from typing import Any
 
 SHARED_GROUPS = ("router", "latent", "backbone")
 """Parameter groups every composer trains and merges DiLoCo-style, fastest cadence first."""
@@ -104,25 +104,17 @@ class SyncConfig:
     """Tiered DiLoCo outer sync of the shared groups (router, latent, backbone)."""
 
     outer_lr: float = 1.0
-    """Outer learning rate. 1.0 with momentum 0 is plain parameter averaging, measured best at CPU scale
-    (issue 3: Parallax 2.18 vs 2.37 with DiLoCo's Nesterov 0.7 / 0.9 at 500 steps); DiLoCo's defaults are
-    lr 0.7, momentum 0.9, which pay off over long horizons with many rounds."""
+    """Outer learning rate. 1.0 with momentum 0 is plain parameter averaging (docs/decisions.md, "Outer
+    optimizer"); DiLoCo's defaults are lr 0.7, momentum 0.9."""
     outer_momentum: float = 0.0
     """Outer Nesterov momentum (0 disables momentum; DiLoCo uses 0.9)."""
     periods: dict[str, int] = field(default_factory=lambda: {"router": 25, "latent": 50, "backbone": 100})
     """Inner steps between merges of each shared group, H_G."""
     merge: str = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
-    dense_steps: int = 0
-    """A start-up phase (issue 3): for the first dense_steps inner steps every composer trains every expert,
-    merged with the backbone on its cadence as in the DiLoCo reference; then the experts are merged once
-    more and split into the shards. 0 = split from the start. Costs the full model's memory and expert
-    compute per composer, and expert traffic, while it lasts. In-process simulator only for now."""
     compression: str = "uint8"
     """Wire format of the outer all-reduce: "fp16", "uint8" (hivemind's uniform 8-bit) or "none"; tensors
-    under 4096 entries always go uncompressed. The in-process simulator applies the same rounding. uint8
-    halves fp16's bytes at no measured cost (small preset, 3 composers, 300 steps: val 2.30/2.26/2.22 vs
-    fp16 2.34/2.27/2.21: ``parallax sim -c 3 --steps 300 --set sync.compression=fp16``, then uint8)."""
+    under 4096 entries always go uncompressed. The in-process simulator applies the same rounding."""
 
     def __post_init__(self) -> None:
         if set(self.periods) != set(SHARED_GROUPS):
@@ -135,8 +127,6 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("SyncConfig needs outer_lr > 0 and 0 <= outer_momentum < 1")
-        if self.dense_steps < 0:
-            raise ValueError(f"SyncConfig.dense_steps must be >= 0 (0 = split from the start), got {self.dense_steps}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,11 +136,7 @@ class SurrogateConfig:
     refresh_every: int = 25
     """Inner steps between refreshes, S."""
     distill_steps: int = 64
-    """Optimizer steps of ||s(x) - E(x)||^2 per refresh. Eight left the stand-ins far behind their experts
-    (relative output error 0.12-0.41 at each refresh, small preset, C=4); 64 bring it to 0.005-0.016 and
-    the own view from 2.325 to 2.143-2.172 after 250 steps (``parallax sim -c 4 --steps 250``), for about
-    a quarter more compute per composer-step (0.97 GFLOP of distillation on top of 4.13, counted as in
-    ``sim.distill_cost``; eight steps: 0.29)."""
+    """Optimizer steps of ||s(x) - E(x)||^2 per refresh (docs/decisions.md measures 8 against 64)."""
     distill_lr: float = 3e-3
     """Adam learning rate of the distillation (the distiller's state is discarded after each refresh)."""
     jacobian_weight: float = 0.0
@@ -163,8 +149,7 @@ class SurrogateConfig:
     input_grad: bool = True
     """Backpropagate through non-owned stand-ins into their input (the latent interface and backbone then
     learn from every selection, as in the baseline); their weights stay frozen. Costs ~2x their forward
-    (a surrogate's: r/f of an expert's). Measured (small, C=4, 250 steps, ``parallax sim -c 4 --steps 250
-    --set surrogate.input_grad=false``): own view 2.325 vs 2.426 without, assembled 2.252 vs 2.341."""
+    (a surrogate's: r/f of an expert's); docs/decisions.md measures it."""
     delta_dtype: str = "float16"
     """Width of the published delta's numbers: "float16" (half the bytes; error feedback carries the
     rounding to the next refresh) or "float32"."""
@@ -204,6 +189,27 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimConfig:
+    """Levers that only the in-process simulator (``parallax sim``, ``parallax bench``) runs: a networked node has
+    no path for them, and refuses a configuration that changes any of them."""
+
+    sketch: SketchConfig = field(default_factory=SketchConfig)
+    """Non-owners send sketches of their selections' (x, dL/dy) to the owners."""
+    dense_steps: int = 0
+    """A dense start-up phase: for the first dense_steps inner steps every composer trains every expert, merged
+    with the backbone on its cadence as in the DiLoCo reference; then the experts are merged once more and split
+    into the shards. 0 = split from the start."""
+    offload_delay: int = 0
+    """Steps between a sketch and the composer applying its worker's answer. 0 = the same step (a networked
+    composer that waits for its workers, ``offload.wait_s``); 1+ = a composer that does not wait, on a round trip
+    of that many steps."""
+
+    def __post_init__(self) -> None:
+        if self.dense_steps < 0 or self.offload_delay < 0:
+            raise ValueError("sim.dense_steps and sim.offload_delay must be >= 0 steps")
+
+
 RESULT_CODECS = ("ternary", "lowrank", "fp16")
 ONBOARD_CODECS = ("ternary", "fp16", "raw")
 MAX_WAIT_S = 60.0
@@ -239,49 +245,33 @@ class OffloadConfig:
     composer's) or "ternary" (1.6 bits a weight: the worker trains a ternary copy's Jacobian)."""
     private_layers: int = 0
     """The experts of the first K layers are never offloaded (updated on the composer, as without offload)."""
-    delay: int = 0
-    """In process: steps between a sketch and the composer applying the worker's answer. 0 = the same step, what a
-    networked composer gets with offload.wait_s (the default) from a worker that answers in time; 1+ = a
-    composer that does not wait (offload.wait_s=0) on a round trip of that many steps."""
     lookahead: int = 1
     """Delay compensation: the worker sends its weights extrapolated by this many of its own AdamW steps
-    with no new gradient (momentum only), so a composer that applies the result ``delay`` steps late runs
+    with no new gradient (momentum only), so a composer that applies the result that many steps late runs
     roughly the weights the worker will have by then; the next result takes the extrapolation back.
-    0 = send the weights as they are. Meant for worker_steps = 1 (one AdamW step per composer step); the
-    simulator caps it at offload.delay; after a fall-back the composer keeps the last extrapolation (one
-    momentum step) and trains on from there. A one-step-late expert update alone costs direct ownership 0.12 of
-    val loss (small preset, C=2, 200 steps); with input_grad, lookahead 1 takes offload from 2.5725 to
-    2.2615 (seed 0) against direct 2.1495."""
+    0 = send the weights as they are. Meant for worker_steps = 1; the simulator caps it at sim.offload_delay."""
     lookahead_measured: bool = False
     """Over the network: ask each worker to extrapolate by the lateness this composer measures for the expert
     (steps from a request's newest sketch to its applied result, a moving average, rounded, at most 16) instead
-    of offload.lookahead. In process every answer is offload.delay steps late: the lookahead is then delay."""
+    of offload.lookahead. In process every answer is sim.offload_delay steps late: the lookahead is then that."""
     wait_s: float = 10.0
     """Over the network: after sending a step's sketches, wait up to this many seconds for the answers of every
-    request in flight and apply them before the next step, so a worker that answers within it is no step late
-    (the in-process run's offload.delay = 0); the requests then ask the worker to look ahead by the measured
-    lateness (0 while answers come in time) instead of offload.lookahead. The composer idles while it waits, so
-    it trains at its workers' pace when they are slower. 0 = never wait: answers are applied when they have
-    arrived, the round trip in steps late (composer's pace; small preset, 2 composers + 2 workers on 2 cores:
-    1.140x direct's val loss at 2.2 steps late, against 1.007x waiting, for 11% more wall time)."""
+    request in flight and apply them before the next step, so a worker that answers within it is no step late.
+    The composer idles while it waits (it trains at its workers' pace when they are slower). 0 = never wait:
+    answers are applied when they arrive, the round trip in steps late (docs/decisions.md compares both)."""
     clip_sketches: bool = True
     """Scale a sketch's g by the composer's gradient-clip coefficient of its step (optim.grad_clip), so the
-    worker's expert gradient is clipped with the rest of the step as direct ownership clips it (the composer
-    has no weight gradient for them, so their own share of the norm is left out). In process, C=4, same step:
-    1.054x / 1.045x direct's val loss without it, 1.021x / 1.004x with it (seeds 0 / 1)."""
+    worker's expert gradient is clipped with the rest of the step as direct ownership clips it."""
     input_grad: bool = True
     """Let the loss's gradient flow through an offloaded expert into its input (its weights get none: the
-    worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward. With
-    lookahead 1: 1.052x / 1.024x / 1.029x direct (seeds 0-2) against 1.150x / 1.157x with neither (seeds 0-1)."""
+    worker updates them), as ``surrogate.input_grad`` does for stand-ins; 2x the expert's forward."""
     max_change: float = 0.5
     """A result is refused when ||dW||_F > max_change x ||W||_F for a weight (a poisoned or broken worker)."""
     state_every: int = 100
     """Every this many results of an expert, the worker sends its AdamW state too (float32 moments: 2x the
-    expert's weights: 1,179,819 B for the small preset, +11.8 KB per result on average at 100); the composer
-    keeps it as the expert's optimizer state, so a fall-back, the next worker (onboarding carries the
-    composer's state once it has taken this many optimizer steps) and a checkpoint go on from it instead of restarting
-    AdamW. Only where it fits half a unary message (``offload.STATE_BUDGET``: the small preset's does, the report
-    preset's does not). 0: never."""
+    expert's weights); the composer keeps it as the expert's optimizer state, so a fall-back, the next worker and
+    a checkpoint go on from it instead of restarting AdamW. Only where it fits half a unary message
+    (``offload.STATE_BUDGET``). 0: never."""
 
     def __post_init__(self) -> None:
         if self.worker_steps < 1 or self.worker_lr <= 0 or self.proxy_lambda < 0:
@@ -301,9 +291,9 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.wait_s must be in [0, {MAX_WAIT_S}] seconds, got {self.wait_s}")
         if self.lookahead < 0:
             raise ValueError(f"OffloadConfig.lookahead must be >= 0 (0 = no extrapolation), got {self.lookahead}")
-        if not 1 <= self.result_rank <= 64 or self.private_layers < 0 or self.delay < 0 or self.max_change <= 0:
-            raise ValueError("OffloadConfig needs 1 <= result_rank <= 64 (the receivers' cap), private_layers >= 0, "
-                             "delay >= 0 and max_change > 0")
+        if not 1 <= self.result_rank <= 64 or self.private_layers < 0 or self.max_change <= 0:
+            raise ValueError("OffloadConfig needs 1 <= result_rank <= 64 (the receivers' cap), private_layers >= 0 "
+                             "and max_change > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -314,8 +304,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
-    sketch: SketchConfig = field(default_factory=SketchConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    """Levers of the in-process simulator only; ``node join`` and ``worker join`` refuse any change here."""
     batch_size: int = 8
     """Sequences per composer step."""
     steps: int = 500
@@ -360,7 +351,7 @@ def preset(name: str) -> ModelConfig:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def replace(cfg, **changes):  # type: ignore[no-untyped-def]
+def replace(cfg: Any, **changes: Any) -> Any:
     """``dataclasses.replace`` re-exported so callers read ``config.replace(cfg, steps=10)``."""
     return dataclasses.replace(cfg, **changes)
 
@@ -368,42 +359,7 @@ def replace(cfg, **changes):  # type: ignore[no-untyped-def]
 def train_config(preset_name: str = "small", *, steps: int | None = None, batch_size: int | None = None,
                  seed: int | None = None) -> TrainConfig:
     """A TrainConfig for a model preset with the CLI's common overrides (None keeps the default)."""
-    overrides = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("seed", seed)) if v is not None}
-    return TrainConfig(model=preset(preset_name), **overrides)
-
-
-def override(cfg: TrainConfig, changes: dict[str, object]) -> TrainConfig:
-    """Apply dotted-path changes, e.g. ``{"sketch.enabled": True, "sync.outer_lr": 1.0}``.
-
-    Raises:
-        ValueError: an unknown field, naming the valid ones.
-    """
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        chain = [cfg]
-        for name in parents:
-            if name not in type(chain[-1]).__dataclass_fields__:
-                raise ValueError(f"unknown config section {name!r} in {path!r}")
-            chain.append(getattr(chain[-1], name))
-        if leaf not in type(chain[-1]).__dataclass_fields__:
-            fields = ", ".join(type(chain[-1]).__dataclass_fields__)
-            raise ValueError(f"unknown config field {leaf!r} in {path!r}; fields there: {fields}")
-        new = dataclasses.replace(chain[-1], **{leaf: value})
-        for parent, name in zip(reversed(chain[:-1]), reversed(parents), strict=True):
-            new = dataclasses.replace(parent, **{name: new})
-        cfg = new
-    return cfg
-
-
-def parse_changes(items: list[str]) -> dict[str, object]:
-    """``["sketch.enabled=true", "sync.outer_lr=0.5"]`` -> a dict for ``override`` (values as JSON, else strings)."""
-    changes: dict[str, object] = {}
-    for item in items:
-        path, sep, raw = item.partition("=")
-        if not sep or not path:
-            raise ValueError(f"--set expects PATH=VALUE (e.g. sketch.enabled=true), got {item!r}")
-        try:
-            changes[path.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            changes[path.strip()] = raw
-    return changes
+    cfg = TrainConfig(model=preset(preset_name))
+    overrides: dict[str, Any] = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("seed", seed))
+                                 if v is not None}
+    return dataclasses.replace(cfg, **overrides)

@@ -28,9 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from parallax.dht.keys import ExpertId
 from parallax.protocol import codec
-
-ExpertId = tuple[int, int]
 
 
 @dataclass

@@ -136,7 +136,7 @@ def distill(surrogate: nn.Module, expert: nn.Module, x_NL: torch.Tensor, *, step
             opt.zero_grad(set_to_none=True)
             y_NL = surrogate(x_NL)
             loss = (y_NL - target_NL).pow(2).sum() / out_scale
-            if probe_NL is not None:
+            if probe_NL is not None and target_jac_NL is not None:
                 (jac_NL,) = torch.autograd.grad(y_NL, x_NL, probe_NL, create_graph=True)
                 loss = loss + jacobian_weight * (jac_NL - target_jac_NL).pow(2).sum() / jac_scale
             loss.backward()

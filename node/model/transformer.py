@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -358,8 +359,9 @@ class MoETransformer(nn.Module):
                 if ".experts." in f".{name}":
                     continue
                 yield f"blocks.{i}.{name}", p
+            moe = self.moe_layer(i)
             for e in range(cfg.n_experts):
-                held = block.moe.experts[str(e)] if str(e) in block.moe.experts else None  # noqa: SIM401
+                held = moe.experts[str(e)] if str(e) in moe.experts else None  # noqa: SIM401
                 shapes = {"w_gate": (cfg.d_expert, cfg.d_latent), "w_up": (cfg.d_expert, cfg.d_latent),
                           "w_down": (cfg.d_latent, cfg.d_expert)}
                 for part, shape in shapes.items():
@@ -386,8 +388,13 @@ class MoETransformer(nn.Module):
 
     # ---- parameter groups -------------------------------------------------------------------------
 
+    def moe_layer(self, layer: int) -> MoELayer:
+        """The MoE layer of block ``layer``."""
+        # nn.ModuleList is not generic: mypy types its items as nn.Module; every item here is a Block.
+        return cast(Block, self.blocks[layer]).moe
+
     def moe_layers(self) -> list[MoELayer]:
-        return [block.moe for block in self.blocks]
+        return [self.moe_layer(i) for i in range(len(self.blocks))]
 
     def group_parameters(self, group: str) -> dict[str, nn.Parameter]:
         """The named parameters of one group (see config.GROUPS)."""
@@ -396,10 +403,10 @@ class MoETransformer(nn.Module):
         return {name: p for name, p in self.named_parameters() if group_of(name) == group}
 
     def expert_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
-        return dict(self.blocks[layer].moe.experts[str(expert)].named_parameters())
+        return dict(self.moe_layer(layer).experts[str(expert)].named_parameters())
 
     def surrogate_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
-        return dict(self.blocks[layer].moe.surrogates[expert].named_parameters())
+        return dict(self.moe_layer(layer).surrogates[expert].named_parameters())
 
     def set_recorder(self, recorder: Recorder | None) -> None:
         for layer in self.moe_layers():

@@ -45,7 +45,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from parallax.dht.keys import expert_id, parse_expert_id
+from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
@@ -55,7 +55,6 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
 
-ExpertId = tuple[int, int]
 Shapes = Mapping[str, tuple[int, ...]]
 
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
@@ -304,8 +303,8 @@ class ExpertExchange:
     def take_local_copy(self, eid: ExpertId) -> tuple[Snapshot, str] | None:
         """The newest copy of ``eid`` this node holds itself, with where it came from ("heir copy" or "own
         release"); the heir copy is taken. An expert that comes back to the node that released it resumes
-        from that node's own final snapshot rather than from init (seen: a joiner that left before taking
-        its experts over)."""
+        from that node's own final snapshot rather than from init (for example when a joiner leaves before it
+        took its experts over)."""
         found = []
         heir = self.take_heir_copy(eid)
         if heir is not None:

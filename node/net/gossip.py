@@ -207,9 +207,9 @@ def collect_offers(
             if rec.peer_id == my_peer_id:
                 continue
             for h in rec.holds:
-                offer = offers.get((layer, h.expert))
-                if offer is not None:
-                    offer.holds.append((rec.peer_id, h))
+                held = offers.get((layer, h.expert))
+                if held is not None:
+                    held.holds.append((rec.peer_id, h))
     return offers
 
 

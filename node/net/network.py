@@ -11,31 +11,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import protected_keys
 from parallax.dht.records import Ed25519RecordValidator
+from parallax.node.config.peer import PeerConfig
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
 
 
-def start_dht(identity: Identity, *, run_id: str, n_layers: int, identity_path: Path,
-              initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-              announce_maddrs: Sequence[str] = (), while_starting: Callable[[], object] | None = None) -> SwarmDHT:
-    """The run's DHT node: its libp2p key beside ``identity_path`` (``.p2p``), records of the run's protected
-    keys signed and checked with ``identity``.
+def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_layers: int,
+              while_starting: Callable[[], object] | None = None) -> SwarmDHT:
+    """The run's DHT node for ``peer``'s addresses: its libp2p key beside ``identity_path`` (``.p2p``), records
+    of the run's protected keys signed and checked with ``identity``.
 
     Raises:
         DHTError: as ``SwarmDHT.start``.
     """
-    config = DHTConfig(initial_peers=tuple(initial_peers), host_maddrs=tuple(host_maddrs),
-                       announce_maddrs=tuple(announce_maddrs),
+    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.host,
+                       announce_maddrs=peer.announce,
                        identity_path=identity_path.with_name(identity_path.name + ".p2p"))
-    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(run_id, n_layers))
+    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers))
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 

@@ -18,6 +18,7 @@ Metadata served with the state: {"v": 1, "group", "round", "step", "names", "mom
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import threading
@@ -63,7 +64,7 @@ def group_state(outer: OuterOptimizer, *, group: str, round_id: int, step: int) 
     buffers = [outer.optimizer.state.get(outer.anchor[n], {}).get("momentum_buffer") for n in names]
     momentum = all(b is not None for b in buffers)
     if momentum:
-        tensors += [b.clone() for b in buffers]  # type: ignore[union-attr]
+        tensors += [b.clone() for b in buffers]
     meta = {"v": _STATE_VERSION, "group": group, "round": round_id, "step": step, "names": names,
             "momentum": momentum}
     return meta, tensors
@@ -228,7 +229,7 @@ class BackgroundRounds:
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:
             self._serving.add(group)
-            self.sync.groups[group].serve_state(lambda g=group: self._serve(g))
+            self.sync.groups[group].serve_state(functools.partial(self._serve, group))
 
     def publish_state(self, group: str | None = None) -> None:
         """Make the current anchor (and momentum) of ``group`` (default: all) what joiners download."""
@@ -248,7 +249,8 @@ class BackgroundRounds:
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
         reports of the rounds that ended, as ``collect``."""
-        futures = [f.future for f in self._in_flight.values()] + list(self._reloads.values())
+        futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
+        futures += self._reloads.values()
         concurrent.futures.wait(futures, timeout=timeout_s)
         return self.collect()
 

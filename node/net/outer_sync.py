@@ -30,7 +30,7 @@ Any failure returns ``None`` (the caller skips the outer step; nothing was appli
 ``GroupAverager.last_report`` says why. A peer whose report is ``DIVERGED`` or ``UNVERIFIED`` did
 not apply a round that others may have applied: its shared group now differs from theirs and it
 should reload the group from peers (``load_state_from_peers``, the joiner's path) before the next
-round. That reload is the node's job (not wired yet); ``serve_state`` is the serving half.
+round. ``outer_rounds.BackgroundRounds.collect`` starts that reload; ``serve_state`` is the serving half.
 
 Concurrency: ``run_round`` blocks the calling thread (the node's outer-sync thread; the training
 loop meets it at one seam) for at most ``OuterSyncConfig.round_budget_s``. Each averager is a
@@ -146,7 +146,7 @@ class ParallaxOuterAverager(DecentralizedAverager):
 
     state_provider: StateProvider | None = None
 
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:  # type: ignore[override]
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         # Runs in a background thread of the host process when a peer calls load_state_from_peers.
         provider = self.state_provider
         if provider is None:
@@ -408,12 +408,12 @@ class GroupAverager:
         while True:
             remaining = deadline - time.monotonic()
             found = self._dht.get_dicts([key], latest=True, timeout_s=max(0.1, min(cfg.dht_timeout_s, remaining)))
-            for subkey, (value, _expiration) in (found or {}).get(key, {}).items():
+            for subkey, (record, _expiration) in (found or {}).get(key, {}).items():
                 peer = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
                 if peer in wanted and peer not in others:
                     if self.signer is not None:
-                        value = open_fingerprint(value, key, self.signer.public_key_of(peer))
-                    decoded = decode_fingerprint(value, tag)
+                        record = open_fingerprint(record, key, self.signer.public_key_of(peer))
+                    decoded = decode_fingerprint(record, tag)
                     if decoded is None:
                         logger.debug("unsigned, malformed or stale fingerprint from %s for %s round %d", peer,
                                      self.group, n)

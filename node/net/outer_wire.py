@@ -411,7 +411,8 @@ class FingerprintSigner:
 def seal_fingerprint(value: bytes, dht_key: str, identity: Identity) -> bytes:
     """``value`` signed by ``identity`` for ``dht_key`` (another round's key makes the signature invalid)."""
     signature = identity.sign(FINGERPRINT_DOMAIN, dht_key.encode() + value)
-    return msgpack.packb([value, identity.public_key, signature], use_bin_type=True)  # type: ignore[no-any-return]
+    sealed: bytes = msgpack.packb([value, identity.public_key, signature], use_bin_type=True)
+    return sealed
 
 
 def open_fingerprint(sealed: object, dht_key: str, expected_public_key: bytes | None) -> bytes | None:
@@ -425,11 +426,12 @@ def open_fingerprint(sealed: object, dht_key: str, expected_public_key: bytes | 
         return None
     if not (isinstance(obj, list) and len(obj) == 3 and all(isinstance(x, bytes) for x in obj)):
         return None
+    value: bytes
     value, public_key, signature = obj
     if public_key != expected_public_key or not verify(public_key, signature, FINGERPRINT_DOMAIN,
                                                        dht_key.encode() + value):
         return None
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:

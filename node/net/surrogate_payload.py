@@ -23,13 +23,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from parallax.dht.keys import ExpertId
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
 from parallax.node.model.lowrank import Factors, is_half_exact
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.messages import SurrogateDelta, SurrogatePayload
 
-ExpertId = tuple[int, int]
 """(layer, expert)"""
 Shapes = Mapping[str, tuple[int, ...]]
 """name -> shape of every tensor of one surrogate (the same for all experts)"""
@@ -166,7 +166,8 @@ class PayloadStore:
             if full:
                 entry = self._fulls.get(eid)
                 return entry[1] if entry is not None and entry[0].version == version else None
-            found = self._deltas.get(eid, {}).get(version)
+            versions = self._deltas.get(eid)
+            found = versions.get(version) if versions is not None else None
             return found[1] if found is not None else None
 
     def disown(self, eid: ExpertId) -> None:

@@ -1,6 +1,6 @@
 """Worker offload over P2P streams: the worker's service (onboard, update) and the composer's calls.
 
-DESIGN.md section 4 ("Worker offload"), issue 7. Two unary RPCs under the namespace
+DESIGN.md section 4 ("Worker offload"). Two unary RPCs under the namespace
 ``parallax.<run_id>.offload``:
 
 - ``rpc_onboard``: request = an ``ExpertSnapshot`` envelope (layer, expert, the composer's step, the
@@ -45,7 +45,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -53,7 +52,9 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from parallax.dht.keys import ExpertId
 from parallax.dht.shards import hrw_score
+from parallax.node.config.peer import UNARY_CAP, WorkerLimits
 from parallax.node.config.train import TrainConfig
 from parallax.node.model.sketch import Sketch
 from parallax.node.model.transformer import SwiGLU
@@ -67,9 +68,6 @@ from parallax.protocol.messages import Sketch as SketchMessage
 
 logger = logging.getLogger(__name__)
 
-ExpertId = tuple[int, int]
-
-UNARY_CAP = 4 * 2**20  # hivemind refuses a larger unary message
 REPLAY_WINDOW = 1 << 14
 """Sequence numbers a request or answer may trail the highest one seen from its sender and still pass once
 (``ReplayGuard``): calls run concurrently and overtake each other. Above any realistic number in flight
@@ -77,28 +75,6 @@ REPLAY_WINDOW = 1 << 14
 M = TypeVar("M", bound=Message)
 WIRE_CODECS = frozenset({"raw", "fp16", "int8", "int4"})
 
-
-@dataclass(frozen=True, slots=True)
-class WorkerLimits:
-    """What one worker accepts.
-
-    Attributes:
-        max_request_bytes: cap on a request body, checked before decoding (bytes, < 4 MiB).
-        max_rows: cap on sketch rows per update request.
-        max_experts: experts one worker trains at once (its memory), over all composers.
-        update_timeout_s: one update's Taylor-proxy steps (seconds); past it the caller gets an error.
-    """
-
-    max_request_bytes: int = UNARY_CAP - 64 * 1024
-    max_rows: int = 65536
-    max_experts: int = 64
-    update_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.max_request_bytes < UNARY_CAP:
-            raise ValueError(f"WorkerLimits.max_request_bytes must be in (0, {UNARY_CAP}) bytes")
-        if self.max_rows < 1 or self.max_experts < 1 or self.update_timeout_s <= 0:
-            raise ValueError("WorkerLimits needs max_rows >= 1, max_experts >= 1 and update_timeout_s > 0")
 
 
 # --- the messages, both ways (pure) ----------------------------------------------------------------

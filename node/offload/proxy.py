@@ -1,4 +1,4 @@
-"""Worker offload, the in-process part (DESIGN.md section 4, issue 7): the worker's Taylor-proxy update and the
+"""Worker offload, the in-process part (DESIGN.md section 4): the worker's Taylor-proxy update and the
 composer's side of it, wired together without a network.
 
 A composer in offload mode runs its offloaded experts without a weight gradient (``MoELayer.offloaded``;
@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from parallax.node.config import train as config_mod
+from parallax.dht.keys import ExpertId
 from parallax.node.config.train import TrainConfig
+from parallax.node.config.typed import apply_changes
 from parallax.node.model.sketch import Sketch, accumulate_expert_gradient, compress, taylor_proxy
 from parallax.node.model.transformer import SwiGLU
 from parallax.node.train.composer import (
@@ -58,7 +59,6 @@ from parallax.protocol.errors import RemoteProtocolError
 
 log = logging.getLogger(__name__)
 
-ExpertId = tuple[int, int]
 Blobs = dict[str, bytes]
 """Weight name ("w_gate.weight", ...) -> a ``protocol.codec`` blob."""
 
@@ -325,7 +325,7 @@ def fall_back(composer: Composer, expert_id: ExpertId, unanswered: list[Sketch])
     """
     composer.offload_expert(expert_id, False)
     layer, expert = expert_id
-    module = composer.model.blocks[layer].moe.experts[str(expert)]
+    module = composer.model.moe_layer(layer).experts[str(expert)]
     if unanswered:
         accumulate_expert_gradient(module, unanswered, scale=1.0 / len(unanswered))
 
@@ -340,7 +340,7 @@ class LocalWorkers:
     One ``TaylorProxyTrainer`` per (composer, owned expert outside the private layers), onboarded at
     construction. ``exchange`` is called once a step, after every composer's ``forward_backward`` and before
     its ``optimizer_step``: it compresses this step's sketches and sends them; the answers to the sketches of
-    ``cfg.offload.delay`` steps ago are computed and applied (delay 0: this step's own).
+    ``cfg.sim.offload_delay`` steps ago are computed and applied (delay 0: this step's own).
 
     Args:
         composers: the composers of the run, each built with cfg.offload.enabled.
@@ -351,14 +351,14 @@ class LocalWorkers:
         self.composers = list(composers)
         self.cfg = self.composers[0].cfg
         if self.cfg.offload.lookahead_measured:  # here the lateness is known: every answer is `delay` late
-            self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
-        if self.cfg.offload.lookahead > self.cfg.offload.delay:
+            self.cfg = apply_changes(self.cfg, {"offload.lookahead": self.cfg.sim.offload_delay})
+        if self.cfg.offload.lookahead > self.cfg.sim.offload_delay:
             # Extrapolating further than the answers are late would run the composer's copy ahead of
             # the worker's: here the lateness is known exactly (none at delay 0, the default).
-            if self.cfg.offload.delay:
-                log.info("offload.lookahead %d > offload.delay %d: the workers look %d step(s) ahead",
-                         self.cfg.offload.lookahead, self.cfg.offload.delay, self.cfg.offload.delay)
-            self.cfg = config_mod.override(self.cfg, {"offload.lookahead": self.cfg.offload.delay})
+            if self.cfg.sim.offload_delay:
+                log.info("offload.lookahead %d > sim.offload_delay %d: the workers look %d step(s) ahead",
+                         self.cfg.offload.lookahead, self.cfg.sim.offload_delay, self.cfg.sim.offload_delay)
+            self.cfg = apply_changes(self.cfg, {"offload.lookahead": self.cfg.sim.offload_delay})
         self.tamper = tamper
         self.trainers: dict[tuple[int, ExpertId], TaylorProxyTrainer] = {}
         self.in_flight: list[dict[tuple[int, ExpertId], tuple[int, Sketch, Sketch]]] = []
@@ -397,7 +397,7 @@ class LocalWorkers:
                 self.messages["offload_sketches"] += 1
                 sent[(i, eid)] = (c.step, raw, wire)
         self.in_flight.append(sent)
-        if len(self.in_flight) <= off.delay:
+        if len(self.in_flight) <= self.cfg.sim.offload_delay:
             return
         for key, (step, raw, wire) in self.in_flight.pop(0).items():
             trainer = self.trainers.get(key)

@@ -1,6 +1,6 @@
 """The composer's side of networked worker offload: assign, onboard, send sketches, apply results, fall back.
 
-DESIGN.md section 4, issue 7. ``OffloadSession.exchange`` is called once a step by the training thread,
+DESIGN.md section 4. ``OffloadSession.exchange`` is called once a step by the training thread,
 between ``Composer.forward_backward`` and ``Composer.optimizer_step`` (the only point where a fall-back's
 unanswered sketches can still join a step's gradient). Every call to a worker returns a future
 (``offload_exchange.OffloadClient``) that an ``exchange`` reads only once it is done. By default
@@ -20,13 +20,12 @@ Per call, in this order (why: nothing captured may stay pending, nothing unanswe
    while it has fewer than ``max_in_flight`` requests and ``max_parts`` optimizer steps (parts) unanswered:
    what is queued goes out as one request (``Sketch.parts``), and the worker trains on each step's part in
    turn, as on separate requests. So a worker that falls behind gets the same data in fewer, larger requests,
-   and at most ``max_parts`` optimizer steps of one expert wait on it, whatever its speed. (Before, the
-   sketches of an expert 8 answers behind were left out, and a worker serving 32 experts of two GPU composers
-   still queued longer than the request timeout; seen on an H100.) Past ``max_parts`` the neighbouring queued
-   pair that stands for the fewest steps merges into their mean (one optimizer step fewer, no data lost); no
-   part grows past ``max_rows`` rows (more are sub-sampled, g scaled up so the sum stays unbiased), which
-   bounds a request's size; and a worker with ``max_held`` steps unanswered is dropped (step 3's fall-back),
-   which bounds the raw sketches the composer keeps for it.
+   and at most ``max_parts`` optimizer steps of one expert wait on it, whatever its speed (leaving sketches
+   out would lose their tokens; an unbounded queue would outlast the request timeout). Past ``max_parts`` the
+   neighbouring queued pair that stands for the fewest steps merges into their mean (one optimizer step fewer,
+   no data lost); no part grows past ``max_rows`` rows (more are sub-sampled, g scaled up so the sum stays
+   unbiased), which bounds a request's size; and a worker with ``max_held`` steps unanswered is dropped (step
+   3's fall-back), which bounds the raw sketches the composer keeps for it.
 4b. with ``offload.wait_s``: wait for the requests in flight, apply what finished, drop what failed (as in 2-3);
 5. onboard offloadable experts (layers >= cfg.offload.private_layers) that have no worker, to the worker
    ``offload_exchange.assign_to_workers`` picks; an expert is offloaded only once its onboarding is answered.
@@ -42,6 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from parallax.dht.keys import ExpertId
 from parallax.node.model.sketch import Sketch, compress, concat, subsample
 from parallax.node.offload.exchange import OffloadClient, assign_to_workers, row_budget, sketch_message
 from parallax.node.offload.proxy import apply_result, fall_back, onboard_blobs
@@ -51,7 +51,6 @@ from parallax.protocol.messages import MAX_LOOKAHEAD, MAX_SKETCH_PARTS
 
 logger = logging.getLogger(__name__)
 
-ExpertId = tuple[int, int]
 Event = Callable[..., None]
 """event(kind, **fields): the node's metrics/event sink."""
 LATENESS_WEIGHT = 0.2
@@ -138,7 +137,7 @@ class OffloadSession:
         """Steps' sketches merged into an older one's part (the worker takes one optimizer step fewer)."""
         self.lateness: collections.Counter[int] = collections.Counter()
         """Steps from a request's newest sketch to the step its result was applied at -> results (in process,
-        ``offload.delay``; on the wire, the round trip in steps)."""
+        ``sim.offload_delay``; on the wire, the round trip in steps)."""
         self.fallbacks: list[tuple[ExpertId, str, str]] = []
         """(expert, worker, reason) of every drop."""
         self.waited_s = 0.0
@@ -306,6 +305,18 @@ class OffloadSession:
                 and eid not in self.offloaded and eid not in self.onboarding and self._retry_at.get(eid, 0) <= now]
         for eid, worker in assign_to_workers(self.run_id, todo, usable).items():
             self.onboarding[eid] = (worker, self.client.onboard(worker, eid, c.step, onboard_blobs(c, eid)), now)
+
+    def metrics(self) -> dict[str, int | float | None]:
+        """This session's counters as a node's per-step metrics fields."""
+        client = self.client
+        sent, received = client.bytes_sent, client.bytes_received
+        return {"offload_applied": self.applied, "offloaded": len(self.offloaded),
+                "offload_coalesced": self.coalesced, "offload_merged": self.merged,
+                "offload_lateness": None if self.mean_lateness is None else round(self.mean_lateness, 3),
+                "offload_waited_s": round(self.waited_s, 3),
+                "offload_sketches": client.requests["rpc_update"], "offload_sketch_bytes": sent["rpc_update"],
+                "offload_results": client.replies["rpc_update"], "offload_result_bytes": received["rpc_update"],
+                "offload_onboards": client.requests["rpc_onboard"], "offload_onboard_bytes": sent["rpc_onboard"]}
 
     def release(self, eid: ExpertId) -> None:
         """The composer is handing ``eid`` over: stop offloading it (call before the hand-over)."""

@@ -11,49 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
-from parallax.node.config.train import TrainConfig
+from parallax.node.config.peer import WorkerConfig
 from parallax.node.net.network import NetworkLoop, start_dht
-from parallax.node.offload.exchange import OffloadServicer, WorkerLimits, serve, unserve
+from parallax.node.offload.exchange import OffloadServicer, serve, unserve
 from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
+from parallax.node.train.device import device_of
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
-    """What ``parallax worker join`` runs with."""
-
-    train: TrainConfig
-    """The run's config (model shapes and cfg.offload must match the composers')."""
-    run_id: str
-    """Training run id (namespaces keys and the P2P handler)."""
-    identity_path: Path
-    """Ed25519 key file (created on first run)."""
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs of live peers."""
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Listen addresses."""
-    announce_maddrs: tuple[str, ...] = ()
-    """Public addresses others dial."""
-    capacity: float = 1.0
-    """Relative capacity (> 0): composers give this worker experts in proportion to it."""
-    device: str = "cpu"
-    """The device resolved from --cpu/--gpu: the experts' copies and their optimizer state live there."""
-    metrics_path: Path | None = None
-    """JSONL file for events (one line each)."""
-    limits: WorkerLimits = WorkerLimits()
-    """Request bounds."""
-
-    def __post_init__(self) -> None:
-        if not self.capacity > 0:
-            raise ValueError("--capacity must be > 0 (a relative weight; 1.0 = a reference worker)")
 
 
 class Worker:
@@ -65,11 +34,12 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.identity = Identity.load_or_create(config.identity_path)
+        self.identity = Identity.load_or_create(config.peer.identity_path("worker"))
         self.stop_event = threading.Event()
         self.dht: SwarmDHT | None = None
         self.membership: Membership | None = None
-        self.servicer = OffloadServicer(config.train, config.limits, self.identity, config.run_id, config.device)
+        self.servicer = OffloadServicer(config.train, config.worker.limits, self.identity, config.peer.run_id,
+                                        str(device_of(config.worker.device)))
         self.peer_id: str | None = None
         self._net: NetworkLoop | None = None
         self._metrics: Any = None
@@ -92,25 +62,24 @@ class Worker:
 
     def _start(self) -> None:
         c = self.config
-        if c.metrics_path is not None:
-            c.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = c.metrics_path.open("a", encoding="utf-8")
+        if c.peer.metrics is not None:
+            c.peer.metrics.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = c.peer.metrics.open("a", encoding="utf-8")
         # The device first (CUDA starts in seconds): composers onboard as soon as they see our heartbeat.
-        self._event("device_ready", device=c.device, seconds=round(self.servicer.warm_up(), 3))
-        self.dht = start_dht(self.identity, run_id=c.run_id, n_layers=c.train.model.n_layers,
-                             identity_path=c.identity_path, initial_peers=c.initial_peers,
-                             host_maddrs=c.host_maddrs, announce_maddrs=c.announce_maddrs)
+        self._event("device_ready", device=self.servicer.device, seconds=round(self.servicer.warm_up(), 3))
+        self.dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("worker"),
+                             n_layers=c.train.model.n_layers)
         self.peer_id = self.dht.peer_id
         self._net = NetworkLoop(self.dht, "parallax-worker-net")
         # Serve before announcing: a composer that sees the heartbeat may onboard at once.
-        self._net.run(serve(self.servicer, self._net.p2p, c.run_id), 10.0)
+        self._net.run(serve(self.servicer, self._net.p2p, c.peer.run_id), 10.0)
         self.membership = Membership(self.dht, self.identity,
-                                     MembershipConfig(run_id=c.run_id, role="worker", capacity=c.capacity))
+                                     MembershipConfig(run_id=c.peer.run_id, role="worker", capacity=c.worker.capacity))
         # Composers use only workers that announce their own settings (offload.worker_settings).
         self.membership.update(versions={SETTINGS_KEY: settings_digest(c.train)})
         self.membership.start()
         self._event("worker_started", peer_id=self.peer_id, join=self.dht.join_command())
-        logger.info("worker %s serving run %s", self.peer_id, c.run_id)
+        logger.info("worker %s serving run %s", self.peer_id, c.peer.run_id)
 
     def close(self) -> None:
         """Leave (deathrattle), stop serving, stop the loop and the DHT; safe to call twice."""
@@ -121,7 +90,7 @@ class Worker:
                 logger.debug("leave during close: %r", e)
         self.membership = None
         if self._net is not None:
-            self._net.close(unserve(self.servicer, self._net.p2p, self.config.run_id))
+            self._net.close(unserve(self.servicer, self._net.p2p, self.config.peer.run_id))
             self._net = None
         self.servicer.shutdown()
         if self.dht is not None:

@@ -86,7 +86,7 @@ def supervise(argv: Sequence[str]) -> int:
 
     previous = {s: signal.signal(s, relay) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = child.wait()
+        code: int | None = child.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -124,7 +124,7 @@ def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
     (Ctrl+C in a terminal reaches the whole process group and must not kill them under the parent's
     leave; hivemind ignores it there too) and die of SIGTERM, which is how hivemind's own shutdown stops
     them the hard way. A SIGTERM sent to the whole group (systemd's default KillMode=control-group) also
-    ends p2pd at once, so the leave cannot reach peers: run units with KillMode=mixed (README).
+    ends p2pd at once, so the leave cannot reach peers: run units with KillMode=mixed (docs/architecture.md).
     """
     owner = os.getpid()
     signals = (signal.SIGINT, signal.SIGTERM)

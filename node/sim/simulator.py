@@ -13,14 +13,15 @@ Run kinds (``RunSpec.kind``):
     parallax   C composers with disjoint expert shards; non-owned selections per cfg.surrogate.non_owned.
     offload    parallax with every owned expert outside cfg.offload.private_layers updated by an in-process
                worker through the wire path (sketch, Taylor-proxy steps, compressed result, checked apply),
-               answers cfg.offload.delay steps late (``offload.LocalWorkers``).
+               answers cfg.sim.offload_delay steps late (``offload.LocalWorkers``).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,11 +129,11 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     cfg, C = spec.cfg, spec.composers
     if spec.kind == "offload":
         cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True))
-    dense_steps = cfg.sync.dense_steps if spec.kind in SHARDED else 0
+    dense_steps = cfg.sim.dense_steps if spec.kind in SHARDED else 0
     if dense_steps and (spec.kind == "offload" or cfg.surrogate.non_owned == "frozen_copy"):
-        raise ValueError("sync.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
+        raise ValueError("sim.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
     if dense_steps >= cfg.steps:
-        raise ValueError(f"sync.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
+        raise ValueError(f"sim.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
                          "a run that never splits its experts is the DiLoCo reference (--kind diloco)")
     torch.manual_seed(cfg.seed)
     batches = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
@@ -163,10 +164,10 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         losses = [c.forward_backward().loss for c in composers]
         if workers is not None:
             workers.exchange()
-        if spec.kind in SHARDED and cfg.sketch.enabled:
+        if spec.kind in SHARDED and cfg.sim.sketch.enabled:
             in_flight.append({i: c.take_sketches() for i, c in enumerate(composers)})
             traffic["sketches"] += sum(s.wire_bytes for sent in in_flight[-1].values() for s in sent.values())
-            arrived = in_flight.pop(0) if len(in_flight) > cfg.sketch.delay else {}
+            arrived = in_flight.pop(0) if len(in_flight) > cfg.sim.sketch.delay else {}
             rows = deliver_sketches(composers, arrived)
             # the owner's extra work: expert forward + backward (3 x forward) on every absorbed row
             extra_flops += rows * 3 * 6 * cfg.model.d_latent * cfg.model.d_expert
@@ -204,13 +205,13 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     train_flops = extra_flops
     for c, dense_seen in zip(composers, dense_tokens, strict=True):
         owned_fraction = c.owned_fraction if spec.kind in SHARDED else 1.0
-        stand_in = {"non_owned": cfg.surrogate.non_owned, "stand_in_input_grad": cfg.surrogate.input_grad}
+        with_stand_ins = functools.partial(step_flops, cfg.model, non_owned=cfg.surrogate.non_owned,
+                                           stand_in_input_grad=cfg.surrogate.input_grad)
         train_flops += step_flops(cfg.model, 1.0).total * dense_seen
-        direct = step_flops(cfg.model, owned_fraction, **stand_in)
+        direct = with_stand_ins(owned_fraction)
         per_token = direct.total
         if workers is not None:  # owned experts outside the private layers run forward only
-            forward_only = step_flops(cfg.model, owned_fraction, offload=True,
-                                      offload_input_grad=cfg.offload.input_grad, **stand_in)
+            forward_only = with_stand_ins(owned_fraction, offload=True, offload_input_grad=cfg.offload.input_grad)
             offloaded_share = 1 - cfg.offload.private_layers / cfg.model.n_layers
             per_token -= offloaded_share * (direct.experts - forward_only.experts)
         train_flops += per_token * (c.tokens_seen - dense_seen)
@@ -304,8 +305,8 @@ def stand_in_error(composers: Sequence[Composer], rows: int = 512) -> tuple[floa
             x_NL = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
             if x_NL is None:
                 continue
-            real = owner.model.blocks[layer].moe.experts[str(expert)]
-            copy = receiver.model.blocks[layer].moe.surrogates[expert]
+            real = owner.model.moe_layer(layer).experts[str(expert)]
+            copy = receiver.model.moe_layer(layer).surrogates[expert]
             outputs.append(relative_error(copy, real, x_NL[-rows:]))
             backwards.append(jacobian_error(copy, real, x_NL[-rows:]))
     if not outputs:
@@ -313,7 +314,7 @@ def stand_in_error(composers: Sequence[Composer], rows: int = 512) -> tuple[floa
     return statistics.median(outputs), statistics.median(backwards)
 
 
-def distill_cost(owner: Composer, experts) -> float:  # type: ignore[no-untyped-def]
+def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
     """FLOPs of one refresh: teacher forward once, then distill_steps x (student forward + backward).
 
     With the input-gradient term (``surrogate.jacobian_weight``) the teacher also passes one probe back

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
+from parallax.dht.keys import ExpertId
 from parallax.errors import NodeError
 from parallax.node.config.train import TrainConfig
 from parallax.node.model.surrogate import ActivationBuffer
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ExpertId = tuple[int, int]
 """(layer, expert)"""
 
 FORMAT = "parallax-checkpoint"

@@ -11,11 +11,12 @@ directly; the P2P node calls the same methods from its background exchange at it
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from parallax.dht.keys import ExpertId
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.model.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
@@ -24,7 +25,6 @@ from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.train.data import BatchSampler
 from parallax.node.train.outer import OuterOptimizer
 
-ExpertId = tuple[int, int]
 """(layer, expert)"""
 
 ADAM_PREFIX = "adam."
@@ -39,7 +39,7 @@ class StepStats:
     tokens: int
 
 
-def lr_lambda(optim_warmup: int, total_steps: int, min_ratio: float):  # type: ignore[no-untyped-def]
+def lr_lambda(optim_warmup: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warm-up then cosine decay to ``min_ratio`` at ``total_steps`` (a LambdaLR multiplier)."""
 
     def factor(step: int) -> float:
@@ -99,7 +99,7 @@ class Composer:
         self.selections_total = 0
         self.sketcher: SketchRecorder | None = None
         self.sketch_rng = torch.Generator().manual_seed(sampler_seed + 7919)
-        if cfg.sketch.enabled or cfg.offload.enabled:
+        if cfg.sim.sketch.enabled or cfg.offload.enabled:
             self.sketcher = SketchRecorder(keep=self._sketched)
             self.model.set_sketcher(self.sketcher.attach)
         self.recorder: ActivationRecorder | None = None
@@ -162,14 +162,14 @@ class Composer:
 
     def _sketched(self, layer: int, expert: int) -> bool:
         """Whether the sketcher captures this expert's selections: offloaded owned experts (for their
-        worker), non-owned ones when their owners absorb sketches (cfg.sketch)."""
-        moe = self.model.blocks[layer].moe
-        return expert in moe.offloaded if expert in moe.owned else self.cfg.sketch.enabled
+        worker), non-owned ones when their owners absorb sketches (cfg.sim.sketch)."""
+        moe = self.model.moe_layer(layer)
+        return expert in moe.offloaded if expert in moe.owned else self.cfg.sim.sketch.enabled
 
     def take_sketches(self) -> dict[ExpertId, Sketch]:
         """The (x, g) sketches of this step's non-owned selections, compressed as for the wire."""
-        assert self.sketcher is not None, "sketches need cfg.sketch.enabled"
-        sk = self.cfg.sketch
+        assert self.sketcher is not None, "sketches need cfg.sim.sketch.enabled"
+        sk = self.cfg.sim.sketch
         non_owned = [(layer, e) for layer, experts in enumerate(self.owned)
                      for e in range(self.cfg.model.n_experts) if e not in experts]
         return {eid: compress(s, sample_fraction=sk.sample_fraction, generator=self.sketch_rng,
@@ -187,7 +187,7 @@ class Composer:
         if offloaded and (not self.cfg.offload.enabled or layer < self.cfg.offload.private_layers):
             raise ValueError(f"expert {expert_id} cannot be offloaded: needs offload.enabled and a layer >= "
                              f"offload.private_layers={self.cfg.offload.private_layers}")
-        self.model.blocks[layer].moe.set_offloaded(expert, offloaded)
+        self.model.moe_layer(layer).set_offloaded(expert, offloaded)
 
     def offloaded_experts(self) -> list[ExpertId]:
         """The owned experts whose update is offloaded now."""
@@ -225,7 +225,7 @@ class Composer:
         the mean loss over every composer's tokens, as the synchronous baseline computes it.
         """
         for layer, expert in self.owned_experts():
-            module = self.model.blocks[layer].moe.experts[str(expert)]
+            module = self.model.moe_layer(layer).experts[str(expert)]
             with torch.no_grad():
                 for p in module.parameters():
                     if p.grad is not None:
@@ -255,7 +255,7 @@ class Composer:
             rows = self.recorder.rows(layer, expert)
             if rows is None:
                 continue
-            moe = self.model.blocks[layer].moe
+            moe = self.model.moe_layer(layer)
             distill(moe.surrogates[expert], moe.experts[str(expert)], rows, steps=sc.distill_steps, lr=sc.distill_lr,
                     jacobian_weight=sc.jacobian_weight, seed=self.step)
             current = _detached(self.model.surrogate_parameters(layer, expert))
@@ -338,7 +338,7 @@ class Composer:
             weights, adam = check_snapshot(f"snapshot of expert {(layer, expert)}", snapshot, shapes,
                                            self.optimizer.param_groups[0]["betas"])
 
-        moe = self.model.blocks[layer].moe
+        moe = self.model.moe_layer(layer)
         like = moe.router.weight
         module.to_empty(device=like.device)
         module.to(dtype=like.dtype)
@@ -374,7 +374,7 @@ class Composer:
         """
         layer, expert = self._check_expert(expert_id, owned=True, changing=True)
         snapshot = self.expert_snapshot((layer, expert))
-        self.model.blocks[layer].moe.release_expert(expert)
+        self.model.moe_layer(layer).release_expert(expert)
         self.owned = _with_expert(self.owned, layer, expert, owned_now=False)
         self._canonical_optimizer()
         self.publishers.pop((layer, expert), None)
@@ -383,7 +383,7 @@ class Composer:
         return snapshot
 
     def split_experts(self, owned: Ownership) -> None:
-        """End the dense start-up phase (``sync.dense_steps``): stop merging the "expert" group and release
+        """End the dense start-up phase (``sim.dense_steps``): stop merging the "expert" group and release
         every expert outside ``owned``, whose selections go to its surrogate from now on. Call between steps,
         right after the experts' last merge. The owned-selection counters restart, so ``owned_fraction``
         measures the sharded phase.

@@ -73,3 +73,31 @@ def _listing(count: int) -> str:
         except Exception:  # a device torch counts but cannot query is still worth listing by index
             names.append(f"{i}: (name unavailable)")
     return ", ".join(names)
+
+
+def device_setting(gpu: int | None, cpu: bool) -> str | None:
+    """The ``device`` setting that ``--gpu N`` / ``--cpu`` ask for (None: neither flag, the setting stands).
+
+    Raises:
+        DeviceError: both flags, or a negative index.
+    """
+    if cpu and gpu is not None:
+        raise DeviceError(f"--gpu {gpu} and --cpu exclude each other: pass --gpu N to train on CUDA device N, "
+                          "or --cpu alone")
+    if gpu is not None and gpu < 0:
+        raise DeviceError(f"--gpu must be a device index >= 0, got {gpu}; pass --cpu to train on the CPU")
+    return "cpu" if cpu else (f"cuda:{gpu}" if gpu is not None else None)
+
+
+def device_of(setting: str) -> torch.device:
+    """The torch device for a ``device`` setting (auto, cpu, cuda, cuda:N), checked as ``resolve_device`` checks.
+
+    Raises:
+        DeviceError: the device cannot be used (the message says what torch sees and what to pass).
+    """
+    if setting == "auto":
+        return resolve_device(None, False)
+    if setting == "cpu":
+        return resolve_device(None, True)
+    _, _, index = setting.partition(":")
+    return resolve_device(int(index or 0), False)

@@ -1,6 +1,6 @@
 """Membership and shard ownership with real hivemind DHT peers on loopback, at the default timings.
 
-The numbers the issue asks for: 4 peers see each other; a peer killed without a deathrattle is seen
+The targets: 4 peers see each other; a peer killed without a deathrattle is seen
 dead within 6 s by all; a deathrattle is seen within 2 s; the dead peer's experts have new owners,
 agreed by every view, within 8 s.
 """

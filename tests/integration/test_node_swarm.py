@@ -14,8 +14,8 @@ import pytest
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
+from parallax.node.config.peer import NodeSettings
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
-from parallax.node.peer.runner import HANDOVER_WINDOW_S
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -171,11 +171,11 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
         assert set(taken) >= lost
         delays = {eid: taken[eid]["t"] - killed_at for eid in lost}
         assert max(delays.values()) <= 8.0, f"heirs took over after {delays} s"
-        # From the heirs' copies; an expert the victim itself had taken over less than HANDOVER_WINDOW_S before
+        # From the heirs' copies; an expert the victim itself had taken over less than node.handover_window_s before
         # may come back from the final snapshot its releaser still serves (as new as the victim's copy; seen
         # when the assignment settled seconds before the kill).
         victim_took = {(a["layer"], a["expert"]) for a in events(read_metrics(swarm.nodes[3].metrics), "adopted")
-                       if a["t"] > killed_at - HANDOVER_WINDOW_S}
+                       if a["t"] > killed_at - NodeSettings().handover_window_s}
         assert all(taken[eid]["source"] == "heir copy"
                    or (eid in victim_took and taken[eid]["source"] == "previous owner") for eid in lost), adoptions
         for i, r in enumerate(records):

@@ -53,7 +53,7 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
                              env=env, stdout=log)
             wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
             # Its heartbeat is visible before start() returns (it reads the view once more), and only then is
-            # "worker_started" written: wait for it here, or the SIGKILL below can come first (seen in CI).
+            # "worker_started" written: wait for it here, or the SIGKILL below can come first on a loaded machine.
             wait_until(lambda: any(r.get("kind") == "worker_started" for r in read_metrics(metrics)), 30)
             (worker, (capacity, key)), = _workers(composer.dht).items()
             assert capacity == 2.5

@@ -10,6 +10,7 @@ import torch
 
 from parallax.errors import NodeError
 from parallax.node.config import train as config
+from parallax.node.config.typed import apply_changes
 from parallax.node.train import checkpoint as ckpt
 from parallax.node.train.checkpoint import (
     CheckpointError,
@@ -49,7 +50,7 @@ def _cfg(**changes) -> config.TrainConfig:
         optim=config.OptimConfig(warmup_steps=3),
         surrogate=config.SurrogateConfig(refresh_every=2, distill_steps=2, buffer_tokens=48, delta_rank=2),
     )
-    return config.override(cfg, changes)
+    return apply_changes(cfg, changes)
 
 
 def _composer(train, cfg=None, owned=OWNED) -> Composer:
@@ -73,7 +74,7 @@ def _advance(c: Composer, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("sketch", [False, True])
 def test_resume_is_exact(train, tmp_path, sketch):
-    cfg = _cfg(**{"sketch.enabled": True, "sketch.sample_fraction": 0.9}) if sketch else _cfg()
+    cfg = _cfg(**{"sim.sketch.enabled": True, "sim.sketch.sample_fraction": 0.9}) if sketch else _cfg()
     original = _composer(train, cfg)
     _advance(original, 4)
     path = save_checkpoint(tmp_path, original, run_id=RUN, versions={(0, 1): 3, (1, 0): 2})

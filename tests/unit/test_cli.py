@@ -74,7 +74,7 @@ def test_flops_table_reproduces_the_report():
     assert "10.47x" in result.output and "7.29x" in result.output
 
 
-@pytest.mark.parametrize("change, says", [("nonsense.key=1", "unknown config section"),
+@pytest.mark.parametrize("change, says", [("nonsense.key=1", "unknown setting"),
                                           ("steps=5", "sets it itself"), ("sync.periods={}", "sets it itself")])
 @pytest.mark.parametrize("bench", ["swarm", "offload-swarm"])
 def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change, says):

@@ -11,6 +11,7 @@ import torch
 
 from parallax.node.config import train as config
 from parallax.node.config.train import train_config
+from parallax.node.config.typed import apply_changes
 from parallax.node.train.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
 from parallax.node.train.composer import BadOptimizerState, Composer, moment_bound
 from parallax.node.train.data import load_corpus, split_corpus
@@ -30,7 +31,7 @@ def _cfg(**changes) -> config.TrainConfig:
     cfg = config.replace(cfg, optim=config.OptimConfig(warmup_steps=3),
                          surrogate=config.SurrogateConfig(refresh_every=2, distill_steps=2, buffer_tokens=48,
                                                           delta_rank=2))
-    return config.override(cfg, changes)
+    return apply_changes(cfg, changes)
 
 
 def _composer(train, owned, seed=3, cfg=None) -> Composer:

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from parallax.cli.main import app
-from parallax.cli.node import _invoked_as_node_join, _read_config_file
+from parallax.cli.node import _invoked_as_node_join
 
 runner = CliRunner()
 
@@ -41,7 +41,7 @@ def test_unknown_config_field_is_named(tmp_path) -> None:
     assert "no_such_field" in result.output
 
 
-@pytest.mark.parametrize("change", ["sketch.enabled=true", "sync.dense_steps=50"])
+@pytest.mark.parametrize("change", ["sim.sketch.enabled=true", "sim.dense_steps=50"])
 def test_simulator_only_levers_are_refused_with_what_to_do(tmp_path, change) -> None:
     result = join("--cpu", "--set", change, "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2
@@ -49,16 +49,11 @@ def test_simulator_only_levers_are_refused_with_what_to_do(tmp_path, change) -> 
     assert change.split("=")[0] in message and "parallax sim" in message
 
 
-def test_config_file_top_level_and_train_table(tmp_path) -> None:
-    path = tmp_path / "run.toml"
-    path.write_text('run_id = "r7"\nsteps = 5\n[train]\nbatch_size = 4\n[train.sync]\nouter_lr = 0.5\n')
-    node, changes = _read_config_file(path)
-    assert node == {"run_id": "r7", "steps": 5}
-    assert changes == {"batch_size": 4, "sync.outer_lr": 0.5}
+def test_config_file_errors_name_the_setting_and_the_file(tmp_path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('colour = "blue"\n')
+    bad.write_text('[peer]\ncolour = "blue"\n')
     result = join("--cpu", "--config", str(bad), "--identity", str(tmp_path / "k"))
-    assert result.exit_code == 2 and "colour" in result.output
+    assert result.exit_code == 2 and "peer.colour" in result.output and "Traceback" not in result.output
     result = join("--cpu", "--config", str(tmp_path / "missing.toml"), "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2 and "no such file" in result.output
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from parallax.node.config import train as config
+from parallax.node.config.typed import apply_changes
 from parallax.node.model.sketch import Sketch, compress, taylor_proxy
 from parallax.node.offload.proxy import (
     LocalWorkers,
@@ -33,12 +34,12 @@ def splits():
     return split_corpus(load_corpus()[:200_000])
 
 
-def _cfg(steps: int = 8, **offload) -> config.TrainConfig:
+def _cfg(steps: int = 8, delay: int = 0, **offload) -> config.TrainConfig:
     return config.TrainConfig(
         model=config.preset("tiny"), steps=steps, batch_size=4, eval_batches=2,
         sync=config.SyncConfig(periods={"router": 2, "latent": 3, "backbone": 4}),
         surrogate=config.SurrogateConfig(refresh_every=3, distill_steps=2, buffer_tokens=64),
-        offload=config.OffloadConfig(enabled=True, **offload),
+        offload=config.OffloadConfig(enabled=True, **offload), sim=config.SimConfig(offload_delay=delay),
     )
 
 
@@ -373,7 +374,7 @@ def test_bench_offload_command_writes_the_promised_numbers(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"result_codec": "int8"}, "result_codec"), ({"onboard_codec": "lowrank"}, "onboard_codec"),
     ({"worker_steps": 0}, "worker_steps"), ({"sample_fraction": 0.0}, "sample_fraction"),
-    ({"result_rank": 65}, "result_rank"), ({"delay": -1}, "delay"), ({"wait_s": -1.0}, "wait_s"),
+    ({"result_rank": 65}, "result_rank"), ({"wait_s": -1.0}, "wait_s"),
     ({"wait_s": 61.0}, "wait_s"),
 ])
 def test_offload_config_says_what_to_fix(change, message):
@@ -386,19 +387,19 @@ def test_offload_config_says_what_to_fix(change, message):
 def test_the_settings_digest_follows_exactly_what_a_worker_trains_with() -> None:
     base = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True))
     digest = settings_digest(base)
-    assert 0 <= digest < 2**62 and settings_digest(config.override(base, {})) == digest
+    assert 0 <= digest < 2**62 and settings_digest(apply_changes(base, {})) == digest
     # Written as an int on one command line and left at the float default on the other: the same settings.
-    assert settings_digest(config.override(base, {"offload.proxy_lambda": 0, "optim.weight_decay": 0.1})) == digest
+    assert settings_digest(apply_changes(base, {"offload.proxy_lambda": 0, "optim.weight_decay": 0.1})) == digest
     for key, value in [("offload.worker_lr", 1e-2), ("offload.lookahead", 0), ("offload.result_codec", "fp16"),
                        ("offload.private_layers", 1), ("offload.state_every", 0), ("optim.weight_decay", 0.0),
                        ("steps", 99)]:
-        assert settings_digest(config.override(base, {key: value})) != digest, key
+        assert settings_digest(apply_changes(base, {key: value})) != digest, key
     base_small = config.TrainConfig(model=config.preset("small"), offload=base.offload)
     assert settings_digest(base_small) != digest
     # Composer-side settings leave it alone: a worker serves composers that sample or wait differently.
-    for key, value in [("offload.sample_fraction", 0.5), ("offload.delay", 2), ("offload.max_change", 0.1),
+    for key, value in [("offload.sample_fraction", 0.5), ("sim.offload_delay", 2), ("offload.max_change", 0.1),
                        ("offload.input_grad", False), ("offload.wire_codec", "fp16"), ("seed", 7)]:
-        assert settings_digest(config.override(base, {key: value})) == digest, key
+        assert settings_digest(apply_changes(base, {key: value})) == digest, key
 
 
 @pytest.mark.parametrize("clip, expect_scaled", [(1e-3, True), (1e6, False), (0.0, False)])

@@ -72,7 +72,7 @@ def _extra_moves(before, after, changed_peer, n_experts):
 
 
 # Derandomized: the bound is measured, not proven, and CI must not find a new worst case by chance;
-# a change to the assignment still meets these examples, and the case below that broke the old bound.
+# a change to the assignment still meets these examples, and the case below, the worst one known.
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(st.dictionaries(peer_ids, st.just(1.0), min_size=1, max_size=14), shapes, st.booleans(), st.data())
 def test_minimal_movement_on_one_join_or_leave(peers, shape, joining, data):
@@ -90,7 +90,7 @@ def test_minimal_movement_on_one_join_or_leave(peers, shape, joining, data):
 
 
 def test_the_worst_case_hypothesis_found_stays_within_the_stated_bound():
-    """8 peers on 6 experts, one leaves: 5 experts move beyond the leaver's own (the old bound said 4)."""
+    """8 peers on 6 experts, one leaves: 5 experts move beyond the leaver's own, a bound of 4 would be too tight."""
     peers = dict.fromkeys(["0", "d9", "if", "tdb", "gr6c", "50000000", "471mo0000g", "prn1stj25q"], 1.0)
     before = assign_experts("run", 3, 6, peers)
     after = assign_experts("run", 3, 6, {p: c for p, c in peers.items() if p != "50000000"})

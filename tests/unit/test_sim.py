@@ -120,7 +120,7 @@ def test_ablations_run(splits):
 
 
 def test_dense_start_up_splits_the_merged_experts_into_the_shards(splits):
-    """sync.dense_steps: every composer trains every expert until the split; then each keeps its shard of
+    """sim.dense_steps: every composer trains every expert until the split; then each keeps its shard of
     the experts as they were right after their last merge, and surrogates for the rest."""
     train, _ = splits
     cfg = _cfg()
@@ -151,7 +151,7 @@ def test_dense_start_up_splits_the_merged_experts_into_the_shards(splits):
 def test_a_run_with_a_dense_start_up_pays_for_it_in_memory_traffic_and_flops(splits):
     train, val = splits
     cfg = _cfg(steps=10)
-    dense = config.replace(cfg, sync=config.replace(cfg.sync, dense_steps=4))
+    dense = config.replace(cfg, sim=config.replace(cfg.sim, dense_steps=4))
     split, start_dense = (run(RunSpec(name=n, kind="parallax", cfg=c, composers=2), train, val)
                           for n, c in (("split", cfg), ("dense", dense)))
     assert start_dense.val_loss < 5.6 and start_dense.tokens == split.tokens
@@ -160,7 +160,7 @@ def test_a_run_with_a_dense_start_up_pays_for_it_in_memory_traffic_and_flops(spl
     assert start_dense.network_bytes["outer"] > split.network_bytes["outer"]  # the experts' merges
     assert start_dense.train_flops > split.train_flops
     with pytest.raises(ValueError, match="dense_steps"):
-        never = config.replace(cfg, sync=config.replace(cfg.sync, dense_steps=10))
+        never = config.replace(cfg, sim=config.replace(cfg.sim, dense_steps=10))
         run(RunSpec(name="never", kind="parallax", cfg=never, composers=2), train, val)
     with pytest.raises(ValueError, match="dense_steps"):
-        config.SyncConfig(dense_steps=-1)
+        config.SimConfig(dense_steps=-1)

@@ -1,0 +1,216 @@
+"""Settings of the networked processes: what ``parallax node join`` and ``parallax worker join`` run with.
+
+Both share ``PeerConfig`` (run, identity, addresses). A node adds ``NodeSettings`` (its run of steps, checkpoints,
+hand-over waits) and ``NetConfig`` (poll periods and timeouts of what crosses the network); a worker adds
+``WorkerSettings``. Timings have two profiles: the internet (the defaults) and ``peer.loopback`` (peers on one
+machine: tests and ``parallax swarm local``); ``config/resolve.py`` picks the profile before applying changes, so
+a timing set by a file or a flag wins over either profile.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parallax.dht.adapter import parse_initial_peers
+from parallax.dht.keys import check_run_id
+from parallax.node.config.train import TrainConfig
+
+UNARY_CAP = 4 * 2**20
+"""hivemind refuses a unary P2P message larger than this, bytes."""
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> str:
+    """``auto`` (CUDA device 0 when present, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: anything else, saying what to write.
+    """
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device {device!r}: write auto, cpu, cuda or cuda:N (or pass --gpu N / --cpu)")
+    return device
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerConfig:
+    """Who this peer is and where it listens: the same for composers and workers."""
+
+    run_id: str = "parallax"
+    """The training run: namespaces every DHT key and P2P handler; every peer of a run uses the same."""
+    identity: Path | None = None
+    """Ed25519 key file, created on first run (the libp2p key lives beside it). None: ~/.parallax/<role>.key."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of live peers, each ending in /p2p/<peer id>. Empty: start a new swarm."""
+    host: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Multiaddrs to listen on."""
+    announce: tuple[str, ...] = ()
+    """Public multiaddrs other peers dial (behind a port forward, say). Empty: what libp2p reports."""
+    loopback: bool = False
+    """Every peer on one machine (tests, ``swarm local``): the loopback timing profile."""
+    metrics: Path | None = None
+    """JSONL file: one line per step and per event."""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        parse_initial_peers(self.initial_peers)  # a malformed multiaddr fails here, with what to write
+
+    def identity_path(self, role: str) -> Path:
+        """The key file: ``identity`` or the default for ``role`` (node, worker)."""
+        return (self.identity or Path.home() / ".parallax" / f"{role}.key").expanduser()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeSettings:
+    """A composer node's own run: how long, where it keeps state, how it waits. Times in seconds."""
+
+    data: str | None = None
+    """Corpus: a text file, a folder or a glob. None: the built-in tinyshakespeare."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N (``--gpu N``, ``--cpu``)."""
+    steps: int | None = None
+    """Train this many steps, then leave gracefully. None: until Ctrl+C or SIGTERM."""
+    checkpoint_dir: Path | None = None
+    """Folder of this node's checkpoints. None: no checkpoints."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints."""
+    resume: bool = False
+    """Resume from the latest checkpoint in checkpoint_dir."""
+    min_peers: int = 1
+    """Wait until this many composers are alive (this one included) before the first step."""
+    start_timeout_s: float = 120.0
+    """Give up when the swarm offers this node no shard within this long."""
+    snapshot_every: int = 50
+    """Steps between snapshots of every owned expert served to its heir: an owner's death loses at most this
+    many steps of its experts; each snapshot is weights + AdamW moments (12 bytes per expert parameter)."""
+    adopt_wait_s: float = 10.0
+    """How long a new owner waits for the previous owner's final snapshot before taking the best one it has."""
+    handover_window_s: float = 30.0
+    """A released expert's final snapshot counts as the hand-over only when released at most this long before
+    the adoption began: a releaser serves its final snapshot for minutes, and under churn the expert may have
+    been trained elsewhere since."""
+    leave_timeout_s: float = 30.0
+    """Bound on the graceful leave (outer rounds in flight, final snapshots to the heirs)."""
+    final_eval: bool = False
+    """Evaluate this node's own view on the validation split when it leaves (metrics event final_eval)."""
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        if self.steps is not None and self.steps < 1:
+            raise ValueError("node.steps (--steps) must be >= 1")
+        for name in ("checkpoint_every", "snapshot_every", "min_peers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"node.{name} must be >= 1")
+        for name in ("start_timeout_s", "adopt_wait_s", "handover_window_s", "leave_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"node.{name} must be > 0 seconds")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("node.resume (--resume) needs node.checkpoint_dir (--checkpoint-dir): where the "
+                             "checkpoints are")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetConfig:
+    """Poll periods and timeouts of a node's network side, in seconds. The defaults suit the internet;
+    ``NetConfig.loopback()`` suits peers on one machine."""
+
+    gossip_poll_s: float = 2.0
+    """Re-read the surrogate announcements this often."""
+    announce_period_s: float = 10.0
+    """Re-store this node's surrogate announcements this often."""
+    announce_ttl_s: float = 60.0
+    """A surrogate announcement expires this long after it is stored."""
+    snapshot_poll_s: float = 10.0
+    """An heir checks its owners' heartbeats for newer expert snapshots this often."""
+    exchange_timeout_s: float = 30.0
+    """One expert snapshot download, and one offload request to a worker."""
+    load_state_timeout_s: float = 30.0
+    """A joiner's download of the shared groups from live peers."""
+    min_matchmaking_time_s: float = 15.0
+    """An outer round waits this long for more peers before averaging with those present."""
+    matchmaking_timeout_s: float = 60.0
+    """An outer round that formed no group within this long is given up."""
+    allreduce_timeout_s: float = 300.0
+    """An outer all-reduce not finished this long after its group formed is given up."""
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            if not getattr(self, name) > 0:
+                raise ValueError(f"net.{name} must be > 0 seconds")
+        if self.announce_ttl_s <= self.announce_period_s:
+            raise ValueError("net.announce_ttl_s must exceed net.announce_period_s, or records lapse between stores")
+        if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
+            raise ValueError("net.matchmaking_timeout_s must exceed net.min_matchmaking_time_s")
+
+    @classmethod
+    def loopback(cls) -> NetConfig:
+        """Short timings for peers on one machine."""
+        return cls(gossip_poll_s=0.5, announce_period_s=2.0, announce_ttl_s=30.0, snapshot_poll_s=2.0,
+                   exchange_timeout_s=5.0, min_matchmaking_time_s=1.0, matchmaking_timeout_s=15.0,
+                   allreduce_timeout_s=20.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything ``parallax node join`` runs with (``parallax config show`` prints it)."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Model, optimizers, sync cadences, surrogates, offload: every peer of a run uses the same."""
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    node: NodeSettings = field(default_factory=NodeSettings)
+    net: NetConfig = field(default_factory=NetConfig)
+
+    def __post_init__(self) -> None:
+        from parallax.node.config.train import SimConfig
+
+        if self.train.sim != SimConfig():
+            raise ValueError("the [train.sim] levers (sketches to owners, a dense start-up phase, an offload delay) "
+                             "run in `parallax sim` only: leave them out of a node's configuration")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerLimits:
+    """What one offload worker accepts."""
+
+    max_request_bytes: int = UNARY_CAP - 64 * 1024
+    """Cap on a request body, checked before decoding, bytes (< 4 MiB, hivemind's unary cap)."""
+    max_rows: int = 65536
+    """Cap on sketch rows per update request."""
+    max_experts: int = 64
+    """Experts one worker trains at once (its memory), over all composers."""
+    update_timeout_s: float = 30.0
+    """One update's Taylor-proxy steps; past it the caller gets an error."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_request_bytes < UNARY_CAP:
+            raise ValueError(f"worker.limits.max_request_bytes must be in (0, {UNARY_CAP}) bytes")
+        if self.max_rows < 1 or self.max_experts < 1 or self.update_timeout_s <= 0:
+            raise ValueError("worker.limits needs max_rows >= 1, max_experts >= 1 and update_timeout_s > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSettings:
+    """An offload worker's own settings."""
+
+    capacity: float = 1.0
+    """Relative capacity (> 0; 1.0 = a reference worker): composers give this worker experts in proportion."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N: where the experts' copies and their optimizer state live."""
+    limits: WorkerLimits = field(default_factory=WorkerLimits)
+
+    def __post_init__(self) -> None:
+        check_device(self.device)
+        if not self.capacity > 0:
+            raise ValueError("worker.capacity (--capacity) must be > 0 (a relative weight; 1.0 = a reference worker)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Everything ``parallax worker join`` runs with."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The run's settings: model shapes and ``offload`` must match the composers'."""
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)

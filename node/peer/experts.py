@@ -1,0 +1,228 @@
+"""A node's owned experts moving in and out: hand-overs, releases, snapshots for heirs, surrogate publication.
+
+The live assignment (``Membership.owned``) decides what this node trains. ``reconcile`` runs at every seam:
+an expert it lost is released (its final snapshot served for the peer taking it over, its surrogate back to
+what every receiver holds); an expert it gained is taken over through a ``Handover`` (``handover.py``) and
+adopted from the snapshot that wins, or from this node's heir copy, or from the seeded initialisation (logged).
+The new owner then publishes the surrogate as a full copy at a version that makes every receiver catch up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from parallax.dht.keys import ExpertId
+from parallax.dht.membership import Membership
+from parallax.dht.shards import Assignment
+from parallax.node.config.peer import NodeSettings
+from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
+from parallax.node.net.gossip import SurrogateGossip
+from parallax.node.offload.session import OffloadSession
+from parallax.node.peer.handover import Ask, Finish, Handover, Served
+from parallax.node.peer.telemetry import Telemetry
+from parallax.node.peer.views import LEAVING, SwarmViews
+from parallax.node.train.composer import ADAM_PREFIX, BadOptimizerState, Composer
+
+logger = logging.getLogger(__name__)
+
+
+def owners_of(assignment: Assignment | None) -> dict[ExpertId, str]:
+    """expert -> owner fingerprint in ``assignment`` (empty without one)."""
+    return {} if assignment is None else {(layer, e): owner for layer, e, owner, _ in assignment.items()}
+
+
+class Experts:
+    """The experts of one running node (module docstring). Called from the training loop's thread only.
+
+    Args:
+        composer, gossip, exchange, membership, views, telemetry: the node's running parts.
+        settings: the node's own settings (adoption wait, hand-over window, snapshot period).
+        fingerprint: this node's identity fingerprint.
+        online_at: when this node's first heartbeat was stored (monotonic clock).
+        owners: expert -> owner fingerprint as the node last saw it (the previous owners of a joiner's experts).
+        offload: the offload session, when this node offloads.
+        clock: the monotonic clock (injected in tests).
+    """
+
+    def __init__(self, composer: Composer, gossip: SurrogateGossip, exchange: ExpertExchange, membership: Membership,
+                 views: SwarmViews, telemetry: Telemetry, settings: NodeSettings, *, fingerprint: str,
+                 online_at: float, owners: dict[ExpertId, str], offload: OffloadSession | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.composer, self.gossip, self.exchange, self.membership = composer, gossip, exchange, membership
+        self.views, self.telemetry, self.settings = views, telemetry, settings
+        self.fingerprint, self.online_at, self.owners, self.offload = fingerprint, online_at, owners, offload
+        self.clock = clock
+        self.handovers: dict[ExpertId, tuple[Handover, Future[Snapshot | None] | None]] = {}
+        self._adopted: set[ExpertId] = set()  # taken over since start: the next publication jumps versions
+
+    # --- ownership changes ---
+
+    def reconcile(self) -> None:
+        """Follow the live assignment: release what we lost, take over what we gained, progress hand-overs."""
+        view = self.views.fresh()
+        assignment = view.assignment() if view is not None else None
+        if view is None or assignment is None or self.fingerprint not in assignment.peers:
+            return  # no fresh view that has us in it (a transient DHT miss): change nothing
+        target = {(layer, e) for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
+        current = set(self.composer.owned_experts())
+        for eid in sorted(current - target):
+            self.release(eid)
+        now = self.clock()
+        alive = view.alive()
+        for eid in sorted(target - current - set(self.handovers)):
+            previous = self.owners.get(eid)
+            member = alive.get(previous) if previous and previous != self.fingerprint else None
+            # Under churn the previous owner in our view may not be the node that trained the expert last:
+            # after it, every other live composer is asked (a releaser serves its final snapshot for minutes).
+            handover = Handover(
+                source=member.heartbeat.peer_id if member else None,
+                others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
+                        if m.heartbeat.role == "composer" and fp != self.fingerprint],
+                started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
+                wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
+                has_own_copy=self.exchange.has_local_copy(eid))
+            self.handovers[eid] = (handover, None)
+            self._carry_out(eid, handover.start())
+        for eid in list(self.handovers):
+            if eid not in target:
+                del self.handovers[eid]  # it moved on before we took it
+                continue
+            handover, pending = self.handovers[eid]
+            if pending is not None and pending.done():
+                self.handovers[eid] = (handover, None)
+                self._carry_out(eid, handover.answered(pending.result(), self.clock()))
+            else:
+                self._carry_out(eid, handover.tick(self.clock()))
+        self.owners = owners_of(assignment)
+        if set(self.composer.owned_experts()) != current:
+            self.shard_event()
+
+    def _carry_out(self, eid: ExpertId, actions: list[Ask | Finish]) -> None:
+        for action in actions:
+            if isinstance(action, Ask):
+                self.handovers[eid] = (self.handovers[eid][0], self.exchange.fetch(action.peer, eid))
+            else:
+                del self.handovers[eid]
+                self._finish(eid, action.best)
+
+    def _finish(self, eid: ExpertId, best: Served | None) -> None:
+        local = self.exchange.take_local_copy(eid)
+        if best is not None and local is not None and local[0].step > best.step:
+            best = None  # our own copy is newer than anything a live peer had
+        if best is not None:
+            assert isinstance(best, Snapshot)
+            self.adopt(eid, best, source="previous owner")
+        else:
+            self.adopt(eid, local[0] if local else None, source=local[1] if local else "init")
+
+    def shard_event(self) -> None:
+        self.telemetry.event("shard", step=self.composer.step,
+                             experts=[list(eid) for eid in self.composer.owned_experts()])
+
+    def adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str) -> None:
+        """Train ``eid`` from ``snapshot`` (None: from the initialisation); a snapshot the composer refuses is
+        logged with its source and the expert restarts from the initialisation instead."""
+        composer = self.composer
+        if snapshot is not None and not self._adopt_snapshot(eid, snapshot, source):
+            snapshot = None
+        if snapshot is None:
+            logger.warning("expert %s: no live peer served a usable snapshot of it within the adoption wait; "
+                           "restarting it from init", eid)
+            source = "init"
+            composer.adopt_expert(eid, None)
+        self._adopted.add(eid)
+        self.telemetry.status.adoptions += 1
+        self.telemetry.event("adopted", layer=eid[0], expert=eid[1], source=source,
+                             snapshot_step=snapshot.step if snapshot else None,
+                             surrogate_version=self.gossip.versions().get(eid, 0))
+        # Publish at once: every receiver switches to this node's copy of the surrogate (a full copy at a
+        # version past anything the previous owner may have published).
+        self.publish(eid[0], eid[1], composer.publishers[eid].delta(
+            {n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()}))
+
+    def _adopt_snapshot(self, eid: ExpertId, snapshot: Snapshot, source: str) -> bool:
+        composer = self.composer
+        expert = {k: v for k, v in snapshot.tensors.items() if not k.startswith(SURROGATE_PREFIX)}
+        surrogate = {k[len(SURROGATE_PREFIX):]: v for k, v in snapshot.tensors.items()
+                     if k.startswith(SURROGATE_PREFIX) and k != SURROGATE_VERSION}
+        try:
+            try:
+                composer.adopt_expert(eid, expert)
+            except BadOptimizerState as e:  # usable weights: keep them, start AdamW afresh
+                logger.warning("expert %s: the %s's snapshot has an unusable AdamW state (%s); adopting its "
+                               "weights with a fresh optimizer state", eid, source, e)
+                composer.adopt_expert(eid, {k: v for k, v in expert.items() if not k.startswith(ADAM_PREFIX)})
+        except ValueError as e:  # a peer's snapshot the composer refuses: never raised into the loop
+            logger.warning("expert %s: refused the snapshot from the %s (%s); trying without it", eid, source, e)
+            return False
+        if surrogate:
+            with torch.no_grad():
+                for n, p in composer.model.surrogate_parameters(*eid).items():
+                    p.copy_(surrogate[n])
+            composer.reset_publisher(eid)
+            self.gossip.hold(eid, int(snapshot.tensors[SURROGATE_VERSION]))
+        return True
+
+    def release(self, eid: ExpertId) -> None:
+        """Stop training ``eid``: serve its final snapshot, and fall back to the surrogate receivers hold."""
+        composer = self.composer
+        if self.offload is not None:  # trained here again before its snapshot (unanswered sketches are dropped)
+            self.offload.release(eid)
+        mirror = composer.publishers[eid].full() if eid in composer.publishers else None
+        snapshot = self.snapshot(eid)
+        composer.release_expert(eid)
+        self.exchange.put(eid, composer.step, snapshot, final=True)
+        self.gossip.disown(*eid)
+        if mirror is not None:  # back to the surrogate every receiver holds
+            with torch.no_grad():
+                for n, p in composer.model.surrogate_parameters(*eid).items():
+                    p.copy_(mirror[n])
+        self.telemetry.status.releases += 1
+        self.telemetry.event("released", layer=eid[0], expert=eid[1], step=composer.step)
+
+    # --- snapshots and publication ---
+
+    def snapshot(self, eid: ExpertId) -> dict[str, torch.Tensor]:
+        """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its
+        version, so whoever takes the expert over continues the surrogate's versions from the same base."""
+        tensors = self.composer.expert_snapshot(eid)
+        for name, t in self.composer.publishers[eid].full().items():
+            tensors[f"{SURROGATE_PREFIX}{name}"] = t
+        tensors[SURROGATE_VERSION] = torch.tensor(float(self.gossip.versions().get(eid, 0)))
+        return tensors
+
+    def serve_snapshots(self, *, final: bool = False) -> None:
+        """Serve a snapshot of every owned expert at the current step (for heirs, or final when leaving)."""
+        for eid in self.composer.owned_experts():
+            self.exchange.put(eid, self.composer.step, self.snapshot(eid), final=final)
+
+    def publish(self, layer: int, expert: int, factors: Any) -> None:
+        """Publish a surrogate change of an owned expert (the first after a take-over jumps versions)."""
+        eid = (layer, expert)
+        version = self.gossip.next_version(layer, expert, adopted=eid in self._adopted)
+        self.gossip.publish(layer, expert, version, factors, full=self.composer.publishers[eid].full())
+        self._adopted.discard(eid)
+
+    def push_final_snapshots(self, deadline: float) -> None:
+        """Hand our experts' final state to their heirs before the deathrattle.
+
+        Heirs pull the owner's snapshot whenever its heartbeat shows a newer step; we announce our last
+        step and wait (bounded) until each owned expert's snapshot at that step was served."""
+        owned = list(self.views.heirs_of(list(self.composer.owned_experts())))
+        if not owned:
+            return
+        versions = self.gossip.versions()
+        self.membership.update(step=self.composer.step, versions={"max": max(versions.values(), default=0),
+                                                                   "held": len(versions), LEAVING: 1})
+        while self.clock() < deadline:
+            served = self.exchange.servicer.served_steps
+            if all(served.get(eid, -1) >= self.composer.step for eid in owned):
+                return
+            time.sleep(0.2)
+        logger.info("leaving before every heir pulled its final snapshot (heirs keep their last periodic copy)")

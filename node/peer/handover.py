@@ -1,0 +1,148 @@
+"""Taking one expert over: whom to ask for its snapshot, in which order, and when to stop asking.
+
+A pure state machine in the style of h11's ``_state.py``: the node feeds it events (an answer arrived, time
+passed) with the time they happened, and carries out the actions it returns (ask a peer, finish with the best
+snapshot). No clock, no network, no composer inside: the unit tests drive it with plain events.
+
+The protocol. The new owner asks the previous owner first (when it is alive), then, while the answers are not
+the hand-over's final snapshot, every other live composer in turn, with the previous owner again every other
+request: a previous owner whose view lagged ours releases the expert (and serves its final snapshot) seconds
+later, and under churn the node that trained the expert last may not be the owner our view names. At most
+two requests a second per expert. The wait ends with the hand-over's final snapshot (released within
+``handover_window_s`` before the adoption began, and not before this node came online), or when ``wait_s``
+has passed; the node then adopts the newest snapshot it was served, or its own heir copy when that is newer,
+or restarts the expert from its initialisation when it has neither.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+REQUEST_INTERVAL_S = 0.5
+"""At most one request per expert this often (two a second)."""
+
+
+class Served(Protocol):
+    """What the state machine reads of a snapshot."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def final(self) -> bool: ...
+
+    @property
+    def age_s(self) -> float: ...
+
+
+class Phase(enum.Enum):
+    ASKING = "asking"
+    """A request is in flight to ``Handover.asking``."""
+    ANSWERED = "answered"
+    """The last request was answered without the final snapshot; the next goes out after the interval."""
+    DONE = "done"
+    """Finished: the node adopts ``Handover.best`` (or its own copy, or the initialisation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Action: request the expert's snapshot from ``peer`` (a libp2p peer id) and report the answer."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Action: adopt the expert from ``best`` (None: nobody served one) or from a newer own heir copy."""
+
+    best: Served | None
+
+
+Action = Ask | Finish
+
+
+@dataclass
+class Handover:
+    """The take-over of one expert (module docstring).
+
+    Args:
+        source: the previous owner's peer id when it is alive; None when it is dead.
+        others: the other live composers' peer ids, asked in turn after the source.
+        started: when the adoption began (the node's monotonic clock, seconds).
+        online_since: earliest release time a final snapshot may have to count as this hand-over's (when this
+            node came online, less a heartbeat lifetime for views that lag).
+        wait_s: give up asking after this long.
+        handover_window_s: a final snapshot released longer than this before ``started`` is stale.
+        has_own_copy: this node holds an heir copy of the expert (with a dead source: ask nobody).
+    """
+
+    source: str | None
+    others: list[str]
+    started: float
+    online_since: float
+    wait_s: float
+    handover_window_s: float
+    has_own_copy: bool = False
+    phase: Phase = Phase.ASKING
+    asking: str | None = None
+    asked_at: float = 0.0
+    best: Served | None = None
+    _last: Served | None = field(default=None, repr=False)
+
+    def start(self) -> list[Action]:
+        """The first action: ask the source, or (dead source) another peer unless we hold our own copy."""
+        others = [p for p in self.others if p != self.source]
+        if self.source is None:
+            if self.has_own_copy or not others:
+                self.others = others if not self.has_own_copy else []
+                return self._finish()
+            self.source = others.pop(0)
+        self.others = others
+        return self._ask(self.source, self.started)
+
+    def answered(self, snapshot: Served | None, now: float) -> list[Action]:
+        """The request in flight was answered (``snapshot`` None: the peer holds none or failed)."""
+        if self.phase is not Phase.ASKING:
+            return []
+        self._last = snapshot
+        if snapshot is not None and (self.best is None or snapshot.step >= self.best.step):
+            self.best = snapshot
+        if self._is_handover_final(snapshot, now) or now - self.started >= self.wait_s:
+            return self._finish()
+        self.phase = Phase.ANSWERED
+        return self.tick(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: ask the next peer once the interval is over; give up once the wait is."""
+        if self.phase is Phase.DONE:
+            return []
+        if now - self.started >= self.wait_s:
+            return self._finish()
+        if self.phase is Phase.ASKING or now - self.asked_at < REQUEST_INTERVAL_S:
+            return []
+        assert self.asking is not None and self.source is not None
+        last = self._last
+        if (last is None or last.final) and self.others:  # nothing there, or a stale final: someone else
+            if self.asking == self.source:  # the next of the others, in turn
+                nxt = self.others.pop(0)
+                self.others.append(nxt)
+            else:  # and every other time the previous owner again
+                nxt = self.source
+            return self._ask(nxt, now)
+        return self._ask(self.asking, now)
+
+    def _is_handover_final(self, snapshot: Served | None, now: float) -> bool:
+        if snapshot is None or not snapshot.final:
+            return False
+        released_at = now - snapshot.age_s
+        return released_at >= max(self.online_since, self.started - self.handover_window_s)
+
+    def _ask(self, peer: str, now: float) -> list[Action]:
+        self.phase, self.asking, self.asked_at = Phase.ASKING, peer, now
+        return [Ask(peer)]
+
+    def _finish(self) -> list[Action]:
+        self.phase = Phase.DONE
+        return [Finish(self.best)]

@@ -1,0 +1,105 @@
+"""What a node tells about itself: the live status (``NodeStatus``), the JSONL metrics file and its events.
+
+One ``Telemetry`` per node; the training loop and the start-up write to it, the CLI's live table reads the
+status it hands to ``on_status``. Every line carries the DHT clock (``t``) so lines of several nodes line up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from parallax.dht.adapter import dht_time
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeStatus:
+    """What the live display shows, refreshed after every step (a plain value: safe to hand to the UI)."""
+
+    fingerprint: str = ""
+    peer_id: str = ""
+    join_command: str = ""
+    """``--initial-peers ...`` line others join through (printed once at start)."""
+    phase: str = "starting"
+    step: int = 0
+    trained: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    live_peers: int = 0
+    view_age_s: float = 0.0
+    """Seconds since this node last read the swarm's members (grows while its DHT reads fail)."""
+    owned: int = 0
+    surrogates_held: int = 0
+    surrogate_version_max: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    gossip_bytes: int = 0
+    """Surrogate payloads fetched + served."""
+    snapshot_bytes: int = 0
+    """Expert snapshots fetched + served (heir copies, hand-overs)."""
+    heir_copies: list[list[int]] = field(default_factory=list)
+    """[layer, expert] of other owners' experts this node holds a snapshot of, as their heir."""
+    rounds_ok: dict[str, int] = field(default_factory=dict)
+    next_round: dict[str, int] = field(default_factory=dict)
+    adoptions: int = 0
+    releases: int = 0
+    val_loss: float | None = None
+
+
+class Telemetry:
+    """The status, its listener and the metrics file of one node. ``close`` is safe twice.
+
+    Args:
+        metrics_path: JSONL file appended to (None: no file).
+        on_status: called with the status whenever it changes (the CLI's live table).
+    """
+
+    def __init__(self, metrics_path: Path | None, on_status: Callable[[NodeStatus], None] | None) -> None:
+        self.status = NodeStatus()
+        self.on_status = on_status
+        self._file: IO[str] | None = None
+        if metrics_path is not None:
+            metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = metrics_path.open("a", encoding="utf-8")
+
+    def phase(self, phase: str) -> None:
+        self.status.phase = phase
+        self.publish()
+
+    def publish(self) -> None:
+        """Hand the status to the listener."""
+        if self.on_status is not None:
+            self.on_status(self.status)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Log an event and write it as one metrics line."""
+        logger.info("%s %s", kind, fields)
+        self._write({"t": round(dht_time(), 3), "kind": kind, **fields})
+
+    def step(self, **fields: Any) -> None:
+        """One metrics line per step: ``fields`` and the status's counters."""
+        if self._file is None:
+            return
+        s = self.status
+        self._write({"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers,
+                     "view_age_s": round(s.view_age_s, 2), "owned": s.owned, "surrogates_held": s.surrogates_held,
+                     "surrogate_version_max": s.surrogate_version_max,
+                     "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
+                     "snapshot_bytes": s.snapshot_bytes, "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok,
+                     "tokens_per_s": round(s.tokens_per_s, 1)})
+
+    def _write(self, line: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,206 @@
+"""A started node's training loop, its one seam with the network, and its graceful leave (``runner.py`` wires it).
+
+A step does no network I/O. Between two steps, and only there, ``seam`` applies the surrogate updates that
+arrived, follows the live assignment (``Experts.reconcile``), applies finished outer rounds and starts due ones,
+publishes surrogate refreshes and expert snapshots, and updates the heartbeat. It never waits on the network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from parallax.dht.adapter import SwarmDHT, dht_time
+from parallax.dht.membership import Membership
+from parallax.node.config.peer import NodeConfig
+from parallax.node.net.expert_exchange import ExpertExchange
+from parallax.node.net.gossip import SurrogateGossip
+from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
+from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.net.outer_wire import payload_bytes
+from parallax.node.offload.session import OffloadSession
+from parallax.node.peer.experts import Experts
+from parallax.node.peer.refits import RefitGate
+from parallax.node.peer.telemetry import Telemetry
+from parallax.node.peer.views import SwarmViews
+from parallax.node.train.checkpoint import save_checkpoint, state_hash
+from parallax.node.train.composer import Composer
+from parallax.node.train.outer import TierSchedule
+
+TOKENS_WINDOW_S = 2.0
+"""tokens/s is measured over windows of about this long."""
+
+
+class Training:
+    """The running node's loop (module docstring); every part it holds is started."""
+
+    def __init__(self, config: NodeConfig, composer: Composer, dht: SwarmDHT, membership: Membership,
+                 views: SwarmViews, gossip: SurrogateGossip, exchange: ExpertExchange, sync: TieredOuterSync,
+                 rounds: BackgroundRounds, experts: Experts, gate: RefitGate, telemetry: Telemetry,
+                 stop_event: threading.Event, *, offload: OffloadSession | None,
+                 val: list[tuple[torch.Tensor, torch.Tensor]], started: float) -> None:
+        self.config, self.composer, self.dht, self.membership, self.views = config, composer, dht, membership, views
+        self.gossip, self.exchange, self.sync, self.rounds = gossip, exchange, sync, rounds
+        self.experts, self.gate, self.telemetry, self.stop_event = experts, gate, telemetry, stop_event
+        self.offload, self.val, self.started = offload, val, started
+        self.schedule = TierSchedule(config.train.sync.periods)
+        self.join_to_first_step_s: float | None = None
+
+    # --- the loop ---
+
+    def run(self) -> None:
+        """Train until ``node.steps`` or a stop, the seam between every two steps."""
+        composer, status, settings = self.composer, self.telemetry.status, self.config.node
+        self.telemetry.phase("training")
+        self.experts.shard_event()
+        self.dht.forbidden_thread = threading.get_ident()  # counts any DHT call from this loop (none expected)
+        trained, tokens_window, window_started = 0, 0, time.monotonic()
+        while not self.stop_event.is_set() and (settings.steps is None or trained < settings.steps):
+            self.seam()
+            if self.offload is None:
+                stats = composer.train_step()
+            else:  # the offload exchange must sit between backward and the optimizer step (offload/session.py)
+                stats = composer.forward_backward()
+                self.offload.exchange()
+                composer.optimizer_step()
+            trained += 1
+            if self.join_to_first_step_s is None:
+                self.join_to_first_step_s = time.monotonic() - self.started
+                self.telemetry.event("first_step", seconds=round(self.join_to_first_step_s, 3))
+            tokens_window += stats.tokens
+            elapsed = time.monotonic() - window_started
+            if elapsed >= TOKENS_WINDOW_S:
+                status.tokens_per_s = tokens_window / elapsed
+                tokens_window, window_started = 0, time.monotonic()
+            status.step, status.trained, status.loss = composer.step, trained, stats.loss
+            self.telemetry.step(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5),
+                                **({} if self.offload is None else self.offload.metrics()))
+            if settings.checkpoint_dir is not None and composer.step % settings.checkpoint_every == 0:
+                self.checkpoint()
+        self.seam()  # apply what arrived during the last step before leaving
+        self.dht.forbidden_thread = None
+        self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
+
+    def seam(self) -> None:
+        """The one place the training loop meets the network (module docstring). Never waits on it."""
+        composer, gossip, rounds = self.composer, self.gossip, self.rounds
+        owned_now = set(composer.owned_experts())
+        for update in gossip.drain():
+            eid = (update.layer, update.expert)
+            if eid not in owned_now:
+                update.apply({n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()})
+        self.experts.reconcile()
+        for report in rounds.collect():
+            self._round_event(report)
+            self.gate.round_done(report.group, report.status is RoundStatus.OK, composer.step)
+        step = composer.step
+        if step > 0:
+            self._outer_rounds(step)
+            if step % self.config.train.surrogate.refresh_every == 0:
+                self._publish_refresh()
+            if step % self.config.node.snapshot_every == 0:
+                self.experts.serve_snapshots()
+        versions = gossip.versions()
+        self.membership.update(step=step, loss=self.telemetry.status.loss,
+                               versions={"max": max(versions.values(), default=0), "held": len(versions)})
+        self._refresh_status()
+
+    def _outer_rounds(self, step: int) -> None:
+        """Start the outer rounds due at ``step``; alone, apply the outer step with our own pseudo-gradient."""
+        composer, rounds = self.composer, self.rounds
+        alone = self.views.composers() < 2
+        for group in self.schedule.due(step):
+            if group not in composer.outer:
+                continue
+            if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
+                composer.apply_outer(group, composer.pseudo_gradient(group))
+                fresh = self.views.fresh()  # not a view that lost the others for a moment
+                if fresh is not None and len(fresh.composers()) < 2:
+                    self.gate.merged_alone(group, step)
+            elif not alone:
+                rounds.submit(group, round_id=step // self.schedule.periods[group])
+
+    def _publish_refresh(self) -> None:
+        """Distil the owned experts and publish the deltas, unless the refit gate is closed (refits.py)."""
+        composer = self.composer
+        if composer.recorder is None:
+            return
+        if not self.gate.open:
+            self.telemetry.event("refit_deferred", step=composer.step, until=self.gate.waits_for)
+            return
+        published = composer.refresh_surrogates()
+        for (layer, expert), factors in published.items():
+            self.experts.publish(layer, expert, factors)
+        self.telemetry.event("refit", step=composer.step, experts=len(published))
+
+    def _round_event(self, report: RoundReport) -> None:
+        self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
+                             participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
+                             total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
+
+    def _round_bytes(self, report: RoundReport) -> int:
+        """Bytes this node sent in an all-reduce: a butterfly all-reduce sends (n-1)/n of the payload to the
+        others and receives as much back."""
+        n = len(report.participants)
+        if n < 2 or not report.began_allreduce:
+            return 0
+        averager = self.sync.groups[report.group]
+        return int(payload_bytes(averager.shapes, averager.config) * (n - 1) / n)
+
+    # --- leaving ---
+
+    def leave(self) -> None:
+        """Rounds in flight end (bounded), final snapshots to the heirs, checkpoint, final eval, deathrattle."""
+        composer, settings = self.composer, self.config.node
+        self.telemetry.phase("leaving")
+        started = time.monotonic()
+        if self.views.composers() > 1:  # alone, a round in flight can only time out
+            for report in self.rounds.wait(timeout_s=min(settings.leave_timeout_s, 20.0)):
+                self._round_event(report)  # the last rounds count in the metrics too
+        self.experts.serve_snapshots(final=True)
+        self.experts.push_final_snapshots(deadline=started + settings.leave_timeout_s)
+        if settings.checkpoint_dir is not None:
+            self.checkpoint()
+        if settings.final_eval:
+            self.telemetry.status.val_loss = val_loss = composer.evaluate(self.val)
+            self.telemetry.event("final_eval", step=composer.step, val_loss=round(val_loss, 5),
+                                 tokens=composer.tokens_seen)
+        rattle = self.membership.leave("leaving after training" if not self.stop_event.is_set()
+                                       else "stopped by the user")
+        self.telemetry.event("left", step=composer.step, seconds=round(time.monotonic() - started, 3),
+                             deathrattle=rattle)
+
+    def checkpoint(self) -> None:
+        settings = self.config.node
+        assert settings.checkpoint_dir is not None
+        path = save_checkpoint(settings.checkpoint_dir, self.composer, run_id=self.config.peer.run_id,
+                               versions=self.gossip.versions())
+        self.telemetry.event("checkpoint", step=self.composer.step, path=str(path),
+                             state_hash=state_hash(self.composer))
+
+    # --- status ---
+
+    def _refresh_status(self) -> None:
+        s = self.telemetry.status
+        view = self.membership.view()
+        s.live_peers = len(view.composers())
+        s.view_age_s = max(0.0, dht_time() - view.read_at)
+        s.owned = sum(len(es) for es in self.composer.owned)
+        versions = self.gossip.versions()
+        s.surrogates_held = len(versions)
+        s.surrogate_version_max = max(versions.values(), default=0)
+        st = self.gossip.stats
+        snap_in, snap_out = self.exchange.bytes_fetched, self.exchange.servicer.bytes_served
+        s.bytes_received = st.bytes_fetched + snap_in
+        s.bytes_sent = st.bytes_served + snap_out
+        s.gossip_bytes = st.bytes_fetched + st.bytes_served
+        s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())]
+        s.snapshot_bytes = snap_in + snap_out
+        s.rounds_ok = dict(self.rounds.rounds_ok)
+        s.next_round = next_round_in(dict(self.schedule.periods), self.composer.step)
+        self.telemetry.publish()
+
+
+__all__ = ["Training"]

@@ -1,0 +1,125 @@
+"""Questions a node's network threads ask about the swarm, answered from the membership's cached view.
+
+Every answer reads one immutable view (no DHT call), so gossip, the snapshot exchange, the outer rounds and the
+offload client may call these from their own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from parallax.dht.adapter import dht_time
+from parallax.dht.keys import ExpertId
+from parallax.dht.membership import Member, Membership, SwarmView
+from parallax.node.offload.proxy import SETTINGS_KEY
+
+logger = logging.getLogger(__name__)
+
+LEAVING = "leaving"
+"""Heartbeat ``versions`` key a node sets while it leaves: its heirs fetch its final snapshots at once."""
+
+
+class SwarmViews:
+    """Views of the live swarm for one node.
+
+    Args:
+        membership: this node's membership (heartbeats, the cached view).
+        fingerprint: this node's identity fingerprint.
+        snapshot_every: the node's snapshot period (a leaving owner's final snapshot counts as this much newer).
+        event: writes a metrics event (a worker running other settings is named once).
+    """
+
+    def __init__(self, membership: Membership, fingerprint: str, snapshot_every: int,
+                 event: Callable[..., None]) -> None:
+        self.membership = membership
+        self.fingerprint = fingerprint
+        self.snapshot_every = snapshot_every
+        self.event = event
+        self.settings_digest: int | None = None
+        """offload.settings_digest of this node's configuration (set when it offloads)."""
+        self._mismatched_workers: set[str] = set()
+
+    def fresh(self) -> SwarmView | None:
+        """The membership view, or None when our own reads have been failing (an overloaded host): then
+        expired heartbeats prove nothing and no decision should follow from them."""
+        view = self.membership.view()
+        return view if dht_time() - view.read_at <= 2 * self.membership.config.refresh_s + 1.0 else None
+
+    def owner_key(self, eid: ExpertId) -> bytes | None:
+        """The identity key of the expert's owner in the live assignment (who may publish its surrogate)."""
+        view = self.membership.view()
+        assignment = view.assignment()
+        if assignment is None:
+            return None
+        member = view.members.get(assignment.owner(*eid))
+        return member.public_key if member is not None else None
+
+    def member(self, peer_id: str | None) -> Member | None:
+        """The live member whose signed heartbeat names this libp2p peer id."""
+        if peer_id is None:
+            return None
+        found = [m for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
+        return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
+
+    def public_key_of(self, peer_id: str) -> bytes | None:
+        """The identity key a live peer id belongs to, for its outer-round fingerprints, expert snapshots and
+        offload answers."""
+        member = self.member(peer_id)
+        return member.public_key if member is not None else None
+
+    def heir_targets(self) -> dict[ExpertId, tuple[str, int] | None] | None:
+        """Experts this node owns (None) or is heir of ((owner's peer id, the owner's step)); None without a
+        fresh view."""
+        view = self.fresh()
+        assignment = view.assignment() if view else None
+        if view is None or assignment is None:
+            return None
+        alive = view.alive()
+        out: dict[ExpertId, tuple[str, int] | None] = {
+            (layer, e): None for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
+        for layer, experts in assignment.inherited_by(self.fingerprint).items():
+            for e in experts:
+                owner = alive.get(assignment.owner(layer, e))
+                if owner is not None:
+                    hb = owner.heartbeat
+                    # A leaving owner serves its final snapshot now: make any older copy count as stale.
+                    step = hb.step + (self.snapshot_every if hb.versions.get(LEAVING) else 0)
+                    out[(layer, e)] = (hb.peer_id, step)
+        return out
+
+    def heirs_of(self, experts: list[ExpertId]) -> dict[ExpertId, str]:
+        """expert -> its heir's fingerprint, for those of ``experts`` that have one."""
+        assignment = self.membership.view().assignment()
+        if assignment is None:
+            return {}
+        return {eid: heir for eid in experts if (heir := assignment.heir(*eid)) is not None}
+
+    def live_workers(self) -> dict[str, float] | None:
+        """Offload workers in the view that run this node's worker settings: libp2p peer id -> capacity. A
+        worker with other settings is named once in the log."""
+        ours, live = self.settings_digest, {}
+        for m in self.membership.view().alive().values():
+            hb = m.heartbeat
+            if hb.role != "worker":
+                continue
+            if hb.versions.get(SETTINGS_KEY) == ours:
+                live[hb.peer_id] = hb.capacity
+            elif hb.peer_id not in self._mismatched_workers:
+                self._mismatched_workers.add(hb.peer_id)
+                logger.warning("worker %s runs other offload settings than this node (settings digest %s, ours %s): "
+                               "not used. Start it with the composers' --preset and --set options (model shapes, "
+                               "steps, optim betas / weight decay / warm-up, offload.worker_*, offload codecs, "
+                               "offload.lookahead, offload.private_layers)", hb.peer_id,
+                               hb.versions.get(SETTINGS_KEY), ours)
+                self.event("offload_worker_mismatch", worker=hb.peer_id)
+        return live
+
+    def composers(self) -> int:
+        """Live composers in the view, this one included."""
+        return len(self.membership.view().composers())
+
+    def describe(self) -> dict[str, Any]:
+        view = self.membership.view()
+        return {"live_peers": len(view.composers()), "view_age_s": max(0.0, dht_time() - view.read_at)}

@@ -1,0 +1,93 @@
+"""The expert hand-over state machine (``node/peer/handover.py``), driven with plain events and times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallax.node.peer.handover import Ask, Finish, Handover, Phase
+
+
+@dataclass(frozen=True)
+class Snap:
+    step: int
+    final: bool = False
+    age_s: float = 0.0
+
+
+def _handover(source: str | None = "owner", others: tuple[str, ...] = (), *, own_copy: bool = False,
+              wait_s: float = 30.0) -> Handover:
+    return Handover(source=source, others=list(others), started=100.0, online_since=50.0, wait_s=wait_s,
+                    handover_window_s=30.0, has_own_copy=own_copy)
+
+
+def test_a_previous_owner_that_had_nothing_yet_is_asked_again_every_other_request() -> None:
+    """The previous owner's view lagged ours: it releases (and serves its final snapshot) only after the other
+    live peers said they hold nothing. It is asked again every other request, not the last peer over and over."""
+    h = _handover(others=("owner", "b", "c"))
+    asked = [a.peer for a in h.start() if isinstance(a, Ask)]
+    now = 100.0
+    for _ in range(3):  # nobody holds it yet: the owner, b, the owner, c
+        now += 0.1
+        assert h.answered(None, now) == []  # the next request waits for the interval
+        now += 0.5
+        asked += [a.peer for a in h.tick(now) if isinstance(a, Ask)]
+    final = Snap(step=51, final=True, age_s=0.1)
+    now += 0.1
+    assert h.answered(None, now) == []  # c holds nothing
+    now += 0.5
+    asked += [a.peer for a in h.tick(now) if isinstance(a, Ask)]
+    assert h.answered(final, now + 0.1) == [Finish(final)]  # the owner's fresh final ends the wait
+    assert asked == ["owner", "b", "owner", "c", "owner"]
+    assert h.phase is Phase.DONE and h.tick(now + 1) == []
+
+
+def test_requests_are_paced_and_the_wait_ends_with_nothing_when_nobody_served_one() -> None:
+    h = _handover()
+    assert h.start() == [Ask("owner")]
+    assert h.answered(None, 100.2) == []
+    assert [h.tick(100.2 + i * 0.05) for i in range(5)] == [[]] * 5  # within half a second: no new request
+    assert h.tick(100.8) == [Ask("owner")]  # nobody else to ask: the owner again
+    assert h.tick(129.0) == []  # still in flight, the wait not over
+    assert h.tick(130.0) == [Finish(None)]
+
+
+def test_a_stale_final_snapshot_does_not_end_the_wait_but_is_kept_as_the_best() -> None:
+    h = _handover(others=("b",))
+    h.start()
+    stale = Snap(step=10, final=True, age_s=40.0)  # released 40 s before: outside the 30 s window
+    assert h.answered(stale, 101.0) == [Ask("b")]
+    newer = Snap(step=60)  # a periodic snapshot from b
+    assert h.answered(newer, 101.2) == []
+    assert h.best == newer
+    assert h.tick(131.0) == [Finish(newer)]
+
+
+def test_a_final_released_before_this_node_came_online_is_stale() -> None:
+    h = Handover(source="owner", others=[], started=100.0, online_since=99.0, wait_s=30.0, handover_window_s=30.0)
+    h.start()
+    before_online = Snap(step=5, final=True, age_s=2.0)  # released at 98.5, we came online at 99
+    assert h.answered(before_online, 100.5) == [Ask("owner")]  # not the hand-over's: ask on
+    assert h.best == before_online and h.phase is Phase.ASKING
+
+
+def test_a_dead_owner_with_an_own_heir_copy_asks_nobody() -> None:
+    assert _handover(source=None, others=("b", "c"), own_copy=True).start() == [Finish(None)]
+
+
+def test_a_dead_owner_without_a_copy_asks_the_other_peers_in_turn() -> None:
+    h = _handover(source=None, others=("b", "c"))
+    assert h.start() == [Ask("b")]
+    assert h.answered(None, 100.6) == [Ask("c")]
+    assert h.answered(None, 101.2) == [Ask("b")]
+
+
+def test_nobody_to_ask_finishes_at_once() -> None:
+    assert _handover(source=None).start() == [Finish(None)]
+
+
+def test_an_answer_after_the_wait_finishes_with_the_best_seen() -> None:
+    h = _handover()
+    h.start()
+    late = Snap(step=7)
+    assert h.answered(late, 131.0) == [Finish(late)]
+    assert h.answered(Snap(step=9), 132.0) == []  # done: later answers change nothing
