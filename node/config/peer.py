@@ -9,13 +9,14 @@ a timing set by a file or a flag wins over either profile.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
-from parallax.node.config.train import TrainConfig
+from parallax.node.config.train import SimConfig, TrainConfig
 
 UNARY_CAP = 4 * 2**20
 """hivemind refuses a unary P2P message larger than this, bytes."""
@@ -136,9 +137,9 @@ class NetConfig:
     """An outer all-reduce not finished this long after its group formed is given up."""
 
     def __post_init__(self) -> None:
-        for name in self.__slots__:  # type: ignore[attr-defined]
-            if not getattr(self, name) > 0:
-                raise ValueError(f"net.{name} must be > 0 seconds")
+        for f in dataclasses.fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"net.{f.name} must be > 0 seconds")
         if self.announce_ttl_s <= self.announce_period_s:
             raise ValueError("net.announce_ttl_s must exceed net.announce_period_s, or records lapse between stores")
         if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
@@ -163,8 +164,6 @@ class NodeConfig:
     net: NetConfig = field(default_factory=NetConfig)
 
     def __post_init__(self) -> None:
-        from parallax.node.config.train import SimConfig
-
         if self.train.sim != SimConfig():
             raise ValueError("the [train.sim] levers (sketches to owners, a dense start-up phase, an offload delay) "
                              "run in `parallax sim` only: leave them out of a node's configuration")

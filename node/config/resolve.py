@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from parallax.node.config.peer import NetConfig, NodeConfig, PeerConfig, WorkerConfig
-from parallax.node.config.train import PRESETS, TrainConfig, preset
+from parallax.node.config.train import PRESETS, TrainConfig, train_config
 from parallax.node.config.typed import ConfigError, apply_changes, coerce, field_types, parse_sets, table_changes
 
 R = TypeVar("R")
@@ -107,7 +107,7 @@ def resolve(root: type[R], build: Callable[[str, bool], R], *, file: Path | None
 
 def train_defaults(name: str, loopback: bool = False) -> TrainConfig:
     """The training defaults of a preset."""
-    return TrainConfig(model=preset(name))
+    return train_config(name)
 
 
 def node_defaults(name: str, loopback: bool) -> NodeConfig:

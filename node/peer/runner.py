@@ -25,7 +25,9 @@ corpus rarely overlap).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import logging
 import threading
 import time
 import zlib
@@ -60,6 +62,8 @@ from parallax.node.train.data import load_corpus, split_corpus, val_batches
 from parallax.node.train.device import device_of
 from parallax.protocol.identity import Identity
 
+logger = logging.getLogger(__name__)
+
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
     return tuple(frozenset(owned.get(layer, ())) for layer in range(n_layers))
@@ -74,11 +78,10 @@ def outer_sync_config(config: NodeConfig) -> OuterSyncConfig:
     """The outer rounds' settings: the run's merge and wire format, this node's timings."""
     base = OuterSyncConfig.loopback() if config.peer.loopback else OuterSyncConfig()
     net, sync = config.net, config.train.sync
-    return OuterSyncConfig(**{
-        **{f: getattr(base, f) for f in base.__slots__},  # type: ignore[attr-defined]
-        "method": sync.merge, "compression": sync.compression,
-        "min_matchmaking_time_s": net.min_matchmaking_time_s, "matchmaking_timeout_s": net.matchmaking_timeout_s,
-        "allreduce_timeout_s": net.allreduce_timeout_s})
+    return dataclasses.replace(base, method=sync.merge, compression=sync.compression,
+                               min_matchmaking_time_s=net.min_matchmaking_time_s,
+                               matchmaking_timeout_s=net.matchmaking_timeout_s,
+                               allreduce_timeout_s=net.allreduce_timeout_s)
 
 
 @dataclass
@@ -268,9 +271,7 @@ def _leave_quietly(membership: Membership) -> None:
         try:
             membership.leave("shutting down")
         except Exception as e:
-            import logging
-
-            logging.getLogger(__name__).debug("leave during close: %r", e)
+            logger.debug("leave during close: %r", e)
 
 
 def fast_forward(composer: Composer, step: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
@@ -119,7 +118,3 @@ class SwarmViews:
     def composers(self) -> int:
         """Live composers in the view, this one included."""
         return len(self.membership.view().composers())
-
-    def describe(self) -> dict[str, Any]:
-        view = self.membership.view()
-        return {"live_peers": len(view.composers()), "view_age_s": max(0.0, dht_time() - view.read_at)}
