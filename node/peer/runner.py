@@ -157,13 +157,10 @@ class Node:
         info = read_info(checkpoint) if checkpoint is not None else None
         net = self._start_network(dict(info.versions) if info is not None else {})
         telemetry.event("network_started", seconds=self._seconds())
-        owned = self._wait_for_shard(net.membership)
+        owned, joining = self._wait_for_shard(net.membership)
         telemetry.event("shard_offered", seconds=self._seconds())
-        # Joining a running swarm = another composer has trained already (peers started together all read 0).
         others = [m for fp, m in net.membership.view().alive().items()
                   if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
-        swarm_step = max((m.heartbeat.step for m in others), default=0)
-        joining = swarm_step > 0
         # A joiner takes its experts over from their previous owners at its first seams (``Experts.reconcile``),
         # so it starts owning nothing; the previous owners are those of the assignment without it.
         ownership = info.owned if info is not None else ownership_of({} if joining else owned, cfg.model.n_layers)
@@ -179,6 +176,7 @@ class Node:
         if joining and checkpoint is None:
             telemetry.phase("loading state")
             taken = rounds.load_from_peers(timeout_s=c.net.load_state_timeout_s)
+            swarm_step = max((m.heartbeat.step for m in others), default=0)
             fast_forward(composer, swarm_step)
             telemetry.event("loaded_state", groups=taken, step=swarm_step)
         # A joiner's backbone is the swarm's last merged anchor (or its own checkpoint's), not where the others
@@ -241,29 +239,38 @@ class Node:
         self._stack.callback(session.close)
         return session
 
-    def _wait_for_shard(self, membership: Membership) -> dict[int, frozenset[int]]:
+    def _wait_for_shard(self, membership: Membership) -> tuple[dict[int, frozenset[int]], bool]:
         """Wait until the live assignment gives us experts and has been stable for a moment, or, joining a
         swarm that already trains, until we see it (a joiner starts owning nothing and takes its experts
-        over at its first seams, so the assignment need not have settled)."""
+        over at its first seams, so the assignment need not have settled).
+
+        Returns:
+            (the experts offered, whether this node joins a running swarm). It joins one when a composer was
+            already training when this node first saw it: peers started together first see each other at step
+            0, even when one of them settles its shard and starts stepping a moment before the others do.
+        """
         settings = self.config.node
         deadline = time.monotonic() + settings.start_timeout_s
         settle = 2 * membership.config.refresh_s + 0.5
+        first_seen_step: dict[str, int] = {}
         while True:
             if self.stop_event.is_set():
                 raise NodeError("stopped before training began")
             owned = membership.owned()
             view = membership.view()
+            for fp, m in view.alive().items():
+                if fp != self.identity.fingerprint and m.heartbeat.role == "composer":
+                    first_seen_step.setdefault(fp, m.heartbeat.step)
             peers = len(view.composers())
             stable = time.monotonic() - membership.owned_changed_at >= settle
-            running = any(m.heartbeat.step > 0 and m.heartbeat.role == "composer" for m in view.alive().values())
+            running = any(step > 0 for step in first_seen_step.values())
             if peers >= settings.min_peers and ((owned and stable) or running):
-                return owned
+                return owned, running
             if time.monotonic() > deadline:
                 raise NodeError(f"no expert shard within {settings.start_timeout_s:.0f} s ({peers} live composers "
                                 f"seen, {settings.min_peers} wanted); check --initial-peers and --run-id")
             self.telemetry.phase(f"waiting for peers ({peers}/{settings.min_peers})")
             self.stop_event.wait(0.1)
-
 
 def _leave_quietly(membership: Membership) -> None:
     """The deathrattle at shutdown, unless the node already left (a failed DHT write is no reason to stop)."""
