@@ -72,6 +72,7 @@ def session_processes(swarm: LocalSwarm) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
     swarm = LocalSwarm(tmp_path, run_id="swarm3", node_args=NODE_ARGS)
     try:
@@ -143,6 +144,7 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
     assert not session_processes(swarm), "processes left behind"
 
 
+@pytest.mark.slow
 def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> None:
     swarm = LocalSwarm(tmp_path, run_id="swarmkill", node_args=NODE_ARGS)
     try:

@@ -13,6 +13,7 @@ from parallax.benchmarks.offload_swarm import markdown, run_offload_swarm_bench
 pytestmark = pytest.mark.timeout(420)
 
 
+@pytest.mark.slow
 def test_offload_swarm_bench_reports_wire_bytes_onboarding_and_the_fallback(tmp_path: Path) -> None:
     report = run_offload_swarm_bench(nodes=1, workers=2, steps=300, preset="tiny", kill_at=0.5,
                                      periods='{"router": 10, "latent": 20, "backbone": 20}', workdir=tmp_path,

@@ -29,6 +29,7 @@ def _events(path: Path, kind: str) -> list[dict]:
     return [r for r in read_metrics(path) if r.get("kind") == kind]
 
 
+@pytest.mark.slow
 def test_a_worker_trains_the_composers_experts_and_its_death_costs_nothing(tmp_path: Path) -> None:
     swarm = LocalSwarm(tmp_path, run_id="offload1", node_args=NODE_ARGS)
     try:
