@@ -1,0 +1,213 @@
+"""A robust merge of pseudo-gradients: what one lying peer can do to a shared group is bounded.
+
+The plain merge (``rda.merge_groups``) trusts every contribution: a peer that scales its pseudo-gradient
+by 1000 moves the merged norm by 1000/K, and one NaN makes the result NaN. ``robust_merge_groups``
+computes the same RDA (or mean) merge after three defences, each applied tensor by tensor:
+
+1. **Non-finite contributions are dropped** whole (every tensor of that peer).
+2. **Norms are clipped relative to the median** (as Templar clips gradients): a contribution longer
+   than ``norm_clip`` x the median norm of that tensor is scaled down to it. Honest pseudo-gradients of
+   one round have norms within a few tens of percent of each other, so they are left alone.
+3. **CenteredClip** (Karimireddy et al. 2021, used by BTARD): start from the coordinate-wise median and
+   iterate ``v <- v + sum_i w_i (x_i - v) min(1, tau / |x_i - v|)``. ``tau`` is ``tau`` x the median
+   distance of the contributions to the starting median, so the radius follows the spread of honest
+   contributions and no absolute scale is assumed. For RDA the unit directions are clipped this way
+   and the norms by step 2; for the mean, the (norm-clipped) deltas.
+
+When nobody is clipped, the result is the plain merge of the same contributions, computed by the same
+code (``rda.rda_rebuild`` of weighted means): robustness costs nothing while nobody attacks. Weights
+are the caller's: a peer's declared tokens must be capped before they reach here (``cap_weights``).
+
+``MergeAudit`` says, per contribution, whether it was dropped, how much its norm was scaled and how far
+CenteredClip pulled it in: the evidence a node scores peers by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+
+__all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "robust_merge_groups"]
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """How hard the robust merge pulls outliers in (``sync.robust_*`` in the run settings)."""
+
+    norm_clip: float = 2.0
+    """A contribution's norm (per tensor) is at most this x the median norm of that tensor."""
+    tau: float = 2.0
+    """CenteredClip's radius, as a multiple of the median distance of the contributions to their median."""
+    iters: int = 8
+    """CenteredClip iterations at most (it stops earlier once the centre moves by under 1e-6 relative)."""
+
+    def __post_init__(self) -> None:
+        if not (self.norm_clip >= 1.0 and math.isfinite(self.norm_clip)):
+            raise ValueError(f"norm_clip must be finite and >= 1, got {self.norm_clip}")
+        if not (self.tau > 0 and math.isfinite(self.tau)):
+            raise ValueError(f"tau must be finite and > 0, got {self.tau}")
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+
+
+@dataclass
+class ContributionAudit:
+    """What the robust merge did to one contribution."""
+
+    dropped: str = ""
+    """Why the contribution was left out ("non-finite", "zero weight"), or empty."""
+    norm_scale: float = 1.0
+    """The smallest factor its tensors' norms were scaled by in step 2 (1.0: none clipped)."""
+    clip: float = 1.0
+    """The smallest CenteredClip factor min(1, tau / distance) over its tensors (1.0: never pulled in)."""
+
+    @property
+    def suspicious(self) -> bool:
+        """Dropped or pulled in: the peer sent something honest training does not produce."""
+        return bool(self.dropped) or self.norm_scale < 1.0 or self.clip < 1.0
+
+
+@dataclass
+class MergeAudit:
+    """One ``ContributionAudit`` per contribution, in the order given."""
+
+    contributions: list[ContributionAudit] = field(default_factory=list)
+
+    @property
+    def used(self) -> list[int]:
+        return [i for i, c in enumerate(self.contributions) if not c.dropped]
+
+
+def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """Declared weights (tokens) bounded to [0, cap]; non-finite or negative ones become 0.
+
+    ``cap`` is what the schedule lets one peer process in one round (batch x sequence x period): a peer
+    cannot buy more influence than a peer that did its share of work.
+    """
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"the weight cap must be finite and > 0, got {cap}")
+    return [min(float(w), cap) if math.isfinite(float(w)) and float(w) > 0 else 0.0 for w in weights]
+
+
+def centered_clip(points: Sequence[torch.Tensor], weights: Sequence[float], *, tau: float, iters: int,
+                  ) -> tuple[torch.Tensor, list[float]]:
+    """CenteredClip of equally shaped tensors (float32 or wider), from the coordinate-wise median.
+
+    Args:
+        points: K tensors of one shape.
+        weights: K weights summing to 1 (already normalised).
+        tau: the radius as a multiple of the median distance of the points to their coordinate-wise median.
+        iters: iterations at most.
+
+    Returns:
+        (centre, clip factors): the centre; per point the smallest min(1, radius / distance) applied.
+        When no point is ever clipped the centre is the plain weighted mean, accumulated as
+        ``rda._weighted_mean`` does (bit for bit the plain merge).
+    """
+    stacked = torch.stack([p.reshape(-1) for p in points])
+    centre = stacked.median(dim=0).values if len(points) > 2 else stacked.mean(dim=0)
+    distances = torch.linalg.vector_norm(stacked - centre, dim=1)
+    radius = tau * float(distances.median())
+    factors = [1.0] * len(points)
+    for _ in range(iters):
+        diffs = stacked - centre
+        dist = torch.linalg.vector_norm(diffs, dim=1)
+        scale = [1.0 if d <= radius else radius / d for d in dist.tolist()]
+        if all(s == 1.0 for s in scale + factors):  # nobody clipped, now or before: the plain mean
+            return _plain_mean(points, weights), factors
+        factors = [min(f, s) for f, s in zip(factors, scale, strict=True)]
+        step = torch.zeros_like(centre)
+        for diff, w, s in zip(diffs, weights, scale, strict=True):
+            if w:
+                step.add_(diff, alpha=w * s)
+        centre = centre + step
+        if float(torch.linalg.vector_norm(step)) <= 1e-6 * max(float(torch.linalg.vector_norm(centre)), 1e-12):
+            break
+    return centre.reshape(points[0].shape), factors
+
+
+def _plain_mean(tensors: Sequence[torch.Tensor], w: Sequence[float]) -> torch.Tensor:
+    out = torch.zeros_like(tensors[0])
+    for t, wi in zip(tensors, w, strict=True):
+        if wi:
+            out.add_(t, alpha=wi)
+    return out
+
+
+def robust_merge_groups(
+    deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], method: str = "rda",
+    config: RobustConfig | None = None, *, eps: float = DIRECTION_EPS,
+) -> tuple[dict[str, torch.Tensor] | None, MergeAudit]:
+    """Merge K peers' pseudo-gradients of one group, robust to the outliers described in the module docstring.
+
+    Args:
+        deltas: K mappings name -> tensor, all with the same names and shapes (checked by the caller's
+            decoder: a peer's contribution of another shape never reaches here).
+        weights: K declared weights, already capped (``cap_weights``).
+        method: "rda" or "mean".
+        config: the clipping settings (defaults when None).
+
+    Returns:
+        (name -> merged tensor in float32, audit); the merged mapping is None when no contribution is left
+        (all non-finite or zero weight).
+
+    Raises:
+        ValueError: unknown method, or mappings with different names or shapes.
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
+    cfg = config or RobustConfig()
+    if len(weights) != len(deltas):
+        raise ValueError(f"got {len(deltas)} deltas but {len(weights)} weights")
+    audit = MergeAudit([ContributionAudit() for _ in deltas])
+    names = list(deltas[0]) if deltas else []
+    for i, d in enumerate(deltas):
+        if set(d) != set(names) or any(d[n].shape != deltas[0][n].shape for n in names):
+            raise ValueError(f"contribution {i} has other tensors or shapes than contribution 0")
+        if not (weights[i] > 0 and math.isfinite(weights[i])):
+            audit.contributions[i].dropped = "zero weight"
+        elif not all(bool(torch.isfinite(d[n]).all()) for n in names):
+            audit.contributions[i].dropped = "non-finite"
+    used = audit.used
+    if not used:
+        return None, audit
+    total = sum(float(weights[i]) for i in used)
+    w = [float(weights[i]) / total for i in used]
+    merged = {}
+    for name in names:
+        tensors = [deltas[i][name].detach().to(torch.promote_types(deltas[i][name].dtype, torch.float32))
+                   for i in used]
+        merged[name] = _merge_tensor(tensors, w, method, cfg, eps, [audit.contributions[i] for i in used])
+    return merged, audit
+
+
+def _merge_tensor(tensors: list[torch.Tensor], w: list[float], method: str, cfg: RobustConfig, eps: float,
+                  audits: list[ContributionAudit]) -> torch.Tensor:
+    norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
+    bound = cfg.norm_clip * sorted(norms)[(len(norms) - 1) // 2]  # the lower median: an attacker cannot raise it
+    clipped = []
+    for t, n, a in zip(tensors, norms, audits, strict=True):
+        if n > bound:
+            scale = bound / n
+            a.norm_scale = min(a.norm_scale, scale)
+            clipped.append(t * scale)
+        else:
+            clipped.append(t)
+    mean_delta, delta_clip = centered_clip(clipped, w, tau=cfg.tau, iters=cfg.iters)
+    if method == "mean":
+        _note_clips(audits, delta_clip)
+        return mean_delta
+    directions, clipped_norms = zip(*(rda_components(t) for t in clipped), strict=True)
+    mean_direction, direction_clip = centered_clip(directions, w, tau=cfg.tau, iters=cfg.iters)
+    _note_clips(audits, direction_clip)
+    return rda_rebuild(mean_direction, _plain_mean(clipped_norms, w), mean_delta, eps=eps)
+
+
+def _note_clips(audits: list[ContributionAudit], factors: list[float]) -> None:
+    for a, f in zip(audits, factors, strict=True):
+        a.clip = min(a.clip, f)

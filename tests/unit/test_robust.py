@@ -1,0 +1,110 @@
+"""The robust merge against the attacks of the BTARD paper (Gorbunov et al. 2022, section 4) and ours.
+
+Honest peers send noisy copies of one true pseudo-gradient; attackers send what the attack prescribes.
+The measure is how far the merged result lands from the honest peers' own merge, against the honest
+spread (how far one honest contribution lies from that merge): the plain merge is wrecked by each attack
+(checked, so the attack is real); the robust merge lands within about one honest spread of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallax.node.train.rda import merge_groups
+from parallax.node.train.robust import RobustConfig, cap_weights, centered_clip, robust_merge_groups
+
+DIM = 512
+
+
+def _honest(n: int, seed: int = 0, noise: float = 0.5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    true = torch.randn(DIM, generator=g)
+    return true, [{"w": true + noise * torch.randn(DIM, generator=g)} for _ in range(n)]
+
+
+def _attacks(honest: list[dict[str, torch.Tensor]], true: torch.Tensor) -> dict[str, torch.Tensor]:
+    stack = torch.stack([h["w"] for h in honest])
+    mean, std = stack.mean(0), stack.std(0)
+    g = torch.Generator().manual_seed(7)
+    return {
+        "scale x1000": 1000 * honest[0]["w"],
+        "sign flip x10": -10 * honest[0]["w"],
+        "random 10x norm": torch.randn(DIM, generator=g) * 10 * float(true.norm()) / math.sqrt(DIM),
+        "inner product manipulation": -4.0 * mean,  # IPM (Xie et al.): the negated mean, scaled
+        "a little is enough": mean - 1.5 * std,  # ALIE (Baruch et al.): inside the spread per coordinate
+        "constant direction": torch.full((DIM,), 50.0),
+    }
+
+
+def _error(merged: dict[str, torch.Tensor] | None, reference: torch.Tensor) -> float:
+    assert merged is not None
+    return float((merged["w"] - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+@pytest.mark.parametrize("n_honest,n_bad", [(3, 1), (7, 2)])
+def test_one_in_four_attackers_move_the_robust_merge_little(method: str, n_honest: int, n_bad: int) -> None:
+    true, honest = _honest(n_honest)
+    reference = merge_groups(honest, [1.0] * n_honest, method)["w"]
+    spread = sum(_error(h, reference) for h in honest) / n_honest
+    for name, bad in _attacks(honest, true).items():
+        deltas = honest + [{"w": bad.clone()} for _ in range(n_bad)]
+        weights = [1.0] * len(deltas)
+        plain = _error(merge_groups(deltas, weights, method), reference)
+        robust, audit = robust_merge_groups(deltas, weights, method)
+        error = _error(robust, reference)
+        assert error < 1.2 * spread, f"{name}: robust merge off by {error:.3f}, spread {spread:.3f}, plain {plain:.3f}"
+        if name != "a little is enough":  # ALIE is built to pass as honest: it cannot be told apart, only bounded
+            assert plain > 2 * error, f"{name}: the attack does not hurt the plain merge ({plain:.3f})"
+            assert all(audit.contributions[i].suspicious for i in range(n_honest, len(deltas))), name
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_nobody_attacking_gives_the_plain_merge_bit_for_bit(method: str) -> None:
+    _, honest = _honest(4, seed=3, noise=0.3)
+    weights = [3.0, 1.0, 2.0, 2.0]
+    robust, audit = robust_merge_groups(honest, weights, method)
+    assert robust is not None
+    assert torch.equal(robust["w"], merge_groups(honest, weights, method)["w"])
+    assert not any(c.suspicious for c in audit.contributions)
+
+
+def test_non_finite_contributions_are_dropped_and_named() -> None:
+    _, honest = _honest(3)
+    nan = {"w": torch.full((DIM,), float("nan"))}
+    inf = {"w": torch.zeros(DIM).index_fill_(0, torch.tensor([5]), float("inf"))}
+    merged, audit = robust_merge_groups([honest[0], nan, honest[1], inf, honest[2]], [1.0] * 5)
+    assert merged is not None and bool(torch.isfinite(merged["w"]).all())
+    assert [c.dropped for c in audit.contributions] == ["", "non-finite", "", "non-finite", ""]
+    assert torch.equal(merged["w"], merge_groups(honest, [1.0] * 3)["w"])
+
+
+def test_nothing_left_to_merge_is_none() -> None:
+    merged, audit = robust_merge_groups([{"w": torch.full((3,), float("nan"))}, {"w": torch.ones(3)}], [1.0, 0.0])
+    assert merged is None
+    assert [c.dropped for c in audit.contributions] == ["non-finite", "zero weight"]
+
+
+def test_a_declared_weight_buys_no_more_than_the_cap() -> None:
+    true, honest = _honest(3)
+    bad = {"w": -true}
+    weights = cap_weights([4096, 4096, 4096, 1e12], cap=4096)
+    assert weights == [4096, 4096, 4096, 4096]
+    assert cap_weights([float("nan"), -1, float("inf"), 10], cap=100) == [0.0, 0.0, 0.0, 10.0]
+    merged, _ = robust_merge_groups(honest + [bad], weights)
+    assert merged is not None and float(torch.cosine_similarity(merged["w"], true, dim=0)) > 0.8
+
+
+def test_two_contributions_centre_on_their_mean() -> None:
+    a, b = torch.tensor([0.0, 0.0]), torch.tensor([2.0, 0.0])
+    centre, factors = centered_clip([a, b], [0.5, 0.5], tau=1.0, iters=5)
+    assert torch.allclose(centre, torch.tensor([1.0, 0.0])) and factors == [1.0, 1.0]
+
+
+def test_config_refuses_values_that_disable_the_defence() -> None:
+    for bad in (dict(norm_clip=0.5), dict(tau=0.0), dict(tau=float("inf")), dict(iters=0)):
+        with pytest.raises(ValueError):
+            RobustConfig(**bad)
