@@ -43,6 +43,7 @@ def bootstrap(
     from parallax.dht.membership import Membership, MembershipConfig
     from parallax.dht.records import Ed25519RecordValidator
     from parallax.errors import DHTError
+    from parallax.node.config.train import SHARED_GROUPS
     from parallax.protocol.identity import Identity
 
     try:
@@ -55,7 +56,7 @@ def bootstrap(
             startup_timeout_s=startup_timeout,
         )
         membership_config = MembershipConfig(run_id=run_id, role="bootstrap") if run_id else None
-        protected = protected_keys(run_id, layers) if run_id else []
+        protected = protected_keys(run_id, layers, SHARED_GROUPS) if run_id else []
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 

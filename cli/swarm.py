@@ -63,6 +63,7 @@ def status(
     from parallax.dht.records import Ed25519RecordValidator
     from parallax.dht.status import swarm_status
     from parallax.errors import DHTError
+    from parallax.node.config.train import SHARED_GROUPS
 
     if not initial_peers:
         raise typer.BadParameter("give at least one peer of the swarm, e.g. --initial-peers "
@@ -77,7 +78,7 @@ def status(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--initial-peers") from e
     # Validate-only (no key of our own): it checks the peers' signatures and strips them from the values.
-    validator = Ed25519RecordValidator(None, protected_keys=protected_keys(run_id, layers or 0))
+    validator = Ed25519RecordValidator(None, protected_keys=protected_keys(run_id, layers or 0, SHARED_GROUPS))
 
     dht = None
     try:

@@ -7,6 +7,12 @@ reading each other's records:
     {run_id}/claims/{layer}       subkey per claimant: its signed claims/releases for that layer
     {run_id}/surrogates/{layer}   subkey per node: the surrogate versions it announces (as owner) and
                                   the payloads it serves (``dht.surrogates.SurrogateRecord``)
+    {run_id}/outer/{group}        hivemind's averager prefix of one shared group (its own keys below it)
+    {run_id}/outer/{group}/rounds subkey per node: the fingerprints of its latest outer rounds of the group
+
+Every key above but the averager's is *protected*: each entry must be signed by the key its subkey names
+(``protected_keys``), so a plain value written by a stock hivemind client is refused. Keys that change
+every round could not be protected (a validator sees only a key's hash), so no key here contains a round.
 
 Subkeys are not named here: they carry the signer's public key (``records.owner_subkey``).
 """
@@ -14,6 +20,7 @@ Subkeys are not named here: they carry the signer's public key (``records.owner_
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 ExpertId = tuple[int, int]
 """An expert by (layer, index within the layer): the whole model's routed-expert namespace."""
@@ -51,9 +58,30 @@ def surrogates_key(run_id: str, layer: int) -> str:
     return f"{check_run_id(run_id)}/surrogates/{layer}"
 
 
-def protected_keys(run_id: str, n_layers: int) -> list[str]:
-    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``)."""
-    return [members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
+def outer_prefix(run_id: str, group: str) -> str:
+    """The averager prefix (and P2P namespace) of one shared group: ``{run_id}/outer/{group}``.
+
+    Raises:
+        ValueError: an invalid run id or group name; hivemind refuses '.' in prefixes.
+    """
+    check_run_id(run_id)
+    if "." in run_id or not group or "." in group or "/" in group:
+        raise ValueError(f"run id {run_id!r} and group {group!r} must not contain '.' (hivemind's averager "
+                         "uses it as a separator); the group must be non-empty and contain no '/'")
+    return f"{run_id}/outer/{group}"
+
+
+def outer_rounds_key(run_id: str, group: str) -> str:
+    """The key under which each node keeps the fingerprints of its latest outer rounds of ``group``."""
+    return f"{outer_prefix(run_id, group)}/rounds"
+
+
+def protected_keys(run_id: str, n_layers: int, groups: Sequence[str] = ()) -> list[str]:
+    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``): members, claims
+    and surrogates of ``n_layers`` layers, and the round fingerprints of the shared ``groups``."""
+    return ([members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
+            + [surrogates_key(run_id, layer) for layer in range(n_layers)]
+            + [outer_rounds_key(run_id, group) for group in groups])
 
 
 def expert_id(layer: int, expert: int) -> str:

@@ -14,12 +14,17 @@ Protection (the pattern of hivemind's ``RSASignatureValidator``, with our Ed2551
   victim's subkey. Replays of an old genuine record fail too: hivemind keeps only a *strictly later*
   expiration per subkey, and refuses already-expired stores; the validator also refuses records past
   their expiry by more than the clock-skew allowance.
+- a key that has held one valid signed record is protected from then on (``learn_protected``), in the
+  process that saw it: a peer that knows no run (a bootstrap started without ``--run``) still refuses
+  the plain values a stock hivemind client writes to replace a run's signed entries (hivemind lets a
+  later-expiring plain value replace a dictionary).
 
 Values are Parallax messages (``parallax.protocol.messages``), packed as ``msgpack([kind, body])``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -41,6 +46,7 @@ MAX_RECORD_BYTES = 6 * 1024  # hivemind's DHT process can crash on values of ~16
 DEFAULT_MAX_TTL_S = 600.0  # no honest record lives longer: heartbeats 6 s, leases tens of seconds
 DEFAULT_CLOCK_SKEW_S = 5.0  # peers' clocks must agree within this (hivemind assumes ~3 s)
 _REFUSAL_LOG_INTERVAL_S = 10.0
+MAX_LEARNED_KEYS = 65536  # keys learnt as protected, oldest forgotten first: bounded memory under a flood
 
 
 def owner_subkey(public_key: bytes) -> bytes:
@@ -84,6 +90,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
             dead peer cannot leave a heartbeat that lives for a year.
         clock_skew_s: tolerance for disagreeing clocks on both ends of a record's life.
         clock: the DHT clock (injected for tests).
+        learn_protected: protect every key once a valid signed record has been seen under it.
     """
 
     def __init__(
@@ -94,12 +101,15 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         max_ttl_s: float = DEFAULT_MAX_TTL_S,
         clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
         clock: Callable[[], float] = dht_time,
+        learn_protected: bool = True,
     ) -> None:
         self._identity = identity
         self._own_subkey_bytes = None
         if identity is not None:
             self._own_subkey_bytes = msgpack.packb(owner_subkey(identity.public_key), use_bin_type=True)
         self._protected = frozenset(dht_key_id(k) for k in protected_keys)
+        self._learn = learn_protected
+        self._learned: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._max_ttl_s = max_ttl_s
         self._clock_skew_s = clock_skew_s
         self._clock = clock
@@ -129,7 +139,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
             subkey = None
         signer = subkey_owner(subkey)
         if signer is None:
-            if record.key in self._protected:
+            if record.key in self._protected or record.key in self._learned:
                 return self._refuse("unsigned record under a protected key", record)
             return True  # not ours to judge
         split = _split_signature(record.value)
@@ -144,6 +154,10 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         payload = _signed_payload(record.key, record.subkey, value, record.expiration_time)
         if not verify(signer, signature, RECORD_DOMAIN, payload):
             return self._refuse("bad signature", record, signer)
+        if self._learn and record.key not in self._protected and record.key not in self._learned:
+            self._learned[record.key] = None
+            if len(self._learned) > MAX_LEARNED_KEYS:
+                self._learned.popitem(last=False)
         return True
 
     def sign_value(self, record: DHTRecord) -> bytes:

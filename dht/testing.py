@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
@@ -67,15 +67,17 @@ class LocalPeer:
 class LocalSwarm:
     """A growing set of loopback peers in one run."""
 
-    def __init__(self, run_id: str = "local", n_layers: int = 2) -> None:
+    def __init__(self, run_id: str = "local", n_layers: int = 2, groups: Sequence[str] = ()) -> None:
         self.run_id = run_id
         self.n_layers = n_layers
+        self.groups = tuple(groups)
         self.peers: list[LocalPeer] = []
 
     def add_dht(self, identity: Identity, **config: object) -> LocalPeer:
         """Start a DHT peer (no membership), bootstrapping from the first peer."""
         initial = tuple(self.peers[0].dht.visible_maddrs()) if self.peers else ()
-        validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(self.run_id, self.n_layers))
+        protected = protected_keys(self.run_id, self.n_layers, self.groups)
+        validator = Ed25519RecordValidator(identity, protected_keys=protected)
         dht = SwarmDHT.start(DHTConfig(initial_peers=initial, **config), [validator])  # type: ignore[arg-type]
         peer = LocalPeer(identity, dht)
         self.peers.append(peer)

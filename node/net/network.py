@@ -19,6 +19,7 @@ from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import protected_keys
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.peer import PeerConfig
+from parallax.node.config.train import SHARED_GROUPS
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.host,
                        announce_maddrs=peer.announce,
                        identity_path=identity_path.with_name(identity_path.name + ".p2p"))
-    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers))
+    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS))
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 

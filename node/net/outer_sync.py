@@ -18,10 +18,10 @@ One round of a group (``GroupAverager.run_round``):
 3. Rebuild (``merged_from_components``): ``rda_rebuild`` per tensor.
 4. Verify (HIVEMIND.md trap 3: a peer dying mid-all-reduce leaves the survivors with different
    tensors while ``step()`` reports success). Each participant stores a fingerprint of its merged
-   tensors (``fingerprint``: seeded random projections and norms, about 260 bytes) in the DHT under
-   ``{run_id}/outer/{group}/round/{n}``, subkey = its libp2p peer id, signed by its identity for that key
-   (``outer_wire.seal_fingerprint``; others accept it only from the key the membership names for that
-   peer id), and keeps its result only when
+   tensors (``fingerprint``: seeded random projections and norms, about 260 bytes, tagged with the round
+   and its participants) in the DHT under the group's protected key ``{run_id}/outer/{group}/rounds``,
+   in its own signed subkey beside its last few rounds' (others read it under the subkey of the key the
+   membership names for that peer id), and keeps its result only when
    a strict majority of the round's participants (its own fingerprint included) agree with it
    within the compression's tolerance. Peers never agree bit for bit: hivemind returns to each peer
    ``local + compress(mean - local)``, so each peer's rounding differs; hence a tolerance, not a hash.
@@ -57,24 +57,24 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from parallax.dht.adapter import SwarmDHT, dht_time
+from parallax.dht.keys import outer_prefix, outer_rounds_key
+from parallax.dht.records import owner_subkey
 from parallax.errors import NodeError
 from parallax.node.net.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
+    ROUNDS_KEPT,
     FingerprintSigner,
     OuterSyncConfig,
     component_shapes,
     component_tensors,
-    decode_fingerprint,
     encode_fingerprint,
+    encode_round_record,
     fingerprint,
     majority_agrees,
     merged_from_components,
-    open_fingerprint,
-    outer_prefix,
-    round_key,
+    round_fingerprint,
     round_tag,
-    seal_fingerprint,
 )
 
 if TYPE_CHECKING:
@@ -182,8 +182,9 @@ class GroupAverager:
         group: the shared group's name.
         shapes: name -> shape of the group's tensors, in a fixed order (every peer the same).
         config: timings, compression, merge method.
-        signer: signs this node's fingerprints and checks the others' (``outer_wire.FingerprintSigner``);
-            None stores and accepts unsigned ones (tests of the averaging alone).
+        signer: this node's identity, under whose subkey its fingerprints are stored (signed by the DHT's
+            record validator), and whose key to expect for each peer (``outer_wire.FingerprintSigner``);
+            None keeps fingerprints under peer-id subkeys, unsigned (tests of the averaging alone).
 
     Raises:
         ValueError: bad names or an empty group.
@@ -201,6 +202,8 @@ class GroupAverager:
         self.last_report: RoundReport | None = None
         self._dht = dht
         self._rounds = 0
+        self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last
+        self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
         self._round_lock = threading.Lock()  # one round at a time per group
         self._closed = False
         self._buffers = [torch.zeros(s, dtype=torch.float32) for s in component_shapes(self.shapes, config.method)]
@@ -394,31 +397,27 @@ class GroupAverager:
             how many participants agree with us, us included; how many fingerprints we had, ours included).
         """
         cfg = self.config
-        key = round_key(self.run_id, self.group, n)
+        key = outer_rounds_key(self.run_id, self.group)
         tag = round_tag(n, participants)
-        value = encode_fingerprint(fp, tag)
-        if self.signer is not None:
-            value = seal_fingerprint(value, key, self.signer.identity)
-        if not self._dht.store(key, self.peer_id.encode(), value, dht_time() + cfg.fingerprint_ttl_s,
-                               timeout_s=cfg.dht_timeout_s):
+        self._recent = [*self._recent, encode_fingerprint(fp, tag)][-ROUNDS_KEPT:]
+        if not self._dht.store(key, self._own_subkey, encode_round_record(self._recent),
+                               dht_time() + cfg.fingerprint_ttl_s, timeout_s=cfg.dht_timeout_s):
             logger.debug("could not store the fingerprint of %s round %d", self.group, n)
         deadline = time.monotonic() + cfg.verify_timeout_s
         others: dict[str, tuple[float, ...]] = {}
-        wanted = set(participants) - {self.peer_id}
+        wanted = {peer: self._subkey_of(peer) for peer in participants if peer != self.peer_id}
         while True:
             remaining = deadline - time.monotonic()
             found = self._dht.get_dicts([key], latest=True, timeout_s=max(0.1, min(cfg.dht_timeout_s, remaining)))
-            for subkey, (record, _expiration) in (found or {}).get(key, {}).items():
-                peer = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
-                if peer in wanted and peer not in others:
-                    if self.signer is not None:
-                        record = open_fingerprint(record, key, self.signer.public_key_of(peer))
-                    decoded = decode_fingerprint(record, tag)
-                    if decoded is None:
-                        logger.debug("unsigned, malformed or stale fingerprint from %s for %s round %d", peer,
-                                     self.group, n)
-                        continue
-                    others[peer] = decoded
+            records = (found or {}).get(key, {})
+            for peer, subkey in wanted.items():
+                if peer in others or subkey is None or subkey not in records:
+                    continue
+                decoded = round_fingerprint(records[subkey][0], tag)
+                if decoded is None:
+                    logger.debug("no fingerprint of %s for %s round %d yet, or a malformed one", peer, self.group, n)
+                    continue
+                others[peer] = decoded
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
                 return RoundStatus.OK, agreeing, len(others) + 1
@@ -429,6 +428,13 @@ class GroupAverager:
             if time.monotonic() >= deadline:
                 return RoundStatus.UNVERIFIED, agreeing, len(others) + 1
             time.sleep(_VERIFY_POLL_S)
+
+    def _subkey_of(self, peer: str) -> bytes | None:
+        """The subkey ``peer`` keeps its fingerprints under: its signing key's (None: no key known for it)."""
+        if self.signer is None:
+            return peer.encode()
+        public_key = self.signer.public_key_of(peer)
+        return None if public_key is None else owner_subkey(public_key)
 
     def _report(self, status: RoundStatus, started: float, **fields: Any) -> None:
         report = RoundReport(group=self.group, status=status, total_s=time.monotonic() - started, **fields)

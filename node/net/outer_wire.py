@@ -4,16 +4,15 @@
 can be tested byte for byte and shared with the in-process simulator:
 
 - ``OuterSyncConfig``: timings, merge method and wire compression of a node's outer rounds;
-- names: the averager prefix and the DHT key of a round's fingerprints;
 - components: the buffers a group averages (RDA: scaled unit directions, norms, raw deltas) and how
   the merged group is rebuilt from their means;
 - compression: hivemind's codec for each buffer ("fp16", "uint8" or none; small tensors always go
   uncompressed), ``wire_roundtrip`` to apply the same rounding in one process, ``payload_bytes``;
 - fingerprints: a ~260-byte summary of a merged result that peers compare within the compression's
-  tolerance, the round tag that binds it to one round, the majority vote, and the seal that signs it:
-  round keys are made per round, so the DHT's key-based record validator cannot protect them; instead
-  each value is signed by its node's identity over the DHT key and the value, and a reader accepts it
-  only from the key the live membership names for that subkey's peer id (``seal_fingerprint``).
+  tolerance, the round tag that binds it to one round, the majority vote, and the record that carries a
+  node's latest few (``encode_round_record``): it lives under the group's protected rounds key
+  (``dht.keys.outer_rounds_key``), signed by the record validator, so a reader takes it only from the key
+  the live membership names for a participant's peer id.
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 
-from parallax.dht.keys import check_run_id
 from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
-from parallax.protocol.identity import Identity, verify
+from parallax.protocol.identity import Identity
 
 COMPRESSIONS = ("fp16", "uint8", "none")
 """Wire formats of an outer all-reduce: float16, hivemind's uniform 8-bit quantisation (256 buckets over
@@ -201,24 +199,6 @@ def payload_bytes(shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig) 
         else:
             total += 2 * numel if config.compression == "fp16" else numel + _CODEBOOK_BYTES
     return total
-
-
-def outer_prefix(run_id: str, group: str) -> str:
-    """The averager prefix (and P2P namespace) of one shared group: ``{run_id}/outer/{group}``.
-
-    Raises:
-        ValueError: an invalid run id or group name; hivemind refuses '.' in prefixes.
-    """
-    check_run_id(run_id)
-    if "." in run_id or not group or "." in group or "/" in group:
-        raise ValueError(f"run id {run_id!r} and group {group!r} must not contain '.' (hivemind's averager "
-                         "uses it as a separator); the group must be non-empty and contain no '/'")
-    return f"{run_id}/outer/{group}"
-
-
-def round_key(run_id: str, group: str, round_id: int) -> str:
-    """The DHT key of round ``round_id``'s fingerprints (subkey: participant's peer id)."""
-    return f"{outer_prefix(run_id, group)}/round/{int(round_id)}"
 
 
 # ---- pure parts: pack, rebuild, fingerprint --------------------------------------------------------
@@ -395,43 +375,44 @@ def decode_fingerprint(value: object, tag: bytes = bytes(8)) -> tuple[float, ...
     return tuple(struct.unpack_from(f"<{n}f", value, head + 2))
 
 
-FINGERPRINT_DOMAIN = b"parallax/outer-fingerprint/v1"
-_SEALED_MAX_BYTES = 1024
+ROUNDS_KEPT = 4
+"""Fingerprints of this many latest rounds per record: a slow peer still finds the round it verifies after the
+fast ones have moved on."""
+_ROUND_RECORD_MAX_BYTES = 2048
 
 
 @dataclass(frozen=True)
 class FingerprintSigner:
-    """What a node needs to sign its fingerprints and check its peers': its identity, and the Ed25519 key
-    the live membership names for a libp2p peer id (its signed heartbeat carries the peer id)."""
+    """What a node needs to check its peers' fingerprints: its identity (its records are signed under its
+    subkey), and the Ed25519 key the live membership names for a libp2p peer id (its signed heartbeat
+    carries the peer id)."""
 
     identity: Identity
     public_key_of: Callable[[str], bytes | None]
 
 
-def seal_fingerprint(value: bytes, dht_key: str, identity: Identity) -> bytes:
-    """``value`` signed by ``identity`` for ``dht_key`` (another round's key makes the signature invalid)."""
-    signature = identity.sign(FINGERPRINT_DOMAIN, dht_key.encode() + value)
-    sealed: bytes = msgpack.packb([value, identity.public_key, signature], use_bin_type=True)
-    return sealed
+def encode_round_record(fingerprints: Sequence[bytes]) -> bytes:
+    """One node's DHT value for a group: its latest ``ROUNDS_KEPT`` encoded fingerprints, newest last."""
+    return msgpack.packb(list(fingerprints)[-ROUNDS_KEPT:], use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def open_fingerprint(sealed: object, dht_key: str, expected_public_key: bytes | None) -> bytes | None:
-    """The value inside a sealed fingerprint if ``expected_public_key`` signed it for ``dht_key``; None for
-    anything else (unsigned, malformed, another signer, another round, or no key known for the peer)."""
-    if expected_public_key is None or not isinstance(sealed, bytes) or len(sealed) > _SEALED_MAX_BYTES:
+def round_fingerprint(record: object, tag: bytes) -> tuple[float, ...] | None:
+    """The fingerprint of the round ``tag`` in a node's record; None when absent or malformed (a peer's
+    record is data, not trusted)."""
+    if not isinstance(record, bytes) or len(record) > _ROUND_RECORD_MAX_BYTES:
         return None
     try:
-        obj = msgpack.unpackb(sealed, raw=False, max_bin_len=_SEALED_MAX_BYTES, max_array_len=3)
-    except Exception:  # msgpack raises several types on hostile input; a peer's record is data
+        entries = msgpack.unpackb(record, raw=False, max_bin_len=_ROUND_RECORD_MAX_BYTES,
+                                  max_array_len=ROUNDS_KEPT)
+    except Exception:  # msgpack raises several types on hostile input
         return None
-    if not (isinstance(obj, list) and len(obj) == 3 and all(isinstance(x, bytes) for x in obj)):
+    if not isinstance(entries, list):
         return None
-    value: bytes
-    value, public_key, signature = obj
-    if public_key != expected_public_key or not verify(public_key, signature, FINGERPRINT_DOMAIN,
-                                                       dht_key.encode() + value):
-        return None
-    return value
+    for entry in reversed(entries):
+        fp = decode_fingerprint(entry, tag)
+        if fp is not None:
+            return fp
+    return None
 
 
 def fingerprints_agree(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:

@@ -42,7 +42,8 @@ def test_join_line_and_identity_path(tmp_path):
 
 def test_keys_are_run_namespaced():
     assert members_key("r1") == "r1/members" and claims_key("r1", 3) == "r1/claims/3"
-    assert protected_keys("r1", 2) == ["r1/members", "r1/claims/0", "r1/claims/1"]
+    assert protected_keys("r1", 2, ["router"]) == ["r1/members", "r1/claims/0", "r1/claims/1", "r1/surrogates/0",
+                                                   "r1/surrogates/1", "r1/outer/router/rounds"]
     assert parse_expert_id(expert_id(3, 7)) == (3, 7)
     for bad in ["", "a/b", "-x", "x" * 65]:
         with pytest.raises(ValueError, match="run id"):

@@ -102,6 +102,19 @@ def test_unsigned_records_under_protected_keys_are_refused_others_pass():
     assert not v.validate(regular)
 
 
+def test_a_key_that_held_a_signed_record_refuses_plain_values_from_then_on():
+    other = "some-run/outer/router/rounds"  # a key this validator was not told about (a bootstrap without --run)
+    v = Ed25519RecordValidator(None, clock=lambda: NOW)
+    plain = DHTRecord(dht_key_id(other), msgpack.packb(None), msgpack.packb(b"x"), NOW + 3600)
+    plain_subkey = dataclasses.replace(plain, subkey=msgpack.packb(b"QmPeer"))
+    assert v.validate(plain) and v.validate(plain_subkey)  # nothing known yet: not ours to judge
+    assert v.validate(record(key=other))
+    assert not v.validate(plain) and not v.validate(plain_subkey)
+    assert v.validate(dataclasses.replace(plain, key=dht_key_id("hivemind/own/key")))
+    unlearning = Ed25519RecordValidator(None, clock=lambda: NOW, learn_protected=False)
+    assert unlearning.validate(record(key=other)) and unlearning.validate(plain)
+
+
 def test_oversized_and_garbage_subkeys():
     v = validator()
     assert not v.validate(record(value=b"x" * 10_000))

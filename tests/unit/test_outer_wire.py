@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallax.dht.keys import outer_prefix, outer_rounds_key, protected_keys
 from parallax.node.net.outer_wire import (
     FP_SLOTS,
+    ROUNDS_KEPT,
     SMALL_TENSOR_NUMEL,
     OuterSyncConfig,
     _hash_signs,
@@ -14,20 +16,17 @@ from parallax.node.net.outer_wire import (
     component_tensors,
     decode_fingerprint,
     encode_fingerprint,
+    encode_round_record,
     fingerprint,
     fingerprints_agree,
     majority_agrees,
     merged_from_components,
-    open_fingerprint,
-    outer_prefix,
     payload_bytes,
-    round_key,
+    round_fingerprint,
     round_tag,
-    seal_fingerprint,
     wire_roundtrip,
 )
 from parallax.node.train.rda import merge_groups
-from parallax.protocol.identity import Identity
 
 SHAPES = {"w": (6, 5), "b": (5,), "c": (7,), "z": (3,)}
 
@@ -185,7 +184,8 @@ def test_config_defaults_and_validation():
 
 def test_names():
     assert outer_prefix("run-1", "router") == "run-1/outer/router"
-    assert round_key("run-1", "backbone", 12) == "run-1/outer/backbone/round/12"
+    assert outer_rounds_key("run-1", "backbone") == "run-1/outer/backbone/rounds"
+    assert "run-1/outer/backbone/rounds" in protected_keys("run-1", 2, ["router", "backbone"])
     for run_id, group in (("run.1", "router"), ("run", "a.b"), ("run", ""), ("run", "a/b"), ("bad run", "x")):
         with pytest.raises(ValueError):
             outer_prefix(run_id, group)
@@ -235,20 +235,13 @@ def test_uint8_rounding_stays_within_its_fingerprint_tolerance():
     assert not fingerprints_agree(fps[0], fingerprint(list(subset.values()), local_norms), tol)
 
 
-def test_sealed_fingerprints_open_only_for_their_signer_and_round() -> None:
-    alice, mallory = Identity.from_seed(b"a" * 32), Identity.from_seed(b"m" * 32)
-    key = round_key("run", "router", 3)
-    value = encode_fingerprint((1.0, 2.0, 3.0, 4.0), round_tag(3, ["p1", "p2"]))
-    sealed = seal_fingerprint(value, key, alice)
-    assert open_fingerprint(sealed, key, alice.public_key) == value
-    assert open_fingerprint(sealed, key, mallory.public_key) is None  # not the key the membership names
-    assert open_fingerprint(sealed, key, None) is None  # a peer id nobody live claims
-    assert open_fingerprint(sealed, round_key("run", "router", 4), alice.public_key) is None  # replayed
-    assert open_fingerprint(value, key, alice.public_key) is None  # unsigned
-    forged = seal_fingerprint(value, key, mallory).replace(mallory.public_key, alice.public_key)
-    assert open_fingerprint(forged, key, alice.public_key) is None
-    tampered = bytearray(sealed)
-    tampered[10] ^= 1
-    assert open_fingerprint(bytes(tampered), key, alice.public_key) is None
-    for junk in (b"", b"\xc1", b"x" * 5000, 7, None):
-        assert open_fingerprint(junk, key, alice.public_key) is None
+def test_a_round_record_keeps_the_latest_rounds_and_yields_only_the_one_asked_for() -> None:
+    fps = {n: (float(n), 2.0, 3.0, 4.0) for n in range(ROUNDS_KEPT + 2)}
+    tags = {n: round_tag(n, ["p1", "p2"]) for n in fps}
+    record = encode_round_record([encode_fingerprint(fp, tags[n]) for n, fp in fps.items()])
+    newest = sorted(fps)[-ROUNDS_KEPT:]
+    for n in fps:
+        assert round_fingerprint(record, tags[n]) == (fps[n] if n in newest else None)
+    assert round_fingerprint(record, round_tag(newest[-1], ["p1", "p3"])) is None  # other participants
+    for junk in (b"", b"\xc1", b"x" * 5000, 7, None, encode_round_record([b"junk"])):
+        assert round_fingerprint(junk, tags[newest[-1]]) is None
