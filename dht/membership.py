@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import threading
 import time
@@ -42,7 +43,7 @@ from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import DHTError
 from parallax.protocol.errors import ProtocolError
 from parallax.protocol.identity import Identity, fingerprint
-from parallax.protocol.messages import ROLES, Deathrattle, Heartbeat
+from parallax.protocol.messages import MAX_SETTINGS_CHARS, ROLES, Deathrattle, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,9 @@ class MembershipConfig:
     """Timeout of each DHT store/get."""
     max_addresses: int = 4
     """Addresses carried in the heartbeat (keeps the record small)."""
+    settings: str = ""
+    """This composer's run settings (canonical JSON), carried in its heartbeat. When set, composers announcing
+    other settings are left out of this node's view: they own nothing here and take no part in its rounds."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -93,6 +97,9 @@ class MembershipConfig:
             raise ValueError("need 0 < refresh_s <= heartbeat_period_s")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if len(self.settings) > MAX_SETTINGS_CHARS:
+            raise ValueError(f"settings of {len(self.settings)} characters exceed the heartbeat's "
+                             f"{MAX_SETTINGS_CHARS}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +150,46 @@ class SwarmView:
         now = dht_time() if now is None else now
         found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
         return {shard: c.holder for shard, c in found.items()}
+
+
+def split_by_settings(view: SwarmView, settings: str) -> tuple[SwarmView, dict[str, Member]]:
+    """``view`` without the composers whose heartbeat announces settings other than ``settings``, and those
+    composers by fingerprint. An empty ``settings`` keeps everyone (a tool that only looks)."""
+    if not settings:
+        return view, {}
+    foreign = {fp: m for fp, m in view.members.items()
+               if m.heartbeat.role == "composer" and m.heartbeat.settings != settings}
+    if not foreign:
+        return view, {}
+    members = {fp: m for fp, m in view.members.items() if fp not in foreign}
+    return dataclasses.replace(view, members=members), foreign
+
+
+def settings_difference(mine: str, theirs: str, limit: int = 6) -> str:
+    """The settings two composers disagree on, for a person: ``optim.lr = 0.003 here, 0.001 there; ...``.
+
+    Both are canonical JSON objects (``theirs`` comes from a peer: anything that does not parse is said so).
+    """
+    try:
+        a, b = _flatten(json.loads(mine)), _flatten(json.loads(theirs))
+    except (ValueError, TypeError, RecursionError):
+        return "settings that do not parse"
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+    shown = [f"{k} = {a.get(k, 'absent')} here, {b.get(k, 'absent')} there" for k in keys[:limit]]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return "; ".join(shown) + more if shown else "the same settings written differently"
+
+
+_ABSENT = object()
+
+
+def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(obj, dict):
+        return {prefix or "(settings)": json.dumps(obj)}
+    out: dict[str, object] = {}
+    for k, v in obj.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
@@ -352,6 +399,8 @@ class Membership:
         """When ``owned()`` last changed (monotonic clock): lets a caller wait for a settled assignment."""
         self._claimed: dict[int, frozenset[int]] = {}
         self.heartbeats_sent = 0
+        self.foreign: dict[str, Member] = {}
+        """Composers of the run seen at the last read announcing other settings (left out of the view)."""
 
     # --- public ---
 
@@ -518,7 +567,7 @@ class Membership:
             hb = Heartbeat(
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
                 capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
-                loss=self._loss,
+                loss=self._loss, settings=self.config.settings,
             )
         ok = self._store(self._members_key, pack_message(hb), now + self.config.heartbeat_ttl_s,
                          self.config.request_timeout_s)
@@ -547,6 +596,12 @@ class Membership:
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
+        view, foreign = split_by_settings(view, self.config.settings)
+        for fp in foreign.keys() - self.foreign.keys():
+            logger.warning("ignoring composer %s (peer %s): it runs other settings than this node: %s", fp,
+                           foreign[fp].heartbeat.peer_id,
+                           settings_difference(self.config.settings, foreign[fp].heartbeat.settings))
+        self.foreign = foreign
         self._view = merge_views(self._view, view)
         return True
 

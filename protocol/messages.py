@@ -66,6 +66,7 @@ _LAYER = Int(0, MAX_LAYER)
 _EXPERT = Int(0, MAX_EXPERT)
 _SHARD = Fixed(_LAYER, _EXPERT)
 _COUNT = Int(0)
+MAX_SETTINGS_CHARS = 3072  # a run's settings as canonical JSON are about 700 characters
 _UNIX_TIME = Float(0.0, 1e11, lo_open=True)  # seconds since the epoch
 _LOSS = Optional(Float(-1e9, 1e9))
 
@@ -113,6 +114,8 @@ class Heartbeat(Message):
         step: its training step.
         versions: version counters of what it holds, e.g. ``{"attn": 12, "surrogates": 40}``.
         loss: its latest training loss, if any.
+        settings: a composer's run settings, canonical JSON (``node.config.train.run_settings``): composers
+            whose settings differ ignore each other; empty for workers and bootstrap peers.
     """
 
     KIND: ClassVar[str] = "heartbeat"
@@ -126,6 +129,7 @@ class Heartbeat(Message):
     step: int = wire(_COUNT)
     versions: Mapping[str, int] = wire(Map(_NAME, _COUNT, max_len=256), default=None)
     loss: float | None = wire(_LOSS, default=None)
+    settings: str = wire(Str(MAX_SETTINGS_CHARS), default="")
 
     def __post_init__(self) -> None:
         if self.versions is None:  # a default of {} would be shared and mutable

@@ -10,6 +10,7 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,3 +364,19 @@ def train_config(preset_name: str = "small", *, steps: int | None = None, batch_
     overrides: dict[str, Any] = {k: v for k, v in (("steps", steps), ("batch_size", batch_size), ("seed", seed))
                                  if v is not None}
     return dataclasses.replace(cfg, **overrides)
+
+
+LOCAL_SETTINGS = ("offload", "sim", "eval_batches", "eval_every")
+"""Sections and fields of ``TrainConfig`` that each composer chooses for itself; every other one must agree
+across the run (model shapes, optimizer and schedule, merges, surrogates, batch, steps, seed)."""
+
+
+def run_settings(cfg: TrainConfig) -> str:
+    """The settings every composer of a run must share, as canonical JSON (sorted keys, no spaces).
+
+    Composers carry it in their heartbeats and ignore those whose settings differ (``dht.membership``): a node
+    started with another ``--preset`` or ``--set optim.lr=...`` would otherwise be handed experts whose
+    snapshots it cannot read, or be averaged with nodes that train differently.
+    """
+    shared = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LOCAL_SETTINGS}
+    return json.dumps(shared, sort_keys=True, separators=(",", ":"))

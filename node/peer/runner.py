@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import Membership, MembershipConfig, PeerState
+from parallax.dht.membership import Membership, MembershipConfig, PeerState, settings_difference
 from parallax.dht.shards import assign_experts
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
-from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
 from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
@@ -206,7 +206,8 @@ class Node:
         telemetry.status.peer_id = dht.peer_id
         telemetry.status.join_command = dht.join_command()
         telemetry.event("dht_started", join=telemetry.status.join_command)
-        membership = Membership(dht, self.identity, MembershipConfig(run_id=c.peer.run_id, role="composer"),
+        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", settings=run_settings(cfg))
+        membership = Membership(dht, self.identity, membership_config,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
         membership.start()
         stack.callback(_leave_quietly, membership)
@@ -262,6 +263,8 @@ class Node:
                 if fp != self.identity.fingerprint and m.heartbeat.role == "composer":
                     first_seen_step.setdefault(fp, m.heartbeat.step)
             peers = len(view.composers())
+            if peers <= 1 and membership.foreign and time.monotonic() - self._online_at >= settle:
+                raise NodeError(_other_settings(self.config.peer.run_id, membership))
             stable = time.monotonic() - membership.owned_changed_at >= settle
             running = any(step > 0 for step in first_seen_step.values())
             if peers >= settings.min_peers and ((owned and stable) or running):
@@ -271,6 +274,16 @@ class Node:
                                 f"seen, {settings.min_peers} wanted); check --initial-peers and --run-id")
             self.telemetry.phase(f"waiting for peers ({peers}/{settings.min_peers})")
             self.stop_event.wait(0.1)
+
+def _other_settings(run_id: str, membership: Membership) -> str:
+    """Why this node cannot join: every live composer of the run trains with other settings than it."""
+    foreign = sorted(membership.foreign.values(), key=lambda m: m.fingerprint)
+    first = foreign[0]
+    return (f"run {run_id} trains with other settings than this node ({len(foreign)} composer(s), e.g. "
+            f"{first.fingerprint}): {settings_difference(membership.config.settings, first.heartbeat.settings)}. "
+            "Start with the run's settings (the same --preset, --config and --set as its composers), or choose "
+            "another --run-id")
+
 
 def _leave_quietly(membership: Membership) -> None:
     """The deathrattle at shutdown, unless the node already left (a failed DHT write is no reason to stop)."""

@@ -23,6 +23,7 @@ from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.outer_sync import GroupAverager, RoundStatus, TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.rda import merge_groups
+from parallax.protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,8 +119,10 @@ def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
 def test_signed_fingerprints_count_only_from_the_key_the_membership_names(dhts):
     identities = [fixed_identity(i) for i in range(3)]  # the keys the module's DHT peers sign with
     keys = {dht.peer_id: identity.public_key for dht, identity in zip(dhts, identities, strict=True)}
-    # Peer 0's view does not know peer 2 (say its heartbeat has not reached it): 2's fingerprint is ignored there.
-    views = [{p: k for p, k in keys.items() if p != dhts[2].peer_id}, keys, keys]
+    # Peer 0's view names another key (Mallory's) for peers 1 and 2: their genuine fingerprints, signed by their
+    # own keys, do not count there, so peer 0 cannot verify the round; peers 1 and 2 verify it with each other.
+    mallory = Identity.from_seed(b"m" * 32).public_key
+    views = [{p: (k if p == dhts[0].peer_id else mallory) for p, k in keys.items()}, keys, keys]
     config = OuterSyncConfig.loopback(target_group_size=3)
     averagers: list[GroupAverager] = []
     try:
@@ -127,9 +130,11 @@ def test_signed_fingerprints_count_only_from_the_key_the_membership_names(dhts):
             signer = FingerprintSigner(identity, view.get)
             averagers.append(GroupAverager(dht, "signed", "router", SHAPES, config, signer))
         results = _run(averagers, _deltas(3), TOKENS)
-        assert all(r is not None for r in results), [a.last_report for a in averagers]
-        assert averagers[0].last_report.agreeing == 2  # itself and peer 1
-        assert averagers[1].last_report.agreeing == 3 and averagers[2].last_report.agreeing == 3
+        reports = [a.last_report for a in averagers]
+        assert results[0] is None and reports[0].status is RoundStatus.UNVERIFIED, reports[0]
+        assert reports[0].agreeing == 1
+        assert results[1] is not None and results[2] is not None, reports
+        assert reports[1].agreeing >= 2 and reports[2].agreeing >= 2
     finally:
         _stop(averagers)
 

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
-from parallax.dht.membership import MembershipConfig, SwarmView, merge_views, parse_members
+from parallax.dht.membership import (
+    Member,
+    MembershipConfig,
+    SwarmView,
+    merge_views,
+    parse_members,
+    settings_difference,
+    split_by_settings,
+)
 from parallax.dht.records import owner_subkey, pack_message, subkey_owner
 from parallax.dht.shards import assign_experts
+from parallax.node.config.train import OptimConfig, TrainConfig, run_settings
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim, ShardRelease
@@ -148,3 +159,25 @@ def test_a_read_that_misses_a_live_heartbeat_does_not_kill_its_node():
     later = merge_views(gone, view(103.0, {a: (hb(3), 109.0), b: (hb(1), 105.0)}))  # a stale replica answers
     assert bob.fingerprint in later.departed and bob.fingerprint not in later.alive(104.0)
     assert merge_views(later, view(200.0, {})).members == {}  # expired records are not carried on
+
+
+def test_composers_with_other_settings_are_left_out_and_the_difference_named():
+    mine = run_settings(TrainConfig())
+    theirs = run_settings(dataclasses.replace(TrainConfig(), optim=dataclasses.replace(OptimConfig(), lr=1e-3)))
+    keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
+
+    def member(identity: Identity, role: str, settings: str) -> tuple[str, Member]:
+        hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role=role, capacity=1.0, shards=(), step=0, settings=settings)
+        return identity.fingerprint, Member(identity.fingerprint, identity.public_key, hb, 200.0)
+
+    members = dict([member(keys[0], "composer", mine), member(keys[1], "composer", theirs),
+                    member(keys[2], "worker", ""), member(keys[3], "composer", "")])
+    view, foreign = split_by_settings(SwarmView(run_id="r", read_at=100.0, members=members), mine)
+    assert set(view.composers(150.0)) == {keys[0].fingerprint}  # the bare composer announces no settings either
+    assert set(foreign) == {keys[1].fingerprint, keys[3].fingerprint} and keys[2].fingerprint in view.members
+    assert split_by_settings(view, "")[1] == {}  # a tool that only looks keeps everyone
+    assert settings_difference(mine, theirs) == "optim.lr = 0.003 here, 0.001 there"
+    assert settings_difference(mine, "{not json") == "settings that do not parse"
+    assert settings_difference(mine, run_settings(TrainConfig(seed=1))) == "seed = 0 here, 1 there"
+    # What each composer may choose alone does not split the run.
+    assert run_settings(TrainConfig(eval_every=7)) == mine
