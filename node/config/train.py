@@ -114,8 +114,12 @@ class SyncConfig:
     merge: str = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
     compression: str = "uint8"
-    """Wire format of the outer all-reduce: "fp16", "uint8" (hivemind's uniform 8-bit) or "none"; tensors
-    under 4096 entries always go uncompressed. The in-process simulator applies the same rounding."""
+    """Wire format of the outer merge: "fp16", "uint8" (8 bits an entry) or "none"; tensors under 4096 entries
+    always go uncompressed. The in-process simulator applies the same rounding."""
+    aggregation: str = "gather"
+    """How the composers merge: "gather" (each fetches every pseudo-gradient and merges them itself, robust to
+    a lying peer: weights capped by the schedule, non-finite ones dropped, norms clipped, CenteredClip) or
+    "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
 
     def __post_init__(self) -> None:
         if set(self.periods) != set(SHARED_GROUPS):
@@ -124,6 +128,8 @@ class SyncConfig:
             raise ValueError("every SyncConfig period must be a positive number of steps")
         if self.compression not in ("fp16", "uint8", "none"):
             raise ValueError(f"SyncConfig.compression must be fp16, uint8 or none, got {self.compression!r}")
+        if self.aggregation not in ("gather", "allreduce"):
+            raise ValueError(f"SyncConfig.aggregation must be 'gather' or 'allreduce', got {self.aggregation!r}")
         if self.merge not in ("rda", "mean"):
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import logging
 import math
 import signal
@@ -60,6 +62,15 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_prefix, outer_rounds_key
 from parallax.dht.records import owner_subkey
 from parallax.errors import NodeError
+from parallax.node.net.outer_gather import (
+    OuterGather,
+    RoundEntry,
+    body_digest,
+    decode_contribution,
+    decode_entries,
+    encode_contribution,
+    encode_entries,
+)
 from parallax.node.net.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
@@ -68,6 +79,7 @@ from parallax.node.net.outer_wire import (
     OuterSyncConfig,
     component_shapes,
     component_tensors,
+    decode_fingerprint,
     encode_fingerprint,
     encode_round_record,
     fingerprint,
@@ -76,6 +88,7 @@ from parallax.node.net.outer_wire import (
     round_fingerprint,
     round_tag,
 )
+from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -127,6 +140,8 @@ class RoundReport:
     total_s: float = 0.0
     began_allreduce: bool = False
     """A group formed and exchanged tensors: the other members may have completed the round."""
+    suspects: tuple[str, ...] = ()
+    """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
     detail: str = ""
 
     @property
@@ -185,6 +200,10 @@ class GroupAverager:
         signer: this node's identity, under whose subkey its fingerprints are stored (signed by the DHT's
             record validator), and whose key to expect for each peer (``outer_wire.FingerprintSigner``);
             None keeps fingerprints under peer-id subkeys, unsigned (tests of the averaging alone).
+        gather: serves and fetches contributions (``config.aggregation == "gather"``).
+        peers: () -> the libp2p peer ids of the live composers (a gathered round waits for them).
+        weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
+            period): a declared weight above it counts as the cap. None: no cap (tests).
 
     Raises:
         ValueError: bad names or an empty group.
@@ -192,8 +211,13 @@ class GroupAverager:
     """
 
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, shapes: Mapping[str, Sequence[int]],
-                 config: OuterSyncConfig, signer: FingerprintSigner | None = None) -> None:
+                 config: OuterSyncConfig, signer: FingerprintSigner | None = None, *,
+                 gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
+                 weight_cap: float | None = None) -> None:
         self.prefix = outer_prefix(run_id, group)
+        if config.aggregation == "gather" and (gather is None or peers is None):
+            raise ValueError("a gathered outer round needs the node's OuterGather and its live composers (peers)")
+        self.gather, self.peers, self.weight_cap = gather, peers, weight_cap
         if not shapes:
             raise ValueError(f"group {group!r} has no tensors")
         self.run_id, self.group, self.config, self.signer = run_id, group, config, signer
@@ -202,7 +226,8 @@ class GroupAverager:
         self.last_report: RoundReport | None = None
         self._dht = dht
         self._rounds = 0
-        self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last
+        self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
+        self._entries: dict[int, RoundEntry] = {}  # this node's latest gathered rounds
         self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
         self._round_lock = threading.Lock()  # one round at a time per group
         self._closed = False
@@ -252,6 +277,8 @@ class GroupAverager:
             self._report(RoundStatus.BUSY, started, round_id=round_id, detail="another round of this group is running")
             return None
         try:
+            if self.config.aggregation == "gather":
+                return self._gather_round(delta, tokens, round_id, fault, started)
             return self._run_round(delta, tokens, round_id, fault, started)
         finally:
             self._round_lock.release()
@@ -304,6 +331,162 @@ class GroupAverager:
             return None
         self._report(RoundStatus.OK, started, **common)
         return merged
+
+    # ---- a gathered round (outer_gather) ----
+
+    def _gather_round(self, delta: Mapping[str, torch.Tensor], tokens: float, round_id: int | None,
+                      fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
+                      ) -> dict[str, torch.Tensor] | None:
+        assert self.gather is not None and self.peers is not None  # checked at construction
+        cfg = self.config
+        n = self._rounds if round_id is None else int(round_id)
+        self._rounds = n + 1
+        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
+            self._report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
+            return None
+        body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
+        mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
+        self.gather.store.put(self.group, n, body)
+        self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
+        pack_s = time.monotonic() - started
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {self.peer_id: (mine, float(tokens))}
+        refused: dict[str, str] = {}
+        participants, detail = self._collect(n, found, refused)
+        common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
+        local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
+        verify_started = time.monotonic()
+        deadline = verify_started + cfg.verify_timeout_s
+        for _attempt in range(3):  # our own set, then at most twice the set a majority of its members merged
+            if participants is None or len(participants) < cfg.min_group_size:
+                status = RoundStatus.NO_GROUP if participants is None or self.peer_id in participants else \
+                    RoundStatus.FAILED
+                self._report(status, started, participants=tuple(sorted(found)), detail=detail,
+                             began_allreduce=self.gather.store.served(self.group, n), **common)
+                return None
+            merged = self._merge(n, participants, found, common)
+            if merged is None:
+                self._report(RoundStatus.NO_TOKENS, started, **common)
+                return None
+            if fault is not None:
+                fault(merged)
+            fp = fingerprint([merged[name] for name in self.shapes], local_norms)
+            tag = round_tag(n, participants)
+            self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
+                                              participants=participants))
+            status, agreeing, answered, other = self._await_majority(
+                fp, participants, functools.partial(_entry_fingerprint, n=n, tag=tag), deadline=deadline,
+                majority_set=functools.partial(_majority_set_of_records, n=n))
+            common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
+                          began_allreduce=self.gather.store.served(self.group, n))
+            if status is RoundStatus.OK:
+                self._report(RoundStatus.OK, started, **common)
+                return merged
+            if other is None or not self._fetch_all(n, other, found, refused, deadline):
+                break
+            logger.info("outer round %s/%d: merging the %d contributions a majority of their peers merged",
+                        self.group, n, len(other))
+            participants = other
+        self._report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
+                                             f"{answered} fingerprints found", **common)
+        return None
+
+    def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
+               common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The robust merge of ``participants``' contributions (in peer-id order, as on every peer); notes the
+        capped weights and the suspects in ``common`` and names each suspect in the log."""
+        declared = [found[p][1] for p in participants]
+        cap = self.weight_cap
+        weights = cap_weights(declared, cap) if cap is not None else declared
+        spans = [span_of(t, cap) for t in declared] if cap is not None else None
+        merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
+                                            eps=self.config.rda_eps, spans=spans)
+        suspects = []
+        for peer, a in zip(participants, audit.contributions, strict=True):
+            if a.suspicious:
+                suspects.append(peer)
+                logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
+                               "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
+                               a.norm_scale, a.clip, found[peer][1])
+        common.update(participants=participants, tokens=dict(zip(participants, weights, strict=True)),
+                      suspects=tuple(suspects))
+        return merged
+
+    def _publish(self, entry: RoundEntry) -> None:
+        """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds) and store it."""
+        self._entries[entry.round_id] = entry
+        for old in sorted(self._entries)[:-ROUNDS_KEPT]:
+            del self._entries[old]
+        value = encode_entries([self._entries[k] for k in sorted(self._entries)])
+        if not self._dht.store(outer_rounds_key(self.run_id, self.group), self._own_subkey, value,
+                               dht_time() + self.config.fingerprint_ttl_s, timeout_s=self.config.dht_timeout_s):
+            logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
+
+    def _records(self, peers: Sequence[str], timeout_s: float) -> dict[str, bytes]:
+        """peer -> its raw rounds record, for the peers whose key the membership names."""
+        key = outer_rounds_key(self.run_id, self.group)
+        found = self._dht.get_dicts([key], latest=True, timeout_s=timeout_s)
+        records = (found or {}).get(key, {})
+        out = {}
+        for peer in peers:
+            subkey = self._subkey_of(peer)
+            if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
+                out[peer] = records[subkey][0]
+        return out
+
+    def _collect(self, n: int, found: dict[str, tuple[dict[str, torch.Tensor], float]], refused: dict[str, str],
+                 ) -> tuple[tuple[str, ...] | None, str]:
+        """Fetch the contributions of round ``n`` into ``found``: every live composer's, waiting
+        ``min_matchmaking_time_s`` for them; or the set a majority of its own members already merged, when one has.
+
+        Returns:
+            (the participants to merge, or None; a detail for the report).
+        """
+        assert self.peers is not None
+        cfg = self.config
+        now = time.monotonic()
+        wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
+        while True:
+            expected = set(self.peers()) - {self.peer_id}
+            records = self._records(sorted(expected), max(0.1, min(cfg.dht_timeout_s, give_up - time.monotonic())))
+            entries = {peer: decode_entries(record) for peer, record in records.items()}
+            for peer, by_round in entries.items():
+                if n in by_round:
+                    self._fetch_one(n, peer, by_round[n], found, refused)
+            merged_by = _majority_set(entries, n)
+            if merged_by is not None:
+                if set(merged_by) <= set(found):
+                    return merged_by, ""
+                if self._fetch_all(n, merged_by, found, refused, give_up):
+                    return merged_by, ""
+                return None, f"the majority merged {len(merged_by)} contributions, not all fetched here"
+            if expected <= set(found) | set(refused) or time.monotonic() >= wait_until:
+                return tuple(sorted(found)), ""
+            time.sleep(_VERIFY_POLL_S)
+
+    def _fetch_one(self, n: int, peer: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                   refused: dict[str, str]) -> None:
+        if peer in found or peer in refused:
+            return
+        assert self.gather is not None
+        try:
+            body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
+            found[peer] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
+        except Exception as e:  # a bad body, or a broken stream: that peer is out of this round
+            refused[peer] = repr(e)
+            logger.warning("outer round %s/%d: no usable contribution from peer %s: %s", self.group, n, peer, e)
+
+    def _fetch_all(self, n: int, peers: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                   refused: dict[str, str], deadline: float) -> bool:
+        """Fetch the contributions of ``peers`` not held yet (their entries read again); True when all are held."""
+        missing = [p for p in peers if p not in found]
+        if not missing:
+            return True
+        records = self._records(missing, max(0.1, min(self.config.dht_timeout_s, deadline - time.monotonic())))
+        for peer in missing:
+            entry = decode_entries(records.get(peer)).get(n)
+            if entry is not None:
+                self._fetch_one(n, peer, entry, found, refused)
+        return all(p in found for p in peers)
 
     def _check(self, delta: Mapping[str, torch.Tensor], tokens: float) -> None:
         if set(delta) != set(self.shapes):
@@ -390,43 +573,58 @@ class GroupAverager:
         return gathered, RoundStatus.OK, True, ""
 
     def _verify(self, n: int, fp: tuple[float, ...], participants: Sequence[str]) -> tuple[RoundStatus, int, int]:
-        """Publish our fingerprint, then wait for a majority verdict (at most verify_timeout_s).
+        """Publish our fingerprint of an all-reduce round, then wait for a majority verdict (``_await_majority``)."""
+        tag = round_tag(n, participants)
+        self._recent = [*self._recent, encode_fingerprint(fp, tag)][-ROUNDS_KEPT:]
+        if not self._dht.store(outer_rounds_key(self.run_id, self.group), self._own_subkey,
+                               encode_round_record(self._recent), dht_time() + self.config.fingerprint_ttl_s,
+                               timeout_s=self.config.dht_timeout_s):
+            logger.debug("could not store the fingerprint of %s round %d", self.group, n)
+        status, agreeing, answered, _ = self._await_majority(fp, participants,
+                                                             lambda record: round_fingerprint(record, tag))
+        return status, agreeing, answered
+
+    def _await_majority(
+        self, fp: tuple[float, ...], participants: Sequence[str], read: Callable[[bytes], tuple[float, ...] | None],
+        *, deadline: float | None = None,
+        majority_set: Callable[[Mapping[str, bytes]], tuple[str, ...] | None] | None = None,
+    ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
+        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now);
+        ``read`` finds the round's fingerprint in a participant's rounds record.
+
+        With ``majority_set`` (a gathered round), every live composer's record is read, and the wait ends early
+        when a majority of some other set of participants has merged that set: the caller may merge it too.
 
         Returns:
             (OK, DIVERGED when those who answered outvoted us, or UNVERIFIED when too few answered;
-            how many participants agree with us, us included; how many fingerprints we had, ours included).
+            how many participants agree with us, us included; how many fingerprints we had, ours included;
+            the other set, or None).
         """
         cfg = self.config
-        key = outer_rounds_key(self.run_id, self.group)
-        tag = round_tag(n, participants)
-        self._recent = [*self._recent, encode_fingerprint(fp, tag)][-ROUNDS_KEPT:]
-        if not self._dht.store(key, self._own_subkey, encode_round_record(self._recent),
-                               dht_time() + cfg.fingerprint_ttl_s, timeout_s=cfg.dht_timeout_s):
-            logger.debug("could not store the fingerprint of %s round %d", self.group, n)
-        deadline = time.monotonic() + cfg.verify_timeout_s
+        deadline = time.monotonic() + cfg.verify_timeout_s if deadline is None else deadline
         others: dict[str, tuple[float, ...]] = {}
-        wanted = {peer: self._subkey_of(peer) for peer in participants if peer != self.peer_id}
+        wanted = [peer for peer in participants if peer != self.peer_id]
         while True:
             remaining = deadline - time.monotonic()
-            found = self._dht.get_dicts([key], latest=True, timeout_s=max(0.1, min(cfg.dht_timeout_s, remaining)))
-            records = (found or {}).get(key, {})
-            for peer, subkey in wanted.items():
-                if peer in others or subkey is None or subkey not in records:
-                    continue
-                decoded = round_fingerprint(records[subkey][0], tag)
-                if decoded is None:
-                    logger.debug("no fingerprint of %s for %s round %d yet, or a malformed one", peer, self.group, n)
-                    continue
-                others[peer] = decoded
+            readers = sorted(set(wanted) | (set(self.peers()) if majority_set and self.peers else set()))
+            records = self._records([p for p in readers if p != self.peer_id],
+                                    max(0.1, min(cfg.dht_timeout_s, remaining)))
+            for peer in wanted:
+                decoded = read(records[peer]) if peer in records else None
+                if decoded is not None:
+                    others[peer] = decoded
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
-                return RoundStatus.OK, agreeing, len(others) + 1
+                return RoundStatus.OK, agreeing, len(others) + 1, None
+            other = majority_set(records) if majority_set is not None else None
+            if other is not None and other != tuple(participants):
+                return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
             disagreeing = len(others) + 1 - agreeing
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
                 # A majority is out of reach whoever answers later.
-                return RoundStatus.DIVERGED, agreeing, len(others) + 1
+                return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
             if time.monotonic() >= deadline:
-                return RoundStatus.UNVERIFIED, agreeing, len(others) + 1
+                return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
             time.sleep(_VERIFY_POLL_S)
 
     def _subkey_of(self, peer: str) -> bytes | None:
@@ -493,6 +691,29 @@ class GroupAverager:
         self.shutdown()
 
 
+def _entry_fingerprint(record: bytes, n: int, tag: bytes) -> tuple[float, ...] | None:
+    """The fingerprint of round ``n`` (tagged ``tag``) in a peer's gathered-rounds record, if there is one."""
+    entry = decode_entries(record).get(n)
+    return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
+
+
+def _majority_set_of_records(records: Mapping[str, bytes], n: int) -> tuple[str, ...] | None:
+    return _majority_set({peer: decode_entries(record) for peer, record in records.items()}, n)
+
+
+def _majority_set(entries: Mapping[str, Mapping[int, RoundEntry]], n: int) -> tuple[str, ...] | None:
+    """The participants of round ``n`` that a strict majority of their own members say they merged, if any."""
+    votes: dict[tuple[str, ...], int] = {}
+    for peer, by_round in entries.items():
+        entry = by_round.get(n)
+        if entry is not None and entry.fingerprint and peer in entry.participants:
+            votes[entry.participants] = votes.get(entry.participants, 0) + 1
+    for members, count in sorted(votes.items(), key=lambda kv: -kv[1]):
+        if 2 * count > len(members):
+            return members
+    return None
+
+
 def _parse_gathered(gathered: Mapping[Any, Any], n: int) -> tuple[list[int], dict[str, float]]:
     """Participants' round numbers and token counts from the all-gather; bad entries are logged and zeroed."""
     rounds, tokens = [n], {}
@@ -517,19 +738,23 @@ class TieredOuterSync:
         run_id: the run.
         groups: group -> (name -> shape), in the composer's anchors' order (``node.runner.model_shapes(cfg).groups``).
         config: shared by every group.
-        signer: see ``GroupAverager``.
+        signer, gather, peers: see ``GroupAverager``.
+        weight_caps: group -> ``GroupAverager``'s weight_cap.
 
     Raises:
         NodeError: an averager did not start (those already started are shut down).
     """
 
     def __init__(self, dht: SwarmDHT, run_id: str, groups: Mapping[str, Mapping[str, Sequence[int]]],
-                 config: OuterSyncConfig | None = None, signer: FingerprintSigner | None = None) -> None:
+                 config: OuterSyncConfig | None = None, signer: FingerprintSigner | None = None, *,
+                 gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
+                 weight_caps: Mapping[str, float] | None = None) -> None:
         self.config = config or OuterSyncConfig()
         self.groups: dict[str, GroupAverager] = {}
         try:
             for group, shapes in groups.items():
-                self.groups[group] = GroupAverager(dht, run_id, group, shapes, self.config, signer)
+                self.groups[group] = GroupAverager(dht, run_id, group, shapes, self.config, signer, gather=gather,
+                                                   peers=peers, weight_cap=(weight_caps or {}).get(group))
         except BaseException:
             self.shutdown()
             raise

@@ -41,6 +41,7 @@ from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components
 from parallax.protocol.identity import Identity
 
 COMPRESSIONS = ("fp16", "uint8", "none")
+AGGREGATIONS = ("gather", "allreduce")
 """Wire formats of an outer all-reduce: float16, hivemind's uniform 8-bit quantisation (256 buckets over
 6 standard deviations, each decoded to its bucket's mean; about 3.5% relative error on a backbone
 pseudo-gradient of the small preset, against 0.02% for float16), or float32."""
@@ -73,6 +74,10 @@ class OuterSyncConfig:
 
     method: str = "rda"
     """"rda" (radial-directional) or "mean"; every peer of a run must use the same."""
+    aggregation: str = "gather"
+    """"gather": every participant fetches every contribution and merges them itself, robustly
+    (``node.net.outer_gather``); "allreduce": hivemind's butterfly all-reduce, weights as each peer declares
+    them (fewer bytes, for swarms whose peers trust each other). Every peer of a run must use the same."""
     compression: str = "fp16"
     """Wire format of the all-reduce (``COMPRESSIONS``): "fp16" (half the traffic), "uint8" (a quarter) or
     "none" (fp32); every peer of a run must use the same."""
@@ -116,6 +121,8 @@ class OuterSyncConfig:
     def __post_init__(self) -> None:
         if self.method not in MERGE_METHODS:
             raise ValueError(f"OuterSyncConfig.method must be one of {MERGE_METHODS}, got {self.method!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"OuterSyncConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"OuterSyncConfig.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
         if self.min_group_size < 2 or self.target_group_size < self.min_group_size:

@@ -45,6 +45,7 @@ from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.outer_gather import OuterGather
 from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
@@ -78,7 +79,7 @@ def outer_sync_config(config: NodeConfig) -> OuterSyncConfig:
     """The outer rounds' settings: the run's merge and wire format, this node's timings."""
     base = OuterSyncConfig.loopback() if config.peer.loopback else OuterSyncConfig()
     net, sync = config.net, config.train.sync
-    return dataclasses.replace(base, method=sync.merge, compression=sync.compression,
+    return dataclasses.replace(base, method=sync.merge, compression=sync.compression, aggregation=sync.aggregation,
                                min_matchmaking_time_s=net.min_matchmaking_time_s,
                                matchmaking_timeout_s=net.matchmaking_timeout_s,
                                allreduce_timeout_s=net.allreduce_timeout_s)
@@ -226,8 +227,13 @@ class Node:
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
                                   poll_s=c.net.snapshot_poll_s, timeout_s=c.net.exchange_timeout_s).start()
         stack.callback(exchange.close)
+        gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
+        stack.callback(gather.close)
+        # A peer's declared tokens count up to what the schedule lets one composer process in a round.
+        caps = {g: float(cfg.batch_size * cfg.model.seq_len * p) for g, p in cfg.sync.periods.items()}
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
-                               signer=FingerprintSigner(self.identity, views.public_key_of))
+                               signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
+                               peers=views.composer_peers, weight_caps=caps)
         stack.callback(sync.shutdown)
         return _Network(dht, membership, views, loop, gossip, exchange, sync)
 

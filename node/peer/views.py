@@ -118,3 +118,9 @@ class SwarmViews:
     def composers(self) -> int:
         """Live composers in the view, this one included."""
         return len(self.membership.view().composers())
+
+    def composer_peers(self) -> list[str]:
+        """The libp2p peer ids of the live composers in the view (this one included): a gathered outer
+        round waits for their contributions."""
+        return sorted(m.heartbeat.peer_id for m in self.membership.view().alive().values()
+                      if m.heartbeat.role == "composer")

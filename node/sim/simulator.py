@@ -33,6 +33,7 @@ from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
 from parallax.node.model.surrogate import jacobian_error, relative_error
 from parallax.node.model.transformer import MoETransformer, Ownership, own_all
+from parallax.node.net.outer_gather import decode_contribution, encode_contribution
 from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.offload.proxy import LocalWorkers
@@ -40,6 +41,7 @@ from parallax.node.train.composer import Composer, evaluate
 from parallax.node.train.data import shard, val_batches
 from parallax.node.train.outer import TierSchedule
 from parallax.node.train.rda import merge_groups
+from parallax.node.train.robust import robust_merge_groups
 
 RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
 SHARDED = ("parallax", "offload")
@@ -190,7 +192,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if (spec.kind == "diloco" or step <= dense_steps) and "backbone" in due:
             due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
         for group in due:
-            traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression)
+            traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
+                                             cfg.sync.aggregation)
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
             peak = (max(c.parameter_count() for c in composers), max(c.optimizer_state_bytes() for c in composers))
@@ -333,17 +336,21 @@ def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
     return total
 
 
-def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none") -> int:
+def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none",
+                aggregation: str = "allreduce") -> int:
     """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere.
 
-    ``compression`` rounds what crosses the wire as hivemind's all-reduce does (``outer_wire.wire_roundtrip``):
-    each composer's pseudo-gradient on the way in, and on the way back each composer gets its own
-    ``local + round(merged - local)``, so the composers' copies differ by the rounding as on the network
-    (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
+    "allreduce": ``compression`` rounds what crosses the wire as hivemind's all-reduce does
+    (``outer_wire.wire_roundtrip``): each composer's pseudo-gradient on the way in, and on the way back each
+    composer gets its own ``local + round(merged - local)``, so the composers' copies differ by the rounding as
+    on the network (hivemind averages the RDA components rather than the deltas; the rounding is of the same
+    size). "gather": each pseudo-gradient goes through the gathered round's codec
+    (``outer_gather.encode_contribution``) and every composer applies the one robust merge of them all
+    (``train.robust``), as every peer of a gathered round computes it.
 
     Returns:
-        Bytes all composers together would send and receive in the ring all-reduce of the node's wire
-        buffers (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per composer).
+        Bytes all composers together send: the ring all-reduce of the node's wire buffers
+        (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per composer), or each body to n - 1 peers.
     """
     if group not in composers[0].outer:
         return 0
@@ -351,14 +358,24 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     if sum(weights) == 0:
         return 0
     deltas = [c.pseudo_gradient(group) for c in composers]
+    n = len(composers)
+    wire = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
+    if aggregation == "gather":
+        shapes = {k: tuple(t.shape) for k, t in deltas[0].items()}
+        bodies = [encode_contribution(d, compression) for d in deltas]
+        received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
+        merged, _ = robust_merge_groups(received, weights, method, eps=wire.rda_eps)
+        if merged is None:
+            return 0
+        for c in composers:
+            c.apply_outer(group, merged)
+        return sum(len(b) for b in bodies) * (n - 1)
     sent = deltas if compression == "none" else [
-        {n: wire_roundtrip(t, compression) for n, t in d.items()} for d in deltas]
+        {k: wire_roundtrip(t, compression) for k, t in d.items()} for d in deltas]
     merged = merge_groups(sent, weights, method=method)
     for c, local in zip(composers, deltas, strict=True):
         c.apply_outer(group, merged if compression == "none" else {
-            n: local[n] + wire_roundtrip(t - local[n], compression) for n, t in merged.items()})
-    n = len(composers)
-    wire = OuterSyncConfig(method=method, compression=compression)
+            k: local[k] + wire_roundtrip(t - local[k], compression) for k, t in merged.items()})
     size = outer_payload_bytes({k: t.shape for k, t in merged.items()}, wire)
     return int(2 * (n - 1) * size)
 

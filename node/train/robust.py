@@ -14,6 +14,7 @@ computes the same RDA (or mean) merge after three defences, each applied tensor 
    contributions and no absolute scale is assumed. For RDA the unit directions are clipped this way
    and the norms by step 2; for the mean, the (norm-clipped) deltas.
 
+Among fewer than ``min_contributions`` (3) contributions no one is an outlier and steps 2-3 are skipped.
 When nobody is clipped, the result is the plain merge of the same contributions, computed by the same
 code (``rda.rda_rebuild`` of weighted means): robustness costs nothing while nobody attacks. Weights
 are the caller's: a peer's declared tokens must be capped before they reach here (``cap_weights``).
@@ -24,15 +25,18 @@ CenteredClip pulled it in: the evidence a node scores peers by.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, mean_merge, rda_components, rda_merge, rda_rebuild
 
-__all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "robust_merge_groups"]
+__all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "robust_merge_groups",
+           "span_of"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class RobustConfig:
     """CenteredClip's radius, as a multiple of the median distance of the contributions to their median."""
     iters: int = 8
     """CenteredClip iterations at most (it stops earlier once the centre moves by under 1e-6 relative)."""
+    min_contributions: int = 3
+    """Clip only among at least this many contributions: of two, neither is the outlier (the weight cap and
+    the non-finite check still apply)."""
 
     def __post_init__(self) -> None:
         if not (self.norm_clip >= 1.0 and math.isfinite(self.norm_clip)):
@@ -53,6 +60,9 @@ class RobustConfig:
             raise ValueError(f"tau must be finite and > 0, got {self.tau}")
         if self.iters < 1:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.min_contributions < 3:
+            raise ValueError(f"min_contributions must be >= 3 (a median needs a majority), "
+                             f"got {self.min_contributions}")
 
 
 @dataclass
@@ -66,10 +76,16 @@ class ContributionAudit:
     clip: float = 1.0
     """The smallest CenteredClip factor min(1, tau / distance) over its tensors (1.0: never pulled in)."""
 
+    SUSPICIOUS_NORM_SCALE: ClassVar[float] = 0.5
+    SUSPICIOUS_CLIP: ClassVar[float] = 0.25
+
     @property
     def suspicious(self) -> bool:
-        """Dropped or pulled in: the peer sent something honest training does not produce."""
-        return bool(self.dropped) or self.norm_scale < 1.0 or self.clip < 1.0
+        """Dropped, more than twice as long as the clip bound, or pulled in to under a quarter of its distance:
+        further than honest training goes. An honest peer that carried tokens over from failed rounds sends a
+        longer pseudo-gradient and may be clipped a little; that is no evidence against it."""
+        return (bool(self.dropped) or self.norm_scale < self.SUSPICIOUS_NORM_SCALE
+                or self.clip < self.SUSPICIOUS_CLIP)
 
 
 @dataclass
@@ -92,6 +108,19 @@ def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"the weight cap must be finite and > 0, got {cap}")
     return [min(float(w), cap) if math.isfinite(float(w)) and float(w) > 0 else 0.0 for w in weights]
+
+
+MAX_SPAN = 4.0
+"""A contribution counts as covering at most this many periods, whatever its sender declares."""
+
+
+def span_of(declared_tokens: float, cap: float) -> float:
+    """How many merge periods a contribution of ``declared_tokens`` covers, in [1, MAX_SPAN] (``cap``: the tokens
+    of one period). A peer declaring 1e12 tokens gets at most MAX_SPAN x the norm allowance, and its weight
+    is still capped at one period's (``cap_weights``)."""
+    if not (math.isfinite(declared_tokens) and cap > 0):
+        return 1.0
+    return min(max(declared_tokens / cap, 1.0), MAX_SPAN)
 
 
 def centered_clip(points: Sequence[torch.Tensor], weights: Sequence[float], *, tau: float, iters: int,
@@ -141,7 +170,7 @@ def _plain_mean(tensors: Sequence[torch.Tensor], w: Sequence[float]) -> torch.Te
 
 def robust_merge_groups(
     deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], method: str = "rda",
-    config: RobustConfig | None = None, *, eps: float = DIRECTION_EPS,
+    config: RobustConfig | None = None, *, eps: float = DIRECTION_EPS, spans: Sequence[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor] | None, MergeAudit]:
     """Merge K peers' pseudo-gradients of one group, robust to the outliers described in the module docstring.
 
@@ -151,6 +180,9 @@ def robust_merge_groups(
         weights: K declared weights, already capped (``cap_weights``).
         method: "rda" or "mean".
         config: the clipping settings (defaults when None).
+        spans: per contribution, how many merge periods it covers (``span_of``): a peer whose last rounds
+            failed sends the pseudo-gradient of several periods, longer by right, and its norm is compared
+            per period. None: one period each.
 
     Returns:
         (name -> merged tensor in float32, audit); the merged mapping is None when no contribution is left
@@ -162,8 +194,8 @@ def robust_merge_groups(
     if method not in MERGE_METHODS:
         raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
     cfg = config or RobustConfig()
-    if len(weights) != len(deltas):
-        raise ValueError(f"got {len(deltas)} deltas but {len(weights)} weights")
+    if len(weights) != len(deltas) or (spans is not None and len(spans) != len(deltas)):
+        raise ValueError(f"got {len(deltas)} deltas but {len(weights)} weights or spans")
     audit = MergeAudit([ContributionAudit() for _ in deltas])
     names = list(deltas[0]) if deltas else []
     for i, d in enumerate(deltas):
@@ -182,18 +214,23 @@ def robust_merge_groups(
     for name in names:
         tensors = [deltas[i][name].detach().to(torch.promote_types(deltas[i][name].dtype, torch.float32))
                    for i in used]
-        merged[name] = _merge_tensor(tensors, w, method, cfg, eps, [audit.contributions[i] for i in used])
+        merged[name] = _merge_tensor(tensors, w, [spans[i] if spans is not None else 1.0 for i in used], method,
+                                     cfg, eps, [audit.contributions[i] for i in used])
     return merged, audit
 
 
-def _merge_tensor(tensors: list[torch.Tensor], w: list[float], method: str, cfg: RobustConfig, eps: float,
-                  audits: list[ContributionAudit]) -> torch.Tensor:
+def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float], method: str, cfg: RobustConfig,
+                  eps: float, audits: list[ContributionAudit]) -> torch.Tensor:
+    if len(tensors) < cfg.min_contributions:
+        plain = mean_merge if method == "mean" else functools.partial(rda_merge, eps=eps)
+        return plain(tensors, w)
     norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
-    bound = cfg.norm_clip * sorted(norms)[(len(norms) - 1) // 2]  # the lower median: an attacker cannot raise it
+    per_period = sorted(n / s for n, s in zip(norms, spans, strict=True))
+    bound = cfg.norm_clip * per_period[(len(norms) - 1) // 2]  # the lower median: an attacker cannot raise it
     clipped = []
-    for t, n, a in zip(tensors, norms, audits, strict=True):
-        if n > bound:
-            scale = bound / n
+    for t, n, span, a in zip(tensors, norms, spans, audits, strict=True):
+        if n > bound * span:
+            scale = bound * span / n
             a.norm_scale = min(a.norm_scale, scale)
             clipped.append(t * scale)
         else:

@@ -1,4 +1,5 @@
-"""Tiered outer sync over real hivemind DHT peers and averagers on loopback.
+"""Tiered outer sync over real hivemind DHT peers and averagers on loopback: the all-reduce rounds
+(``aggregation="allreduce"``; the gathered ones are in test_outer_gather.py).
 
 Three DHT peers live for the whole module; each test starts its own averagers under its own run id
 (so rounds of different tests never meet) and shuts them down in ``finally``. Rounds of the peers
@@ -40,6 +41,10 @@ def dhts() -> Iterator[list[SwarmDHT]]:
         yield [p.dht for p in swarm.peers]
     finally:
         swarm.close()
+
+
+def _config(**overrides) -> OuterSyncConfig:
+    return OuterSyncConfig.loopback(aggregation="allreduce", **overrides)
 
 
 def _deltas(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -88,7 +93,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
     # Each peer gets local + round(mean - local): the error is relative to (mean - local), which for "c"
     # (whose deltas cancel) is 5-10x the mean, hence uint8's loose tolerance on the merge itself.
-    config = OuterSyncConfig.loopback(method=method, compression=compression, target_group_size=3)
+    config = _config(method=method, compression=compression, target_group_size=3)
     averagers = _start(dhts, f"merge-{method}-{compression}", config)
     try:
         deltas = _deltas(3)
@@ -108,10 +113,14 @@ def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
         # "c" cancelled: RDA fell back to the weighted mean delta, -0.2 d.
         assert _rel_err(results[0]["c"], reference["c"]) < tol
         print(f"{method}/{compression}: 3-peer round in {elapsed:.2f} s")
-        # A second round numbers itself 1 and works as well.
-        results = _run(averagers, deltas, TOKENS)
-        assert all(r is not None for r in results)
-        assert {a.last_report.round_id for a in averagers} == {1}
+        # A later round numbers itself on and works as well (on a loaded machine hivemind's all-reduce may time
+        # out and the round return None on every peer: that is a skipped round, so a second try is allowed).
+        for _attempt in range(2):
+            results = _run(averagers, deltas, TOKENS)
+            if all(r is not None for r in results):
+                break
+        assert all(r is not None for r in results), [a.last_report for a in averagers]
+        assert len({a.last_report.round_id for a in averagers}) == 1 and averagers[0].last_report.round_id >= 1
     finally:
         _stop(averagers)
 
@@ -123,7 +132,7 @@ def test_signed_fingerprints_count_only_from_the_key_the_membership_names(dhts):
     # own keys, do not count there, so peer 0 cannot verify the round; peers 1 and 2 verify it with each other.
     mallory = Identity.from_seed(b"m" * 32).public_key
     views = [{p: (k if p == dhts[0].peer_id else mallory) for p, k in keys.items()}, keys, keys]
-    config = OuterSyncConfig.loopback(target_group_size=3)
+    config = _config(target_group_size=3)
     averagers: list[GroupAverager] = []
     try:
         for dht, identity, view in zip(dhts, identities, views, strict=True):
@@ -150,7 +159,7 @@ def test_plain_values_written_to_the_rounds_key_by_a_stock_client_do_not_stop_ro
     try:
         attacker.store(key, b"junk", dht_time() + 3600)
         attacker.store(key, b"junk", dht_time() + 3600, subkey=b"12D3KooWjunk")
-        config = OuterSyncConfig.loopback(target_group_size=3)
+        config = _config(target_group_size=3)
         for dht, identity in zip(dhts, identities, strict=True):
             signer = FingerprintSigner(identity, keys.get)
             averagers.append(GroupAverager(dht, "outer", "router", SHAPES, config, signer))
@@ -167,7 +176,7 @@ def test_plain_values_written_to_the_rounds_key_by_a_stock_client_do_not_stop_ro
 
 
 def test_absent_peer_round_completes_among_present_or_returns_none(dhts):
-    config = OuterSyncConfig.loopback(target_group_size=3, matchmaking_timeout_s=2.5)
+    config = _config(target_group_size=3, matchmaking_timeout_s=2.5)
     averagers = _start(dhts, "absent", config)
     try:
         deltas = _deltas(3, seed=1)
@@ -196,7 +205,7 @@ def test_absent_peer_round_completes_among_present_or_returns_none(dhts):
 
 
 def test_corrupted_peer_is_outvoted_and_does_not_apply(dhts):
-    config = OuterSyncConfig.loopback(target_group_size=3)
+    config = _config(target_group_size=3)
     averagers = _start(dhts, "fault", config)
 
     def corrupt(merged: dict[str, torch.Tensor]) -> None:
@@ -228,7 +237,7 @@ def test_sigint_handler_is_restored(dhts):
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
-        averager = GroupAverager(dhts[0], "sigint", "router", {"x": (8,)}, OuterSyncConfig.loopback())
+        averager = GroupAverager(dhts[0], "sigint", "router", {"x": (8,)}, _config())
         try:
             assert signal.getsignal(signal.SIGINT) is handler
         finally:
@@ -238,7 +247,7 @@ def test_sigint_handler_is_restored(dhts):
 
 
 def test_bad_input_is_refused_without_joining(dhts):
-    averager = GroupAverager(dhts[0], "badinput", "router", {"x": (8,)}, OuterSyncConfig.loopback())
+    averager = GroupAverager(dhts[0], "badinput", "router", {"x": (8,)}, _config())
     try:
         assert averager.run_round({"x": torch.full((8,), float("nan"))}, 10) is None
         assert averager.last_report.status is RoundStatus.BAD_INPUT
@@ -253,7 +262,7 @@ def test_bad_input_is_refused_without_joining(dhts):
 def test_peer_killed_mid_round_never_leaves_survivors_applying_different_updates():
     """HIVEMIND.md trap 3 for real: whatever moment the kill lands, survivors return None or agreeing results."""
     shapes = {"w0": (1000, 2000), "w1": (1000, 2000)}
-    config = OuterSyncConfig.loopback(target_group_size=3, compression="none", allreduce_timeout_s=5.0,
+    config = _config(target_group_size=3, compression="none", allreduce_timeout_s=5.0,
                                       next_chunk_timeout_s=2.0)
     swarm, averagers = LocalSwarm(run_id="kill"), []
     try:
@@ -296,7 +305,7 @@ class _StubComposer:
 
 
 def test_tiered_sync_applies_and_serves_state(dhts):
-    config = OuterSyncConfig.loopback(target_group_size=2)
+    config = _config(target_group_size=2)
     shapes = {"router": {"x": (4, 8)}}
     syncs = [TieredOuterSync(dht, "tiered", shapes, config) for dht in dhts[:2]]
     try:

@@ -1,0 +1,148 @@
+"""Gathered outer rounds over real hivemind DHT peers and P2P streams on loopback: every participant fetches
+every contribution and merges them itself, robustly; an attacking participant moves the result little and is
+named.
+
+Four DHT peers (each with its network loop and contribution server) live for the module; each test runs its
+rounds under a run id of its own and shuts its averagers down in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from parallax.dht.adapter import SwarmDHT
+from parallax.dht.testing import LocalSwarm, fixed_identity
+from parallax.node.net.network import NetworkLoop
+from parallax.node.net.outer_gather import OuterGather, decode_contribution, encode_contribution
+from parallax.node.net.outer_sync import GroupAverager, RoundStatus
+from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.train.robust import robust_merge_groups
+
+pytestmark = pytest.mark.timeout(90)
+
+SHAPES = {"w": (64, 100), "b": (32,)}
+CAP = 1000.0
+
+
+@dataclass
+class Peer:
+    dht: SwarmDHT
+    loop: NetworkLoop
+    gather: OuterGather
+    signer: FingerprintSigner
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[list[Peer]]:
+    swarm = LocalSwarm(run_id="gather", groups=("router",))
+    made: list[Peer] = []
+    try:
+        for i in range(4):
+            swarm.add_dht(fixed_identity(i))
+        keys = {p.dht.peer_id: p.identity.public_key for p in swarm.peers}
+        for p in swarm.peers:
+            loop = NetworkLoop(p.dht, f"net-{p.fp}")
+            gather = OuterGather(loop.p2p, loop.loop, "gather").start()
+            made.append(Peer(p.dht, loop, gather, FingerprintSigner(p.identity, keys.get)))
+        yield made
+    finally:
+        for p in made:
+            p.gather.close()
+            p.loop.close()
+        swarm.close()
+
+
+@contextlib.contextmanager
+def _averagers(peers: Sequence[Peer], group: str) -> Iterator[list[GroupAverager]]:
+    """One averager of ``group`` per peer, shut down on leaving (also when one fails to start)."""
+    config = OuterSyncConfig.loopback(compression="fp16")
+    ids = [p.dht.peer_id for p in peers]
+    with contextlib.ExitStack() as stack:
+        averagers = []
+        for p in peers:
+            averagers.append(stack.enter_context(GroupAverager(
+                p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=lambda: ids,
+                weight_cap=CAP)))
+        yield averagers
+
+
+def _deltas(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    true = {name: torch.randn(shape, generator=g) * 0.01 for name, shape in SHAPES.items()}
+    return [{name: t + 0.5 * torch.randn(t.shape, generator=g) * 0.01 for name, t in true.items()} for _ in range(n)]
+
+
+def _run(averagers: Sequence[GroupAverager], deltas, tokens, round_id: int,
+         fault: Callable | None = None) -> list[dict[str, torch.Tensor] | None]:
+    with ThreadPoolExecutor(len(averagers)) as pool:
+        futures = [pool.submit(a.run_round, d, t, round_id=round_id, fault=fault if i == 0 else None)
+                   for i, (a, d, t) in enumerate(zip(averagers, deltas, tokens, strict=True))]
+        return [f.result(timeout=60) for f in futures]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(peers):
+    with _averagers(peers, "router") as averagers:
+        deltas, tokens = _deltas(4, seed=0), [CAP, CAP, CAP / 2, CAP]
+        results = _run(averagers, deltas, tokens, round_id=7)
+        received = [decode_contribution(encode_contribution(d, "fp16"), SHAPES, peer="p") for d in deltas]
+        order = sorted(range(4), key=lambda i: peers[i].dht.peer_id)  # participants merge in peer-id order
+        reference, _ = robust_merge_groups([received[i] for i in order], [tokens[i] for i in order], "rda",
+                                           eps=OuterSyncConfig(compression="fp16").rda_eps)
+        assert reference is not None
+        for a, merged in zip(averagers, results, strict=True):
+            assert a.last_report.status is RoundStatus.OK, a.last_report
+            assert len(a.last_report.participants) == 4 and a.last_report.agreeing >= 3
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in SHAPES)
+        # The next round numbers itself and works as well.
+        assert all(r is not None for r in _run(averagers, _deltas(4, seed=1), tokens, round_id=8))
+
+
+@pytest.mark.parametrize("attack", ["x1000", "x-10", "weight 1e12"])
+def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(peers, attack):
+    with _averagers(peers, "backbone") as averagers:
+        deltas = _deltas(4, seed=2)
+        honest_only, _ = robust_merge_groups(deltas[1:], [CAP] * 3)
+        assert honest_only is not None
+        spread = sum(_rel(d["w"], honest_only["w"]) for d in deltas[1:]) / 3
+        tokens = [CAP] * 4
+        if attack == "x1000":
+            deltas[0] = {n: 1000 * t for n, t in deltas[0].items()}
+        elif attack == "x-10":
+            deltas[0] = {n: -10 * t for n, t in deltas[0].items()}
+        else:
+            deltas[0] = {n: -t for n, t in deltas[0].items()}
+            tokens[0] = 1e12
+        results = _run(averagers, deltas, tokens, round_id=3)
+        attacker = peers[0].dht.peer_id
+        for a, merged in zip(averagers[1:], results[1:], strict=True):
+            report = a.last_report
+            assert report.status is RoundStatus.OK and merged is not None, report
+            assert _rel(merged["w"], honest_only["w"]) < spread, attack
+            assert report.tokens[attacker] <= CAP
+            if attack != "weight 1e12":  # a capped weight is no evidence: honest peers declare the cap too
+                assert attacker in report.suspects, report
+
+
+def test_a_peer_that_misses_the_wait_takes_the_majoritys_merge(peers):
+    # Peer 3 comes late: the others merge without it; it then merges exactly their set, not its own.
+    with _averagers(peers, "latent") as averagers:
+        deltas, tokens = _deltas(4, seed=4), [CAP] * 4
+        with ThreadPoolExecutor(3) as pool:
+            early = [pool.submit(a.run_round, d, t, round_id=5) for a, d, t in
+                     zip(averagers[:3], deltas[:3], tokens[:3], strict=True)]
+            results = [f.result(timeout=60) for f in early]
+        late = averagers[3].run_round(deltas[3], tokens[3], round_id=5)
+        assert all(r is not None for r in results), [a.last_report for a in averagers[:3]]
+        assert averagers[3].last_report.status is RoundStatus.OK, averagers[3].last_report
+        assert peers[3].dht.peer_id not in averagers[3].last_report.participants
+        assert late is not None and torch.equal(late["w"], results[0]["w"])
