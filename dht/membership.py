@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import json
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,6 +48,8 @@ from parallax.protocol.messages import MAX_SETTINGS_CHARS, ROLES, Deathrattle, H
 
 logger = logging.getLogger(__name__)
 
+CAPACITY_BOUND = 4.0
+"""A composer's declared capacity counts up to this many times the median of the live composers'."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 
 
@@ -81,6 +84,9 @@ class MembershipConfig:
     """Timeout of each DHT store/get."""
     max_addresses: int = 4
     """Addresses carried in the heartbeat (keeps the record small)."""
+    stall_s: float = 120.0
+    """A composer whose announced step has not moved for this long, while the run trains, owns nothing (an
+    identity that only sends heartbeats)."""
     settings: str = ""
     """This composer's run settings (canonical JSON), carried in its heartbeat. When set, composers announcing
     other settings are left out of this node's view: they own nothing here and take no part in its rounds."""
@@ -97,6 +103,8 @@ class MembershipConfig:
             raise ValueError("need 0 < refresh_s <= heartbeat_period_s")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if self.stall_s <= self.heartbeat_ttl_s:
+            raise ValueError("stall_s must exceed heartbeat_ttl_s")
         if len(self.settings) > MAX_SETTINGS_CHARS:
             raise ValueError(f"settings of {len(self.settings)} characters exceed the heartbeat's "
                              f"{MAX_SETTINGS_CHARS}")
@@ -128,6 +136,8 @@ class SwarmView:
     record_expiry: Mapping[str, float] = field(default_factory=dict)
     """Expiration of every signed ``members`` entry by signer fingerprint (heartbeat, deathrattle, or
     one that did not parse): a node restarting under its key must store strictly later than this."""
+    stalled: frozenset[str] = frozenset()
+    """Composers whose step has not moved for ``MembershipConfig.stall_s`` while others' did: they own nothing."""
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
         """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
@@ -135,8 +145,17 @@ class SwarmView:
         return {fp: m for fp, m in self.members.items() if m.alive(now)}
 
     def composers(self, now: float | None = None) -> dict[str, float]:
-        """Live composers and their declared capacities: the input of the shard assignment."""
-        return {fp: m.heartbeat.capacity for fp, m in self.alive(now).items() if m.heartbeat.role == "composer"}
+        """Live composers that show work and their capacities, the input of the shard assignment.
+
+        A declared capacity counts up to ``CAPACITY_BOUND`` x the median of the live composers' (so one peer
+        declaring 1e6 cannot take every expert); stalled composers (``stalled``) are left out.
+        """
+        declared = {fp: m.heartbeat.capacity for fp, m in self.alive(now).items()
+                    if m.heartbeat.role == "composer" and fp not in self.stalled}
+        if not declared:
+            return {}
+        bound = CAPACITY_BOUND * statistics.median_low(declared.values())
+        return {fp: min(c, bound) for fp, c in declared.items()}
 
     def assignment(self, now: float | None = None) -> Assignment | None:
         """Owner and heir of every expert over the live composers (None without shards or composers)."""
@@ -150,6 +169,26 @@ class SwarmView:
         now = dht_time() if now is None else now
         found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
         return {shard: c.holder for shard, c in found.items()}
+
+
+class Progress:
+    """Which composers show work: each one's announced step and when it last moved (pure; the caller's clock)."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:
+        """The composers of ``steps`` (fingerprint -> announced step) whose step has not moved for ``stall_s``
+        while another's has; none when nobody's moved (a swarm starting up, or paused)."""
+        for fp, step in steps.items():
+            seen = self._seen.get(fp)
+            if seen is None or seen[0] != step:
+                self._seen[fp] = (step, now)
+        for fp in self._seen.keys() - steps.keys():
+            del self._seen[fp]
+        moving = {fp for fp in steps if now - self._seen[fp][1] < self.stall_s}
+        return frozenset(steps.keys() - moving) if moving else frozenset()
 
 
 def split_by_settings(view: SwarmView, settings: str) -> tuple[SwarmView, dict[str, Member]]:
@@ -401,6 +440,7 @@ class Membership:
         self.heartbeats_sent = 0
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing other settings (left out of the view)."""
+        self._progress = Progress(config.stall_s)
 
     # --- public ---
 
@@ -602,8 +642,18 @@ class Membership:
                            foreign[fp].heartbeat.peer_id,
                            settings_difference(self.config.settings, foreign[fp].heartbeat.settings))
         self.foreign = foreign
-        self._view = merge_views(self._view, view)
+        merged = merge_views(self._view, view)
+        self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
         return True
+
+    def _stalled(self, view: SwarmView) -> frozenset[str]:
+        live = {fp: m.heartbeat.step for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"}
+        stalled = self._progress.stalled(live, time.monotonic()) - {self.fingerprint}
+        for fp in stalled - self._view.stalled:
+            logger.warning("composer %s (peer %s) announced step %d for %.0f s or more while others trained: it "
+                           "owns nothing until its step moves", fp, view.members[fp].heartbeat.peer_id, live[fp],
+                           self.config.stall_s)
+        return stalled
 
     def _check_duplicate(self) -> None:
         now = self._clock()

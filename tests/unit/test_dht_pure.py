@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
-from parallax.dht.claims import ClaimSet, build_claim_set, release_all, valid_claims
+from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
 from parallax.dht.membership import (
     Member,
     MembershipConfig,
+    Progress,
     SwarmView,
     merge_views,
     parse_members,
@@ -181,3 +182,31 @@ def test_composers_with_other_settings_are_left_out_and_the_difference_named():
     assert settings_difference(mine, run_settings(TrainConfig(seed=1))) == "seed = 0 here, 1 there"
     # What each composer may choose alone does not split the run.
     assert run_settings(TrainConfig(eval_every=7)) == mine
+
+
+def _composer(i: int, capacity: float = 1.0, step: int = 0) -> tuple[str, Member]:
+    identity = Identity.from_seed(bytes([i + 1]) * 32)
+    hb = Heartbeat(peer_id=f"12D3KooW{i}", addresses=(), role="composer", capacity=capacity, shards=(), step=step)
+    return identity.fingerprint, Member(identity.fingerprint, identity.public_key, hb, 200.0)
+
+
+def test_a_declared_capacity_counts_up_to_four_times_the_median():
+    members = dict([_composer(0), _composer(1), _composer(2, capacity=2.0), _composer(3, capacity=1e6)])
+    view = SwarmView(run_id="r", read_at=100.0, members=members, shards=ShardConfig(n_layers=2, n_experts=8))
+    capacities = view.composers(150.0)
+    assert sorted(capacities.values()) == [1.0, 1.0, 2.0, 4.0]  # median_low of (1, 1, 2, 1e6) is 1
+    owned = [sum(1 for _, _, owner, _ in view.assignment(150.0).items() if owner == fp) for fp in capacities]
+    assert max(owned) <= 8  # of 16 experts: a 1e6 declaration no longer takes them all
+
+
+def test_composers_whose_step_does_not_move_own_nothing_after_the_grace_period():
+    progress = Progress(stall_s=60.0)
+    assert progress.stalled({"a": 0, "b": 0, "phantom": 0}, now=0.0) == frozenset()
+    assert progress.stalled({"a": 0, "b": 0, "phantom": 0}, now=100.0) == frozenset()  # nobody trains yet
+    assert progress.stalled({"a": 5, "b": 4, "phantom": 0}, now=110.0) == {"phantom"}
+    assert progress.stalled({"a": 9, "b": 4, "phantom": 0}, now=169.0) == {"phantom"}
+    assert progress.stalled({"a": 12, "b": 4, "phantom": 1}, now=171.0) == {"b"}  # b stopped; the phantom moved
+    members = dict([_composer(0, step=5), _composer(1, step=4)])
+    slow = next(iter(members))
+    view = SwarmView(run_id="r", read_at=100.0, members=members, stalled=frozenset({slow}))
+    assert slow not in view.composers(150.0) and len(view.composers(150.0)) == 1
