@@ -16,6 +16,7 @@ from pathlib import Path
 
 from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
+from parallax.dht.membership import MembershipConfig
 from parallax.node.config.train import SimConfig, TrainConfig
 
 UNARY_CAP = 4 * 2**20
@@ -127,6 +128,9 @@ class NetConfig:
     """An heir checks its owners' heartbeats for newer expert snapshots this often."""
     exchange_timeout_s: float = 30.0
     """One expert snapshot download, and one offload request to a worker."""
+    stall_s: float = 120.0
+    """A composer whose announced step has not moved for this long while others trained owns nothing (an
+    identity that sends heartbeats and does no work)."""
     load_state_timeout_s: float = 30.0
     """A joiner's download of the shared groups from live peers."""
     min_matchmaking_time_s: float = 15.0
@@ -144,6 +148,8 @@ class NetConfig:
             raise ValueError("net.announce_ttl_s must exceed net.announce_period_s, or records lapse between stores")
         if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
             raise ValueError("net.matchmaking_timeout_s must exceed net.min_matchmaking_time_s")
+        if self.stall_s <= MembershipConfig.heartbeat_ttl_s:
+            raise ValueError(f"net.stall_s must exceed the heartbeat TTL ({MembershipConfig.heartbeat_ttl_s} s)")
 
     @classmethod
     def loopback(cls) -> NetConfig:

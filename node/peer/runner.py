@@ -207,7 +207,8 @@ class Node:
         telemetry.status.peer_id = dht.peer_id
         telemetry.status.join_command = dht.join_command()
         telemetry.event("dht_started", join=telemetry.status.join_command)
-        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", settings=run_settings(cfg))
+        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", settings=run_settings(cfg),
+                                             stall_s=c.net.stall_s)
         membership = Membership(dht, self.identity, membership_config,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
         membership.start()
