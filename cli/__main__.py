@@ -1,5 +1,5 @@
 """``python -m parallax.cli``: the ``parallax`` command without the console script (tests, subprocesses)."""
 
-from parallax.cli.main import app
+from parallax.cli.entry import run
 
-app()
+run()

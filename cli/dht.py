@@ -44,6 +44,7 @@ def bootstrap(
     from parallax.dht.records import Ed25519RecordValidator
     from parallax.errors import DHTError
     from parallax.node.config.train import SHARED_GROUPS
+    from parallax.node.peer.processes import ForcedStop, install_signal_handlers
     from parallax.protocol.identity import Identity
 
     try:
@@ -60,8 +61,8 @@ def bootstrap(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    peer = _Bootstrap()
+    previous = install_signal_handlers(peer)
     dht = membership = None
     try:
         dht = SwarmDHT.start(config, [Ed25519RecordValidator(key, protected_keys=protected)])
@@ -71,10 +72,14 @@ def bootstrap(
             membership = Membership(dht, key, membership_config)
             membership.start()
             typer.echo(f"announcing in run {run_id} as bootstrap")
-        stop.wait(duration)
+        peer.up = True
+        peer.stopped.wait(duration)
     except DHTError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from e
+    except ForcedStop as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(130) from e
     finally:
         if membership is not None:
             membership.leave("bootstrap shutting down")
@@ -83,6 +88,22 @@ def bootstrap(
         for s, handler in previous.items():
             signal.signal(s, handler)
         typer.echo("bootstrap peer stopped")
+
+
+class _Bootstrap:
+    """The bootstrap peer as ``install_signal_handlers`` sees it: a signal stops start-up at once, and once up
+    asks it to leave."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.up = False
+
+    @property
+    def starting(self) -> bool:
+        return not self.up
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
 def register(app: typer.Typer) -> None:

@@ -281,3 +281,62 @@ class OuterGather:
         if not buf:
             raise RemoteProtocolError(f"no outer contribution {uid} held", peer=peer)
         return bytes(buf)
+
+
+# ---- which contributions a round merges -------------------------------------------------------------------
+#
+# Peers run their rounds of a group at their own steps, so their round numbers differ; a round merges each
+# participant's *current* contribution, named by a pair "peer@round". A contribution is open while its sender
+# is still gathering (its entry has no fingerprint yet) and closed once merged: the entry then lists the pairs
+# it merged. Every peer that merges the same pairs computes the same result.
+
+
+def pair(peer: str, round_id: int) -> str:
+    """The name of one contribution: its sender and the sender's round number."""
+    return f"{peer}@{round_id}"
+
+
+def split_pair(name: str) -> tuple[str, int]:
+    peer, _, n = name.rpartition("@")
+    return peer, int(n)
+
+
+def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEntry]]:
+    """peer -> its entries by round, for the peers whose record has any."""
+    out = {}
+    for peer, record in records.items():
+        entries = decode_entries(record)
+        if entries:
+            out[peer] = entries
+    return out
+
+
+def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]]) -> dict[str, RoundEntry]:
+    """pair -> entry of each peer's latest contribution that it has not merged yet."""
+    out = {}
+    for peer, by_round in entries.items():
+        latest = by_round[max(by_round)]
+        if not latest.fingerprint:
+            out[pair(peer, latest.round_id)] = latest
+    return out
+
+
+def merged_sets(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str) -> dict[tuple[str, ...], int]:
+    """The sets of contributions that include ``mine`` and that other peers have merged, with how many of their
+    own members merged each (only a member's vote counts)."""
+    votes: dict[tuple[str, ...], int] = {}
+    for peer, by_round in entries.items():
+        for n, entry in by_round.items():
+            if entry.fingerprint and mine in entry.participants and pair(peer, n) in entry.participants:
+                votes[entry.participants] = votes.get(entry.participants, 0) + 1
+    return votes
+
+
+def best_set(votes: Mapping[tuple[str, ...], int]) -> tuple[str, ...] | None:
+    """The set most members merged (ties: the first in sorted order, the same on every peer)."""
+    return min(votes, key=lambda s: (-votes[s], s)) if votes else None
+
+
+def entry_of(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> RoundEntry | None:
+    peer, n = split_pair(name)
+    return entries.get(peer, {}).get(n)

@@ -65,11 +65,18 @@ from parallax.errors import NodeError
 from parallax.node.net.outer_gather import (
     OuterGather,
     RoundEntry,
+    best_set,
     body_digest,
     decode_contribution,
     decode_entries,
     encode_contribution,
     encode_entries,
+    entry_of,
+    latest_entries,
+    merged_sets,
+    open_contributions,
+    pair,
+    split_pair,
 )
 from parallax.node.net.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
@@ -104,6 +111,7 @@ __all__ = [
 ]
 
 _VERIFY_POLL_S = 0.05
+_REFUSED_KEPT = 256
 _GATHER_VERSION = 1
 
 # ---- the averager --------------------------------------------------------------------------------
@@ -228,6 +236,7 @@ class GroupAverager:
         self._rounds = 0
         self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
         self._entries: dict[int, RoundEntry] = {}  # this node's latest gathered rounds
+        self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
         self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
         self._round_lock = threading.Lock()  # one round at a time per group
         self._closed = False
@@ -348,19 +357,18 @@ class GroupAverager:
         mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
         self.gather.store.put(self.group, n, body)
         self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
+        me = pair(self.peer_id, n)
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
-        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {self.peer_id: (mine, float(tokens))}
-        refused: dict[str, str] = {}
-        participants, detail = self._collect(n, found, refused)
+        participants = self._collect(me, found)
         common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
         deadline = verify_started + cfg.verify_timeout_s
-        for _attempt in range(3):  # our own set, then at most twice the set a majority of its members merged
+        status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
+        for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < cfg.min_group_size:
-                status = RoundStatus.NO_GROUP if participants is None or self.peer_id in participants else \
-                    RoundStatus.FAILED
-                self._report(status, started, participants=tuple(sorted(found)), detail=detail,
+                self._report(RoundStatus.NO_GROUP, started, participants=tuple(sorted(split_pair(p)[0] for p in found)),
                              began_allreduce=self.gather.store.served(self.group, n), **common)
                 return None
             merged = self._merge(n, participants, found, common)
@@ -370,21 +378,21 @@ class GroupAverager:
             if fault is not None:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)
-            tag = round_tag(n, participants)
+            tag = round_tag(0, participants)
             self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
                                               participants=participants))
             status, agreeing, answered, other = self._await_majority(
-                fp, participants, functools.partial(_entry_fingerprint, n=n, tag=tag), deadline=deadline,
-                majority_set=functools.partial(_majority_set_of_records, n=n))
+                fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
+                other_set=functools.partial(_better_set, mine=me, current=participants))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
                 self._report(RoundStatus.OK, started, **common)
                 return merged
-            if other is None or not self._fetch_all(n, other, found, refused, deadline):
+            if other is None or not self._fetch_set(other, found, deadline):
                 break
-            logger.info("outer round %s/%d: merging the %d contributions a majority of their peers merged",
-                        self.group, n, len(other))
+            logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
+                        n, len(other))
             participants = other
         self._report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
                                              f"{answered} fingerprints found", **common)
@@ -392,7 +400,7 @@ class GroupAverager:
 
     def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
                common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """The robust merge of ``participants``' contributions (in peer-id order, as on every peer); notes the
+        """The robust merge of the ``participants``' contributions (in sorted order, as on every peer); notes the
         capped weights and the suspects in ``common`` and names each suspect in the log."""
         declared = [found[p][1] for p in participants]
         cap = self.weight_cap
@@ -401,13 +409,15 @@ class GroupAverager:
         merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
                                             eps=self.config.rda_eps, spans=spans)
         suspects = []
-        for peer, a in zip(participants, audit.contributions, strict=True):
+        for name, a in zip(participants, audit.contributions, strict=True):
             if a.suspicious:
+                peer = split_pair(name)[0]
                 suspects.append(peer)
                 logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
                                "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
-                               a.norm_scale, a.clip, found[peer][1])
-        common.update(participants=participants, tokens=dict(zip(participants, weights, strict=True)),
+                               a.norm_scale, a.clip, found[name][1])
+        common.update(participants=tuple(split_pair(p)[0] for p in participants),
+                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
                       suspects=tuple(suspects))
         return merged
 
@@ -433,60 +443,66 @@ class GroupAverager:
                 out[peer] = records[subkey][0]
         return out
 
-    def _collect(self, n: int, found: dict[str, tuple[dict[str, torch.Tensor], float]], refused: dict[str, str],
-                 ) -> tuple[tuple[str, ...] | None, str]:
-        """Fetch the contributions of round ``n`` into ``found``: every live composer's, waiting
-        ``min_matchmaking_time_s`` for them; or the set a majority of its own members already merged, when one has.
+    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+        assert self.peers is not None
+        return latest_entries(self._records(sorted(set(self.peers()) - {self.peer_id}), max(0.1, timeout_s)))
 
-        Returns:
-            (the participants to merge, or None; a detail for the report).
-        """
+    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
+        """Fetch the open contributions of the live composers into ``found``, waiting up to
+        ``min_matchmaking_time_s`` for every one to have one; or, when others already merged ours with theirs,
+        their set. Returns the contributions to merge (sorted pairs), or None when none could be had."""
         assert self.peers is not None
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
         while True:
+            entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
+            taken = best_set(merged_sets(entries, me))
+            if taken is not None and self._fetch_set(taken, found, give_up, entries):
+                return taken
+            current = open_contributions(entries)
+            for name, entry in current.items():
+                self._fetch(name, entry, found)
             expected = set(self.peers()) - {self.peer_id}
-            records = self._records(sorted(expected), max(0.1, min(cfg.dht_timeout_s, give_up - time.monotonic())))
-            entries = {peer: decode_entries(record) for peer, record in records.items()}
-            for peer, by_round in entries.items():
-                if n in by_round:
-                    self._fetch_one(n, peer, by_round[n], found, refused)
-            merged_by = _majority_set(entries, n)
-            if merged_by is not None:
-                if set(merged_by) <= set(found):
-                    return merged_by, ""
-                if self._fetch_all(n, merged_by, found, refused, give_up):
-                    return merged_by, ""
-                return None, f"the majority merged {len(merged_by)} contributions, not all fetched here"
-            if expected <= set(found) | set(refused) or time.monotonic() >= wait_until:
-                return tuple(sorted(found)), ""
+            have = {split_pair(name)[0] for name in current if name in found}
+            if expected <= have or time.monotonic() >= wait_until:
+                return tuple(sorted({me} | {name for name in current if name in found}))
+            if time.monotonic() >= give_up:
+                return None
             time.sleep(_VERIFY_POLL_S)
 
-    def _fetch_one(self, n: int, peer: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                   refused: dict[str, str]) -> None:
-        if peer in found or peer in refused:
-            return
+    def _fetch(self, name: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> bool:
+        """Fetch contribution ``name`` (announced by ``entry``) into ``found``, once; False when it is unusable."""
+        if name in found:
+            return True
+        if name in self._refused:
+            return False
         assert self.gather is not None
+        peer = split_pair(name)[0]
         try:
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
-            found[peer] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
-        except Exception as e:  # a bad body, or a broken stream: that peer is out of this round
-            refused[peer] = repr(e)
-            logger.warning("outer round %s/%d: no usable contribution from peer %s: %s", self.group, n, peer, e)
+            found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
+            return True
+        except Exception as e:  # a bad body, or a broken stream: that contribution is out
+            self._refused[name] = repr(e)
+            while len(self._refused) > _REFUSED_KEPT:
+                del self._refused[next(iter(self._refused))]
+            logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
+            return False
 
-    def _fetch_all(self, n: int, peers: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                   refused: dict[str, str], deadline: float) -> bool:
-        """Fetch the contributions of ``peers`` not held yet (their entries read again); True when all are held."""
-        missing = [p for p in peers if p not in found]
+    def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
+        """Fetch every contribution of ``names`` not held yet; True when all are held."""
+        missing = [name for name in names if name not in found]
         if not missing:
             return True
-        records = self._records(missing, max(0.1, min(self.config.dht_timeout_s, deadline - time.monotonic())))
-        for peer in missing:
-            entry = decode_entries(records.get(peer)).get(n)
-            if entry is not None:
-                self._fetch_one(n, peer, entry, found, refused)
-        return all(p in found for p in peers)
+        if entries is None:
+            entries = self._entries_of_live(min(self.config.dht_timeout_s, deadline - time.monotonic()))
+        for name in missing:
+            entry = entry_of(entries, name)
+            if entry is None or not self._fetch(name, entry, found):
+                return False
+        return True
 
     def _check(self, delta: Mapping[str, torch.Tensor], tokens: float) -> None:
         if set(delta) != set(self.shapes):
@@ -581,19 +597,22 @@ class GroupAverager:
                                timeout_s=self.config.dht_timeout_s):
             logger.debug("could not store the fingerprint of %s round %d", self.group, n)
         status, agreeing, answered, _ = self._await_majority(fp, participants,
-                                                             lambda record: round_fingerprint(record, tag))
+                                                             lambda _peer, record: round_fingerprint(record, tag))
         return status, agreeing, answered
 
     def _await_majority(
-        self, fp: tuple[float, ...], participants: Sequence[str], read: Callable[[bytes], tuple[float, ...] | None],
-        *, deadline: float | None = None,
-        majority_set: Callable[[Mapping[str, bytes]], tuple[str, ...] | None] | None = None,
+        self, fp: tuple[float, ...], participants: Sequence[str],
+        read: Callable[[str, bytes], tuple[float, ...] | None], *, deadline: float | None = None,
+        other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
-        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now);
-        ``read`` finds the round's fingerprint in a participant's rounds record.
+        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
 
-        With ``majority_set`` (a gathered round), every live composer's record is read, and the wait ends early
-        when a majority of some other set of participants has merged that set: the caller may merge it too.
+        Args:
+            participants: the round's participants; in a gathered round, contributions named "peer@round".
+            read: (participant, its sender's rounds record) -> the round's fingerprint there, or None.
+            other_set: a gathered round's check, each poll, for a set of contributions that more of their
+                senders merged than ours (every live composer's record is read): the wait then ends, and the
+                caller may merge that set instead.
 
         Returns:
             (OK, DIVERGED when those who answered outvoted us, or UNVERIFIED when too few answered;
@@ -603,21 +622,22 @@ class GroupAverager:
         cfg = self.config
         deadline = time.monotonic() + cfg.verify_timeout_s if deadline is None else deadline
         others: dict[str, tuple[float, ...]] = {}
-        wanted = [peer for peer in participants if peer != self.peer_id]
+        mine = [p for p in participants if split_pair(p)[0] == self.peer_id] if other_set else [self.peer_id]
+        wanted = [p for p in participants if p not in mine]
         while True:
             remaining = deadline - time.monotonic()
-            readers = sorted(set(wanted) | (set(self.peers()) if majority_set and self.peers else set()))
-            records = self._records([p for p in readers if p != self.peer_id],
-                                    max(0.1, min(cfg.dht_timeout_s, remaining)))
-            for peer in wanted:
-                decoded = read(records[peer]) if peer in records else None
+            senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
+            readers = set(senders) | (set(self.peers()) - {self.peer_id} if other_set and self.peers else set())
+            records = self._records(sorted(readers), max(0.1, min(cfg.dht_timeout_s, remaining)))
+            for sender, name in senders.items():
+                decoded = read(name, records[sender]) if sender in records else None
                 if decoded is not None:
-                    others[peer] = decoded
+                    others[name] = decoded
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
                 return RoundStatus.OK, agreeing, len(others) + 1, None
-            other = majority_set(records) if majority_set is not None else None
-            if other is not None and other != tuple(participants):
+            other = other_set(latest_entries(records)) if other_set is not None else None
+            if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
             disagreeing = len(others) + 1 - agreeing
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
@@ -691,27 +711,18 @@ class GroupAverager:
         self.shutdown()
 
 
-def _entry_fingerprint(record: bytes, n: int, tag: bytes) -> tuple[float, ...] | None:
-    """The fingerprint of round ``n`` (tagged ``tag``) in a peer's gathered-rounds record, if there is one."""
-    entry = decode_entries(record).get(n)
+def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:
+    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""
+    entry = decode_entries(record).get(split_pair(name)[1])
     return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
 
 
-def _majority_set_of_records(records: Mapping[str, bytes], n: int) -> tuple[str, ...] | None:
-    return _majority_set({peer: decode_entries(record) for peer, record in records.items()}, n)
-
-
-def _majority_set(entries: Mapping[str, Mapping[int, RoundEntry]], n: int) -> tuple[str, ...] | None:
-    """The participants of round ``n`` that a strict majority of their own members say they merged, if any."""
-    votes: dict[tuple[str, ...], int] = {}
-    for peer, by_round in entries.items():
-        entry = by_round.get(n)
-        if entry is not None and entry.fingerprint and peer in entry.participants:
-            votes[entry.participants] = votes.get(entry.participants, 0) + 1
-    for members, count in sorted(votes.items(), key=lambda kv: -kv[1]):
-        if 2 * count > len(members):
-            return members
-    return None
+def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
+                ) -> tuple[str, ...] | None:
+    """A set including our contribution that more of its senders merged than merged ours, if any."""
+    votes = merged_sets(entries, mine)
+    best = best_set(votes)
+    return best if best is not None and best != current and votes[best] > votes.get(current, 0) else None
 
 
 def _parse_gathered(gathered: Mapping[Any, Any], n: int) -> tuple[list[int], dict[str, float]]:

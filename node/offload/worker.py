@@ -47,6 +47,11 @@ class Worker:
     def stop(self) -> None:
         self.stop_event.set()
 
+    @property
+    def starting(self) -> bool:
+        """True until the worker announces itself: a signal then stops it at once."""
+        return self.membership is None
+
     def run(self, poll_s: float = 0.5) -> None:
         """Start, serve until ``stop``, then leave (deathrattle) and close."""
         try:

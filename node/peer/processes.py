@@ -29,6 +29,11 @@ _PR_SET_PDEATHSIG = 1
 class Stoppable(Protocol):
     def stop(self) -> None: ...
 
+    @property
+    def starting(self) -> bool:
+        """True until the process is up (its network started, training or serving begun)."""
+        ...
+
 
 def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, stdout: IO[Any] | int | None = None,
           stdin: IO[Any] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
@@ -119,6 +124,9 @@ class ForcedStop(KeyboardInterrupt):
 def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
     """SIGINT/SIGTERM: the first asks ``node`` to leave gracefully after its step, the second raises
     ``ForcedStop`` in the main thread (a fast but clean shutdown), a third is left to the default handler.
+    While ``node.starting``, there is nothing to leave yet: the first signal raises ``ForcedStop`` at once,
+    interrupting whatever start-up waits on (a DHT bootstrap, a state download), and the next one meets the
+    default handler (the process dies even if start-up is stuck in native code).
 
     hivemind's forked children (the DHT and averager processes) inherit this handler: they ignore SIGINT
     (Ctrl+C in a terminal reaches the whole process group and must not kill them under the parent's
@@ -137,12 +145,15 @@ def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
                 os.kill(os.getpid(), signum)
             return
         received[0] += 1
-        if received[0] == 1:
+        if received[0] == 1 and not node.starting:
             logger.warning("signal %d: leaving after this step (again to stop at once)", signum)
             node.stop()
             return
+        node.stop()
         for s in signals:
             signal.signal(s, signal.SIG_DFL)
+        if received[0] == 1:
+            raise ForcedStop(f"signal {signum} during start-up: stopping")
         raise ForcedStop(f"signal {signum} received twice: stopping without the graceful leave")
 
     return {s: signal.signal(s, handler) for s in signals}

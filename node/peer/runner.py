@@ -125,6 +125,11 @@ class Node:
         """Ask the node to leave after the current step (thread- and signal-safe)."""
         self.stop_event.set()
 
+    @property
+    def starting(self) -> bool:
+        """True until training begins (``run``): a signal then stops the node at once."""
+        return self.training is None
+
     def run(self) -> NodeStatus:
         """Join, train, leave. Returns the last status.
 

@@ -133,16 +133,32 @@ def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(pe
                 assert attacker in report.suspects, report
 
 
-def test_a_peer_that_misses_the_wait_takes_the_majoritys_merge(peers):
-    # Peer 3 comes late: the others merge without it; it then merges exactly their set, not its own.
+def test_peers_at_different_round_numbers_merge_their_current_contributions(peers):
+    # Composers reach a round at their own steps: their round numbers differ, their rounds still meet.
     with _averagers(peers, "latent") as averagers:
         deltas, tokens = _deltas(4, seed=4), [CAP] * 4
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(a.run_round, d, t, round_id=n) for a, d, t, n in
+                       zip(averagers, deltas, tokens, (5, 6, 7, 9), strict=True)]
+            results = [f.result(timeout=60) for f in futures]
+        assert all(r is not None for r in results), [a.last_report for a in averagers]
+        assert all(len(a.last_report.participants) == 4 for a in averagers)
+        assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
+
+
+def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
+    # Peer 3 comes late: the others merged without it. Its contribution was never fetched, so it skips this
+    # round without reloading (its progress goes into its next round) and the next round includes it again.
+    with _averagers(peers, "router") as averagers:
+        deltas, tokens = _deltas(4, seed=5), [CAP] * 4
         with ThreadPoolExecutor(3) as pool:
             early = [pool.submit(a.run_round, d, t, round_id=5) for a, d, t in
                      zip(averagers[:3], deltas[:3], tokens[:3], strict=True)]
             results = [f.result(timeout=60) for f in early]
-        late = averagers[3].run_round(deltas[3], tokens[3], round_id=5)
         assert all(r is not None for r in results), [a.last_report for a in averagers[:3]]
-        assert averagers[3].last_report.status is RoundStatus.OK, averagers[3].last_report
-        assert peers[3].dht.peer_id not in averagers[3].last_report.participants
-        assert late is not None and torch.equal(late["w"], results[0]["w"])
+        assert all(len(a.last_report.participants) == 3 for a in averagers[:3])
+        assert averagers[3].run_round(deltas[3], tokens[3], round_id=5) is None
+        report = averagers[3].last_report
+        assert report.status is RoundStatus.NO_GROUP and not report.needs_reload, report
+        results = _run(averagers, _deltas(4, seed=6), tokens, round_id=6)
+        assert all(r is not None for r in results) and len(averagers[3].last_report.participants) == 4

@@ -12,8 +12,9 @@ from parallax.node.peer.processes import ForcedStop, install_signal_handlers
 
 
 class _Node:
-    def __init__(self) -> None:
+    def __init__(self, starting: bool = False) -> None:
         self.stops = 0
+        self.starting = starting
 
     def stop(self) -> None:
         self.stops += 1
@@ -34,6 +35,20 @@ def test_first_signal_asks_to_leave_second_forces_then_default() -> None:
         with pytest.raises(ForcedStop):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        _restore(previous)
+
+
+def test_a_signal_during_start_up_stops_at_once_and_the_next_meets_the_default() -> None:
+    node = _Node(starting=True)
+    previous = install_signal_handlers(node)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ForcedStop, match="during start-up"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert node.stops == 1
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
