@@ -31,7 +31,7 @@ import logging
 import math
 import threading
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -42,7 +42,7 @@ from hivemind.proto import runtime_pb2
 
 from parallax.node.net.outer_wire import SMALL_TENSOR_NUMEL
 from parallax.protocol.codec import TensorLimits, decode, encode
-from parallax.protocol.errors import ProtocolError, RemoteProtocolError
+from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -77,17 +77,17 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
     """A peer's body back to float32 tensors of exactly ``shapes``.
 
     Raises:
-        RemoteProtocolError: undecodable, other names, shapes or codecs, non-finite values, or too large.
+        MalformedMessage: undecodable, other names, shapes or codecs, non-finite values, or too large.
     """
     if len(body) > contribution_limit(shapes):
-        raise RemoteProtocolError(f"outer contribution of {len(body)} bytes is over the group's cap", peer=peer)
+        raise MalformedMessage(f"outer contribution of {len(body)} bytes is over the group's cap", peer=peer)
     try:
         blobs = msgpack.unpackb(body, raw=False, max_map_len=len(shapes), max_str_len=256,
                                 max_bin_len=len(body), max_array_len=0)
     except MSGPACK_ERRORS:
-        raise RemoteProtocolError("undecodable outer contribution", peer=peer) from None
+        raise MalformedMessage("undecodable outer contribution", peer=peer) from None
     if not isinstance(blobs, dict) or set(blobs) != set(shapes):
-        raise RemoteProtocolError("outer contribution with other tensors than the group's", peer=peer)
+        raise MalformedMessage("outer contribution with other tensors than the group's", peer=peer)
     out = {}
     for name, shape in shapes.items():
         limits = TensorLimits(max_elements=math.prod(shape), max_ndim=max(len(shape), 1),
@@ -95,9 +95,9 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
         try:
             array = decode(blobs[name], limits, peer=peer, what=f"outer contribution {name}")
         except ProtocolError as e:
-            raise RemoteProtocolError(str(e), peer=peer) from None
+            raise MalformedMessage(str(e), peer=peer) from None
         if tuple(array.shape) != tuple(shape):
-            raise RemoteProtocolError(f"outer contribution {name} has shape {array.shape}, not {tuple(shape)}",
+            raise MalformedMessage(f"outer contribution {name} has shape {array.shape}, not {tuple(shape)}",
                                       peer=peer)
         out[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
     return out
@@ -167,6 +167,11 @@ def decode_entries(record: object) -> dict[int, RoundEntry]:
 
 
 # ---- serving and fetching bodies ----------------------------------------------------------------------
+
+
+class ContributionMismatch(RemoteProtocolError):
+    """A served body that is not the one its sender announced and signed: evidence against the sender."""
+
 
 
 class ContributionStore:
@@ -261,8 +266,8 @@ class OuterGather:
         coro = self._fetch(peer, f"{group}/{entry.round_id}", entry.size)
         body = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
         if len(body) != entry.size or body_digest(body) != entry.digest:
-            raise RemoteProtocolError(f"outer contribution of {len(body)} bytes does not match the announced "
-                                      f"{entry.size} bytes and digest", peer=peer)
+            raise ContributionMismatch(f"outer contribution of {len(body)} bytes does not match the announced "
+                                       f"{entry.size} bytes and digest", peer=peer)
         self.bytes_fetched += len(body)
         return body
 
@@ -274,7 +279,8 @@ class OuterGather:
             async for msg in stream:
                 buf += msg.serialized_info
                 if len(buf) > size:
-                    raise RemoteProtocolError(f"outer contribution longer than the announced {size} bytes", peer=peer)
+                    raise ContributionMismatch(f"outer contribution longer than the announced {size} bytes",
+                                               peer=peer)
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -321,13 +327,15 @@ def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]]) -> dict[
     return out
 
 
-def merged_sets(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str) -> dict[tuple[str, ...], int]:
-    """The sets of contributions that include ``mine`` and that other peers have merged, with how many of their
-    own members merged each (only a member's vote counts)."""
+def merged_sets(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str,
+                banned: Callable[[str], bool] = lambda _peer: False) -> dict[tuple[str, ...], int]:
+    """The sets of contributions that include ``mine`` and no contribution of a ``banned`` peer, and that other
+    peers have merged, with how many of their own members merged each (only a member's vote counts)."""
     votes: dict[tuple[str, ...], int] = {}
     for peer, by_round in entries.items():
         for n, entry in by_round.items():
-            if entry.fingerprint and mine in entry.participants and pair(peer, n) in entry.participants:
+            if (entry.fingerprint and mine in entry.participants and pair(peer, n) in entry.participants
+                    and not any(banned(split_pair(p)[0]) for p in entry.participants)):
                 votes[entry.participants] = votes.get(entry.participants, 0) + 1
     return votes
 

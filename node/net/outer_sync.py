@@ -63,6 +63,7 @@ from parallax.dht.keys import outer_prefix, outer_rounds_key
 from parallax.dht.records import owner_subkey
 from parallax.errors import NodeError
 from parallax.node.net.outer_gather import (
+    ContributionMismatch,
     OuterGather,
     RoundEntry,
     best_set,
@@ -95,7 +96,9 @@ from parallax.node.net.outer_wire import (
     round_fingerprint,
     round_tag,
 )
+from parallax.node.net.scores import PeerScores
 from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
+from parallax.protocol.errors import MalformedMessage
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -212,6 +215,7 @@ class GroupAverager:
         peers: () -> the libp2p peer ids of the live composers (a gathered round waits for them).
         weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
             period): a declared weight above it counts as the cap. None: no cap (tests).
+        scores: where a gathered round records evidence against peers, and whose bans it honours.
 
     Raises:
         ValueError: bad names or an empty group.
@@ -221,8 +225,9 @@ class GroupAverager:
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, shapes: Mapping[str, Sequence[int]],
                  config: OuterSyncConfig, signer: FingerprintSigner | None = None, *,
                  gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
-                 weight_cap: float | None = None) -> None:
+                 weight_cap: float | None = None, scores: PeerScores | None = None) -> None:
         self.prefix = outer_prefix(run_id, group)
+        self.scores = scores
         if config.aggregation == "gather" and (gather is None or peers is None):
             raise ValueError("a gathered outer round needs the node's OuterGather and its live composers (peers)")
         self.gather, self.peers, self.weight_cap = gather, peers, weight_cap
@@ -383,7 +388,7 @@ class GroupAverager:
                                               participants=participants))
             status, agreeing, answered, other = self._await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
-                other_set=functools.partial(_better_set, mine=me, current=participants))
+                other_set=functools.partial(_better_set, mine=me, current=participants, banned=self._banned))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
@@ -413,6 +418,8 @@ class GroupAverager:
             if a.suspicious:
                 peer = split_pair(name)[0]
                 suspects.append(peer)
+                if self.scores is not None and peer != self.peer_id:
+                    self.scores.record(peer, f"{a.dropped or 'outlier'} outer contribution")
                 logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
                                "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
                                a.norm_scale, a.clip, found[name][1])
@@ -443,9 +450,16 @@ class GroupAverager:
                 out[peer] = records[subkey][0]
         return out
 
-    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+    def _banned(self, peer: str) -> bool:
+        return self.scores is not None and self.scores.banned(peer)
+
+    def _live(self) -> set[str]:
+        """The live composers but this node and the peers it bans."""
         assert self.peers is not None
-        return latest_entries(self._records(sorted(set(self.peers()) - {self.peer_id}), max(0.1, timeout_s)))
+        return {p for p in self.peers() if p != self.peer_id and not self._banned(p)}
+
+    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+        return latest_entries(self._records(sorted(self._live()), max(0.1, timeout_s)))
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
@@ -457,13 +471,13 @@ class GroupAverager:
         wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
         while True:
             entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
-            taken = best_set(merged_sets(entries, me))
+            taken = best_set(merged_sets(entries, me, self._banned))
             if taken is not None and self._fetch_set(taken, found, give_up, entries):
                 return taken
             current = open_contributions(entries)
             for name, entry in current.items():
                 self._fetch(name, entry, found)
-            expected = set(self.peers()) - {self.peer_id}
+            expected = self._live()
             have = {split_pair(name)[0] for name in current if name in found}
             if expected <= have or time.monotonic() >= wait_until:
                 return tuple(sorted({me} | {name for name in current if name in found}))
@@ -484,6 +498,8 @@ class GroupAverager:
             found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
             return True
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
+            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
+                self.scores.record(peer, "forged or malformed outer contribution", 2.0)
             self._refused[name] = repr(e)
             while len(self._refused) > _REFUSED_KEPT:
                 del self._refused[next(iter(self._refused))]
@@ -627,7 +643,7 @@ class GroupAverager:
         while True:
             remaining = deadline - time.monotonic()
             senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
-            readers = set(senders) | (set(self.peers()) - {self.peer_id} if other_set and self.peers else set())
+            readers = set(senders) | (self._live() if other_set else set())
             records = self._records(sorted(readers), max(0.1, min(cfg.dht_timeout_s, remaining)))
             for sender, name in senders.items():
                 decoded = read(name, records[sender]) if sender in records else None
@@ -718,9 +734,9 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...
 
 
 def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
-                ) -> tuple[str, ...] | None:
-    """A set including our contribution that more of its senders merged than merged ours, if any."""
-    votes = merged_sets(entries, mine)
+                banned: Callable[[str], bool]) -> tuple[str, ...] | None:
+    """A set including our contribution and no banned peer's that more of its senders merged than merged ours."""
+    votes = merged_sets(entries, mine, banned)
     best = best_set(votes)
     return best if best is not None and best != current and votes[best] > votes.get(current, 0) else None
 
@@ -749,7 +765,7 @@ class TieredOuterSync:
         run_id: the run.
         groups: group -> (name -> shape), in the composer's anchors' order (``node.runner.model_shapes(cfg).groups``).
         config: shared by every group.
-        signer, gather, peers: see ``GroupAverager``.
+        signer, gather, peers, scores: see ``GroupAverager``.
         weight_caps: group -> ``GroupAverager``'s weight_cap.
 
     Raises:
@@ -759,13 +775,14 @@ class TieredOuterSync:
     def __init__(self, dht: SwarmDHT, run_id: str, groups: Mapping[str, Mapping[str, Sequence[int]]],
                  config: OuterSyncConfig | None = None, signer: FingerprintSigner | None = None, *,
                  gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
-                 weight_caps: Mapping[str, float] | None = None) -> None:
+                 weight_caps: Mapping[str, float] | None = None, scores: PeerScores | None = None) -> None:
         self.config = config or OuterSyncConfig()
         self.groups: dict[str, GroupAverager] = {}
         try:
             for group, shapes in groups.items():
                 self.groups[group] = GroupAverager(dht, run_id, group, shapes, self.config, signer, gather=gather,
-                                                   peers=peers, weight_cap=(weight_caps or {}).get(group))
+                                                   peers=peers, weight_cap=(weight_caps or {}).get(group),
+                                                   scores=scores)
         except BaseException:
             self.shutdown()
             raise

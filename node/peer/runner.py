@@ -49,6 +49,7 @@ from parallax.node.net.outer_gather import OuterGather
 from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.net.scores import PeerScores
 from parallax.node.offload.exchange import OffloadClient
 from parallax.node.offload.proxy import settings_digest
 from parallax.node.offload.session import OffloadSession
@@ -237,9 +238,10 @@ class Node:
         stack.callback(gather.close)
         # A peer's declared tokens count up to what the schedule lets one composer process in a round.
         caps = {g: float(cfg.batch_size * cfg.model.seq_len * p) for g, p in cfg.sync.periods.items()}
+        scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
-                               peers=views.composer_peers, weight_caps=caps)
+                               peers=views.composer_peers, weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
         return _Network(dht, membership, views, loop, gossip, exchange, sync)
 

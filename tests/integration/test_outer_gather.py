@@ -22,6 +22,7 @@ from parallax.node.net.network import NetworkLoop
 from parallax.node.net.outer_gather import OuterGather, decode_contribution, encode_contribution
 from parallax.node.net.outer_sync import GroupAverager, RoundStatus
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.net.scores import PeerScores
 from parallax.node.train.robust import robust_merge_groups
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,16 +60,17 @@ def peers() -> Iterator[list[Peer]]:
 
 
 @contextlib.contextmanager
-def _averagers(peers: Sequence[Peer], group: str) -> Iterator[list[GroupAverager]]:
+def _averagers(peers: Sequence[Peer], group: str,
+               scores: Sequence[PeerScores | None] | None = None) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start)."""
     config = OuterSyncConfig.loopback(compression="fp16")
     ids = [p.dht.peer_id for p in peers]
     with contextlib.ExitStack() as stack:
         averagers = []
-        for p in peers:
+        for p, score in zip(peers, scores or [None] * len(peers), strict=True):
             averagers.append(stack.enter_context(GroupAverager(
                 p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=lambda: ids,
-                weight_cap=CAP)))
+                weight_cap=CAP, scores=score)))
         yield averagers
 
 
@@ -131,6 +133,23 @@ def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(pe
             assert report.tokens[attacker] <= CAP
             if attack != "weight 1e12":  # a capped weight is no evidence: honest peers declare the cap too
                 assert attacker in report.suspects, report
+
+
+def test_a_peer_that_keeps_attacking_is_banned_and_left_out(peers):
+    scores = [PeerScores() for _ in peers]
+    with _averagers(peers, "attacked", scores) as averagers:
+        attacker = peers[0].dht.peer_id
+        for n in range(4):
+            deltas = _deltas(4, seed=10 + n)
+            deltas[0] = {name: 1000 * t for name, t in deltas[0].items()}
+            results = _run(averagers, deltas, [CAP] * 4, round_id=n)
+            assert all(r is not None for r in results[1:]), [a.last_report for a in averagers]
+            if n < 3:
+                assert all(attacker in a.last_report.participants for a in averagers[1:])
+        # three clipped contributions: every honest peer bans it, and its fourth is not merged
+        assert all(s.banned(attacker) for s in scores[1:]) and not scores[0].banned(attacker)
+        assert all(attacker not in a.last_report.participants for a in averagers[1:])
+        assert all(len(a.last_report.participants) == 3 for a in averagers[1:])
 
 
 def test_peers_at_different_round_numbers_merge_their_current_contributions(peers):

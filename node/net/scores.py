@@ -1,0 +1,91 @@
+"""What this node holds against each peer, and whom it ignores for a while because of it.
+
+Evidence comes from the places that check what peers send: a gathered outer round whose robust merge dropped
+or clipped a contribution far past the honest spread, a contribution whose body did not match its signed
+announcement or did not decode. Each piece adds to the sender's score, which halves every ``half_life_s``;
+a peer whose score reaches ``threshold`` is banned for ``ban_s``: this node leaves it out of its rounds
+(``GroupAverager``) and says so in its log, naming it. Bans are local: every node judges for itself, so a
+liar cannot get an honest peer banned by others by accusing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_MAX_PEERS = 4096  # bounded memory: the least suspected are forgotten first
+
+
+@dataclass
+class _Record:
+    score: float = 0.0
+    at: float = 0.0
+    banned_until: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class PeerScores:
+    """Scores and bans by libp2p peer id (thread-safe).
+
+    Args:
+        threshold: the score at which a peer is banned (2.5: three pieces of evidence in quick succession).
+        ban_s: how long a ban lasts (evidence during a ban extends it).
+        half_life_s: how fast evidence fades.
+        clock: monotonic seconds (injected for tests).
+        on_ban: called with (peer, reasons) when a ban begins.
+    """
+
+    def __init__(self, threshold: float = 2.5, ban_s: float = 600.0, half_life_s: float = 600.0, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_ban: Callable[[str, dict[str, int]], None] | None = None) -> None:
+        if not (threshold > 0 and ban_s > 0 and half_life_s > 0):
+            raise ValueError("threshold, ban_s and half_life_s must be > 0")
+        self.threshold, self.ban_s, self.half_life_s = threshold, ban_s, half_life_s
+        self._clock, self._on_ban = clock, on_ban
+        self._peers: dict[str, _Record] = {}
+        self._lock = threading.Lock()
+
+    def record(self, peer: str, reason: str, weight: float = 1.0) -> bool:
+        """Add evidence against ``peer``; True when this starts (or extends) a ban."""
+        now = self._clock()
+        with self._lock:
+            rec = self._peers.setdefault(peer, _Record(at=now))
+            rec.score = self._decayed(rec, now) + weight
+            rec.at = now
+            rec.reasons[reason] = rec.reasons.get(reason, 0) + 1
+            starts = rec.score >= self.threshold
+            was_banned = rec.banned_until > now
+            if starts:
+                rec.banned_until = now + self.ban_s
+            reasons = dict(rec.reasons)
+            if len(self._peers) > _MAX_PEERS:
+                least = min(self._peers, key=lambda p: self._decayed(self._peers[p], now))
+                del self._peers[least]
+        if starts and not was_banned:
+            logger.warning("ignoring peer %s for %.0f s: %s", peer, self.ban_s,
+                           ", ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))
+            if self._on_ban is not None:
+                self._on_ban(peer, reasons)
+        return starts
+
+    def banned(self, peer: str) -> bool:
+        with self._lock:
+            rec = self._peers.get(peer)
+            return rec is not None and rec.banned_until > self._clock()
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """peer -> {"score", "banned_s" (seconds left, 0 when not banned), "reasons"}: status and metrics."""
+        now = self._clock()
+        with self._lock:
+            return {peer: {"score": round(self._decayed(rec, now), 3),
+                           "banned_s": round(max(0.0, rec.banned_until - now), 1), "reasons": dict(rec.reasons)}
+                    for peer, rec in self._peers.items()}
+
+    def _decayed(self, rec: _Record, now: float) -> float:
+        return rec.score * math.pow(0.5, max(0.0, now - rec.at) / self.half_life_s)

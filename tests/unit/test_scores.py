@@ -1,0 +1,40 @@
+"""Peer scores: evidence adds up, fades by half-life, bans past the threshold for a while, memory stays bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax.node.net.scores import PeerScores
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_evidence_bans_past_the_threshold_for_a_while_and_fades() -> None:
+    clock, bans = Clock(), []
+    scores = PeerScores(threshold=3.0, ban_s=100.0, half_life_s=50.0, clock=clock,
+                        on_ban=lambda peer, reasons: bans.append((peer, reasons)))
+    assert not scores.record("liar", "outlier outer contribution")
+    assert not scores.record("liar", "outlier outer contribution")
+    assert scores.record("liar", "forged or malformed outer contribution", 2.0)
+    assert scores.banned("liar") and not scores.banned("honest")
+    assert bans == [("liar", {"outlier outer contribution": 2, "forged or malformed outer contribution": 1})]
+    clock.now = 101.0
+    assert not scores.banned("liar")  # the ban ran out
+    assert scores.snapshot()["liar"]["score"] < 1.0  # 4 points, two half-lives later
+    # Evidence spread thinly over time never adds up to a ban.
+    for _ in range(10):
+        clock.now += 60.0
+        assert not scores.record("unlucky", "outlier outer contribution")
+    assert len(bans) == 1
+
+
+def test_settings_must_be_positive() -> None:
+    for bad in (dict(threshold=0), dict(ban_s=0), dict(half_life_s=-1)):
+        with pytest.raises(ValueError):
+            PeerScores(**bad)
