@@ -1,10 +1,19 @@
-"""Tiered outer sync over the network: one hivemind ``DecentralizedAverager`` per shared group.
+"""Tiered outer sync over the network: one ``GroupAverager`` per shared group.
+
+Two ways to merge (``OuterSyncConfig.aggregation``, the run setting ``sync.aggregation``):
+
+- "gather" (default): each participant fetches every contribution and merges them itself, robustly
+  (``outer_gathered.GatheredRounds``, transport in ``outer_gather``);
+- "allreduce": hivemind's butterfly all-reduce, described below: fewer bytes, every peer trusted.
+
+Both verify a merged round against the participants' signed fingerprints (``outer_records``), and both serve
+and download a group's state through the hivemind averager's state sharing (``serve_state``).
 
 DESIGN.md section 4. Every H_G inner steps the composers of a run merge the pseudo-gradients of
 shared group G and each applies the same Nesterov outer step (``Composer.apply_outer``). This module
 does the merge between processes, computing what ``parallax.node.train.rda.merge_groups`` computes in one.
 
-One round of a group (``GroupAverager.run_round``):
+One all-reduce round of a group (``GroupAverager.run_round``):
 
 1. Pack (``component_tensors``). RDA needs three weighted means, so the averaged buffers are, per
    tensor, the unit direction scaled by sqrt(numel) (entries of order 1, so fp16 keeps its digits),
@@ -43,42 +52,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
-import functools
 import logging
 import math
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 
-from parallax.dht.adapter import SwarmDHT, dht_time
-from parallax.dht.keys import outer_prefix, outer_rounds_key
-from parallax.dht.records import owner_subkey
+from parallax.dht.adapter import SwarmDHT
+from parallax.dht.keys import outer_prefix
 from parallax.errors import NodeError
-from parallax.node.net.outer_gather import (
-    ContributionMismatch,
-    OuterGather,
-    RoundEntry,
-    best_set,
-    body_digest,
-    decode_contribution,
-    decode_entries,
-    encode_contribution,
-    encode_entries,
-    entry_of,
-    latest_entries,
-    merged_sets,
-    open_contributions,
-    pair,
-    split_pair,
-)
+from parallax.node.net.outer_gather import OuterGather
+from parallax.node.net.outer_gathered import GatheredRounds
+from parallax.node.net.outer_records import RoundRecords, RoundReport, RoundStatus
 from parallax.node.net.outer_wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
@@ -87,18 +77,14 @@ from parallax.node.net.outer_wire import (
     OuterSyncConfig,
     component_shapes,
     component_tensors,
-    decode_fingerprint,
     encode_fingerprint,
     encode_round_record,
     fingerprint,
-    majority_agrees,
     merged_from_components,
     round_fingerprint,
     round_tag,
 )
 from parallax.node.net.scores import PeerScores
-from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
-from parallax.protocol.errors import MalformedMessage
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -113,54 +99,9 @@ __all__ = [
     "TieredOuterSync",
 ]
 
-_VERIFY_POLL_S = 0.05
-_REFUSED_KEPT = 256
 _GATHER_VERSION = 1
 
 # ---- the averager --------------------------------------------------------------------------------
-
-
-class RoundStatus(StrEnum):
-    OK = "ok"
-    BAD_INPUT = "bad_input"  # our own pseudo-gradient was not finite: we did not join
-    BUSY = "busy"  # the buffers are still held by an earlier, abandoned round
-    NO_GROUP = "no_group"  # nobody else came within matchmaking_timeout_s
-    FAILED = "failed"  # the all-reduce raised (a groupmate vanished, a timeout inside hivemind)
-    TIMEOUT = "timeout"  # the round outlived round_budget_s and was cancelled
-    NO_TOKENS = "no_tokens"  # no participant processed any token: nothing to merge
-    DIVERGED = "diverged"  # our result disagrees with the majority: reload the group from peers
-    UNVERIFIED = "unverified"  # too few fingerprints arrived to form a majority: reload the group from peers
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """What happened in one ``run_round`` (logs, metrics, the node's decision to reload)."""
-
-    group: str
-    status: RoundStatus
-    round_id: int | None = None
-    participants: tuple[str, ...] = ()
-    tokens: dict[str, float] = field(default_factory=dict)
-    agreeing: int = 0
-    pack_s: float = 0.0
-    """Packing the components into the averaged buffers."""
-    allreduce_s: float = 0.0
-    """Matchmaking and all-reduce (hivemind's step)."""
-    verify_s: float = 0.0
-    """Publishing our fingerprint and waiting for a majority."""
-    total_s: float = 0.0
-    began_allreduce: bool = False
-    """A group formed and exchanged tensors: the other members may have completed the round."""
-    suspects: tuple[str, ...] = ()
-    """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
-    detail: str = ""
-
-    @property
-    def needs_reload(self) -> bool:
-        """True when others may have applied a round this peer did not: reload the group from peers."""
-        if self.status in (RoundStatus.DIVERGED, RoundStatus.UNVERIFIED):
-            return True
-        return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY)
 
 
 StateProvider = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
@@ -227,22 +168,21 @@ class GroupAverager:
                  gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
                  weight_cap: float | None = None, scores: PeerScores | None = None) -> None:
         self.prefix = outer_prefix(run_id, group)
-        self.scores = scores
-        if config.aggregation == "gather" and (gather is None or peers is None):
-            raise ValueError("a gathered outer round needs the node's OuterGather and its live composers (peers)")
-        self.gather, self.peers, self.weight_cap = gather, peers, weight_cap
         if not shapes:
             raise ValueError(f"group {group!r} has no tensors")
         self.run_id, self.group, self.config, self.signer = run_id, group, config, signer
         self.shapes = {name: torch.Size(s) for name, s in shapes.items()}
         self.peer_id = dht.peer_id
         self.last_report: RoundReport | None = None
-        self._dht = dht
+        self.records = RoundRecords(dht, run_id, group, config, signer)
+        self._gathered: GatheredRounds | None = None
+        if config.aggregation == "gather":
+            if gather is None or peers is None:
+                raise ValueError("a gathered outer round needs the node's OuterGather and its live composers")
+            self._gathered = GatheredRounds(self.records, self.shapes, config, gather, peers, weight_cap=weight_cap,
+                                            scores=scores, report=self._report)
         self._rounds = 0
         self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
-        self._entries: dict[int, RoundEntry] = {}  # this node's latest gathered rounds
-        self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
-        self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
         self._round_lock = threading.Lock()  # one round at a time per group
         self._closed = False
         self._buffers = [torch.zeros(s, dtype=torch.float32) for s in component_shapes(self.shapes, config.method)]
@@ -291,8 +231,10 @@ class GroupAverager:
             self._report(RoundStatus.BUSY, started, round_id=round_id, detail="another round of this group is running")
             return None
         try:
-            if self.config.aggregation == "gather":
-                return self._gather_round(delta, tokens, round_id, fault, started)
+            if self._gathered is not None:
+                n = self._rounds if round_id is None else int(round_id)
+                self._rounds = n + 1
+                return self._gathered.run(delta, tokens, n, fault, started)
             return self._run_round(delta, tokens, round_id, fault, started)
         finally:
             self._round_lock.release()
@@ -345,180 +287,6 @@ class GroupAverager:
             return None
         self._report(RoundStatus.OK, started, **common)
         return merged
-
-    # ---- a gathered round (outer_gather) ----
-
-    def _gather_round(self, delta: Mapping[str, torch.Tensor], tokens: float, round_id: int | None,
-                      fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
-                      ) -> dict[str, torch.Tensor] | None:
-        assert self.gather is not None and self.peers is not None  # checked at construction
-        cfg = self.config
-        n = self._rounds if round_id is None else int(round_id)
-        self._rounds = n + 1
-        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
-            self._report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
-            return None
-        body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
-        mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
-        self.gather.store.put(self.group, n, body)
-        self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
-        me = pair(self.peer_id, n)
-        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
-        pack_s = time.monotonic() - started
-        participants = self._collect(me, found)
-        common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
-        local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
-        verify_started = time.monotonic()
-        deadline = verify_started + cfg.verify_timeout_s
-        status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
-        for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
-            if participants is None or len(participants) < cfg.min_group_size:
-                self._report(RoundStatus.NO_GROUP, started, participants=tuple(sorted(split_pair(p)[0] for p in found)),
-                             began_allreduce=self.gather.store.served(self.group, n), **common)
-                return None
-            merged = self._merge(n, participants, found, common)
-            if merged is None:
-                self._report(RoundStatus.NO_TOKENS, started, **common)
-                return None
-            if fault is not None:
-                fault(merged)
-            fp = fingerprint([merged[name] for name in self.shapes], local_norms)
-            tag = round_tag(0, participants)
-            self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
-                                              participants=participants))
-            status, agreeing, answered, other = self._await_majority(
-                fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
-                other_set=functools.partial(_better_set, mine=me, current=participants, banned=self._banned))
-            common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
-                          began_allreduce=self.gather.store.served(self.group, n))
-            if status is RoundStatus.OK:
-                self._report(RoundStatus.OK, started, **common)
-                return merged
-            if other is None or not self._fetch_set(other, found, deadline):
-                break
-            logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
-                        n, len(other))
-            participants = other
-        self._report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
-                                             f"{answered} fingerprints found", **common)
-        return None
-
-    def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
-               common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """The robust merge of the ``participants``' contributions (in sorted order, as on every peer); notes the
-        capped weights and the suspects in ``common`` and names each suspect in the log."""
-        declared = [found[p][1] for p in participants]
-        cap = self.weight_cap
-        weights = cap_weights(declared, cap) if cap is not None else declared
-        spans = [span_of(t, cap) for t in declared] if cap is not None else None
-        merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
-                                            eps=self.config.rda_eps, spans=spans)
-        suspects = []
-        for name, a in zip(participants, audit.contributions, strict=True):
-            if a.suspicious:
-                peer = split_pair(name)[0]
-                suspects.append(peer)
-                if self.scores is not None and peer != self.peer_id:
-                    self.scores.record(peer, f"{a.dropped or 'outlier'} outer contribution")
-                logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
-                               "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
-                               a.norm_scale, a.clip, found[name][1])
-        common.update(participants=tuple(split_pair(p)[0] for p in participants),
-                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
-                      suspects=tuple(suspects))
-        return merged
-
-    def _publish(self, entry: RoundEntry) -> None:
-        """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds) and store it."""
-        self._entries[entry.round_id] = entry
-        for old in sorted(self._entries)[:-ROUNDS_KEPT]:
-            del self._entries[old]
-        value = encode_entries([self._entries[k] for k in sorted(self._entries)])
-        if not self._dht.store(outer_rounds_key(self.run_id, self.group), self._own_subkey, value,
-                               dht_time() + self.config.fingerprint_ttl_s, timeout_s=self.config.dht_timeout_s):
-            logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
-
-    def _records(self, peers: Sequence[str], timeout_s: float) -> dict[str, bytes]:
-        """peer -> its raw rounds record, for the peers whose key the membership names."""
-        key = outer_rounds_key(self.run_id, self.group)
-        found = self._dht.get_dicts([key], latest=True, timeout_s=timeout_s)
-        records = (found or {}).get(key, {})
-        out = {}
-        for peer in peers:
-            subkey = self._subkey_of(peer)
-            if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
-                out[peer] = records[subkey][0]
-        return out
-
-    def _banned(self, peer: str) -> bool:
-        return self.scores is not None and self.scores.banned(peer)
-
-    def _live(self) -> set[str]:
-        """The live composers but this node and the peers it bans."""
-        assert self.peers is not None
-        return {p for p in self.peers() if p != self.peer_id and not self._banned(p)}
-
-    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        return latest_entries(self._records(sorted(self._live()), max(0.1, timeout_s)))
-
-    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
-        """Fetch the open contributions of the live composers into ``found``, waiting up to
-        ``min_matchmaking_time_s`` for every one to have one; or, when others already merged ours with theirs,
-        their set. Returns the contributions to merge (sorted pairs), or None when none could be had."""
-        assert self.peers is not None
-        cfg = self.config
-        now = time.monotonic()
-        wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
-        while True:
-            entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
-            taken = best_set(merged_sets(entries, me, self._banned))
-            if taken is not None and self._fetch_set(taken, found, give_up, entries):
-                return taken
-            current = open_contributions(entries)
-            for name, entry in current.items():
-                self._fetch(name, entry, found)
-            expected = self._live()
-            have = {split_pair(name)[0] for name in current if name in found}
-            if expected <= have or time.monotonic() >= wait_until:
-                return tuple(sorted({me} | {name for name in current if name in found}))
-            if time.monotonic() >= give_up:
-                return None
-            time.sleep(_VERIFY_POLL_S)
-
-    def _fetch(self, name: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> bool:
-        """Fetch contribution ``name`` (announced by ``entry``) into ``found``, once; False when it is unusable."""
-        if name in found:
-            return True
-        if name in self._refused:
-            return False
-        assert self.gather is not None
-        peer = split_pair(name)[0]
-        try:
-            body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
-            found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
-            return True
-        except Exception as e:  # a bad body, or a broken stream: that contribution is out
-            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
-                self.scores.record(peer, "forged or malformed outer contribution", 2.0)
-            self._refused[name] = repr(e)
-            while len(self._refused) > _REFUSED_KEPT:
-                del self._refused[next(iter(self._refused))]
-            logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
-            return False
-
-    def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
-        """Fetch every contribution of ``names`` not held yet; True when all are held."""
-        missing = [name for name in names if name not in found]
-        if not missing:
-            return True
-        if entries is None:
-            entries = self._entries_of_live(min(self.config.dht_timeout_s, deadline - time.monotonic()))
-        for name in missing:
-            entry = entry_of(entries, name)
-            if entry is None or not self._fetch(name, entry, found):
-                return False
-        return True
 
     def _check(self, delta: Mapping[str, torch.Tensor], tokens: float) -> None:
         if set(delta) != set(self.shapes):
@@ -605,70 +373,14 @@ class GroupAverager:
         return gathered, RoundStatus.OK, True, ""
 
     def _verify(self, n: int, fp: tuple[float, ...], participants: Sequence[str]) -> tuple[RoundStatus, int, int]:
-        """Publish our fingerprint of an all-reduce round, then wait for a majority verdict (``_await_majority``)."""
+        """Publish our fingerprint of an all-reduce round, then wait for a majority verdict (``await_majority``)."""
         tag = round_tag(n, participants)
         self._recent = [*self._recent, encode_fingerprint(fp, tag)][-ROUNDS_KEPT:]
-        if not self._dht.store(outer_rounds_key(self.run_id, self.group), self._own_subkey,
-                               encode_round_record(self._recent), dht_time() + self.config.fingerprint_ttl_s,
-                               timeout_s=self.config.dht_timeout_s):
+        if not self.records.store(encode_round_record(self._recent)):
             logger.debug("could not store the fingerprint of %s round %d", self.group, n)
-        status, agreeing, answered, _ = self._await_majority(fp, participants,
-                                                             lambda _peer, record: round_fingerprint(record, tag))
+        status, agreeing, answered, _ = self.records.await_majority(
+            fp, participants, lambda _peer, record: round_fingerprint(record, tag))
         return status, agreeing, answered
-
-    def _await_majority(
-        self, fp: tuple[float, ...], participants: Sequence[str],
-        read: Callable[[str, bytes], tuple[float, ...] | None], *, deadline: float | None = None,
-        other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
-    ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
-        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
-
-        Args:
-            participants: the round's participants; in a gathered round, contributions named "peer@round".
-            read: (participant, its sender's rounds record) -> the round's fingerprint there, or None.
-            other_set: a gathered round's check, each poll, for a set of contributions that more of their
-                senders merged than ours (every live composer's record is read): the wait then ends, and the
-                caller may merge that set instead.
-
-        Returns:
-            (OK, DIVERGED when those who answered outvoted us, or UNVERIFIED when too few answered;
-            how many participants agree with us, us included; how many fingerprints we had, ours included;
-            the other set, or None).
-        """
-        cfg = self.config
-        deadline = time.monotonic() + cfg.verify_timeout_s if deadline is None else deadline
-        others: dict[str, tuple[float, ...]] = {}
-        mine = [p for p in participants if split_pair(p)[0] == self.peer_id] if other_set else [self.peer_id]
-        wanted = [p for p in participants if p not in mine]
-        while True:
-            remaining = deadline - time.monotonic()
-            senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
-            readers = set(senders) | (self._live() if other_set else set())
-            records = self._records(sorted(readers), max(0.1, min(cfg.dht_timeout_s, remaining)))
-            for sender, name in senders.items():
-                decoded = read(name, records[sender]) if sender in records else None
-                if decoded is not None:
-                    others[name] = decoded
-            verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
-            if verdict:
-                return RoundStatus.OK, agreeing, len(others) + 1, None
-            other = other_set(latest_entries(records)) if other_set is not None else None
-            if other is not None:
-                return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
-            disagreeing = len(others) + 1 - agreeing
-            if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
-                # A majority is out of reach whoever answers later.
-                return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
-            if time.monotonic() >= deadline:
-                return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
-            time.sleep(_VERIFY_POLL_S)
-
-    def _subkey_of(self, peer: str) -> bytes | None:
-        """The subkey ``peer`` keeps its fingerprints under: its signing key's (None: no key known for it)."""
-        if self.signer is None:
-            return peer.encode()
-        public_key = self.signer.public_key_of(peer)
-        return None if public_key is None else owner_subkey(public_key)
 
     def _report(self, status: RoundStatus, started: float, **fields: Any) -> None:
         report = RoundReport(group=self.group, status=status, total_s=time.monotonic() - started, **fields)
@@ -725,20 +437,6 @@ class GroupAverager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:
-    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""
-    entry = decode_entries(record).get(split_pair(name)[1])
-    return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
-
-
-def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
-                banned: Callable[[str], bool]) -> tuple[str, ...] | None:
-    """A set including our contribution and no banned peer's that more of its senders merged than merged ours."""
-    votes = merged_sets(entries, mine, banned)
-    best = best_set(votes)
-    return best if best is not None and best != current and votes[best] > votes.get(current, 0) else None
 
 
 def _parse_gathered(gathered: Mapping[Any, Any], n: int) -> tuple[list[int], dict[str, float]]:

@@ -1,0 +1,256 @@
+"""One group's gathered outer rounds (``sync.aggregation = "gather"``): collect, merge robustly, verify.
+
+The transport and the pure parts are in ``outer_gather``; this is the round itself, run by
+``outer_sync.GroupAverager`` in its round thread:
+
+1. publish this node's contribution (its entry: round, sha256, size, tokens) and serve its body;
+2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
+   their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
+   merged this node's contribution in;
+3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
+4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
+   more of its senders merged replaces ours (at most twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from parallax.node.net.outer_gather import (
+    ContributionMismatch,
+    OuterGather,
+    RoundEntry,
+    best_set,
+    body_digest,
+    decode_contribution,
+    decode_entries,
+    encode_contribution,
+    encode_entries,
+    entry_of,
+    latest_entries,
+    merged_sets,
+    open_contributions,
+    pair,
+    split_pair,
+)
+from parallax.node.net.outer_records import POLL_S, RoundRecords, RoundStatus
+from parallax.node.net.outer_wire import (
+    ROUNDS_KEPT,
+    OuterSyncConfig,
+    decode_fingerprint,
+    encode_fingerprint,
+    fingerprint,
+    round_tag,
+)
+from parallax.node.net.scores import PeerScores
+from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
+from parallax.protocol.errors import MalformedMessage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GatheredRounds"]
+
+_REFUSED_KEPT = 256
+
+
+class GatheredRounds:
+    """The gathered rounds of one group of one node.
+
+    Args:
+        records: the group's rounds records.
+        shapes: name -> shape of the group's tensors.
+        config: timings, merge method, compression.
+        gather: serves and fetches contributions.
+        peers: () -> the libp2p peer ids of the live composers.
+        weight_cap: the most tokens one peer can have processed in a period (batch x sequence x period); a
+            declared weight above it counts as the cap. None: no cap (tests).
+        scores: where evidence against peers goes, and whose bans the rounds honour.
+        report: ``GroupAverager``'s report hook: (status, started, **fields).
+    """
+
+    def __init__(self, records: RoundRecords, shapes: Mapping[str, torch.Size], config: OuterSyncConfig,
+                 gather: OuterGather, peers: Callable[[], Sequence[str]], *, weight_cap: float | None,
+                 scores: PeerScores | None, report: Callable[..., None]) -> None:
+        self.records, self.shapes, self.config, self.gather, self.peers = records, shapes, config, gather, peers
+        self.group, self.peer_id = records.group, records.peer_id
+        self.weight_cap, self.scores, self.report = weight_cap, scores, report
+        self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
+        self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
+
+    def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
+            fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float) -> dict[str, torch.Tensor] | None:
+        """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
+
+        Returns:
+            The merged pseudo-gradient, or None (the report says why).
+        """
+        cfg = self.config
+        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
+            self.report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
+            return None
+        body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
+        mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
+        self.gather.store.put(self.group, n, body)
+        self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
+        me = pair(self.peer_id, n)
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
+        pack_s = time.monotonic() - started
+        participants = self._collect(me, found)
+        common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
+        local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
+        verify_started = time.monotonic()
+        deadline = verify_started + cfg.verify_timeout_s
+        status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
+        for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
+            if participants is None or len(participants) < cfg.min_group_size:
+                self.report(RoundStatus.NO_GROUP, started, participants=tuple(sorted(split_pair(p)[0] for p in found)),
+                             began_allreduce=self.gather.store.served(self.group, n), **common)
+                return None
+            merged = self._merge(n, participants, found, common)
+            if merged is None:
+                self.report(RoundStatus.NO_TOKENS, started, **common)
+                return None
+            if fault is not None:
+                fault(merged)
+            fp = fingerprint([merged[name] for name in self.shapes], local_norms)
+            tag = round_tag(0, participants)
+            self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
+                                              participants=participants))
+            status, agreeing, answered, other = self.records.await_majority(
+                fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
+                other_set=functools.partial(_better_set, mine=me, current=participants, banned=self._banned),
+                readers=self._live)
+            common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
+                          began_allreduce=self.gather.store.served(self.group, n))
+            if status is RoundStatus.OK:
+                self.report(RoundStatus.OK, started, **common)
+                return merged
+            if other is None or not self._fetch_set(other, found, deadline):
+                break
+            logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
+                        n, len(other))
+            participants = other
+        self.report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
+                                             f"{answered} fingerprints found", **common)
+        return None
+
+    def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
+               common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The robust merge of the ``participants``' contributions (in sorted order, as on every peer); notes the
+        capped weights and the suspects in ``common`` and names each suspect in the log."""
+        declared = [found[p][1] for p in participants]
+        cap = self.weight_cap
+        weights = cap_weights(declared, cap) if cap is not None else declared
+        spans = [span_of(t, cap) for t in declared] if cap is not None else None
+        merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
+                                            eps=self.config.rda_eps, spans=spans)
+        suspects = []
+        for name, a in zip(participants, audit.contributions, strict=True):
+            if a.suspicious:
+                peer = split_pair(name)[0]
+                suspects.append(peer)
+                if self.scores is not None and peer != self.peer_id:
+                    self.scores.record(peer, f"{a.dropped or 'outlier'} outer contribution")
+                logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
+                               "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
+                               a.norm_scale, a.clip, found[name][1])
+        common.update(participants=tuple(split_pair(p)[0] for p in participants),
+                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
+                      suspects=tuple(suspects))
+        return merged
+
+    def _publish(self, entry: RoundEntry) -> None:
+        """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds) and store it."""
+        self._entries[entry.round_id] = entry
+        for old in sorted(self._entries)[:-ROUNDS_KEPT]:
+            del self._entries[old]
+        if not self.records.store(encode_entries([self._entries[k] for k in sorted(self._entries)])):
+            logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
+
+    def _banned(self, peer: str) -> bool:
+        return self.scores is not None and self.scores.banned(peer)
+
+    def _live(self) -> set[str]:
+        """The live composers but this node and the peers it bans."""
+        return {p for p in self.peers() if p != self.peer_id and not self._banned(p)}
+
+    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+        return latest_entries(self.records.read(sorted(self._live()), timeout_s))
+
+    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
+        """Fetch the open contributions of the live composers into ``found``, waiting up to
+        ``min_matchmaking_time_s`` for every one to have one; or, when others already merged ours with theirs,
+        their set. Returns the contributions to merge (sorted pairs), or None when none could be had."""
+        cfg = self.config
+        now = time.monotonic()
+        wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
+        while True:
+            entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
+            taken = best_set(merged_sets(entries, me, self._banned))
+            if taken is not None and self._fetch_set(taken, found, give_up, entries):
+                return taken
+            current = open_contributions(entries)
+            for name, entry in current.items():
+                self._fetch(name, entry, found)
+            expected = self._live()
+            have = {split_pair(name)[0] for name in current if name in found}
+            if expected <= have or time.monotonic() >= wait_until:
+                return tuple(sorted({me} | {name for name in current if name in found}))
+            if time.monotonic() >= give_up:
+                return None
+            time.sleep(POLL_S)
+
+    def _fetch(self, name: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> bool:
+        """Fetch contribution ``name`` (announced by ``entry``) into ``found``, once; False when it is unusable."""
+        if name in found:
+            return True
+        if name in self._refused:
+            return False
+        peer = split_pair(name)[0]
+        try:
+            body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
+            found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
+            return True
+        except Exception as e:  # a bad body, or a broken stream: that contribution is out
+            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
+                self.scores.record(peer, "forged or malformed outer contribution", 2.0)
+            self._refused[name] = repr(e)
+            while len(self._refused) > _REFUSED_KEPT:
+                del self._refused[next(iter(self._refused))]
+            logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
+            return False
+
+    def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
+        """Fetch every contribution of ``names`` not held yet; True when all are held."""
+        missing = [name for name in names if name not in found]
+        if not missing:
+            return True
+        if entries is None:
+            entries = self._entries_of_live(min(self.config.dht_timeout_s, deadline - time.monotonic()))
+        for name in missing:
+            entry = entry_of(entries, name)
+            if entry is None or not self._fetch(name, entry, found):
+                return False
+        return True
+
+
+def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:
+    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""
+    entry = decode_entries(record).get(split_pair(name)[1])
+    return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
+
+
+def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
+                banned: Callable[[str], bool]) -> tuple[str, ...] | None:
+    """A set including our contribution and no banned peer's that more of its senders merged than merged ours."""
+    votes = merged_sets(entries, mine, banned)
+    best = best_set(votes)
+    return best if best is not None and best != current and votes[best] > votes.get(current, 0) else None

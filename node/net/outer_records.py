@@ -1,0 +1,163 @@
+"""What the participants of an outer round say about it in the DHT, and how a round's verdict is reached.
+
+Every participant keeps one signed record per group under the group's protected rounds key
+(``dht.keys.outer_rounds_key``), in its own subkey: the fingerprints of its latest all-reduce rounds
+(``outer_wire.encode_round_record``), or the entries of its latest gathered rounds (``outer_gather.RoundEntry``).
+A peer's record counts only under the key the membership names for its peer id. ``RoundRecords`` reads and
+writes them for one group of one node and waits for a majority to agree with this node's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from parallax.dht.adapter import SwarmDHT, dht_time
+from parallax.dht.keys import outer_rounds_key
+from parallax.dht.records import owner_subkey
+from parallax.node.net.outer_gather import RoundEntry, latest_entries, split_pair
+from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig, majority_agrees
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RoundRecords", "RoundReport", "RoundStatus"]
+
+POLL_S = 0.05
+
+
+class RoundStatus(StrEnum):
+    OK = "ok"
+    BAD_INPUT = "bad_input"  # our own pseudo-gradient was not finite: we did not join
+    BUSY = "busy"  # the buffers are still held by an earlier, abandoned round
+    NO_GROUP = "no_group"  # nobody else came within matchmaking_timeout_s
+    FAILED = "failed"  # the all-reduce raised (a groupmate vanished, a timeout inside hivemind)
+    TIMEOUT = "timeout"  # the round outlived round_budget_s and was cancelled
+    NO_TOKENS = "no_tokens"  # no participant processed any token: nothing to merge
+    DIVERGED = "diverged"  # our result disagrees with the majority: reload the group from peers
+    UNVERIFIED = "unverified"  # too few fingerprints arrived to form a majority: reload the group from peers
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What happened in one ``run_round`` (logs, metrics, the node's decision to reload)."""
+
+    group: str
+    status: RoundStatus
+    round_id: int | None = None
+    participants: tuple[str, ...] = ()
+    tokens: dict[str, float] = field(default_factory=dict)
+    agreeing: int = 0
+    pack_s: float = 0.0
+    """Packing the components into the averaged buffers."""
+    allreduce_s: float = 0.0
+    """Matchmaking and all-reduce (hivemind's step)."""
+    verify_s: float = 0.0
+    """Publishing our fingerprint and waiting for a majority."""
+    total_s: float = 0.0
+    began_allreduce: bool = False
+    """A group formed and exchanged tensors: the other members may have completed the round."""
+    suspects: tuple[str, ...] = ()
+    """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
+    detail: str = ""
+
+    @property
+    def needs_reload(self) -> bool:
+        """True when others may have applied a round this peer did not: reload the group from peers."""
+        if self.status in (RoundStatus.DIVERGED, RoundStatus.UNVERIFIED):
+            return True
+        return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY)
+
+
+
+class RoundRecords:
+    """The rounds records of one group, as one node reads and writes them.
+
+    Args:
+        dht: this node's DHT.
+        run_id, group: name the key.
+        config: timeouts and the agreement tolerance.
+        signer: this node's identity (its record goes under its signing key's subkey, signed by the DHT's record
+            validator) and the key the membership names for each peer; None keeps records under peer-id
+            subkeys, unsigned (tests of the averaging alone).
+    """
+
+    def __init__(self, dht: SwarmDHT, run_id: str, group: str, config: OuterSyncConfig,
+                 signer: FingerprintSigner | None) -> None:
+        self.key = outer_rounds_key(run_id, group)
+        self.group, self.config, self.signer = group, config, signer
+        self.peer_id = dht.peer_id
+        self._dht = dht
+        self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
+
+    def store(self, value: bytes) -> bool:
+        """Replace this node's record of the group; False when no peer took it."""
+        return self._dht.store(self.key, self._own_subkey, value, dht_time() + self.config.fingerprint_ttl_s,
+                               timeout_s=self.config.dht_timeout_s)
+
+    def read(self, peers: Sequence[str], timeout_s: float) -> dict[str, bytes]:
+        """peer -> its raw record, for the peers whose key the membership names."""
+        found = self._dht.get_dicts([self.key], latest=True, timeout_s=max(0.1, timeout_s))
+        records = (found or {}).get(self.key, {})
+        out = {}
+        for peer in peers:
+            subkey = self.subkey_of(peer)
+            if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
+                out[peer] = records[subkey][0]
+        return out
+
+    def subkey_of(self, peer: str) -> bytes | None:
+        """The subkey ``peer`` keeps its fingerprints under: its signing key's (None: no key known for it)."""
+        if self.signer is None:
+            return peer.encode()
+        public_key = self.signer.public_key_of(peer)
+        return None if public_key is None else owner_subkey(public_key)
+
+    def await_majority(
+        self, fp: tuple[float, ...], participants: Sequence[str],
+        read: Callable[[str, bytes], tuple[float, ...] | None], *, deadline: float | None = None,
+        other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
+        readers: Callable[[], set[str]] = set,
+    ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
+        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
+
+        Args:
+            participants: the round's participants; in a gathered round, contributions named "peer@round".
+            read: (participant, its sender's rounds record) -> the round's fingerprint there, or None.
+            other_set: a gathered round's check, each poll, for a set of contributions that more of their
+                senders merged than ours: the wait then ends, and the caller may merge that set instead.
+            readers: () -> further peers whose records ``other_set`` sees (a gathered round: the live composers).
+
+        Returns:
+            (OK, DIVERGED when those who answered outvoted us, or UNVERIFIED when too few answered;
+            how many participants agree with us, us included; how many fingerprints we had, ours included;
+            the other set, or None).
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.verify_timeout_s if deadline is None else deadline
+        others: dict[str, tuple[float, ...]] = {}
+        mine = [p for p in participants if split_pair(p)[0] == self.peer_id] if other_set else [self.peer_id]
+        wanted = [p for p in participants if p not in mine]
+        while True:
+            remaining = deadline - time.monotonic()
+            senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
+            records = self.read(sorted(set(senders) | readers()), min(cfg.dht_timeout_s, remaining))
+            for sender, name in senders.items():
+                decoded = read(name, records[sender]) if sender in records else None
+                if decoded is not None:
+                    others[name] = decoded
+            verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
+            if verdict:
+                return RoundStatus.OK, agreeing, len(others) + 1, None
+            other = other_set(latest_entries(records)) if other_set is not None else None
+            if other is not None:
+                return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
+            disagreeing = len(others) + 1 - agreeing
+            if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
+                # A majority is out of reach whoever answers later.
+                return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
+            if time.monotonic() >= deadline:
+                return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
+            time.sleep(POLL_S)
