@@ -53,11 +53,17 @@ def _is_dense(factors: Factors) -> bool:
 
 
 @torch.no_grad()
+def change_of(factors: Factors) -> torch.Tensor:
+    """The dense change a delta's factors stand for, on the CPU (their product in float32)."""
+    u, v = factors
+    return u.detach().cpu() if _is_dense(factors) else u.detach().cpu().float() @ v.detach().cpu().float()
+
+
+@torch.no_grad()
 def _add(target: torch.Tensor, factors: Factors) -> None:
     # The one place a delta is added, used by the owner's mirror and by every receiver, so both do
     # bit-identical arithmetic: product on the CPU in float32, then cast to the target's dtype.
-    u, v = factors
-    change = u.detach().cpu() if _is_dense(factors) else u.detach().cpu().float() @ v.detach().cpu().float()
+    change = change_of(factors)
     if change.shape != target.shape:
         raise ValueError(
             f"delta of shape {tuple(change.shape)} does not fit a tensor of shape {tuple(target.shape)}")

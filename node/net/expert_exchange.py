@@ -178,11 +178,15 @@ class SnapshotStore:
 
 class ExpertServicer(ServicerBase):
     """Streams a held snapshot: request ``uid`` = expert id; the first message is msgpack [step, final, age
-    in seconds], the rest the body in chunks; an empty stream means "not held here". Do not rename (protocol id)."""
+    in seconds], the rest the body in chunks; an empty stream means "not held here" (also to a peer that is not
+    a live composer of the run: an expert's weights and optimizer state are for the run's composers only).
+    Do not rename (protocol id)."""
 
-    def __init__(self, store: SnapshotStore) -> None:
+    def __init__(self, store: SnapshotStore, may_fetch: Callable[[str], bool] = lambda _peer: True) -> None:
         self._store = store
+        self._may_fetch = may_fetch
         self.bytes_served = 0
+        self.refused_peers = 0
         self.served_steps: dict[ExpertId, int] = {}  # expert -> newest snapshot step served
 
     async def rpc_snapshot(
@@ -192,6 +196,11 @@ class ExpertServicer(ServicerBase):
             eid = parse_expert_id(request.uid)
         except ValueError as e:
             logger.debug("bad snapshot request from %s: %s", context.remote_id, e)
+            return
+        peer = str(context.remote_id)
+        if not self._may_fetch(peer):
+            self.refused_peers += 1
+            logger.info("refused a snapshot of %s to peer %s: not a live composer of this run", request.uid[:40], peer)
             return
         held = self._store.get(eid)
         if held is None:
@@ -226,6 +235,8 @@ class ExpertExchange:
             many steps past it).
         poll_s: how often heir copies are refreshed.
         timeout_s: one whole snapshot fetch.
+        may_fetch: peer id -> whether this node serves it snapshots (a live composer of the run); called on the
+            loop thread, so thread-safe and cheap.
         keep_s: how long released experts' final snapshots stay served.
     """
 
@@ -234,7 +245,7 @@ class ExpertExchange:
                  surrogate_shapes: Shapes | None = None,
                  heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
                  snapshot_every: int = 10,
-                 poll_s: float = 10.0,
+                 poll_s: float = 10.0, may_fetch: Callable[[str], bool] = lambda _peer: True,
                  timeout_s: float = 30.0, keep_s: float = 120.0) -> None:
         self.p2p, self.loop, self.key_of = p2p, loop, key_of
         self.namespace = f"parallax.{run_id}.experts"
@@ -245,7 +256,7 @@ class ExpertExchange:
         self.snapshot_every = snapshot_every
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.store = SnapshotStore(keep_s)
-        self.servicer = ExpertServicer(self.store)
+        self.servicer = ExpertServicer(self.store, may_fetch)
         self.bytes_fetched = 0
         self.refused = 0
         self._heirs: dict[ExpertId, Snapshot] = {}

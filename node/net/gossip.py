@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import random
 import threading
@@ -53,7 +54,7 @@ from hivemind.proto import runtime_pb2
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import check_run_id, expert_id, parse_expert_id
 from parallax.dht.surrogates import Holding, SurrogateRecord, read_records, store_record
-from parallax.node.model.lowrank import Factors, apply_delta
+from parallax.node.model.lowrank import Factors, apply_delta, change_of
 from parallax.node.net.surrogate_payload import (
     ExpertId,
     PayloadStore,
@@ -72,6 +73,10 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
 
+MAX_GROWTH = 4.0
+"""A surrogate delta making a held tensor more than this many times longer is refused (``SurrogateUpdate.growth``)."""
+GROWTH_FLOOR = 0.05
+"""Norms are compared from at least this x sqrt(size): a near-zero tensor may grow to ordinary size."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 _REFUSAL_LOG_INTERVAL_S = 10.0
 
@@ -135,6 +140,21 @@ class SurrogateUpdate:
     @property
     def is_full(self) -> bool:
         return self.state is not None
+
+    def growth(self, target: Mapping[str, torch.Tensor]) -> float:
+        """How many times longer than now (or than ``GROWTH_FLOOR`` x sqrt(size), if larger) this delta would
+        make the longest-growing tensor of the held surrogate ``target``; 1.0 for a full copy (checked when
+        decoded). Honest refreshes change a surrogate by a fraction of itself; a poisoned delta that stays
+        under the decoder's absolute norm cap still multiplies it."""
+        if self.factors is None:
+            return 1.0
+        worst = 0.0
+        for name, factors in self.factors.items():
+            old = target[name].detach().float().cpu()
+            change = change_of(factors).float()
+            floor = GROWTH_FLOOR * math.sqrt(old.numel())
+            worst = max(worst, float((old + change.reshape(old.shape)).norm()) / max(float(old.norm()), floor))
+        return worst
 
     def apply(self, target: Mapping[str, torch.Tensor]) -> None:
         """Apply to the held surrogate ``target`` (name -> tensor, updated in place under no_grad)."""

@@ -97,6 +97,7 @@ class _Network:
     gossip: SurrogateGossip
     exchange: ExpertExchange
     sync: TieredOuterSync
+    scores: PeerScores
 
 
 class Node:
@@ -199,7 +200,7 @@ class Node:
                           fingerprint=self.identity.fingerprint, online_at=self._online_at, owners=owners,
                           offload=offload)
         return Training(c, composer, net.dht, net.membership, net.views, net.gossip, net.exchange, net.sync, rounds,
-                        experts, gate, telemetry, self.stop_event, offload=offload, val=val_batches(
+                        experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=val_batches(
                             val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches), started=self._started)
 
     def _start_network(self, versions: dict[tuple[int, int], int]) -> _Network:
@@ -232,6 +233,7 @@ class Node:
         exchange = ExpertExchange(loop.p2p, loop.loop, c.peer.run_id, shapes.expert, identity=self.identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
+                                  may_fetch=views.is_composer,
                                   poll_s=c.net.snapshot_poll_s, timeout_s=c.net.exchange_timeout_s).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
@@ -243,7 +245,7 @@ class Node:
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
                                peers=views.composer_peers, weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
-        return _Network(dht, membership, views, loop, gossip, exchange, sync)
+        return _Network(dht, membership, views, loop, gossip, exchange, sync, scores)
 
     def _start_offload(self, net: _Network, composer: Composer) -> OffloadSession:
         c = self.config

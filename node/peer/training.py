@@ -7,6 +7,7 @@ publishes surrogate refreshes and expert snapshots, and updates the heartbeat. I
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,10 +17,11 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
-from parallax.node.net.gossip import SurrogateGossip
+from parallax.node.net.gossip import MAX_GROWTH, SurrogateGossip, SurrogateUpdate
 from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.net.outer_wire import payload_bytes
+from parallax.node.net.scores import PeerScores
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.experts import Experts
 from parallax.node.peer.refits import RefitGate
@@ -39,13 +41,15 @@ class Training:
     def __init__(self, config: NodeConfig, composer: Composer, dht: SwarmDHT, membership: Membership,
                  views: SwarmViews, gossip: SurrogateGossip, exchange: ExpertExchange, sync: TieredOuterSync,
                  rounds: BackgroundRounds, experts: Experts, gate: RefitGate, telemetry: Telemetry,
-                 stop_event: threading.Event, *, offload: OffloadSession | None,
+                 stop_event: threading.Event, *, offload: OffloadSession | None, scores: PeerScores | None = None,
                  val: list[tuple[torch.Tensor, torch.Tensor]], started: float) -> None:
         self.config, self.composer, self.dht, self.membership, self.views = config, composer, dht, membership, views
         self.gossip, self.exchange, self.sync, self.rounds = gossip, exchange, sync, rounds
         self.experts, self.gate, self.telemetry, self.stop_event = experts, gate, telemetry, stop_event
         self.offload, self.val, self.started = offload, val, started
         self.schedule = TierSchedule(config.train.sync.periods)
+        self.scores = scores
+        self._frozen: set[tuple[int, int]] = set()  # experts whose owner sent a refused delta
         self.join_to_first_step_s: float | None = None
 
     # --- the loop ---
@@ -83,6 +87,29 @@ class Training:
         self.dht.forbidden_thread = None
         self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
 
+    def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int]) -> None:
+        """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``: then it is refused,
+        its owner named and scored, and the expert's later deltas skipped (they build on the refused one) until a
+        full copy replaces the surrogate."""
+        held = {n: p.data for n, p in self.composer.model.surrogate_parameters(*eid).items()}
+        if update.is_full:
+            self._frozen.discard(eid)
+        elif eid in self._frozen:
+            return
+        growth = update.growth(held)
+        if growth > MAX_GROWTH:
+            self._frozen.add(eid)
+            owner = self.views.owner_peer(eid)
+            logging.getLogger(__name__).warning(
+                "refused surrogate version %d of expert %s from its owner %s: it would make the surrogate %.3g "
+                "times longer; the previous version is kept", update.version, eid, owner, growth)
+            self.telemetry.event("surrogate_refused", layer=eid[0], expert=eid[1], version=update.version,
+                                 owner=owner, growth=round(growth, 3))
+            if owner is not None and self.scores is not None:
+                self.scores.record(owner, "surrogate delta past the growth bound", 2.0)
+            return
+        update.apply(held)
+
     def seam(self) -> None:
         """The one place the training loop meets the network (module docstring). Never waits on it."""
         composer, gossip, rounds = self.composer, self.gossip, self.rounds
@@ -90,7 +117,7 @@ class Training:
         for update in gossip.drain():
             eid = (update.layer, update.expert)
             if eid not in owned_now:
-                update.apply({n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()})
+                self._apply_surrogate(update, eid)
         self.experts.reconcile()
         for report in rounds.collect():
             self._round_event(report)

@@ -55,6 +55,19 @@ class SwarmViews:
         member = view.members.get(assignment.owner(*eid))
         return member.public_key if member is not None else None
 
+    def is_composer(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is a live composer of this run with this node's settings (snapshots go only to
+        them)."""
+        member = self.member(peer_id)
+        return member is not None and member.heartbeat.role == "composer"
+
+    def owner_peer(self, eid: ExpertId) -> str | None:
+        """The libp2p peer id of the expert's owner in the live assignment (logs and scores name it)."""
+        view = self.membership.view()
+        assignment = view.assignment()
+        member = view.members.get(assignment.owner(*eid)) if assignment is not None else None
+        return member.heartbeat.peer_id if member is not None else None
+
     def member(self, peer_id: str | None) -> Member | None:
         """The live member whose signed heartbeat names this libp2p peer id."""
         if peer_id is None:

@@ -41,12 +41,15 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
             owner = swarm.add_dht(fixed_identity(0))
             heir = swarm.add_dht(fixed_identity(1))
             keys = {owner.dht.peer_id: fixed_identity(0).public_key, heir.dht.peer_id: fixed_identity(1).public_key}
+            allowed = set(keys)  # the live composers of the run: the only peers served snapshots
             for i, (peer, heir_targets) in enumerate(((owner, dict), (heir, lambda: dict(targets)))):
                 p2p = asyncio.run_coroutine_threadsafe(peer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
                 replicas.append(p2p)
                 exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, identity=fixed_identity(i), key_of=keys.get,
-                                                heir_targets=heir_targets, poll_s=0.2, timeout_s=5.0).start())
-            yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets}
+                                                heir_targets=heir_targets, poll_s=0.2, timeout_s=5.0,
+                                                may_fetch=allowed.__contains__).start())
+            yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets, "allowed": allowed,
+                                               "heir": heir.dht.peer_id}
         finally:
             for x in exchanges:
                 x.close()
@@ -70,6 +73,17 @@ def test_fetch_returns_the_snapshot_the_owner_serves(pair) -> None:
     assert got is not None and got.final and got.step == 9
     assert 0.3 <= got.age_s < 10.0  # how long ago the owner released it: adopters judge hand-overs by it
     assert owner.servicer.served_steps[EID] == 9
+
+
+def test_snapshots_go_only_to_live_composers_of_the_run(pair) -> None:
+    owner, heir, ids = pair
+    owner.put(EID, 7, snapshot(7.0))
+    ids["allowed"].discard(ids["heir"])  # say its heartbeat expired, or it is a stranger that never joined
+    assert heir.fetch(ids["peer"], EID).result(10) is None
+    assert owner.servicer.refused_peers == 1 and owner.servicer.bytes_served == 0
+    ids["allowed"].add(ids["heir"])
+    got = heir.fetch(ids["peer"], EID).result(10)
+    assert got is not None and got.step == 7
 
 
 def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:

@@ -12,6 +12,7 @@ from parallax.dht.records import MAX_RECORD_BYTES
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
 from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.net.gossip import (
+    MAX_GROWTH,
     GossipConfig,
     Offer,
     SurrogateUpdate,
@@ -229,3 +230,20 @@ def test_config_checks():
                 dict(chunk_bytes=8 * 2**20)):
         with pytest.raises(ValueError):
             GossipConfig(run_id="r", n_layers=2, **bad)
+
+
+def test_a_delta_that_multiplies_the_surrogate_is_measured_by_its_growth() -> None:
+    g = torch.Generator().manual_seed(0)
+    held = {"w": torch.randn(8, 128, generator=g) * 0.05}
+    small = (torch.randn(8, 2, generator=g) * 0.01, torch.randn(2, 128, generator=g) * 0.01)
+    honest = SurrogateUpdate(layer=0, expert=1, version=2, factors={"w": small})
+    assert honest.growth(held) < 1.1
+    u, v = small
+    poisoned = SurrogateUpdate(layer=0, expert=1, version=2, factors={"w": (u * 3000, v)})  # norm ~ 1e3, under caps
+    assert poisoned.growth(held) > MAX_GROWTH
+    assert SurrogateUpdate(layer=0, expert=1, version=3, state={"w": held["w"] * 100}).growth(held) == 1.0
+    # A near-zero tensor may grow to an ordinary size in one refresh.
+    zero = {"w": torch.zeros(8, 128)}
+    factors = (torch.full((8, 1), 0.1), torch.full((1, 128), 0.5))
+    first = SurrogateUpdate(layer=0, expert=1, version=1, factors={"w": factors})
+    assert first.growth(zero) < MAX_GROWTH
