@@ -1,6 +1,9 @@
 """A peer's way onto the network, shared by the composer (``runner.Node``) and the worker (``worker.Worker``).
 
 ``start_dht`` starts the run's DHT node with the record validator that protects the run's signed keys.
+``cap_stream_messages`` bounds what one P2P stream message may announce: hivemind reads a message whose
+8-byte length prefix says 256 MiB until 256 MiB have arrived, so a peer could make every handler of ours hold
+as much as it cares to send; no message of Parallax's protocols is over 4 MiB (chunks are 1 MiB).
 ``NetworkLoop`` is the one asyncio loop of a peer's network side, in a thread of its own, with a replica of
 the DHT's libp2p daemon handle: P2P services and clients are scheduled on it from other threads, and
 ``close`` shuts the replica down and stops the loop, each step bounded.
@@ -15,6 +18,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from hivemind.p2p import P2P
+
 from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import protected_keys
 from parallax.dht.records import Ed25519RecordValidator
@@ -25,6 +30,30 @@ from parallax.protocol.identity import Identity
 logger = logging.getLogger(__name__)
 
 
+MAX_STREAM_MESSAGE_BYTES = 8 * 2**20
+"""The largest P2P stream message read (hivemind's own cap on a daemon message is 4 MiB)."""
+
+
+class StreamMessageTooLarge(ValueError):
+    """A peer announced a P2P stream message longer than ``MAX_STREAM_MESSAGE_BYTES``: the stream is dropped."""
+
+
+async def _capped_receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    length = int.from_bytes(header, P2P.BYTEORDER)
+    if length > MAX_STREAM_MESSAGE_BYTES:
+        raise StreamMessageTooLarge(f"a P2P stream message announced {length} bytes, over the cap of "
+                                    f"{MAX_STREAM_MESSAGE_BYTES}: the stream is dropped")
+    return await reader.readexactly(length)
+
+
+def cap_stream_messages() -> None:
+    """Make hivemind's P2P refuse stream messages over ``MAX_STREAM_MESSAGE_BYTES`` before reading them, in this
+    process and the ones it forks later (hivemind reads them through this one static method)."""
+    P2P.receive_raw_data = staticmethod(_capped_receive_raw_data)
+
+
+
 def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_layers: int,
               while_starting: Callable[[], object] | None = None) -> SwarmDHT:
     """The run's DHT node for ``peer``'s addresses: its libp2p key beside ``identity_path`` (``.p2p``), records
@@ -33,6 +62,7 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     Raises:
         DHTError: as ``SwarmDHT.start``.
     """
+    cap_stream_messages()
     config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.host,
                        announce_maddrs=peer.announce,
                        identity_path=identity_path.with_name(identity_path.name + ".p2p"))
@@ -49,6 +79,7 @@ class NetworkLoop:
     """
 
     def __init__(self, dht: SwarmDHT, name: str, timeout_s: float = 30.0) -> None:
+        cap_stream_messages()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
@@ -79,4 +110,4 @@ class NetworkLoop:
             self.loop.close()
 
 
-__all__ = ["NetworkLoop", "start_dht"]
+__all__ = ["MAX_STREAM_MESSAGE_BYTES", "NetworkLoop", "StreamMessageTooLarge", "cap_stream_messages", "start_dht"]
