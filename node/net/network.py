@@ -12,13 +12,14 @@ the DHT's libp2p daemon handle: P2P services and clients are scheduled on it fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, ServicerBase
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import protected_keys
@@ -70,6 +71,24 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 
+class ServedOnLoop:
+    """A P2P service of this node on its network loop: ``servicer``'s handlers under ``namespace``, added by
+    ``start`` and removed by ``close`` (each bounded; closing never raises)."""
+
+    def __init__(self, p2p: Any, loop: asyncio.AbstractEventLoop, namespace: str, servicer: ServicerBase) -> None:
+        self.p2p, self.loop, self.namespace, self.servicer = p2p, loop, namespace, servicer
+
+    def start(self, timeout_s: float = 10.0) -> Self:
+        asyncio.run_coroutine_threadsafe(
+            self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with contextlib.suppress(Exception):  # the loop or the daemon may already be gone
+            asyncio.run_coroutine_threadsafe(
+                self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
+
+
 class NetworkLoop:
     """An asyncio loop in a daemon thread and a replica of ``dht``'s P2P daemon handle (``p2p``).
 
@@ -110,4 +129,5 @@ class NetworkLoop:
             self.loop.close()
 
 
-__all__ = ["MAX_STREAM_MESSAGE_BYTES", "NetworkLoop", "StreamMessageTooLarge", "cap_stream_messages", "start_dht"]
+__all__ = ["MAX_STREAM_MESSAGE_BYTES", "NetworkLoop", "ServedOnLoop", "StreamMessageTooLarge", "cap_stream_messages",
+           "start_dht"]

@@ -40,6 +40,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from parallax.node.net.network import ServedOnLoop
 from parallax.node.net.outer_wire import SMALL_TENSOR_NUMEL
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
@@ -229,7 +230,7 @@ class ContributionServicer(ServicerBase):
         self.bytes_served += len(body)
 
 
-class OuterGather:
+class OuterGather(ServedOnLoop):
     """A node's contributions served to its groupmates, and the fetching of theirs.
 
     Args:
@@ -240,21 +241,9 @@ class OuterGather:
     """
 
     def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, *, keep: int = 4) -> None:
-        self.p2p, self.loop = p2p, loop
-        self.namespace = f"parallax.{run_id}.outer"
         self.store = ContributionStore(keep)
-        self.servicer = ContributionServicer(self.store)
+        super().__init__(p2p, loop, f"parallax.{run_id}.outer", ContributionServicer(self.store))
         self.bytes_fetched = 0
-
-    def start(self, timeout_s: float = 10.0) -> OuterGather:
-        asyncio.run_coroutine_threadsafe(
-            self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
-        return self
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        with contextlib.suppress(Exception):  # the loop or the daemon may already be gone
-            asyncio.run_coroutine_threadsafe(
-                self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
 
     def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float) -> bytes:
         """``peer``'s body for ``entry``'s round, exactly ``entry.size`` bytes hashing to ``entry.digest``.

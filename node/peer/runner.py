@@ -50,6 +50,7 @@ from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.scores import PeerScores
+from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.exchange import OffloadClient
 from parallax.node.offload.proxy import settings_digest
 from parallax.node.offload.session import OffloadSession
@@ -224,6 +225,8 @@ class Node:
         views = SwarmViews(membership, self.identity.fingerprint, c.node.snapshot_every, telemetry.event)
         loop = NetworkLoop(dht, "parallax-net")
         stack.callback(loop.close)
+        views.prover = IdentityProver(loop.p2p, loop.loop, c.peer.run_id, self.identity, dht.peer_id).start()
+        stack.callback(views.prover.close)
         shapes = model_shapes(cfg)
         gcfg = GossipConfig(run_id=c.peer.run_id, n_layers=cfg.model.n_layers, poll_s=c.net.gossip_poll_s,
                             announce_period_s=c.net.announce_period_s, announce_ttl_s=c.net.announce_ttl_s)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
 from parallax.dht.membership import Member, Membership, SwarmView
+from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.proxy import SETTINGS_KEY
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class SwarmViews:
         self.settings_digest: int | None = None
         """offload.settings_digest of this node's configuration (set when it offloads)."""
         self._mismatched_workers: set[str] = set()
+        self._squatted: set[str] = set()
+        self.prover: IdentityProver | None = None
+        """Settles which identity a peer id claimed by two belongs to (set once the network loop runs)."""
 
     def fresh(self) -> SwarmView | None:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
@@ -73,7 +77,15 @@ class SwarmViews:
         if peer_id is None:
             return None
         found = [m for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
-        return found[0] if len(found) == 1 else None  # two identities claiming one peer id: trust neither
+        if len(found) <= 1:
+            return found[0] if found else None
+        # Two identities claim one peer id: the one that proves it at that peer id (``whoami``), else neither.
+        key = self.prover.proven(peer_id, [m.public_key for m in found]) if self.prover is not None else None
+        if peer_id not in self._squatted:
+            self._squatted.add(peer_id)
+            logger.warning("identities %s all claim peer id %s; asking it which one it is",
+                           ", ".join(m.fingerprint for m in found), peer_id)
+        return next((m for m in found if m.public_key == key), None)
 
     def public_key_of(self, peer_id: str) -> bytes | None:
         """The identity key a live peer id belongs to, for its outer-round fingerprints, expert snapshots and
