@@ -18,6 +18,10 @@ from parallax.node.model.sketch import Sketch
 from parallax.node.model.transformer import SwiGLU
 from parallax.node.offload.exchange import OffloadClient, OffloadServicer, WorkerLimits, serve, sketch_message, unserve
 from parallax.node.offload.proxy import decode_tensors, encode_tensors
+from parallax.node.offload.session import OffloadSession
+from parallax.node.sim.simulator import ownership_for
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, split_corpus
 
 CFG = config.TrainConfig(model=config.preset("tiny"), offload=config.OffloadConfig(enabled=True, onboard_codec="raw"))
 EID = (1, 2)
@@ -31,6 +35,7 @@ def pair() -> Iterator[tuple[OffloadClient, OffloadServicer, str]]:
     replicas = []
     servicer = OffloadServicer(CFG, WorkerLimits(max_rows=64, update_timeout_s=10.0), fixed_identity(0), "offx")
     servicer.record = True
+    servicer.wire_log = _log_requests(servicer)  # every request body exactly as the worker received it
     with LocalSwarm("offx") as swarm:
         try:
             worker = swarm.add_dht(fixed_identity(0))
@@ -50,6 +55,63 @@ def pair() -> Iterator[tuple[OffloadClient, OffloadServicer, str]]:
                 asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
+
+
+def _log_requests(servicer: OffloadServicer) -> list[bytes]:
+    """Wrap the servicer's handlers (before they are registered) so that each request's bytes are kept."""
+    log: list[bytes] = []
+    for name in ("rpc_onboard", "rpc_update"):
+        handler = getattr(servicer, name)
+
+        async def logged(request, context, handler=handler):
+            log.append(bytes(request.serialized_info))
+            return await handler(request, context)
+
+        setattr(servicer, name, logged)
+    return log
+
+
+def _windows(values: torch.Tensor, width: int = 8) -> set[bytes]:
+    """Every run of ``width`` consecutive values of each row, as the bytes an array of it would hold on the wire
+    (uint8, int16, int32, int64, float16 and float32, little-endian)."""
+    out = set()
+    for row in values.reshape(-1, values.shape[-1]).tolist():
+        for i in range(len(row) - width + 1):
+            run = torch.tensor(row[i:i + width])
+            for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32):
+                out.add(run.to(dtype).numpy().tobytes())
+    return out
+
+
+def test_a_worker_receives_no_token_no_text_no_position_and_nothing_of_private_layers(pair) -> None:
+    client, servicer, worker = pair
+    offload = dataclasses.replace(CFG.offload, private_layers=1, wait_s=5.0)
+    cfg = dataclasses.replace(CFG, steps=20, batch_size=2, offload=offload)
+    tokens = split_corpus(load_corpus()[:50_000])[0]
+    composer = Composer(cfg, ownership_for(cfg, 1)[0], tokens, sampler_seed=1)
+    batches: list[torch.Tensor] = []
+    sample = composer.sampler.next_batch
+
+    def recorded():
+        batch = sample()
+        batches.append(batch[0])
+        return batch
+
+    composer.sampler.next_batch = recorded
+    session = OffloadSession(composer, client, "offx", lambda: {worker: 1.0}, retry_s=1e9)
+    for _ in range(6):
+        composer.forward_backward()
+        session.exchange()
+        composer.optimizer_step()
+    assert session.applied > 0 and servicer.wire_log, "the worker trained nothing: the test would prove nothing"
+    assert session.offloaded and all(layer >= 1 for layer, _ in session.offloaded)  # layer 0 stays home
+    assert all(eid[1][0] >= 1 for eid in servicer.trainers)  # the worker never held a private layer's expert
+    received = b"".join(servicer.wire_log)
+    text = {window for x in batches for window in _windows(x)}  # token ids: the text's bytes (byte tokenizer)
+    positions = _windows(torch.arange(cfg.model.seq_len).unsqueeze(0))
+    assert not [w for w in text if w in received], "a window of the batch's tokens reached the worker"
+    assert not [w for w in positions if w in received], "token positions reached the worker"
+    session.close()
 
 
 def _expert() -> SwiGLU:
