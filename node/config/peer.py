@@ -185,6 +185,10 @@ class WorkerLimits:
     """Cap on sketch rows per update request."""
     max_experts: int = 64
     """Experts one worker trains at once (its memory), over all composers."""
+    max_experts_per_composer: int = 16
+    """Experts one composer (one signing key) may have here at once: fresh keys cannot fill every slot alone."""
+    idle_s: float = 120.0
+    """When the worker is full, an expert that has had no update for this long makes room for a new one."""
     update_timeout_s: float = 30.0
     """One update's Taylor-proxy steps; past it the caller gets an error."""
 
@@ -193,6 +197,8 @@ class WorkerLimits:
             raise ValueError(f"worker.limits.max_request_bytes must be in (0, {UNARY_CAP}) bytes")
         if self.max_rows < 1 or self.max_experts < 1 or self.update_timeout_s <= 0:
             raise ValueError("worker.limits needs max_rows >= 1, max_experts >= 1 and update_timeout_s > 0")
+        if not 1 <= self.max_experts_per_composer <= self.max_experts or self.idle_s <= 0:
+            raise ValueError("worker.limits needs 1 <= max_experts_per_composer <= max_experts and idle_s > 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -225,11 +225,12 @@ class OffloadServicer(ServicerBase):
         cfg: the run's config (model shapes, cfg.offload).
         limits: request bounds.
         device: where the experts' copies are trained (``--gpu N``: cuda:N).
+        clock: monotonic seconds, for the idle eviction (injected for tests).
     """
 
     def __init__(self, cfg: TrainConfig, limits: WorkerLimits, identity: Identity, run_id: str,
-                 device: str = "cpu") -> None:
-        self.cfg, self.limits, self.device = cfg, limits, device
+                 device: str = "cpu", *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.limits, self.device, self._clock = cfg, limits, device, clock
         self.sealer = Sealer(identity, run_id)
         self.opener = Opener(run_id, replay_window=REPLAY_WINDOW)
         self.trainers: dict[tuple[bytes, ExpertId], TaylorProxyTrainer] = {}
@@ -240,11 +241,33 @@ class OffloadServicer(ServicerBase):
         """Per decoded step's part of an update (kept only when ``record`` is set, for tests): the signer's key,
         expert, and every tensor's dtype and shape exactly as it arrived."""
         self.record = False
+        self._used: dict[tuple[bytes, ExpertId], float] = {}  # (composer key, expert) -> last onboarding or update
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
         self._lock = threading.Lock()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _make_room(self, caller: bytes, eid: ExpertId, peer: str) -> None:
+        """Before onboarding (caller, eid), under the lock: refuse a composer past its share of the slots, and
+        when the worker is full evict the expert idle longest if it has been idle ``idle_s``, else refuse."""
+        key, limits = (caller, eid), self.limits
+        if key in self.trainers:
+            return
+        if sum(1 for c, _ in self.trainers if c == caller) >= limits.max_experts_per_composer:
+            raise RemoteProtocolError(f"this composer already has {limits.max_experts_per_composer} experts on this "
+                                      "worker", peer=peer)
+        if len(self.trainers) < limits.max_experts:
+            return
+        idle = min(self.trainers, key=lambda k: self._used.get(k, 0.0))
+        idle_for = self._clock() - self._used.get(idle, 0.0)
+        if idle_for < limits.idle_s:
+            raise RemoteProtocolError(f"this worker is full ({limits.max_experts} experts, none idle for "
+                                      f"{limits.idle_s:.0f} s)", peer=peer)
+        del self.trainers[idle]
+        self._used.pop(idle, None)
+        logger.info("evicted expert %s of composer %s, idle for %.0f s, to onboard %s", idle[1], idle[0].hex()[:12],
+                    idle_for, eid)
 
     def warm_up(self) -> float:
         """One throwaway onboarding and update on the device, in the thread that serves them: CUDA's
@@ -270,8 +293,7 @@ class OffloadServicer(ServicerBase):
                                                                 self.opener, me=context.local_id.to_base58(), peer=peer)
             caller = envelope.sender
             with self._lock:
-                if (caller, eid) not in self.trainers and len(self.trainers) >= self.limits.max_experts:
-                    raise RemoteProtocolError(f"this worker is full ({self.limits.max_experts} experts)", peer=peer)
+                self._make_room(caller, eid, peer)
             self.opener.accept(envelope)
             trainer = await asyncio.get_running_loop().run_in_executor(
                 self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
@@ -282,6 +304,7 @@ class OffloadServicer(ServicerBase):
         trainer.onboard_step = onboard_step
         with self._lock:
             self.trainers[(caller, eid)] = trainer  # a repeated onboarding restarts the expert from these weights
+            self._used[(caller, eid)] = self._clock()
         logger.info("onboarded expert %s for %s", eid, peer)
         return runtime_pb2.ExpertInfo(serialized_info=b"")
 
@@ -293,6 +316,8 @@ class OffloadServicer(ServicerBase):
             caller = envelope.sender
             with self._lock:
                 trainer = self.trainers.get((caller, eid))
+                if trainer is not None:
+                    self._used[(caller, eid)] = self._clock()
             if trainer is None:
                 raise RemoteProtocolError(f"expert {eid} was not onboarded by this composer", peer=peer)
             if parts[0][0] < trainer.onboard_step:  # sent before the composer took it back and onboarded it

@@ -274,3 +274,41 @@ def test_a_sketch_from_before_a_re_onboarding_is_refused() -> None:
         assert len(servicer.opener.replay) == 2  # the composer's onboarding and sketches; nothing of Mallory's
     finally:
         servicer.shutdown()
+
+
+def test_a_worker_gives_one_composer_its_share_and_makes_room_from_idle_experts() -> None:
+    """Fresh keys cannot fill every slot: each composer has a share, and an idle expert makes room."""
+    from hivemind.proto import runtime_pb2
+
+    from parallax.node.model.transformer import SwiGLU
+    from parallax.node.offload.proxy import encode_tensors
+
+    class Context:
+        remote_id = type("Peer", (), {"to_base58": staticmethod(lambda: "QmComposer")})()
+        local_id = type("Peer", (), {"to_base58": staticmethod(lambda: WORKER)})()
+
+    now = [0.0]
+    limits = WorkerLimits(max_rows=16, max_experts=2, max_experts_per_composer=1, idle_s=60.0)
+    servicer = OffloadServicer(CFG, limits, WORKER_KEY, RUN, "cpu", clock=lambda: now[0])
+    weights = encode_tensors(dict(SwiGLU(L, CFG.model.d_expert).named_parameters()), "fp16")
+    sybils, honest = [Identity.generate() for _ in range(2)], Identity.generate()
+
+    def onboard(identity: Identity, expert: int) -> runtime_pb2.ExpertInfo:
+        message = ExpertSnapshot(layer=1, expert=expert, step=1, tensors=weights)
+        return runtime_pb2.ExpertInfo(serialized_info=_sealed(message, sealer=Sealer(identity, RUN)))
+
+    async def scenario() -> None:
+        await servicer.rpc_onboard(onboard(sybils[0], 0), Context())
+        with pytest.raises(RemoteProtocolError, match="already has 1 experts"):
+            await servicer.rpc_onboard(onboard(sybils[0], 1), Context())
+        await servicer.rpc_onboard(onboard(sybils[1], 1), Context())
+        with pytest.raises(RemoteProtocolError, match="full"):  # two fresh keys hold both slots, both busy
+            await servicer.rpc_onboard(onboard(honest, 2), Context())
+        now[0] = 61.0  # the Sybils onboarded and never sent a sketch since
+        await servicer.rpc_onboard(onboard(honest, 2), Context())
+        assert (honest.public_key, (1, 2)) in servicer.trainers and len(servicer.trainers) == 2
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        servicer.shutdown()
