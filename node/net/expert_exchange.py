@@ -46,6 +46,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
+from parallax.node.net.network import RateLimiter, rate_limited
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
@@ -272,7 +273,9 @@ class ExpertExchange:
             asyncio.run_coroutine_threadsafe(self._teardown(), self.loop).result(timeout_s)
 
     async def _setup(self) -> None:
-        await self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace)
+        # An heir fetches each expert it inherits once per snapshot period: far under 20 a second per peer.
+        limiter = RateLimiter(per_s=20.0, burst=100.0)
+        await self.servicer.add_p2p_handlers(self.p2p, rate_limited(self.servicer, limiter), namespace=self.namespace)
         self._task = asyncio.create_task(self._heir_loop())
 
     async def _teardown(self) -> None:

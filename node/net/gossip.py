@@ -55,6 +55,7 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import check_run_id, expert_id, parse_expert_id
 from parallax.dht.surrogates import Holding, SurrogateRecord, read_records, store_record
 from parallax.node.model.lowrank import Factors, apply_delta, change_of
+from parallax.node.net.network import RateLimiter, rate_limited
 from parallax.node.net.surrogate_payload import (
     ExpertId,
     PayloadStore,
@@ -513,7 +514,10 @@ class SurrogateGossip:
         # hivemind's DHT writes each call to its process over a pipe without a lock: one call at a time.
         self._dht_lock = asyncio.Lock()
         self._p2p = await self.dht.hivemind_dht.replicate_p2p()
-        await self._servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+        # A receiver pulls each expert's payload once per version (a full copy of every expert after a join).
+        limiter = RateLimiter(per_s=50.0, burst=400.0)
+        await self._servicer.add_p2p_handlers(self._p2p, rate_limited(self._servicer, limiter),
+                                              namespace=self.namespace)
         self._tasks = [asyncio.create_task(self._forever(self._poll_once, self.config.poll_s, None)),
                        asyncio.create_task(self._forever(self._announce_once, self.config.announce_period_s,
                                                          self._wake))]

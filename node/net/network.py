@@ -12,9 +12,13 @@ the DHT's libp2p daemon handle: P2P services and clients are scheduled on it fro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import inspect
 import logging
 import threading
+import time
+import types
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Self
@@ -26,6 +30,7 @@ from parallax.dht.keys import protected_keys
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.peer import PeerConfig
 from parallax.node.config.train import SHARED_GROUPS
+from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -71,16 +76,69 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 
-class ServedOnLoop:
-    """A P2P service of this node on its network loop: ``servicer``'s handlers under ``namespace``, added by
-    ``start`` and removed by ``close`` (each bounded; closing never raises)."""
+class RateLimiter:
+    """Token buckets per (remote peer, handler): ``per_s`` requests a second on average, ``burst`` at once.
+    Memory is bounded: the least recently seen peers are forgotten first."""
 
-    def __init__(self, p2p: Any, loop: asyncio.AbstractEventLoop, namespace: str, servicer: ServicerBase) -> None:
+    def __init__(self, per_s: float, burst: float, *, max_peers: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (per_s > 0 and burst >= 1):
+            raise ValueError("a rate limit needs per_s > 0 and burst >= 1")
+        self.per_s, self.burst, self.max_peers, self._clock = per_s, burst, max_peers, clock
+        self._buckets: collections.OrderedDict[tuple[str, str], tuple[float, float]] = collections.OrderedDict()
+        self.refused = 0
+
+    def allow(self, peer: str, handler: str) -> bool:
+        now, key = self._clock(), (peer, handler)
+        tokens, at = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.per_s)
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self.max_peers:
+            self._buckets.popitem(last=False)
+        if not allowed:
+            self.refused += 1
+        return allowed
+
+
+def rate_limited(servicer: ServicerBase, limiter: RateLimiter) -> Any:
+    """An object with ``servicer``'s handlers, each first asking ``limiter`` for the calling peer: a unary call
+    over the limit gets an error, a stream over the limit ends at once (hivemind's ``wrapper`` argument)."""
+    wrapper = types.SimpleNamespace()
+    for name in dir(type(servicer)):
+        if not name.startswith("rpc_"):
+            continue
+        handler = getattr(servicer, name)
+        if inspect.isasyncgenfunction(handler):
+            async def stream(request: Any, context: Any, handler: Any = handler, name: str = name) -> Any:
+                if not limiter.allow(str(context.remote_id), name):
+                    logger.debug("rate-limited %s from %s", name, context.remote_id)
+                    return
+                async for item in handler(request, context):
+                    yield item
+            setattr(wrapper, name, stream)
+        else:
+            async def unary(request: Any, context: Any, handler: Any = handler, name: str = name) -> Any:
+                if not limiter.allow(str(context.remote_id), name):
+                    raise RemoteProtocolError(f"too many {name} requests; slow down", peer=str(context.remote_id))
+                return await handler(request, context)
+            setattr(wrapper, name, unary)
+    return wrapper
+
+
+class ServedOnLoop:
+    """A P2P service of this node on its network loop: ``servicer``'s handlers under ``namespace``, rate-limited
+    per calling peer (default 20 a second, 50 at once), added by ``start`` and removed by ``close`` (each
+    bounded; closing never raises)."""
+
+    def __init__(self, p2p: Any, loop: asyncio.AbstractEventLoop, namespace: str, servicer: ServicerBase,
+                 limiter: RateLimiter | None = None) -> None:
         self.p2p, self.loop, self.namespace, self.servicer = p2p, loop, namespace, servicer
+        self.limiter = limiter or RateLimiter(per_s=20.0, burst=50.0)
 
     def start(self, timeout_s: float = 10.0) -> Self:
-        asyncio.run_coroutine_threadsafe(
-            self.servicer.add_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
+        asyncio.run_coroutine_threadsafe(self.servicer.add_p2p_handlers(
+            self.p2p, rate_limited(self.servicer, self.limiter), namespace=self.namespace), self.loop).result(timeout_s)
         return self
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -129,5 +187,5 @@ class NetworkLoop:
             self.loop.close()
 
 
-__all__ = ["MAX_STREAM_MESSAGE_BYTES", "NetworkLoop", "ServedOnLoop", "StreamMessageTooLarge", "cap_stream_messages",
-           "start_dht"]
+__all__ = ["MAX_STREAM_MESSAGE_BYTES", "NetworkLoop", "RateLimiter", "ServedOnLoop", "StreamMessageTooLarge",
+           "cap_stream_messages", "rate_limited", "start_dht"]

@@ -58,6 +58,7 @@ from parallax.node.config.peer import UNARY_CAP, WorkerLimits
 from parallax.node.config.train import TrainConfig
 from parallax.node.model.sketch import Sketch
 from parallax.node.model.transformer import SwiGLU
+from parallax.node.net.network import RateLimiter, rate_limited
 from parallax.node.offload.proxy import Blobs, TaylorProxyTrainer, encode_tensors
 from parallax.protocol import codec
 from parallax.protocol.envelope import Envelope, Opener, Sealer, Signed
@@ -465,7 +466,9 @@ class OffloadClient:
 
 async def serve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:
     """Register ``servicer`` on ``p2p`` (call on the network loop)."""
-    await servicer.add_p2p_handlers(p2p, namespace=f"parallax.{run_id}.offload")
+    # One update per offloaded expert per composer step: a composer with 16 experts here at 10 steps a second.
+    limiter = RateLimiter(per_s=200.0, burst=400.0)
+    await servicer.add_p2p_handlers(p2p, rate_limited(servicer, limiter), namespace=f"parallax.{run_id}.offload")
 
 
 async def unserve(servicer: OffloadServicer, p2p: P2P, run_id: str) -> None:

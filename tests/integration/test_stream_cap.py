@@ -22,9 +22,9 @@ async def _announce_huge(p2p, peer_id, handle: str, sent: int) -> bytes:
     """Open a stream to ``handle`` at ``peer_id``, announce a 256 MiB message, send ``sent`` bytes of it, read
     what comes back until the server closes the stream."""
     _, reader, writer = await p2p._client.stream_open(peer_id, (handle,))
-    writer.write(b"\x00" + (256 * 2**20).to_bytes(8, "big"))
     chunk = b"x" * 2**20
     try:
+        writer.write(b"\x00" + (256 * 2**20).to_bytes(8, "big"))
         for _ in range(sent // len(chunk)):
             writer.write(chunk)
             await writer.drain()
@@ -32,8 +32,8 @@ async def _announce_huge(p2p, peer_id, handle: str, sent: int) -> bytes:
         pass  # the server already dropped the stream
     try:
         return await asyncio.wait_for(reader.read(), timeout=30)  # without the cap: no answer, a timeout
-    except ConnectionResetError:
-        return b""  # the server dropped the stream
+    except ConnectionError:  # reset or broken pipe: the server dropped the stream
+        return b""
     finally:
         writer.close()
 
