@@ -9,8 +9,9 @@ verify applies nothing) and, when a round may have left this node behind the oth
 group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path).
 
 The same class serves this node's outer state to joiners: after every applied round the training
-thread publishes an immutable copy of each group's anchor and momentum (``publish_state``), which
-hivemind's state-sharing thread hands out without touching live tensors.
+thread publishes an immutable copy of each group's anchor and momentum (``publish_state``), which the
+state exchange (``outer_state``: several sources at once, one liar outvoted) hands out without touching live
+tensors.
 
 Metadata served with the state: {"v": 1, "group", "round", "step", "names", "momentum"}.
 """
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallax.node.net.outer_state import StateExchange
 from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.train.outer import OuterOptimizer
 
@@ -125,9 +127,11 @@ class BackgroundRounds:
             state of it (downloaded, or a round applied), never its own init to the next joiner.
     """
 
-    def __init__(self, sync: TieredOuterSync, composer: Composer, *, serve: bool = True) -> None:
+    def __init__(self, sync: TieredOuterSync, composer: Composer, *, serve: bool = True,
+                 states: StateExchange | None = None) -> None:
         self.sync = sync
         self.composer = composer
+        self.states = states
         self.counts = RoundCounts()
         self.reports: list[RoundReport] = []
         self.rounds_ok: dict[str, int] = dict.fromkeys(sync.groups, 0)
@@ -224,12 +228,22 @@ class BackgroundRounds:
                 self._reload_since[group] = since
             logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
                            group)
-            self._reloads[group] = self._pool.submit(self.sync.groups[group].load_state_from_peers, 30.0)
+            self._reloads[group] = self._pool.submit(self._download, group, 30.0)
+
+    def _download(self, group: str, timeout_s: float) -> tuple[Any, list[torch.Tensor]] | None:
+        if self.states is None:
+            return self.sync.groups[group].load_state_from_peers(timeout_s)
+        shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
+        return self.states.download(group, shapes, timeout_s)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:
             self._serving.add(group)
-            self.sync.groups[group].serve_state(functools.partial(self._serve, group))
+            provider = functools.partial(self._serve, group)
+            if self.states is not None:
+                self.states.serve(group, provider)
+            else:
+                self.sync.groups[group].serve_state(provider)
 
     def publish_state(self, group: str | None = None) -> None:
         """Make the current anchor (and momentum) of ``group`` (default: all) what joiners download."""
@@ -260,7 +274,7 @@ class BackgroundRounds:
         Returns:
             group -> round number of the state taken (groups nobody served are left at the seeded init).
         """
-        futures = {g: self._pool.submit(a.load_state_from_peers, timeout_s) for g, a in self.sync.groups.items()}
+        futures = {g: self._pool.submit(self._download, g, timeout_s) for g in self.sync.groups}
         taken = {}
         for group, future in futures.items():
             try:
@@ -282,8 +296,10 @@ class BackgroundRounds:
         return taken
 
     def shutdown(self) -> None:
-        for averager in self.sync.groups.values():
+        for group, averager in self.sync.groups.items():
             averager.serve_state(None)
+            if self.states is not None:
+                self.states.serve(group, None)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -47,6 +47,7 @@ from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, start_dht
 from parallax.node.net.outer_gather import OuterGather
 from parallax.node.net.outer_rounds import BackgroundRounds
+from parallax.node.net.outer_state import StateExchange
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.scores import PeerScores
@@ -99,6 +100,7 @@ class _Network:
     exchange: ExpertExchange
     sync: TieredOuterSync
     scores: PeerScores
+    states: StateExchange
 
 
 class Node:
@@ -180,7 +182,7 @@ class Node:
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
-        rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None)
+        rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states)
         stack.callback(rounds.shutdown)
         if joining and checkpoint is None:
             telemetry.phase("loading state")
@@ -248,7 +250,10 @@ class Node:
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
                                peers=views.composer_peers, weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
-        return _Network(dht, membership, views, loop, gossip, exchange, sync, scores)
+        states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.composer_peers,
+                               own_peer_id=dht.peer_id).start()
+        stack.callback(states.close)
+        return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states)
 
     def _start_offload(self, net: _Network, composer: Composer) -> OffloadSession:
         c = self.config

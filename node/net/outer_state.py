@@ -1,0 +1,226 @@
+"""A shared group's state (anchor and outer momentum) for a joiner, or for a peer whose round went wrong.
+
+hivemind's averager hands its state out by each peer's self-declared priority, so a peer that declares the
+highest one serves every joiner and every peer that reloads, whatever it serves. Here the state comes from
+several live composers at once (up to ``SOURCES``, chosen at random): each answer is decoded with the
+group's names and shapes and checked finite, and the one taken is the nearest to the coordinate-wise median of
+the sources' anchors (``choose_state``): one liar among three is outvoted. A node with a single live peer takes
+its state and says so.
+
+Wire (``StateServicer.rpc_state``, request ``uid`` = group): the first message is msgpack metadata (group,
+round, step, names, momentum), the rest a msgpack list of raw float32 tensor blobs, in 1 MiB chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import threading
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from parallax.node.net.network import RateLimiter, ServedOnLoop
+from parallax.protocol.codec import TensorLimits, decode, encode
+from parallax.protocol.errors import MalformedMessage, ProtocolError
+from parallax.protocol.schema import MSGPACK_ERRORS
+
+logger = logging.getLogger(__name__)
+
+SOURCES = 3
+"""Composers asked at once for a group's state."""
+PAIR_AGREEMENT = 0.5
+"""Of two sources, the anchors must differ by at most this fraction of their norm: honest composers' anchors
+differ by the rounds each took part in (a few percent), a poisoned one by far more."""
+CHUNK_BYTES = 1 << 20
+_META_MAX_BYTES = 64 * 1024
+
+StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
+State = tuple[dict[str, Any], list[torch.Tensor]]
+
+
+class StateServicer(ServicerBase):
+    """Streams the state a provider publishes for a group; an empty stream when it serves none. Do not rename
+    (protocol id)."""
+
+    def __init__(self) -> None:
+        self.providers: dict[str, StateProvider] = {}
+        self.bytes_served = 0
+
+    async def rpc_state(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        provider = self.providers.get(request.uid)
+        if provider is None:
+            return
+        try:
+            meta, tensors = provider()
+        except RuntimeError:  # nothing published yet
+            return
+        body = msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors], use_bin_type=True)
+        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(meta, use_bin_type=True))
+        for start in range(0, len(body), CHUNK_BYTES):
+            yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + CHUNK_BYTES])
+        self.bytes_served += len(body)
+
+
+class StateExchange(ServedOnLoop):
+    """Serves this node's published group states and downloads a group's state from several peers.
+
+    Args:
+        p2p, loop: this node's P2P replica and network loop.
+        run_id: namespaces the handler.
+        peers: () -> libp2p peer ids of the live composers (sources are drawn from them, this node excluded).
+        own_peer_id: this node's peer id.
+    """
+
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str,
+                 peers: Callable[[], Sequence[str]], *, own_peer_id: str) -> None:
+        super().__init__(p2p, loop, f"parallax.{run_id}.state", StateServicer(), RateLimiter(per_s=2.0, burst=20.0))
+        self.peers, self.own_peer_id = peers, own_peer_id
+        self._lock = threading.Lock()
+
+    def serve(self, group: str, provider: StateProvider | None) -> None:
+        """Serve ``provider()`` for ``group`` (None: stop serving it)."""
+        assert isinstance(self.servicer, StateServicer)
+        with self._lock:
+            if provider is None:
+                self.servicer.providers.pop(group, None)
+            else:
+                self.servicer.providers[group] = provider
+
+    def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float) -> State | None:
+        """The group's state as at least two sources agree on it (or the only source's); None when nobody served
+        one that checks out. Blocks the calling thread (not the loop) for at most ``timeout_s``."""
+        candidates = [p for p in self.peers() if p != self.own_peer_id]
+        random.shuffle(candidates)
+        sources = candidates[:SOURCES]
+        if not sources:
+            return None
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, sources, shapes, timeout_s), self.loop)
+        try:
+            states = future.result(timeout_s + 2)
+        except Exception as e:
+            logger.info("downloading the state of %s failed: %r", group, e)
+            return None
+        return choose_state(group, states, shapes, asked=len(sources))
+
+    async def _fetch_all(self, group: str, sources: list[str], shapes: Mapping[str, Sequence[int]],
+                         timeout_s: float) -> dict[str, State]:
+        async def one(peer: str) -> tuple[str, State | None]:
+            try:
+                return peer, await asyncio.wait_for(self._fetch(peer, group, shapes), timeout_s)
+            except Exception as e:  # unreachable, slow or malformed: that source does not count
+                logger.info("no usable state of %s from peer %s: %r", group, peer, e)
+                return peer, None
+        results = await asyncio.gather(*(one(p) for p in sources))
+        return {peer: state for peer, state in results if state is not None}
+
+    async def _fetch(self, peer: str, group: str, shapes: Mapping[str, Sequence[int]]) -> State | None:
+        stub = StateServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        stream = await stub.rpc_state(runtime_pb2.ExpertRequest(uid=group))
+        meta_bytes: bytes | None = None
+        buf = bytearray()
+        cap = state_bytes_cap(shapes)
+        try:
+            async for msg in stream:
+                if meta_bytes is None:
+                    meta_bytes = msg.serialized_info
+                    continue
+                buf += msg.serialized_info
+                if len(buf) > cap:
+                    raise MalformedMessage(f"state of {group} longer than {cap} bytes", peer=peer)
+        finally:
+            await stream.aclose()
+        if meta_bytes is None:
+            return None
+        return decode_state(group, meta_bytes, bytes(buf), shapes, peer=peer)
+
+
+def state_bytes_cap(shapes: Mapping[str, Sequence[int]]) -> int:
+    per_copy = sum(TensorLimits(max_elements=math.prod(s), max_ndim=max(len(s), 1)).max_blob_bytes
+                   for s in shapes.values())
+    return 2 * per_copy + 64 * (2 * len(shapes) + 1)
+
+
+def decode_state(group: str, meta_bytes: bytes, body: bytes, shapes: Mapping[str, Sequence[int]], *,
+                 peer: str) -> State:
+    """A peer's answer back to (metadata, tensors): the anchor of exactly ``shapes`` (in order), then the momentum
+    buffers when the metadata says so; finite float32.
+
+    Raises:
+        MalformedMessage: anything else.
+    """
+    names = list(shapes)
+    try:
+        meta = msgpack.unpackb(meta_bytes, raw=False, max_str_len=256, max_array_len=len(names) + 8,
+                               max_map_len=16, max_bin_len=0) if len(meta_bytes) <= _META_MAX_BYTES else None
+        blobs = msgpack.unpackb(body, raw=False, max_array_len=2 * len(names), max_bin_len=len(body),
+                                max_str_len=0, max_map_len=0)
+    except MSGPACK_ERRORS:
+        raise MalformedMessage(f"undecodable state of {group}", peer=peer) from None
+    if not (isinstance(meta, dict) and meta.get("group") == group and meta.get("names") == names
+            and isinstance(meta.get("momentum"), bool) and isinstance(blobs, list)):
+        raise MalformedMessage(f"state of {group} with other names or metadata", peer=peer)
+    expected = [shapes[n] for n in names] * (2 if meta["momentum"] else 1)
+    if len(blobs) != len(expected):
+        raise MalformedMessage(f"state of {group} has {len(blobs)} tensors, not {len(expected)}", peer=peer)
+    tensors = []
+    for blob, shape in zip(blobs, expected, strict=True):
+        limits = TensorLimits(max_elements=math.prod(shape), max_ndim=max(len(shape), 1), codecs=frozenset({"raw"}),
+                              dtypes=frozenset({"float32"}))
+        try:
+            array = decode(blob, limits, peer=peer, what=f"state of {group}")
+        except ProtocolError as e:
+            raise MalformedMessage(str(e), peer=peer) from None
+        if tuple(array.shape) != tuple(shape):
+            raise MalformedMessage(f"state of {group}: a tensor of shape {array.shape}, not {tuple(shape)}", peer=peer)
+        tensors.append(torch.from_numpy(np.ascontiguousarray(array)))
+    return meta, tensors
+
+
+def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, Sequence[int]], *,
+                 asked: int) -> State | None:
+    """Which downloaded state to take (None: none; the caller keeps its own).
+
+    Honest composers' anchors differ by the rounds each took part in, so states are compared robustly, not for
+    equality: of three or more, the one nearest the coordinate-wise median of all the anchors (one liar cannot
+    move the median far); of two, one of them only when their anchors agree within ``PAIR_AGREEMENT`` of their
+    scale (catches a grossly poisoned one, no more); a lone answer only when it came from the only live
+    composer asked.
+    """
+    if not states:
+        return None
+    peers = sorted(states)
+    if len(peers) == 1:
+        peer = peers[0]
+        if asked == 1:
+            logger.info("state of %s from the only live composer, peer %s (nothing to compare it with)", group, peer)
+            return states[peer]
+        logger.warning("only peer %s of %d asked served a state of %s: nobody vouches for it, none taken", peer,
+                       asked, group)
+        return None
+    n = len(shapes)
+    anchors = {p: torch.cat([t.reshape(-1) for t in states[p][1][:n]]) for p in peers}
+    if len(peers) == 2:
+        a, b = (anchors[p] for p in peers)
+        if float((a - b).norm()) > PAIR_AGREEMENT * 0.5 * float(a.norm() + b.norm()):
+            logger.warning("the two sources of the state of %s disagree (%s): none taken", group, ", ".join(peers))
+            return None
+        return states[max(peers, key=lambda p: (states[p][0].get("round", -1), p))]
+    median = torch.stack([anchors[p] for p in peers]).median(dim=0).values
+    distance = {p: float((anchors[p] - median).norm()) for p in peers}
+    best = min(peers, key=lambda p: (distance[p], p))
+    for p in peers:
+        if distance[p] > 10 * max(distance[best], 1e-12 * float(median.norm()) + 1e-30):
+            logger.warning("peer %s served a state of %s far from the other sources' (%.3g against %.3g)", p, group,
+                           distance[p], distance[best])
+    return states[best]
