@@ -1,6 +1,6 @@
-"""The ``parallax`` console script: Ctrl+C or SIGTERM while the command is still importing or parsing ends it
-cleanly (exit 130, one line), not with a traceback or click's "Aborted!". Commands that run a peer replace
-these handlers with their own (``node.peer.processes.install_signal_handlers``)."""
+"""The ``parallax`` console script: Ctrl+C or SIGTERM ends a command cleanly (exit 130, one line), also while it
+is still importing, not with a traceback or click's "Aborted!"; ``finally`` blocks run on the way out. Commands
+that run a peer replace these handlers with their own (``node.peer.processes.install_signal_handlers``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 
 class Interrupted(BaseException):
-    """A signal before the command installed its own handlers (a BaseException: click lets it through)."""
+    """A signal to a command that installed no handlers of its own (a BaseException: click lets it through)."""
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -27,5 +27,5 @@ def run() -> None:
 
         app()
     except Interrupted as e:
-        sys.stderr.write(f"stopped by signal {e.args[0]} before the command was running\n")
+        sys.stderr.write(f"stopped by signal {e.args[0]}\n")
         sys.exit(130)

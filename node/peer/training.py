@@ -31,6 +31,8 @@ from parallax.node.train.checkpoint import save_checkpoint, state_hash
 from parallax.node.train.composer import Composer
 from parallax.node.train.outer import TierSchedule
 
+logger = logging.getLogger(__name__)
+
 TOKENS_WINDOW_S = 2.0
 """tokens/s is measured over windows of about this long."""
 
@@ -100,7 +102,7 @@ class Training:
         if growth > MAX_GROWTH:
             self._frozen.add(eid)
             owner = self.views.owner_peer(eid)
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "refused surrogate version %d of expert %s from its owner %s: it would make the surrogate %.3g "
                 "times longer; the previous version is kept", update.version, eid, owner, growth)
             self.telemetry.event("surrogate_refused", layer=eid[0], expert=eid[1], version=update.version,
