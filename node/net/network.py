@@ -72,7 +72,10 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.host,
                        announce_maddrs=peer.announce,
                        identity_path=identity_path.with_name(identity_path.name + ".p2p"))
-    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS))
+    # A node names every key of its run, so it learns none: a hostile signed record under one of hivemind's own
+    # keys (the averager's matchmaking) must not make it refuse hivemind's unsigned records there.
+    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS),
+                                       learn_protected=False)
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import re
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +52,10 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 _CODEC = {"fp16": "fp16", "uint8": "int8", "none": "raw"}
 _MAX_PEER_ID_CHARS = 128
-_MAX_PARTICIPANTS = 256
+_MAX_PARTICIPANTS = 64
+_PAIR_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}@[0-9]{1,18}")  # base58 peer id, "@", round number
+WITHDRAWN = b"withdrawn"
+"""The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
 
 
 # ---- the contribution body ----------------------------------------------------------------------------
@@ -136,7 +140,7 @@ class RoundEntry:
                 and type(size) is int and 0 < size < 2**40 and isinstance(tokens, (int, float))
                 and isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(who, list)
                 and len(who) <= _MAX_PARTICIPANTS
-                and all(isinstance(p, str) and 0 < len(p) <= _MAX_PEER_ID_CHARS for p in who)):
+                and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)):
             return None
         return cls(n, digest, size, float(tokens), fp, tuple(who))
 
@@ -200,6 +204,11 @@ class ContributionStore:
                 self._served.add((group, round_id))
             return body
 
+    def drop(self, group: str, round_id: int) -> None:
+        """Stop serving a round's body (its round merged nothing here: it is withdrawn)."""
+        with self._lock:
+            self._bodies.pop((group, round_id), None)
+
     def served(self, group: str, round_id: int) -> bool:
         """Whether a peer has asked for this round's body: it may have merged it, so this node's state may now
         be behind (the round's caller reloads when its own merge fails)."""
@@ -219,7 +228,7 @@ class ContributionServicer(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
         group, _, n = request.uid.rpartition("/")
-        if not (group and n.isdigit() and len(n) <= 18):
+        if not (group and re.fullmatch(r"[0-9]{1,18}", n)):
             logger.debug("bad contribution request %r from %s", request.uid[:80], context.remote_id)
             return
         body = self._store.get(group, int(n))
@@ -292,8 +301,9 @@ def pair(peer: str, round_id: int) -> str:
 
 
 def split_pair(name: str) -> tuple[str, int]:
+    """(peer, round) of a contribution's name; names come from ``RoundEntry.from_wire``, which checks their form."""
     peer, _, n = name.rpartition("@")
-    return peer, int(n)
+    return peer, int(n) if n.isascii() and n.isdigit() else -1
 
 
 def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEntry]]:
@@ -317,14 +327,17 @@ def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]]) -> dict[
 
 
 def merged_sets(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str,
-                banned: Callable[[str], bool] = lambda _peer: False) -> dict[tuple[str, ...], int]:
-    """The sets of contributions that include ``mine`` and no contribution of a ``banned`` peer, and that other
-    peers have merged, with how many of their own members merged each (only a member's vote counts)."""
+                acceptable: Callable[[str], bool] = lambda _peer: True) -> dict[tuple[str, ...], int]:
+    """The sets of contributions that include ``mine``, name each peer once and only ``acceptable`` peers (live,
+    not banned), and that other peers have merged, with how many of their own members merged each (only a
+    member's vote counts)."""
     votes: dict[tuple[str, ...], int] = {}
     for peer, by_round in entries.items():
         for n, entry in by_round.items():
+            members = [split_pair(p)[0] for p in entry.participants]
             if (entry.fingerprint and mine in entry.participants and pair(peer, n) in entry.participants
-                    and not any(banned(split_pair(p)[0]) for p in entry.participants)):
+                    and len(set(members)) == len(members)
+                    and all(acceptable(m) for m in members if m != split_pair(mine)[0])):
                 votes[entry.participants] = votes.get(entry.participants, 0) + 1
     return votes
 

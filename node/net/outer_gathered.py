@@ -24,11 +24,14 @@ from typing import Any
 import torch
 
 from parallax.node.net.outer_gather import (
+    ROUND_RECORD_MAX_BYTES,
+    WITHDRAWN,
     ContributionMismatch,
     OuterGather,
     RoundEntry,
     best_set,
     body_digest,
+    contribution_limit,
     decode_contribution,
     decode_entries,
     encode_contribution,
@@ -83,6 +86,7 @@ class GatheredRounds:
         self.weight_cap, self.scores, self.report = weight_cap, scores, report
         self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
+        self._body_cap = contribution_limit(shapes)
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float) -> dict[str, torch.Tensor] | None:
@@ -109,13 +113,17 @@ class GatheredRounds:
         deadline = verify_started + cfg.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
-            if participants is None or len(participants) < cfg.min_group_size:
-                self.report(RoundStatus.NO_GROUP, started, participants=tuple(sorted(split_pair(p)[0] for p in found)),
-                             began_allreduce=self.gather.store.served(self.group, n), **common)
+            if participants is None or len(participants) < self._quorum():
+                self._withdraw(n)
+                common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
+                self.report(RoundStatus.NO_GROUP, started, began_allreduce=self.gather.store.served(self.group, n),
+                            **common)
                 return None
             merged = self._merge(n, participants, found, common)
             if merged is None:
-                self.report(RoundStatus.NO_TOKENS, started, **common)
+                self._withdraw(n)
+                self.report(RoundStatus.NO_TOKENS, started, began_allreduce=self.gather.store.served(self.group, n),
+                            **common)
                 return None
             if fault is not None:
                 fault(merged)
@@ -125,7 +133,8 @@ class GatheredRounds:
                                               participants=participants))
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
-                other_set=functools.partial(_better_set, mine=me, current=participants, banned=self._banned),
+                other_set=functools.partial(_better_set, mine=me, current=participants, acceptable=self._acceptable,
+                                            quorum=self._quorum()),
                 readers=self._live)
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
@@ -166,16 +175,36 @@ class GatheredRounds:
                       suspects=tuple(suspects))
         return merged
 
+    def _withdraw(self, n: int) -> None:
+        """Round ``n`` merged nothing here: take its contribution off offer (a late peer must not merge what this
+        node will send again next round)."""
+        self.gather.store.drop(self.group, n)
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
+
     def _publish(self, entry: RoundEntry) -> None:
-        """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds) and store it."""
+        """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds, fewer when large
+        participant lists would not fit a DHT record) and store it."""
         self._entries[entry.round_id] = entry
         for old in sorted(self._entries)[:-ROUNDS_KEPT]:
             del self._entries[old]
-        if not self.records.store(encode_entries([self._entries[k] for k in sorted(self._entries)])):
+        value = encode_entries([self._entries[k] for k in sorted(self._entries)])
+        while len(value) > ROUND_RECORD_MAX_BYTES and len(self._entries) > 1:
+            del self._entries[min(self._entries)]
+            value = encode_entries([self._entries[k] for k in sorted(self._entries)])
+        if not self.records.store(value):
             logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
 
     def _banned(self, peer: str) -> bool:
         return self.scores is not None and self.scores.banned(peer)
+
+    def _quorum(self) -> int:
+        """The fewest contributions a round merges: a majority of the live composers (this one included), and at
+        least ``min_group_size``. A hostile peer cannot pull a victim into a pair, where no outlier can be told."""
+        return max(self.config.min_group_size, (len(self._live()) + 1) // 2 + 1)
+
+    def _acceptable(self, peer: str) -> bool:
+        """A peer whose contribution may be merged: a live composer this node does not ban."""
+        return peer in self._live()
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
@@ -186,14 +215,17 @@ class GatheredRounds:
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
-        ``min_matchmaking_time_s`` for every one to have one; or, when others already merged ours with theirs,
-        their set. Returns the contributions to merge (sorted pairs), or None when none could be had."""
+        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``matchmaking_timeout_s``, while fewer
+        than a quorum have); or, when others already merged ours with theirs, their set. Returns the
+        contributions to merge (sorted pairs), or None when no quorum could be had."""
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
         while True:
             entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
-            taken = best_set(merged_sets(entries, me, self._banned))
+            quorum = self._quorum()
+            taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
+                              .items() if len(members) >= quorum})
             if taken is not None and self._fetch_set(taken, found, give_up, entries):
                 return taken
             current = open_contributions(entries)
@@ -201,7 +233,7 @@ class GatheredRounds:
                 self._fetch(name, entry, found)
             expected = self._live()
             have = {split_pair(name)[0] for name in current if name in found}
-            if expected <= have or time.monotonic() >= wait_until:
+            if expected <= have or (time.monotonic() >= wait_until and len(have) + 1 >= quorum):
                 return tuple(sorted({me} | {name for name in current if name in found}))
             if time.monotonic() >= give_up:
                 return None
@@ -215,6 +247,9 @@ class GatheredRounds:
             return False
         peer = split_pair(name)[0]
         try:
+            if entry.size > self._body_cap:
+                raise ContributionMismatch(f"outer contribution announced at {entry.size} bytes, over the group's "
+                                           f"{self._body_cap}", peer=peer)
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
             found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
             return True
@@ -249,8 +284,9 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...
 
 
 def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
-                banned: Callable[[str], bool]) -> tuple[str, ...] | None:
-    """A set including our contribution and no banned peer's that more of its senders merged than merged ours."""
-    votes = merged_sets(entries, mine, banned)
+                acceptable: Callable[[str], bool], quorum: int) -> tuple[str, ...] | None:
+    """A set of at least ``quorum`` contributions, ours and only acceptable peers' among them, that more of its
+    senders merged than merged ours (our own vote for ours included: ``entries`` are the others')."""
+    votes = {members: n for members, n in merged_sets(entries, mine, acceptable).items() if len(members) >= quorum}
     best = best_set(votes)
-    return best if best is not None and best != current and votes[best] > votes.get(current, 0) else None
+    return best if best is not None and best != current and votes[best] > votes.get(current, 0) + 1 else None

@@ -68,7 +68,8 @@ class RoundReport:
         """True when others may have applied a round this peer did not: reload the group from peers."""
         if self.status in (RoundStatus.DIVERGED, RoundStatus.UNVERIFIED):
             return True
-        return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY)
+        return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY,
+                                                        RoundStatus.NO_GROUP, RoundStatus.NO_TOKENS)
 
 
 

@@ -168,7 +168,8 @@ def decode_state(group: str, meta_bytes: bytes, body: bytes, shapes: Mapping[str
     except MSGPACK_ERRORS:
         raise MalformedMessage(f"undecodable state of {group}", peer=peer) from None
     if not (isinstance(meta, dict) and meta.get("group") == group and meta.get("names") == names
-            and isinstance(meta.get("momentum"), bool) and isinstance(blobs, list)):
+            and isinstance(meta.get("momentum"), bool) and isinstance(blobs, list)
+            and type(meta.get("round")) is int and meta["round"] >= 0):
         raise MalformedMessage(f"state of {group} with other names or metadata", peer=peer)
     expected = [shapes[n] for n in names] * (2 if meta["momentum"] else 1)
     if len(blobs) != len(expected):
@@ -215,7 +216,7 @@ def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, S
         if float((a - b).norm()) > PAIR_AGREEMENT * 0.5 * float(a.norm() + b.norm()):
             logger.warning("the two sources of the state of %s disagree (%s): none taken", group, ", ".join(peers))
             return None
-        return states[max(peers, key=lambda p: (states[p][0].get("round", -1), p))]
+        return states[peers[0]]  # either: they agree (a self-declared round number must not choose)
     median = torch.stack([anchors[p] for p in peers]).median(dim=0).values
     distance = {p: float((anchors[p] - median).norm()) for p in peers}
     best = min(peers, key=lambda p: (distance[p], p))

@@ -43,7 +43,10 @@ class IdentityServicer(ServicerBase):
         self._identity, self._peer_id = identity, peer_id
 
     async def rpc_whoami(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        nonce = bytes.fromhex(request.uid) if len(request.uid) == 2 * _NONCE_BYTES else b""
+        try:
+            nonce = bytes.fromhex(request.uid) if len(request.uid) == 2 * _NONCE_BYTES else b""
+        except ValueError:
+            nonce = b""
         if len(nonce) != _NONCE_BYTES:
             return runtime_pb2.ExpertInfo(serialized_info=b"")
         signature = self._identity.sign(WHOAMI_DOMAIN, whoami_payload(nonce, self._peer_id))

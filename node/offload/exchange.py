@@ -243,6 +243,7 @@ class OffloadServicer(ServicerBase):
         expert, and every tensor's dtype and shape exactly as it arrived."""
         self.record = False
         self._used: dict[tuple[bytes, ExpertId], float] = {}  # (composer key, expert) -> last onboarding or update
+        self._reserved: set[tuple[bytes, ExpertId]] = set()  # onboardings whose weights are still loading
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
         self._lock = threading.Lock()
 
@@ -255,11 +256,16 @@ class OffloadServicer(ServicerBase):
         key, limits = (caller, eid), self.limits
         if key in self.trainers:
             return
-        if sum(1 for c, _ in self.trainers if c == caller) >= limits.max_experts_per_composer:
+        if key in self._reserved:
+            raise RemoteProtocolError(f"expert {eid} is already being onboarded by this composer", peer=peer)
+        held = set(self.trainers) | self._reserved
+        if sum(1 for c, _ in held if c == caller) >= limits.max_experts_per_composer:
             raise RemoteProtocolError(f"this composer already has {limits.max_experts_per_composer} experts on this "
                                       "worker", peer=peer)
-        if len(self.trainers) < limits.max_experts:
+        if len(held) < limits.max_experts:
             return
+        if not self.trainers:  # every slot is an onboarding still loading
+            raise RemoteProtocolError(f"this worker is full ({limits.max_experts} experts)", peer=peer)
         idle = min(self.trainers, key=lambda k: self._used.get(k, 0.0))
         idle_for = self._clock() - self._used.get(idle, 0.0)
         if idle_for < limits.idle_s:
@@ -295,9 +301,14 @@ class OffloadServicer(ServicerBase):
             caller = envelope.sender
             with self._lock:
                 self._make_room(caller, eid, peer)
-            self.opener.accept(envelope)
-            trainer = await asyncio.get_running_loop().run_in_executor(
-                self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
+                self._reserved.add((caller, eid))  # counted while its weights load: concurrent onboardings see it
+            try:
+                self.opener.accept(envelope)
+                trainer = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, TaylorProxyTrainer, self.cfg, blobs, self.device)
+            finally:
+                with self._lock:
+                    self._reserved.discard((caller, eid))
         except (ProtocolError, ValueError) as e:
             self.refused += 1
             logger.debug("refused onboarding from %s: %s", peer, e)

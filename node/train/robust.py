@@ -81,10 +81,11 @@ class ContributionAudit:
 
     @property
     def suspicious(self) -> bool:
-        """Dropped, more than twice as long as the clip bound, or pulled in to under a quarter of its distance:
-        further than honest training goes. An honest peer that carried tokens over from failed rounds sends a
-        longer pseudo-gradient and may be clipped a little; that is no evidence against it."""
-        return (bool(self.dropped) or self.norm_scale < self.SUSPICIOUS_NORM_SCALE
+        """Non-finite, more than twice as long as the clip bound, or pulled in to under a quarter of its distance:
+        further than honest training goes (a peer that processed no tokens is dropped, not suspected). An honest
+        peer that carried tokens over from failed rounds sends a longer pseudo-gradient and may be clipped a
+        little; that is no evidence against it."""
+        return (self.dropped == "non-finite" or self.norm_scale < self.SUSPICIOUS_NORM_SCALE
                 or self.clip < self.SUSPICIOUS_CLIP)
 
 
@@ -143,6 +144,8 @@ def centered_clip(points: Sequence[torch.Tensor], weights: Sequence[float], *, t
     distances = torch.linalg.vector_norm(stacked - centre, dim=1)
     radius = tau * float(distances.median())
     factors = [1.0] * len(points)
+    if radius <= 0.0:  # most points coincide: nothing to measure an outlier against, so nobody is clipped
+        return _plain_mean(points, weights), factors
     for _ in range(iters):
         diffs = stacked - centre
         dist = torch.linalg.vector_norm(diffs, dim=1)
@@ -229,7 +232,7 @@ def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float
     bound = cfg.norm_clip * per_period[(len(norms) - 1) // 2]  # the lower median: an attacker cannot raise it
     clipped = []
     for t, n, span, a in zip(tensors, norms, spans, audits, strict=True):
-        if n > bound * span:
+        if bound > 0.0 and n > bound * span:  # a zero median (peers that did not move) bounds nothing
             scale = bound * span / n
             a.norm_scale = min(a.norm_scale, scale)
             clipped.append(t * scale)

@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import hivemind
 import pytest
 import torch
 
-from parallax.dht.adapter import SwarmDHT
+from parallax.dht.adapter import SwarmDHT, dht_time
+from parallax.dht.keys import outer_rounds_key
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.outer_gather import OuterGather, decode_contribution, encode_contribution
@@ -135,6 +137,26 @@ def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(pe
                 assert attacker in report.suspects, report
 
 
+def test_plain_values_written_to_the_rounds_key_by_a_stock_client_do_not_stop_rounds(peers):
+    # A stock hivemind peer writes long-lived plain values to the key every round's records go to (the module's
+    # run, whose keys every peer here protects), before and between rounds.
+    attacker = hivemind.DHT(initial_peers=[str(a) for a in peers[0].dht.visible_maddrs()], start=True)
+    key = outer_rounds_key("gather", "router")
+    try:
+        attacker.store(key, b"junk", dht_time() + 3600)
+        attacker.store(key, b"junk", dht_time() + 3600, subkey=b"12D3KooWjunk")
+        with _averagers(peers, "router") as averagers:
+            for n in range(100, 102):
+                results = _run(averagers, _deltas(4, seed=n), [CAP] * 4, round_id=n)
+                assert all(r is not None for r in results), [a.last_report for a in averagers]
+                attacker.store(key, b"junk", dht_time() + 3600 + n)
+        for p in peers:  # every peer still holds the signed entries, and only those
+            stored = p.dht.local_dict(key)
+            assert stored and all(isinstance(s, bytes) and s.startswith(b"px-ed25519:") for s in stored), stored
+    finally:
+        attacker.shutdown()
+
+
 def test_a_peer_that_keeps_attacking_is_banned_and_left_out(peers):
     scores = [PeerScores() for _ in peers]
     with _averagers(peers, "attacked", scores) as averagers:
@@ -168,7 +190,7 @@ def test_peers_at_different_round_numbers_merge_their_current_contributions(peer
 def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
     # Peer 3 comes late: the others merged without it. Its contribution was never fetched, so it skips this
     # round without reloading (its progress goes into its next round) and the next round includes it again.
-    with _averagers(peers, "router") as averagers:
+    with _averagers(peers, "latecomer") as averagers:
         deltas, tokens = _deltas(4, seed=5), [CAP] * 4
         with ThreadPoolExecutor(3) as pool:
             early = [pool.submit(a.run_round, d, t, round_id=5) for a, d, t in

@@ -14,12 +14,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import hivemind
 import pytest
 import torch
 
-from parallax.dht.adapter import SwarmDHT, dht_time
-from parallax.dht.keys import outer_rounds_key
+from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.outer_sync import GroupAverager, RoundStatus, TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
@@ -34,7 +32,7 @@ TOKENS = [200.0, 200.0, 600.0]
 
 @pytest.fixture(scope="module")
 def dhts() -> Iterator[list[SwarmDHT]]:
-    swarm = LocalSwarm(run_id="outer", groups=("router",))  # protects run "outer"'s keys, as a node does its run's
+    swarm = LocalSwarm(run_id="outer")
     try:
         for i in range(3):
             swarm.add_dht(fixed_identity(i))
@@ -146,33 +144,6 @@ def test_signed_fingerprints_count_only_from_the_key_the_membership_names(dhts):
         assert reports[1].agreeing >= 2 and reports[2].agreeing >= 2
     finally:
         _stop(averagers)
-
-
-def test_plain_values_written_to_the_rounds_key_by_a_stock_client_do_not_stop_rounds(dhts):
-    # A stock hivemind peer writes long-lived plain values to the key every round's fingerprints go to (the
-    # module's run, whose keys every peer here protects), before and between rounds.
-    attacker = hivemind.DHT(initial_peers=[str(a) for a in dhts[0].visible_maddrs()], start=True)
-    identities = [fixed_identity(i) for i in range(3)]
-    keys = {dht.peer_id: identity.public_key for dht, identity in zip(dhts, identities, strict=True)}
-    key = outer_rounds_key("outer", "router")
-    averagers: list[GroupAverager] = []
-    try:
-        attacker.store(key, b"junk", dht_time() + 3600)
-        attacker.store(key, b"junk", dht_time() + 3600, subkey=b"12D3KooWjunk")
-        config = _config(target_group_size=3)
-        for dht, identity in zip(dhts, identities, strict=True):
-            signer = FingerprintSigner(identity, keys.get)
-            averagers.append(GroupAverager(dht, "outer", "router", SHAPES, config, signer))
-        for round_no in range(2):
-            results = _run(averagers, _deltas(3, seed=round_no), TOKENS)
-            assert all(r is not None for r in results), [a.last_report for a in averagers]
-            attacker.store(key, b"junk", dht_time() + 3600 + round_no)
-        for dht in dhts:  # every peer still holds the signed entries, and only those
-            stored = dht.local_dict(key)
-            assert stored and all(isinstance(s, bytes) and s.startswith(b"px-ed25519:") for s in stored), stored
-    finally:
-        _stop(averagers)
-        attacker.shutdown()
 
 
 def test_absent_peer_round_completes_among_present_or_returns_none(dhts):
