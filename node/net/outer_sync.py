@@ -123,20 +123,25 @@ class ParallaxOuterAverager(DecentralizedAverager):
 
 
 def _start_keeping_sigint(averager: DecentralizedAverager, timeout_s: float) -> None:
-    """Fork the averager with SIGINT ignored (so Ctrl+C reaches us, not the child), then restore our handler.
+    """Fork the averager with a SIGINT handler that only remembers (so Ctrl+C to the group does not kill the
+    child), then restore our handler and hand it a SIGINT that came meanwhile: none is lost.
 
-    hivemind's ``run_in_background`` sets SIGINT to ignore and never restores it (trap 4). ``signal``
-    works only in the main thread; elsewhere the child simply inherits our handler.
+    hivemind's ``run_in_background`` sets SIGINT to ignore and never restores it (trap 4), which would swallow a
+    Ctrl+C sent during the fork. ``signal`` works only in the main thread; elsewhere the child simply inherits
+    our handler.
     """
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if in_main else None
+    received: list[int] = []
     if in_main:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
     try:
         averager.start()
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+            if received:
+                signal.raise_signal(signal.SIGINT)  # our own handler decides now
     averager.wait_until_ready(timeout_s)
 
 
@@ -196,8 +201,10 @@ class GroupAverager:
         )
         try:
             _start_keeping_sigint(self._averager, config.startup_timeout_s)
-        except Exception as e:
+        except BaseException as e:  # a signal during the start too: the process just forked must not outlive us
             self.shutdown()
+            if not isinstance(e, Exception):
+                raise
             raise NodeError(f"the outer-sync averager of group {group!r} did not start within "
                             f"{config.startup_timeout_s} s: {e!r}") from e
 
