@@ -271,8 +271,9 @@ class Node:
 
         Returns:
             (the experts offered, whether this node joins a running swarm). It joins one when a composer was
-            already training when this node first saw it: peers started together first see each other at step
-            0, even when one of them settles its shard and starts stepping a moment before the others do.
+            already training when this node first saw it and at least ``min_peers`` others were there: peers
+            started together (waiting for ``min_peers`` composers, this one among them) are not joiners, even
+            when this node's first view of them comes after their first steps.
         """
         settings = self.config.node
         deadline = time.monotonic() + settings.start_timeout_s
@@ -290,7 +291,9 @@ class Node:
             if peers <= 1 and membership.foreign and time.monotonic() - self._online_at >= settle:
                 raise NodeError(_other_settings(self.config.peer.run_id, membership))
             stable = time.monotonic() - membership.owned_changed_at >= settle
-            running = any(step > 0 for step in first_seen_step.values())
+            # Peers that waited for min_peers composers counting this one started because of it: it is one of them
+            # even if its first view of them comes after their first steps.
+            running = any(step > 0 for step in first_seen_step.values()) and len(first_seen_step) >= settings.min_peers
             if peers >= settings.min_peers and ((owned and stable) or running):
                 return owned, running
             if time.monotonic() > deadline:
