@@ -203,6 +203,35 @@ def offload_swarm(
     typer.echo(markdown(report))
 
 
+@bench_app.command("attacks")
+def attacks(
+    runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all; benchmarks/attacker.py)."),
+    preset: PresetName = "tiny",
+    steps: int = typer.Option(300, "--steps", min=50, help="Inner steps per composer."),
+    workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
+    json_path: JsonPath = None,
+) -> None:
+    """A local swarm of 4 composers run clean, then once per attack with one of them hostile: the honest
+    composers' val loss against the clean run's, experts the attacker held, rounds, bans, crashes (tiny preset:
+    about 25 min on 2 cores)."""
+    import signal
+    from pathlib import Path
+
+    from parallax.benchmarks.attacks import markdown, run_attacks, write
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        report = run_attacks(attacks=[a.strip() for a in runs.split(",") if a.strip()] or None, preset=preset,
+                             steps=steps, workdir=Path(workdir) if workdir else None, progress=typer.echo)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("protocol")
 def protocol(
     seconds: float = typer.Option(1.0, "--seconds", min=0.05, help="Timing budget per envelope size, in seconds."),

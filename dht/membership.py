@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import statistics
 import threading
 import time
@@ -87,6 +88,9 @@ class MembershipConfig:
     stall_s: float = 120.0
     """A composer whose announced step has not moved for this long, while the run trains, owns nothing (an
     identity that only sends heartbeats)."""
+    idle_s: float = 0.0
+    """A composer none of whose work reached this node for this long (``Membership.worked``), while others'
+    did, owns nothing (``Progress``); 0: work is not asked for (nodes that never report any)."""
     settings: str = ""
     """This composer's run settings (canonical JSON), carried in its heartbeat. When set, composers announcing
     other settings are left out of this node's view: they own nothing here and take no part in its rounds."""
@@ -105,6 +109,8 @@ class MembershipConfig:
             raise ValueError("request_timeout_s must be > 0")
         if self.stall_s <= self.heartbeat_ttl_s:
             raise ValueError("stall_s must exceed heartbeat_ttl_s")
+        if self.idle_s < 0 or 0 < self.idle_s <= self.heartbeat_ttl_s:
+            raise ValueError("idle_s must be 0 (off) or exceed heartbeat_ttl_s")
         if len(self.settings) > MAX_SETTINGS_CHARS:
             raise ValueError(f"settings of {len(self.settings)} characters exceed the heartbeat's "
                              f"{MAX_SETTINGS_CHARS}")
@@ -172,23 +178,59 @@ class SwarmView:
 
 
 class Progress:
-    """Which composers show work: each one's announced step and when it last moved (pure; the caller's clock)."""
+    """Which composers show work (pure; the caller's clock).
 
-    def __init__(self, stall_s: float) -> None:
-        self.stall_s = stall_s
+    Two rules, each leaving a composer out of the shard assignment while it holds:
+
+    - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
+    - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
+      fetched and decoded, a surrogate update applied: ``worked``) while another's did, ``idle_s`` after this
+      node first saw it. Steps are self-declared: an identity that only sends heartbeats can make its step move,
+      but it cannot make its work arrive.
+
+    Neither rule names anybody while nobody shows what it looks for (a swarm starting up, or paused).
+    """
+
+    def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
+        self.stall_s, self.idle_s = stall_s, idle_s
         self._seen: dict[str, tuple[int, float]] = {}
+        self._first: dict[str, float] = {}
+        self._work: dict[str, float] = {}
+
+    def worked(self, fingerprint: str, now: float) -> None:
+        """Evidence of ``fingerprint``'s work arrived at ``now``."""
+        self._work[fingerprint] = now
+        _forget_oldest(self._work)
 
     def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:
-        """The composers of ``steps`` (fingerprint -> announced step) whose step has not moved for ``stall_s``
-        while another's has; none when nobody's moved (a swarm starting up, or paused)."""
+        """The composers of ``steps`` (fingerprint -> announced step) that show no work by either rule."""
         for fp, step in steps.items():
             seen = self._seen.get(fp)
             if seen is None or seen[0] != step:
                 self._seen[fp] = (step, now)
+            self._first.setdefault(fp, now)  # kept after it leaves: coming back starts no new grace
+        _forget_oldest(self._first)
         for fp in self._seen.keys() - steps.keys():
             del self._seen[fp]
         moving = {fp for fp in steps if now - self._seen[fp][1] < self.stall_s}
-        return frozenset(steps.keys() - moving) if moving else frozenset()
+        stalled = steps.keys() - moving if moving else set()
+        if self.idle_s > 0:
+            working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
+            if working:
+                stalled |= {fp for fp in steps.keys() - working if now - self._first[fp] >= self.idle_s}
+        return frozenset(stalled)
+
+    def idle(self, fingerprint: str, now: float) -> bool:
+        """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
+        return now - self._work.get(fingerprint, -math.inf) >= self.idle_s > 0
+
+
+_PROGRESS_KEPT = 4096
+
+
+def _forget_oldest(times: dict[str, float]) -> None:
+    while len(times) > _PROGRESS_KEPT:
+        del times[min(times, key=times.__getitem__)]
 
 
 def split_by_settings(view: SwarmView, settings: str) -> tuple[SwarmView, dict[str, Member]]:
@@ -440,7 +482,7 @@ class Membership:
         self.heartbeats_sent = 0
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing other settings (left out of the view)."""
-        self._progress = Progress(config.stall_s)
+        self._progress = Progress(config.stall_s, config.idle_s)
 
     # --- public ---
 
@@ -646,13 +688,23 @@ class Membership:
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
         return True
 
+    def worked(self, fingerprint: str) -> None:
+        """Evidence of a composer's work reached this node (thread-safe; ``Progress``)."""
+        with self._lock:
+            self._progress.worked(fingerprint, time.monotonic())
+
     def _stalled(self, view: SwarmView) -> frozenset[str]:
         live = {fp: m.heartbeat.step for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"}
-        stalled = self._progress.stalled(live, time.monotonic()) - {self.fingerprint}
+        now = time.monotonic()
+        with self._lock:
+            stalled = self._progress.stalled(live, now) - {self.fingerprint}
+            idle = {fp for fp in stalled if self._progress.idle(fp, now)}
         for fp in stalled - self._view.stalled:
-            logger.warning("composer %s (peer %s) announced step %d for %.0f s or more while others trained: it "
-                           "owns nothing until its step moves", fp, view.members[fp].heartbeat.peer_id, live[fp],
-                           self.config.stall_s)
+            why = (f"none of its work (outer contributions, surrogate updates) reached this node for "
+                   f"{self.config.idle_s:.0f} s or more while others' did" if fp in idle else
+                   f"it announced step {live[fp]} for {self.config.stall_s:.0f} s or more while others trained")
+            logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,
+                           view.members[fp].heartbeat.peer_id, why)
         return stalled
 
     def _check_duplicate(self) -> None:

@@ -45,6 +45,7 @@ class MembershipTiming(TypedDict, total=False):
     heartbeat_ttl_s: float
     refresh_s: float
     request_timeout_s: float
+    idle_s: float
 
 
 @dataclass

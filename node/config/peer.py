@@ -131,6 +131,9 @@ class NetConfig:
     stall_s: float = 120.0
     """A composer whose announced step has not moved for this long while others trained owns nothing (an
     identity that sends heartbeats and does no work)."""
+    idle_s: float = 300.0
+    """A composer none of whose work (outer contributions, surrogate updates) reached this node for this long,
+    while others' did, owns nothing and no round waits for it (an identity that heartbeats and trains nothing)."""
     load_state_timeout_s: float = 30.0
     """A joiner's download of the shared groups from live peers."""
     min_matchmaking_time_s: float = 15.0
@@ -148,15 +151,16 @@ class NetConfig:
             raise ValueError("net.announce_ttl_s must exceed net.announce_period_s, or records lapse between stores")
         if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
             raise ValueError("net.matchmaking_timeout_s must exceed net.min_matchmaking_time_s")
-        if self.stall_s <= MembershipConfig.heartbeat_ttl_s:
-            raise ValueError(f"net.stall_s must exceed the heartbeat TTL ({MembershipConfig.heartbeat_ttl_s} s)")
+        for name in ("stall_s", "idle_s"):
+            if getattr(self, name) <= MembershipConfig.heartbeat_ttl_s:
+                raise ValueError(f"net.{name} must exceed the heartbeat TTL ({MembershipConfig.heartbeat_ttl_s} s)")
 
     @classmethod
     def loopback(cls) -> NetConfig:
         """Short timings for peers on one machine."""
         return cls(gossip_poll_s=0.5, announce_period_s=2.0, announce_ttl_s=30.0, snapshot_poll_s=2.0,
                    exchange_timeout_s=5.0, min_matchmaking_time_s=1.0, matchmaking_timeout_s=15.0,
-                   allreduce_timeout_s=20.0)
+                   allreduce_timeout_s=20.0, idle_s=60.0)
 
 
 @dataclass(frozen=True, kw_only=True)

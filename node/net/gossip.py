@@ -38,11 +38,12 @@ import logging
 import math
 import queue
 import random
+import statistics
 import threading
 import time
 import typing
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,13 @@ MAX_GROWTH = 4.0
 """A surrogate delta making a held tensor more than this many times longer is refused (``SurrogateUpdate.growth``)."""
 GROWTH_FLOOR = 0.05
 """Norms are compared from at least this x sqrt(size): a near-zero tensor may grow to ordinary size."""
+LAYER_BOUND = 4.0
+"""A surrogate update making a tensor longer than this many times the same tensor's lower median across the
+layer's other held surrogates is refused (``SurrogateUpdate.layer_ratio``)."""
+
+
+def _floor(t: torch.Tensor) -> float:
+    return GROWTH_FLOOR * math.sqrt(t.numel())
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 _REFUSAL_LOG_INTERVAL_S = 10.0
 
@@ -150,12 +158,31 @@ class SurrogateUpdate:
         if self.factors is None:
             return 1.0
         worst = 0.0
-        for name, factors in self.factors.items():
+        for name, new in self.updated(target).items():
             old = target[name].detach().float().cpu()
-            change = change_of(factors).float()
-            floor = GROWTH_FLOOR * math.sqrt(old.numel())
-            worst = max(worst, float((old + change.reshape(old.shape)).norm()) / max(float(old.norm()), floor))
+            worst = max(worst, float(new.norm()) / max(float(old.norm()), _floor(old)))
         return worst
+
+    def layer_ratio(self, target: Mapping[str, torch.Tensor], others: Sequence[Mapping[str, torch.Tensor]]) -> float:
+        """How many times the lower median of the same tensor's norms across ``others`` (the layer's other held
+        surrogates; at least ``GROWTH_FLOOR`` x sqrt(size)) the updated surrogate's longest tensor would be; 0.0
+        without others. Bounds what deltas that each stay under ``MAX_GROWTH`` reach by compounding: the layer's
+        other surrogates are mostly other owners'."""
+        if not others:
+            return 0.0
+        worst = 0.0
+        for name, new in self.updated(target).items():
+            typical = statistics.median_low(float(o[name].detach().float().norm()) for o in others)
+            worst = max(worst, float(new.norm()) / max(typical, _floor(new)))
+        return worst
+
+    def updated(self, target: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The held surrogate ``target`` after this update (float32 copies on the CPU; ``target`` unchanged)."""
+        if self.state is not None:
+            return {name: t.detach().float().cpu() for name, t in self.state.items()}
+        assert self.factors is not None
+        return {name: target[name].detach().float().cpu() + change_of(f).float().reshape(target[name].shape)
+                for name, f in self.factors.items()}
 
     def apply(self, target: Mapping[str, torch.Tensor]) -> None:
         """Apply to the held surrogate ``target`` (name -> tensor, updated in place under no_grad)."""

@@ -116,6 +116,20 @@ def body_digest(body: bytes) -> bytes:
 
 
 @dataclass(frozen=True)
+class RoundPeers:
+    """Whom a node's gathered rounds deal with, by libp2p peer id."""
+
+    live: Callable[[], Sequence[str]]
+    """The live composers: whose contributions may be merged."""
+    working: Callable[[], Sequence[str]] | None = None
+    """Those that show work (``dht.membership.Progress``): a round waits for them and counts its quorum over
+    them, so identities that never contribute cannot stall it (None: every live composer)."""
+    worked: Callable[[str], None] | None = None
+    """Told of every contribution fetched and decoded: evidence of its sender's work."""
+
+
+
+@dataclass(frozen=True)
 class RoundEntry:
     """One round in a peer's rounds record: its contribution (digest, size, declared tokens), then, once
     merged, its fingerprint (``outer_wire.encode_fingerprint``, tagged) and the participants it merged."""

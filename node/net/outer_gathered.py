@@ -29,6 +29,7 @@ from parallax.node.net.outer_gather import (
     ContributionMismatch,
     OuterGather,
     RoundEntry,
+    RoundPeers,
     best_set,
     body_digest,
     contribution_limit,
@@ -71,7 +72,7 @@ class GatheredRounds:
         shapes: name -> shape of the group's tensors.
         config: timings, merge method, compression.
         gather: serves and fetches contributions.
-        peers: () -> the libp2p peer ids of the live composers.
+        peers: the live composers, those of them that show work, and where evidence of work goes.
         weight_cap: the most tokens one peer can have processed in a period (batch x sequence x period); a
             declared weight above it counts as the cap. None: no cap (tests).
         scores: where evidence against peers goes, and whose bans the rounds honour.
@@ -79,7 +80,7 @@ class GatheredRounds:
     """
 
     def __init__(self, records: RoundRecords, shapes: Mapping[str, torch.Size], config: OuterSyncConfig,
-                 gather: OuterGather, peers: Callable[[], Sequence[str]], *, weight_cap: float | None,
+                 gather: OuterGather, peers: RoundPeers, *, weight_cap: float | None,
                  scores: PeerScores | None, report: Callable[..., None]) -> None:
         self.records, self.shapes, self.config, self.gather, self.peers = records, shapes, config, gather, peers
         self.group, self.peer_id = records.group, records.peer_id
@@ -198,9 +199,9 @@ class GatheredRounds:
         return self.scores is not None and self.scores.banned(peer)
 
     def _quorum(self) -> int:
-        """The fewest contributions a round merges: a majority of the live composers (this one included), and at
-        least ``min_group_size``. A hostile peer cannot pull a victim into a pair, where no outlier can be told."""
-        return max(self.config.min_group_size, (len(self._live()) + 1) // 2 + 1)
+        """The fewest contributions a round merges: a majority of the working composers (this one included), and
+        at least ``min_group_size``. A hostile peer cannot pull a victim into a pair, where no outlier can be told."""
+        return max(self.config.min_group_size, (len(self._working()) + 1) // 2 + 1)
 
     def _acceptable(self, peer: str) -> bool:
         """A peer whose contribution may be merged: a live composer this node does not ban."""
@@ -208,7 +209,12 @@ class GatheredRounds:
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
-        return {p for p in self.peers() if p != self.peer_id and not self._banned(p)}
+        return {p for p in self.peers.live() if p != self.peer_id and not self._banned(p)}
+
+    def _working(self) -> set[str]:
+        """Those of ``_live`` that show work: a round waits for them."""
+        live = self._live()
+        return live if self.peers.working is None else live & set(self.peers.working())
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
@@ -231,7 +237,7 @@ class GatheredRounds:
             current = open_contributions(entries)
             for name, entry in current.items():
                 self._fetch(name, entry, found)
-            expected = self._live()
+            expected = self._working()
             have = {split_pair(name)[0] for name in current if name in found}
             if expected <= have or (time.monotonic() >= wait_until and len(have) + 1 >= quorum):
                 return tuple(sorted({me} | {name for name in current if name in found}))
@@ -252,6 +258,8 @@ class GatheredRounds:
                                            f"{self._body_cap}", peer=peer)
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
             found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
+            if self.peers.worked is not None:
+                self.peers.worked(peer)
             return True
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
             if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):

@@ -66,7 +66,7 @@ from hivemind.averaging import DecentralizedAverager
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import outer_prefix
 from parallax.errors import NodeError
-from parallax.node.net.outer_gather import OuterGather
+from parallax.node.net.outer_gather import OuterGather, RoundPeers
 from parallax.node.net.outer_gathered import GatheredRounds
 from parallax.node.net.outer_records import RoundRecords, RoundReport, RoundStatus
 from parallax.node.net.outer_wire import (
@@ -158,7 +158,7 @@ class GroupAverager:
             record validator), and whose key to expect for each peer (``outer_wire.FingerprintSigner``);
             None keeps fingerprints under peer-id subkeys, unsigned (tests of the averaging alone).
         gather: serves and fetches contributions (``config.aggregation == "gather"``).
-        peers: () -> the libp2p peer ids of the live composers (a gathered round waits for them).
+        peers: the live and working composers of a gathered round (``outer_gather.RoundPeers``).
         weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
             period): a declared weight above it counts as the cap. None: no cap (tests).
         scores: where a gathered round records evidence against peers, and whose bans it honours.
@@ -170,7 +170,7 @@ class GroupAverager:
 
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, shapes: Mapping[str, Sequence[int]],
                  config: OuterSyncConfig, signer: FingerprintSigner | None = None, *,
-                 gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
+                 gather: OuterGather | None = None, peers: RoundPeers | None = None,
                  weight_cap: float | None = None, scores: PeerScores | None = None) -> None:
         self.prefix = outer_prefix(run_id, group)
         if not shapes:
@@ -479,7 +479,7 @@ class TieredOuterSync:
 
     def __init__(self, dht: SwarmDHT, run_id: str, groups: Mapping[str, Mapping[str, Sequence[int]]],
                  config: OuterSyncConfig | None = None, signer: FingerprintSigner | None = None, *,
-                 gather: OuterGather | None = None, peers: Callable[[], Sequence[str]] | None = None,
+                 gather: OuterGather | None = None, peers: RoundPeers | None = None,
                  weight_caps: Mapping[str, float] | None = None, scores: PeerScores | None = None) -> None:
         self.config = config or OuterSyncConfig()
         self.groups: dict[str, GroupAverager] = {}

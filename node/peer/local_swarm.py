@@ -91,11 +91,12 @@ class LocalSwarm:
         self.nodes: list[NodeProcess] = []
         self.workers: list[NodeProcess] = []
 
-    def _spawn(self, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def _spawn(self, args: list[str], log: Path, launcher: Sequence[str] = ("-m", "parallax.cli")
+               ) -> subprocess.Popen[bytes]:
         threads = str(self.threads_per_node)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         with log.open("ab") as out:
-            return spawn([self.python, "-m", "parallax.cli", *args], env=env, stdout=out)
+            return spawn([self.python, *launcher, *args], env=env, stdout=out)
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> str:
         """Start the bootstrap peer; returns the multiaddr others join through."""
@@ -113,8 +114,10 @@ class LocalSwarm:
             time.sleep(0.1)
         raise NodeError(f"the bootstrap peer printed no join address within {timeout_s:.0f} s; see {log}")
 
-    def add_node(self, *extra: str, index: int | None = None) -> NodeProcess:
-        """Start composer ``index`` (default: the next one) joining through the bootstrap peer."""
+    def add_node(self, *extra: str, index: int | None = None,
+                 launcher: Sequence[str] = ("-m", "parallax.cli")) -> NodeProcess:
+        """Start composer ``index`` (default: the next one) joining through the bootstrap peer; ``launcher``: the
+        interpreter's arguments before the command's (another module that runs the command)."""
         if not self.initial_peers:
             raise NodeError("start_bootstrap() first")
         i = len(self.nodes) if index is None else index
@@ -125,7 +128,7 @@ class LocalSwarm:
         args = ["node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise", "--run-id", self.run_id,
                 "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers,
                 "--metrics", str(metrics), *self.node_args, *extra]
-        node = NodeProcess(i, self._spawn(args, folder / "node.log"), metrics, folder / "node.log", args)
+        node = NodeProcess(i, self._spawn(args, folder / "node.log", launcher), metrics, folder / "node.log", args)
         if index is not None and index < len(self.nodes):
             self.nodes[index] = node
         else:

@@ -45,7 +45,7 @@ from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, start_dht
-from parallax.node.net.outer_gather import OuterGather
+from parallax.node.net.outer_gather import OuterGather, RoundPeers
 from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_state import StateExchange
 from parallax.node.net.outer_sync import TieredOuterSync
@@ -218,7 +218,7 @@ class Node:
         telemetry.status.join_command = dht.join_command()
         telemetry.event("dht_started", join=telemetry.status.join_command)
         membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", settings=run_settings(cfg),
-                                             stall_s=c.net.stall_s)
+                                             stall_s=c.net.stall_s, idle_s=c.net.idle_s)
         membership = Membership(dht, self.identity, membership_config,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
         membership.start()
@@ -248,7 +248,8 @@ class Node:
         scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
-                               peers=views.composer_peers, weight_caps=caps, scores=scores)
+                               peers=RoundPeers(views.composer_peers, views.working_peers, views.worked),
+                               weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
         states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.composer_peers,
                                own_peer_id=dht.peer_id).start()

@@ -17,7 +17,7 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
-from parallax.node.net.gossip import MAX_GROWTH, SurrogateGossip, SurrogateUpdate
+from parallax.node.net.gossip import LAYER_BOUND, MAX_GROWTH, SurrogateGossip, SurrogateUpdate
 from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.net.outer_wire import payload_bytes
@@ -89,28 +89,35 @@ class Training:
         self.dht.forbidden_thread = None
         self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
 
-    def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int]) -> None:
-        """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``: then it is refused,
-        its owner named and scored, and the expert's later deltas skipped (they build on the refused one) until a
-        full copy replaces the surrogate."""
-        held = {n: p.data for n, p in self.composer.model.surrogate_parameters(*eid).items()}
+    def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], owned: set[tuple[int, int]]) -> None:
+        """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past
+        ``LAYER_BOUND`` x the layer's other held surrogates (``owned``: experts whose surrogates this node does not
+        hold): then it is refused, its owner named and scored, and the expert's later deltas skipped (they build
+        on the refused one) until a full copy replaces the surrogate."""
+        model = self.composer.model
+        held = {n: p.data for n, p in model.surrogate_parameters(*eid).items()}
         if update.is_full:
             self._frozen.discard(eid)
         elif eid in self._frozen:
             return
-        growth = update.growth(held)
-        if growth > MAX_GROWTH:
+        others = [{n: p.data for n, p in model.surrogate_parameters(eid[0], e).items()}
+                  for e in range(self.config.train.model.n_experts) if e != eid[1] and (eid[0], e) not in owned]
+        growth, ratio = update.growth(held), update.layer_ratio(held, others)
+        owner = self.views.owner_peer(eid)
+        if growth > MAX_GROWTH or ratio > LAYER_BOUND:
             self._frozen.add(eid)
-            owner = self.views.owner_peer(eid)
-            logger.warning(
-                "refused surrogate version %d of expert %s from its owner %s: it would make the surrogate %.3g "
-                "times longer; the previous version is kept", update.version, eid, owner, growth)
+            why = (f"make the surrogate {growth:.3g} times longer" if growth > MAX_GROWTH else
+                   f"make the surrogate {ratio:.3g} times longer than the layer's other surrogates")
+            logger.warning("refused surrogate version %d of expert %s from its owner %s: it would %s; the previous "
+                           "version is kept", update.version, eid, owner, why)
             self.telemetry.event("surrogate_refused", layer=eid[0], expert=eid[1], version=update.version,
-                                 owner=owner, growth=round(growth, 3))
+                                 owner=owner, growth=round(growth, 3), layer_ratio=round(ratio, 3))
             if owner is not None and self.scores is not None:
-                self.scores.record(owner, "surrogate delta past the growth bound", 2.0)
+                self.scores.record(owner, "surrogate update past the growth bound", 2.0)
             return
         update.apply(held)
+        if owner is not None:
+            self.views.worked(owner)
 
     def seam(self) -> None:
         """The one place the training loop meets the network (module docstring). Never waits on it."""
@@ -119,7 +126,7 @@ class Training:
         for update in gossip.drain():
             eid = (update.layer, update.expert)
             if eid not in owned_now:
-                self._apply_surrogate(update, eid)
+                self._apply_surrogate(update, eid, owned_now)
         self.experts.reconcile()
         for report in rounds.collect():
             self._round_event(report)

@@ -146,6 +146,18 @@ class SwarmViews:
 
     def composer_peers(self) -> list[str]:
         """The libp2p peer ids of the live composers in the view (this one included): a gathered outer
-        round waits for their contributions."""
+        round merges their contributions."""
         return sorted(m.heartbeat.peer_id for m in self.membership.view().alive().values()
                       if m.heartbeat.role == "composer")
+
+    def working_peers(self) -> list[str]:
+        """The libp2p peer ids of the live composers that show work (``Membership``'s progress rules): a
+        gathered outer round waits for them."""
+        view = self.membership.view()
+        return sorted(view.members[fp].heartbeat.peer_id for fp in view.composers())
+
+    def worked(self, peer_id: str) -> None:
+        """Work of the composer at ``peer_id`` reached this node (a contribution, a surrogate update)."""
+        member = self.member(peer_id)
+        if member is not None:
+            self.membership.worked(member.fingerprint)

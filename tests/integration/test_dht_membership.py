@@ -90,3 +90,24 @@ def test_duplicate_identity_is_refused(swarm: LocalSwarm):
     twin.membership = m2
     m2.start()
     assert m2.state is PeerState.ONLINE
+
+
+def test_a_phantom_whose_work_never_arrives_owns_nothing_after_the_grace_period(swarm: LocalSwarm):
+    """Three composers heartbeat; the work of two reaches each other (as fetched contributions and applied
+    surrogate updates report it), the third's never does: after ``idle_s`` the two own every expert between
+    them, in both views, while the phantom's heartbeat stays alive."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=3.0)
+    a, b, phantom = (swarm.add(i, shards=SHARDS, **timing) for i in range(3))
+    wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in (a, b)), timeout=10)
+    assert phantom.fp in a.membership.view().assignment().peers  # within its grace period it owns experts
+
+    def honest_only() -> bool:
+        a.membership.worked(b.fp)
+        b.membership.worked(a.fp)
+        return all(set(p.membership.view().assignment().peers) == {a.fp, b.fp} for p in (a, b))
+
+    waited = wait_until(honest_only, timeout=15, interval=0.2)
+    assert waited >= 2.0  # not before the grace period
+    assert phantom.fp in a.membership.view().alive()
+    owners = {o for _, _, o, _ in a.membership.view().assignment().items()}
+    assert owners == {a.fp, b.fp}

@@ -21,7 +21,7 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import NetworkLoop
-from parallax.node.net.outer_gather import OuterGather, decode_contribution, encode_contribution
+from parallax.node.net.outer_gather import OuterGather, RoundPeers, decode_contribution, encode_contribution
 from parallax.node.net.outer_sync import GroupAverager, RoundStatus
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.scores import PeerScores
@@ -62,16 +62,18 @@ def peers() -> Iterator[list[Peer]]:
 
 
 @contextlib.contextmanager
-def _averagers(peers: Sequence[Peer], group: str,
-               scores: Sequence[PeerScores | None] | None = None) -> Iterator[list[GroupAverager]]:
-    """One averager of ``group`` per peer, shut down on leaving (also when one fails to start)."""
+def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
+               round_peers: RoundPeers | None = None) -> Iterator[list[GroupAverager]]:
+    """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
+    composers are ``peers`` unless ``round_peers`` says otherwise."""
     config = OuterSyncConfig.loopback(compression="fp16")
     ids = [p.dht.peer_id for p in peers]
+    round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
         averagers = []
         for p, score in zip(peers, scores or [None] * len(peers), strict=True):
             averagers.append(stack.enter_context(GroupAverager(
-                p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=lambda: ids,
+                p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
         yield averagers
 
@@ -109,6 +111,18 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in SHAPES)
         # The next round numbers itself and works as well.
         assert all(r is not None for r in _run(averagers, _deltas(4, seed=1), tokens, round_id=8))
+
+
+def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):
+    """Two of four live composers contribute; the two that never do are idle (left out of ``working``): the
+    round merges the two without waiting on a quorum of four, and each tells the other's work."""
+    ids = [p.dht.peer_id for p in peers]
+    seen: list[str] = []
+    with _averagers(peers[:2], "latent", round_peers=RoundPeers(lambda: ids, lambda: ids[:2], seen.append)) as avg:
+        results = _run(avg, _deltas(2, seed=5), [CAP, CAP], round_id=1)
+        assert all(r is not None for r in results), [a.last_report for a in avg]
+        assert all(a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 2 for a in avg)
+    assert sorted(set(seen)) == sorted(ids[:2])  # each fetched the other's contribution: evidence of its work
 
 
 @pytest.mark.parametrize("attack", ["x1000", "x-10", "weight 1e12"])

@@ -6,36 +6,16 @@ Two real hivemind peers on loopback; the attacker writes hivemind's stream frami
 
 from __future__ import annotations
 
-import asyncio
 import resource
 
 import pytest
 
+from parallax.benchmarks.attacker import announce_huge
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import MAX_STREAM_MESSAGE_BYTES, NetworkLoop
 from parallax.node.net.outer_gather import ContributionServicer, OuterGather, RoundEntry, body_digest
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def _announce_huge(p2p, peer_id, handle: str, sent: int) -> bytes:
-    """Open a stream to ``handle`` at ``peer_id``, announce a 256 MiB message, send ``sent`` bytes of it, read
-    what comes back until the server closes the stream."""
-    _, reader, writer = await p2p._client.stream_open(peer_id, (handle,))
-    chunk = b"x" * 2**20
-    try:
-        writer.write(b"\x00" + (256 * 2**20).to_bytes(8, "big"))
-        for _ in range(sent // len(chunk)):
-            writer.write(chunk)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass  # the server already dropped the stream
-    try:
-        return await asyncio.wait_for(reader.read(), timeout=30)  # without the cap: no answer, a timeout
-    except ConnectionError:  # reset or broken pipe: the server dropped the stream
-        return b""
-    finally:
-        writer.close()
 
 
 def test_an_oversized_stream_message_is_dropped_unread_and_the_server_keeps_serving() -> None:
@@ -49,7 +29,7 @@ def test_an_oversized_stream_message_is_dropped_unread_and_the_server_keeps_serv
             gathers += [served, fetcher]
             handle = ContributionServicer._get_handle_name(served.namespace, "rpc_contribution")
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            answer = client.run(_announce_huge(client.p2p, server_dht.hivemind_dht.peer_id, handle, 32 * 2**20), 60)
+            answer = client.run(announce_huge(client.p2p, server_dht.hivemind_dht.peer_id, handle, 32 * 2**20), 60)
             grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
             assert answer == b"" or answer[:1] != b"\x00"  # closed, or an error reply: never a served message
             assert grown_mb < MAX_STREAM_MESSAGE_BYTES / 2**20 + 64, f"the server buffered {grown_mb:.0f} MB"

@@ -12,6 +12,7 @@ from parallax.dht.records import MAX_RECORD_BYTES
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
 from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.net.gossip import (
+    LAYER_BOUND,
     MAX_GROWTH,
     GossipConfig,
     Offer,
@@ -247,3 +248,21 @@ def test_a_delta_that_multiplies_the_surrogate_is_measured_by_its_growth() -> No
     factors = (torch.full((8, 1), 0.1), torch.full((1, 128), 0.5))
     first = SurrogateUpdate(layer=0, expert=1, version=1, factors={"w": factors})
     assert first.growth(zero) < MAX_GROWTH
+
+
+def test_deltas_each_under_the_growth_bound_cannot_compound_past_the_layer_s_other_surrogates() -> None:
+    g = torch.Generator().manual_seed(1)
+    others = [{"w": torch.randn(8, 128, generator=g) * 0.05} for _ in range(3)]
+    held = {"w": torch.randn(8, 128, generator=g) * 0.05}
+    refusals = []
+    for _ in range(4):  # an owner making its surrogate 3.8x longer every refresh
+        change = held["w"] * 2.8
+        u, s, vh = torch.linalg.svd(change, full_matrices=False)
+        update = SurrogateUpdate(layer=0, expert=1, version=2, factors={"w": (u * s, vh)})
+        assert update.growth(held) < MAX_GROWTH
+        refusals.append(update.layer_ratio(held, others) > LAYER_BOUND)
+        held = update.updated(held)
+    assert refusals == [False, True, True, True]  # 3.8x passes once; 14x the layer's others does not
+    honest = SurrogateUpdate(layer=0, expert=1, version=2, state={"w": others[0]["w"] * 1.5})
+    assert honest.layer_ratio(held, others) < 2.0  # a full copy is measured as well
+    assert honest.layer_ratio(held, []) == 0.0  # no others held: nothing to compare with

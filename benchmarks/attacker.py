@@ -1,0 +1,410 @@
+"""A hostile composer for ``parallax bench attacks``, written as an attacker would write one against the open
+source: the stock node with one behaviour changed (a function replaced before it starts), or a stock node beside
+identities and clients doing what a node never does.
+
+    python -m parallax.benchmarks.attacker ATTACK IDS.json node join ARGS...
+
+runs ``parallax node join ARGS...`` with ``ATTACK`` (one of ``ATTACKS``) in effect. Once the node's membership
+has started, the peer ids and fingerprints the attacker speaks with (its node's, and those of any identities it
+made up) are written to ``IDS.json``: the benchmark looks for them in the honest nodes' bans and logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+import runpy
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("parallax.attacker")
+
+
+@dataclass
+class Attacker:
+    """What an attack's side activities may use: the attacked node's membership, and where to write ids."""
+
+    ids_path: Path
+    run_id: str
+    initial_peers: list[str]
+    membership: Any = None
+    peer_ids: list[str] = field(default_factory=list)
+    fingerprints: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def write_ids(self) -> None:
+        self.ids_path.write_text(json.dumps({"peer_ids": self.peer_ids, "fingerprints": self.fingerprints}))
+
+    def honest_peer_ids(self) -> list[str]:
+        """The libp2p peer ids of the other composers in the attacked node's view."""
+        own = set(self.peer_ids)
+        return sorted({m.heartbeat.peer_id for m in self.membership.view().alive().values()
+                       if m.heartbeat.role == "composer" and m.heartbeat.peer_id not in own})
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One attack: ``patch`` runs before the node starts; ``side`` runs in a thread once its membership started;
+    ``node_args`` are added to the node's arguments."""
+
+    description: str
+    patch: Callable[[Attacker], None] | None = None
+    side: Callable[[Attacker], None] | None = None
+    node_args: tuple[str, ...] = ()
+
+
+# --- outer-round contributions ---
+
+
+def _tamper_contributions(change: Callable[[str, torch.Tensor], torch.Tensor]) -> Callable[[Attacker], None]:
+    """Every contribution the node serves is ``change(name, tensor)`` of the honest one (the body the others
+    fetch and the digest announced for it, both)."""
+
+    def patch(_: Attacker) -> None:
+        from parallax.node.net import outer_gathered
+
+        honest = outer_gathered.encode_contribution
+
+        def tampered(delta: Any, compression: str) -> bytes:
+            return honest({name: change(name, t) for name, t in delta.items()}, compression)
+
+        outer_gathered.encode_contribution = tampered
+
+    return patch
+
+
+def _nan_contributions(_: Attacker) -> None:
+    """Every contribution is NaN, packed by hand (the stock encoder refuses non-finite tensors)."""
+    import msgpack
+    import numpy as np
+
+    from parallax.node.net import outer_gathered
+    from parallax.protocol import codec
+
+    def poisoned(delta: Any, compression: str) -> bytes:
+        blobs = {name: codec._pack("raw", "float32", tuple(t.shape), [],
+                                   np.full(tuple(t.shape), np.nan, dtype="<f4").tobytes())
+                 for name, t in delta.items()}
+        return msgpack.packb(blobs, use_bin_type=True)  # type: ignore[no-any-return]
+
+    honest_decode = outer_gathered.decode_contribution
+
+    def decode(body: bytes, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
+        try:
+            return honest_decode(body, shapes, peer=peer)
+        except Exception:
+            return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
+
+    outer_gathered.encode_contribution = poisoned
+    outer_gathered.decode_contribution = decode
+
+
+def _random_direction(name: str, t: torch.Tensor) -> torch.Tensor:
+    noise = torch.randn_like(t)
+    return noise * (10 * torch.linalg.vector_norm(t) / torch.linalg.vector_norm(noise).clamp_min(1e-12))
+
+
+def _replay(patch_state: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    def change(name: str, t: torch.Tensor) -> torch.Tensor:
+        return patch_state.setdefault(name, t.clone())  # the first pseudo-gradient of each tensor, forever
+
+    return change
+
+
+def _declared_weight(weight: float) -> Callable[[Attacker], None]:
+    def patch(_: Attacker) -> None:
+        from parallax.node.net.outer_gathered import GatheredRounds
+
+        honest = GatheredRounds.run
+
+        @functools.wraps(honest)
+        def run(self: Any, delta: Any, tokens: float, *args: Any, **kwargs: Any) -> Any:
+            return honest(self, delta, weight, *args, **kwargs)
+
+        GatheredRounds.run = run  # type: ignore[method-assign]
+
+    return patch
+
+
+def _poisoned_state(_: Attacker) -> None:
+    """Every group state this node serves to a joiner is its anchor x3."""
+    from parallax.node.net.outer_state import StateExchange
+
+    honest = StateExchange.serve
+
+    def serve(self: Any, group: str, provider: Any) -> None:
+        if provider is None:
+            return honest(self, group, None)
+
+        def poisoned() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            meta, tensors = provider()
+            return meta, [3 * t for t in tensors]
+
+        return honest(self, group, poisoned)
+
+    StateExchange.serve = serve  # type: ignore[method-assign]
+
+
+# --- surrogates, ownership, identities ---
+
+
+def _surrogates_at_the_bound(_: Attacker) -> None:
+    """Each surrogate delta the node publishes makes the receivers' copy just under ``MAX_GROWTH`` times longer
+    than the one they hold (the attacker tracks what they hold): growth compounds refresh after refresh."""
+    from parallax.node.model.lowrank import change_of
+    from parallax.node.net import gossip
+
+    honest = gossip.SurrogateGossip.publish
+    held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    factor = 0.95 * gossip.MAX_GROWTH
+
+    def publish(self: Any, layer: int, expert: int, version: int, factors: Any, full: Any = None) -> Any:
+        if full is None:
+            return honest(self, layer, expert, version, factors, full)
+        eid = (layer, expert)
+        theirs = held.setdefault(eid, {n: full[n] - change_of(f).reshape(full[n].shape) for n, f in factors.items()})
+        scaled, new_full = {}, {}
+        for name, (u, v) in factors.items():
+            old = theirs[name]
+            change = change_of((u, v)).reshape(old.shape)
+            floor = gossip.GROWTH_FLOOR * math.sqrt(old.numel())
+            scale = factor * max(float(old.norm()), floor) / max(float(change.norm()), 1e-12)
+            scaled[name] = (u * scale, v)
+            new_full[name] = old + scale * change
+        held[eid] = new_full
+        return honest(self, layer, expert, version, scaled, new_full)
+
+    gossip.SurrogateGossip.publish = publish  # type: ignore[method-assign]
+
+
+def _capacity(value: float) -> Callable[[Attacker], None]:
+    def patch(_: Attacker) -> None:
+        from parallax.dht import membership
+
+        honest = membership.Membership.__init__
+
+        def init(self: Any, dht: Any, identity: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+            honest(self, dht, identity, replace(config, capacity=value), *args, **kwargs)
+
+        membership.Membership.__init__ = init  # type: ignore[method-assign]
+
+    return patch
+
+
+def _watch_membership(attacker: Attacker) -> None:
+    """Remember the node's membership when it starts (every attack does: the side activities need it)."""
+    from parallax.dht import membership
+
+    honest = membership.Membership.start
+
+    def start(self: Any, *args: Any, **kwargs: Any) -> None:
+        honest(self, *args, **kwargs)
+        if attacker.membership is None:
+            attacker.membership = self
+            attacker.peer_ids.append(str(self.dht.peer_id))
+            attacker.fingerprints.append(self.identity.fingerprint)
+            attacker.write_ids()
+
+    membership.Membership.start = start  # type: ignore[method-assign]
+
+
+class _PeerIdOf:
+    """A DHT node whose heartbeats name someone else's libp2p peer id."""
+
+    def __init__(self, dht: Any, peer_id: str) -> None:
+        self._dht, self.peer_id = dht, peer_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dht, name)
+
+
+def _extra_identities(count: int, *, squat: bool) -> Callable[[Attacker], None]:
+    """``count`` more composers' heartbeats, each from a fresh key on a DHT node of its own, announcing the
+    attacked node's step and settings: they train nothing. ``squat``: each names an honest node's libp2p peer id
+    instead of its own."""
+
+    def side(attacker: Attacker) -> None:
+        from parallax.dht.adapter import DHTConfig, SwarmDHT
+        from parallax.dht.keys import protected_keys
+        from parallax.dht.membership import Membership
+        from parallax.dht.records import Ed25519RecordValidator
+        from parallax.node.config.train import SHARED_GROUPS
+        from parallax.protocol.identity import Identity
+
+        real = attacker.membership
+        victims = attacker.honest_peer_ids() if squat else []
+        if squat and not victims:
+            logger.warning("no honest composer in view to squat on")
+            return
+        with contextlib.ExitStack() as stack:
+            phantoms = []
+            for i in range(count):
+                identity = Identity.generate()
+                n_layers = real.shards.n_layers
+                validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(
+                    attacker.run_id, n_layers, SHARED_GROUPS), learn_protected=False)
+                dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
+                                               host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+                stack.callback(dht.shutdown)
+                speaking: Any = _PeerIdOf(dht, victims[i % len(victims)]) if squat else dht
+                phantom = Membership(speaking, identity, real.config, shards=real.shards)
+                phantom.start()
+                stack.callback(phantom.abandon, False)
+                phantoms.append(phantom)
+                attacker.fingerprints.append(identity.fingerprint)
+                if not squat:
+                    attacker.peer_ids.append(str(dht.peer_id))
+                attacker.write_ids()
+            while not attacker.stop.wait(1.0):
+                for phantom in phantoms:
+                    phantom.update(step=real._step, versions=real._versions)
+
+    return side
+
+
+# --- the DHT and the streams ---
+
+
+def _plain_values(attacker: Attacker) -> None:
+    """A stock hivemind client writes plain values with a one-hour expiry under every key of the run, again and
+    again (with and without subkeys)."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from parallax.dht.keys import protected_keys
+    from parallax.node.config.train import SHARED_GROUPS
+
+    client = hivemind.DHT(initial_peers=attacker.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        attacker.peer_ids.append(str(client.peer_id))
+        attacker.write_ids()
+        keys = protected_keys(attacker.run_id, attacker.membership.shards.n_layers, SHARED_GROUPS)
+        while not attacker.stop.is_set():
+            expiry = get_dht_time() + 3600
+            for key in keys:
+                client.store(key, b"plain", expiry)
+                client.store(key, b"plain", expiry, subkey=b"squat")
+            attacker.stop.wait(5.0)
+    finally:
+        client.shutdown()
+
+
+async def announce_huge(p2p: Any, peer_id: Any, handle: str, sent: int) -> bytes:
+    """Open a stream to ``handle`` at ``peer_id``, announce a 256 MiB message in hivemind's framing (a message
+    marker, an 8-byte length), send ``sent`` bytes of it, and read what comes back until the server closes the
+    stream (b"" when it drops it)."""
+    _, reader, writer = await p2p._client.stream_open(peer_id, (handle,))
+    chunk = b"x" * 2**20
+    try:
+        writer.write(b"\x00" + (256 * 2**20).to_bytes(8, "big"))
+        for _ in range(sent // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass  # the server already dropped the stream
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=30)  # without a cap: no answer, a timeout
+    except ConnectionError:  # reset or broken pipe: the server dropped the stream
+        return b""
+    finally:
+        writer.close()
+
+
+def _oversized_streams(attacker: Attacker) -> None:
+    """Every few seconds, to every honest composer's every handler: a stream announcing 256 MiB, 16 MiB sent."""
+    from hivemind.p2p import PeerID
+
+    from parallax.node.net.expert_exchange import ExpertServicer
+    from parallax.node.net.gossip import SurrogateServicer
+    from parallax.node.net.network import NetworkLoop
+    from parallax.node.net.outer_gather import ContributionServicer
+    from parallax.node.net.outer_state import StateServicer
+    from parallax.node.net.whoami import IdentityServicer
+
+    run = attacker.run_id
+    handles = [ContributionServicer._get_handle_name(f"parallax.{run}.outer", "rpc_contribution"),
+               StateServicer._get_handle_name(f"parallax.{run}.state", "rpc_state"),
+               ExpertServicer._get_handle_name(f"parallax.{run}.experts", "rpc_snapshot"),
+               SurrogateServicer._get_handle_name(f"parallax.{run}.surrogates", "rpc_fetch"),
+               IdentityServicer._get_handle_name(f"parallax.{run}.whoami", "rpc_whoami")]
+    loop = NetworkLoop(attacker.membership.dht, "attacker")
+    try:
+        while not attacker.stop.is_set():
+            for peer in attacker.honest_peer_ids():
+                for handle in handles:
+                    with contextlib.suppress(Exception):
+                        loop.run(announce_huge(loop.p2p, PeerID.from_base58(peer), handle, 16 * 2**20), 45)
+            attacker.stop.wait(2.0)
+    finally:
+        loop.close()
+
+
+ATTACKS: dict[str, Attack] = {
+    "scale-1000": Attack("its outer pseudo-gradient x1000",
+                         _tamper_contributions(lambda _, t: 1000 * t)),
+    "scale-neg10": Attack("its outer pseudo-gradient x(-10)", _tamper_contributions(lambda _, t: -10 * t)),
+    "random-10x": Attack("a random direction at 10x its pseudo-gradient's norm",
+                         _tamper_contributions(_random_direction)),
+    "nan": Attack("NaN pseudo-gradients", _nan_contributions),
+    "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
+    "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
+    "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),
+    "surrogate-at-bound": Attack("surrogate deltas that make each copy 3.8x longer, refresh after refresh",
+                                 _surrogates_at_the_bound),
+    "capacity-1e6": Attack("declares capacity 1e6", _capacity(1e6)),
+    "phantoms-5": Attack("5 more identities that heartbeat (the node's step) and train nothing",
+                         side=_extra_identities(5, squat=False)),
+    "peer-id-squatter": Attack("an identity whose heartbeats name an honest node's libp2p peer id",
+                               side=_extra_identities(1, squat=True)),
+    "plain-values": Attack("a stock hivemind client writes plain values under every key of the run",
+                           side=_plain_values),
+    "mismatched-preset": Attack("joins with another preset", node_args=("--preset", "small")),
+    "oversized-streams": Attack("streams announcing 256 MiB to every handler of every composer",
+                                side=_oversized_streams),
+}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] not in ATTACKS:
+        sys.exit(f"usage: python -m parallax.benchmarks.attacker {{{','.join(ATTACKS)}}} IDS.json node join ...")
+    attack, ids_path, node_args = ATTACKS[argv[0]], Path(argv[1]), argv[2:]
+    peers = node_args[node_args.index("--initial-peers") + 1].split(",") if "--initial-peers" in node_args else []
+    run_id = node_args[node_args.index("--run-id") + 1] if "--run-id" in node_args else "default"
+    attacker = Attacker(ids_path, run_id, peers)
+    _watch_membership(attacker)
+    if attack.patch is not None:
+        attack.patch(attacker)
+    if attack.side is not None:
+        def side() -> None:
+            while attacker.membership is None and not attacker.stop.wait(0.2):
+                pass
+            time.sleep(2.0)  # let the view fill
+            try:
+                attack.side(attacker)  # type: ignore[misc]
+            except Exception:
+                logger.exception("the attack's side activity failed")
+
+        thread = threading.Thread(target=side, name="attack", daemon=True)
+        thread.start()
+    sys.argv = ["parallax", *node_args, *attack.node_args]
+    try:  # the command as ``python -m parallax.cli`` runs it, with the attack in effect
+        runpy.run_module("parallax.cli", run_name="__main__", alter_sys=True)
+    finally:
+        attacker.stop.set()
+        if attack.side is not None:
+            thread.join(15.0)  # its DHT nodes and clients shut down
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

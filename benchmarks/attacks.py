@@ -1,0 +1,221 @@
+"""The attack benchmark: a local process swarm run clean, then once per attack with one hostile composer.
+
+Each run: a bootstrap peer; honest composers 0 and 1 and composer 2 start together (composer 2 is honest in the
+clean runs and the attacker, ``benchmarks.attacker``, in the others); honest composer 3 joins once the others
+passed ``join_at`` steps and loads the shared groups' state from its peers. Every honest composer uses the same
+keys (so the same data order) in every run, and evaluates its own view when it leaves. Reported per attack, from
+the honest composers' JSONL metrics and logs:
+
+- ``val_loss_ratio``: the honest composers' median final validation loss over the mean of the clean runs' (target
+  <= 1.02 for every attack on training); the clean runs' own ratios show the noise between runs;
+- ``attacker_experts``: experts no honest composer owned when the first composer finished (the attacker's
+  fair share is a quarter);
+- outer rounds OK per honest composer (median), against the clean run's;
+- ``attacker_named``: an honest log or metrics line names one of the attacker's peer ids or fingerprints;
+  ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
+- ``crashed``: an honest composer exited with an error or did not evaluate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from parallax.benchmarks.attacker import ATTACKS
+from parallax.benchmarks.report import write_report
+from parallax.node.config.train import preset as get_preset
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
+
+CLEAN = ("clean", "clean-2")
+HONEST = (0, 1, 3)
+ATTACKER = 2
+NODES = (0, 1, 2, 3)
+TARGET = 1.02
+PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
+IDLE_S = 20
+"""``net.idle_s`` of every composer: a run lasts about a minute, and identities that train nothing should lose
+their experts within it (300 s by default, 60 s on loopback)."""
+
+
+def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 300, join_at: int = 40,
+                workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
+    """Run the clean runs and one run per attack (module docstring); returns the report (JSON-able)."""
+    names = list(ATTACKS) if attacks is None else attacks
+    unknown = [n for n in names if n not in ATTACKS]
+    if unknown:
+        raise ValueError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    if join_at >= steps:
+        raise ValueError(f"the joiner must come before the end: join_at {join_at} >= steps {steps}")
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-attacks-"))
+    model = get_preset(preset)
+    total = model.n_layers * model.n_experts
+    args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
+            "--set", f"net.idle_s={IDLE_S}", "--final-eval", "--snapshot-every", "20"]
+    started = time.monotonic()
+    runs = []
+    keys = workdir / "keys"
+    for name in [*CLEAN, *names]:
+        progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
+        run = _run(name, workdir / name, keys, args, steps=steps, join_at=join_at, total=total)
+        runs.append(run)
+        progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
+                 f"{run['wall_s']:.0f} s")
+    clean = statistics.mean(r["val_loss"] for r in runs[:len(CLEAN)] if r["val_loss"]) if all(
+        r["val_loss"] for r in runs[:len(CLEAN)]) else None
+    rows = []
+    for run in runs:
+        ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
+        rows.append({**run, "val_loss_ratio": ratio,
+                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:len(CLEAN)]),
+                     "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
+    return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
+            "clean_val_loss": clean,
+            "composers": 4, "target": TARGET, "wall_s": time.monotonic() - started,
+            "clean": [r for r in rows if r["name"] in CLEAN], "attacks": [r for r in rows if r["name"] not in CLEAN],
+            "workdir": str(workdir)}
+
+
+def _run(name: str, folder: Path, keys: Path, args: list[str], *, steps: int, join_at: int,
+         total: int) -> dict[str, Any]:
+    swarm = LocalSwarm(folder, run_id=f"attack-{name}", node_args=[*args, "--steps", str(steps)])
+    for i in NODES:  # the same identities (the attacker's too), so the same data order and shards, in every run
+        if (keys / f"node-{i}").exists():
+            shutil.copytree(keys / f"node-{i}", folder / f"node-{i}", dirs_exist_ok=True)
+    ids_path = folder / "attacker.json"
+    started = time.monotonic()
+    attacker_spawned = time.time()
+    try:
+        swarm.start_bootstrap()
+        for i in range(3):
+            if i == ATTACKER and name not in CLEAN:
+                swarm.add_node("--min-peers", "2", launcher=(
+                    "-m", "parallax.benchmarks.attacker", name, str(ids_path)))
+            else:
+                swarm.add_node("--min-peers", "2")
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not _past(swarm.nodes[:2], join_at):
+            if any(not swarm.nodes[i].alive for i in (0, 1)):
+                break
+            time.sleep(0.5)
+        swarm.add_node("--steps", str(steps - join_at))
+        if not _wait(swarm, HONEST, deadline):
+            raise RuntimeError(f"{name}: the honest composers did not finish within 15 minutes; see {folder}")
+    finally:
+        swarm.close()
+    for i in NODES:
+        saved = keys / f"node-{i}"
+        if not saved.exists():
+            saved.mkdir(parents=True)
+            for key in (folder / f"node-{i}").glob("node.key*"):
+                shutil.copy2(key, saved / key.name)
+    return _measure(name, swarm.nodes, ids_path, attacker_spawned, time.monotonic() - started, total)
+
+
+def _past(nodes: list[NodeProcess], step: int) -> bool:
+    last = [latest_step(read_metrics(n.metrics)) for n in nodes]
+    return all(s >= step for s in last)
+
+
+def latest_step(records: list[dict[str, Any]]) -> int:
+    steps = [r["step"] for r in records if r.get("kind") == "step"]
+    return steps[-1] if steps else -1
+
+
+def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if all(not swarm.nodes[i].alive for i in indices):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawned: float, wall_s: float,
+             total: int) -> dict[str, Any]:
+    records = {n.index: read_metrics(n.metrics) for n in nodes}
+    honest = [n for n in nodes if n.index in HONEST]
+    evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
+    losses = [e[-1]["val_loss"] for e in evals.values() if e]
+    crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
+    ids = json.loads(ids_path.read_text()) if ids_path.exists() else {"peer_ids": [], "fingerprints": []}
+    if name in CLEAN:  # the same measures for the honest composer 2
+        ids = {"peer_ids": [_peer_id(records[ATTACKER])], "fingerprints": []}
+    bans = [r for n in honest for r in records[n.index]
+            if r.get("kind") == "banned" and r.get("peer") in ids["peer_ids"]]
+    words = [w for w in (*ids["peer_ids"], *ids["fingerprints"]) if w]
+    logs = [n.log.read_text(errors="replace") if n.log.exists() else "" for n in honest]
+    named = any(w in text for text in logs for w in words)
+    rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
+                 for n in honest]
+    return {
+        "name": name, "description": "no attacker" if name in CLEAN else ATTACKS[name].description,
+        "val_loss": statistics.median(losses) if losses else None, "val_losses": losses,
+        "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
+        "rounds_ok": statistics.median(rounds_ok),
+        "attacker_named": named, "attacker_banned": bool(bans),
+        "banned_after_s": round(min(r["t"] for r in bans) - attacker_spawned, 1) if bans else None,
+        "banned_by": sorted({i for i, rs in records.items() for r in rs if r in bans}),
+        "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
+        "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
+    }
+
+
+def _peer_id(records: list[dict[str, Any]]) -> str:
+    for r in records:
+        if r.get("kind") == "dht_started" and "/p2p/" in str(r.get("join", "")):
+            return str(r["join"]).rsplit("/p2p/", 1)[1].split()[0].split(",")[0]
+    return ""
+
+
+def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> int | None:
+    """Experts no honest composer owned when the first composer finished training (before anyone leaves)."""
+    ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
+    if not ends:
+        return None
+    cut = min(ends)
+    owned: set[tuple[int, int]] = set()
+    for n in honest:
+        shards = [r for r in records[n.index] if r.get("kind") == "shard" and r["t"] <= cut]
+        if shards:
+            owned |= {(e[0], e[1]) for e in shards[-1]["experts"]}
+    return total - len(owned)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"Attacks: {report['composers']} composers (one of them the attacker, one an honest joiner at step "
+        f"{report['join_at']}), preset {report['preset']}, {report['steps']} steps, periods {report['periods']}, "
+        f"net.idle_s {report['idle_s']}; honest val loss against the clean runs' mean {report['clean_val_loss']:.4f}; "
+        f"target ratio <= {report['target']} ({report['wall_s'] / 60:.1f} min)",
+        "",
+        "| run | what the attacker does | honest val loss / clean | experts the attacker held | rounds OK (clean) "
+        "| named | banned (after) | surrogates refused | crashed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in [*report["clean"], *report["attacks"]]:
+        ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
+        if r["name"] not in CLEAN and not r["within_target"]:
+            ratio = f"**{ratio}**"
+        banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
+        lines.append(f"| {r['name']} | {r['description']} | {ratio} | {_opt(r['attacker_experts'])} | "
+                     f"{r['rounds_ok']:g} ({r['rounds_ok_clean']:g}) | {'yes' if r['attacker_named'] else 'no'} | "
+                     f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def _opt(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def write(report: dict[str, Any], json_path: str | Path | None) -> None:
+    write_report(report, markdown(report), json_path)
+
+
+if __name__ == "__main__":
+    report = run_attacks(attacks=sys.argv[1:] or None)
+    print(markdown(report))
