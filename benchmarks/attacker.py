@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -247,16 +248,19 @@ def _extra_identities(count: int, *, squat: bool) -> Callable[[Attacker], None]:
         if squat and not victims:
             logger.warning("no honest composer in view to squat on")
             return
-        with contextlib.ExitStack() as stack:
-            phantoms = []
-            for i in range(count):
-                identity = Identity.generate()
-                n_layers = real.shards.n_layers
-                validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(
-                    attacker.run_id, n_layers, SHARED_GROUPS), learn_protected=False)
-                dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
-                                               host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+        def start_dht(identity: Identity) -> SwarmDHT:
+            validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(
+                attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
+            return SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
+                                            host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+
+        identities = [Identity.generate() for _ in range(count)]
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(count) as pool:
+            dhts = list(pool.map(start_dht, identities))  # all at once: they appear together
+            for dht in dhts:
                 stack.callback(dht.shutdown)
+            phantoms = []
+            for i, (identity, dht) in enumerate(zip(identities, dhts, strict=True)):
                 speaking: Any = _PeerIdOf(dht, victims[i % len(victims)]) if squat else dht
                 phantom = Membership(speaking, identity, real.config, shards=real.shards)
                 phantom.start()
@@ -265,7 +269,7 @@ def _extra_identities(count: int, *, squat: bool) -> Callable[[Attacker], None]:
                 attacker.fingerprints.append(identity.fingerprint)
                 if not squat:
                     attacker.peer_ids.append(str(dht.peer_id))
-                attacker.write_ids()
+            attacker.write_ids()
             while not attacker.stop.wait(1.0):
                 for phantom in phantoms:
                     phantom.update(step=real._step, versions=real._versions)

@@ -8,8 +8,8 @@ the honest composers' JSONL metrics and logs:
 
 - ``val_loss_ratio``: the honest composers' median final validation loss over the mean of the clean runs' (target
   <= 1.02 for every attack on training); the clean runs' own ratios show the noise between runs;
-- ``attacker_experts``: experts no honest composer owned when the first composer finished (the attacker's
-  fair share is a quarter);
+- ``attacker_experts``: experts no honest composer owned four fifths into the run (the attacker's fair share is
+  a quarter);
 - outer rounds OK per honest composer (median), against the clean run's;
 - ``attacker_named``: an honest log or metrics line names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
@@ -38,9 +38,10 @@ ATTACKER = 2
 NODES = (0, 1, 2, 3)
 TARGET = 1.02
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
-IDLE_S = 20
-"""``net.idle_s`` of every composer: a run lasts about a minute, and identities that train nothing should lose
-their experts within it (300 s by default, 60 s on loopback)."""
+IDLE_S = 10
+"""``net.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
+two seconds; identities that train nothing lose their experts 10 s after they appear (300 s by default, for
+runs of hours, 60 s on loopback)."""
 
 
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 300, join_at: int = 40,
@@ -148,8 +149,9 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
     bans = [r for n in honest for r in records[n.index]
             if r.get("kind") == "banned" and r.get("peer") in ids["peer_ids"]]
     words = [w for w in (*ids["peer_ids"], *ids["fingerprints"]) if w]
-    logs = [n.log.read_text(errors="replace") if n.log.exists() else "" for n in honest]
-    named = any(w in text for text in logs for w in words)
+    warnings = [line for n in honest if n.log.exists() for line in n.log.read_text(errors="replace").splitlines()
+                if " WARN" in line or " ERROR" in line]
+    named = any(w in line for line in warnings for w in words)
     rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
                  for n in honest]
     return {
@@ -173,11 +175,13 @@ def _peer_id(records: list[dict[str, Any]]) -> str:
 
 
 def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> int | None:
-    """Experts no honest composer owned when the first composer finished training (before anyone leaves)."""
+    """Experts no honest composer owned four fifths of the way from the first honest step to the first composer's
+    end of training (late enough for the defences to act, before departures move experts around)."""
     ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
-    if not ends:
+    starts = [r["t"] for n in honest for r in records[n.index] if r.get("kind") == "first_step"]
+    if not ends or not starts:
         return None
-    cut = min(ends)
+    cut = min(starts) + 0.8 * (min(ends) - min(starts))
     owned: set[tuple[int, int]] = set()
     for n in honest:
         shards = [r for r in records[n.index] if r.get("kind") == "shard" and r["t"] <= cut]

@@ -114,7 +114,7 @@ def status(
 
 
 def _print_tables(console: Console, summary: SwarmStatus) -> None:
-    from parallax.dht.status import PEER_COLUMNS, SHARD_COLUMNS, peer_rows, shard_rows
+    from parallax.dht.status import PEER_COLUMNS, SHARD_COLUMNS, SUSPECT_COLUMNS, peer_rows, shard_rows, suspect_rows
 
     peers = Table(title=f"run {summary.run_id}: {len(summary.peers)} live peer(s)", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)
@@ -132,6 +132,15 @@ def _print_tables(console: Console, summary: SwarmStatus) -> None:
     if summary.departed:
         console.print("left: " + ", ".join(f"{d.fingerprint} at step {d.step}" + (f" ({d.reason})" if d.reason else "")
                                            for d in summary.departed))
+    suspects = suspect_rows(summary)
+    if suspects:
+        table = Table(title="peers the composers hold evidence against (each judges for itself)", box=box.SIMPLE_HEAD,
+                      pad_edge=False, collapse_padding=True)
+        for name in SUSPECT_COLUMNS:
+            table.add_column(name, overflow="fold", justify="right" if name == "highest score" else "left")
+        for row in suspects:
+            table.add_row(*row)
+        console.print(table)
     if not summary.layers:
         console.print("no peer announces any expert (no composer owns one yet)")
         return

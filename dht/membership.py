@@ -34,7 +34,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from parallax.dht.adapter import SwarmDHT, dht_time
@@ -45,7 +45,7 @@ from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import DHTError
 from parallax.protocol.errors import ProtocolError
 from parallax.protocol.identity import Identity, fingerprint
-from parallax.protocol.messages import MAX_SETTINGS_CHARS, ROLES, Deathrattle, Heartbeat
+from parallax.protocol.messages import MAX_SETTINGS_CHARS, MAX_SUSPECTS, ROLES, Deathrattle, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -470,6 +470,8 @@ class Membership:
         self._step = 0
         self._versions: dict[str, int] = {}
         self._loss: float | None = None
+        self._suspects: dict[str, float] = {}
+        self._banned: tuple[str, ...] = ()
         self._last_expiry: dict[str, float] = {}
         self._next_heartbeat = 0.0
         self._next_claims = 0.0
@@ -483,6 +485,9 @@ class Membership:
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing other settings (left out of the view)."""
         self._progress = Progress(config.stall_s, config.idle_s)
+        self.ignored: Callable[[str, SwarmView], bool] | None = None
+        """(fingerprint, view) -> whether this node ignores that composer (it bans its peer id, or another
+        identity proved that peer id its own): an ignored composer owns nothing here."""
 
     # --- public ---
 
@@ -499,9 +504,15 @@ class Membership:
         return dict(self._owned)
 
     def update(self, *, step: int | None = None, versions: Mapping[str, int] | None = None,
-               loss: float | None = None) -> None:
-        """Set what the next heartbeat carries (thread-safe; the training loop's one seam)."""
+               loss: float | None = None, suspects: Mapping[str, float] | None = None,
+               banned: Sequence[str] | None = None) -> None:
+        """Set what the next heartbeat carries (thread-safe; the training loop's one seam). ``suspects`` and
+        ``banned`` keep their first ``MAX_SUSPECTS``."""
         with self._lock:
+            if suspects is not None:
+                self._suspects = dict(list(suspects.items())[:MAX_SUSPECTS])
+            if banned is not None:
+                self._banned = tuple(banned)[:MAX_SUSPECTS]
             if step is not None:
                 self._step = step
             if versions is not None:
@@ -649,7 +660,8 @@ class Membership:
             hb = Heartbeat(
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
                 capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
-                loss=self._loss, settings=self.config.settings,
+                loss=self._loss, settings=self.config.settings, suspects=dict(self._suspects),
+                banned=self._banned,
             )
         ok = self._store(self._members_key, pack_message(hb), now + self.config.heartbeat_ttl_s,
                          self.config.request_timeout_s)
@@ -699,8 +711,12 @@ class Membership:
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}
             idle = {fp for fp in stalled if self._progress.idle(fp, now)}
+        judge = self.ignored
+        ignored = {fp for fp in live if fp != self.fingerprint and judge is not None and judge(fp, view)}
+        stalled |= ignored
         for fp in stalled - self._view.stalled:
-            why = (f"none of its work (outer contributions, surrogate updates) reached this node for "
+            why = ("this node bans it or another identity proved its peer id" if fp in ignored else
+                   f"none of its work (outer contributions, surrogate updates) reached this node for "
                    f"{self.config.idle_s:.0f} s or more while others' did" if fp in idle else
                    f"it announced step {live[fp]} for {self.config.stall_s:.0f} s or more while others trained")
             logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,

@@ -12,6 +12,7 @@ age is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ _ROLE_ORDER = {"composer": 0, "worker": 1, "bootstrap": 2}
 
 PEER_COLUMNS = ("fingerprint", "peer id", "role", "step", "loss", "owned", "experts", "versions", "age s")
 SHARD_COLUMNS = ("layer", "owned", "owners (experts)", "no owner", "2+ owners")
+SUSPECT_COLUMNS = ("peer id", "is", "banned by", "suspected by", "highest score")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class PeerStatus:
     heartbeat_age_s: float  # seconds since the heartbeat was sent (assuming the TTL, see the module doc)
     expires_in_s: float  # seconds until the heartbeat record expires: dead after that without a new one
     addresses: tuple[str, ...]
+    suspects: Mapping[str, float] = dataclasses.field(default_factory=dict)  # peer id -> its score here
+    banned: tuple[str, ...] = ()  # peer ids this peer ignores now
 
     @property
     def n_experts(self) -> int:
@@ -71,6 +75,17 @@ class LayerOwnership:
 
 
 @dataclass(frozen=True, slots=True)
+class Suspect:
+    """A peer that live composers report evidence against (scores and bans are each node's own)."""
+
+    peer_id: str
+    fingerprint: str | None  # the live member announcing this peer id, if any
+    banned_by: tuple[str, ...]  # fingerprints of the peers that ignore it now
+    suspected_by: tuple[str, ...]  # fingerprints of the peers that report a score for it
+    highest_score: float
+
+
+@dataclass(frozen=True, slots=True)
 class DepartedPeer:
     """A peer whose latest members record is a deathrattle (it left on purpose)."""
 
@@ -93,6 +108,17 @@ class SwarmStatus:
     # experts of a larger model cannot show; give the shape to see them
     departed: tuple[DepartedPeer, ...]
 
+    def suspects(self) -> tuple[Suspect, ...]:
+        """Every peer some live peer reports a score for or bans, the most banned first."""
+        by_peer = {p.peer_id: p.fingerprint for p in self.peers}
+        named = {s for p in self.peers for s in (*p.suspects, *p.banned)}
+        out = [Suspect(peer_id=s, fingerprint=by_peer.get(s),
+                       banned_by=tuple(p.fingerprint for p in self.peers if s in p.banned),
+                       suspected_by=tuple(p.fingerprint for p in self.peers if s in p.suspects),
+                       highest_score=max((p.suspects[s] for p in self.peers if s in p.suspects), default=0.0))
+               for s in named]
+        return tuple(sorted(out, key=lambda x: (-len(x.banned_by), -x.highest_score, x.peer_id)))
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-able data (layer keys of ``experts`` are strings, as JSON requires)."""
         return {
@@ -112,8 +138,15 @@ class SwarmStatus:
                     "heartbeat_age_s": round(p.heartbeat_age_s, 3),
                     "expires_in_s": round(p.expires_in_s, 3),
                     "addresses": list(p.addresses),
+                    "suspects": dict(p.suspects),
+                    "banned": list(p.banned),
                 }
                 for p in self.peers
+            ],
+            "suspects": [
+                {"peer_id": s.peer_id, "fingerprint": s.fingerprint, "banned_by": list(s.banned_by),
+                 "suspected_by": list(s.suspected_by), "highest_score": s.highest_score}
+                for s in self.suspects()
             ],
             "layers": [
                 {
@@ -166,7 +199,7 @@ def swarm_status(
             fingerprint=fp, peer_id=hb.peer_id, role=hb.role, capacity=hb.capacity, step=hb.step, loss=hb.loss,
             experts={layer: tuple(es) for layer, es in experts.items()}, versions=dict(hb.versions),
             heartbeat_age_s=max(0.0, heartbeat_ttl_s - expires_in), expires_in_s=expires_in,
-            addresses=tuple(hb.addresses),
+            addresses=tuple(hb.addresses), suspects=dict(hb.suspects), banned=tuple(hb.banned),
         ))
     peers.sort(key=lambda p: (_ROLE_ORDER.get(p.role, 9), p.fingerprint))
 
@@ -256,6 +289,12 @@ def peer_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
     ]
 
 
+def suspect_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
+    """The suspects table, one row per peer reported, in the order of ``SUSPECT_COLUMNS``."""
+    return [(short_peer_id(s.peer_id), s.fingerprint or "-", " ".join(s.banned_by) or "-",
+             " ".join(s.suspected_by) or "-", f"{s.highest_score:.2f}") for s in status.suspects()]
+
+
 def shard_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
     """The ownership table, one row per layer, in the order of ``SHARD_COLUMNS``."""
     rows: list[tuple[str, ...]] = []
@@ -277,15 +316,18 @@ __all__ = [
     "DEFAULT_HEARTBEAT_TTL_S",
     "PEER_COLUMNS",
     "SHARD_COLUMNS",
+    "SUSPECT_COLUMNS",
     "DepartedPeer",
     "LayerOwnership",
     "PeerStatus",
+    "Suspect",
     "SwarmStatus",
     "compact_ints",
     "experts_text",
     "peer_rows",
     "shard_rows",
     "short_peer_id",
+    "suspect_rows",
     "swarm_status",
     "versions_text",
 ]

@@ -58,6 +58,8 @@ MAX_SKETCH_PARTS = 64  # steps coalesced into one Sketch
 MAX_LOOKAHEAD = 16  # momentum-only steps a worker extrapolates at a composer's request
 
 _PEER_ID = Str(128, min_len=1)
+MAX_SUSPECTS = 8
+"""Suspected and banned peers a heartbeat names, each."""
 _ADDRESS = Str(256, min_len=1)
 _NAME = Str(64, min_len=1)  # group names, version keys
 _TENSOR_NAME = Str(128, min_len=1)
@@ -116,6 +118,9 @@ class Heartbeat(Message):
         loss: its latest training loss, if any.
         settings: a composer's run settings, canonical JSON (``node.config.train.run_settings``): composers
             whose settings differ ignore each other; empty for workers and bootstrap peers.
+        suspects: the peers (libp2p peer ids) this node holds most evidence against, with their scores
+            (``node.net.scores``), at most ``MAX_SUSPECTS``: what ``swarm status`` shows.
+        banned: those of them it ignores now.
     """
 
     KIND: ClassVar[str] = "heartbeat"
@@ -130,10 +135,13 @@ class Heartbeat(Message):
     versions: Mapping[str, int] = wire(Map(_NAME, _COUNT, max_len=256), default=None)
     loss: float | None = wire(_LOSS, default=None)
     settings: str = wire(Str(MAX_SETTINGS_CHARS), default="")
+    suspects: Mapping[str, float] = wire(Map(_PEER_ID, Float(0.0, 1e9), max_len=MAX_SUSPECTS), default=None)
+    banned: tuple[str, ...] = wire(Seq(_PEER_ID, max_len=MAX_SUSPECTS), default=())
 
     def __post_init__(self) -> None:
-        if self.versions is None:  # a default of {} would be shared and mutable
-            object.__setattr__(self, "versions", {})
+        for name in ("versions", "suspects"):
+            if getattr(self, name) is None:  # a default of {} would be shared and mutable
+                object.__setattr__(self, name, {})
         Message.__post_init__(self)
 
     def _validate(self) -> None:

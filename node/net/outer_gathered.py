@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GatheredRounds"]
 
 _REFUSED_KEPT = 256
+_DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
 
 
 class GatheredRounds:
@@ -87,6 +88,7 @@ class GatheredRounds:
         self.weight_cap, self.scores, self.report = weight_cap, scores, report
         self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
+        self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
         self._body_cap = contribution_limit(shapes)
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
@@ -257,7 +259,9 @@ class GatheredRounds:
                 raise ContributionMismatch(f"outer contribution announced at {entry.size} bytes, over the group's "
                                            f"{self._body_cap}", peer=peer)
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
-            found[name] = (decode_contribution(body, self.shapes, peer=peer), entry.tokens)
+            tensors = decode_contribution(body, self.shapes, peer=peer)
+            self._check_fresh(peer, entry, tensors)
+            found[name] = (tensors, entry.tokens)
             if self.peers.worked is not None:
                 self.peers.worked(peer)
             return True
@@ -269,6 +273,24 @@ class GatheredRounds:
                 del self._refused[next(iter(self._refused))]
             logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
             return False
+
+    def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a body ``peer`` already sent for another round: two rounds of training never give the same
+        pseudo-gradient bit for bit (an all-zero one aside), so it replays an old one.
+
+        Raises:
+            ContributionMismatch: a replay.
+        """
+        seen = self._digests.setdefault(peer, {})
+        earlier = seen.get(entry.digest)
+        if earlier is not None and earlier != entry.round_id and any(bool(t.any()) for t in tensors.values()):
+            raise ContributionMismatch(f"outer contribution of round {entry.round_id} replays its round {earlier}",
+                                       peer=peer)
+        seen.setdefault(entry.digest, entry.round_id)
+        while len(seen) > _DIGESTS_KEPT:
+            del seen[next(iter(seen))]
+        while len(self._digests) > _REFUSED_KEPT:
+            del self._digests[next(iter(self._digests))]
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:

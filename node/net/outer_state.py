@@ -61,15 +61,24 @@ class StateServicer(ServicerBase):
         provider = self.providers.get(request.uid)
         if provider is None:
             return
-        try:
-            meta, tensors = provider()
-        except RuntimeError:  # nothing published yet
+        # Copying and encoding a group takes a while for a large model: off the loop that serves every stream.
+        packed = await asyncio.get_running_loop().run_in_executor(None, _pack, provider)
+        if packed is None:
             return
-        body = msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors], use_bin_type=True)
+        meta, body = packed
         yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(meta, use_bin_type=True))
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + CHUNK_BYTES])
         self.bytes_served += len(body)
+
+
+def _pack(provider: StateProvider) -> tuple[dict[str, Any], bytes] | None:
+    """The provider's state as (metadata, body), or None when it has published nothing yet."""
+    try:
+        meta, tensors = provider()
+    except RuntimeError:
+        return None
+    return meta, msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors], use_bin_type=True)
 
 
 class StateExchange(ServedOnLoop):

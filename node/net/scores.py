@@ -87,5 +87,15 @@ class PeerScores:
                            "banned_s": round(max(0.0, rec.banned_until - now), 1), "reasons": dict(rec.reasons)}
                     for peer, rec in self._peers.items()}
 
+    def suspects(self, limit: int, floor: float = 0.5) -> tuple[dict[str, float], tuple[str, ...]]:
+        """The ``limit`` peers with the highest scores of at least ``floor`` (peer -> score, highest first), and
+        the ``limit`` banned peers with the highest scores: what this node's heartbeat tells the swarm."""
+        now = self._clock()
+        with self._lock:
+            scored = sorted(((self._decayed(rec, now), peer, rec.banned_until > now)
+                             for peer, rec in self._peers.items()), reverse=True)
+        top = {peer: round(score, 3) for score, peer, _ in scored if score >= floor}
+        return dict(list(top.items())[:limit]), tuple(peer for _, peer, banned in scored if banned)[:limit]
+
     def _decayed(self, rec: _Record, now: float) -> float:
         return rec.score * math.pow(0.5, max(0.0, now - rec.at) / self.half_life_s)

@@ -224,11 +224,13 @@ class Node:
         membership.start()
         stack.callback(_leave_quietly, membership)
         self._online_at = time.monotonic()
-        views = SwarmViews(membership, self.identity.fingerprint, c.node.snapshot_every, telemetry.event)
+        scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
+        views = SwarmViews(membership, self.identity.fingerprint, c.node.snapshot_every, telemetry.event, scores)
         loop = NetworkLoop(dht, "parallax-net")
         stack.callback(loop.close)
         views.prover = IdentityProver(loop.p2p, loop.loop, c.peer.run_id, self.identity, dht.peer_id).start()
         stack.callback(views.prover.close)
+        membership.ignored = views.ignored
         shapes = model_shapes(cfg)
         gcfg = GossipConfig(run_id=c.peer.run_id, n_layers=cfg.model.n_layers, poll_s=c.net.gossip_poll_s,
                             announce_period_s=c.net.announce_period_s, announce_ttl_s=c.net.announce_ttl_s)
@@ -238,20 +240,19 @@ class Node:
         exchange = ExpertExchange(loop.p2p, loop.loop, c.peer.run_id, shapes.expert, identity=self.identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
-                                  may_fetch=views.is_composer,
+                                  may_fetch=views.may_fetch,
                                   poll_s=c.net.snapshot_poll_s, timeout_s=c.net.exchange_timeout_s).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
         stack.callback(gather.close)
         # A peer's declared tokens count up to what the schedule lets one composer process in a round.
         caps = {g: float(cfg.batch_size * cfg.model.seq_len * p) for g, p in cfg.sync.periods.items()}
-        scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
                                peers=RoundPeers(views.composer_peers, views.working_peers, views.worked),
                                weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
-        states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.composer_peers,
+        states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.trusted_peers,
                                own_peer_id=dht.peer_id).start()
         stack.callback(states.close)
         return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states)

@@ -30,6 +30,7 @@ from parallax.node.peer.views import SwarmViews
 from parallax.node.train.checkpoint import save_checkpoint, state_hash
 from parallax.node.train.composer import Composer
 from parallax.node.train.outer import TierSchedule
+from parallax.protocol.messages import MAX_SUSPECTS
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class Training:
         """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past
         ``LAYER_BOUND`` x the layer's other held surrogates (``owned``: experts whose surrogates this node does not
         hold): then it is refused, its owner named and scored, and the expert's later deltas skipped (they build
-        on the refused one) until a full copy replaces the surrogate."""
+        on the refused one) until a full copy replaces the surrogate. An owner this node bans is not listened to
+        in the same way."""
         model = self.composer.model
         held = {n: p.data for n, p in model.surrogate_parameters(*eid).items()}
         if update.is_full:
@@ -104,6 +106,9 @@ class Training:
                   for e in range(self.config.train.model.n_experts) if e != eid[1] and (eid[0], e) not in owned]
         growth, ratio = update.growth(held), update.layer_ratio(held, others)
         owner = self.views.owner_peer(eid)
+        if owner is not None and self.views.banned(owner):
+            self._frozen.add(eid)  # ignored while banned; its later deltas would build on what was skipped
+            return
         if growth > MAX_GROWTH or ratio > LAYER_BOUND:
             self._frozen.add(eid)
             why = (f"make the surrogate {growth:.3g} times longer" if growth > MAX_GROWTH else
@@ -139,7 +144,8 @@ class Training:
             if step % self.config.node.snapshot_every == 0:
                 self.experts.serve_snapshots()
         versions = gossip.versions()
-        self.membership.update(step=step, loss=self.telemetry.status.loss,
+        suspects, banned = self.scores.suspects(MAX_SUSPECTS) if self.scores is not None else ({}, ())
+        self.membership.update(step=step, loss=self.telemetry.status.loss, suspects=suspects, banned=banned,
                                versions={"max": max(versions.values(), default=0), "held": len(versions)})
         self._refresh_status()
 

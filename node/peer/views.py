@@ -12,6 +12,7 @@ from collections.abc import Callable
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
 from parallax.dht.membership import Member, Membership, SwarmView
+from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.proxy import SETTINGS_KEY
 
@@ -29,11 +30,13 @@ class SwarmViews:
         fingerprint: this node's identity fingerprint.
         snapshot_every: the node's snapshot period (a leaving owner's final snapshot counts as this much newer).
         event: writes a metrics event (a worker running other settings is named once).
+        scores: this node's bans (None: it bans nobody).
     """
 
     def __init__(self, membership: Membership, fingerprint: str, snapshot_every: int,
-                 event: Callable[..., None]) -> None:
+                 event: Callable[..., None], scores: PeerScores | None = None) -> None:
         self.membership = membership
+        self.scores = scores
         self.fingerprint = fingerprint
         self.snapshot_every = snapshot_every
         self.event = event
@@ -64,6 +67,32 @@ class SwarmViews:
         them)."""
         member = self.member(peer_id)
         return member is not None and member.heartbeat.role == "composer"
+
+    def banned(self, peer_id: str) -> bool:
+        """Whether this node ignores ``peer_id`` now (``node.net.scores``)."""
+        return self.scores is not None and self.scores.banned(peer_id)
+
+    def ignored(self, fingerprint: str, view: SwarmView) -> bool:
+        """Whether the composer ``fingerprint`` of ``view`` owns nothing here: this node bans its peer id, or
+        another identity claiming the same peer id proved it at that peer id (``whoami``). Never blocks: a
+        question not answered yet ignores nobody."""
+        member = view.members[fingerprint]
+        peer_id = member.heartbeat.peer_id
+        if self.banned(peer_id):
+            return True
+        claimants = [m.public_key for m in view.alive().values() if m.heartbeat.peer_id == peer_id]
+        if len(claimants) < 2 or self.prover is None:
+            return False
+        key = self.prover.proven(peer_id, claimants)
+        return key is not None and key != member.public_key
+
+    def may_fetch(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may download this node's expert snapshots: a live composer it does not ban."""
+        return self.is_composer(peer_id) and not self.banned(peer_id)
+
+    def trusted_peers(self) -> list[str]:
+        """The live composers' peer ids but those this node bans: where it loads group states from."""
+        return [p for p in self.composer_peers() if not self.banned(p)]
 
     def owner_peer(self, eid: ExpertId) -> str | None:
         """The libp2p peer id of the expert's owner in the live assignment (logs and scores name it)."""

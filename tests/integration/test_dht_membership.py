@@ -111,3 +111,13 @@ def test_a_phantom_whose_work_never_arrives_owns_nothing_after_the_grace_period(
     assert phantom.fp in a.membership.view().alive()
     owners = {o for _, _, o, _ in a.membership.view().assignment().items()}
     assert owners == {a.fp, b.fp}
+
+
+def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
+    a, b, liar = (swarm.add(i, shards=SHARDS, **timing) for i in range(3))
+    wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in (a, b)), timeout=10)
+    liar_peer = str(liar.dht.peer_id)
+    a.membership.ignored = lambda fp, view: view.members[fp].heartbeat.peer_id == liar_peer
+    wait_until(lambda: set(a.membership.view().assignment().peers) == {a.fp, b.fp}, timeout=5)
+    assert liar.fp in b.membership.view().assignment().peers  # bans are each node's own

@@ -151,6 +151,21 @@ def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(pe
                 assert attacker in report.suspects, report
 
 
+def test_a_replayed_contribution_is_refused_and_counts_against_its_sender(peers):
+    scores = [PeerScores() for _ in peers]
+    with _averagers(peers, "backbone", scores) as averagers:
+        first = _deltas(4, seed=7)
+        assert all(r is not None for r in _run(averagers, first, [CAP] * 4, round_id=1))
+        again = _deltas(4, seed=8)
+        again[0] = first[0]  # peer 0 sends its round-1 pseudo-gradient again
+        _run(averagers, again, [CAP] * 4, round_id=2)
+        attacker = peers[0].dht.peer_id
+        for a, score in zip(averagers[1:], scores[1:], strict=True):
+            report = a.last_report
+            assert report.status is RoundStatus.OK and attacker not in report.participants, report
+            assert "forged or malformed outer contribution" in score.snapshot()[attacker]["reasons"]
+
+
 def test_plain_values_written_to_the_rounds_key_by_a_stock_client_do_not_stop_rounds(peers):
     # A stock hivemind peer writes long-lived plain values to the key every round's records go to (the module's
     # run, whose keys every peer here protects), before and between rounds.

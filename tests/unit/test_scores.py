@@ -38,3 +38,16 @@ def test_settings_must_be_positive() -> None:
     for bad in (dict(threshold=0), dict(ban_s=0), dict(half_life_s=-1)):
         with pytest.raises(ValueError):
             PeerScores(**bad)
+
+
+def test_suspects_are_the_highest_scores_and_the_bans_a_heartbeat_carries() -> None:
+    clock = Clock()
+    scores = PeerScores(threshold=2.5, ban_s=100.0, half_life_s=1e9, clock=clock)
+    for i in range(12):
+        scores.record(f"p{i:02d}", "outlier outer contribution", 0.3 * i)
+    scores.record("liar", "forged or malformed outer contribution", 9.0)
+    suspects, banned = scores.suspects(4)
+    assert list(suspects) == ["liar", "p11", "p10", "p09"] and suspects["liar"] == 9.0
+    assert banned == ("liar", "p11", "p10", "p09")  # 3.3, 3.0 and 2.7 are past the threshold too
+    suspects, banned = scores.suspects(8, floor=3.1)
+    assert list(suspects) == ["liar", "p11"] and banned[:2] == ("liar", "p11")

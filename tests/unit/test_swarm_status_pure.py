@@ -9,11 +9,13 @@ from parallax.dht.membership import Member, SwarmView
 from parallax.dht.status import (
     PEER_COLUMNS,
     SHARD_COLUMNS,
+    SUSPECT_COLUMNS,
     compact_ints,
     experts_text,
     peer_rows,
     shard_rows,
     short_peer_id,
+    suspect_rows,
     swarm_status,
     versions_text,
 )
@@ -25,10 +27,10 @@ runner = CliRunner(env={"COLUMNS": "400"})  # rich wraps error boxes at the term
 
 
 def _member(seed: bytes, *, role: str = "composer", shards=(), step: int = 0, loss=None, versions=None,
-            expires_at: float = 105.0) -> Member:
+            expires_at: float = 105.0, suspects=None, banned=()) -> Member:
     ident = Identity.from_seed(seed * 32)
     hb = Heartbeat(peer_id=PID[:-1] + seed.decode(), addresses=("/ip4/127.0.0.1/tcp/1",), role=role, capacity=1.0,
-                   shards=tuple(shards), step=step, versions=versions, loss=loss)
+                   shards=tuple(shards), step=step, versions=versions, loss=loss, suspects=suspects, banned=banned)
     return Member(ident.fingerprint, ident.public_key, hb, expires_at)
 
 
@@ -107,3 +109,20 @@ def test_cli_needs_a_peer_and_a_valid_run_id():
     peer = f"/ip4/1.2.3.4/tcp/1/p2p/{PID}"
     bad = runner.invoke(app, ["swarm", "status", "--run-id", "no spaces", "--initial-peers", peer])
     assert bad.exit_code == 2 and "run id" in bad.output
+
+
+def test_suspects_gather_what_every_live_composer_reports():
+    liar = PID[:-1] + "z"
+    c = _member(b"c")
+    a = _member(b"a", suspects={liar: 4.0, c.heartbeat.peer_id: 0.6}, banned=(liar,))
+    b = _member(b"b", suspects={liar: 2.0})
+    view = SwarmView(run_id="r", read_at=100.0, members={m.fingerprint: m for m in (a, b, c)})
+    status = swarm_status(view)
+    first, second = status.suspects()
+    assert (first.peer_id, first.fingerprint, first.highest_score) == (liar, None, 4.0)
+    assert first.banned_by == (a.fingerprint,)
+    assert sorted(first.suspected_by) == sorted([a.fingerprint, b.fingerprint])
+    assert second.fingerprint == c.fingerprint and second.banned_by == ()
+    rows = suspect_rows(status)
+    assert len(rows[0]) == len(SUSPECT_COLUMNS) and rows[0][1] == "-" and rows[1][1] == c.fingerprint
+    assert status.to_json()["suspects"][0]["banned_by"] == [a.fingerprint]
