@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -62,6 +64,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GatheredRounds"]
 
 _REFUSED_KEPT = 256
+_FETCHES_AT_ONCE = 8
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
 
 
@@ -89,6 +92,7 @@ class GatheredRounds:
         self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
+        self._lock = threading.Lock()  # _refused and _digests: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
@@ -237,8 +241,7 @@ class GatheredRounds:
             if taken is not None and self._fetch_set(taken, found, give_up, entries):
                 return taken
             current = open_contributions(entries)
-            for name, entry in current.items():
-                self._fetch(name, entry, found)
+            self._fetch_all(current.items(), found)
             expected = self._working()
             have = {split_pair(name)[0] for name in current if name in found}
             if expected <= have or (time.monotonic() >= wait_until and len(have) + 1 >= quorum):
@@ -268,9 +271,10 @@ class GatheredRounds:
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
             if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
                 self.scores.record(peer, "forged or malformed outer contribution", 2.0)
-            self._refused[name] = repr(e)
-            while len(self._refused) > _REFUSED_KEPT:
-                del self._refused[next(iter(self._refused))]
+            with self._lock:
+                self._refused[name] = repr(e)
+                while len(self._refused) > _REFUSED_KEPT:
+                    del self._refused[next(iter(self._refused))]
             logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
             return False
 
@@ -281,16 +285,17 @@ class GatheredRounds:
         Raises:
             ContributionMismatch: a replay.
         """
-        seen = self._digests.setdefault(peer, {})
-        earlier = seen.get(entry.digest)
-        if earlier is not None and earlier != entry.round_id and any(bool(t.any()) for t in tensors.values()):
-            raise ContributionMismatch(f"outer contribution of round {entry.round_id} replays its round {earlier}",
-                                       peer=peer)
-        seen.setdefault(entry.digest, entry.round_id)
-        while len(seen) > _DIGESTS_KEPT:
-            del seen[next(iter(seen))]
-        while len(self._digests) > _REFUSED_KEPT:
-            del self._digests[next(iter(self._digests))]
+        with self._lock:
+            seen = self._digests.setdefault(peer, {})
+            earlier = seen.get(entry.digest)
+            if earlier is not None and earlier != entry.round_id and any(bool(t.any()) for t in tensors.values()):
+                raise ContributionMismatch(f"outer contribution of round {entry.round_id} replays its round "
+                                           f"{earlier}", peer=peer)
+            seen.setdefault(entry.digest, entry.round_id)
+            while len(seen) > _DIGESTS_KEPT:
+                del seen[next(iter(seen))]
+            while len(self._digests) > _REFUSED_KEPT:
+                del self._digests[next(iter(self._digests))]
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
@@ -300,11 +305,19 @@ class GatheredRounds:
             return True
         if entries is None:
             entries = self._entries_of_live(min(self.config.dht_timeout_s, deadline - time.monotonic()))
-        for name in missing:
-            entry = entry_of(entries, name)
-            if entry is None or not self._fetch(name, entry, found):
-                return False
-        return True
+        announced = [(name, entry_of(entries, name)) for name in missing]
+        if any(entry is None for _, entry in announced):
+            return False
+        return all(self._fetch_all([(n, e) for n, e in announced if e is not None], found))
+
+    def _fetch_all(self, named: Iterable[tuple[str, RoundEntry]],
+                   found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> list[bool]:
+        """``_fetch`` each of ``named`` at once (a slow peer delays the round by its own fetch, not by the sum)."""
+        todo = [(name, entry) for name, entry in named if name not in found]
+        if len(todo) <= 1:
+            return [self._fetch(name, entry, found) for name, entry in todo]
+        with ThreadPoolExecutor(min(len(todo), _FETCHES_AT_ONCE), thread_name_prefix=f"gather-{self.group}") as pool:
+            return list(pool.map(lambda item: self._fetch(item[0], item[1], found), todo))
 
 
 def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:

@@ -42,8 +42,9 @@ should reload the group from peers (``load_state_from_peers``, the joiner's path
 round. ``outer_rounds.BackgroundRounds.collect`` starts that reload; ``serve_state`` is the serving half.
 
 Concurrency: ``run_round`` blocks the calling thread (the node's outer-sync thread; the training
-loop meets it at one seam) for at most ``OuterSyncConfig.round_budget_s``. Each averager is a
-hivemind child process forked at construction; it shares the buffers with us through shared
+loop meets it at one seam) for at most ``OuterSyncConfig.round_budget_s``. With
+``aggregation = "allreduce"`` each averager is a hivemind child process forked at construction (gathered
+rounds start none); it shares the buffers with us through shared
 memory, guarded by its lock. Construct in the main thread when you can: hivemind's averager sets
 SIGINT to "ignore" around its fork (trap 4); we restore the previous handler at once.
 """
@@ -190,6 +191,9 @@ class GroupAverager:
         self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
         self._round_lock = threading.Lock()  # one round at a time per group
         self._closed = False
+        self._averager: ParallaxOuterAverager | None = None
+        if self._gathered is not None:
+            return  # no hivemind averager process: gathered rounds and StateExchange need none
         self._buffers = [torch.zeros(s, dtype=torch.float32) for s in component_shapes(self.shapes, config.method)]
         self._averager = ParallaxOuterAverager(
             self._buffers, dht.hivemind_dht, start=False, prefix=self.prefix,
@@ -304,8 +308,14 @@ class GroupAverager:
         if not (math.isfinite(float(tokens)) and float(tokens) >= 0):
             raise ValueError(f"tokens is the averaging weight and must be finite and >= 0, got {tokens}")
 
+    def _hivemind(self) -> ParallaxOuterAverager:
+        """The all-reduce's averager process (``aggregation = "allreduce"`` only)."""
+        if self._averager is None:
+            raise RuntimeError(f"group {self.group!r} runs gathered rounds: it has no hivemind averager")
+        return self._averager
+
     def _fill(self, components: Sequence[torch.Tensor]) -> bool:
-        lock = self._averager.lock_averaged_tensors
+        lock = self._hivemind().lock_averaged_tensors
         if not lock.acquire(timeout=BUFFER_LOCK_TIMEOUT_S):
             return False
         try:
@@ -317,7 +327,7 @@ class GroupAverager:
 
     def _read(self) -> list[torch.Tensor] | None:
         # Copies: the averager may write these buffers again in the next round.
-        lock = self._averager.lock_averaged_tensors
+        lock = self._hivemind().lock_averaged_tensors
         if not lock.acquire(timeout=BUFFER_LOCK_TIMEOUT_S):
             return None
         try:
@@ -328,8 +338,8 @@ class GroupAverager:
     def _all_reduce(self, weight: float, tokens: float, n: int) -> tuple[dict[Any, Any] | None, RoundStatus, bool, str]:
         """One hivemind step. Returns (gathered metadata or None, failure status, whether the all-reduce began,
         detail)."""
-        cfg = self.config
-        if not self._averager.is_alive():
+        cfg, averager = self.config, self._hivemind()
+        if not averager.is_alive():
             return None, RoundStatus.FAILED, False, "the averager process is not running"
         # hivemind's step() blocks, with no timeout, until the averager process acknowledges the request
         # (even with wait=False): if that process dies in between, the call never returns. So it runs
@@ -338,7 +348,7 @@ class GroupAverager:
 
         def start_step() -> None:
             try:
-                started.set_result(self._averager.step(
+                started.set_result(averager.step(
                     gather={"v": _GATHER_VERSION, "round": n, "tokens": tokens}, weight=weight,
                     timeout=cfg.matchmaking_timeout_s, allow_retries=False, wait=False,
                 ))
@@ -352,7 +362,7 @@ class GroupAverager:
                 control = started.result(timeout=0.5)
                 break
             except concurrent.futures.TimeoutError:
-                if not self._averager.is_alive():
+                if not averager.is_alive():
                     return None, RoundStatus.FAILED, False, "the averager process died"
                 if time.monotonic() >= start_deadline:
                     return None, RoundStatus.TIMEOUT, False, "the averager did not accept the round"
@@ -366,7 +376,7 @@ class GroupAverager:
                 gathered = control.result(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
                 break
             except TimeoutError:
-                if not self._averager.is_alive():
+                if not averager.is_alive():
                     return None, RoundStatus.FAILED, control.began_allreduce, "the averager process died"
                 if time.monotonic() >= deadline:
                     control.cancel()
@@ -410,13 +420,17 @@ class GroupAverager:
         flattened to a tensor list, with the round number in the metadata. ``provider`` runs in a
         background thread of this process and must not race with ``apply_outer``. None stops serving.
         """
+        if self._averager is None:
+            if provider is not None:
+                raise RuntimeError(f"group {self.group!r} runs gathered rounds: serve its state with StateExchange")
+            return
         self._averager.state_provider = provider
         self._averager.allow_state_sharing = provider is not None
 
     def load_state_from_peers(self, timeout_s: float = 60.0) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state another peer serves (``serve_state``); None when nobody answered in time."""
         try:
-            found = self._averager.load_state_from_peers(wait=True, timeout=timeout_s)
+            found = self._hivemind().load_state_from_peers(wait=True, timeout=timeout_s)
         except Exception as e:  # TimeoutError, or a peer that failed mid-stream
             logger.info("loading outer state of %s from peers failed: %r", self.group, e)
             return None
