@@ -49,7 +49,7 @@ from parallax.protocol.messages import MAX_SETTINGS_CHARS, MAX_SUSPECTS, ROLES, 
 
 logger = logging.getLogger(__name__)
 
-CAPACITY_BOUND = 4.0
+CAPACITY_BOUND = 2.0
 """A composer's declared capacity counts up to this many times the median of the live composers'."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 

@@ -1,0 +1,19 @@
+"""``parallax bench attacks`` end to end, one attack: real composer processes, one of them sending NaN outer
+contributions; the honest ones refuse them, name and ban the attacker, and train on."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax.benchmarks.attacks import run_attacks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_a_nan_attacker_is_named_and_banned_and_no_honest_composer_crashes(tmp_path):
+    report = run_attacks(attacks=["nan"], steps=100, join_at=30, workdir=tmp_path, progress=lambda _: None)
+    assert not any(r["crashed"] for r in report["clean"]), report["clean"]
+    (row,) = report["attacks"]
+    assert not row["crashed"], row
+    assert row["attacker_named"] and row["attacker_banned"], row
+    assert row["val_losses"] and all(v < 4.0 for v in row["val_losses"]), row  # trained: 5.5 at the start

@@ -1,0 +1,45 @@
+"""``parallax bench attacks``' accounting from the composers' metrics (pure; the runs are in the slow test)."""
+
+from __future__ import annotations
+
+from parallax.benchmarks.attacker import ATTACKS
+from parallax.benchmarks.attacks import _attacker_experts, markdown
+from parallax.node.peer.local_swarm import NodeProcess
+
+
+class _Node:
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _shard(t: float, experts: list[list[int]]) -> dict:
+    return {"t": t, "kind": "shard", "experts": experts}
+
+
+def test_experts_the_attacker_held_are_those_no_honest_composer_owned_four_fifths_into_the_run():
+    records = {
+        0: [{"t": 0.0, "kind": "first_step"}, _shard(1.0, [[0, 0], [1, 0]]), _shard(95.0, []),
+            {"t": 100.0, "kind": "final_eval"}],
+        1: [{"t": 0.5, "kind": "first_step"}, _shard(1.0, [[0, 1]]), _shard(50.0, [[0, 1], [1, 1]])],
+        3: [{"t": 30.0, "kind": "first_step"}, _shard(60.0, [[0, 2]])],
+        2: [{"t": 0.2, "kind": "first_step"}, {"t": 110.0, "kind": "final_eval"}],
+    }
+    honest: list[NodeProcess] = [_Node(i) for i in (0, 1, 3)]  # type: ignore[misc]
+    # The cut is at 80 s: the departure churn at 95 s does not count; 5 of 8 owned by honest composers.
+    assert _attacker_experts(records, honest, total=8) == 3
+    assert _attacker_experts({0: [], 1: [], 3: []}, honest, total=8) is None
+
+
+def test_the_table_marks_rows_past_the_target():
+    row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "rounds_ok": 30, "rounds_ok_clean": 30,
+           "attacker_named": False, "attacker_banned": False, "banned_after_s": None, "surrogates_refused": 0,
+           "crashed": False, "within_target": True}
+    report = {"composers": 4, "join_at": 40, "preset": "tiny", "steps": 300, "periods": {}, "idle_s": 10,
+              "clean_val_loss": 2.7, "target": 1.02, "wall_s": 60.0,
+              "clean": [{**row, "name": "clean", "description": "no attacker"}],
+              "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
+                           "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
+                           "attacker_named": True}]}
+    text = markdown(report)
+    assert "| nan | NaN pseudo-gradients | **1.100** | 2 | 30 (30) | yes | yes (14 s) | 0 | no |" in text
+    assert "| clean | no attacker | 1.000 |" in text
