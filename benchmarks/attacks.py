@@ -6,12 +6,14 @@ passed ``join_at`` steps and loads the shared groups' state from its peers. Ever
 keys (so the same data order) in every run, and evaluates its own view when it leaves. Reported per attack, from
 the honest composers' JSONL metrics and logs:
 
-- ``val_loss_ratio``: the honest composers' median final validation loss over the mean of the clean runs' (target
-  <= 1.02 for every attack on training); the clean runs' own ratios show the noise between runs;
+- ``val_loss_ratio``: the final validation loss of the two honest composers that train from the start (their
+  mean) over the mean of the clean runs' (target <= 1.02 for every attack on training); the clean runs' own
+  ratios and ``clean_spread`` show the noise between runs. The joiner's (``joiner_val_loss_ratio``) is apart:
+  it starts late (its start-up takes half a minute on two busy cores) and ends training alone;
 - ``attacker_experts``: experts no honest composer owned four fifths into the run (the attacker's fair share is
   a quarter);
-- outer rounds OK per honest composer (median), against the clean run's;
-- ``attacker_named``: an honest log or metrics line names one of the attacker's peer ids or fingerprints;
+- outer rounds OK per honest composer (median), against the clean runs';
+- ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
 - ``crashed``: an honest composer exited with an error or did not evaluate.
 """
@@ -32,8 +34,10 @@ from parallax.benchmarks.report import write_report
 from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 
-CLEAN = ("clean", "clean-2")
+CLEAN = ("clean", "clean-2", "clean-3")
 HONEST = (0, 1, 3)
+FROM_THE_START = (0, 1)
+JOINER = 3
 ATTACKER = 2
 NODES = (0, 1, 2, 3)
 TARGET = 1.02
@@ -44,7 +48,7 @@ two seconds; identities that train nothing lose their experts 10 s after they ap
 runs of hours, 60 s on loopback)."""
 
 
-def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 300, join_at: int = 40,
+def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
     """Run the clean runs and one run per attack (module docstring); returns the report (JSON-able)."""
     names = list(ATTACKS) if attacks is None else attacks
@@ -67,19 +71,32 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
-    clean = statistics.mean(r["val_loss"] for r in runs[:len(CLEAN)] if r["val_loss"]) if all(
-        r["val_loss"] for r in runs[:len(CLEAN)]) else None
+    clean, clean_joiner = (_mean([r[key] for r in runs[:len(CLEAN)]]) for key in ("val_loss", "joiner_val_loss"))
     rows = []
     for run in runs:
         ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
-        rows.append({**run, "val_loss_ratio": ratio,
+        joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
+        rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner,
                      "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:len(CLEAN)]),
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
-            "clean_val_loss": clean,
+            "clean_val_loss": clean, "clean_joiner_val_loss": clean_joiner,
+            "clean_spread": _spread([r["val_loss"] for r in runs[:len(CLEAN)]]),
             "composers": 4, "target": TARGET, "wall_s": time.monotonic() - started,
             "clean": [r for r in rows if r["name"] in CLEAN], "attacks": [r for r in rows if r["name"] not in CLEAN],
             "workdir": str(workdir)}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known and len(known) == len(values) else None
+
+
+def _spread(values: list[float | None]) -> float | None:
+    """(largest - smallest) / mean: how far apart runs of one configuration end."""
+    known = [v for v in values if v is not None]
+    mean = _mean(values)
+    return (max(known) - min(known)) / mean if mean else None
 
 
 def _run(name: str, folder: Path, keys: Path, args: list[str], *, steps: int, join_at: int,
@@ -141,7 +158,7 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
     records = {n.index: read_metrics(n.metrics) for n in nodes}
     honest = [n for n in nodes if n.index in HONEST]
     evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
-    losses = [e[-1]["val_loss"] for e in evals.values() if e]
+    losses = [evals[i][-1]["val_loss"] for i in FROM_THE_START if evals[i]]
     crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
     ids = json.loads(ids_path.read_text()) if ids_path.exists() else {"peer_ids": [], "fingerprints": []}
     if name in CLEAN:  # the same measures for the honest composer 2
@@ -156,7 +173,8 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
                  for n in honest]
     return {
         "name": name, "description": "no attacker" if name in CLEAN else ATTACKS[name].description,
-        "val_loss": statistics.median(losses) if losses else None, "val_losses": losses,
+        "val_loss": statistics.mean(losses) if len(losses) == len(FROM_THE_START) else None, "val_losses": losses,
+        "joiner_val_loss": evals[JOINER][-1]["val_loss"] if evals[JOINER] else None,
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
         "rounds_ok": statistics.median(rounds_ok),
         "attacker_named": named, "attacker_banned": bool(bans),
@@ -191,29 +209,33 @@ def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[Nod
 
 
 def markdown(report: dict[str, Any]) -> str:
+    spread = report["clean_spread"]
     lines = [
-        f"Attacks: {report['composers']} composers (one of them the attacker, one an honest joiner at step "
-        f"{report['join_at']}), preset {report['preset']}, {report['steps']} steps, periods {report['periods']}, "
-        f"net.idle_s {report['idle_s']}; honest val loss against the clean runs' mean {report['clean_val_loss']:.4f}; "
-        f"target ratio <= {report['target']} ({report['wall_s'] / 60:.1f} min)",
+        f"Attacks: {report['composers']} composers (one of them the attacker, one an honest joiner once the others "
+        f"passed step {report['join_at']}), preset {report['preset']}, {report['steps']} steps, periods "
+        f"{report['periods']}, net.idle_s {report['idle_s']} ({report['wall_s'] / 60:.1f} min). Val loss: the two "
+        f"honest composers that train from the start, against the clean runs' mean {_opt(report['clean_val_loss'])} "
+        f"(the clean runs end {'-' if spread is None else f'{100 * spread:.1f}%'} apart); target <= "
+        f"{report['target']}.",
         "",
-        "| run | what the attacker does | honest val loss / clean | experts the attacker held | rounds OK (clean) "
-        "| named | banned (after) | surrogates refused | crashed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | what the attacker does | honest val loss / clean | joiner's / clean | experts the attacker held "
+        "| rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
         if r["name"] not in CLEAN and not r["within_target"]:
             ratio = f"**{ratio}**"
+        joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
-        lines.append(f"| {r['name']} | {r['description']} | {ratio} | {_opt(r['attacker_experts'])} | "
+        lines.append(f"| {r['name']} | {r['description']} | {ratio} | {joiner} | {_opt(r['attacker_experts'])} | "
                      f"{r['rounds_ok']:g} ({r['rounds_ok_clean']:g}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
     return "\n".join(lines)
 
 
 def _opt(x: Any) -> str:
-    return "-" if x is None else str(x)
+    return "-" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
 def write(report: dict[str, Any], json_path: str | Path | None) -> None:

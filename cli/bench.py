@@ -207,12 +207,12 @@ def offload_swarm(
 def attacks(
     runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all; benchmarks/attacker.py)."),
     preset: PresetName = "tiny",
-    steps: int = typer.Option(300, "--steps", min=50, help="Inner steps per composer."),
+    steps: int = typer.Option(500, "--steps", min=50, help="Inner steps per composer."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers run clean, then once per attack with one of them hostile: the honest
-    composers' val loss against the clean run's, experts the attacker held, rounds, bans, crashes (tiny preset:
+    composers' val loss against the clean runs', experts the attacker held, rounds, bans, crashes (tiny preset:
     about 25 min on 2 cores)."""
     import signal
     from pathlib import Path

@@ -34,12 +34,12 @@ def test_the_table_marks_rows_past_the_target():
     row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "rounds_ok": 30, "rounds_ok_clean": 30,
            "attacker_named": False, "attacker_banned": False, "banned_after_s": None, "surrogates_refused": 0,
            "crashed": False, "within_target": True}
-    report = {"composers": 4, "join_at": 40, "preset": "tiny", "steps": 300, "periods": {}, "idle_s": 10,
-              "clean_val_loss": 2.7, "target": 1.02, "wall_s": 60.0,
+    report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
+              "clean_val_loss": 2.7, "clean_spread": 0.02, "target": 1.02, "wall_s": 60.0,
               "clean": [{**row, "name": "clean", "description": "no attacker"}],
               "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "attacker_named": True}]}
     text = markdown(report)
-    assert "| nan | NaN pseudo-gradients | **1.100** | 2 | 30 (30) | yes | yes (14 s) | 0 | no |" in text
-    assert "| clean | no attacker | 1.000 |" in text
+    assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 30 (30) | yes | yes (14 s) | 0 | no |" in text
+    assert "| clean | no attacker | 1.000 |" in text and "2.0% apart" in text
