@@ -34,13 +34,13 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import check_run_id, claims_key, members_key
-from parallax.dht.records import owner_subkey, pack_message, subkey_owner, unpack_message
+from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import DHTError
 from parallax.protocol.errors import ProtocolError
@@ -143,7 +143,8 @@ class SwarmView:
     """Expiration of every signed ``members`` entry by signer fingerprint (heartbeat, deathrattle, or
     one that did not parse): a node restarting under its key must store strictly later than this."""
     stalled: frozenset[str] = frozenset()
-    """Composers whose step has not moved for ``MembershipConfig.stall_s`` while others' did: they own nothing."""
+    """Composers that own nothing in this view: they show no work (``Progress``: a step that has not moved, or no
+    work that reached this node) or this node ignores them (``Membership.ignored``)."""
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
         """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
@@ -206,10 +207,13 @@ class Progress:
         """The composers of ``steps`` (fingerprint -> announced step) that show no work by either rule."""
         for fp, step in steps.items():
             seen = self._seen.get(fp)
+            if seen is None and fp in self._work:
+                self._first[fp] = now  # it worked before: coming back (a restart) starts a new grace period
             if seen is None or seen[0] != step:
                 self._seen[fp] = (step, now)
-            self._first.setdefault(fp, now)  # kept after it leaves: coming back starts no new grace
-        _forget_oldest(self._first)
+            # An identity that never worked keeps its first sighting after it leaves: coming back starts none.
+            self._first.setdefault(fp, now)
+        _forget_oldest(self._first, keep=steps.keys())
         for fp in self._seen.keys() - steps.keys():
             del self._seen[fp]
         moving = {fp for fp in steps if now - self._seen[fp][1] < self.stall_s}
@@ -217,7 +221,7 @@ class Progress:
         if self.idle_s > 0:
             working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
             if working:
-                stalled |= {fp for fp in steps.keys() - working if now - self._first[fp] >= self.idle_s}
+                stalled |= {fp for fp in steps.keys() - working if now - self._first.get(fp, now) >= self.idle_s}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:
@@ -228,9 +232,22 @@ class Progress:
 _PROGRESS_KEPT = 4096
 
 
-def _forget_oldest(times: dict[str, float]) -> None:
-    while len(times) > _PROGRESS_KEPT:
-        del times[min(times, key=times.__getitem__)]
+def _forget_oldest(times: dict[str, float], keep: Iterable[str] = ()) -> None:
+    """Bound ``times`` to ``_PROGRESS_KEPT`` entries, forgetting the oldest first but never those in ``keep``."""
+    if len(times) <= _PROGRESS_KEPT:
+        return
+    kept = set(keep)
+    for fp in sorted((fp for fp in times if fp not in kept), key=times.__getitem__)[:len(times) - _PROGRESS_KEPT]:
+        del times[fp]
+
+
+def heartbeat_value(hb: Heartbeat) -> bytes:
+    """``hb`` as a DHT value; without its suspects and bans when with them it would outgrow a DHT record (many
+    shards and long settings)."""
+    value = pack_message(hb)
+    if len(value) > MAX_RECORD_BYTES and (hb.suspects or hb.banned):
+        value = pack_message(dataclasses.replace(hb, suspects={}, banned=()))
+    return value
 
 
 def split_by_settings(view: SwarmView, settings: str) -> tuple[SwarmView, dict[str, Member]]:
@@ -663,7 +680,8 @@ class Membership:
                 loss=self._loss, settings=self.config.settings, suspects=dict(self._suspects),
                 banned=self._banned,
             )
-        ok = self._store(self._members_key, pack_message(hb), now + self.config.heartbeat_ttl_s,
+        value = heartbeat_value(hb)
+        ok = self._store(self._members_key, value, now + self.config.heartbeat_ttl_s,
                          self.config.request_timeout_s)
         if ok:
             self.heartbeats_sent += 1
@@ -700,6 +718,16 @@ class Membership:
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
         return True
 
+    def _ignores(self, fingerprint: str, view: SwarmView) -> bool:
+        judge = self.ignored
+        if judge is None:
+            return False
+        try:
+            return judge(fingerprint, view)
+        except Exception as e:  # a judge that fails (its loop closing at shutdown) ignores nobody
+            logger.debug("could not tell whether to ignore %s: %r", fingerprint, e)
+            return False
+
     def worked(self, fingerprint: str) -> None:
         """Evidence of a composer's work reached this node (thread-safe; ``Progress``)."""
         with self._lock:
@@ -711,8 +739,7 @@ class Membership:
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}
             idle = {fp for fp in stalled if self._progress.idle(fp, now)}
-        judge = self.ignored
-        ignored = {fp for fp in live if fp != self.fingerprint and judge is not None and judge(fp, view)}
+        ignored = {fp for fp in live if fp != self.fingerprint and self._ignores(fp, view)}
         stalled |= ignored
         for fp in stalled - self._view.stalled:
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else

@@ -201,7 +201,8 @@ class ExpertServicer(ServicerBase):
         peer = str(context.remote_id)
         if not self._may_fetch(peer):
             self.refused_peers += 1
-            logger.info("refused a snapshot of %s to peer %s: not a live composer of this run", request.uid[:40], peer)
+            logger.info("refused a snapshot of %s to peer %s: not a live composer of this run, or banned here",
+                        request.uid[:40], peer)
             return
         held = self._store.get(eid)
         if held is None:
@@ -236,8 +237,8 @@ class ExpertExchange:
             many steps past it).
         poll_s: how often heir copies are refreshed.
         timeout_s: one whole snapshot fetch.
-        may_fetch: peer id -> whether this node serves it snapshots (a live composer of the run); called on the
-            loop thread, so thread-safe and cheap.
+        may_fetch: peer id -> whether this node serves it snapshots (a live composer of the run it does not ban);
+            called on the loop thread, so thread-safe and cheap.
         keep_s: how long released experts' final snapshots stay served.
     """
 

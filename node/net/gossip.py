@@ -163,18 +163,24 @@ class SurrogateUpdate:
             worst = max(worst, float(new.norm()) / max(float(old.norm()), _floor(old)))
         return worst
 
-    def layer_ratio(self, target: Mapping[str, torch.Tensor], others: Sequence[Mapping[str, torch.Tensor]]) -> float:
-        """How many times the lower median of the same tensor's norms across ``others`` (the layer's other held
-        surrogates; at least ``GROWTH_FLOOR`` x sqrt(size)) the updated surrogate's longest tensor would be; 0.0
-        without others. Bounds what deltas that each stay under ``MAX_GROWTH`` reach by compounding: the layer's
-        other surrogates are mostly other owners'."""
-        if not others:
+    def layer_ratio(self, target: Mapping[str, torch.Tensor], typical: Mapping[str, float]) -> float:
+        """How many times ``typical[name]`` (``layer_norms``: the lower median of that tensor's norms across the
+        layer's held surrogates; at least ``GROWTH_FLOOR`` x sqrt(size)) the updated surrogate's longest tensor
+        would be; 0.0 without any. Bounds what deltas that each stay under ``MAX_GROWTH`` reach by compounding:
+        the layer's other surrogates are mostly other owners'."""
+        if not typical:
             return 0.0
-        worst = 0.0
-        for name, new in self.updated(target).items():
-            typical = statistics.median_low(float(o[name].detach().float().norm()) for o in others)
-            worst = max(worst, float(new.norm()) / max(typical, _floor(new)))
-        return worst
+        return max(float(new.norm()) / max(typical[name], _floor(new)) for name, new in self.updated(target).items())
+
+    @staticmethod
+    def layer_norms(held: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+        """Tensor name -> the lower median of its norm across ``held`` (a layer's surrogates this node holds); {}
+        for none. One device sync for all of them."""
+        if not held:
+            return {}
+        names = list(held[0])
+        norms = torch.stack([torch.linalg.vector_norm(h[n].detach().float()) for h in held for n in names]).tolist()
+        return {n: statistics.median_low(norms[i::len(names)]) for i, n in enumerate(names)}
 
     def updated(self, target: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The held surrogate ``target`` after this update (float32 copies on the CPU; ``target`` unchanged)."""

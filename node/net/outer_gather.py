@@ -267,6 +267,7 @@ class OuterGather(ServedOnLoop):
         self.store = ContributionStore(keep)
         super().__init__(p2p, loop, f"parallax.{run_id}.outer", ContributionServicer(self.store))
         self.bytes_fetched = 0
+        self._count_lock = threading.Lock()  # rounds fetch from several threads at once
 
     def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float) -> bytes:
         """``peer``'s body for ``entry``'s round, exactly ``entry.size`` bytes hashing to ``entry.digest``.
@@ -280,7 +281,8 @@ class OuterGather(ServedOnLoop):
         if len(body) != entry.size or body_digest(body) != entry.digest:
             raise ContributionMismatch(f"outer contribution of {len(body)} bytes does not match the announced "
                                        f"{entry.size} bytes and digest", peer=peer)
-        self.bytes_fetched += len(body)
+        with self._count_lock:
+            self.bytes_fetched += len(body)
         return body
 
     async def _fetch(self, peer: str, uid: str, size: int) -> bytes:

@@ -264,10 +264,6 @@ class GatheredRounds:
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
-            found[name] = (tensors, entry.tokens)
-            if self.peers.worked is not None:
-                self.peers.worked(peer)
-            return True
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
             if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
                 self.scores.record(peer, "forged or malformed outer contribution", 2.0)
@@ -277,6 +273,10 @@ class GatheredRounds:
                     del self._refused[next(iter(self._refused))]
             logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
             return False
+        found[name] = (tensors, entry.tokens)
+        if self.peers.worked is not None:
+            self.peers.worked(peer)
+        return True
 
     def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse a body ``peer`` already sent for another round: two rounds of training never give the same

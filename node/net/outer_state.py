@@ -48,37 +48,42 @@ State = tuple[dict[str, Any], list[torch.Tensor]]
 
 
 class StateServicer(ServicerBase):
-    """Streams the state a provider publishes for a group; an empty stream when it serves none. Do not rename
-    (protocol id)."""
+    """Streams the state a provider publishes for a group; an empty stream when it serves none, or to a peer
+    ``may_fetch`` refuses. Do not rename (protocol id).
 
-    def __init__(self) -> None:
+    A provider returns the same objects until it publishes anew: their encoding is made once, off the loop that
+    serves every stream, and kept until then."""
+
+    def __init__(self, may_fetch: Callable[[str], bool] | None = None) -> None:
         self.providers: dict[str, StateProvider] = {}
+        self.may_fetch = may_fetch
         self.bytes_served = 0
+        self._packed: dict[str, tuple[object, bytes]] = {}  # group -> (the tensors packed, their encoding)
 
     async def rpc_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
         provider = self.providers.get(request.uid)
-        if provider is None:
+        if provider is None or (self.may_fetch is not None and not self.may_fetch(str(context.remote_id))):
             return
-        # Copying and encoding a group takes a while for a large model: off the loop that serves every stream.
-        packed = await asyncio.get_running_loop().run_in_executor(None, _pack, provider)
-        if packed is None:
+        try:
+            meta, tensors = provider()
+        except RuntimeError:  # nothing published yet
             return
-        meta, body = packed
+        packed = self._packed.get(request.uid)
+        if packed is None or packed[0] is not tensors:
+            encoded = await asyncio.get_running_loop().run_in_executor(None, _encode, tensors)
+            packed = self._packed[request.uid] = (tensors, encoded)
+        body = packed[1]
         yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(meta, use_bin_type=True))
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + CHUNK_BYTES])
         self.bytes_served += len(body)
 
 
-def _pack(provider: StateProvider) -> tuple[dict[str, Any], bytes] | None:
-    """The provider's state as (metadata, body), or None when it has published nothing yet."""
-    try:
-        meta, tensors = provider()
-    except RuntimeError:
-        return None
-    return meta, msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors], use_bin_type=True)
+def _encode(tensors: Sequence[torch.Tensor]) -> bytes:
+    return msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors],  # type: ignore[no-any-return]
+                         use_bin_type=True)
 
 
 class StateExchange(ServedOnLoop):
@@ -89,11 +94,14 @@ class StateExchange(ServedOnLoop):
         run_id: namespaces the handler.
         peers: () -> libp2p peer ids of the live composers (sources are drawn from them, this node excluded).
         own_peer_id: this node's peer id.
+        may_fetch: peer id -> whether it may download this node's states (None: anyone).
     """
 
     def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str,
-                 peers: Callable[[], Sequence[str]], *, own_peer_id: str) -> None:
-        super().__init__(p2p, loop, f"parallax.{run_id}.state", StateServicer(), RateLimiter(per_s=2.0, burst=20.0))
+                 peers: Callable[[], Sequence[str]], *, own_peer_id: str,
+                 may_fetch: Callable[[str], bool] | None = None) -> None:
+        super().__init__(p2p, loop, f"parallax.{run_id}.state", StateServicer(may_fetch),
+                         RateLimiter(per_s=2.0, burst=20.0))
         self.peers, self.own_peer_id = peers, own_peer_id
         self._lock = threading.Lock()
 

@@ -78,15 +78,15 @@ class Experts:
         for eid in sorted(target - current - set(self.handovers)):
             previous = self.owners.get(eid)
             member = alive.get(previous) if previous and previous != self.fingerprint else None
-            if member is not None and self.views.banned(member.heartbeat.peer_id):
-                member = None  # a banned owner's copy is not taken over: the heir's, or the initialisation
+            if member is not None and previous in view.stalled:
+                member = None  # a banned or idle owner's copy is not waited for: the heir's, or the initialisation
             # Under churn the previous owner in our view may not be the node that trained the expert last:
-            # after it, every other live composer is asked (a releaser serves its final snapshot for minutes).
+            # after it, every other live composer that shows work is asked (a releaser serves its final snapshot
+            # for minutes).
             handover = Handover(
                 source=member.heartbeat.peer_id if member else None,
                 others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
-                        if m.heartbeat.role == "composer" and fp != self.fingerprint
-                        and not self.views.banned(m.heartbeat.peer_id)],
+                        if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
                 started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
                 wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
                 has_own_copy=self.exchange.has_local_copy(eid))

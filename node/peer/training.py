@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -90,10 +91,10 @@ class Training:
         self.dht.forbidden_thread = None
         self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
 
-    def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], owned: set[tuple[int, int]]) -> None:
+    def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], typical: Mapping[str, float]) -> None:
         """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past
-        ``LAYER_BOUND`` x the layer's other held surrogates (``owned``: experts whose surrogates this node does not
-        hold): then it is refused, its owner named and scored, and the expert's later deltas skipped (they build
+        ``LAYER_BOUND`` x ``typical`` (the layer's held surrogates' norms, ``SurrogateUpdate.layer_norms``): then
+        it is refused, its owner named and scored, and the expert's later deltas skipped (they build
         on the refused one) until a full copy replaces the surrogate. An owner this node bans is not listened to
         in the same way."""
         model = self.composer.model
@@ -102,13 +103,11 @@ class Training:
             self._frozen.discard(eid)
         elif eid in self._frozen:
             return
-        others = [{n: p.data for n, p in model.surrogate_parameters(eid[0], e).items()}
-                  for e in range(self.config.train.model.n_experts) if e != eid[1] and (eid[0], e) not in owned]
-        growth, ratio = update.growth(held), update.layer_ratio(held, others)
         owner = self.views.owner_peer(eid)
         if owner is not None and self.views.banned(owner):
             self._frozen.add(eid)  # ignored while banned; its later deltas would build on what was skipped
             return
+        growth, ratio = update.growth(held), update.layer_ratio(held, typical)
         if growth > MAX_GROWTH or ratio > LAYER_BOUND:
             self._frozen.add(eid)
             why = (f"make the surrogate {growth:.3g} times longer" if growth > MAX_GROWTH else
@@ -128,10 +127,15 @@ class Training:
         """The one place the training loop meets the network (module docstring). Never waits on it."""
         composer, gossip, rounds = self.composer, self.gossip, self.rounds
         owned_now = set(composer.owned_experts())
+        typical: dict[int, dict[str, float]] = {}  # per layer, once a seam
         for update in gossip.drain():
             eid = (update.layer, update.expert)
             if eid not in owned_now:
-                self._apply_surrogate(update, eid, owned_now)
+                if eid[0] not in typical:
+                    typical[eid[0]] = SurrogateUpdate.layer_norms(
+                        [{n: p.data for n, p in composer.model.surrogate_parameters(eid[0], e).items()}
+                         for e in range(self.config.train.model.n_experts) if (eid[0], e) not in owned_now])
+                self._apply_surrogate(update, eid, typical[eid[0]])
         self.experts.reconcile()
         for report in rounds.collect():
             self._round_event(report)

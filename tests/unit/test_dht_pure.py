@@ -14,12 +14,13 @@ from parallax.dht.membership import (
     MembershipConfig,
     Progress,
     SwarmView,
+    heartbeat_value,
     merge_views,
     parse_members,
     settings_difference,
     split_by_settings,
 )
-from parallax.dht.records import owner_subkey, pack_message, subkey_owner
+from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import assign_experts
 from parallax.node.config.train import OptimConfig, TrainConfig, run_settings
 from parallax.protocol.errors import RemoteProtocolError
@@ -244,3 +245,19 @@ def test_leaving_and_coming_back_starts_no_new_grace_period():
     progress.stalled({"a": 1}, now=50.0)  # the phantom's heartbeat expired
     progress.worked("a", 70.0)
     assert progress.stalled({"a": 2, "phantom": 1}, now=71.0) == {"phantom"}
+
+
+def test_a_heartbeat_too_large_for_a_record_drops_its_suspects_first():
+    settings = "x" * 1500  # twice a run's; 1024 shards
+    shards = tuple((layer, e) for layer in range(16) for e in range(64))
+    liars = {f"12D3KooW{'z' * 100}{i:02d}": 9.0 for i in range(8)}
+    hb = Heartbeat(peer_id="12D3KooWme", addresses=(), role="composer", capacity=1.0, shards=shards, step=1,
+                   settings=settings, suspects=liars, banned=tuple(liars))
+    assert len(pack_message(hb)) > MAX_RECORD_BYTES
+    value = heartbeat_value(hb)
+    assert len(value) <= MAX_RECORD_BYTES
+    back = unpack_message(value, (Heartbeat,))
+    assert back.shards == shards and back.suspects == {} and back.banned == ()
+    small = Heartbeat(peer_id="12D3KooWme", addresses=(), role="composer", capacity=1.0, shards=(), step=1,
+                      suspects={"12D3KooWliar": 3.0}, banned=("12D3KooWliar",))
+    assert unpack_message(heartbeat_value(small), (Heartbeat,)).banned == ("12D3KooWliar",)

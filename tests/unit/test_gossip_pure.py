@@ -260,9 +260,11 @@ def test_deltas_each_under_the_growth_bound_cannot_compound_past_the_layer_s_oth
         u, s, vh = torch.linalg.svd(change, full_matrices=False)
         update = SurrogateUpdate(layer=0, expert=1, version=2, factors={"w": (u * s, vh)})
         assert update.growth(held) < MAX_GROWTH
-        refusals.append(update.layer_ratio(held, others) > LAYER_BOUND)
+        refusals.append(update.layer_ratio(held, SurrogateUpdate.layer_norms(others)) > LAYER_BOUND)
         held = update.updated(held)
     assert refusals == [False, True, True, True]  # 3.8x passes once; 14x the layer's others does not
     honest = SurrogateUpdate(layer=0, expert=1, version=2, state={"w": others[0]["w"] * 1.5})
-    assert honest.layer_ratio(held, others) < 2.0  # a full copy is measured as well
-    assert honest.layer_ratio(held, []) == 0.0  # no others held: nothing to compare with
+    assert honest.layer_ratio(held, SurrogateUpdate.layer_norms(others)) < 2.0  # a full copy is measured as well
+    assert honest.layer_ratio(held, SurrogateUpdate.layer_norms([])) == 0.0  # nothing held to compare with
+    norms = SurrogateUpdate.layer_norms([{"w": torch.full((2, 2), v)} for v in (1.0, 3.0, 2.0, 5.0)])
+    assert norms == {"w": pytest.approx(4.0)}  # the lower median of the norms 2, 6, 4, 10
