@@ -186,8 +186,8 @@ class Progress:
     - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
     - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
       fetched and decoded, a surrogate update applied: ``worked``) while another's did, ``idle_s`` after this
-      node first saw it. Steps are self-declared: an identity that only sends heartbeats can make its step move,
-      but it cannot make its work arrive.
+      node first saw it and after anyone's work first arrived. Steps are self-declared: an identity that only
+      sends heartbeats can make its step move, but it cannot make its work arrive.
 
     Neither rule names anybody while nobody shows what it looks for (a swarm starting up, or paused).
     """
@@ -197,9 +197,12 @@ class Progress:
         self._seen: dict[str, tuple[int, float]] = {}
         self._first: dict[str, float] = {}
         self._work: dict[str, float] = {}
+        self._work_began: float | None = None  # when the first work of anyone arrived
 
     def worked(self, fingerprint: str, now: float) -> None:
         """Evidence of ``fingerprint``'s work arrived at ``now``."""
+        if self._work_began is None:
+            self._work_began = now
         self._work[fingerprint] = now
         _forget_oldest(self._work)
 
@@ -221,7 +224,11 @@ class Progress:
         if self.idle_s > 0:
             working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
             if working:
-                stalled |= {fp for fp in steps.keys() - working if now - self._first.get(fp, now) >= self.idle_s}
+                # The grace period runs from first sight, and not before work began to flow: the first
+                # contribution fetched must not make everyone else idle at once.
+                began = self._work_began if self._work_began is not None else now
+                stalled |= {fp for fp in steps.keys() - working
+                            if now - max(self._first.get(fp, now), began) >= self.idle_s}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:

@@ -14,7 +14,9 @@ computes the same RDA (or mean) merge after three defences, each applied tensor 
    contributions and no absolute scale is assumed. For RDA the unit directions are clipped this way
    and the norms by step 2; for the mean, the (norm-clipped) deltas.
 
-Among fewer than ``min_contributions`` (3) contributions no one is an outlier and steps 2-3 are skipped.
+Among fewer than ``min_contributions`` (3) contributions no one can be told an outlier and step 3 is skipped;
+step 2 still holds each to ``norm_clip`` x the shorter of two, so a pair with a liar moves no further than
+twice an honest round.
 When nobody is clipped, the result is the plain merge of the same contributions, computed by the same
 code (``rda.rda_rebuild`` of weighted means): robustness costs nothing while nobody attacks. Weights
 are the caller's: a peer's declared tokens must be capped before they reach here (``cap_weights``).
@@ -225,9 +227,6 @@ def robust_merge_groups(
 
 def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float], method: str, cfg: RobustConfig,
                   eps: float, audits: list[ContributionAudit]) -> torch.Tensor:
-    if len(tensors) < cfg.min_contributions:
-        plain = mean_merge if method == "mean" else functools.partial(rda_merge, eps=eps)
-        return plain(tensors, w)
     norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
     per_period = sorted(n / s for n, s in zip(norms, spans, strict=True))
     bound = cfg.norm_clip * per_period[(len(norms) - 1) // 2]  # the lower median: an attacker cannot raise it
@@ -239,6 +238,9 @@ def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float
             clipped.append(t * scale)
         else:
             clipped.append(t)
+    if len(tensors) < cfg.min_contributions:
+        plain = mean_merge if method == "mean" else functools.partial(rda_merge, eps=eps)
+        return plain(clipped, w)
     mean_delta, delta_clip = centered_clip(clipped, w, tau=cfg.tau, iters=cfg.iters)
     if method == "mean":
         _note_clips(audits, delta_clip)

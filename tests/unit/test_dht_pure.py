@@ -217,31 +217,35 @@ def test_composers_whose_work_never_arrives_own_nothing_after_the_grace_period()
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1, "phantom": 1}
     assert progress.stalled(steps, now=0.0) == frozenset()
-    progress.worked("a", 30.0)
+    progress.worked("a", 30.0)  # work begins to flow: the grace periods run from here
     progress.worked("b", 40.0)
-    assert progress.stalled(steps, now=59.0) == frozenset()  # within the grace period everyone counts
-    assert progress.stalled(steps, now=61.0) == {"phantom"}  # a heartbeat's step is not work
-    assert progress.stalled({**steps, "late": 1}, now=80.0) == {"phantom"}  # a newcomer has its own grace
-    progress.worked("phantom", 85.0)
-    progress.worked("a", 85.0)
+    progress.worked("a", 88.0)
+    assert progress.stalled(steps, now=89.0) == frozenset()  # within the grace period everyone counts
+    assert progress.stalled(steps, now=91.0) == {"phantom"}  # a heartbeat's step is not work
+    assert progress.stalled({**steps, "late": 1}, now=92.0) == {"phantom"}  # a newcomer has its own grace
+    progress.worked("phantom", 93.0)
+    progress.worked("a", 93.0)
     assert progress.stalled(steps, now=95.0) == frozenset()  # its work arrived: it counts again
     assert progress.stalled(steps, now=101.0) == {"b"}  # b's last work is 61 s old
     progress.worked("b", 102.0)
     assert progress.stalled(steps, now=103.0) == frozenset()
 
 
-def test_nobody_is_idle_while_nobody_s_work_arrives():
+def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1}
     progress.stalled(steps, now=0.0)
     assert progress.stalled(steps, now=500.0) == frozenset()  # no rounds, no surrogates yet: a quiet swarm
     progress.worked("a", 500.0)
-    assert progress.stalled(steps, now=501.0) == {"b"}
+    assert progress.stalled(steps, now=501.0) == frozenset()  # the first contribution fetched idles no one
+    progress.worked("a", 560.0)
+    assert progress.stalled(steps, now=561.0) == {"b"}
 
 
 def test_leaving_and_coming_back_starts_no_new_grace_period():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     progress.stalled({"a": 1, "phantom": 1}, now=0.0)
+    progress.worked("a", 10.0)
     progress.stalled({"a": 1}, now=50.0)  # the phantom's heartbeat expired
     progress.worked("a", 70.0)
     assert progress.stalled({"a": 2, "phantom": 1}, now=71.0) == {"phantom"}

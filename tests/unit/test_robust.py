@@ -100,12 +100,15 @@ def test_a_declared_weight_buys_no_more_than_the_cap() -> None:
     assert merged is not None and float(torch.cosine_similarity(merged["w"], true, dim=0)) > 0.8
 
 
-def test_of_two_contributions_neither_is_clipped() -> None:
+def test_of_two_contributions_the_longer_is_held_to_twice_the_shorter() -> None:
     _, honest = _honest(2)
-    big = [honest[0], {"w": 10 * honest[1]["w"]}]
-    merged, audit = robust_merge_groups(big, [1.0, 1.0])
-    assert merged is not None and torch.equal(merged["w"], merge_groups(big, [1.0, 1.0])["w"])
-    assert not any(c.suspicious for c in audit.contributions)
+    merged, audit = robust_merge_groups(honest, [1.0, 1.0])  # within 2x of each other: the plain merge
+    assert merged is not None and torch.equal(merged["w"], merge_groups(honest, [1.0, 1.0])["w"])
+    big = [honest[0], {"w": 1000 * honest[1]["w"]}]  # a pair cannot tell who lies: it bounds both
+    merged, audit = robust_merge_groups(big, [1.0, 1.0], "mean")
+    assert merged is not None
+    assert float(merged["w"].norm()) <= 1.5 * float(honest[0]["w"].norm()) * 1.01
+    assert audit.contributions[1].norm_scale < 0.01 and audit.contributions[0].norm_scale == 1.0
 
 
 def test_two_contributions_centre_on_their_mean() -> None:
