@@ -253,7 +253,7 @@ class Node:
                                weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
         states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.trusted_peers,
-                               own_peer_id=dht.peer_id, may_fetch=views.may_fetch).start()
+                               own_peer_id=dht.peer_id, may_fetch=lambda peer: not views.banned(peer)).start()
         stack.callback(states.close)
         return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states)
 

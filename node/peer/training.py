@@ -53,6 +53,7 @@ class Training:
         self.offload, self.val, self.started = offload, val, started
         self.schedule = TierSchedule(config.train.sync.periods)
         self.scores = scores
+        self._applied: set[tuple[int, int]] = set()  # experts whose surrogate came from an owner (not at init)
         self._frozen: set[tuple[int, int]] = set()  # experts whose owner sent a refused delta
         self.join_to_first_step_s: float | None = None
 
@@ -120,6 +121,7 @@ class Training:
                 self.scores.record(owner, "surrogate update past the growth bound", 2.0)
             return
         update.apply(held)
+        self._applied.add(eid)
         if owner is not None:
             self.views.worked(owner)
 
@@ -131,10 +133,11 @@ class Training:
         for update in gossip.drain():
             eid = (update.layer, update.expert)
             if eid not in owned_now:
-                if eid[0] not in typical:
-                    typical[eid[0]] = SurrogateUpdate.layer_norms(
-                        [{n: p.data for n, p in composer.model.surrogate_parameters(eid[0], e).items()}
-                         for e in range(self.config.train.model.n_experts) if (eid[0], e) not in owned_now])
+                if eid[0] not in typical:  # only surrogates received from owners: a joiner's are still at init
+                    received = [{n: p.data for n, p in composer.model.surrogate_parameters(eid[0], e).items()}
+                                for e in range(self.config.train.model.n_experts)
+                                if (eid[0], e) not in owned_now and (eid[0], e) in self._applied]
+                    typical[eid[0]] = SurrogateUpdate.layer_norms(received) if len(received) >= 2 else {}
                 self._apply_surrogate(update, eid, typical[eid[0]])
         self.experts.reconcile()
         for report in rounds.collect():
