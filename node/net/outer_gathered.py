@@ -206,7 +206,8 @@ class GatheredRounds:
 
     def _quorum(self) -> int:
         """The fewest contributions a round merges: a majority of the working composers (this one included), and
-        at least ``min_group_size``. A hostile peer cannot pull a victim into a pair, where no outlier can be told."""
+        at least ``min_group_size``. When the working set shrinks to a pair, the robust merge holds the longer of
+        the two to twice the shorter (``train.robust``): no outlier can be told, but a liar is bounded."""
         return max(self.config.min_group_size, (len(self._working()) + 1) // 2 + 1)
 
     def _acceptable(self, peer: str) -> bool:
