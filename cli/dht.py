@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from parallax.cli.options import ManifestFile, MemberCertFile, run_manifest
+
 dht_app = typer.Typer(help="DHT-only peers and tools (no training).", no_args_is_help=True)
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ def bootstrap(
         None, "--run", help="Also announce this node in run RUN (role bootstrap) and enforce signed records there."
     ),
     layers: int = typer.Option(64, "--layers", min=0, help="Claim keys protected for --run: layers 0..N-1."),
+    manifest_file: ManifestFile = None,
+    member_cert: MemberCertFile = None,
     startup_timeout: float = typer.Option(60.0, "--startup-timeout", min=1, help="Seconds to wait for p2pd/DHT."),
     duration: float | None = typer.Option(
         None, "--for", min=0, help="Exit after this many seconds (default: until Ctrl+C or SIGTERM)."
@@ -41,9 +45,11 @@ def bootstrap(
     from parallax.dht.adapter import DHTConfig, SwarmDHT, p2p_identity_path
     from parallax.dht.keys import protected_keys
     from parallax.dht.membership import Membership, MembershipConfig
-    from parallax.dht.records import Ed25519RecordValidator
-    from parallax.errors import DHTError
+    from parallax.dht.records import Admission, Ed25519RecordValidator
+    from parallax.errors import DHTError, NodeError
+    from parallax.node.config.peer import PeerConfig
     from parallax.node.config.train import SHARED_GROUPS
+    from parallax.node.net.admission import peer_admission
     from parallax.node.peer.processes import ForcedStop, install_signal_handlers
     from parallax.protocol.identity import Identity
 
@@ -56,7 +62,20 @@ def bootstrap(
             identity_path=p2p_identity_path(identity) if identity is not None else None,
             startup_timeout_s=startup_timeout,
         )
-        membership_config = MembershipConfig(run_id=run_id, role="bootstrap") if run_id else None
+        manifest, run_id = run_manifest(manifest_file, run_id)
+        admission = None
+        if manifest is not None and manifest.admission == "allowlist":
+            peer_config = PeerConfig(run_id=manifest.run_id, manifest=manifest_file, member_cert=member_cert)
+            try:  # a bootstrap peer without a certificate enforces the allowlist but does not announce itself
+                admission = peer_admission(peer_config, key, manifest)
+            except NodeError as e:
+                if member_cert is not None:
+                    raise ValueError(str(e)) from None
+                admission = Admission(manifest.creator, manifest.digest)
+                typer.echo(f"not announcing in run {run_id}: {e}", err=True)
+        announce_in_run = run_id is not None and (admission is None or admission.carried is not None
+                                                  or key.public_key == admission.creator)
+        membership_config = MembershipConfig(run_id=run_id, role="bootstrap") if announce_in_run and run_id else None
         protected = protected_keys(run_id, layers, SHARED_GROUPS) if run_id else []
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -65,7 +84,7 @@ def bootstrap(
     previous = install_signal_handlers(peer)
     dht = membership = None
     try:
-        dht = SwarmDHT.start(config, [Ed25519RecordValidator(key, protected_keys=protected)])
+        dht = SwarmDHT.start(config, [Ed25519RecordValidator(key, protected_keys=protected, admission=admission)])
         typer.echo(f"bootstrap peer {dht.peer_id} is up (identity {key.fingerprint}). Others join with:\n")
         typer.echo(f"  {dht.join_command()}\n")
         if membership_config is not None:

@@ -12,7 +12,18 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from parallax.cli.options import ConfigFile, Data, Preset, Sets, fail, invoked_as, supervise_or_continue
+from parallax.cli.options import (
+    ConfigFile,
+    Data,
+    ManifestFile,
+    MemberCertFile,
+    Preset,
+    Sets,
+    fail,
+    invoked_as,
+    run_manifest,
+    supervise_or_continue,
+)
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
 logger = logging.getLogger(__name__)
@@ -54,6 +65,8 @@ def join(
     run_id: str | None = typer.Option(None, "--run-id", help="Training run id; every peer of a run uses the same."),
     data: Data = None,
     preset: Preset = None,
+    manifest_file: ManifestFile = None,
+    member_cert: MemberCertFile = None,
     config_file: ConfigFile = None,
     set_: Sets = None,
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
@@ -102,10 +115,12 @@ def join(
              "node.snapshot_every": snapshot_every, "node.final_eval": final_eval}
     try:
         flags["node.device"] = device_setting(gpu, cpu)
+        manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
+        flags["peer.manifest"], flags["peer.member_cert"] = manifest_file, member_cert
         config = resolve(NodeConfig, node_defaults, file=config_file, flags=flags, sets=set_ or (),
-                         default_preset="tiny")
+                         default_preset="tiny", manifest=manifest)
         device_of(config.node.device)  # a device that cannot be used fails here, before anything starts
-    except (ConfigError, DeviceError) as e:
+    except (ConfigError, DeviceError, ValueError) as e:
         fail(e)
 
     # Checked above, run below: in a session of its own under this process (processes.py says why), unless
@@ -120,8 +135,9 @@ def join(
     def show(status: Any) -> None:
         if status.join_command and not printed:
             printed.append(True)
-            console.print(f"peer {status.peer_id} is up. Others join this swarm with:\n  parallax node join "
-                          f"--run-id {config.peer.run_id} {status.join_command}")
+            how = f"--manifest {config.peer.manifest}" if config.peer.manifest else "the same settings"
+            console.print(f"peer {status.peer_id} is up (run digest {status.run_digest}). Others join this swarm "
+                          f"with {how}:\n  parallax node join --run-id {config.peer.run_id} {status.join_command}")
         if live is not None:
             live.update(_status_table(status))
 

@@ -46,6 +46,32 @@ Sets = Annotated[
         'surrogate.input_grad=false or sync.periods={"router": 25, "latent": 50, "backbone": 100}; '
         "`parallax config show` lists every PATH.")
 ]
+ManifestFile = Annotated[
+    Path | None, typer.Option(
+        "--manifest", help="The run's manifest file (`parallax run create`, `parallax run fetch`): it sets the run's "
+        "settings and id. Default: sign one of this peer's own settings (an open run).")
+]
+MemberCertFile = Annotated[
+    Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
+                              "(`parallax run admit`).")
+]
+
+
+def run_manifest(path: Path | None, run_id: str | None) -> tuple[Any, str | None]:
+    """The manifest at ``path`` (``None`` without one) and the run id to use: ``--run-id`` if given (it must be
+    the manifest's), else the manifest's.
+
+    Raises:
+        ValueError: an unreadable or altered manifest, or another run's (``ManifestError``).
+    """
+    from parallax.protocol.manifest import ManifestError, load_manifest
+
+    if path is None:
+        return None, run_id
+    manifest = load_manifest(path)
+    if run_id is not None and run_id != manifest.run_id:
+        raise ManifestError(f"--run-id {run_id} but manifest {path} is run {manifest.run_id}'s: leave out --run-id")
+    return manifest, manifest.run_id
 
 
 def fail(message: object, code: int = 2) -> NoReturn:

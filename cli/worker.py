@@ -8,7 +8,16 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from parallax.cli.options import ConfigFile, Preset, Sets, fail, supervise_or_continue
+from parallax.cli.options import (
+    ConfigFile,
+    ManifestFile,
+    MemberCertFile,
+    Preset,
+    Sets,
+    fail,
+    run_manifest,
+    supervise_or_continue,
+)
 
 worker_app = typer.Typer(help="Run an offload worker.", no_args_is_help=True)
 
@@ -23,6 +32,8 @@ def join(
     identity: Path | None = typer.Option(
         None, "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/worker.key)."),
     preset: Preset = None,
+    manifest_file: ManifestFile = None,
+    member_cert: MemberCertFile = None,
     config_file: ConfigFile = None,
     set_: Sets = None,
     capacity: float | None = typer.Option(None, "--capacity", min=0.001, help="Relative capacity (1.0 = a reference "
@@ -54,10 +65,12 @@ def join(
              "worker.capacity": capacity}
     try:
         flags["worker.device"] = device_setting(gpu, cpu)
+        manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
+        flags["peer.manifest"], flags["peer.member_cert"] = manifest_file, member_cert
         config = resolve(WorkerConfig, worker_defaults, file=config_file, flags=flags, sets=set_ or (),
-                         default_preset="tiny")
+                         default_preset="tiny", manifest=manifest)
         device_of(config.worker.device)
-    except (ConfigError, DeviceError) as e:
+    except (ConfigError, DeviceError, ValueError) as e:
         fail(e)
     supervise_or_continue("worker", supervised_by, no_supervise)  # as `node join`
     console = Console(stderr=True)

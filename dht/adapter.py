@@ -27,7 +27,9 @@ from typing import Any
 import multiaddr
 import multiaddr.exceptions
 from hivemind.dht import DHT, DHTNode
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
@@ -48,6 +50,24 @@ __all__ = [
 ]
 
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # hivemind's own default; real swarms pass 0.0.0.0 + a port
+
+
+def keep_valid_subkeys(protocol: Any, key_bytes: bytes, dictionary: DictionaryDHTValue) -> bool:
+    """``DHTProtocol._validate_dictionary`` that drops the subkeys that fail validation and keeps the others.
+
+    hivemind's refuses a whole dictionary when one subkey fails: one forged entry stored by a peer that does not
+    validate (a bootstrap peer started without the run's manifest, or a hostile DHT node) would hide every
+    honest heartbeat or claim that peer holds from everyone who reads the key through it.
+    """
+    validator = protocol.record_validator
+    if validator is None:
+        return True
+    with dictionary.freeze():
+        bad = [subkey for subkey, (value, expiration) in dictionary.items()
+               if not validator.validate(DHTRecord(key_bytes, protocol.serializer.dumps(subkey), value, expiration))]
+    for subkey in bad:
+        del dictionary[subkey]
+    return True
 
 
 def dht_time() -> float:
@@ -192,6 +212,7 @@ class SwarmDHT:
         Raises:
             DHTError: the node could not start or reach any initial peer; the message says what to check.
         """
+        DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
         last: BaseException | None = None
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):

@@ -3,6 +3,7 @@
 Every key is namespaced by the run, so two runs can share a swarm (and a bootstrap peer) without
 reading each other's records:
 
+    {run_id}/manifest             subkey per composer: the run manifest it trains by (``protocol.manifest``)
     {run_id}/members              subkey per node: its signed Heartbeat, or its Deathrattle
     {run_id}/claims/{layer}       subkey per claimant: its signed claims/releases for that layer
     {run_id}/surrogates/{layer}   subkey per node: the surrogate versions it announces (as owner) and
@@ -37,6 +38,11 @@ def check_run_id(run_id: str) -> str:
             "starting with a letter or digit"
         )
     return run_id
+
+
+def manifest_key(run_id: str) -> str:
+    """Where composers republish the run manifest they train by (one subkey each)."""
+    return f"{check_run_id(run_id)}/manifest"
 
 
 def members_key(run_id: str) -> str:
@@ -77,9 +83,9 @@ def outer_rounds_key(run_id: str, group: str) -> str:
 
 
 def protected_keys(run_id: str, n_layers: int, groups: Sequence[str] = ()) -> list[str]:
-    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``): members, claims
-    and surrogates of ``n_layers`` layers, and the round fingerprints of the shared ``groups``."""
-    return ([members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
+    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``): manifests, members,
+    claims and surrogates of ``n_layers`` layers, and the round fingerprints of the shared ``groups``."""
+    return ([manifest_key(run_id), members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
             + [surrogates_key(run_id, layer) for layer in range(n_layers)]
             + [outer_rounds_key(run_id, group) for group in groups])
 

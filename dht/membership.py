@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import math
 import statistics
@@ -39,19 +38,22 @@ from dataclasses import dataclass, field
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
-from parallax.dht.keys import check_run_id, claims_key, members_key
+from parallax.dht.keys import check_run_id, claims_key, manifest_key, members_key
+from parallax.dht.manifests import manifest_difference, read_manifests
 from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import Assignment, assign_experts
 from parallax.errors import DHTError
 from parallax.protocol.errors import ProtocolError
 from parallax.protocol.identity import Identity, fingerprint
-from parallax.protocol.messages import MAX_SETTINGS_CHARS, MAX_SUSPECTS, ROLES, Deathrattle, Heartbeat
+from parallax.protocol.manifest import RunManifest
+from parallax.protocol.messages import MAX_SUSPECTS, ROLES, Deathrattle, Heartbeat
 
 logger = logging.getLogger(__name__)
 
 CAPACITY_BOUND = 2.0
 """A composer's declared capacity counts up to this many times the median of the live composers'."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
+MANIFEST_TTL_S = 300.0  # a manifest record outlives a few missed stores; the validator allows up to 600 s
 
 
 class PeerState(enum.Enum):
@@ -91,9 +93,12 @@ class MembershipConfig:
     idle_s: float = 0.0
     """A composer none of whose work reached this node for this long (``Membership.worked``), while others'
     did, owns nothing (``Progress``); 0: work is not asked for (nodes that never report any)."""
-    settings: str = ""
-    """This composer's run settings (canonical JSON), carried in its heartbeat. When set, composers announcing
-    other settings are left out of this node's view: they own nothing here and take no part in its rounds."""
+    manifest: RunManifest | None = None
+    """The run manifest this composer trains by: its digest goes in the heartbeat, the manifest itself under
+    ``{run}/manifest`` every ``manifest_period_s``. When set, composers announcing another digest are left out
+    of this node's view: they own nothing here and take no part in its rounds."""
+    manifest_period_s: float = 60.0
+    """How often the manifest record is stored again (it lives ``MANIFEST_TTL_S``)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -111,9 +116,14 @@ class MembershipConfig:
             raise ValueError("stall_s must exceed heartbeat_ttl_s")
         if self.idle_s < 0 or 0 < self.idle_s <= self.heartbeat_ttl_s:
             raise ValueError("idle_s must be 0 (off) or exceed heartbeat_ttl_s")
-        if len(self.settings) > MAX_SETTINGS_CHARS:
-            raise ValueError(f"settings of {len(self.settings)} characters exceed the heartbeat's "
-                             f"{MAX_SETTINGS_CHARS}")
+        if self.manifest is not None and self.manifest.run_id != self.run_id:
+            raise ValueError(f"the manifest is run {self.manifest.run_id!r}'s, not {self.run_id!r}'s")
+        if not 0 < self.manifest_period_s < MANIFEST_TTL_S:
+            raise ValueError(f"need 0 < manifest_period_s < {MANIFEST_TTL_S:.0f}")
+
+    @property
+    def run_digest(self) -> bytes:
+        return self.manifest.digest if self.manifest is not None else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,44 +267,17 @@ def heartbeat_value(hb: Heartbeat) -> bytes:
     return value
 
 
-def split_by_settings(view: SwarmView, settings: str) -> tuple[SwarmView, dict[str, Member]]:
-    """``view`` without the composers whose heartbeat announces settings other than ``settings``, and those
-    composers by fingerprint. An empty ``settings`` keeps everyone (a tool that only looks)."""
-    if not settings:
+def split_by_run(view: SwarmView, digest: bytes) -> tuple[SwarmView, dict[str, Member]]:
+    """``view`` without the composers whose heartbeat announces a run digest other than ``digest``, and those
+    composers by fingerprint. An empty ``digest`` keeps everyone (a tool that only looks)."""
+    if not digest:
         return view, {}
     foreign = {fp: m for fp, m in view.members.items()
-               if m.heartbeat.role == "composer" and m.heartbeat.settings != settings}
+               if m.heartbeat.role == "composer" and m.heartbeat.run != digest}
     if not foreign:
         return view, {}
     members = {fp: m for fp, m in view.members.items() if fp not in foreign}
     return dataclasses.replace(view, members=members), foreign
-
-
-def settings_difference(mine: str, theirs: str, limit: int = 6) -> str:
-    """The settings two composers disagree on, for a person: ``optim.lr = 0.003 here, 0.001 there; ...``.
-
-    Both are canonical JSON objects (``theirs`` comes from a peer: anything that does not parse is said so).
-    """
-    try:
-        a, b = _flatten(json.loads(mine)), _flatten(json.loads(theirs))
-    except (ValueError, TypeError, RecursionError):
-        return "settings that do not parse"
-    keys = sorted(k for k in set(a) | set(b) if a.get(k, _ABSENT) != b.get(k, _ABSENT))
-    shown = [f"{k} = {a.get(k, 'absent')} here, {b.get(k, 'absent')} there" for k in keys[:limit]]
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return "; ".join(shown) + more if shown else "the same settings written differently"
-
-
-_ABSENT = object()
-
-
-def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
-    if not isinstance(obj, dict):
-        return {prefix or "(settings)": json.dumps(obj)}
-    out: dict[str, object] = {}
-    for k, v in obj.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
 
 
 def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
@@ -498,6 +481,7 @@ class Membership:
         self._banned: tuple[str, ...] = ()
         self._last_expiry: dict[str, float] = {}
         self._next_heartbeat = 0.0
+        self._next_manifest = 0.0
         self._next_claims = 0.0
         self._owned: dict[int, frozenset[int]] = {}
         self._ownership: tuple[Assignment | None, dict[int, frozenset[int]]] = (None, {})
@@ -642,6 +626,12 @@ class Membership:
             now = self._clock()
             if changed or now >= self._next_claims:
                 self._send_claims(assignment, now)
+        manifest = self.config.manifest
+        if manifest is not None and self._clock() >= self._next_manifest and not self._stop.is_set():
+            now = self._clock()
+            if self._store(manifest_key(self.config.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
+                           self.config.request_timeout_s):
+                self._next_manifest = now + self.config.manifest_period_s
         due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
         # A failed heartbeat is retried after refresh_s, not at once: a DHT that fails fast must not spin us.
         wait = self.config.refresh_s if failed else min(self.config.refresh_s, max(0.0, due - self._clock()))
@@ -684,7 +674,7 @@ class Membership:
             hb = Heartbeat(
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
                 capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
-                loss=self._loss, settings=self.config.settings, suspects=dict(self._suspects),
+                loss=self._loss, run=self.config.run_digest, suspects=dict(self._suspects),
                 banned=self._banned,
             )
         value = heartbeat_value(hb)
@@ -715,15 +705,31 @@ class Membership:
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
-        view, foreign = split_by_settings(view, self.config.settings)
-        for fp in foreign.keys() - self.foreign.keys():
-            logger.warning("ignoring composer %s (peer %s): it runs other settings than this node: %s", fp,
-                           foreign[fp].heartbeat.peer_id,
-                           settings_difference(self.config.settings, foreign[fp].heartbeat.settings))
+        view, foreign = split_by_run(view, self.config.run_digest)
+        if foreign.keys() - self.foreign.keys():
+            self._name_foreign({fp: foreign[fp] for fp in foreign.keys() - self.foreign.keys()})
         self.foreign = foreign
         merged = merge_views(self._view, view)
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
         return True
+
+    def _name_foreign(self, new: Mapping[str, Member]) -> None:
+        """Log each composer newly seen training by another manifest, with what differs when its manifest can be
+        read (``foreign_difference``)."""
+        for fp, m in new.items():
+            logger.warning("ignoring composer %s (peer %s): it trains by another run manifest than this node: %s",
+                           fp, m.heartbeat.peer_id, self.foreign_difference(m))
+
+    def foreign_difference(self, member: Member) -> str:
+        """How ``member``'s manifest differs from this node's, as far as the published manifests tell."""
+        mine, theirs = self.config.manifest, member.heartbeat.run
+        if mine is None:
+            return "this node has none"
+        found = read_manifests(self.dht, self.config.run_id, timeout_s=self.config.request_timeout_s) or {}
+        if theirs in found:
+            return manifest_difference(mine, found[theirs][0])
+        return (f"digest {theirs.hex() or '(none)'} there, {mine.digest_hex} here (its manifest is not published "
+                "yet)")
 
     def _ignores(self, fingerprint: str, view: SwarmView) -> bool:
         judge = self.ignored

@@ -14,6 +14,10 @@ Protection (the pattern of hivemind's ``RSASignatureValidator``, with our Ed2551
   victim's subkey. Replays of an old genuine record fail too: hivemind keeps only a *strictly later*
   expiration per subkey, and refuses already-expired stores; the validator also refuses records past
   their expiry by more than the clock-skew allowance.
+- in an ``allowlist`` run (``Admission``), a record under a protected key must also carry its signer's member
+  certificate (``protocol.manifest.MemberCert``), appended to the value before the signature as
+  ``cert || len(cert) as 2 bytes || CERT_MAGIC``; a signer the run's creator did not admit cannot write
+  a heartbeat, a claim, a surrogate announcement or a round fingerprint anywhere an honest peer stores it;
 - a key that has held one valid signed record is protected from then on (``learn_protected``), in the
   process that saw it: a peer that knows no run (a bootstrap started without ``--run``) still refuses
   the plain values a stock hivemind client writes to replace a run's signed entries (hivemind lets a
@@ -29,12 +33,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import msgpack
 
 from parallax.dht.adapter import DHTRecord, RecordValidatorBase, dht_key_id, dht_time
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, fingerprint, verify
+from parallax.protocol.manifest import check_member
 from parallax.protocol.schema import MSGPACK_ERRORS, Message, message_class
 
 logger = logging.getLogger(__name__)
@@ -42,10 +48,13 @@ logger = logging.getLogger(__name__)
 RECORD_DOMAIN = b"parallax/dht-record/v1"
 SUBKEY_MARKER = b"px-ed25519:"
 SIG_MAGIC = b"\x00pxsig1\x00"
+CERT_MAGIC = b"\x00pxcert1\x00"
+MAX_CERT_BYTES = 256
 MAX_RECORD_BYTES = 6 * 1024  # hivemind's DHT process can crash on values of ~16 KB (HIVEMIND.md trap 2)
 DEFAULT_MAX_TTL_S = 600.0  # no honest record lives longer: heartbeats 6 s, leases tens of seconds
 DEFAULT_CLOCK_SKEW_S = 5.0  # peers' clocks must agree within this (hivemind assumes ~3 s)
 _REFUSAL_LOG_INTERVAL_S = 10.0
+_TRAILERS_BYTES = MAX_CERT_BYTES + 2 + len(CERT_MAGIC) + len(SIG_MAGIC) + SIGNATURE_BYTES
 MAX_LEARNED_KEYS = 65536  # keys learnt as protected, oldest forgotten first: bounded memory under a flood
 
 
@@ -71,6 +80,32 @@ def _signed_payload(key: bytes, subkey: bytes, value: bytes, expiration_time: fl
     return msgpack.packb([key, subkey, value, float(expiration_time)], use_bin_type=True)  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class Admission:
+    """An ``allowlist`` run's rule for the validator: records under its keys need a certificate of ``creator``
+    for ``run`` (the run digest); ``carried`` is this node's own (``MemberCert.wire_form``; ``None`` for the
+    creator, or a peer that only validates)."""
+
+    creator: bytes
+    run: bytes
+    carried: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.carried is not None and len(self.carried) > MAX_CERT_BYTES:
+            raise ValueError(f"a member certificate is at most {MAX_CERT_BYTES} bytes")
+
+
+def _split_cert(value: bytes) -> tuple[bytes, bytes | None]:
+    """``value`` without its certificate trailer, and the certificate (``None`` when it carries none)."""
+    if not value.endswith(CERT_MAGIC) or len(value) < len(CERT_MAGIC) + 2:
+        return value, None
+    end = len(value) - len(CERT_MAGIC)
+    size = int.from_bytes(value[end - 2:end], "big")
+    if size > MAX_CERT_BYTES or size > end - 2:
+        return value, None
+    return value[:end - 2 - size], value[end - 2 - size:end - 2]
+
+
 def _split_signature(value: bytes) -> tuple[bytes, bytes] | None:
     tail = len(SIG_MAGIC) + SIGNATURE_BYTES
     if len(value) < tail or value[-tail : -SIGNATURE_BYTES] != SIG_MAGIC:
@@ -91,6 +126,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         clock_skew_s: tolerance for disagreeing clocks on both ends of a record's life.
         clock: the DHT clock (injected for tests).
         learn_protected: protect every key once a valid signed record has been seen under it.
+        admission: an ``allowlist`` run's rule: records under ``protected_keys`` need a member certificate.
     """
 
     def __init__(
@@ -102,6 +138,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
         clock: Callable[[], float] = dht_time,
         learn_protected: bool = True,
+        admission: Admission | None = None,
     ) -> None:
         self._identity = identity
         self._own_subkey_bytes = None
@@ -110,6 +147,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         self._protected = frozenset(dht_key_id(k) for k in protected_keys)
         self._learn = learn_protected
         self._learned: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._admission = admission
         self._max_ttl_s = max_ttl_s
         self._clock_skew_s = clock_skew_s
         self._clock = clock
@@ -131,7 +169,7 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         return False
 
     def validate(self, record: DHTRecord) -> bool:
-        if len(record.value) > MAX_RECORD_BYTES + len(SIG_MAGIC) + SIGNATURE_BYTES:
+        if len(record.value) > MAX_RECORD_BYTES + _TRAILERS_BYTES:
             return self._refuse(f"value of {len(record.value)} bytes", record)
         try:
             subkey = msgpack.unpackb(record.subkey, raw=False) if record.subkey else None
@@ -154,6 +192,11 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         payload = _signed_payload(record.key, record.subkey, value, record.expiration_time)
         if not verify(signer, signature, RECORD_DOMAIN, payload):
             return self._refuse("bad signature", record, signer)
+        admission = self._admission
+        if admission is not None and record.key in self._protected:
+            why = check_member(admission.creator, admission.run, signer, _split_cert(value)[1], now)
+            if why is not None:
+                return self._refuse(f"{why} in an allowlist run", record, signer)
         if self._learn and record.key not in self._protected and record.key not in self._learned:
             self._learned[record.key] = None
             if len(self._learned) > MAX_LEARNED_KEYS:
@@ -164,13 +207,16 @@ class Ed25519RecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hive
         value: bytes = record.value
         if self._identity is None or record.subkey != self._own_subkey_bytes:
             return value  # not our subkey: left unsigned, so validate() will refuse it if protected
+        carried = self._admission.carried if self._admission is not None else None
+        if carried is not None and record.key in self._protected:
+            value = value + carried + len(carried).to_bytes(2, "big") + CERT_MAGIC
         payload = _signed_payload(record.key, record.subkey, value, record.expiration_time)
         return value + SIG_MAGIC + self._identity.sign(RECORD_DOMAIN, payload)
 
     def strip_value(self, record: DHTRecord) -> bytes:
         value: bytes = record.value
         split = _split_signature(value)
-        return value if split is None else split[0]
+        return value if split is None else _split_cert(split[0])[0]
 
     @property
     def priority(self) -> int:
@@ -195,7 +241,7 @@ def sign_record_for_test(
 def stored_value(raw: bytes) -> object:
     """Decode raw stored bytes (``SwarmDHT.local_dict``): drop the signature, then msgpack-decode."""
     split = _split_signature(raw)
-    return msgpack.unpackb(raw if split is None else split[0], raw=False)
+    return msgpack.unpackb(raw if split is None else _split_cert(split[0])[0], raw=False)
 
 
 # --- values -------------------------------------------------------------------------------------------

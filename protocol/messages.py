@@ -68,7 +68,7 @@ _LAYER = Int(0, MAX_LAYER)
 _EXPERT = Int(0, MAX_EXPERT)
 _SHARD = Fixed(_LAYER, _EXPERT)
 _COUNT = Int(0)
-MAX_SETTINGS_CHARS = 3072  # a run's settings as canonical JSON are about 700 characters
+RUN_DIGEST_BYTES = 16  # protocol.manifest.DIGEST_BYTES
 _UNIX_TIME = Float(0.0, 1e11, lo_open=True)  # seconds since the epoch
 _LOSS = Optional(Float(-1e9, 1e9))
 
@@ -116,8 +116,8 @@ class Heartbeat(Message):
         step: its training step.
         versions: version counters of what it holds, e.g. ``{"attn": 12, "surrogates": 40}``.
         loss: its latest training loss, if any.
-        settings: a composer's run settings, canonical JSON (``node.config.train.run_settings``): composers
-            whose settings differ ignore each other; empty for workers and bootstrap peers.
+        run: the digest of the run manifest a composer trains by (``protocol.manifest``): composers with
+            different digests ignore each other; empty for workers and bootstrap peers.
         suspects: the peers (libp2p peer ids) this node holds most evidence against, with their scores
             (``node.net.scores``), at most ``MAX_SUSPECTS``: what ``swarm status`` shows.
         banned: those of them it ignores now.
@@ -134,7 +134,7 @@ class Heartbeat(Message):
     step: int = wire(_COUNT)
     versions: Mapping[str, int] = wire(Map(_NAME, _COUNT, max_len=256), default=None)
     loss: float | None = wire(_LOSS, default=None)
-    settings: str = wire(Str(MAX_SETTINGS_CHARS), default="")
+    run: bytes = wire(Bytes(max_len=RUN_DIGEST_BYTES), default=b"")
     suspects: Mapping[str, float] = wire(Map(_PEER_ID, Float(0.0, 1e9), max_len=MAX_SUSPECTS), default=None)
     banned: tuple[str, ...] = wire(Seq(_PEER_ID, max_len=MAX_SUSPECTS), default=())
 

@@ -54,6 +54,12 @@ class PeerConfig:
     """Every peer on one machine (tests, ``swarm local``): the loopback timing profile."""
     metrics: Path | None = None
     """JSONL file: one line per step and per event."""
+    manifest: Path | None = None
+    """The run's manifest file (``parallax run create``, ``parallax run fetch``): it sets the run's shared
+    settings, and composers of another manifest are ignored. None: a composer signs one of its own settings
+    (an open run)."""
+    member_cert: Path | None = None
+    """This peer's member certificate for an ``allowlist`` run (``parallax run admit``)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)

@@ -18,9 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from parallax.dht.manifests import settings_difference
 from parallax.node.config.peer import NetConfig, NodeConfig, PeerConfig, WorkerConfig
-from parallax.node.config.train import PRESETS, TrainConfig, train_config
+from parallax.node.config.train import PRESETS, TrainConfig, run_settings, train_config
 from parallax.node.config.typed import ConfigError, apply_changes, coerce, field_types, parse_sets, table_changes
+from parallax.protocol.manifest import RunManifest
 
 R = TypeVar("R")
 
@@ -70,7 +72,7 @@ def _rooted(root: type, changes: Mapping[str, object]) -> dict[str, object]:
 
 def resolve(root: type[R], build: Callable[[str, bool], R], *, file: Path | None = None,
             flags: Mapping[str, object] | None = None, sets: Sequence[str] = (),
-            default_preset: str = "small") -> R:
+            default_preset: str = "small", manifest: RunManifest | None = None) -> R:
     """The settings a command runs with.
 
     Args:
@@ -81,13 +83,16 @@ def resolve(root: type[R], build: Callable[[str, bool], R], *, file: Path | None
             ``preset`` is the preset flag.
         sets: ``--set PATH=VALUE`` items, in order.
         default_preset: the preset when neither the file nor a flag names one.
+        manifest: the run's manifest (``--manifest``): its shared training settings replace the preset's, and
+            a file, flag or ``--set`` (or a named preset) that changes one of them is refused, naming it.
 
     Raises:
         ConfigError: any setting that cannot be used, in one line.
     """
     doc = read_file(file)
     given = {k: v for k, v in (flags or {}).items() if v is not None}
-    name = given.pop("preset", None) or doc.get("preset") or default_preset
+    named = given.pop("preset", None) or doc.get("preset")
+    name = named or default_preset
     if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     layers = [_file_changes(root, doc), given, _rooted(root, parse_sets(sets))]
@@ -100,9 +105,32 @@ def resolve(root: type[R], build: Callable[[str, bool], R], *, file: Path | None
         cfg = build(name, loopback)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if manifest is not None:
+        cfg = _from_manifest(cfg, manifest, named)
     for layer in layers:
         cfg = apply_changes(cfg, layer)
+    if manifest is not None and run_settings(cfg.train) != manifest.settings:  # type: ignore[attr-defined]
+        raise ConfigError(f"the settings given differ from run {manifest.run_id}'s manifest: "
+                          f"{settings_difference(run_settings(cfg.train), manifest.settings)}; "  # type: ignore[attr-defined]
+                          "leave them out (the manifest sets them)")
     return cfg
+
+
+def _from_manifest(cfg: R, manifest: RunManifest, named: object) -> R:
+    """``cfg`` with the manifest's shared training settings (its local ones kept)."""
+    if "train" not in field_types(type(cfg)):
+        raise ConfigError("a manifest sets training settings, which this command does not have")
+    try:
+        changes = table_changes(TrainConfig, manifest.settings_dict())
+        train = apply_changes(cfg.train, changes)  # type: ignore[attr-defined]
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"run {manifest.run_id}'s manifest holds settings this version cannot use: {e}") from None
+    if named and isinstance(named, str) and PRESETS[named] != train.model:
+        preset_settings = run_settings(dataclasses.replace(train, model=PRESETS[named]))
+        raise ConfigError(f"preset {named} is not the model of run {manifest.run_id}'s manifest: "
+                          f"{settings_difference(preset_settings, manifest.settings)}; leave out the preset (the "
+                          "manifest sets the model)")
+    return dataclasses.replace(cfg, train=train)  # type: ignore[type-var]
 
 
 def train_defaults(name: str, loopback: bool = False) -> TrainConfig:

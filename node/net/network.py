@@ -27,7 +27,7 @@ from hivemind.p2p import P2P, ServicerBase
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import protected_keys
-from parallax.dht.records import Ed25519RecordValidator
+from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.node.config.peer import PeerConfig
 from parallax.node.config.train import SHARED_GROUPS
 from parallax.protocol.errors import RemoteProtocolError
@@ -61,9 +61,10 @@ def cap_stream_messages() -> None:
 
 
 def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_layers: int,
-              while_starting: Callable[[], object] | None = None) -> SwarmDHT:
+              admission: Admission | None = None, while_starting: Callable[[], object] | None = None) -> SwarmDHT:
     """The run's DHT node for ``peer``'s addresses: its libp2p key beside ``identity_path`` (``.p2p``), records
-    of the run's protected keys signed and checked with ``identity``.
+    of the run's protected keys signed and checked with ``identity`` (and, in an allowlist run, ``admission``'s
+    certificates).
 
     Raises:
         DHTError: as ``SwarmDHT.start``.
@@ -75,7 +76,7 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
     # A node names every key of its run, so it learns none: a hostile signed record under one of hivemind's own
     # keys (the averager's matchmaking) must not make it refuse hivemind's unsigned records there.
     validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS),
-                                       learn_protected=False)
+                                       learn_protected=False, admission=admission)
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
 
 

@@ -36,12 +36,13 @@ from dataclasses import dataclass
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import Membership, MembershipConfig, PeerState, settings_difference
+from parallax.dht.membership import Membership, MembershipConfig, PeerState
 from parallax.dht.shards import assign_experts
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
 from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
+from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, start_dht
@@ -211,13 +212,19 @@ class Node:
         averagers take seconds to start while the announcer thread settles the shard assignment."""
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
+        manifest = peer_manifest(c.peer, self.identity, run_settings(cfg))
+        assert manifest is not None  # a composer always trains by one
+        admission = peer_admission(c.peer, self.identity, manifest)
         dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("node"),
-                        n_layers=cfg.model.n_layers, while_starting=lambda: importlib.import_module("torch._dynamo"))
+                        n_layers=cfg.model.n_layers, admission=admission,
+                        while_starting=lambda: importlib.import_module("torch._dynamo"))
         stack.callback(dht.shutdown)
         telemetry.status.peer_id = dht.peer_id
         telemetry.status.join_command = dht.join_command()
-        telemetry.event("dht_started", join=telemetry.status.join_command)
-        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", settings=run_settings(cfg),
+        telemetry.status.run_digest = manifest.digest_hex
+        telemetry.event("dht_started", join=telemetry.status.join_command, run_digest=manifest.digest_hex,
+                        admission=manifest.admission)
+        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", manifest=manifest,
                                              stall_s=c.net.stall_s, idle_s=c.net.idle_s)
         membership = Membership(dht, self.identity, membership_config,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
@@ -305,13 +312,13 @@ class Node:
             self.stop_event.wait(0.1)
 
 def _other_settings(run_id: str, membership: Membership) -> str:
-    """Why this node cannot join: every live composer of the run trains with other settings than it."""
+    """Why this node cannot join: every live composer of the run trains by another manifest than it."""
     foreign = sorted(membership.foreign.values(), key=lambda m: m.fingerprint)
     first = foreign[0]
     return (f"run {run_id} trains with other settings than this node ({len(foreign)} composer(s), e.g. "
-            f"{first.fingerprint}): {settings_difference(membership.config.settings, first.heartbeat.settings)}. "
-            "Start with the run's settings (the same --preset, --config and --set as its composers), or choose "
-            "another --run-id")
+            f"{first.fingerprint}): {membership.foreign_difference(first)}. Start with the run's manifest "
+            f"(parallax run fetch --run-id {run_id} --initial-peers ... --out run.json, then --manifest run.json) "
+            "or its settings (the same --preset, --config and --set as its composers), or choose another --run-id")
 
 
 def _leave_quietly(membership: Membership) -> None:

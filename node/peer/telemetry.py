@@ -26,6 +26,8 @@ class NodeStatus:
     peer_id: str = ""
     join_command: str = ""
     """``--initial-peers ...`` line others join through (printed once at start)."""
+    run_digest: str = ""
+    """The digest of the run manifest this node trains by (hex)."""
     phase: str = "starting"
     step: int = 0
     trained: int = 0

@@ -9,6 +9,7 @@ import pytest
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
+from parallax.dht.manifests import manifest_difference, settings_difference
 from parallax.dht.membership import (
     Member,
     MembershipConfig,
@@ -17,12 +18,12 @@ from parallax.dht.membership import (
     heartbeat_value,
     merge_views,
     parse_members,
-    settings_difference,
-    split_by_settings,
+    split_by_run,
 )
 from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import assign_experts
 from parallax.node.config.train import OptimConfig, TrainConfig, run_settings
+from parallax.protocol import manifest as manifests
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim, ShardRelease
@@ -55,8 +56,8 @@ def test_join_line_and_identity_path(tmp_path):
 
 def test_keys_are_run_namespaced():
     assert members_key("r1") == "r1/members" and claims_key("r1", 3) == "r1/claims/3"
-    assert protected_keys("r1", 2, ["router"]) == ["r1/members", "r1/claims/0", "r1/claims/1", "r1/surrogates/0",
-                                                   "r1/surrogates/1", "r1/outer/router/rounds"]
+    assert protected_keys("r1", 2, ["router"]) == ["r1/manifest", "r1/members", "r1/claims/0", "r1/claims/1",
+                                                   "r1/surrogates/0", "r1/surrogates/1", "r1/outer/router/rounds"]
     assert parse_expert_id(expert_id(3, 7)) == (3, 7)
     for bad in ["", "a/b", "-x", "x" * 65]:
         with pytest.raises(ValueError, match="run id"):
@@ -163,21 +164,29 @@ def test_a_read_that_misses_a_live_heartbeat_does_not_kill_its_node():
     assert merge_views(later, view(200.0, {})).members == {}  # expired records are not carried on
 
 
-def test_composers_with_other_settings_are_left_out_and_the_difference_named():
+def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
     mine = run_settings(TrainConfig())
     theirs = run_settings(dataclasses.replace(TrainConfig(), optim=dataclasses.replace(OptimConfig(), lr=1e-3)))
-    keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
+    keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(5)]
+    ours, other = manifests.create(keys[0], "r", mine), manifests.create(keys[1], "r", theirs)
+    # Open runs: a manifest of the same settings signed by another composer has the same digest.
+    assert manifests.create(keys[4], "r", mine).digest == ours.digest != other.digest
 
-    def member(identity: Identity, role: str, settings: str) -> tuple[str, Member]:
-        hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role=role, capacity=1.0, shards=(), step=0, settings=settings)
+    def member(identity: Identity, role: str, run: bytes) -> tuple[str, Member]:
+        hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role=role, capacity=1.0, shards=(), step=0, run=run)
         return identity.fingerprint, Member(identity.fingerprint, identity.public_key, hb, 200.0)
 
-    members = dict([member(keys[0], "composer", mine), member(keys[1], "composer", theirs),
-                    member(keys[2], "worker", ""), member(keys[3], "composer", "")])
-    view, foreign = split_by_settings(SwarmView(run_id="r", read_at=100.0, members=members), mine)
-    assert set(view.composers(150.0)) == {keys[0].fingerprint}  # the bare composer announces no settings either
+    members = dict([member(keys[0], "composer", ours.digest), member(keys[1], "composer", other.digest),
+                    member(keys[2], "worker", b""), member(keys[3], "composer", b"")])
+    view, foreign = split_by_run(SwarmView(run_id="r", read_at=100.0, members=members), ours.digest)
+    assert set(view.composers(150.0)) == {keys[0].fingerprint}  # the bare composer announces no manifest either
     assert set(foreign) == {keys[1].fingerprint, keys[3].fingerprint} and keys[2].fingerprint in view.members
-    assert split_by_settings(view, "")[1] == {}  # a tool that only looks keeps everyone
+    assert split_by_run(view, b"")[1] == {}  # a tool that only looks keeps everyone
+    assert manifest_difference(ours, other) == "optim.lr = 0.003 here, 0.001 there"
+    private = manifests.create(keys[0], "r", mine, admission="allowlist")
+    assert manifest_difference(ours, private) == "admission open here, allowlist there"
+    assert "allowlist of creator" in manifest_difference(private, manifests.create(keys[1], "r", mine,
+                                                                                     admission="allowlist"))
     assert settings_difference(mine, theirs) == "optim.lr = 0.003 here, 0.001 there"
     assert settings_difference(mine, "{not json") == "settings that do not parse"
     assert settings_difference(mine, run_settings(TrainConfig(seed=1))) == "seed = 0 here, 1 there"
@@ -252,11 +261,12 @@ def test_leaving_and_coming_back_starts_no_new_grace_period():
 
 
 def test_a_heartbeat_too_large_for_a_record_drops_its_suspects_first():
-    settings = "x" * 1500  # twice a run's; 1024 shards
+    # 1024 shards, eight long addresses and eight long suspects
+    addresses = tuple(f"/dns4/{'a' * 180}{i}.example/tcp/31337" for i in range(8))
     shards = tuple((layer, e) for layer in range(16) for e in range(64))
     liars = {f"12D3KooW{'z' * 100}{i:02d}": 9.0 for i in range(8)}
-    hb = Heartbeat(peer_id="12D3KooWme", addresses=(), role="composer", capacity=1.0, shards=shards, step=1,
-                   settings=settings, suspects=liars, banned=tuple(liars))
+    hb = Heartbeat(peer_id="12D3KooWme", addresses=addresses, role="composer", capacity=1.0, shards=shards, step=1,
+                   run=bytes(16), suspects=liars, banned=tuple(liars))
     assert len(pack_message(hb)) > MAX_RECORD_BYTES
     value = heartbeat_value(hb)
     assert len(value) <= MAX_RECORD_BYTES

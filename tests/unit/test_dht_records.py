@@ -131,3 +131,20 @@ def test_message_values_round_trip_and_refuse_other_kinds():
     for bad in [b"", b"\x93\x01\x02\x03", msgpack.packb(["heartbeat", b"\x00"]), msgpack.packb(["nokind", b""]), 7]:
         with pytest.raises(RemoteProtocolError):
             unpack_message(bad, (Heartbeat,))
+
+
+def test_one_forged_entry_does_not_hide_the_valid_ones_of_a_dictionary():
+    """hivemind drops a whole dictionary answer when one subkey fails; ``keep_valid_subkeys`` drops only that one."""
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from parallax.dht.adapter import keep_valid_subkeys
+
+    good, bob = record(ALICE), record(Identity.from_seed(b"b" * 32))
+    dictionary = DictionaryDHTValue()
+    for r in (good, bob):
+        dictionary.store(msgpack.unpackb(r.subkey), r.value, r.expiration_time)
+    dictionary.store(owner_subkey(MALLORY.public_key), good.value, good.expiration_time)  # Alice's, as Mallory
+    protocol = type("Protocol", (), {"record_validator": validator(), "serializer": MSGPackSerializer})()
+    assert keep_valid_subkeys(protocol, dht_key_id(KEY), dictionary)
+    assert {s for s, _ in dictionary.items()} == {owner_subkey(ALICE.public_key), msgpack.unpackb(bob.subkey)}

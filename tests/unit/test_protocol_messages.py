@@ -20,6 +20,7 @@ from parallax.protocol.errors import (
     RemoteProtocolError,
     UnknownKind,
 )
+from parallax.protocol.manifest import MemberCert, RunManifest
 from parallax.protocol.messages import (
     KINDS,
     Deathrattle,
@@ -53,9 +54,13 @@ EXAMPLES: dict[str, Message] = {
             step=120,
             versions={"attn": 4},
             loss=2.5,
+            run=b"\x07" * 16,
             suspects={"QmLiar": 3.0},
             banned=("QmLiar",),
         ),
+        RunManifest(run_id="r", settings='{"seed":0}', tokenizer="bytes", admission="allowlist",
+                    creator=b"\x03" * 32, created=1.7e9, signature=b"\x04" * 64),
+        MemberCert(run=b"\x07" * 16, member=b"\x05" * 32, not_after=1.8e9, signature=b"\x06" * 64),
         Deathrattle(peer_id="QmPeer", step=7, reason="shutdown"),
         ShardClaim(layer=2, expert=7, lease_expiry=1700000030.0, step=9),
         ShardRelease(layer=2, expert=7, heir="QmHeir"),
@@ -76,8 +81,8 @@ GOLDEN = {
     "heartbeat": (
         "8ba961646472657373657391b72f6970342f31302e302e302e312f7463702f3331333337a662616e6e656491a6516d4c696172a8"
         "6361706163697479cb3ff8000000000000a46c6f7373cb4004000000000000a7706565725f6964a6516d50656572a4726f6c65a8"
-        "636f6d706f736572a873657474696e6773a0a673686172647392920003920105a47374657078a8737573706563747381a6516d4c"
-        "696172cb4008000000000000a876657273696f6e7381a46174746e04"
+        "636f6d706f736572a372756ec41007070707070707070707070707070707a673686172647392920003920105a47374657078a873"
+        "7573706563747381a6516d4c696172cb4008000000000000a876657273696f6e7381a46174746e04"
     ),
     "shard_claim": (
         "84a665787065727407a56c6179657202ac6c656173655f657870697279cb41d954fc47800000a47374657009"

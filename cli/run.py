@@ -1,0 +1,160 @@
+"""``parallax run ...``: define a run once (a signed manifest), admit members to a private run, fetch and show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from parallax.cli.options import ConfigFile, Preset, Sets, fail
+
+run_app = typer.Typer(help="Run manifests: the settings every peer of a run shares, signed by its creator.",
+                      no_args_is_help=True)
+
+CreatorKey = typer.Option(None, "--identity", help="The creator's Ed25519 key file (default ~/.parallax/node.key; "
+                          "created if missing). Keep it: it admits members to an allowlist run.")
+
+
+@run_app.command("create")
+def create(
+    run_id: str = typer.Option(..., "--run-id", help="The run's name (every peer's --run-id)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the manifest (JSON)."),
+    preset: Preset = None,
+    config_file: ConfigFile = None,
+    set_: Sets = None,
+    admission: str = typer.Option("open", "--admission", help="open (anyone may join) or allowlist (only peers with "
+                                  "a member certificate from this key: `parallax run admit`)."),
+    identity: Path | None = CreatorKey,
+) -> None:
+    """Write a run's manifest: the shared settings (defaults < --config < --preset < --set, as `node join`), signed.
+
+    Peers start with `--manifest FILE`: they take its settings, and composers of another manifest ignore them."""
+    from parallax.node.config.peer import NodeConfig
+    from parallax.node.config.resolve import node_defaults, resolve
+    from parallax.node.config.train import run_settings
+    from parallax.protocol import manifest as manifests
+    from parallax.protocol.errors import KeyFileError
+    from parallax.protocol.identity import Identity
+
+    try:
+        config = resolve(NodeConfig, node_defaults, file=config_file, flags={"preset": preset, "peer.run_id": run_id},
+                         sets=set_ or (), default_preset="tiny")
+        creator = Identity.load_or_create(_creator_path(identity))
+        manifest = manifests.create(creator, config.peer.run_id, run_settings(config.train), admission=admission)
+        if out.exists():
+            raise ValueError(f"{out} exists: choose another --out (a run's manifest is never rewritten in place)")
+        manifests.save(manifest, out)
+    except (ValueError, KeyFileError, OSError) as e:
+        fail(e)
+    typer.echo(f"wrote {out}: run {manifest.run_id}, digest {manifest.digest_hex}, admission {manifest.admission}, "
+               f"creator {creator.fingerprint}")
+    if manifest.admission == "allowlist":
+        typer.echo("admit each member: parallax run admit --manifest "
+                   f"{out} --member <their public key (parallax keys show)> --out member.cert")
+
+
+@run_app.command("admit")
+def admit(
+    manifest_file: Path = typer.Option(..., "--manifest", help="The allowlist run's manifest."),
+    member: str = typer.Option(..., "--member", help="The member's Ed25519 public key, 64 hex characters "
+                               "(`parallax keys show` prints it)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the certificate (give it to the member)."),
+    days: float = typer.Option(30.0, "--days", min=0.001, help="How long the certificate is valid."),
+    identity: Path | None = CreatorKey,
+) -> None:
+    """Certify a member of an allowlist run (only its creator's key can)."""
+    from parallax.protocol import manifest as manifests
+    from parallax.protocol.errors import KeyFileError
+    from parallax.protocol.identity import PUBLIC_KEY_BYTES, Identity, fingerprint
+
+    try:
+        manifest = manifests.load_manifest(manifest_file)
+        try:
+            key = bytes.fromhex(member)
+        except ValueError:
+            key = b""
+        if len(key) != PUBLIC_KEY_BYTES:
+            raise ValueError(f"--member {member[:80]!r} is not a public key: give the 64 hex characters that "
+                             "`parallax keys show KEYFILE` prints after 'public key:'")
+        creator = Identity.load(_creator_path(identity))
+        cert = manifests.admit(creator, manifest, key, valid_s=days * 86400.0)
+        manifests.save(cert, out)
+    except (ValueError, KeyFileError, OSError) as e:
+        fail(e)
+    typer.echo(f"wrote {out}: {fingerprint(key)} may join run {manifest.run_id} for {days:g} days (start it with "
+               f"--manifest {manifest_file} --member-cert {out})")
+
+
+@run_app.command("show")
+def show(manifest_file: Path = typer.Argument(..., help="A manifest file.")) -> None:
+    """Print a manifest (its signature checked) and its digest."""
+    import json
+
+    from parallax.protocol import manifest as manifests
+    from parallax.protocol.identity import fingerprint
+
+    try:
+        manifest = manifests.load_manifest(manifest_file)
+    except ValueError as e:
+        fail(e)
+    typer.echo(f"run {manifest.run_id}  digest {manifest.digest_hex}  admission {manifest.admission}  "
+               f"tokenizer {manifest.tokenizer}  creator {fingerprint(manifest.creator)}")
+    typer.echo(json.dumps(manifest.settings_dict(), indent=2, sort_keys=True))
+
+
+@run_app.command("fetch")
+def fetch(
+    run_id: str = typer.Option(..., "--run-id", help="The run."),
+    initial_peers: list[str] = typer.Option(..., "--initial-peers", help="Multiaddr of a live peer (repeatable)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the manifest."),
+    digest: str | None = typer.Option(None, "--digest", help="The run digest to take when the run's composers "
+                                      "publish several (ask the run's operators which)."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds for the DHT read."),
+) -> None:
+    """Download the manifest a live run's composers publish (its creator's signature checked)."""
+    from parallax.dht.adapter import DHTConfig, SwarmDHT
+    from parallax.dht.keys import check_run_id, manifest_key
+    from parallax.dht.manifests import read_manifests
+    from parallax.dht.records import Ed25519RecordValidator
+    from parallax.errors import DHTError
+    from parallax.protocol import manifest as manifests
+
+    try:
+        check_run_id(run_id)
+        config = DHTConfig(initial_peers=tuple(initial_peers), client_mode=True, start_attempts=2)
+    except ValueError as e:
+        fail(e)
+    dht = None
+    try:
+        dht = SwarmDHT.start(config, [Ed25519RecordValidator(None, protected_keys=[manifest_key(run_id)])])
+        found = read_manifests(dht, run_id, timeout_s=timeout)
+    except DHTError as e:
+        fail(f"the swarm is unreachable: {e}", 1)
+    finally:
+        if dht is not None:
+            dht.shutdown()
+    if not found:
+        fail(f"no composer of run {run_id!r} publishes a manifest (or the read timed out): check --run-id and "
+             "--initial-peers", 1)
+    if digest is not None:
+        found = {d: m for d, m in found.items() if d.hex() == digest.lower()}
+        if not found:
+            fail(f"no composer of run {run_id!r} publishes digest {digest}", 1)
+    if len(found) > 1:
+        listed = "; ".join(f"{d.hex()} ({n} composer(s))" for d, (_m, n) in
+                           sorted(found.items(), key=lambda item: -item[1][1]))
+        fail(f"run {run_id!r} has composers of {len(found)} manifests: {listed}. Choose one with --digest", 1)
+    manifest, publishers = next(iter(found.values()))
+    if out.exists():
+        fail(f"{out} exists: choose another --out")
+    manifests.save(manifest, out)
+    typer.echo(f"wrote {out}: run {run_id}, digest {manifest.digest_hex}, published by {publishers} composer(s); "
+               f"join with: parallax node join --manifest {out} --initial-peers {' '.join(initial_peers)}")
+
+
+def _creator_path(identity: Path | None) -> Path:
+    return (identity or Path.home() / ".parallax" / "node.key").expanduser()
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(run_app, name="run")
