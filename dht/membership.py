@@ -714,18 +714,22 @@ class Membership:
         return True
 
     def _name_foreign(self, new: Mapping[str, Member]) -> None:
-        """Log each composer newly seen training by another manifest, with what differs when its manifest can be
-        read (``foreign_difference``)."""
+        """Log each composer newly seen training by another manifest, with what differs (one DHT read)."""
+        found = self._read_manifests()
         for fp, m in new.items():
             logger.warning("ignoring composer %s (peer %s): it trains by another run manifest than this node: %s",
-                           fp, m.heartbeat.peer_id, self.foreign_difference(m))
+                           fp, m.heartbeat.peer_id, self.foreign_difference(m, found))
 
-    def foreign_difference(self, member: Member) -> str:
-        """How ``member``'s manifest differs from this node's, as far as the published manifests tell."""
+    def _read_manifests(self) -> dict[bytes, tuple[RunManifest, int]]:
+        return read_manifests(self.dht, self.config.run_id, timeout_s=self.config.request_timeout_s) or {}
+
+    def foreign_difference(self, member: Member, found: Mapping[bytes, tuple[RunManifest, int]] | None = None) -> str:
+        """How ``member``'s manifest differs from this node's, as far as the published manifests (``found``, read
+        now when not given) tell."""
         mine, theirs = self.config.manifest, member.heartbeat.run
         if mine is None:
             return "this node has none"
-        found = read_manifests(self.dht, self.config.run_id, timeout_s=self.config.request_timeout_s) or {}
+        found = self._read_manifests() if found is None else found
         if theirs in found:
             return manifest_difference(mine, found[theirs][0])
         return (f"digest {theirs.hex() or '(none)'} there, {mine.digest_hex} here (its manifest is not published "

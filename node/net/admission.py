@@ -61,13 +61,12 @@ def peer_admission(peer: PeerConfig, identity: Identity, manifest: RunManifest |
         raise NodeError(f"run {manifest.run_id!r} admits only members certified by its creator, and this peer "
                         f"({identity.fingerprint}) has no certificate: {ask}")
     cert = load_cert(peer.member_cert)
-    why = check_member(manifest.creator, manifest.digest, identity.public_key,
-                       cert.wire_form() if cert.member == identity.public_key and cert.run == manifest.digest
-                       else None, time.time())
     if cert.member != identity.public_key:
-        why = f"it certifies another key than this peer's ({identity.fingerprint})"
+        why: str | None = f"it certifies another key than this peer's ({identity.fingerprint})"
     elif cert.run != manifest.digest:
         why = "it is for another run or manifest"
+    else:
+        why = check_member(manifest.creator, manifest.digest, identity.public_key, cert.wire_form(), time.time())
     if why is not None:
         raise NodeError(f"member certificate {peer.member_cert} cannot be used: {why}; {ask}")
     return Admission(manifest.creator, manifest.digest, cert.wire_form())

@@ -220,8 +220,8 @@ class Node:
                         while_starting=lambda: importlib.import_module("torch._dynamo"))
         stack.callback(dht.shutdown)
         telemetry.status.peer_id = dht.peer_id
-        telemetry.status.join_command = dht.join_command()
         telemetry.status.run_digest = manifest.digest_hex
+        telemetry.status.join_command = dht.join_command()
         telemetry.event("dht_started", join=telemetry.status.join_command, run_digest=manifest.digest_hex,
                         admission=manifest.admission)
         membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", manifest=manifest,
