@@ -40,7 +40,7 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, config, dht, keys, node, run, sim, swarm, worker
+    from parallax.cli import bench, config, dht, doctor, keys, node, run, sim, swarm, worker
 
     sim.register(app)
     bench.register(app)
@@ -49,6 +49,7 @@ def _register() -> None:
     dht.register(app)
     swarm.register(app)
     run.register(app)
+    doctor.register(app)
     node.register(app)
     worker.register(app)
 

@@ -77,8 +77,8 @@ def join(
         None, "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."),
     metrics: Path | None = typer.Option(None, "--metrics", help="JSONL metrics file (one line per step and event)."),
     host: list[str] | None = typer.Option(
-        None, "--host", help="Multiaddr to listen on (repeatable; default /ip4/127.0.0.1/tcp/0; use "
-        "/ip4/0.0.0.0/tcp/PORT with --announce for a real swarm)."),
+        None, "--host", help="Multiaddr to listen on (repeatable; default every interface, /ip4/0.0.0.0/tcp/0, "
+        "or 127.0.0.1 with --loopback; a fixed port, /ip4/0.0.0.0/tcp/PORT, for a port forward)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
     min_peers: int | None = typer.Option(
         None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),

@@ -40,7 +40,7 @@ def join(
                                           "worker): composers give this worker experts in proportion to it."),
     metrics: Path | None = typer.Option(None, "--metrics", help="JSONL events file."),
     host: list[str] | None = typer.Option(None, "--host", help="Multiaddr to listen on (repeatable; default "
-                                          "loopback)."),
+                                          "every interface, or 127.0.0.1 with --loopback)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
     loopback: bool | None = typer.Option(None, "--loopback/--internet", help="Peers on one machine (accepted for "
                                          "symmetry with `node join`; the worker has no timings to shorten)."),

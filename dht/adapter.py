@@ -13,11 +13,13 @@ answer happens outside it).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -127,6 +129,11 @@ def _parse_one(text: str) -> str:
     return str(addr)
 
 
+def is_loopback(address: str) -> bool:
+    """Whether a multiaddr names this machine's loopback (``/ip4/127.x``, ``/ip6/::1``)."""
+    return address.startswith(("/ip4/127.", "/ip6/::1/"))
+
+
 def join_command(addresses: Sequence[str]) -> str:
     """The copy-paste flag others use to join through this node."""
     return "--initial-peers " + " ".join(addresses)
@@ -180,6 +187,27 @@ async def _local_dict(_dht: DHT, node: DHTNode, key: str) -> dict[Any, tuple[Any
 async def _refusals(_dht: DHT, node: DHTNode) -> int:
     validators = getattr(node.protocol.record_validator, "_validators", [])
     return sum(int(getattr(v, "refused", 0)) for v in validators)
+
+
+async def _ping(_dht: DHT, node: DHTNode, address: str, timeout_s: float) -> tuple[float, float] | str:
+    """Dial ``address`` (a multiaddr ending in /p2p/<id>), then ask its DHT node for a ping: the seconds of each, or
+    why it failed (returned, not raised: hivemind logs a traceback for every exception of a coroutine)."""
+    from hivemind.p2p import PeerID
+
+    start = time.monotonic()
+    try:
+        maddr = multiaddr.Multiaddr(address)
+        peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+        await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), timeout_s)
+        connected = time.monotonic()
+        answer = await asyncio.wait_for(node.protocol.call_ping(peer_id), max(0.1, timeout_s - (connected - start)))
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except Exception as e:
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    if answer is None:
+        return "it connected but its DHT node did not answer a ping (not a hivemind DHT peer, or overloaded)"
+    return connected - start, time.monotonic() - connected
 
 
 class SwarmDHT:
@@ -259,8 +287,9 @@ class SwarmDHT:
     # --- addresses ---
 
     def visible_maddrs(self) -> list[str]:
-        """Addresses (with /p2p/<id>) others can use to join through this node."""
-        return [str(m) for m in self._dht.get_visible_maddrs()]
+        """Addresses (with /p2p/<id>) others can use to join through this node, those another machine can dial
+        first (a node listening on every interface also reports 127.0.0.1)."""
+        return sorted((str(m) for m in self._dht.get_visible_maddrs()), key=is_loopback)
 
     def join_command(self) -> str:
         """The line to print at start: ``--initial-peers <addr> ...``."""
@@ -346,6 +375,20 @@ class SwarmDHT:
         with self._send_lock:
             future = self._dht.run_coroutine(partial(_local_dict, key=key), return_future=True)
         return dict(future.result(timeout_s))
+
+    def ping(self, address: str, *, timeout_s: float) -> tuple[float, float]:
+        """Dial a peer at ``address`` (ending in /p2p/<id>) and ping its DHT node: (seconds to connect, seconds of
+        the ping). Raises ``DHTError`` saying what failed."""
+        with self._send_lock:
+            future = self._dht.run_coroutine(partial(_ping, address=address, timeout_s=timeout_s), return_future=True)
+        try:
+            result = future.result(timeout_s + 1.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DHTError(f"no answer within {timeout_s:g} s") from None
+        if isinstance(result, str):
+            raise DHTError(result)
+        return float(result[0]), float(result[1])
 
     def refusals(self, *, timeout_s: float = 5.0) -> int:
         """How many records this node's validators refused so far (each was also logged)."""

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 CAPACITY_BOUND = 2.0
 """A composer's declared capacity counts up to this many times the median of the live composers'."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
+_NAMING_TRIES = 5
 MANIFEST_TTL_S = 300.0  # a manifest record outlives a few missed stores; the validator allows up to 600 s
 
 
@@ -260,7 +261,7 @@ def _forget_oldest(times: dict[str, float], keep: Iterable[str] = ()) -> None:
 
 def heartbeat_value(hb: Heartbeat) -> bytes:
     """``hb`` as a DHT value; without its suspects and bans when with them it would outgrow a DHT record (many
-    shards and long settings)."""
+    shards and long addresses)."""
     value = pack_message(hb)
     if len(value) > MAX_RECORD_BYTES and (hb.suspects or hb.banned):
         value = pack_message(dataclasses.replace(hb, suspects={}, banned=()))
@@ -491,6 +492,7 @@ class Membership:
         self._claimed: dict[int, frozenset[int]] = {}
         self.heartbeats_sent = 0
         self.foreign: dict[str, Member] = {}
+        self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
         """Composers of the run seen at the last read announcing other settings (left out of the view)."""
         self._progress = Progress(config.stall_s, config.idle_s)
         self.ignored: Callable[[str, SwarmView], bool] | None = None
@@ -615,9 +617,16 @@ class Membership:
         self._stop.wait(self.config.refresh_s)
 
     def _write_tick(self) -> None:
-        """The announcer: the heartbeat when due (or ownership changed), then the claims when due."""
+        """The announcer: the manifest when due (first: a peer that sees our first heartbeat can read it), the
+        heartbeat when due (or ownership changed), then the claims when due."""
         changed = self._announce_now.is_set()
         self._announce_now.clear()
+        manifest = self.config.manifest
+        if manifest is not None and self._clock() >= self._next_manifest and not self._stop.is_set():
+            now = self._clock()
+            if self._store(manifest_key(self.config.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
+                           self.config.request_timeout_s):
+                self._next_manifest = now + self.config.manifest_period_s
         failed = False
         if changed or self._clock() >= self._next_heartbeat:
             failed = not self._send_heartbeat()
@@ -626,12 +635,6 @@ class Membership:
             now = self._clock()
             if changed or now >= self._next_claims:
                 self._send_claims(assignment, now)
-        manifest = self.config.manifest
-        if manifest is not None and self._clock() >= self._next_manifest and not self._stop.is_set():
-            now = self._clock()
-            if self._store(manifest_key(self.config.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
-                           self.config.request_timeout_s):
-                self._next_manifest = now + self.config.manifest_period_s
         due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
         # A failed heartbeat is retried after refresh_s, not at once: a DHT that fails fast must not spin us.
         wait = self.config.refresh_s if failed else min(self.config.refresh_s, max(0.0, due - self._clock()))
@@ -675,7 +678,7 @@ class Membership:
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
                 capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
                 loss=self._loss, run=self.config.run_digest, suspects=dict(self._suspects),
-                banned=self._banned,
+                banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
         ok = self._store(self._members_key, value, now + self.config.heartbeat_ttl_s,
@@ -706,19 +709,26 @@ class Membership:
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
         view, foreign = split_by_run(view, self.config.run_digest)
-        if foreign.keys() - self.foreign.keys():
-            self._name_foreign({fp: foreign[fp] for fp in foreign.keys() - self.foreign.keys()})
+        unnamed = {fp: m for fp, m in foreign.items() if self._naming.get(fp, 0) < _NAMING_TRIES}
+        if unnamed:
+            self._name_foreign(unnamed)
         self.foreign = foreign
         merged = merge_views(self._view, view)
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
         return True
 
     def _name_foreign(self, new: Mapping[str, Member]) -> None:
-        """Log each composer newly seen training by another manifest, with what differs (one DHT read)."""
+        """Log each composer seen training by another manifest once, with what differs (one DHT read); one whose
+        manifest cannot be read yet is tried again at the next reads, a few times."""
         found = self._read_manifests()
         for fp, m in new.items():
-            logger.warning("ignoring composer %s (peer %s): it trains by another run manifest than this node: %s",
-                           fp, m.heartbeat.peer_id, self.foreign_difference(m, found))
+            tries = self._naming[fp] = self._naming.get(fp, 0) + 1
+            if m.heartbeat.run in found or tries == _NAMING_TRIES:
+                self._naming[fp] = _NAMING_TRIES
+                logger.warning("ignoring composer %s (peer %s): it trains by another run manifest than this node: "
+                               "%s", fp, m.heartbeat.peer_id, self.foreign_difference(m, found))
+        while len(self._naming) > _PROGRESS_KEPT:  # bounded under a flood of identities: the oldest go first
+            del self._naming[next(iter(self._naming))]
 
     def _read_manifests(self) -> dict[bytes, tuple[RunManifest, int]]:
         return read_manifests(self.dht, self.config.run_id, timeout_s=self.config.request_timeout_s) or {}

@@ -121,6 +121,8 @@ class Heartbeat(Message):
         suspects: the peers (libp2p peer ids) this node holds most evidence against, with their scores
             (``node.net.scores``), at most ``MAX_SUSPECTS``: what ``swarm status`` shows.
         banned: those of them it ignores now.
+        sent: when it was sent, by the sender's clock (seconds since the epoch): a reader estimates how far the
+            clocks disagree (``parallax doctor``); 0 when unknown.
     """
 
     KIND: ClassVar[str] = "heartbeat"
@@ -137,6 +139,7 @@ class Heartbeat(Message):
     run: bytes = wire(Bytes(max_len=RUN_DIGEST_BYTES), default=b"")
     suspects: Mapping[str, float] = wire(Map(_PEER_ID, Float(0.0, 1e9), max_len=MAX_SUSPECTS), default=None)
     banned: tuple[str, ...] = wire(Seq(_PEER_ID, max_len=MAX_SUSPECTS), default=())
+    sent: float = wire(Float(0.0, 1e11), default=0.0)
 
     def __post_init__(self) -> None:
         for name in ("versions", "suspects"):

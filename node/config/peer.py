@@ -19,6 +19,8 @@ from parallax.dht.keys import check_run_id
 from parallax.dht.membership import MembershipConfig
 from parallax.node.config.train import SimConfig, TrainConfig
 
+LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
+ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
 UNARY_CAP = 4 * 2**20
 """hivemind refuses a unary P2P message larger than this, bytes."""
 
@@ -46,8 +48,9 @@ class PeerConfig:
     """Ed25519 key file, created on first run (the libp2p key lives beside it). None: ~/.parallax/<role>.key."""
     initial_peers: tuple[str, ...] = ()
     """Multiaddrs of live peers, each ending in /p2p/<peer id>. Empty: start a new swarm."""
-    host: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    """Multiaddrs to listen on."""
+    host: tuple[str, ...] = ()
+    """Multiaddrs to listen on. Empty: every interface (``/ip4/0.0.0.0/tcp/0``), or 127.0.0.1 with ``loopback``
+    (``listen``)."""
     announce: tuple[str, ...] = ()
     """Public multiaddrs other peers dial (behind a port forward, say). Empty: what libp2p reports."""
     loopback: bool = False
@@ -64,6 +67,11 @@ class PeerConfig:
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         parse_initial_peers(self.initial_peers)  # a malformed multiaddr fails here, with what to write
+
+    @property
+    def listen(self) -> tuple[str, ...]:
+        """Where this peer listens: ``host``, or its default for the timing profile."""
+        return self.host or (LOOPBACK_HOST if self.loopback else ALL_INTERFACES)
 
     def identity_path(self, role: str) -> Path:
         """The key file: ``identity`` or the default for ``role`` (node, worker)."""

@@ -70,7 +70,7 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
         DHTError: as ``SwarmDHT.start``.
     """
     cap_stream_messages()
-    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.host,
+    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.listen,
                        announce_maddrs=peer.announce,
                        identity_path=identity_path.with_name(identity_path.name + ".p2p"))
     # A node names every key of its run, so it learns none: a hostile signed record under one of hivemind's own

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.errors import NodeError
+from parallax.node.peer.netlab import Host
 from parallax.node.peer.processes import kill_group, send, spawn, stop
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,12 @@ class LocalSwarm:
         node_args: extra ``parallax node join`` arguments for every node (preset, --set, --steps...).
         python: the interpreter to run ``-m parallax.cli`` with.
         threads_per_node: torch threads of each node (OMP_NUM_THREADS), 1 by default.
+        hosts: hosts of a network lab (``netlab.NetLab``) to run on instead of this machine's loopback: the
+            bootstrap peer on the first, node i on host i modulo their number, each listening on its host's address.
     """
 
     def __init__(self, workdir: Path, *, run_id: str = "local", node_args: Sequence[str] = (),
-                 python: str = sys.executable, threads_per_node: int = 1) -> None:
+                 python: str = sys.executable, threads_per_node: int = 1, hosts: Sequence[Host] = ()) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -86,23 +89,36 @@ class LocalSwarm:
         # Several nodes on one machine: torch's default (a thread per core in every process) oversubscribes
         # the cores and its spinning threads slow every step many times over (measured: seconds per step).
         self.threads_per_node = threads_per_node
+        self.hosts = list(hosts)
         self.bootstrap: subprocess.Popen[bytes] | None = None
         self.initial_peers: str = ""
         self.nodes: list[NodeProcess] = []
         self.workers: list[NodeProcess] = []
 
-    def _spawn(self, args: list[str], log: Path, launcher: Sequence[str] = ("-m", "parallax.cli")
-               ) -> subprocess.Popen[bytes]:
+    def host(self, index: int | None) -> Host | None:
+        """The lab host of node ``index`` (``None``: the bootstrap peer's), or ``None`` on loopback."""
+        if not self.hosts:
+            return None
+        return self.hosts[0 if index is None else index % len(self.hosts)]
+
+    def listen(self, index: int | None) -> str:
+        host = self.host(index)
+        return host.maddr() if host is not None else "/ip4/127.0.0.1/tcp/0"
+
+    def _spawn(self, args: list[str], log: Path, launcher: Sequence[str] = ("-m", "parallax.cli"),
+               host: Host | None = None) -> subprocess.Popen[bytes]:
         threads = str(self.threads_per_node)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        argv = [self.python, *launcher, *args]
         with log.open("ab") as out:
-            return spawn([self.python, *launcher, *args], env=env, stdout=out)
+            return spawn(host.argv(*argv) if host is not None else argv, env=env, stdout=out)
 
-    def start_bootstrap(self, timeout_s: float = 60.0) -> str:
-        """Start the bootstrap peer; returns the multiaddr others join through."""
+    def start_bootstrap(self, *extra: str, timeout_s: float = 60.0) -> str:
+        """Start the bootstrap peer (``extra``: more ``dht bootstrap`` arguments); returns the multiaddr others join
+        through."""
         log = self.workdir / "bootstrap.log"
-        self.bootstrap = self._spawn(["dht", "bootstrap", "--host", "/ip4/127.0.0.1/tcp/0",
-                                      "--identity", str(self.workdir / "bootstrap.key")], log)
+        self.bootstrap = self._spawn(["dht", "bootstrap", "--host", self.listen(None), "--identity",
+                                      str(self.workdir / "bootstrap.key"), *extra], log, host=self.host(None))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             found = _JOIN_RE.search(log.read_text(errors="replace")) if log.exists() else None
@@ -126,9 +142,10 @@ class LocalSwarm:
         metrics = folder / "metrics.jsonl"
         # Each node already has a session of its own here and is signalled by pid: no supervisor in between.
         args = ["node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise", "--run-id", self.run_id,
-                "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers,
+                "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers, "--host", self.listen(i),
                 "--metrics", str(metrics), *self.node_args, *extra]
-        node = NodeProcess(i, self._spawn(args, folder / "node.log", launcher), metrics, folder / "node.log", args)
+        node = NodeProcess(i, self._spawn(args, folder / "node.log", launcher, self.host(i)), metrics,
+                           folder / "node.log", args)
         if index is not None and index < len(self.nodes):
             self.nodes[index] = node
         else:
@@ -145,8 +162,10 @@ class LocalSwarm:
         folder.mkdir(exist_ok=True)
         metrics = folder / "metrics.jsonl"
         args = ["worker", "join", "--cpu", "--no-supervise", "--run-id", self.run_id, "--identity",
-                str(folder / "worker.key"), "--initial-peers", self.initial_peers, "--metrics", str(metrics), *extra]
-        worker = NodeProcess(i, self._spawn(args, folder / "worker.log"), metrics, folder / "worker.log", args)
+                str(folder / "worker.key"), "--initial-peers", self.initial_peers, "--host", self.listen(i),
+                "--metrics", str(metrics), *extra]
+        worker = NodeProcess(i, self._spawn(args, folder / "worker.log", host=self.host(i)), metrics,
+                             folder / "worker.log", args)
         self.workers.append(worker)
         return worker
 

@@ -47,9 +47,10 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
             composer = swarm.add_dht(fixed_identity(1))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             with (tmp_path / "worker.log").open("ab") as log:
-                proc = spawn([sys.executable, "-m", "parallax.cli", "worker", "join", "--cpu", "--no-supervise",
-                              "--run-id", RUN, "--identity", str(tmp_path / "worker.key"), "--capacity", "2.5",
-                              "--initial-peers", composer.dht.visible_maddrs()[0], "--metrics", str(metrics)],
+                proc = spawn([sys.executable, "-m", "parallax.cli", "worker", "join", "--cpu", "--loopback",
+                              "--no-supervise", "--run-id", RUN, "--identity", str(tmp_path / "worker.key"),
+                              "--capacity", "2.5", "--initial-peers", composer.dht.visible_maddrs()[0],
+                              "--metrics", str(metrics)],
                              env=env, stdout=log)
             wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
             # Its heartbeat is visible before start() returns (it reads the view once more), and only then is

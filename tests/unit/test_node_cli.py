@@ -13,7 +13,7 @@ runner = CliRunner()
 
 
 def join(*args: str):  # type: ignore[no-untyped-def]
-    return runner.invoke(app, ["node", "join", "--quiet", *args])
+    return runner.invoke(app, ["node", "join", "--quiet", "--loopback", *args])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is absent")
