@@ -196,9 +196,9 @@ async def _ping(_dht: DHT, node: DHTNode, address: str, timeout_s: float) -> tup
 
     start = time.monotonic()
     try:
-        maddr = multiaddr.Multiaddr(address)
-        peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
-        await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(f"/p2p/{peer_id}")]), timeout_s)
+        where, _, last = address.rpartition("/p2p/")  # the peer is the last /p2p/ part (a relayed address has two)
+        peer_id = PeerID.from_base58(last)
+        await asyncio.wait_for(node.p2p._client.connect(peer_id, [multiaddr.Multiaddr(where)]), timeout_s)
         connected = time.monotonic()
         answer = await asyncio.wait_for(node.protocol.call_ping(peer_id), max(0.1, timeout_s - (connected - start)))
     except TimeoutError:
