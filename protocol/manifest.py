@@ -32,7 +32,7 @@ import msgpack
 from parallax.protocol.errors import LocalProtocolError, MalformedMessage, RemoteProtocolError
 from parallax.protocol.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, fingerprint, verify
 from parallax.protocol.messages import RUN_DIGEST_BYTES as DIGEST_BYTES
-from parallax.protocol.schema import Bytes, Float, Message, Str, register, wire
+from parallax.protocol.schema import MSGPACK_ERRORS, Bytes, Float, Message, Str, register, wire
 
 ADMISSIONS = frozenset({"open", "allowlist"})
 MAX_MANIFEST_BYTES = 5 * 1024  # it travels in a DHT record (dht.records.MAX_RECORD_BYTES)
@@ -176,7 +176,7 @@ def check_member(creator: bytes, run: bytes, member: bytes, carried: bytes | Non
     try:
         not_after, signature = msgpack.unpackb(carried, raw=False, max_bin_len=SIGNATURE_BYTES, max_array_len=2)
         cert = MemberCert(run=run, member=member, not_after=not_after, signature=signature)
-    except (ValueError, TypeError, LocalProtocolError, msgpack.exceptions.ExtraData):
+    except MSGPACK_ERRORS + (LocalProtocolError,):
         return "a malformed member certificate"
     if not verify(creator, cert.signature, _CERT_DOMAIN, cert.signed_bytes()):
         return "a member certificate not signed by the run's creator"

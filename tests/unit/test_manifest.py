@@ -87,6 +87,9 @@ def test_only_the_creator_admits_members_and_certificates_are_checked():
     assert check(STRANGER.public_key, cert.wire_form()) == "a member certificate not signed by the run's creator"
     assert check(MEMBER.public_key, cert.wire_form(), now + 120) == "an expired member certificate"
     assert check(MEMBER.public_key, b"\x00garbage") == "a malformed member certificate"
+    for junk in (b"", b"\x92", b"\x92\xcb" + b"\x00" * 8 + b"\xc4\x40" + b"\x01" * 64 + b"x", b"\xc1" * 40,
+                 bytes(range(256))):
+        assert check(MEMBER.public_key, junk) == "a malformed member certificate"
     self_made = manifests.admit(STRANGER, manifests.create(STRANGER, "r", TINY, admission="allowlist"),
                                 STRANGER.public_key, valid_s=60)
     assert check(STRANGER.public_key, self_made.wire_form()) is not None
