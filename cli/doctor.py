@@ -17,6 +17,8 @@ def doctor(
     host: list[str] | None = typer.Option(None, "--host", help="Multiaddr to listen on, as `node join --host` "
                                           "(default every interface)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr, as `node join --announce`."),
+    loopback: bool = typer.Option(False, "--loopback", help="Peers on this machine only (a local swarm): loopback "
+                                  "addresses are enough."),
     gpu: int | None = typer.Option(None, "--gpu", help="Check CUDA device N."),
     cpu: bool = typer.Option(False, "--cpu", help="Check training on the CPU."),
     preset: Preset = None,
@@ -34,10 +36,10 @@ def doctor(
     from parallax.node.config.resolve import node_defaults, resolve
     from parallax.node.config.typed import ConfigError
     from parallax.node.peer import doctor as checks
-    from parallax.node.train.device import DeviceError, device_setting
+    from parallax.node.train.device import DeviceError, device_of, device_setting
 
     flags = {"preset": preset, "peer.host": host or None, "peer.announce": announce or None,
-             "node.checkpoint_dir": checkpoint_dir}
+             "node.checkpoint_dir": checkpoint_dir, "peer.loopback": loopback or None}
     try:
         flags["node.device"] = device_setting(gpu, cpu)
         manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
@@ -56,13 +58,17 @@ def doctor(
     params, need = checks.composer_bytes(config.train)
     device = checks.check_device(config.node.device, need)
     say(device)
-    say(checks.check_memory(need, on_gpu="cuda" in device.detail))
+    try:
+        on_gpu = device_of(config.node.device).type == "cuda"
+    except DeviceError:  # said in the device line
+        on_gpu = False
+    say(checks.check_memory(need, on_gpu=on_gpu))
     say(checks.check_disk(config.node.checkpoint_dir, params))
     started, dht = checks.check_p2pd(config.peer.listen, config.peer.announce)
     say(started)
     if dht is not None:
         try:
-            say(checks.check_reachable(dht.visible_maddrs(), config.peer.announce))
+            say(checks.check_reachable(dht.visible_maddrs(), config.peer.announce, local=config.peer.loopback))
             for check in checks.check_peers(dht, peers, timeout):
                 say(check)
             if not peers:

@@ -129,8 +129,9 @@ def check_p2pd(host: Sequence[str], announce: Sequence[str]) -> tuple[Check, Swa
                  f"{', '.join(host)}"), dht
 
 
-def check_reachable(visible: Sequence[str], announce: Sequence[str]) -> Check:
-    """Whether a machine on another network could dial one of ``visible`` (what p2pd reports)."""
+def check_reachable(visible: Sequence[str], announce: Sequence[str], *, local: bool = False) -> Check:
+    """Whether a machine on another network could dial one of ``visible`` (what p2pd reports); with ``local``
+    (a swarm on this machine), whether this machine's peers can."""
     hosts = []
     for address in visible:
         try:
@@ -140,6 +141,8 @@ def check_reachable(visible: Sequence[str], announce: Sequence[str]) -> Check:
             continue
     public = [h for h in hosts if h.is_global]
     shown = ", ".join(a.split("/p2p/")[0] for a in visible[:3]) or "none"
+    if local:
+        return Check("reachable", "ok", f"peers on this machine only (--loopback): {shown}")
     if announce:
         return Check("reachable", "ok", f"announcing {', '.join(announce)} (given with --announce)")
     if public:

@@ -18,6 +18,7 @@ def test_reachability_is_judged_from_the_addresses_p2pd_reports():
     assert private.verdict == "warn" and "--announce" in private.fix and P2P not in private.detail
     alone = check_reachable([f"/ip4/127.0.0.1/tcp/1{P2P}"], [])
     assert alone.verdict == "fail" and "--host" in alone.fix
+    assert check_reachable([f"/ip4/127.0.0.1/tcp/1{P2P}"], [], local=True).verdict == "ok"
     assert check_reachable([f"/ip4/10.0.0.2/tcp/1{P2P}"], ["/ip4/203.0.113.9/tcp/31337"]).verdict == "ok"
 
 
