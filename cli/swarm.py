@@ -13,6 +13,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from parallax.cli.options import ManifestFile, run_manifest
+
 if TYPE_CHECKING:
     from parallax.dht.status import SwarmStatus
     from parallax.node.peer.local_swarm import LocalSwarm
@@ -50,6 +52,7 @@ def status(
         6.0, "--heartbeat-ttl", min=0.1, help="Seconds a heartbeat record lives in this run (the nodes' "
         "setting, 6 by default): turns record expiries into heartbeat ages."
     ),
+    manifest_file: ManifestFile = None,
 ) -> None:
     """List the live peers of a run and the owner of every expert, read once from the DHT.
 
@@ -59,8 +62,8 @@ def status(
     """
     from parallax.dht.adapter import DHTConfig, SwarmDHT
     from parallax.dht.keys import check_run_id, protected_keys
-    from parallax.dht.membership import read_live_view
-    from parallax.dht.records import Ed25519RecordValidator
+    from parallax.dht.membership import read_live_view, split_by_run
+    from parallax.dht.records import Admission, Ed25519RecordValidator
     from parallax.dht.status import swarm_status
     from parallax.errors import DHTError
     from parallax.node.config.train import SHARED_GROUPS
@@ -77,8 +80,16 @@ def status(
                            request_timeout_s=timeout, start_attempts=2)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--initial-peers") from e
+    try:
+        manifest, _ = run_manifest(manifest_file, run_id)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--manifest") from e
+    # An allowlist run's records count only with a member certificate, as on its nodes.
+    admission = (Admission(manifest.creator, manifest.digest) if manifest is not None
+                 and manifest.admission == "allowlist" else None)
     # Validate-only (no key of our own): it checks the peers' signatures and strips them from the values.
-    validator = Ed25519RecordValidator(None, protected_keys=protected_keys(run_id, layers or 0, SHARED_GROUPS))
+    validator = Ed25519RecordValidator(None, protected_keys=protected_keys(run_id, layers or 0, SHARED_GROUPS),
+                                       admission=admission)
 
     dht = None
     try:
@@ -97,6 +108,10 @@ def status(
                    f"(tried for {wait:g} s). The peers may be overloaded or going down: retry, or raise --timeout.",
                    err=True)
         raise typer.Exit(1)
+    if manifest is not None:  # the run's composers only, as its nodes see them
+        view, foreign = split_by_run(view, manifest.digest)
+        if foreign:
+            typer.echo(f"{len(foreign)} composer(s) of run {run_id} train by another manifest: not shown", err=True)
     summary = swarm_status(view, heartbeat_ttl_s=heartbeat_ttl, n_layers=layers, n_experts=experts)
     if as_json:
         typer.echo(json.dumps(summary.to_json(), indent=2))

@@ -8,6 +8,7 @@ refused by the members' record validators: it never enters their view.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
     stranger_dht = stranger = None
     try:
         swarm.start_bootstrap()
-        members = []
+        members, member_fps = [], set()
         for i in range(2):
             key = tmp_path / f"node-{i}" / "node.key"
             key.parent.mkdir()
@@ -55,6 +56,7 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
             _cli("run", "admit", "--manifest", str(tmp_path / "run.json"), "--member", member, "--out",
                  str(tmp_path / f"m{i}.cert"), "--identity", str(creator))
             members.append(swarm.add_node("--steps", "100000", "--member-cert", str(tmp_path / f"m{i}.cert")))
+            member_fps.add(Identity.load(key).fingerprint)
         uncertified = swarm.add_node("--steps", "50")
         wait_until(lambda: not uncertified.alive, timeout=120)
         said = " ".join(uncertified.log.read_text(errors="replace").split())  # the console wraps lines
@@ -82,6 +84,11 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         wait_until(lambda: all(trained(m, step + 3) for m in members), timeout=120)
         assert all(latest(read_metrics(m.metrics))["peers"] == 2 for m in members)
         assert all(m.alive for m in members)
+        # `swarm status` with the manifest reads the run as its members do: the stranger is not listed.
+        shown = json.loads(_cli("swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers,
+                                "--manifest", str(tmp_path / "run.json"), "--json", "--wait", "5"))
+        listed = {p["fingerprint"] for p in shown["peers"]}
+        assert identity.fingerprint not in listed and len(listed & member_fps) == 2, shown["peers"]
     finally:
         if stranger is not None:
             stranger.abandon()
