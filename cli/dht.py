@@ -63,18 +63,18 @@ def bootstrap(
             startup_timeout_s=startup_timeout,
         )
         manifest, run_id = run_manifest(manifest_file, run_id)
-        admission = None
+        admission, announce_in_run = None, run_id is not None
         if manifest is not None and manifest.admission == "allowlist":
-            peer_config = PeerConfig(run_id=manifest.run_id, manifest=manifest_file, member_cert=member_cert)
-            try:  # a bootstrap peer without a certificate enforces the allowlist but does not announce itself
-                admission = peer_admission(peer_config, key, manifest)
-            except NodeError as e:
-                if member_cert is not None:
+            if member_cert is None and key.public_key != manifest.creator:
+                # It enforces the allowlist, but without a certificate its own heartbeat would be refused.
+                admission, announce_in_run = Admission(manifest.creator, manifest.digest), False
+                typer.echo(f"not announcing in run {run_id}: no --member-cert", err=True)
+            else:
+                peer_config = PeerConfig(run_id=manifest.run_id, manifest=manifest_file, member_cert=member_cert)
+                try:
+                    admission = peer_admission(peer_config, key, manifest)
+                except NodeError as e:
                     raise ValueError(str(e)) from None
-                admission = Admission(manifest.creator, manifest.digest)
-                typer.echo(f"not announcing in run {run_id}: {e}", err=True)
-        announce_in_run = run_id is not None and (admission is None or admission.carried is not None
-                                                  or key.public_key == admission.creator)
         membership_config = MembershipConfig(run_id=run_id, role="bootstrap") if announce_in_run and run_id else None
         protected = protected_keys(run_id, layers, SHARED_GROUPS) if run_id else []
     except ValueError as e:

@@ -492,8 +492,8 @@ class Membership:
         self._claimed: dict[int, frozenset[int]] = {}
         self.heartbeats_sent = 0
         self.foreign: dict[str, Member] = {}
+        """Composers of the run seen at the last read announcing another run digest (left out of the view)."""
         self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
-        """Composers of the run seen at the last read announcing other settings (left out of the view)."""
         self._progress = Progress(config.stall_s, config.idle_s)
         self.ignored: Callable[[str, SwarmView], bool] | None = None
         """(fingerprint, view) -> whether this node ignores that composer (it bans its peer id, or another

@@ -109,10 +109,12 @@ def resolve(root: type[R], build: Callable[[str, bool], R], *, file: Path | None
         cfg = _from_manifest(cfg, manifest, named)
     for layer in layers:
         cfg = apply_changes(cfg, layer)
-    if manifest is not None and run_settings(cfg.train) != manifest.settings:  # type: ignore[attr-defined]
-        raise ConfigError(f"the settings given differ from run {manifest.run_id}'s manifest: "
-                          f"{settings_difference(run_settings(cfg.train), manifest.settings)}; "  # type: ignore[attr-defined]
-                          "leave them out (the manifest sets them)")
+    if manifest is not None:
+        settings = run_settings(cfg.train)  # type: ignore[attr-defined]
+        if settings != manifest.settings:
+            raise ConfigError(f"the settings given differ from run {manifest.run_id}'s manifest: "
+                              f"{settings_difference(settings, manifest.settings)}; leave them out (the manifest "
+                              "sets them)")
     return cfg
 
 
