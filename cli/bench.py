@@ -232,6 +232,42 @@ def attacks(
     typer.echo(markdown(report))
 
 
+@bench_app.command("wan")
+def wan(
+    rates: str = typer.Option("100mbit,20mbit", "--rates",
+                              help="Link rates of the lab runs (tc units), comma-separated."),
+    nodes: int = typer.Option(4, "--nodes", min=2, max=6, help="Composer processes, one per lab host."),
+    steps: int = typer.Option(120, "--steps", min=20, help="Inner steps per composer in each run."),
+    preset: PresetName = "small",
+    workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
+    json_path: JsonPath = None,
+) -> None:
+    """The same swarm on loopback and on network-lab links capped at each rate, then one host cut off: outer-round
+    time against the all-reduce bound, the training thread's time at the network seam, gossip and snapshot
+    bytes, time to re-own a cut-off host's experts, val loss against loopback (root and network namespaces;
+    small preset: about 20 min on 2 cores)."""
+    import signal
+    from pathlib import Path
+
+    from parallax.benchmarks.wan import markdown, run_wan_bench, write
+    from parallax.node.peer.netlab import NetLabError
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: each swarm's and lab's ``finally`` stops what it started
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        report = run_wan_bench(rates=tuple(r.strip() for r in rates.split(",") if r.strip()), nodes=nodes,
+                               steps=steps, preset=preset, workdir=Path(workdir) if workdir else None,
+                               progress=typer.echo)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    except NetLabError as e:
+        fail(f"the network lab cannot be built here: {e}")
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("protocol")
 def protocol(
     seconds: float = typer.Option(1.0, "--seconds", min=0.05, help="Timing budget per envelope size, in seconds."),

@@ -106,8 +106,8 @@ class Claim:
 
 def build_claim_set(
     assignment: Assignment,
-    me: str,
     layer: int,
+    owned: Collection[int],
     previously_claimed: Collection[int],
     *,
     now: float,
@@ -118,12 +118,12 @@ def build_claim_set(
     """My record for ``layer``: claims for what I own now, releases for what I owned and lost.
 
     Args:
-        assignment: the current assignment from the live view.
-        me: my fingerprint.
+        assignment: the current assignment from the live view (it names the heirs of released experts).
+        owned: experts of this layer I own now (none while cut off from the swarm's majority).
         previously_claimed: experts of this layer I claimed in my last record.
         peer_ids: fingerprint -> libp2p peer id, to name heirs in releases (fingerprint if unknown).
     """
-    owned = assignment.owned_by(me).get(layer, frozenset())
+    owned = frozenset(owned)
     claims = tuple(ShardClaim(layer=layer, expert=e, lease_expiry=now + lease_s, step=step) for e in sorted(owned))
     releases = []
     for e in sorted(set(previously_claimed) - owned):

@@ -100,6 +100,9 @@ class MembershipConfig:
     of this node's view: they own nothing here and take no part in its rounds."""
     manifest_period_s: float = 60.0
     """How often the manifest record is stored again (it lives ``MANIFEST_TTL_S``)."""
+    quorum_window_s: float = 60.0
+    """Composers seen alive this recently count in the quorum (``Quorum``): a node whose side of a partition holds
+    no majority of them owns nothing. A partition longer than this ends with each side training every expert."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -121,6 +124,8 @@ class MembershipConfig:
             raise ValueError(f"the manifest is run {self.manifest.run_id!r}'s, not {self.run_id!r}'s")
         if not 0 < self.manifest_period_s < MANIFEST_TTL_S:
             raise ValueError(f"need 0 < manifest_period_s < {MANIFEST_TTL_S:.0f}")
+        if self.quorum_window_s <= self.heartbeat_ttl_s:
+            raise ValueError("quorum_window_s must exceed heartbeat_ttl_s")
 
     @property
     def run_digest(self) -> bytes:
@@ -140,6 +145,18 @@ class Member:
         return self.expires_at > now
 
 
+class QuorumState(enum.Enum):
+    """Where a node stands with the swarm's majority (``Quorum``)."""
+
+    HELD = "held"
+    """Its side holds a majority: it owns what the assignment gives it."""
+    DOUBT = "doubt"
+    """Its side holds exactly half, or has held less for under the grace period: it keeps what it owns and takes
+    nothing new."""
+    LOST = "lost"
+    """Cut off: it owns nothing (the other side of the partition takes its experts)."""
+
+
 @dataclass(frozen=True)
 class SwarmView:
     """What one node knows of the swarm at ``read_at``. Immutable; ask it with the current time."""
@@ -156,6 +173,9 @@ class SwarmView:
     stalled: frozenset[str] = frozenset()
     """Composers that own nothing in this view: they show no work (``Progress``: a step that has not moved, or no
     work that reached this node) or this node ignores them (``Membership.ignored``)."""
+    quorum: QuorumState = QuorumState.HELD
+    """Where this node's side of the swarm stands (``Quorum``): LOST, it owns nothing in this view; DOUBT, it
+    changes nothing it owns."""
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
         """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
@@ -175,9 +195,10 @@ class SwarmView:
         bound = CAPACITY_BOUND * statistics.median_low(declared.values())
         return {fp: min(c, bound) for fp, c in declared.items()}
 
-    def assignment(self, now: float | None = None) -> Assignment | None:
-        """Owner and heir of every expert over the live composers (None without shards or composers)."""
-        peers = self.composers(now)
+    def assignment(self, now: float | None = None, leaving_out: str | None = None) -> Assignment | None:
+        """Owner and heir of every expert over the live composers (None without shards or composers);
+        ``leaving_out``: over those but that one (the assignment the others held while it was cut off)."""
+        peers = {fp: c for fp, c in self.composers(now).items() if fp != leaving_out}
         if self.shards is None or not peers:
             return None
         return _cached_assignment(self.run_id, self.shards.n_layers, self.shards.n_experts, peers)
@@ -248,6 +269,50 @@ class Progress:
 
 
 _PROGRESS_KEPT = 4096
+
+
+class Quorum:
+    """Whether this node is on the side of the swarm that owns experts (pure; the caller's clock).
+
+    A node cut off from the others sees them all expire at once, as they see it expire: both sides would go on
+    training the other side's experts. Only a side holding more than half of the composers seen alive within
+    ``window_s`` takes over the experts of the missing; a side holding exactly half keeps its own and takes none
+    (an even split trains every expert once); a smaller side owns nothing, until the link heals or the window
+    forgets the missing composers. A composer that left with a deathrattle is forgotten at once, so a graceful
+    leave never takes the quorum away. A smaller side loses its experts only after ``grace_s``: one DHT read
+    that misses live peers' heartbeats must not make a node drop every expert it trains.
+    """
+
+    def __init__(self, window_s: float, grace_s: float) -> None:
+        self.window_s, self.grace_s = window_s, grace_s
+        self._seen: dict[str, float] = {}
+        self._short_since: float | None = None
+
+    def check(self, alive: Iterable[str], departed: Iterable[str], now: float) -> QuorumState:
+        """Where the composers ``alive`` now (this node among them) stand against those seen recently (HELD
+        while none is alive: this node has not read its own heartbeat yet)."""
+        alive = set(alive)
+        if not alive:
+            return QuorumState.HELD
+        for fp in alive:
+            self._seen[fp] = now
+        for fp in departed:
+            if fp not in alive:
+                self._seen.pop(fp, None)
+        for fp in [fp for fp, t in self._seen.items() if now - t > self.window_s]:
+            del self._seen[fp]
+        _forget_oldest(self._seen, keep=alive)
+        present = 2 * len(alive)  # every alive composer was just seen
+        if present >= len(self._seen):
+            self._short_since = None
+            return QuorumState.HELD if present > len(self._seen) else QuorumState.DOUBT
+        if self._short_since is None:
+            self._short_since = now
+        return QuorumState.DOUBT if now - self._short_since < self.grace_s else QuorumState.LOST
+
+    def seen(self) -> int:
+        """How many composers count in the quorum now."""
+        return len(self._seen)
 
 
 def _forget_oldest(times: dict[str, float], keep: Iterable[str] = ()) -> None:
@@ -495,6 +560,7 @@ class Membership:
         """Composers of the run seen at the last read announcing another run digest (left out of the view)."""
         self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
         self._progress = Progress(config.stall_s, config.idle_s)
+        self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self.ignored: Callable[[str, SwarmView], bool] | None = None
         """(fingerprint, view) -> whether this node ignores that composer (it bans its peer id, or another
         identity proved that peer id its own): an ignored composer owns nothing here."""
@@ -607,8 +673,10 @@ class Membership:
     def _read_tick(self) -> None:
         """The reader: a fresh view, and from it (only) what we own; a change wakes the announcer."""
         if self._refresh() and self.shards is not None and not self._stop.is_set():
+            quorum = self._view.quorum
             assignment = self._view.assignment(self._clock())
-            owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
+            owned = (assignment.owned_by(self.fingerprint) if assignment is not None and quorum is QuorumState.HELD
+                     else {} if quorum is QuorumState.LOST else self._owned)  # in doubt: what we own stays
             self._ownership = (assignment, owned)
             if owned != self._owned:
                 self._owned = owned
@@ -631,10 +699,10 @@ class Membership:
         if changed or self._clock() >= self._next_heartbeat:
             failed = not self._send_heartbeat()
         if self.shards is not None and not self._stop.is_set():
-            assignment, _owned = self._ownership
+            assignment, owned = self._ownership
             now = self._clock()
             if changed or now >= self._next_claims:
-                self._send_claims(assignment, now)
+                self._send_claims(assignment, owned, now)
         due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
         # A failed heartbeat is retried after refresh_s, not at once: a DHT that fails fast must not spin us.
         wait = self.config.refresh_s if failed else min(self.config.refresh_s, max(0.0, due - self._clock()))
@@ -649,16 +717,16 @@ class Membership:
     def _lease_s(self) -> float:
         return self.shards.lease_s if self.shards else self.config.heartbeat_ttl_s
 
-    def _send_claims(self, assignment: Assignment | None, now: float) -> None:
+    def _send_claims(self, assignment: Assignment | None, owned: Mapping[int, frozenset[int]], now: float) -> None:
         if assignment is None:  # no successful read yet: nothing to claim; the reader wakes us when there is
             self._next_claims = now + self.config.heartbeat_period_s
             return
         peer_ids = {fp: m.heartbeat.peer_id for fp, m in self._view.members.items()}
         claimed: dict[int, frozenset[int]] = {}
-        for layer in sorted(set(assignment.owned_by(self.fingerprint)) | set(self._claimed)):
+        for layer in sorted(set(owned) | set(self._claimed)):
             self._heartbeat_if_due()
             claim_set = build_claim_set(
-                assignment, self.fingerprint, layer, self._claimed.get(layer, ()), now=now,
+                assignment, layer, owned.get(layer, frozenset()), self._claimed.get(layer, ()), now=now,
                 lease_s=self._lease_s(), step=self._step, peer_ids=peer_ids,
             )
             if self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(),
@@ -714,8 +782,25 @@ class Membership:
             self._name_foreign(unnamed)
         self.foreign = foreign
         merged = merge_views(self._view, view)
-        self._view = dataclasses.replace(merged, stalled=self._stalled(merged))
+        self._view = dataclasses.replace(merged, stalled=self._stalled(merged), quorum=self._check_quorum(merged))
         return True
+
+    def _check_quorum(self, view: SwarmView) -> QuorumState:
+        if self.config.role != "composer":
+            return QuorumState.HELD
+        alive = [fp for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"]
+        state = self._quorum.check(alive, view.departed, time.monotonic())
+        cut_off, was = state is QuorumState.LOST, self._view.quorum is QuorumState.LOST
+        if cut_off and not was:
+            logger.warning("cut off from the swarm: %d of the %d composers seen in the last %.0f s are alive in "
+                           "this node's view; it trains no expert until it sees a majority again (the other side "
+                           "of a partition trains them). If the network is down, check the link; if the others "
+                           "left, it takes their experts after %.0f s", len(alive), self._quorum.seen(),
+                           self.config.quorum_window_s, self.config.quorum_window_s)
+        elif was and not cut_off:
+            logger.warning("back in the swarm's majority: %d composers alive; taking its experts again",
+                           len(alive))
+        return state
 
     def _name_foreign(self, new: Mapping[str, Member]) -> None:
         """Log each composer seen training by another manifest once, with what differs (one DHT read); one whose

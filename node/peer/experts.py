@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from parallax.dht.keys import ExpertId
-from parallax.dht.membership import Membership
+from parallax.dht.membership import Membership, QuorumState
 from parallax.dht.shards import Assignment
 from parallax.node.config.peer import NodeSettings
 from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
@@ -66,15 +66,38 @@ class Experts:
     def reconcile(self) -> None:
         """Follow the live assignment: release what we lost, take over what we gained, progress hand-overs."""
         view = self.views.fresh()
-        assignment = view.assignment() if view is not None else None
+        # As of the read, like its quorum: a view aging while the next read is slow (a peer that stopped
+        # answering) loses members one expiry at a time, and each would move experts.
+        assignment = view.assignment(view.read_at) if view is not None else None
         if view is None or assignment is None or self.fingerprint not in assignment.peers:
             return  # no fresh view that has us in it (a transient DHT miss): change nothing
-        target = {(layer, e) for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
         current = set(self.composer.owned_experts())
+        cut_off = view.quorum is QuorumState.LOST
+        if cut_off != self.telemetry.status.cut_off:
+            self.telemetry.status.cut_off = cut_off
+            self.telemetry.event("cut_off" if cut_off else "rejoined", step=self.composer.step,
+                                 peers=len(view.alive(view.read_at)))
+            away = view.assignment(view.read_at, leaving_out=self.fingerprint)
+            if not cut_off and away is not None:
+                # The others trained our experts while we were away: their final snapshots are the ones to wait
+                # for, not our own copies from before the partition.
+                self.owners = owners_of(away)
+        if cut_off:
+            # Our side of a partition holds no quorum: the other side takes our experts; we take none of
+            # theirs, and keep the owners we knew for the hand-overs back.
+            for eid in sorted(current):
+                self.release(eid)
+            self.handovers.clear()
+            if current:
+                self.shard_event()
+            return
+        if view.quorum is QuorumState.DOUBT:
+            return  # the quorum may be lost: take nothing, drop nothing until it is settled
+        target = {(layer, e) for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
         for eid in sorted(current - target):
             self.release(eid)
         now = self.clock()
-        alive = view.alive()
+        alive = view.alive(view.read_at)
         for eid in sorted(target - current - set(self.handovers)):
             previous = self.owners.get(eid)
             member = alive.get(previous) if previous and previous != self.fingerprint else None

@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 _counter = itertools.count()
-_RATE_UNITS = ("kbit", "mbit", "gbit")
+_RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's units: bits per second, powers of ten
 
 
 class NetLabError(RuntimeError):
@@ -49,6 +49,12 @@ def check_rate(rate: str) -> str:
     if not (number.isdigit() and int(number) > 0 and rate[len(number):] in _RATE_UNITS):
         raise ValueError(f"rate {rate!r}: write a positive whole number and one of {', '.join(_RATE_UNITS)}")
     return rate
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """Bytes per second of a tc rate such as ``20mbit`` (2.5e6)."""
+    number = check_rate(rate).rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(number) * _RATE_UNITS[rate[len(number):]] / 8
 
 
 @dataclass

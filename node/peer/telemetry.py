@@ -51,6 +51,8 @@ class NodeStatus:
     next_round: dict[str, int] = field(default_factory=dict)
     adoptions: int = 0
     releases: int = 0
+    cut_off: bool = False
+    """This node's side of a partition holds no quorum: it trains no expert (``dht.membership.Quorum``)."""
     val_loss: float | None = None
 
 

@@ -66,8 +66,12 @@ class Training:
         self.experts.shard_event()
         self.dht.forbidden_thread = threading.get_ident()  # counts any DHT call from this loop (none expected)
         trained, tokens_window, window_started = 0, 0, time.monotonic()
+        seam_s, seam_max_s = 0.0, 0.0  # the training thread's time at the network seam: its only contact with it
         while not self.stop_event.is_set() and (settings.steps is None or trained < settings.steps):
+            began = time.perf_counter()
             self.seam()
+            took = time.perf_counter() - began
+            seam_s, seam_max_s = seam_s + took, max(seam_max_s, took)
             if self.offload is None:
                 stats = composer.train_step()
             else:  # the offload exchange must sit between backward and the optimizer step (offload/session.py)
@@ -90,7 +94,8 @@ class Training:
                 self.checkpoint()
         self.seam()  # apply what arrived during the last step before leaving
         self.dht.forbidden_thread = None
-        self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained)
+        self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained,
+                             seam_s=round(seam_s, 4), seam_max_s=round(seam_max_s, 4))
 
     def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], typical: Mapping[str, float]) -> None:
         """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
-from parallax.dht.membership import Member, Membership, SwarmView
+from parallax.dht.membership import Member, Membership, QuorumState, SwarmView
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.proxy import SETTINGS_KEY
@@ -124,12 +124,13 @@ class SwarmViews:
 
     def heir_targets(self) -> dict[ExpertId, tuple[str, int] | None] | None:
         """Experts this node owns (None) or is heir of ((owner's peer id, the owner's step)); None without a
-        fresh view."""
+        fresh view, or while this node's side of the swarm holds no majority (its heir copies are what a
+        partition's other side may need)."""
         view = self.fresh()
-        assignment = view.assignment() if view else None
-        if view is None or assignment is None:
+        assignment = view.assignment(view.read_at) if view else None
+        if view is None or assignment is None or view.quorum is not QuorumState.HELD:
             return None
-        alive = view.alive()
+        alive = view.alive(view.read_at)
         out: dict[ExpertId, tuple[str, int] | None] = {
             (layer, e): None for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
         for layer, experts in assignment.inherited_by(self.fingerprint).items():

@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from parallax.dht.adapter import dht_time
+from parallax.dht.claims import ShardConfig
 from parallax.dht.testing import wait_until
 from parallax.node.config.resolve import node_defaults
 from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
 from parallax.node.peer.netlab import NetLab, NetLabError, check_rate, unavailable
 from parallax.node.peer.runner import outer_sync_config
+from parallax.node.peer.timeline import events, longest_double_ownership, shard_at
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -230,5 +233,74 @@ def test_a_composer_behind_nat_trains_serves_and_merges_over_the_connections_it_
         assert all(n.alive for n in swarm.nodes)
         for i in range(3):
             assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"
+    finally:
+        swarm.close()
+
+
+TINY_EXPERTS = {(layer, e) for layer in range(2) for e in range(4)}  # tiny: 2 layers x 4 experts
+
+
+def _one_owner_each(records: list[list[dict]]) -> bool:
+    owned = [shard_at(r, float("inf")) for r in records]
+    return sum(map(len, owned)) == len(TINY_EXPERTS) and set().union(*owned) == TINY_EXPERTS
+
+
+@pytest.mark.slow
+def test_a_host_cut_off_for_30_s_trains_no_expert_twice_and_merges_back(lab: NetLab, tmp_path: Path) -> None:
+    hosts = [lab.add_host(f"h{i}", rate="50mbit") for i in range(4)]
+    # Rounds every few seconds, not every second: a partition is not also a storm of interrupted rounds.
+    args = [*NODE_ARGS, "--set", 'sync.periods={"router": 20, "latent": 40, "backbone": 40}']
+    swarm = LocalSwarm(tmp_path, run_id="labcut", node_args=args, hosts=hosts)
+    lease = ShardConfig(n_layers=1, n_experts=1).lease_s
+    try:
+        swarm.start_bootstrap()
+        for _ in range(4):
+            swarm.add_node("--min-peers", "4")  # until stopped
+
+        def trained(node, since: float = 0.0) -> bool:  # type: ignore[no-untyped-def]
+            records = read_metrics(node.metrics)
+            rounds = rounds_ok([r for r in records if r["t"] > since])
+            return (latest(records) or {}).get("step", 0) >= 100 and all(rounds[g] >= 1 for g in GROUPS)
+
+        wait_until(lambda: all(trained(n) for n in swarm.nodes), timeout=400)
+        before = shard_at(read_metrics(swarm.nodes[3].metrics), float("inf"))
+        cut_at = dht_time()
+        lab.cut("h3")
+
+        def partitioned() -> bool:  # 30 s, and the others took its experts
+            taken = {(a["layer"], a["expert"]) for r in swarm.metrics()[:3] for a in events(r, "adopted")
+                     if a["t"] > cut_at}
+            return dht_time() >= cut_at + 30 and taken >= before
+
+        wait_until(partitioned, timeout=120, interval=0.5)
+        healed_at = dht_time()
+        lab.heal("h3")
+        wait_until(lambda: trained(swarm.nodes[3], since=healed_at) and _one_owner_each(swarm.metrics()),
+                   timeout=300, interval=1.0)
+        settled_at = dht_time()
+        for i in range(4):
+            assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"
+        records = swarm.metrics()
+        cut = records[3]
+        # The cut-off host knew it: it dropped its experts, took none of the others' while cut off, and came back.
+        # (Before it knew, the others' heartbeats expired one by one in its view: the first may be taken for dead.)
+        knew = [e["t"] for e in events(cut, "cut_off") if cut_at < e["t"] < healed_at]
+        back_at = [e["t"] for e in events(cut, "rejoined") if e["t"] > healed_at]
+        assert knew and back_at, (knew, back_at)
+        assert not [a for a in events(cut, "adopted") if knew[0] <= a["t"] < back_at[0]]
+        assert not shard_at(cut, min(knew[0] + 1.0, back_at[0] - 0.1))  # dropped in the step it knew
+        # Never two owners of one expert for longer than a claim lease, from the cut until every expert had one
+        # owner again.
+        longest, expert = longest_double_ownership(records, cut_at, settled_at)
+        assert longest <= lease, f"expert {expert} had two owners for {longest:.1f} s (lease {lease:.0f} s)"
+        # Nothing a snapshot had was lost: the others took its experts from their heir copies, and it took them
+        # back from the peers that trained them meanwhile, not from its own copy from before the cut.
+        adopted = [a for r in records for a in events(r, "adopted") if cut_at < a["t"] < settled_at]
+        assert all(a["source"] != "init" for a in adopted), adopted
+        back = [a for a in events(cut, "adopted") if healed_at < a["t"] < settled_at]
+        assert back and all(a["source"] in ("previous owner", "heir copy") for a in back), back
+        # The others trained on through the partition.
+        for i, r in enumerate(records[:3]):
+            assert len([s for s in events(r, "step") if cut_at < s["t"] < healed_at]) >= 10, f"node {i} stalled"
     finally:
         swarm.close()

@@ -16,6 +16,7 @@ from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
 from parallax.node.config.peer import NodeSettings
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+from parallax.node.peer.timeline import events, shard_at
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -29,22 +30,9 @@ def steps_of(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("kind") == "step"]
 
 
-def events(records: list[dict], kind: str) -> list[dict]:
-    return [r for r in records if r.get("kind") == kind]
-
-
 def step_of(node: NodeProcess) -> int:
     last = latest(read_metrics(node.metrics))
     return last["step"] if last else 0
-
-
-def shard_at(records: list[dict], t: float) -> set[tuple[int, int]]:
-    """The experts a node owned at time t (its last "shard" event before t)."""
-    owned: set[tuple[int, int]] = set()
-    for r in events(records, "shard"):
-        if r["t"] <= t:
-            owned = {tuple(x) for x in r["experts"]}
-    return owned
 
 
 def _is_partition(shards: list[set[tuple[int, int]]]) -> bool:

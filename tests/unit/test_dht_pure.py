@@ -14,6 +14,8 @@ from parallax.dht.membership import (
     Member,
     MembershipConfig,
     Progress,
+    Quorum,
+    QuorumState,
     SwarmView,
     heartbeat_value,
     merge_views,
@@ -78,7 +80,8 @@ PEERS = {"aaa": 1.0, "bbb": 1.0, "ccc": 1.0}
 
 def test_claim_records_round_trip_and_are_checked():
     a = assign_experts("r", 2, 8, PEERS)
-    cs = build_claim_set(a, "aaa", 0, previously_claimed={0, 1, 2, 3, 4, 5, 6, 7}, now=100.0, lease_s=6.0)
+    cs = build_claim_set(a, 0, a.owned_by("aaa")[0], previously_claimed={0, 1, 2, 3, 4, 5, 6, 7}, now=100.0,
+                         lease_s=6.0)
     assert {c.expert for c in cs.claims} == a.owned_by("aaa")[0]
     assert {r.expert for r in cs.releases} == set(range(8)) - a.owned_by("aaa")[0]
     assert all(r.heir == a.owner(0, r.expert) for r in cs.releases)
@@ -97,7 +100,7 @@ def test_claim_valid_only_while_lease_record_and_heartbeat_are():
     a = assign_experts("r", 1, 8, PEERS)
     records = {0: {}}
     for p in PEERS:
-        records[0][p] = (build_claim_set(a, p, 0, (), now=100.0, lease_s=6.0), 106.0)
+        records[0][p] = (build_claim_set(a, 0, a.owned_by(p).get(0, frozenset()), (), now=100.0, lease_s=6.0), 106.0)
     everyone = valid_claims(records, set(PEERS), 101.0, a)
     assert {s: c.holder for s, c in everyone.items()} == {(0, e): a.owner(0, e) for e in range(8)}
     assert valid_claims(records, set(PEERS), 106.5, a) == {}  # lease over
@@ -275,3 +278,32 @@ def test_a_heartbeat_too_large_for_a_record_drops_its_suspects_first():
     small = Heartbeat(peer_id="12D3KooWme", addresses=(), role="composer", capacity=1.0, shards=(), step=1,
                       suspects={"12D3KooWliar": 3.0}, banned=("12D3KooWliar",))
     assert unpack_message(heartbeat_value(small), (Heartbeat,)).banned == ("12D3KooWliar",)
+
+
+def test_quorum_is_the_side_holding_most_composers_seen_recently():
+    held, doubt, lost = QuorumState.HELD, QuorumState.DOUBT, QuorumState.LOST
+    q = Quorum(window_s=60.0, grace_s=3.0)
+    assert q.check({"a", "b", "c", "d"}, (), now=0.0) is held
+    assert q.check({"a", "b", "c"}, (), now=10.0) is held  # one died or is cut off: the other three go on
+    cut = Quorum(window_s=60.0, grace_s=3.0)
+    cut.check({"a", "b", "c", "d"}, (), now=0.0)
+    assert cut.check({"d"}, (), now=10.0) is doubt  # one read without the others is not yet a partition ...
+    assert cut.check({"a", "b", "c", "d"}, (), now=11.0) is held
+    assert cut.check({"d"}, (), now=12.0) is doubt
+    assert cut.check({"d"}, (), now=15.0) is lost  # ... the others missing for the grace period is: it owns nothing
+    assert cut.check({"d"}, (), now=70.0) is lost
+    assert cut.check({"d"}, (), now=76.0) is held  # the window forgot them: the others left for good
+    assert cut.check({"a", "b", "c", "d"}, (), now=77.0) is held  # healed
+
+
+def test_quorum_an_even_split_keeps_its_own_experts_and_a_leaver_is_forgotten():
+    left, right = Quorum(60.0, grace_s=0.0), Quorum(60.0, grace_s=0.0)
+    for q in (left, right):
+        q.check({"a", "b", "c", "d"}, (), now=0.0)
+    assert left.check({"a", "b"}, (), now=5.0) is QuorumState.DOUBT  # neither half takes the other's experts
+    assert right.check({"c", "d"}, (), now=5.0) is QuorumState.DOUBT
+    assert left.check({"a", "b"}, (), now=61.0) is QuorumState.HELD  # the window forgot the other half
+    pair = Quorum(60.0, grace_s=0.0)
+    pair.check({"a", "b"}, (), now=0.0)
+    assert pair.check({"b"}, departed={"a"}, now=5.0) is QuorumState.HELD  # a left with a deathrattle
+    assert Quorum(60.0, grace_s=0.0).check((), (), now=0.0) is QuorumState.HELD  # its own heartbeat not read yet

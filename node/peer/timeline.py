@@ -1,0 +1,61 @@
+"""What a swarm's metrics files say happened: events of one kind, who owned which expert when, and for how long
+two nodes owned one expert at once. Read by the swarm tests and ``parallax bench wan``.
+
+Times are the DHT clock the nodes stamp on every record (``t``); a node's ownership changes are its ``shard``
+events (the whole owned set after each change).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from parallax.dht.keys import ExpertId
+
+Interval = tuple[float, float]
+
+
+def events(records: Sequence[dict], kind: str) -> list[dict]:
+    """The records of ``kind`` (``step``, ``round``, ``adopted``, ...), in file order."""
+    return [r for r in records if r.get("kind") == kind]
+
+
+def shard_at(records: Sequence[dict], t: float) -> set[ExpertId]:
+    """The experts a node owned at time ``t`` (its last ``shard`` event at or before ``t``)."""
+    owned: set[ExpertId] = set()
+    for r in events(records, "shard"):
+        if r["t"] <= t:
+            owned = {(int(layer), int(e)) for layer, e in r["experts"]}
+    return owned
+
+
+def ownership(records: Sequence[dict]) -> dict[ExpertId, list[Interval]]:
+    """When the node owned each expert: intervals from its ``shard`` events; one still open at its last record
+    ends there (the node left or was stopped)."""
+    end = max((r["t"] for r in records if "t" in r), default=0.0)
+    held: dict[ExpertId, float] = {}
+    out: dict[ExpertId, list[Interval]] = {}
+    for r in events(records, "shard"):
+        now = {(int(layer), int(e)) for layer, e in r["experts"]}
+        for eid in held.keys() - now:
+            out.setdefault(eid, []).append((held.pop(eid), r["t"]))
+        for eid in now - held.keys():
+            held[eid] = r["t"]
+    for eid, since in held.items():
+        out.setdefault(eid, []).append((since, end))
+    return out
+
+
+def longest_double_ownership(nodes: Sequence[Sequence[dict]], start: float, end: float,
+                             ) -> tuple[float, ExpertId | None]:
+    """The longest stretch within [``start``, ``end``] during which two of ``nodes`` (their metrics records)
+    owned one expert at once, and that expert (None: never)."""
+    longest: tuple[float, ExpertId | None] = (0.0, None)
+    held = [ownership(records) for records in nodes]
+    for a, b in itertools.combinations(held, 2):
+        for eid in a.keys() & b.keys():
+            for (a0, a1), (b0, b1) in itertools.product(a[eid], b[eid]):
+                both = min(a1, b1, end) - max(a0, b0, start)
+                if both > longest[0]:
+                    longest = (both, eid)
+    return longest

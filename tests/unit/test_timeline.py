@@ -1,0 +1,35 @@
+"""What metrics records say happened: ownership intervals and double ownership (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallax.node.peer.netlab import rate_bytes_per_s
+from parallax.node.peer.timeline import events, longest_double_ownership, ownership, shard_at
+
+
+def _shard(t: float, *experts: tuple[int, int]) -> dict:
+    return {"t": t, "kind": "shard", "experts": [list(e) for e in experts]}
+
+
+A = [_shard(0.0, (0, 0), (0, 1)), {"t": 5.0, "kind": "step"}, _shard(10.0, (0, 1)), {"t": 30.0, "kind": "step"}]
+B = [_shard(0.0, (0, 2)), _shard(8.0, (0, 2), (0, 0)), _shard(14.0, (0, 2))]
+
+
+def test_ownership_runs_from_shard_event_to_shard_event_or_the_last_record():
+    assert shard_at(A, 9.9) == {(0, 0), (0, 1)} and shard_at(A, 10.0) == {(0, 1)} and shard_at(A, -1.0) == set()
+    assert ownership(A) == {(0, 0): [(0.0, 10.0)], (0, 1): [(0.0, 30.0)]}
+    assert ownership(B)[(0, 0)] == [(8.0, 14.0)]
+    assert len(events(A, "step")) == 2
+
+
+def test_longest_double_ownership_is_clipped_to_the_window():
+    assert longest_double_ownership([A, B], 0.0, 100.0) == (2.0, (0, 0))  # both held (0, 0) from 8 to 10
+    assert longest_double_ownership([A, B], 9.0, 100.0) == (1.0, (0, 0))
+    assert longest_double_ownership([A, B], 10.0, 100.0) == (0.0, None)
+
+
+def test_tc_rates_in_bytes_per_second():
+    assert rate_bytes_per_s("20mbit") == 2.5e6 and rate_bytes_per_s("800kbit") == 1e5
+    with pytest.raises(ValueError, match="rate"):
+        rate_bytes_per_s("20 Mbit")
