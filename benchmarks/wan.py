@@ -8,9 +8,10 @@ ways, then a partition probe on the lowest rate. Reported, from the nodes' JSONL
   bound 2 (n-1)/n x S_G / B of a butterfly all-reduce of the group's S_G bytes on the wire over links of B
   bytes/s; ``round_time_over_bound`` is the largest group's ratio (target <= 1.3);
 - the training thread's time at the network seam (``Training.seam``, its one contact with the network:
-  applying received deltas and merged rounds, ownership changes): total and longest single visit, median
-  node, and its DHT calls (0 required). ``step_path_waited_s`` is the longest visit at any rate: the longest
-  the loop ever stood still for the network;
+  applying received deltas, ownership changes, collecting rounds; surrogate refits, which are training
+  compute scheduled there, counted apart): total and longest single visit, median node, and its DHT calls
+  (0 required). ``step_path_waited_s`` is the longest visit at any rate: the longest the loop ever stood
+  still at the seam;
 - surrogate gossip and expert snapshot bytes per composer-step, and the link time they take at the rate;
 - the partition probe: one host cut off; seconds until every other node saw it dead, until each of its experts
   had a new owner (``partition_detect_s``), and until it knew itself cut off; the longest two owners held one
@@ -39,8 +40,9 @@ TARGET = 1.3
 
 
 def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int = 4, steps: int = 120,
-                  preset: str = "small", periods: str = '{"router": 10, "backbone": 20}', refresh_every: int = 10,
-                  snapshot_every: int = 20, workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
+                  preset: str = "small", periods: str = '{"router": 10, "latent": 20, "backbone": 20}',
+                  refresh_every: int = 25, snapshot_every: int = 50, workdir: Path | None = None,
+                  progress: Any = print) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns the report (JSON-able).
 
     Raises:
@@ -60,7 +62,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--snapshot-every", str(snapshot_every)]
     cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods)})
-    sizes = {g: b for g, b in _group_bytes(cfg).items() if g in cfg.sync.periods}
+    sizes = _group_bytes(cfg)  # the groups the model has (small has no latent group)
 
     runs: dict[str, dict[str, Any]] = {}
     progress(f"loopback: {nodes} composers x {steps} steps of {preset} in {workdir / 'loopback'}")
@@ -135,6 +137,7 @@ def _train(workdir: Path, args: list[str], nodes: int, steps: int, hosts: list[H
         "seam_s": statistics.median(p["seam_s"] for p in paths),
         "seam_max_s": max(p["seam_max_s"] for p in paths),
         "seam_share": statistics.median(p["seam_s"] / max(wall_s, 1e-9) for p in paths),
+        "refit_s": statistics.median(p["refit_s"] for p in paths),
         "step_path_dht_calls": sum(p["dht_calls"] for p in paths),
         "gossip_bytes_per_step": statistics.median(f.get("gossip_bytes", 0) / n
                                                    for f, n in zip(finals, trained, strict=True)),
@@ -151,7 +154,7 @@ def _round_time(times: list[float], nodes: int, size: int, bandwidth: float) -> 
 
 
 def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host]) -> dict[str, Any]:
-    """Train until every node is past step 30 and the heirs hold copies; cut the last host off; measure."""
+    """Train until every node is past step 30 and the last one owns experts; cut its host off; measure."""
     from parallax.dht.testing import wait_until
 
     nodes = len(hosts)
@@ -162,10 +165,9 @@ def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host]) -
             swarm.add_node("--min-peers", str(nodes))  # until stopped
 
         def ready() -> bool:
-            last = [latest(r) or {} for r in swarm.metrics()]
-            held = set().union(*({tuple(x) for x in s.get("heir_copies", [])} for s in last[:-1]))
-            victim = shard_at(swarm.metrics()[-1], float("inf"))
-            return all(s.get("step", 0) >= 30 for s in last) and bool(victim) and victim <= held
+            records = swarm.metrics()
+            return (all((latest(r) or {}).get("step", 0) >= 30 for r in records)
+                    and bool(shard_at(records[-1], float("inf"))))
 
         wait_until(ready, timeout=900, interval=1.0)
         victim = shard_at(swarm.metrics()[-1], float("inf"))
@@ -190,7 +192,7 @@ def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host]) -
         first.setdefault((a["layer"], a["expert"]), a)
     reowned = max(first[eid]["t"] for eid in victim) - cut_at
     knew = min(e["t"] for e in events(records[-1], "cut_off") if e["t"] > cut_at) - cut_at
-    longest, _ = longest_double_ownership(records, cut_at, cut_at + reowned)
+    longest, _ = longest_double_ownership(records, cut_at, cut_at + max(reowned, knew) + 1.0)
     return {"experts_of_the_cut_host": len(victim), "seen_dead_s": max(dead), "reowned_s": reowned,
             "knew_cut_off_s": knew, "longest_double_owner_s": longest,
             "sources": sorted({first[eid]["source"] for eid in victim})}

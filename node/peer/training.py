@@ -56,6 +56,7 @@ class Training:
         self._applied: set[tuple[int, int]] = set()  # experts whose surrogate came from an owner (not at init)
         self._frozen: set[tuple[int, int]] = set()  # experts whose owner sent a refused delta
         self.join_to_first_step_s: float | None = None
+        self._refit_took = 0.0  # seconds of surrogate refits in the current seam
 
     # --- the loop ---
 
@@ -66,12 +67,14 @@ class Training:
         self.experts.shard_event()
         self.dht.forbidden_thread = threading.get_ident()  # counts any DHT call from this loop (none expected)
         trained, tokens_window, window_started = 0, 0, time.monotonic()
-        seam_s, seam_max_s = 0.0, 0.0  # the training thread's time at the network seam: its only contact with it
+        # The training thread's time at the network seam, its only contact with the network; refits are
+        # counted apart: distilling the surrogates is training compute that happens to be scheduled there.
+        seam_s, seam_max_s, refit_s = 0.0, 0.0, 0.0
         while not self.stop_event.is_set() and (settings.steps is None or trained < settings.steps):
-            began = time.perf_counter()
+            began, self._refit_took = time.perf_counter(), 0.0
             self.seam()
-            took = time.perf_counter() - began
-            seam_s, seam_max_s = seam_s + took, max(seam_max_s, took)
+            took = time.perf_counter() - began - self._refit_took
+            seam_s, seam_max_s, refit_s = seam_s + took, max(seam_max_s, took), refit_s + self._refit_took
             if self.offload is None:
                 stats = composer.train_step()
             else:  # the offload exchange must sit between backward and the optimizer step (offload/session.py)
@@ -95,7 +98,7 @@ class Training:
         self.seam()  # apply what arrived during the last step before leaving
         self.dht.forbidden_thread = None
         self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained,
-                             seam_s=round(seam_s, 4), seam_max_s=round(seam_max_s, 4))
+                             seam_s=round(seam_s, 4), seam_max_s=round(seam_max_s, 4), refit_s=round(refit_s, 4))
 
     def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], typical: Mapping[str, float]) -> None:
         """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past
@@ -184,7 +187,9 @@ class Training:
         if not self.gate.open:
             self.telemetry.event("refit_deferred", step=composer.step, until=self.gate.waits_for)
             return
+        began = time.perf_counter()
         published = composer.refresh_surrogates()
+        self._refit_took += time.perf_counter() - began
         for (layer, expert), factors in published.items():
             self.experts.publish(layer, expert, factors)
         self.telemetry.event("refit", step=composer.step, experts=len(published))
