@@ -75,7 +75,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     progress(f"partition: one of {nodes} hosts at {rates[-1]} cut off")
     with NetLab() as lab:
         hosts = [lab.add_host(f"h{i}", rate=rates[-1]) for i in range(nodes)]
-        partition = _partition(workdir / "partition", lab, args, hosts)
+        partition = _partition(workdir / "partition", lab, args, hosts, after=2 * snapshot_every)
 
     base = runs["loopback"]["val_loss"]
     for rate in rates:
@@ -153,8 +153,9 @@ def _round_time(times: list[float], nodes: int, size: int, bandwidth: float) -> 
             "over_bound": median / bound if median is not None else None}
 
 
-def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host]) -> dict[str, Any]:
-    """Train until every node is past step 30 and the last one owns experts; cut its host off; measure."""
+def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host], after: int) -> dict[str, Any]:
+    """Train until every node is past step ``after`` (the heirs have had snapshots) and the last one owns
+    experts; cut its host off; measure."""
     from parallax.dht.testing import wait_until
 
     nodes = len(hosts)
@@ -166,7 +167,7 @@ def _partition(workdir: Path, lab: NetLab, args: list[str], hosts: list[Host]) -
 
         def ready() -> bool:
             records = swarm.metrics()
-            return (all((latest(r) or {}).get("step", 0) >= 30 for r in records)
+            return (all((latest(r) or {}).get("step", 0) >= after for r in records)
                     and bool(shard_at(records[-1], float("inf"))))
 
         wait_until(ready, timeout=900, interval=1.0)

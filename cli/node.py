@@ -80,6 +80,9 @@ def join(
         None, "--host", help="Multiaddr to listen on (repeatable; default every interface, /ip4/0.0.0.0/tcp/0, "
         "or 127.0.0.1 with --loopback; a fixed port, /ip4/0.0.0.0/tcp/PORT, for a port forward)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
+    relay: str | None = typer.Option(
+        None, "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p "
+        "finds this node unreachable; the default), always, off."),
     min_peers: int | None = typer.Option(
         None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
     loopback: bool | None = typer.Option(
@@ -109,7 +112,7 @@ def join(
 
     flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
              "peer.initial_peers": initial_peers or None, "peer.host": host or None,
-             "peer.announce": announce or None, "peer.loopback": loopback, "peer.metrics": metrics,
+             "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
              "node.data": data, "node.steps": steps, "node.checkpoint_dir": checkpoint_dir,
              "node.checkpoint_every": checkpoint_every, "node.resume": resume, "node.min_peers": min_peers,
              "node.snapshot_every": snapshot_every, "node.final_eval": final_eval}

@@ -42,6 +42,9 @@ def join(
     host: list[str] | None = typer.Option(None, "--host", help="Multiaddr to listen on (repeatable; default "
                                           "every interface, or 127.0.0.1 with --loopback)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
+    relay: str | None = typer.Option(
+        None, "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p "
+        "finds this node unreachable; the default), always, off."),
     loopback: bool | None = typer.Option(None, "--loopback/--internet", help="Peers on one machine (accepted for "
                                          "symmetry with `node join`; the worker has no timings to shorten)."),
     no_supervise: bool = typer.Option(
@@ -61,7 +64,7 @@ def join(
 
     flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
              "peer.initial_peers": initial_peers or None, "peer.host": host or None,
-             "peer.announce": announce or None, "peer.loopback": loopback, "peer.metrics": metrics,
+             "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
              "worker.capacity": capacity}
     try:
         flags["worker.device"] = device_setting(gpu, cpu)

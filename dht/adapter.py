@@ -33,6 +33,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from parallax.errors import DHTError
@@ -153,6 +154,11 @@ class DHTConfig:
     """libp2p key file (created if missing) so the peer id is stable; see p2p_identity_path."""
     client_mode: bool = False
     """True for nodes that cannot accept connections: they query the DHT but store nothing for others."""
+    relays: tuple[str, ...] = ()
+    """Circuit relays (multiaddrs with /p2p/<id>) where this node reserves a slot, so that peers that cannot dial
+    it reach it through them; empty: none."""
+    relay_always: bool = False
+    """Reserve at ``relays`` from the start; otherwise only once libp2p's AutoNAT finds this node unreachable."""
     startup_timeout_s: float = 60.0
     """Give up starting the p2p daemon and DHT after this long (busy hosts need 30-120 s)."""
     request_timeout_s: float = 3.0
@@ -169,6 +175,38 @@ class DHTConfig:
                 raise ValueError(f"{name} must be > 0 seconds")
         if self.start_attempts < 1:
             raise ValueError("start_attempts must be >= 1")
+
+
+RELAY_SERVICE: dict[str, object] = {"relayMaxCircuits": 16, "relayMaxReservations": 128,
+                                     "relayDataLimit": 1 << 30, "relayTimeLimit": "30m"}
+"""What every node relays for the peers that reserved a slot at it (p2pd flags): at most 16 circuits per peer and
+128 reservations, and each circuit is reset after 1 GiB in either direction or 30 minutes (the peers dial again)."""
+
+
+@contextlib.contextmanager
+def p2pd_flags(flags: dict[str, object]) -> Any:
+    """Add ``flags`` to the command line of every p2p daemon started inside (in a process forked inside, too).
+
+    hivemind has no option for some p2pd flags: the relay service's caps, and ``relayDiscovery``, which is on by
+    default in p2pd and makes autorelay wait about three minutes for more relay candidates than the static relays
+    it is given. hivemind builds the command line from ``P2P.DHT_MODE_MAPPING``, so the flags go there.
+    """
+    saved = P2P.DHT_MODE_MAPPING
+    P2P.DHT_MODE_MAPPING = {mode: {**args, **flags} for mode, args in saved.items()}
+    try:
+        yield
+    finally:
+        P2P.DHT_MODE_MAPPING = saved
+
+
+def _relay_options(config: DHTConfig) -> tuple[dict[str, object], dict[str, object]]:
+    """hivemind keyword arguments and extra p2pd flags for ``config``'s relays."""
+    if not config.relays:
+        return {}, dict(RELAY_SERVICE)
+    options: dict[str, object] = {"use_auto_relay": True, "trusted_relays": list(config.relays)}
+    if config.relay_always:
+        options["force_reachability"] = "private"
+    return options, {**RELAY_SERVICE, "relayDiscovery": 0}  # the static relays only, at once
 
 
 # Module-level so that hivemind can run it inside its forked DHT process (HIVEMIND.md trap 10).
@@ -217,6 +255,9 @@ class SwarmDHT:
     which also stops the p2p daemon.
     """
 
+    relays: tuple[str, ...] = ()
+    """The circuit relays this node reserves a slot at (``DHTConfig.relays``)."""
+
     def __init__(self, dht: DHT) -> None:
         self._dht = dht
         self.peer_id: str = str(dht.peer_id)
@@ -245,20 +286,23 @@ class SwarmDHT:
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):
             try:
-                dht = DHT(
-                    initial_peers=list(config.initial_peers) or None,
-                    start=True,
-                    await_ready=False,
-                    record_validators=list(validators),
-                    host_maddrs=list(config.host_maddrs),
-                    announce_maddrs=list(config.announce_maddrs) or None,
-                    identity_path=str(config.identity_path) if config.identity_path else None,
-                    client_mode=config.client_mode,
-                    startup_timeout=config.startup_timeout_s,
-                    wait_timeout=config.request_timeout_s,
-                    cache_refresh_before_expiry=0,  # our records live seconds; refreshing them is waste
-                    **config.extra,
-                )
+                relaying, flags = _relay_options(config)
+                with p2pd_flags(flags):  # the DHT process is forked inside, with the flags
+                    dht = DHT(
+                        initial_peers=list(config.initial_peers) or None,
+                        start=True,
+                        await_ready=False,
+                        record_validators=list(validators),
+                        host_maddrs=list(config.host_maddrs),
+                        announce_maddrs=list(config.announce_maddrs) or None,
+                        identity_path=str(config.identity_path) if config.identity_path else None,
+                        client_mode=config.client_mode,
+                        startup_timeout=config.startup_timeout_s,
+                        wait_timeout=config.request_timeout_s,
+                        cache_refresh_before_expiry=0,  # our records live seconds; refreshing them is waste
+                        **relaying,
+                        **config.extra,
+                    )
                 try:
                     if while_starting is not None:
                         while_starting()
@@ -276,7 +320,9 @@ class SwarmDHT:
                     ) from e
                 logger.warning("DHT start attempt %d/%d failed: %s", attempt, attempts, e)
                 continue
-            return cls(dht)
+            started = cls(dht)
+            started.relays = config.relays
+            return started
         where = ", ".join(config.initial_peers) if config.initial_peers else "a new swarm"
         raise DHTError(
             f"could not start the DHT ({where}) after {attempts} attempt(s): {last}. If you gave "
@@ -290,6 +336,11 @@ class SwarmDHT:
         """Addresses (with /p2p/<id>) others can use to join through this node, those another machine can dial
         first (a node listening on every interface also reports 127.0.0.1)."""
         return sorted((str(m) for m in self._dht.get_visible_maddrs()), key=is_loopback)
+
+    def relayed_maddrs(self) -> list[str]:
+        """Addresses at which peers reach this node through its circuit relays (once it holds a reservation
+        there): ``<relay>/p2p-circuit/p2p/<this peer id>``; none without relays."""
+        return [f"{relay}/p2p-circuit/p2p/{self.peer_id}" for relay in self.relays if "/p2p-circuit" not in relay]
 
     def join_command(self) -> str:
         """The line to print at start: ``--initial-peers <addr> ...``."""

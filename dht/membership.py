@@ -54,6 +54,7 @@ CAPACITY_BOUND = 2.0
 """A composer's declared capacity counts up to this many times the median of the live composers'."""
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 _NAMING_TRIES = 5
+RELAYED_KEPT = 2
 MANIFEST_TTL_S = 300.0  # a manifest record outlives a few missed stores; the validator allows up to 600 s
 
 
@@ -533,7 +534,9 @@ class Membership:
         self._subkey = owner_subkey(identity.public_key)
         self._members_key = members_key(config.run_id)
         self._claim_keys = [claims_key(config.run_id, layer) for layer in range(shards.n_layers)] if shards else []
-        self._addresses = tuple(dht.visible_maddrs()[: config.max_addresses])
+        relayed = dht.relayed_maddrs()[:RELAYED_KEPT]  # after the direct ones: how peers reach a node behind NAT
+        direct = dht.visible_maddrs()[: max(1, config.max_addresses - len(relayed))]
+        self._addresses = tuple(direct + relayed)[: config.max_addresses]
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._announce_now = threading.Event()

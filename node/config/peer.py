@@ -21,6 +21,7 @@ from parallax.node.config.train import SimConfig, TrainConfig
 
 LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
+RELAY_MODES = ("auto", "always", "off")
 UNARY_CAP = 4 * 2**20
 """hivemind refuses a unary P2P message larger than this, bytes."""
 
@@ -55,6 +56,11 @@ class PeerConfig:
     """Public multiaddrs other peers dial (behind a port forward, say). Empty: what libp2p reports."""
     loopback: bool = False
     """Every peer on one machine (tests, ``swarm local``): the loopback timing profile."""
+    relay: str = "auto"
+    """Circuit relays through the initial peers, for a peer others cannot dial (behind NAT): ``auto`` reserves a
+    relay slot when libp2p's AutoNAT finds this peer unreachable, ``always`` reserves one in any case (a peer that
+    knows it is behind NAT), ``off`` never. With ``auto`` and ``always`` the heartbeat also names the relayed
+    addresses, after the direct ones. ``auto`` is off under ``loopback``: peers on one machine dial each other."""
     metrics: Path | None = None
     """JSONL file: one line per step and per event."""
     manifest: Path | None = None
@@ -67,6 +73,13 @@ class PeerConfig:
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         parse_initial_peers(self.initial_peers)  # a malformed multiaddr fails here, with what to write
+        if self.relay not in RELAY_MODES:
+            raise ValueError(f"peer.relay (--relay) is one of {', '.join(RELAY_MODES)}, not {self.relay!r}")
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this peer uses its initial peers as circuit relays (``relay``)."""
+        return bool(self.initial_peers) and (self.relay == "always" or (self.relay == "auto" and not self.loopback))
 
     @property
     def listen(self) -> tuple[str, ...]:

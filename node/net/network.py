@@ -70,9 +70,10 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
         DHTError: as ``SwarmDHT.start``.
     """
     cap_stream_messages()
-    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), host_maddrs=peer.listen,
-                       announce_maddrs=peer.announce,
-                       identity_path=identity_path.with_name(identity_path.name + ".p2p"))
+    initial = tuple(parse_initial_peers(peer.initial_peers))
+    config = DHTConfig(initial_peers=initial, host_maddrs=peer.listen, announce_maddrs=peer.announce,
+                       identity_path=identity_path.with_name(identity_path.name + ".p2p"),
+                       relays=initial if peer.relayed else (), relay_always=peer.relay == "always")
     # A node names every key of its run, so it learns none: a hostile signed record under one of hivemind's own
     # keys (the averager's matchmaking) must not make it refuse hivemind's unsigned records there.
     validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS),

@@ -151,7 +151,8 @@ def check_reachable(visible: Sequence[str], announce: Sequence[str], *, local: b
         return Check("reachable", "warn", f"only private addresses ({shown}): peers on this network can dial "
                      "this node, peers elsewhere cannot",
                      "forward a TCP port to this machine, listen on it (--host /ip4/0.0.0.0/tcp/PORT) and give "
-                     "the public address (--announce /ip4/PUBLIC-IP/tcp/PORT)")
+                     "the public address (--announce /ip4/PUBLIC-IP/tcp/PORT); or let the initial peers relay for "
+                     "it (--relay always: transfers then pass through them)")
     return Check("reachable", "fail", f"only loopback addresses ({shown}): no other machine can dial this node",
                  "listen on every interface (leave out --host, or --host /ip4/0.0.0.0/tcp/PORT)")
 

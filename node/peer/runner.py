@@ -51,6 +51,7 @@ from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_state import StateExchange
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.net.redial import Redialer
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.exchange import OffloadClient
@@ -237,6 +238,7 @@ class Node:
         stack.callback(loop.close)
         views.prover = IdentityProver(loop.p2p, loop.loop, c.peer.run_id, self.identity, dht.peer_id).start()
         stack.callback(views.prover.close)
+        stack.callback(Redialer(loop.p2p, loop.loop, dht.peer_id, views.peer_addresses).start().close)
         membership.ignored = views.ignored
         shapes = model_shapes(cfg)
         gcfg = GossipConfig(run_id=c.peer.run_id, n_layers=cfg.model.n_layers, poll_s=c.net.gossip_poll_s,

@@ -47,6 +47,12 @@ class SwarmViews:
         self.prover: IdentityProver | None = None
         """Settles which identity a peer id claimed by two belongs to (set once the network loop runs)."""
 
+    def peer_addresses(self) -> dict[str, tuple[str, ...]]:
+        """The live members' libp2p peer ids and the addresses their heartbeats name (``Redialer``), banned
+        peers left out."""
+        return {m.heartbeat.peer_id: m.heartbeat.addresses for fp, m in self.membership.view().alive().items()
+                if fp != self.fingerprint and not self.banned(m.heartbeat.peer_id)}
+
     def fresh(self) -> SwarmView | None:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
         expired heartbeats prove nothing and no decision should follow from them."""

@@ -201,8 +201,8 @@ finally:
 
 
 @pytest.mark.slow
-def test_a_composer_behind_nat_trains_serves_and_merges_over_the_connections_it_opens(lab: NetLab,
-                                                                                         tmp_path: Path) -> None:
+def test_a_composer_behind_nat_is_reached_through_a_relay_trains_serves_and_merges(lab: NetLab,
+                                                                                       tmp_path: Path) -> None:
     hosts = [lab.add_host("h0", rate="50mbit"), lab.add_host("h1", rate="50mbit")]
     try:
         hosts.append(lab.add_nat_host("n", rate="50mbit"))
@@ -211,25 +211,33 @@ def test_a_composer_behind_nat_trains_serves_and_merges_over_the_connections_it_
     outsider = lab.add_host("c")
     swarm = LocalSwarm(tmp_path, run_id="labnat", node_args=NODE_ARGS, hosts=hosts)
     try:
-        swarm.start_bootstrap()
-        for _ in range(3):
-            swarm.add_node("--min-peers", "3")  # until stopped
+        join = swarm.start_bootstrap()
+        for i in range(3):
+            swarm.add_node("--min-peers", "3", *(["--relay", "always"] if i == 2 else []))  # until stopped
+        behind = swarm.nodes[2]
+        wait_until(lambda: any(r.get("kind") == "dht_started" for r in read_metrics(behind.metrics)), timeout=120)
+        announced = next(r for r in read_metrics(behind.metrics) if r.get("kind") == "dht_started")["join"].split()
+        direct = next(a for a in announced if f"/ip4/{hosts[2].address}/" in a)
+        relayed = f"{join}/p2p-circuit/p2p/{direct.rsplit('/p2p/', 1)[1]}"
+
+        def reached(address: str) -> bool:  # by a peer that never talked to it
+            return subprocess.run(outsider.argv(sys.executable, "-c", _PING, outsider.maddr(), address),
+                                  capture_output=True, timeout=60).returncode == 0
+
+        # No host can dial it directly; through its reservation at the bootstrap peer, any can.
+        assert not reached(direct)
+        wait_until(lambda: reached(relayed), timeout=120, interval=2.0)
 
         def merged(node) -> bool:  # type: ignore[no-untyped-def]
             last = latest(read_metrics(node.metrics)) or {}
             return last.get("step", 0) >= 120 and all(n >= 3 for n in last.get("rounds_ok", {"-": 0}).values())
 
         wait_until(lambda: all(merged(n) for n in swarm.nodes), timeout=480)
-        behind = read_metrics(swarm.nodes[2].metrics)
-        assert latest(behind)["bytes_sent"] > 0, "it served no surrogate payload or snapshot"
-        assert latest(behind)["peers"] == 3
-        losses = [r["loss"] for r in behind if r.get("kind") == "step"]
+        records = read_metrics(behind.metrics)
+        assert latest(records)["bytes_sent"] > 0, "it served no surrogate payload or snapshot"
+        assert latest(records)["peers"] == 3
+        losses = [r["loss"] for r in records if r.get("kind") == "step"]
         assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10
-        # What it cannot do without a relay: be dialed by a peer it did not dial first.
-        announced = next(r for r in behind if r.get("kind") == "dht_started")["join"].split()
-        direct = next(a for a in announced if f"/ip4/{hosts[2].address}/" in a)
-        ping = outsider.argv(sys.executable, "-c", _PING, outsider.maddr(), direct)
-        assert subprocess.run(ping, capture_output=True, timeout=60).returncode != 0
         assert all(n.alive for n in swarm.nodes)
         for i in range(3):
             assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"

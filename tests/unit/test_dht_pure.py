@@ -307,3 +307,23 @@ def test_quorum_an_even_split_keeps_its_own_experts_and_a_leaver_is_forgotten():
     pair.check({"a", "b"}, (), now=0.0)
     assert pair.check({"b"}, departed={"a"}, now=5.0) is QuorumState.HELD  # a left with a deathrattle
     assert Quorum(60.0, grace_s=0.0).check((), (), now=0.0) is QuorumState.HELD  # its own heartbeat not read yet
+
+
+def test_relayed_nodes_use_their_static_relays_at_once_and_every_node_caps_what_it_relays():
+    from hivemind.p2p import P2P
+
+    from parallax.dht.adapter import RELAY_SERVICE, DHTConfig, _relay_options, p2pd_flags
+
+    options, flags = _relay_options(DHTConfig())
+    assert options == {} and flags == RELAY_SERVICE
+    relay = "/ip4/10.0.0.1/tcp/4001/p2p/QmdHHq4mfJjPxH9b2NFVGSqdwFHrv4P2THVoFHnqLLCaQ8"
+    options, flags = _relay_options(DHTConfig(relays=(relay,), relay_always=True))
+    assert options == {"use_auto_relay": True, "trusted_relays": [relay], "force_reachability": "private"}
+    assert flags["relayDiscovery"] == 0  # else p2pd's autorelay waits minutes for more candidates
+    before = P2P.DHT_MODE_MAPPING
+    with p2pd_flags(flags):
+        assert all(args["relayDiscovery"] == 0 and args["relayMaxCircuits"] == 16
+                   for args in P2P.DHT_MODE_MAPPING.values())
+        args = P2P._make_process_args("p2pd", **P2P.DHT_MODE_MAPPING["client"])
+        assert "-relayDiscovery=0" in args and "-relayTimeLimit=30m" in args
+    assert P2P.DHT_MODE_MAPPING is before
