@@ -216,7 +216,7 @@ def markdown(report: dict[str, Any]) -> str:
         for rate in rates:
             r = runs[rate]["rounds"][group]
             cells.append(f"{_sec(r['median_s'])} = {_x(r['over_bound'])} the bound {_sec(r['bound_s'])}")
-        lines.append(f"| outer all-reduce {group} ({size:,} B; median) | " + " | ".join(cells) + " |")
+        lines.append(f"| outer round {group} ({size:,} B): collect or all-reduce, median | " + " | ".join(cells) + " |")
     lines.append("| whole outer round incl. matchmaking, largest group (median) | " + " | ".join(
         _sec(runs[r]["round_total_s"].get(report["largest_group"])) for r in ["loopback", *rates]) + " |")
     lines += [
