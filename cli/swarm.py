@@ -214,6 +214,8 @@ def local(
                 live.update(_local_table(swarm, latest, read_metrics))
                 stop.wait(0.5)
             console.print("stopping the swarm..." if stop.is_set() else "all nodes finished")
+            # Nodes that ended on their own with an error (not those the stop below ends).
+            failed = [n for n in swarm.nodes if not n.alive and n.process.returncode != 0]
     except ParallaxError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e
@@ -223,6 +225,10 @@ def local(
             signal.signal(sg, handler)
     console.print(_local_table(swarm, latest, read_metrics, title="summary"))
     console.print(f"logs and metrics: {workdir}")
+    for n in failed:
+        console.print(f"[red]node {n.index} exited with code {n.process.returncode}[/red]: see {n.log}")
+    if failed:
+        raise typer.Exit(1)
 
 
 def _local_table(

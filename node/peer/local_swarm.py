@@ -94,6 +94,7 @@ class LocalSwarm:
         self.initial_peers: str = ""
         self.nodes: list[NodeProcess] = []
         self.workers: list[NodeProcess] = []
+        self._written: set[Path] = set()  # logs and metrics this swarm has started (a restart appends to them)
 
     def host(self, index: int | None) -> Host | None:
         """The lab host of node ``index`` (``None``: the bootstrap peer's), or ``None`` on loopback."""
@@ -110,8 +111,17 @@ class LocalSwarm:
         threads = str(self.threads_per_node)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         argv = [self.python, *launcher, *args]
-        with log.open("ab") as out:
+        with log.open("ab" if log in self._written else "wb") as out:  # a previous run's lines are not ours
+            self._written.add(log)
             return spawn(host.argv(*argv) if host is not None else argv, env=env, stdout=out)
+
+    def _fresh(self, metrics: Path) -> Path:
+        """``metrics``, emptied the first time this swarm starts a process that writes it (nodes append to their
+        metrics file, and a previous run's lines in the same folder would read as this run's)."""
+        if metrics not in self._written:
+            metrics.unlink(missing_ok=True)
+            self._written.add(metrics)
+        return metrics
 
     def start_bootstrap(self, *extra: str, timeout_s: float = 60.0) -> str:
         """Start the bootstrap peer (``extra``: more ``dht bootstrap`` arguments); returns the multiaddr others join
@@ -139,7 +149,7 @@ class LocalSwarm:
         i = len(self.nodes) if index is None else index
         folder = self.workdir / f"node-{i}"
         folder.mkdir(exist_ok=True)
-        metrics = folder / "metrics.jsonl"
+        metrics = self._fresh(folder / "metrics.jsonl")
         # Each node already has a session of its own here and is signalled by pid: no supervisor in between.
         args = ["node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise", "--run-id", self.run_id,
                 "--identity", str(folder / "node.key"), "--initial-peers", self.initial_peers, "--host", self.listen(i),
@@ -160,7 +170,7 @@ class LocalSwarm:
         i = len(self.workers)
         folder = self.workdir / f"worker-{i}"
         folder.mkdir(exist_ok=True)
-        metrics = folder / "metrics.jsonl"
+        metrics = self._fresh(folder / "metrics.jsonl")
         args = ["worker", "join", "--cpu", "--no-supervise", "--run-id", self.run_id, "--identity",
                 str(folder / "worker.key"), "--initial-peers", self.initial_peers, "--host", self.listen(i),
                 "--metrics", str(metrics), *extra]

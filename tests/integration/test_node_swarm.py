@@ -213,3 +213,19 @@ def test_stop_and_resume_restores_the_state_exactly(tmp_path: Path) -> None:
     finally:
         swarm.close()
     assert not session_processes(swarm), "processes left behind"
+
+
+def test_a_swarm_started_again_in_the_same_folder_reads_only_its_own_files(tmp_path: Path) -> None:
+    stale_join = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQMeeqkDeMWWHRcouSnN8REbEvXLVTux8BdjBfgdf7NX9"
+    (tmp_path / "bootstrap.log").write_text(f"Others join with:\n\n  --initial-peers {stale_join}\n")
+    (tmp_path / "node-0").mkdir()
+    (tmp_path / "node-0" / "metrics.jsonl").write_text('{"t": 1.0, "kind": "step", "step": 500, "loss": 9.9}\n')
+    swarm = LocalSwarm(tmp_path, run_id="swarmagain", node_args=NODE_ARGS)
+    try:
+        assert swarm.start_bootstrap() != stale_join
+        node = swarm.add_node("--steps", "2")
+        assert swarm.wait(180) and node.process.returncode == 0, f"see {node.log}"
+        assert [s["step"] for s in steps_of(read_metrics(node.metrics))] == [1, 2]
+    finally:
+        swarm.close()
+    assert not session_processes(swarm), "processes left behind"
