@@ -18,6 +18,7 @@ from parallax.cli.options import (
     ManifestFile,
     MemberCertFile,
     Preset,
+    Relay,
     Sets,
     fail,
     invoked_as,
@@ -80,9 +81,7 @@ def join(
         None, "--host", help="Multiaddr to listen on (repeatable; default every interface, /ip4/0.0.0.0/tcp/0, "
         "or 127.0.0.1 with --loopback; a fixed port, /ip4/0.0.0.0/tcp/PORT, for a port forward)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
-    relay: str | None = typer.Option(
-        None, "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p "
-        "finds this node unreachable; the default), always, off."),
+    relay: Relay = None,
     min_peers: int | None = typer.Option(
         None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
     loopback: bool | None = typer.Option(

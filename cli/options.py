@@ -51,6 +51,11 @@ ManifestFile = Annotated[
         "--manifest", help="The run's manifest file (`parallax run create`, `parallax run fetch`): it sets the run's "
         "settings and id. Default: sign one of this peer's own settings (an open run).")
 ]
+Relay = Annotated[
+    str | None, typer.Option(
+        "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p finds "
+        "this node unreachable; the default), always, off.")
+]
 MemberCertFile = Annotated[
     Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
                               "(`parallax run admit`).")

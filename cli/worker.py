@@ -13,6 +13,7 @@ from parallax.cli.options import (
     ManifestFile,
     MemberCertFile,
     Preset,
+    Relay,
     Sets,
     fail,
     run_manifest,
@@ -42,9 +43,7 @@ def join(
     host: list[str] | None = typer.Option(None, "--host", help="Multiaddr to listen on (repeatable; default "
                                           "every interface, or 127.0.0.1 with --loopback)."),
     announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
-    relay: str | None = typer.Option(
-        None, "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p "
-        "finds this node unreachable; the default), always, off."),
+    relay: Relay = None,
     loopback: bool | None = typer.Option(None, "--loopback/--internet", help="Peers on one machine (accepted for "
                                          "symmetry with `node join`; the worker has no timings to shorten)."),
     no_supervise: bool = typer.Option(

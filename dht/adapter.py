@@ -140,6 +140,19 @@ def join_command(addresses: Sequence[str]) -> str:
     return "--initial-peers " + " ".join(addresses)
 
 
+def split_peer_address(address: str) -> tuple[multiaddr.Multiaddr, str]:
+    """The multiaddr to dial and the peer id of ``address``, which ends in /p2p/<peer id>: the last /p2p/ part,
+    since a relayed address (``<relay>/p2p/<relay id>/p2p-circuit/p2p/<id>``) has two.
+
+    Raises:
+        ValueError, multiaddr.exceptions.Error: no /p2p/ part after an address, or not a multiaddr.
+    """
+    where, _, peer_id = address.rpartition("/p2p/")
+    if not where or not peer_id:
+        raise ValueError(f"{address!r} does not end in /p2p/<peer id> after an address")
+    return multiaddr.Multiaddr(where), peer_id
+
+
 @dataclass(frozen=True, kw_only=True)
 class DHTConfig:
     """How to start this node's DHT. All times in seconds."""
@@ -234,9 +247,9 @@ async def _ping(_dht: DHT, node: DHTNode, address: str, timeout_s: float) -> tup
 
     start = time.monotonic()
     try:
-        where, _, last = address.rpartition("/p2p/")  # the peer is the last /p2p/ part (a relayed address has two)
+        where, last = split_peer_address(address)
         peer_id = PeerID.from_base58(last)
-        await asyncio.wait_for(node.p2p._client.connect(peer_id, [multiaddr.Multiaddr(where)]), timeout_s)
+        await asyncio.wait_for(node.p2p._client.connect(peer_id, [where]), timeout_s)
         connected = time.monotonic()
         answer = await asyncio.wait_for(node.protocol.call_ping(peer_id), max(0.1, timeout_s - (connected - start)))
     except TimeoutError:
@@ -255,12 +268,11 @@ class SwarmDHT:
     which also stops the p2p daemon.
     """
 
-    relays: tuple[str, ...] = ()
-    """The circuit relays this node reserves a slot at (``DHTConfig.relays``)."""
-
-    def __init__(self, dht: DHT) -> None:
+    def __init__(self, dht: DHT, relays: tuple[str, ...] = ()) -> None:
         self._dht = dht
         self.peer_id: str = str(dht.peer_id)
+        self.relays = relays
+        """The circuit relays this node reserves a slot at (``DHTConfig.relays``)."""
         self._closed = False
         self._send_lock = threading.Lock()  # one write to hivemind's control pipe at a time
         self.forbidden_thread: int | None = None
@@ -320,9 +332,7 @@ class SwarmDHT:
                     ) from e
                 logger.warning("DHT start attempt %d/%d failed: %s", attempt, attempts, e)
                 continue
-            started = cls(dht)
-            started.relays = config.relays
-            return started
+            return cls(dht, config.relays)
         where = ", ".join(config.initial_peers) if config.initial_peers else "a new swarm"
         raise DHTError(
             f"could not start the DHT ({where}) after {attempts} attempt(s): {last}. If you gave "

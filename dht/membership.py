@@ -678,8 +678,12 @@ class Membership:
         if self._refresh() and self.shards is not None and not self._stop.is_set():
             quorum = self._view.quorum
             assignment = self._view.assignment(self._clock())
-            owned = (assignment.owned_by(self.fingerprint) if assignment is not None and quorum is QuorumState.HELD
-                     else {} if quorum is QuorumState.LOST else self._owned)  # in doubt: what we own stays
+            if quorum is QuorumState.LOST:
+                owned = {}
+            elif quorum is QuorumState.DOUBT:
+                owned = self._owned  # what we own stays, and nothing is added
+            else:
+                owned = assignment.owned_by(self.fingerprint) if assignment is not None else {}
             self._ownership = (assignment, owned)
             if owned != self._owned:
                 self._owned = owned

@@ -20,6 +20,8 @@ from typing import Any, Self
 import multiaddr
 from hivemind.p2p import PeerID
 
+from parallax.dht.adapter import split_peer_address
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,10 +73,10 @@ class Redialer:
     async def _dial(self, peer_id: str, addresses: Sequence[str]) -> None:
         maddrs = []
         for address in addresses:
-            where, _, last = address.rpartition("/p2p/")
-            if last == peer_id and where:
-                with contextlib.suppress(ValueError, multiaddr.exceptions.Error):
-                    maddrs.append(multiaddr.Multiaddr(where))
+            with contextlib.suppress(ValueError, multiaddr.exceptions.Error):  # a malformed one is skipped
+                where, owner = split_peer_address(address)
+                if owner == peer_id:
+                    maddrs.append(where)
         if not maddrs:
             return
         try:

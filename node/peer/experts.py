@@ -77,8 +77,8 @@ class Experts:
             self.telemetry.status.cut_off = cut_off
             self.telemetry.event("cut_off" if cut_off else "rejoined", step=self.composer.step,
                                  peers=len(view.alive(view.read_at)))
-            away = view.assignment(view.read_at, leaving_out=self.fingerprint)
-            if not cut_off and away is not None:
+            away = None if cut_off else view.assignment(view.read_at, leaving_out=self.fingerprint)
+            if away is not None:
                 # The others trained our experts while we were away: their final snapshots are the ones to wait
                 # for, not our own copies from before the partition.
                 self.owners = owners_of(away)
