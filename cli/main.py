@@ -40,7 +40,7 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, config, dht, doctor, keys, node, run, sim, swarm, worker
+    from parallax.cli import bench, config, dht, doctor, keys, model, node, run, sim, swarm, worker
 
     sim.register(app)
     bench.register(app)
@@ -52,6 +52,7 @@ def _register() -> None:
     doctor.register(app)
     node.register(app)
     worker.register(app)
+    model.register(app)
 
 
 _register()

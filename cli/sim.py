@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -18,6 +19,9 @@ from parallax.node.train.data import load_corpus, split_corpus
 def sim(
     opts: RunOptions,
     kind: str = typer.Option("parallax", "--kind", help=f"What to run: {', '.join(RUN_KINDS)}."),
+    checkpoint_dir: Path | None = typer.Option(
+        None, "--checkpoint-dir", help="Save each composer's final checkpoint to DIR/composer-<i> (for "
+        "`parallax export --from-checkpoints`)."),
 ) -> None:
     """Run C composers in one process (no network) and print each one's validation loss."""
     cfg = opts.train_config()
@@ -27,7 +31,7 @@ def sim(
     except ValueError as e:
         fail(e)
     with run_progress(cfg.steps, enabled=not opts.quiet) as progress:
-        result = run(spec, train, val, progress=progress)
+        result = run(spec, train, val, progress=progress, checkpoint_dir=checkpoint_dir)
     table = Table(title=f"{kind}: {opts.composers} composer(s), d_model {cfg.model.d_model}, {cfg.steps} steps")
     table.add_column("composer")
     table.add_column("val loss (own view)", justify="right")

@@ -22,14 +22,20 @@ from parallax.dht.records import Ed25519RecordValidator
 from parallax.protocol.identity import Identity
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
-    """Poll ``predicate`` until true; return the seconds it took. ``TimeoutError`` after ``timeout``."""
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05,
+               explain: Callable[[], str] | None = None) -> float:
+    """Poll ``predicate`` until true; return the seconds it took.
+
+    ``TimeoutError`` after ``timeout``; its message ends with ``explain()`` when given (the state a failure needs
+    to be understood, read at the moment it failed).
+    """
     start = time.monotonic()
     while True:
         if predicate():
             return time.monotonic() - start
         if time.monotonic() - start > timeout:
-            raise TimeoutError(f"condition not met within {timeout} s")
+            said = f"\n{explain()}" if explain is not None else ""
+            raise TimeoutError(f"condition not met within {timeout} s{said}")
         time.sleep(interval)
 
 

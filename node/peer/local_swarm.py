@@ -182,6 +182,16 @@ class LocalSwarm:
     def metrics(self) -> list[list[dict[str, Any]]]:
         return [read_metrics(n.metrics) for n in self.nodes]
 
+    def describe(self, log_lines: int = 15) -> str:
+        """Each node's last step record and the end of its log: what a failed wait on the swarm prints."""
+        parts = []
+        for n in self.nodes + self.workers:
+            tail = n.log.read_text(errors="replace").splitlines()[-log_lines:] if n.log.exists() else []
+            state = "alive" if n.alive else f"exited {n.process.returncode}"
+            parts.append(f"--- {n.log.parent.name} ({state}), last step: {latest(read_metrics(n.metrics))}\n"
+                         + "\n".join(tail))
+        return "\n".join(parts)
+
     def wait(self, timeout_s: float) -> bool:
         """Wait until every node process has exited; False on timeout."""
         deadline = time.monotonic() + timeout_s

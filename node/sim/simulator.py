@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,7 @@ from parallax.node.net.outer_gather import decode_contribution, encode_contribut
 from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.offload.proxy import LocalWorkers
+from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate
 from parallax.node.train.data import shard, val_batches
 from parallax.node.train.outer import TierSchedule
@@ -118,7 +120,7 @@ def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list
 
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
-        device: torch.device | str = "cpu") -> RunResult:
+        device: torch.device | str = "cpu", checkpoint_dir: Path | None = None) -> RunResult:
     """Train one run to completion and evaluate it.
 
     Args:
@@ -127,6 +129,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         val: the validation split; everyone evaluates on the same fixed windows.
         progress: called after every step.
         device: where the models live.
+        checkpoint_dir: when given, each composer's final checkpoint goes to ``checkpoint_dir/composer-<i>`` (what
+            ``parallax export --from-checkpoints`` reads), in run ``sim``.
     """
     cfg, C = spec.cfg, spec.composers
     if spec.kind == "offload":
@@ -202,6 +206,9 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             extra_flops += publish_round(composers, traffic, stand_in_history, step)  # the first surrogates
     wall_s = time.perf_counter() - started
 
+    if checkpoint_dir is not None:
+        for i, c in enumerate(composers):
+            save_checkpoint(checkpoint_dir / f"composer-{i}", c, run_id="sim", keep_last=1)
     composer_losses = [c.evaluate(batches) for c in composers]
     assembled = composer_losses[0] if len(composers) == 1 else evaluate(assemble(composers, cfg), batches)
     tokens = sum(c.tokens_seen for c in composers)

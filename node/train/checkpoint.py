@@ -104,6 +104,10 @@ class CheckpointInfo:
     """Surrogate versions the node had applied when it saved."""
     config: dict[str, Any]
     """The TrainConfig as JSON (``dataclasses.asdict``)."""
+    saved_unix_s: float
+    """When the checkpoint was written (the writer's clock)."""
+    tokens_seen: int
+    """Training tokens the composer had processed."""
 
 
 # ---- saving ---------------------------------------------------------------------------------------
@@ -246,10 +250,27 @@ def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
             path=folder, step=int(body["step"]), run_id=str(body["run_id"]),
             owned=tuple(frozenset(int(e) for e in layer) for layer in body["state"]["owned"]),
             versions={(int(l), int(e)): int(v) for l, e, v in body["versions"]},
-            config=body["config"],
+            config=body["config"], saved_unix_s=float(body["saved_unix_s"]),
+            tokens_seen=int(body["state"]["counters"]["tokens_seen"]),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
+
+
+def read_weights(path: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str, torch.Tensor],
+                                                          dict[str, torch.Tensor]]:
+    """A checkpoint's model weights, verified against its manifest, without a composer to load them into.
+
+    Returns:
+        (info, the experts it held by parameter name, the shared groups by parameter name).
+
+    Raises:
+        CheckpointError: missing, incomplete or corrupt (which file, and why).
+    """
+    folder = _resolve(Path(path))
+    body = _read_manifest(folder)
+    info = _info(folder, body)
+    return info, _read_tensors(folder, "experts", body["files"]), _read_tensors(folder, "shared", body["files"])
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
             last = latest(read_metrics(node.metrics)) or {}
             return last.get("step", 0) >= steps and last.get("peers") == 2
 
-        wait_until(lambda: all(trained(m, 2) for m in members), timeout=150)
+        wait_until(lambda: all(trained(m, 2) for m in members), timeout=150, explain=swarm.describe)
         # A stranger signs heartbeats of the run's digest, claiming a large capacity, from a DHT peer of its own.
         identity = Identity.generate()
         validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(RUN, 2, SHARED_GROUPS),
@@ -81,7 +81,7 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         wait_until(lambda: any("no member certificate in an allowlist run" in m.log.read_text(errors="replace")
                                for m in members), timeout=120)
         step = max(latest(read_metrics(m.metrics))["step"] for m in members)
-        wait_until(lambda: all(trained(m, step + 3) for m in members), timeout=120)
+        wait_until(lambda: all(trained(m, step + 3) for m in members), timeout=120, explain=swarm.describe)
         assert all(latest(read_metrics(m.metrics))["peers"] == 2 for m in members)
         assert all(m.alive for m in members)
         # `swarm status` with the manifest reads the run as its members do: the stranger is not listed.

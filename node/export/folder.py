@@ -1,0 +1,345 @@
+"""An exported model: one folder a user can take away, load, generate and evaluate with.
+
+Layout::
+
+    DIR/
+      model.safetensors   every parameter of the model with every expert real (no surrogates: nothing
+                          calls them when every expert is held); the tied head is stored once, as tok_emb
+      config.json         format, the model's shape, the tokenizer, the evaluation windows the run used,
+                          the sha256 of model.safetensors, and the provenance of every tensor
+      README.md           the model card: run, nodes, steps and tokens, val loss, where each expert came from
+
+``write_model`` checks every tensor against the model's shapes and refuses non-finite values before anything
+is written, and writes into a temporary folder renamed at the end, so a failed export leaves no half folder.
+``load_model`` checks the format, the digest and every name and shape before returning a module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from parallax.dht.keys import ExpertId
+from parallax.errors import NodeError
+from parallax.node.config.train import ModelConfig
+from parallax.node.config.typed import ConfigError, apply_changes, table_changes
+from parallax.node.model.transformer import MoETransformer, group_of, own_all
+
+FORMAT = "parallax-model"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+CARD = "README.md"
+
+BYTES_TOKENIZER = {"kind": "bytes", "vocab_size": 256}
+"""Raw bytes are the tokens: nothing to download or store beside the weights."""
+
+
+class ExportError(NodeError):
+    """An export could not be assembled or a model folder could not be read; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of an expert (or of the shared groups) and where it came from."""
+
+    tensors: Mapping[str, torch.Tensor]
+    """Parameter name (as in ``MoETransformer``) -> tensor."""
+    holder: str
+    """Who held it: a peer's fingerprint, or a checkpoint folder."""
+    origin: str
+    """"owner" (the peer that trains it), "snapshot" (an heir's copy) or "checkpoint"."""
+    step: int
+    """The holder's step when the copy was taken."""
+    saved_unix_s: float
+    """When the copy was taken (the holder's clock)."""
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    """What the card says about one node of the run."""
+
+    holder: str
+    step: int
+    tokens: int
+    val_loss: float | None = None
+
+
+@dataclass
+class Provenance:
+    run_id: str
+    nodes: list[NodeSummary]
+    shared_from: dict[str, Any] = field(default_factory=dict)
+    experts: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[ExpertId] = field(default_factory=list)
+    val_loss: dict[str, Any] | None = None
+    """The exported model's loss on the run's validation windows, measured at export."""
+    exported_unix_s: float = field(default_factory=time.time)
+
+
+def expert_names(cfg: ModelConfig, layer: int, expert: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of one routed expert."""
+    prefix = f"blocks.{layer}.moe.experts.{expert}"
+    return {f"{prefix}.w_gate.weight": (cfg.d_expert, cfg.d_latent),
+            f"{prefix}.w_up.weight": (cfg.d_expert, cfg.d_latent),
+            f"{prefix}.w_down.weight": (cfg.d_latent, cfg.d_expert)}
+
+
+def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of every shared parameter (router, latent interface, backbone)."""
+    model = MoETransformer(cfg, tuple(frozenset() for _ in range(cfg.n_layers)), seed=0)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if group_of(n) not in ("expert", "surrogate")}
+
+
+def check_copy(copy: Copy, shapes: Mapping[str, tuple[int, ...]], what: str) -> str | None:
+    """Why ``copy`` cannot be used for ``what`` (names, shapes, dtype, finiteness), or None when it can."""
+    missing = sorted(set(shapes) - set(copy.tensors))
+    if missing:
+        return f"{what} from {copy.holder} lacks {missing[:3]}"
+    for name, shape in shapes.items():
+        t = copy.tensors[name]
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            return f"{what} from {copy.holder}: {name} is {tuple(t.shape)} {t.dtype}, expected {shape} floating point"
+        if not bool(torch.isfinite(t).all()):
+            return f"{what} from {copy.holder}: {name} holds NaN or infinite values"
+    return None
+
+
+def choose(copies: Sequence[Copy], shapes: Mapping[str, tuple[int, ...]], what: str,
+           refused: list[str]) -> Copy | None:
+    """The newest usable copy (the trainer's own before a snapshot when equally new); unusable ones are
+    named in ``refused``."""
+    usable = []
+    for c in copies:
+        why = check_copy(c, shapes, what)
+        if why is None:
+            usable.append(c)
+        else:
+            refused.append(why)
+    if not usable:
+        return None
+    return max(usable, key=lambda c: (c.saved_unix_s, c.origin != "snapshot", c.step))
+
+
+def assemble(cfg: ModelConfig, shared: Sequence[Copy], experts: Mapping[ExpertId, Sequence[Copy]], *,
+             allow_missing: bool, provenance: Provenance) -> dict[str, torch.Tensor]:
+    """The exported model's tensors: the chosen shared groups and every expert, each from its chosen copy.
+
+    Fills ``provenance`` (where each came from, which are missing).
+
+    Raises:
+        ExportError: no usable copy of the shared groups, or experts nobody holds without ``allow_missing``
+            (each named, with why copies were refused).
+    """
+    refused: list[str] = []
+    base = choose(shared, shared_shapes(cfg), "the shared groups", refused)
+    if base is None:
+        raise ExportError("no usable copy of the shared groups (router, latent interface, backbone)"
+                          + (f": {'; '.join(refused)}" if refused else ": no source holds them"))
+    state = {n: base.tensors[n].detach().to("cpu", torch.float32).contiguous() for n in shared_shapes(cfg)}
+    provenance.shared_from = {"holder": base.holder, "origin": base.origin, "step": base.step,
+                              "saved_unix_s": base.saved_unix_s}
+    missing = []
+    for layer in range(cfg.n_layers):
+        for expert in range(cfg.n_experts):
+            shapes = expert_names(cfg, layer, expert)
+            chosen = choose(experts.get((layer, expert), ()), shapes, f"expert {layer}.{expert}", refused)
+            if chosen is None:
+                missing.append((layer, expert))
+                state.update({n: torch.zeros(s) for n, s in shapes.items()})
+                continue
+            state.update({n: chosen.tensors[n].detach().to("cpu", torch.float32).contiguous() for n in shapes})
+            provenance.experts.append({"layer": layer, "expert": expert, "holder": chosen.holder,
+                                       "origin": chosen.origin, "step": chosen.step,
+                                       "age_s": round(max(0.0, provenance.exported_unix_s - chosen.saved_unix_s), 1)})
+    provenance.missing = missing
+    if missing and not allow_missing:
+        names = ", ".join(f"{l}.{e}" for l, e in missing)
+        raise ExportError(f"{len(missing)} expert(s) are held by nobody reachable: {names}"
+                          + (f" (refused copies: {'; '.join(refused)})" if refused else "")
+                          + ". Export from more checkpoints or while their owners are up; --allow-missing writes "
+                            "them as zeros (they then contribute nothing) and says so in the model card")
+    return state
+
+
+def model_config_from(table: Mapping[str, Any], where: str) -> ModelConfig:
+    """A ``ModelConfig`` from its JSON table, every value type-checked (a config file is input like any other)."""
+    try:
+        return apply_changes(ModelConfig(), table_changes(ModelConfig, table))
+    except (ConfigError, ValueError, TypeError) as e:
+        raise ExportError(f"{where}: the model settings are invalid ({e})") from None
+
+
+def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[str, torch.Tensor],
+                provenance: Provenance, *, eval_windows: Mapping[str, Any],
+                tokenizer: Mapping[str, Any] = BYTES_TOKENIZER) -> Path:
+    """Write the model folder ``out`` (which must not exist, or be empty) atomically.
+
+    Args:
+        out: the folder to create.
+        cfg: the model's shape.
+        state: every non-surrogate parameter (``assemble``'s result).
+        provenance: for config.json and the model card.
+        eval_windows: batch_size, eval_batches and val_fraction of the run, the defaults of ``parallax eval``.
+        tokenizer: how text becomes tokens.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        data = safetensors.torch.save(dict(state), metadata={"format": FORMAT})
+        (tmp / WEIGHTS).write_bytes(data)
+        body = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "model": asdict(cfg), "tokenizer": dict(tokenizer),
+            "eval": dict(eval_windows),
+            "files": {WEIGHTS: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+            "provenance": _provenance_json(provenance),
+        }
+        (tmp / CONFIG).write_text(json.dumps(body, indent=1) + "\n")
+        (tmp / CARD).write_text(model_card(cfg, provenance, parameters=sum(t.numel() for t in state.values())))
+        if out.exists():
+            out.rmdir()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _provenance_json(p: Provenance) -> dict[str, Any]:
+    return {"run_id": p.run_id, "nodes": [asdict(n) for n in p.nodes], "shared_from": p.shared_from,
+            "experts": p.experts, "missing": [list(m) for m in p.missing], "val_loss": p.val_loss,
+            "exported_unix_s": p.exported_unix_s}
+
+
+def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
+    """The README.md of an exported model."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(p.exported_unix_s))
+    lines = [
+        f"# Parallax MoE model of run `{p.run_id}`", "",
+        f"Exported {when}. A decoder-only Mixture-of-Experts transformer trained by Parallax: {cfg.n_layers} "
+        f"layers, d_model {cfg.d_model}, {cfg.n_experts} routed experts per layer (top-{cfg.top_k}), context "
+        f"{cfg.seq_len} tokens, byte tokens (vocabulary {cfg.vocab_size}); {parameters:,} parameters.", "",
+        "```python", "import parallax", "model = parallax.load(\"<this folder>\")  # a torch.nn.Module", "```", "",
+        "`parallax generate <this folder> --prompt ...` samples text; `parallax eval <this folder> --data FILE` "
+        "measures loss per byte and per token.", "",
+    ]
+    if p.val_loss is not None:
+        v = p.val_loss
+        lines += [f"Validation loss at export: **{v['nats_per_token']:.4f} nats per token**, "
+                  f"{v['nats_per_byte']:.4f} nats per byte, perplexity {v['perplexity']:.2f} "
+                  f"({v['windows']} windows of {cfg.seq_len} tokens from {v['data']}).", ""]
+    lines += ["## Nodes", "", "| node | step | tokens | val loss (own view) |", "|---|---:|---:|---:|"]
+    for n in p.nodes:
+        loss = f"{n.val_loss:.4f}" if n.val_loss is not None and math.isfinite(n.val_loss) else "-"
+        lines.append(f"| `{n.holder}` | {n.step:,} | {n.tokens:,} | {loss} |")
+    s = p.shared_from
+    lines += ["", f"Shared groups (router, latent interface, backbone) from `{s.get('holder')}` "
+                  f"({s.get('origin')}, step {s.get('step')}).", "", "## Experts", "",
+              "| layer.expert | from | origin | holder's step | age at export (s) |", "|---|---|---|---:|---:|"]
+    for e in p.experts:
+        lines.append(f"| {e['layer']}.{e['expert']} | `{e['holder']}` | {e['origin']} | {e['step']:,} | {e['age_s']} |")
+    snapshots = sum(e["origin"] == "snapshot" for e in p.experts)
+    lines += ["", f"{len(p.experts) - snapshots} expert(s) from their trainer, {snapshots} from an heir's snapshot."]
+    if p.missing:
+        lines += ["", f"**{len(p.missing)} expert(s) were held by nobody and are zeros** (they contribute nothing "
+                      f"where the router picks them): {', '.join(f'{l}.{e}' for l, e in p.missing)}."]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """A loaded model folder."""
+
+    model: MoETransformer
+    config: dict[str, Any]
+    """config.json as written."""
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def eval_windows(self) -> dict[str, Any]:
+        return dict(self.config.get("eval", {}))
+
+
+def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> ExportedModel:
+    """Load a model folder written by ``write_model``, checked (format, digest, names, shapes).
+
+    Raises:
+        ExportError: not a model folder, another format version, a corrupt or mismatched file.
+    """
+    folder = Path(path)
+    if not (folder / CONFIG).is_file():
+        raise ExportError(f"{folder} is not an exported Parallax model (no {CONFIG}); make one with parallax export")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        if not isinstance(config, dict):
+            raise TypeError("not a JSON object")
+        files = config["files"]
+        table = config["model"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{folder / CONFIG} is corrupt ({e}); export the model again") from None
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{folder} holds format {config.get('format')!r} version {config.get('format_version')}; "
+                          f"this Parallax reads {FORMAT!r} version {FORMAT_VERSION}")
+    tokenizer = config.get("tokenizer")
+    if not isinstance(tokenizer, dict) or tokenizer.get("kind") != "bytes":
+        raise ExportError(f"{folder}: tokenizer {config.get('tokenizer')!r} is not one this Parallax reads")
+    cfg = model_config_from(table, str(folder / CONFIG))
+    try:
+        data = (folder / WEIGHTS).read_bytes()
+    except FileNotFoundError:
+        raise ExportError(f"{folder} has no {WEIGHTS}; export the model again") from None
+    expected = files.get(WEIGHTS, {}) if isinstance(files, dict) else {}
+    if hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+        raise ExportError(f"{folder / WEIGHTS} does not match the sha256 in {CONFIG} (corrupt or replaced); "
+                          "export the model again")
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own error type on a malformed header
+        raise ExportError(f"{folder / WEIGHTS} is unreadable ({e})") from None
+    model = build_model(cfg, tensors, str(folder / WEIGHTS))
+    return ExportedModel(model.to(device), config)
+
+
+def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str) -> MoETransformer:
+    """The model with every expert real and ``tensors`` (every non-surrogate parameter) in it, in eval mode.
+
+    Raises:
+        ExportError: a name missing or extra, or a shape that does not fit ``cfg``.
+    """
+    model = MoETransformer(cfg, own_all(cfg), seed=0)
+    wanted = {n: tuple(p.shape) for n, p in model.named_parameters() if group_of(n) != "surrogate"}
+    missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
+    if missing or extra:
+        raise ExportError(f"{where} does not fit its model settings: lacks {missing[:3]}, extra {extra[:3]}")
+    bad = [n for n, s in wanted.items() if tuple(tensors[n].shape) != s]
+    if bad:
+        raise ExportError(f"{where}: {bad[0]} is {tuple(tensors[bad[0]].shape)}, the model needs {wanted[bad[0]]}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in wanted:
+            params[n].copy_(tensors[n])
+    return model.eval()
+
+
+def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> MoETransformer:
+    """The model of an exported folder, as a torch module in eval mode (``parallax.load``)."""
+    return read_model(path, device).model

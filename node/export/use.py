@@ -1,0 +1,83 @@
+"""Using an exported model: evaluate it on fixed validation windows, and sample text from it."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from parallax.node.model.transformer import MoETransformer
+from parallax.node.train.composer import evaluate
+from parallax.node.train.data import load_corpus, split_corpus, val_batches
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    nats_per_token: float
+    nats_per_byte: float
+    bits_per_byte: float
+    perplexity: float
+    """exp(nats per token)."""
+    windows: int
+    tokens: int
+    data: str
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, batch_size: int, eval_batches: int,
+                val_fraction: float = 0.05) -> EvalResult:
+    """Mean cross-entropy of ``model`` on the fixed validation windows the run's benchmarks use: the held-out tail
+    (``val_fraction``) of ``data`` (None: the built-in corpus), ``eval_batches`` batches of ``batch_size`` windows.
+
+    Raises:
+        ValueError: the data cannot be read or is too small for one window (the message says what to pass).
+    """
+    cfg = model.cfg
+    _, val = split_corpus(load_corpus(data), val_fraction, seq_len=cfg.seq_len)
+    batches = val_batches(val, batch_size, cfg.seq_len, eval_batches)
+    loss = evaluate(model, batches)
+    tokens = sum(y.numel() for _, y in batches)
+    per_byte = loss  # byte tokens: one token is one byte
+    return EvalResult(nats_per_token=loss, nats_per_byte=per_byte, bits_per_byte=per_byte / math.log(2),
+                      perplexity=math.exp(loss), windows=len(batches) * batch_size, tokens=tokens,
+                      data=str(data) if data is not None else "the built-in corpus")
+
+
+@torch.no_grad()
+def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, seed: int | None = None) -> bytes:
+    """Sample ``max_new_tokens`` byte tokens after ``prompt`` (its last ``seq_len`` tokens are the context).
+
+    ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    model.eval()
+    tokens = list(prompt) or [ord("\n")]  # an empty prompt starts a new line
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.long, device=device)
+        logits = model(context).logits[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+        tokens.append(nxt)
+        out.append(nxt)
+    return bytes(out)

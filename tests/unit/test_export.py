@@ -1,0 +1,157 @@
+"""The exported model: assembled from composers' checkpoints, written, loaded back, evaluated and sampled from.
+
+The simulator writes each composer's final checkpoint; the export of those checkpoints must evaluate to exactly
+the simulator's assembled model's validation loss on the same windows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import parallax
+from parallax.cli.main import app
+from parallax.node.config.train import train_config
+from parallax.node.export.folder import (
+    CONFIG,
+    WEIGHTS,
+    Copy,
+    ExportError,
+    Provenance,
+    assemble,
+    expert_names,
+    read_model,
+)
+from parallax.node.export.offline import export_checkpoints
+from parallax.node.export.use import evaluate_on, generate
+from parallax.node.sim.simulator import RunSpec, run
+from parallax.node.train.data import load_corpus, split_corpus
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """A 2-composer tiny run of 20 steps with its checkpoints, and its assembled model's val loss."""
+    root = tmp_path_factory.mktemp("sim")
+    cfg = train_config("tiny", steps=20, batch_size=4)
+    train, val = split_corpus(load_corpus(None))
+    result = run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=2), train, val, checkpoint_dir=root)
+    return root, result.assembled_val_loss
+
+
+def test_the_export_of_a_runs_checkpoints_evaluates_to_its_assembled_model(simulated, tmp_path: Path) -> None:
+    root, assembled = simulated
+    out = export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "model")
+    exported = read_model(out)
+    windows = exported.eval_windows
+    result = evaluate_on(exported.model, None, batch_size=windows["batch_size"], eval_batches=windows["eval_batches"])
+    assert result.nats_per_token == pytest.approx(assembled, rel=1e-6)
+    config = json.loads((out / CONFIG).read_text())
+    assert config["provenance"]["val_loss"]["nats_per_token"] == pytest.approx(assembled, rel=1e-6)
+    assert len(config["provenance"]["experts"]) == 2 * 4 and not config["provenance"]["missing"]
+    holders = {e["holder"] for e in config["provenance"]["experts"]}
+    assert holders == {str(root / "composer-0"), str(root / "composer-1")}
+    model = parallax.load(out)
+    assert isinstance(model, torch.nn.Module) and not model.training
+    card = (out / "README.md").read_text()
+    assert "run `sim`" in card and "nats per byte" in card and "from an heir's snapshot" in card
+
+
+def test_an_expert_nobody_holds_fails_the_export_unless_allowed_and_then_is_zero_and_named(simulated,
+                                                                                          tmp_path: Path) -> None:
+    root, _ = simulated
+    with pytest.raises(ExportError, match=r"4 expert\(s\) are held by nobody reachable: .*--allow-missing"):
+        export_checkpoints([root / "composer-0"], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    out = export_checkpoints([root / "composer-0"], tmp_path / "partial", allow_missing=True)
+    config = json.loads((out / CONFIG).read_text())
+    missing = [tuple(m) for m in config["provenance"]["missing"]]
+    assert len(missing) == 4
+    model = read_model(out).model
+    for layer, expert in missing:
+        assert all(float(p.detach().abs().max()) == 0 for p in model.expert_parameters(layer, expert).values())
+    assert "are zeros" in (out / "README.md").read_text()
+
+
+def test_a_poisoned_copy_is_refused_by_name_and_a_good_one_is_used_instead() -> None:
+    cfg = train_config("tiny").model
+    names = expert_names(cfg, 0, 1)
+    good = Copy({n: torch.ones(s) for n, s in names.items()}, "peer-good", "snapshot", 10, 100.0)
+    poisoned = Copy({n: torch.full(s, float("nan")) for n, s in names.items()}, "peer-bad", "owner", 12, 200.0)
+    wrong = Copy({n: torch.ones(3) for n in names}, "peer-wrong", "owner", 12, 300.0)
+    from parallax.node.export.folder import shared_shapes
+    shared = Copy({n: torch.zeros(s) for n, s in shared_shapes(cfg).items()}, "peer-good", "owner", 10, 100.0)
+    provenance = Provenance(run_id="r", nodes=[])
+    with pytest.raises(ExportError) as e:
+        assemble(cfg, [shared], {(0, 1): [poisoned, wrong, good]}, allow_missing=False, provenance=provenance)
+    said = str(e.value)
+    assert "peer-bad" in said and "NaN" in said and "peer-wrong" in said
+    assert "7 expert(s) are held by nobody" in said  # 0.1 is not among them: its good copy was used
+    provenance = Provenance(run_id="r", nodes=[])
+    state = assemble(cfg, [shared], {(0, 1): [poisoned, wrong, good]}, allow_missing=True, provenance=provenance)
+    assert all(float(state[n].min()) == 1.0 for n in names)
+    assert [e["holder"] for e in provenance.experts] == ["peer-good"]
+
+
+def test_checkpoints_of_two_runs_or_a_missing_folder_are_refused(simulated, tmp_path: Path) -> None:
+    root, _ = simulated
+    with pytest.raises(ExportError, match="cannot read checkpoint .*nowhere"):
+        export_checkpoints([root / "composer-0", tmp_path / "nowhere"], tmp_path / "m")
+    with pytest.raises(ExportError, match="no checkpoint folders"):
+        export_checkpoints([], tmp_path / "m")
+
+
+def test_a_corrupt_or_foreign_model_folder_gets_a_clear_error(simulated, tmp_path: Path) -> None:
+    root, _ = simulated
+    out = export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "model")
+    with pytest.raises(ExportError, match="no config.json"):
+        read_model(tmp_path)
+    weights = (out / WEIGHTS).read_bytes()
+    (out / WEIGHTS).write_bytes(weights[:-8] + b"\0" * 8)
+    with pytest.raises(ExportError, match="does not match the sha256"):
+        read_model(out)
+    (out / WEIGHTS).write_bytes(weights)
+    config = json.loads((out / CONFIG).read_text())
+    config["model"]["n_heads"] = 5
+    (out / CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="model settings are invalid"):
+        read_model(out)
+    (out / CONFIG).write_text("[1, 2]")
+    with pytest.raises(ExportError, match="corrupt"):
+        read_model(out)
+
+
+def test_generation_is_seeded_greedy_at_temperature_zero_and_of_the_asked_length(simulated, tmp_path: Path) -> None:
+    root, _ = simulated
+    model = read_model(export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "m")).model
+    a = generate(model, b"ROMEO:", max_new_tokens=40, temperature=0.9, top_k=20, seed=3)
+    b = generate(model, b"ROMEO:", max_new_tokens=40, temperature=0.9, top_k=20, seed=3)
+    assert a == b and len(a) == 40
+    greedy = generate(model, b"ROMEO:", max_new_tokens=5, temperature=0)
+    first = int(model(torch.tensor([list(b"ROMEO:")])).logits[0, -1].argmax())
+    assert greedy[0] == first
+    long_prompt = b"x" * (model.cfg.seq_len * 3)  # longer than the context: its tail is used
+    assert len(generate(model, long_prompt, max_new_tokens=3, seed=0)) == 3
+
+
+def test_the_commands_export_evaluate_and_generate(simulated, tmp_path: Path) -> None:
+    root, assembled = simulated
+    done = runner.invoke(app, ["export", "--from-checkpoints", str(root / "composer-0"), "--from-checkpoints",
+                               str(root / "composer-1"), "--out", str(tmp_path / "m")])
+    assert done.exit_code == 0, done.output
+    assert "exported 8 experts from 2 node(s)" in done.output and "parallax generate" in done.output
+    done = runner.invoke(app, ["eval", str(tmp_path / "m"), "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["nats_per_byte"] == pytest.approx(assembled, rel=1e-6)
+    done = runner.invoke(app, ["generate", str(tmp_path / "m"), "--prompt", "KING:", "--max-new-tokens", "20",
+                               "--seed", "1"])
+    assert done.exit_code == 0 and done.output.startswith("KING:"), done.output
+    done = runner.invoke(app, ["export", "--from-checkpoints", str(root / "composer-0"), "--out", str(tmp_path / "x")])
+    assert done.exit_code == 1 and "--allow-missing" in done.output
+    done = runner.invoke(app, ["eval", str(tmp_path / "nothing")])
+    assert done.exit_code == 1 and "parallax export" in done.output
