@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from parallax.cli.options import Data, fail
+from parallax.cli.options import Data, ManifestFile, MemberCertFile, fail, run_manifest
 
 ModelDir = typer.Argument(..., help="An exported model folder (`parallax export --out`).")
 
@@ -22,19 +22,55 @@ def export(
         False, "--allow-missing", help="Write experts nobody holds as zeros (named in the model card) instead of "
         "failing."),
     data: Data = None,
+    initial_peers: list[str] | None = typer.Option(
+        None, "--initial-peers", help="A live peer of the run, ending in /p2p/<id> (repeatable): export from the "
+        "running swarm."),
+    run_id: str | None = typer.Option(None, "--run-id", help="The run to export from the live swarm."),
+    manifest_file: ManifestFile = None,
+    member_cert: MemberCertFile = None,
+    digest: str | None = typer.Option(None, "--digest", help="The run digest to take when the run's composers "
+                                      "publish several manifests."),
+    identity: Path | None = typer.Option(
+        None, "--identity", help="Key file the exporter signs its heartbeats with (default ~/.parallax/reader.key)."),
+    loopback: bool = typer.Option(False, "--loopback", help="Listen on 127.0.0.1 (a swarm on this machine)."),
+    timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="Seconds to keep asking owners for experts."),
 ) -> None:
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
-    a model card."""
-    from parallax.node.export.folder import ExportError
+    a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups
+    as the composers merged them)."""
+    from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
 
-    if not from_checkpoints:
-        fail("say where the model comes from: --from-checkpoints DIR (one per composer)")
+    if bool(from_checkpoints) == bool(initial_peers):
+        fail("say where the model comes from: --from-checkpoints DIR (one per composer), or --initial-peers ADDR "
+             "--run-id RUN for a live swarm")
     try:
-        folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data)
-    except (ExportError, ValueError) as e:
+        if from_checkpoints:
+            folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data)
+        else:
+            folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
+                                  allow_missing=allow_missing, digest=digest, data=data, timeout=timeout)
+    except (NodeError, ValueError) as e:
         fail(e, code=1)
+    except KeyboardInterrupt:
+        fail("stopped before the export was written; nothing was written", code=130)
     _exported(folder)
+
+
+def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Path | None,
+                 member_cert: Path | None, identity: Path | None, loopback: bool, out: Path, *, allow_missing: bool,
+                 digest: str | None, data: str | None, timeout: float) -> Path:
+    from parallax.node.config.peer import PeerConfig
+    from parallax.node.export.live import export_live
+    from parallax.protocol.identity import Identity
+
+    _manifest, run_id = run_manifest(manifest_file, run_id)
+    if run_id is None:
+        fail("a live export needs --run-id (or the run's --manifest)")
+    peer = PeerConfig(run_id=run_id, identity=identity, initial_peers=tuple(initial_peers), loopback=loopback,
+                      manifest=manifest_file, member_cert=member_cert, relay="off")
+    key = Identity.load_or_create(peer.identity_path("reader"))
+    return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, data=data, timeout_s=timeout)
 
 
 def _exported(folder: Path) -> None:

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 KiB = 1024
 MiB = 1024 * KiB
 
-ROLES = frozenset({"composer", "worker", "bootstrap"})
+ROLES = frozenset({"composer", "worker", "bootstrap", "reader"})
+"""A reader (``parallax export`` from a live swarm) owns nothing and takes part in no round; composers serve it
+what they serve each other."""
 MAX_LAYER = 2**16 - 1
 MAX_EXPERT = 2**16 - 1
 MAX_TENSORS = 256  # tensors in one payload message

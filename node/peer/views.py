@@ -68,12 +68,6 @@ class SwarmViews:
         member = view.members.get(assignment.owner(*eid))
         return member.public_key if member is not None else None
 
-    def is_composer(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` is a live composer of this run with this node's settings (snapshots go only to
-        them)."""
-        member = self.member(peer_id)
-        return member is not None and member.heartbeat.role == "composer"
-
     def banned(self, peer_id: str) -> bool:
         """Whether this node ignores ``peer_id`` now (``node.net.scores``)."""
         return self.scores is not None and self.scores.banned(peer_id)
@@ -93,8 +87,10 @@ class SwarmViews:
         return key is not None and key != member.public_key
 
     def may_fetch(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` may download this node's expert snapshots: a live composer it does not ban."""
-        return self.is_composer(peer_id) and not self.banned(peer_id)
+        """Whether ``peer_id`` may download this node's expert snapshots: a live composer or reader of the run (an
+        exporter) that it does not ban."""
+        member = self.member(peer_id)
+        return member is not None and member.heartbeat.role in ("composer", "reader") and not self.banned(peer_id)
 
     def trusted_peers(self) -> list[str]:
         """The live composers' peer ids but those this node bans: where it loads group states from."""

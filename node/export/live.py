@@ -1,0 +1,216 @@
+"""Export from a live swarm (``parallax export --initial-peers ... --run-id R``).
+
+The exporter joins the run as a *reader*: it signs heartbeats like any peer (an allowlist run needs its member
+certificate), so the composers serve it what they serve each other, but it owns nothing, counts in no quorum and
+takes part in no round. From the live membership it learns who owns each expert and asks that owner for its
+snapshot, which must be signed by the key the membership names for that peer (``ExpertExchange``); the shared
+groups are the merged state (the anchors) several composers agree on (``StateExchange``). An owner that does not
+answer is asked again, as the view changes, until ``timeout_s``: when one dies, its heir owns the expert within
+seconds and serves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.claims import ShardConfig
+from parallax.dht.keys import ExpertId, manifest_key
+from parallax.dht.manifests import read_manifests
+from parallax.dht.membership import Membership, MembershipConfig
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.errors import DHTError
+from parallax.node.config.peer import PeerConfig
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.config.typed import ConfigError, apply_changes, table_changes
+from parallax.node.export.folder import Copy, ExportError, NodeSummary, Provenance, assemble, build_model, write_model
+from parallax.node.export.use import evaluate_on
+from parallax.node.net.admission import peer_admission, peer_manifest
+from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
+from parallax.node.net.network import NetworkLoop, parse_initial_peers, start_dht
+from parallax.node.net.outer_state import StateExchange
+from parallax.node.peer.runner import model_shapes
+from parallax.node.peer.views import SwarmViews
+from parallax.protocol.identity import Identity
+from parallax.protocol.manifest import RunManifest
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+
+
+def fetch_manifest(peer: PeerConfig, digest: str | None, timeout_s: float) -> RunManifest:
+    """The manifest a live run's composers publish (``--digest`` picks one when they publish several).
+
+    Raises:
+        ExportError: unreachable, no manifest, or several without ``digest``.
+    """
+    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), client_mode=True,
+                       start_attempts=2)
+    dht = SwarmDHT.start(config, [Ed25519RecordValidator(None, protected_keys=[manifest_key(peer.run_id)])])
+    try:
+        found = read_manifests(dht, peer.run_id, timeout_s=timeout_s) or {}
+    finally:
+        dht.shutdown()
+    if digest is not None:
+        found = {d: m for d, m in found.items() if d.hex() == digest.lower()}
+    if not found:
+        raise ExportError(f"no composer of run {peer.run_id!r} publishes a manifest{' of that digest' * bool(digest)}:"
+                          " check --run-id and --initial-peers, or give the run's --manifest")
+    if len(found) > 1:
+        listed = "; ".join(f"{d.hex()} ({n} composer(s))" for d, (_m, n) in found.items())
+        raise ExportError(f"run {peer.run_id!r} has composers of {len(found)} manifests: {listed}; choose one "
+                          "with --digest")
+    return next(iter(found.values()))[0]
+
+
+def _train_config(manifest: RunManifest) -> TrainConfig:
+    try:
+        return apply_changes(TrainConfig(), table_changes(TrainConfig, manifest.settings_dict()))
+    except (ConfigError, ValueError) as e:
+        raise ExportError(f"run {manifest.run_id}'s manifest holds settings this version cannot use: {e}") from None
+
+
+def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
+                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0,
+                should_stop: Callable[[], bool] = lambda: False) -> Path:
+    """Assemble the model of a live run and write it to ``out``.
+
+    Args:
+        peer: the run, the initial peers, this exporter's addresses, manifest and member certificate.
+        identity: the key the exporter's heartbeats are signed with.
+        allow_missing: write experts no live owner served as zeros instead of failing.
+        digest: which manifest to take when the run's composers publish several (without ``peer.manifest``).
+        data: the corpus of the card's validation loss (None: the built-in corpus).
+        timeout_s: how long to keep asking for the groups and the experts.
+        should_stop: polled while waiting; True ends the export (Ctrl+C).
+
+    Raises:
+        ExportError: unreachable swarm, no composers, or what could not be fetched.
+    """
+    if not peer.initial_peers:
+        raise ExportError("a live export needs --initial-peers (a peer of the run), or use --from-checkpoints")
+    try:
+        manifest = peer_manifest(peer, identity, None) if peer.manifest else fetch_manifest(peer, digest, timeout_s)
+        assert manifest is not None
+        cfg = _train_config(manifest)
+        admission = peer_admission(peer, identity, manifest)
+        dht = start_dht(identity, peer, identity_path=peer.identity_path("reader"), n_layers=cfg.model.n_layers,
+                        admission=admission)
+    except DHTError as e:
+        raise ExportError(f"the swarm is unreachable: {e}") from None
+    membership = Membership(dht, identity, MembershipConfig(run_id=peer.run_id, role="reader", manifest=manifest),
+                            shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
+    loop = exchange = states = None
+    try:
+        membership.start()
+        views = SwarmViews(membership, identity.fingerprint, 1, lambda *_a, **_k: None)  # for its key lookups
+        loop = NetworkLoop(dht, "parallax-export")
+        shapes = model_shapes(cfg)
+        exchange = ExpertExchange(loop.p2p, loop.loop, peer.run_id, shapes.expert, identity=identity,
+                                  key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
+                                  heir_targets=lambda: None, may_fetch=lambda _peer: False).start()
+        states = StateExchange(loop.p2p, loop.loop, peer.run_id, views.trusted_peers, own_peer_id=dht.peer_id,
+                               may_fetch=lambda _peer: False).start()
+        deadline = time.monotonic() + timeout_s
+        shared, nodes = _shared_groups(membership, states, shapes.groups, deadline, should_stop)
+        experts = _experts(membership, views, exchange, cfg, deadline, should_stop, allow_missing)
+        provenance = Provenance(run_id=peer.run_id, nodes=[
+            NodeSummary(holder=fp, step=step, tokens=step * cfg.tokens_per_step, val_loss=loss)
+            for fp, (step, loss) in sorted(nodes.items())])
+        state = assemble(cfg.model, [shared], experts, allow_missing=allow_missing, provenance=provenance)
+    finally:
+        for part in (exchange, states):
+            if part is not None:
+                part.close()
+        if loop is not None:
+            loop.close()
+        with contextlib.suppress(Exception):  # a failed deathrattle only delays when the others forget us
+            membership.leave("export done")
+        dht.shutdown()
+    windows = {"batch_size": cfg.batch_size, "eval_batches": cfg.eval_batches, "val_fraction": 0.05}
+    try:
+        provenance.val_loss = evaluate_on(build_model(cfg.model, state, "the assembled model"), data,
+                                          batch_size=cfg.batch_size, eval_batches=cfg.eval_batches).as_dict()
+    except ValueError as e:
+        log.warning("the model card gets no validation loss: %s", e)
+    return write_model(out, cfg.model, state, provenance, eval_windows=windows)
+
+
+def _wait(deadline: float, should_stop: Callable[[], bool], what: str) -> None:
+    if should_stop():
+        raise ExportError("stopped")
+    if time.monotonic() > deadline:
+        raise ExportError(what)
+    time.sleep(POLL_S)
+
+
+Steps = dict[str, tuple[int, float | None]]
+"""fingerprint -> (step, loss) of each live composer."""
+
+
+def _shared_groups(membership: Membership, states: StateExchange, groups: dict[str, dict[str, tuple[int, ...]]],
+                   deadline: float, should_stop: Callable[[], bool]) -> tuple[Copy, Steps]:
+    """The merged shared groups as the live composers agree on them, and each composer's (step, loss)."""
+    tensors: dict[str, torch.Tensor] = {}
+    rounds = {}
+    pending = [g for g in SHARED_GROUPS if g in groups]
+    while True:
+        view = membership.view()
+        composers = {fp: m for fp, m in view.alive().items() if m.heartbeat.role == "composer"}
+        if composers:
+            for group in list(pending):
+                got = states.download(group, groups[group], timeout_s=max(1.0, min(30.0, deadline - time.monotonic())))
+                if got is not None:
+                    meta, values = got
+                    tensors.update(zip(groups[group], values, strict=False))  # the anchor comes first
+                    rounds[group] = int(meta["round"])
+                    pending.remove(group)
+            if not pending:
+                break
+        _wait(deadline, should_stop, "no composer of the run was seen" if not composers else
+              f"no agreed state of {', '.join(pending)} from the live composers")
+    nodes = {fp: (m.heartbeat.step, m.heartbeat.loss) for fp, m in composers.items()}
+    holder = f"the merged state of {len(composers)} composer(s), rounds " + ", ".join(
+        f"{g} {r}" for g, r in rounds.items())
+    return Copy(tensors, holder, "merged", max(s for s, _ in nodes.values()), time.time()), nodes
+
+
+def _experts(membership: Membership, views: SwarmViews, exchange: ExpertExchange, cfg: TrainConfig, deadline: float,
+             should_stop: Callable[[], bool], allow_missing: bool) -> dict[ExpertId, list[Copy]]:
+    """Every expert's snapshot from its owner in the live assignment; asked again as the view changes."""
+    out: dict[ExpertId, list[Copy]] = {}
+    wanted = [(layer, e) for layer in range(cfg.model.n_layers) for e in range(cfg.model.n_experts)]
+    while True:
+        view = membership.view()
+        assignment = view.assignment()
+        asked = {}
+        for eid in wanted:
+            if eid in out or assignment is None:
+                continue
+            owner = view.members.get(assignment.owner(*eid))
+            if owner is not None:
+                asked[eid] = (owner.fingerprint, exchange.fetch(owner.heartbeat.peer_id, eid))
+        for eid, (fp, future) in asked.items():
+            snap: Snapshot | None = future.result()
+            if snap is not None:
+                out[eid] = [_copy(snap, fp)]
+        left = [eid for eid in wanted if eid not in out]
+        if not left:
+            return out
+        if time.monotonic() > deadline and allow_missing:
+            return out
+        _wait(deadline, should_stop, f"{len(left)} expert(s) were not served by their owners in time: "
+              + ", ".join(f"{l}.{e}" for l, e in left) + "; try again, or --allow-missing writes them as zeros")
+
+
+def _copy(snap: Snapshot, holder: str) -> Copy:
+    prefix = f"blocks.{snap.layer}.moe.experts.{snap.expert}."
+    tensors = {prefix + n: t for n, t in snap.tensors.items() if "." in n and not n.startswith(("adam.", "surrogate."))}
+    return Copy(tensors, holder, "final" if snap.final else "owner", snap.step, time.time() - snap.age_s)
