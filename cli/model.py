@@ -38,6 +38,7 @@ def export(
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
     a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups
     as the composers merged them)."""
+    from parallax.cli.entry import Interrupted
     from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
 
@@ -52,7 +53,7 @@ def export(
                                   allow_missing=allow_missing, digest=digest, data=data, timeout=timeout)
     except (NodeError, ValueError) as e:
         fail(e, code=1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         fail("stopped before the export was written; nothing was written", code=130)
     _exported(folder)
 

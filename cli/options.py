@@ -56,6 +56,15 @@ Relay = Annotated[
         "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p finds "
         "this node unreachable; the default), always, off.")
 ]
+StatusPort = Annotated[
+    int | None, typer.Option(
+        "--status-port", min=0, max=65535, help="Serve a status page on http://127.0.0.1:PORT/ with /status (JSON) "
+        "and /metrics (Prometheus).")
+]
+StatusHost = Annotated[
+    str | None, typer.Option("--status-host", help="Address the status page listens on (default 127.0.0.1; "
+                             "0.0.0.0 for a scraper on another machine).")
+]
 MemberCertFile = Annotated[
     Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
                               "(`parallax run admit`).")

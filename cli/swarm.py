@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,10 @@ def status(
         "setting, 6 by default): turns record expiries into heartbeat ages."
     ),
     manifest_file: ManifestFile = None,
+    serve: int | None = typer.Option(
+        None, "--serve", min=0, max=65535, help="Keep reading, and serve the run's status page on "
+        "http://127.0.0.1:PORT/ (/status JSON, /metrics) until Ctrl+C."),
+    serve_host: str = typer.Option("127.0.0.1", "--serve-host", help="Address the status page listens on."),
 ) -> None:
     """List the live peers of a run and the owner of every expert, read once from the DHT.
 
@@ -94,6 +99,9 @@ def status(
     dht = None
     try:
         dht = SwarmDHT.start(config, [validator])
+        if serve is not None:
+            _serve(dht, run_id, manifest, serve, serve_host, timeout=timeout, layers=layers, experts=experts)
+            return
         view = read_live_view(dht, run_id, timeout_s=timeout, wait_s=wait)
     except DHTError as e:
         typer.echo(f"error: the swarm is unreachable: {e}", err=True)
@@ -126,6 +134,37 @@ def status(
                    "Check the run id (it is case-sensitive and must match the nodes' --run-id), and that the "
                    "nodes of the run are up.", err=True)
         raise typer.Exit(1)
+
+
+def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeout: float, layers: int | None,
+           experts: int | None) -> None:
+    """Serve the run's status page until Ctrl+C, re-reading the DHT every two seconds."""
+    from parallax.cli.entry import Interrupted
+    from parallax.dht.membership import read_view, split_by_run
+    from parallax.node.peer.observe import Observer, StatusServer
+
+    def view() -> Any:
+        found = read_view(dht, run_id, timeout_s=timeout)
+        if found is not None and manifest is not None:  # the run's composers only, as its nodes see them
+            found, _foreign = split_by_run(found, manifest.digest)
+        return found
+
+    observer = Observer(view, run_id, n_layers=layers, n_experts=experts)
+    try:
+        server = StatusServer(observer, port, host, role="observer").start()
+    except OSError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    observer.start()
+    typer.echo(f"serving the status of run {run_id} on {server.url} (JSON at /status, Prometheus at /metrics); "
+               "Ctrl+C stops", err=True)
+    try:
+        threading.Event().wait()
+    except (KeyboardInterrupt, Interrupted):  # Ctrl+C is how this ends: exit 0
+        typer.echo("stopped serving", err=True)
+    finally:
+        observer.close()
+        server.close()
 
 
 def _print_tables(console: Console, summary: SwarmStatus) -> None:

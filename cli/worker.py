@@ -15,6 +15,8 @@ from parallax.cli.options import (
     Preset,
     Relay,
     Sets,
+    StatusHost,
+    StatusPort,
     fail,
     run_manifest,
     supervise_or_continue,
@@ -35,6 +37,8 @@ def join(
     preset: Preset = None,
     manifest_file: ManifestFile = None,
     member_cert: MemberCertFile = None,
+    status_port: StatusPort = None,
+    status_host: StatusHost = None,
     config_file: ConfigFile = None,
     set_: Sets = None,
     capacity: float | None = typer.Option(None, "--capacity", min=0.001, help="Relative capacity (1.0 = a reference "
@@ -64,6 +68,7 @@ def join(
     flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
              "peer.initial_peers": initial_peers or None, "peer.host": host or None,
              "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
+             "peer.status_port": status_port, "peer.status_host": status_host,
              "worker.capacity": capacity}
     try:
         flags["worker.device"] = device_setting(gpu, cpu)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -29,6 +32,24 @@ def reap_children():
     for child in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+@pytest.fixture(scope="session")
+def render_page() -> Callable[[str], str]:
+    """A page's DOM after its scripts ran, from a real headless Chromium (Debian's ``chromium``, which .ci/run
+    installs); tests that need it skip, saying so, where it is missing."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install chromium); .ci/run installs it")
+
+    def render(url: str) -> str:
+        done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                               "--virtual-time-budget=8000", "--dump-dom", url],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    return render
 
 
 def _name(proc: psutil.Process) -> str:

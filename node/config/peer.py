@@ -69,9 +69,16 @@ class PeerConfig:
     (an open run)."""
     member_cert: Path | None = None
     """This peer's member certificate for an ``allowlist`` run (``parallax run admit``)."""
+    status_port: int | None = None
+    """Serve the status page, ``/status`` (JSON) and ``/metrics`` (Prometheus) on this TCP port (0: any free one).
+    None: no status server."""
+    status_host: str = "127.0.0.1"
+    """The address the status server listens on: this machine only, unless a scraper elsewhere needs it."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.status_port is not None and not 0 <= self.status_port <= 65535:
+            raise ValueError(f"peer.status_port (--status-port) is a TCP port, 0-65535, not {self.status_port}")
         parse_initial_peers(self.initial_peers)  # a malformed multiaddr fails here, with what to write
         if self.relay not in RELAY_MODES:
             raise ValueError(f"peer.relay (--relay) is one of {', '.join(RELAY_MODES)}, not {self.relay!r}")

@@ -8,6 +8,7 @@ main thread only waits for a stop (SIGINT/SIGTERM set ``stop_event``) and report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -20,6 +21,7 @@ from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.network import NetworkLoop, start_dht
 from parallax.node.offload.exchange import OffloadServicer, serve, unserve
 from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
+from parallax.node.peer.observe import Observer, serve_status
 from parallax.node.train.device import device_of
 from parallax.protocol.identity import Identity
 
@@ -44,6 +46,8 @@ class Worker:
         self.peer_id: str | None = None
         self._net: NetworkLoop | None = None
         self._metrics: Any = None
+        self._stack = contextlib.ExitStack()  # the status server, when there is one
+        self._observer: Observer | None = None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -62,12 +66,23 @@ class Worker:
                 now = (len(self.servicer.trainers), self.servicer.updates, self.servicer.refused)
                 if now != last:  # a line per change, not per poll
                     self._event("status", onboarded=now[0], updates=now[1], refused=now[2])
+                    self._publish("serving", now)
                     last = now
         finally:
             self.close()
 
+    def _publish(self, phase: str, counters: tuple[int, int, int] = (0, 0, 0)) -> None:
+        if self._observer is not None:
+            self._observer.publish({"fingerprint": self.identity.fingerprint, "peer_id": self.peer_id or "",
+                                    "phase": phase, "counters": dict(zip(("onboarded", "updates", "refused"),
+                                                                         counters, strict=True))})
+
     def _start(self) -> None:
         c = self.config
+        if c.peer.status_port is not None:  # first: a port already taken fails before anything else starts
+            self._observer = serve_status(c.peer, self._stack, "worker", n_layers=c.train.model.n_layers,
+                                          n_experts=c.train.model.n_experts)
+            self._publish("starting")
         if c.peer.metrics is not None:
             c.peer.metrics.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = c.peer.metrics.open("a", encoding="utf-8")
@@ -86,6 +101,9 @@ class Worker:
         # Composers use only workers that announce their own settings (offload.worker_settings).
         self.membership.update(versions={SETTINGS_KEY: settings_digest(c.train)})
         self.membership.start()
+        if self._observer is not None:
+            self._observer.view_source = self.membership.view
+            self._publish("serving")
         self._event("worker_started", peer_id=self.peer_id, join=self.dht.join_command())
         logger.info("worker %s serving run %s", self.peer_id, c.peer.run_id)
 
@@ -107,6 +125,7 @@ class Worker:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        self._stack.close()
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self._metrics is not None:

@@ -58,6 +58,7 @@ from parallax.node.offload.exchange import OffloadClient
 from parallax.node.offload.proxy import settings_digest
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.experts import Experts, owners_of
+from parallax.node.peer.observe import Observer, serve_status
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import NodeStatus, Telemetry
 from parallax.node.peer.training import Training
@@ -122,6 +123,7 @@ class Node:
         self._stack.callback(self.telemetry.close)
         self.telemetry.status.fingerprint = self.identity.fingerprint
         self.training: Training | None = None
+        self._observer: Observer | None = None
         self._started = self._online_at = time.monotonic()
 
     @property
@@ -162,6 +164,11 @@ class Node:
 
     def _start(self) -> Training:
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
+        if c.peer.status_port is not None:  # first: a port already taken fails before anything else starts
+            self._observer = serve_status(c.peer, stack, "composer", n_layers=cfg.model.n_layers,
+                                          n_experts=cfg.model.n_experts)
+            telemetry.observer = self._observer
+            telemetry.publish()
         train_tokens, val = split_corpus(load_corpus(c.node.data), seq_len=cfg.model.seq_len)
         telemetry.phase("joining")
         checkpoint = latest_checkpoint(c.node.checkpoint_dir) if c.node.resume and c.node.checkpoint_dir else None
@@ -231,6 +238,8 @@ class Node:
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
         membership.start()
         stack.callback(_leave_quietly, membership)
+        if self._observer is not None:
+            self._observer.view_source = membership.view
         self._online_at = time.monotonic()
         scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
         views = SwarmViews(membership, self.identity.fingerprint, c.node.snapshot_every, telemetry.event, scores)

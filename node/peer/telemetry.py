@@ -6,16 +6,22 @@ status it hands to ``on_status``. Every line carries the DHT clock (``t``) so li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from parallax.dht.adapter import dht_time
 
+if TYPE_CHECKING:
+    from parallax.node.peer.observe import Observer
+
 logger = logging.getLogger(__name__)
+
+RECENT_ROUNDS = 20
 
 
 @dataclass
@@ -54,6 +60,14 @@ class NodeStatus:
     cut_off: bool = False
     """This node's side of a partition holds no quorum: it trains no expert (``dht.membership.Quorum``)."""
     val_loss: float | None = None
+    owned_experts: list[list[int]] = field(default_factory=list)
+    """[layer, expert] of every expert this node owns."""
+    surrogate_versions: dict[str, int] = field(default_factory=dict)
+    """"layer.expert" -> the surrogate version this node holds."""
+    recent_rounds: list[dict[str, Any]] = field(default_factory=list)
+    """The last ``RECENT_ROUNDS`` outer-round events (group, status, participants, times)."""
+    workers: list[str] = field(default_factory=list)
+    """Peer ids of the offload workers this node can use."""
 
 
 class Telemetry:
@@ -62,11 +76,15 @@ class Telemetry:
     Args:
         metrics_path: JSONL file appended to (None: no file).
         on_status: called with the status whenever it changes (the CLI's live table).
+
+    ``observer`` (set when the node serves a status page) gets a copy of the status at every change and a loss
+    point per step.
     """
 
     def __init__(self, metrics_path: Path | None, on_status: Callable[[NodeStatus], None] | None) -> None:
         self.status = NodeStatus()
         self.on_status = on_status
+        self.observer: Observer | None = None
         self._file: IO[str] | None = None
         if metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,17 +95,24 @@ class Telemetry:
         self.publish()
 
     def publish(self) -> None:
-        """Hand the status to the listener."""
+        """Hand the status to the listener and the observer."""
         if self.on_status is not None:
             self.on_status(self.status)
+        if self.observer is not None:
+            self.observer.publish(dataclasses.asdict(self.status))
 
     def event(self, kind: str, **fields: Any) -> None:
         """Log an event and write it as one metrics line."""
         logger.info("%s %s", kind, fields)
-        self._write({"t": round(dht_time(), 3), "kind": kind, **fields})
+        line = {"t": round(dht_time(), 3), "kind": kind, **fields}
+        if kind == "round":
+            self.status.recent_rounds = [*self.status.recent_rounds[-(RECENT_ROUNDS - 1):], line]
+        self._write(line)
 
     def step(self, **fields: Any) -> None:
         """One metrics line per step: ``fields`` and the status's counters."""
+        if self.observer is not None and fields.get("loss") is not None:
+            self.observer.own_point(int(fields.get("step", 0)), float(fields["loss"]))
         if self._file is None:
             return
         s = self.status

@@ -258,6 +258,9 @@ class Training:
         s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())]
         s.snapshot_bytes = snap_in + snap_out
         s.rounds_ok = dict(self.rounds.rounds_ok)
+        s.owned_experts = [list(eid) for eid in sorted(self.composer.owned_experts())]
+        s.surrogate_versions = {f"{layer}.{expert}": v for (layer, expert), v in sorted(versions.items())}
+        s.workers = sorted(self.views.live_workers() or {}) if self.offload is not None else []
         s.next_round = next_round_in(dict(self.schedule.periods), self.composer.step)
         self.telemetry.publish()
 
