@@ -135,7 +135,28 @@ def evaluate(
                     f"{result.tokens:,} tokens of {result.data}")
 
 
+def report(
+    metrics: list[Path] = typer.Argument(..., help="Nodes' metrics files (node join --metrics), one per node."),
+    out: Path = typer.Option(..., "--out", help="Folder for the plots and report.md."),
+    baseline: Path | None = typer.Option(
+        None, "--baseline", help="A `parallax bench quality --json` file: its synchronous baseline's validation "
+        "curve joins the loss plot."),
+) -> None:
+    """Plots and a markdown summary of a run from its nodes' metrics files: loss per node, tokens/s, bytes per
+    step, outer-round outcomes (needs matplotlib: pip install -e '.[bench]')."""
+    from parallax.node.peer.report import report_run
+
+    try:
+        path = report_run(metrics, out, baseline)
+    except ModuleNotFoundError as e:
+        fail(f"{e}; install the plotting extra: pip install -e '.[bench]'", code=1)
+    except ValueError as e:
+        fail(e, code=1)
+    typer.echo(f"wrote {path} and its plots (loss.png, throughput.png, rounds.png)")
+
+
 def register(app: typer.Typer) -> None:
     app.command(name="export")(export)
     app.command(name="generate")(generate)
     app.command(name="eval")(evaluate)
+    app.command(name="report")(report)

@@ -92,6 +92,7 @@ class Training:
                 tokens_window, window_started = 0, time.monotonic()
             status.step, status.trained, status.loss = composer.step, trained, stats.loss
             self.telemetry.step(step=composer.step, loss=round(stats.loss, 5), ce=round(stats.ce_loss, 5),
+                                tokens=composer.tokens_seen,
                                 **({} if self.offload is None else self.offload.metrics()))
             if settings.checkpoint_dir is not None and composer.step % settings.checkpoint_every == 0:
                 self.checkpoint()
