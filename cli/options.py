@@ -109,7 +109,7 @@ class RunOptions:
     json_path: Path | None
     quiet: bool
 
-    def train_config(self) -> TrainConfig:
+    def train_config(self, default_preset: str = "small") -> TrainConfig:
         """The resolved settings (defaults < --config < flags < --set); a bad one ends the command (exit 2)."""
         from parallax.node.config.resolve import resolve, train_defaults
         from parallax.node.config.train import TrainConfig
@@ -117,7 +117,8 @@ class RunOptions:
 
         flags = {"preset": self.preset, "steps": self.steps, "batch_size": self.batch_size, "seed": self.seed}
         try:
-            return resolve(TrainConfig, train_defaults, file=self.config, flags=flags, sets=self.sets or ())
+            return resolve(TrainConfig, train_defaults, file=self.config, flags=flags, sets=self.sets or (),
+                           default_preset=default_preset)
         except ConfigError as e:
             fail(e)
 

@@ -25,14 +25,13 @@ def run_progress(total_steps: int, *, enabled: bool = True) -> Iterator[Progress
         yield None
         return
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
+               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=False) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(name: str, step: int, loss: float) -> None:
             if name not in tasks:
-                tasks[name] = bar.add_task(name, total=total_steps, loss=float("nan"))
-            if step % 5 == 0 or step == total_steps:
-                bar.update(tasks[name], completed=step, loss=loss)
+                tasks[name] = bar.add_task(name, total=total_steps, loss="-")
+            bar.update(tasks[name], completed=step, loss=f"{loss:.3f}")
 
         yield update

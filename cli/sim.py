@@ -1,9 +1,22 @@
-"""``parallax sim``: C composers in one process, no network, the reference for every networked run."""
+"""``parallax sim``: C composers in one process, no network, the reference for every networked run.
+
+With no options it is the project's first run: four composers of the ``tiny`` model for 500 steps (about a
+minute on two cores), then the synchronous baseline of the same model and tokens beside it, then the exported
+model and what to try next. Ctrl+C ends the run after the current step and prints the result so far.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -11,7 +24,7 @@ from rich.table import Table
 
 from parallax.cli.options import RunOptions, fail, with_run_options
 from parallax.cli.progress import run_progress
-from parallax.node.sim.simulator import RUN_KINDS, RunSpec, run
+from parallax.node.sim.simulator import RUN_KINDS, RunResult, RunSpec, run
 from parallax.node.train.data import load_corpus, split_corpus
 
 
@@ -19,35 +32,119 @@ from parallax.node.train.data import load_corpus, split_corpus
 def sim(
     opts: RunOptions,
     kind: str = typer.Option("parallax", "--kind", help=f"What to run: {', '.join(RUN_KINDS)}."),
-    checkpoint_dir: Path | None = typer.Option(
-        None, "--checkpoint-dir", help="Save each composer's final checkpoint to DIR/composer-<i> (for "
-        "`parallax export --from-checkpoints`)."),
+    reference: bool = typer.Option(
+        True, "--reference/--no-reference", help="Also run the synchronous baseline of the same model and tokens, "
+        "and print the ratio."),
+    out: Path = typer.Option(
+        Path("parallax-sim"), "--out", help="Folder for this run's checkpoints and exported model (a new "
+        "sub-folder per run)."),
+    export: bool = typer.Option(True, "--export/--no-export", help="Write the trained model (parallax export)."),
 ) -> None:
-    """Run C composers in one process (no network) and print each one's validation loss."""
-    cfg = opts.train_config()
+    """Run C composers in one process (no network); print the validation loss beside the synchronous baseline's,
+    and export the model. Preset tiny unless told otherwise."""
+    from parallax.errors import NodeError
+    from parallax.node.export.offline import export_checkpoints
+
+    cfg = opts.train_config(default_preset="tiny")
+    logging.getLogger("parallax.node.train.checkpoint").setLevel(logging.WARNING)  # one line per save: noise here
     try:
         spec = RunSpec(name=kind, kind=kind, cfg=cfg, composers=opts.composers)
-        train, val = split_corpus(load_corpus(opts.data))
+        train, val = split_corpus(load_corpus(opts.data), seq_len=cfg.model.seq_len)
     except ValueError as e:
         fail(e)
-    with run_progress(cfg.steps, enabled=not opts.quiet) as progress:
-        result = run(spec, train, val, progress=progress, checkpoint_dir=checkpoint_dir)
-    table = Table(title=f"{kind}: {opts.composers} composer(s), d_model {cfg.model.d_model}, {cfg.steps} steps")
-    table.add_column("composer")
-    table.add_column("val loss (own view)", justify="right")
-    for i, loss in enumerate(result.composer_val_losses):
-        table.add_row(str(i), f"{loss:.4f}")
     console = Console()
+    folder = out / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    m = cfg.model
+    console.print(f"{kind}: {opts.composers} composer(s) of a {m.n_layers}-layer MoE (d_model {m.d_model}, "
+                  f"{m.n_experts} experts, top-{m.top_k}), {cfg.steps} steps of {cfg.batch_size} x {m.seq_len} byte "
+                  "tokens each. Ctrl+C stops after the current step with the result so far.")
+    with stop_on_signal(console) as stop, run_progress(cfg.steps, enabled=not opts.quiet) as progress:
+        result = run(spec, train, val, progress=progress, checkpoint_dir=folder / "checkpoints" if export else None,
+                     should_stop=stop.is_set)
+        baseline = None
+        if reference and kind != "baseline" and not stop.is_set():
+            same = RunSpec(name="baseline", kind="baseline", cfg=cfg, composers=opts.composers)
+            baseline = run(same, train, val, progress=progress, should_stop=stop.is_set)
+    stopped = result.steps < cfg.steps or (baseline is not None and baseline.steps < result.steps)
+    _print_result(console, kind, result, baseline, cfg.steps, opts.data)
+    model = None
+    if export:
+        try:
+            model = export_checkpoints(sorted((folder / "checkpoints").iterdir()), folder / "model", data=opts.data)
+        except (NodeError, ValueError) as e:
+            console.print(f"[yellow]model not exported: {e}[/yellow]")
+    if model is not None:
+        console.print(f"model: {model} (weights, config, a model card)")
+    console.print("next:")
+    if model is not None:
+        console.print(f"  parallax generate {model} --prompt 'ROMEO:'", soft_wrap=True)
+    console.print("  parallax swarm local --nodes 3 --steps 100   (the same training as peers on this machine)",
+                  soft_wrap=True)
+    if opts.json_path is not None:
+        opts.json_path.parent.mkdir(parents=True, exist_ok=True)
+        doc: dict[str, Any] = result.__dict__ | {"val_loss": result.val_loss}
+        if baseline is not None:
+            doc["reference"] = baseline.__dict__ | {"val_loss": baseline.val_loss}
+        opts.json_path.write_text(json.dumps(doc, indent=2))
+    if stopped:
+        raise typer.Exit(130)
+
+
+def _print_result(console: Console, kind: str, result: RunResult, baseline: RunResult | None, steps: int,
+                  data: str | None) -> None:
+    if result.steps < steps:
+        console.print(f"[yellow]stopped at step {result.steps} of {steps}: the result below is for those steps"
+                      "[/yellow]")
+    where = f"the held-out tail of {data}" if data else "the held-out tail of the built-in corpus"
+    table = Table(title=f"validation loss in nats per byte on {where}; lower is better", title_justify="left")
+    table.add_column("model")
+    table.add_column("val loss", justify="right")
+    table.add_column("/ baseline", justify="right")
+
+    def ratio(loss: float) -> str:
+        return f"{loss / baseline.assembled_val_loss:.3f}x" if baseline is not None else "-"
+
+    if kind == "baseline":
+        table.add_row("synchronous baseline", f"{result.assembled_val_loss:.4f}", "")
+    else:
+        table.add_row(f"{kind}: the exported model", f"{result.assembled_val_loss:.4f}",
+                      ratio(result.assembled_val_loss))
+        table.add_row(f"{kind}: composers' own views, median", f"{result.val_loss:.4f}", ratio(result.val_loss))
+        if baseline is not None:
+            note = "" if baseline.steps == result.steps else f" (stopped at step {baseline.steps})"
+            table.add_row(f"synchronous baseline, same tokens{note}", f"{baseline.assembled_val_loss:.4f}", "1.000x")
+    table.add_row("a uniform guess", f"{math.log(256):.4f}", "")
     console.print(table)
-    console.print(f"median {result.val_loss:.4f}  assembled {result.assembled_val_loss:.4f}  "
-                  f"tokens {result.tokens:,}  train FLOPs {result.train_flops:.3e}  wall {result.wall_s:.1f} s")
+    if baseline is None and kind != "baseline" and result.steps < steps:
+        console.print("the baseline was not run (stopped); for it: parallax sim --kind baseline --steps "
+                      f"{result.steps}")
+    console.print(f"tokens {result.tokens:,} in {result.wall_s:.0f} s; train FLOPs {result.train_flops:.3e}")
     if result.stand_in_error:
         step, output, backward = result.stand_in_error[-1]
         console.print(f"surrogates at the last refresh (step {step}): relative output error {output:.4f}, "
                       f"input-gradient error {backward:.4f}")
-    if opts.json_path is not None:
-        opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-        opts.json_path.write_text(json.dumps(result.__dict__ | {"val_loss": result.val_loss}, indent=2))
+
+
+@contextlib.contextmanager
+def stop_on_signal(console: Console) -> Iterator[threading.Event]:
+    """An event the first Ctrl+C (or SIGTERM) sets; the second ends the command at once, as everywhere. The
+    previous handlers come back on exit."""
+    stop = threading.Event()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def first(_signum: int, _frame: Any) -> None:
+        stop.set()
+        console.print("[yellow]stopping after the current step (Ctrl+C again to quit at once)[/yellow]")
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    for s in previous:
+        signal.signal(s, first)
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def register(app: typer.Typer) -> None:

@@ -98,9 +98,11 @@ class RunResult:
     experts of ``relative_error`` and ``jacobian_error`` of a receiver's copy against the owner's expert, on
     the owner's most recent inputs (``stand_in_error``)."""
     loss_history: list[tuple[int, float]] = field(default_factory=list)
+    """(step, mean training loss over composers), every 10 steps."""
     val_history: list[tuple[int, float]] = field(default_factory=list)
     """(tokens so far, median own-view validation loss), every cfg.eval_every steps and at the end."""
-    """(step, mean training loss over composers), every 10 steps."""
+    steps: int = 0
+    """Inner steps each composer took: ``cfg.steps``, or fewer when the run was stopped."""
 
     @property
     def val_loss(self) -> float:
@@ -120,7 +122,8 @@ def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list
 
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
-        device: torch.device | str = "cpu", checkpoint_dir: Path | None = None) -> RunResult:
+        device: torch.device | str = "cpu", checkpoint_dir: Path | None = None,
+        should_stop: Callable[[], bool] | None = None) -> RunResult:
     """Train one run to completion and evaluate it.
 
     Args:
@@ -131,6 +134,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         device: where the models live.
         checkpoint_dir: when given, each composer's final checkpoint goes to ``checkpoint_dir/composer-<i>`` (what
             ``parallax export --from-checkpoints`` reads), in run ``sim``.
+        should_stop: polled after every step; True makes that step the last (the final merges and evaluation
+            still run, so a stopped run is a complete, shorter one).
     """
     cfg, C = spec.cfg, spec.composers
     if spec.kind == "offload":
@@ -166,7 +171,9 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     stand_in_history: list[tuple[int, float, float]] = []
+    steps_done = 0
     for step in range(1, cfg.steps + 1):
+        steps_done = step
         losses = [c.forward_backward().loss for c in composers]
         if workers is not None:
             workers.exchange()
@@ -180,16 +187,19 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         for c in composers:
             c.optimizer_step()
         mean_loss = sum(losses) / len(losses)
-        if step % 10 == 0 or step == cfg.steps:
+        last = step == cfg.steps or (should_stop is not None and should_stop())
+        if step % 10 == 0 or last:
             history.append((step, mean_loss))
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and not last:
             tokens_so_far = sum(c.tokens_seen for c in composers)
             val_history.append((tokens_so_far, statistics.median(c.evaluate(batches) for c in composers)))
         if progress is not None:
             progress(spec.name, step, mean_loss)
         if spec.kind == "baseline":
+            if last:
+                break
             continue
-        last, split_now = step == cfg.steps, step == dense_steps
+        split_now = step == dense_steps
         if spec.kind in SHARDED and step > dense_steps and (step % cfg.surrogate.refresh_every == 0 or last):
             extra_flops += publish_round(composers, traffic, stand_in_history, step)
         due = list(SHARED_GROUPS) if last or split_now else schedule.due(step)
@@ -204,6 +214,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             for c, owned in zip(composers, shards, strict=True):
                 c.split_experts(owned)
             extra_flops += publish_round(composers, traffic, stand_in_history, step)  # the first surrogates
+        if last:
+            break
     wall_s = time.perf_counter() - started
 
     if checkpoint_dir is not None:
@@ -236,7 +248,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
         network_bytes=traffic, stand_in_error=stand_in_history,
         worker_flops=workers.worker_flops if workers is not None else 0.0,
-        offload_messages=dict(workers.messages) if workers is not None else {},
+        offload_messages=dict(workers.messages) if workers is not None else {}, steps=steps_done,
     )
 
 

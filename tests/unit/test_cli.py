@@ -22,11 +22,12 @@ def test_help_lists_the_commands():
 def test_sim_runs_and_writes_json(tmp_path):
     out = tmp_path / "sim.json"
     result = runner.invoke(app, ["sim", "--preset", "tiny", "--composers", "2", "--steps", "3", "--quiet",
-                                 "--json", str(out)])
+                                 "--json", str(out), "--out", str(tmp_path / "runs")])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert len(report["composer_val_losses"]) == 2
     assert report["tokens"] == 2 * 3 * 8 * 32
+    assert report["reference"]["tokens"] == report["tokens"]  # the baseline beside it, at equal tokens
 
 
 def test_quality_benchmark_short_variant_has_the_promised_keys(tmp_path):

@@ -155,3 +155,24 @@ def test_the_commands_export_evaluate_and_generate(simulated, tmp_path: Path) ->
     assert done.exit_code == 1 and "--allow-missing" in done.output
     done = runner.invoke(app, ["eval", str(tmp_path / "nothing")])
     assert done.exit_code == 1 and "parallax export" in done.output
+
+
+def test_a_stopped_simulation_is_a_complete_shorter_run_that_exports(tmp_path: Path) -> None:
+    cfg = train_config("tiny", steps=50, batch_size=4)
+    train, val = split_corpus(load_corpus(None))
+    polls = []
+    result = run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=2), train, val, checkpoint_dir=tmp_path,
+                 should_stop=lambda: polls.append(1) or len(polls) >= 7)
+    assert result.steps == 7 and result.tokens == 2 * 7 * 4 * cfg.model.seq_len
+    out = export_checkpoints([tmp_path / "composer-0", tmp_path / "composer-1"], tmp_path / "model")
+    assert json.loads((out / CONFIG).read_text())["provenance"]["nodes"][0]["step"] == 7
+
+
+def test_the_first_run_prints_the_loss_beside_the_baseline_exports_and_says_what_next(tmp_path: Path) -> None:
+    done = runner.invoke(app, ["sim", "--steps", "20", "--quiet", "--out", str(tmp_path), "--composers", "2"])
+    assert done.exit_code == 0, done.output
+    text = " ".join(done.output.split())
+    assert "nats per byte" in text and "synchronous baseline, same tokens" in text and "x │" in done.output
+    model = next(tmp_path.glob("parallax-*/model"))
+    assert f"parallax generate {model}" in text and "parallax swarm local" in text
+    assert read_model(model).cfg.n_layers == 2  # the tiny preset unless told otherwise
