@@ -73,6 +73,42 @@ def keep_valid_subkeys(protocol: Any, key_bytes: bytes, dictionary: DictionaryDH
     return True
 
 
+class OrphanedRequests(logging.Filter):
+    """Drops two tracebacks hivemind logs for requests nobody waits for any more (a clean leave prints none).
+
+    - Each DHT request carries its caller's reply pipe, which the DHT process rebuilds through the caller's
+      ``multiprocessing`` resource sharer. A request still queued when its caller (an averager's process, or this
+      one at exit) is gone cannot be rebuilt: ``DHT._run`` logs ``[Errno 2] No such file or directory`` with a
+      traceback, although nobody is left to answer.
+    - A call this node gave up on (its future cancelled after our timeout) still finishes in the DHT process,
+      which then fails to set the cancelled future's result: asyncio logs "Task exception was never retrieved"
+      with ``InvalidStateError``.
+
+    Counted in ``dropped``; anything else passes.
+    """
+
+    dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        orphaned = (record.name == "hivemind.dht.dht" and record.funcName == "_run"
+                    and isinstance(error, FileNotFoundError | ConnectionRefusedError))
+        cancelled = (record.name == "asyncio" and type(error).__name__ == "InvalidStateError"
+                     and "future that is CANCELLED" in str(error))
+        if orphaned or cancelled:
+            OrphanedRequests.dropped += 1
+            return False
+        return True
+
+
+def quiet_orphaned_requests() -> None:
+    """Install ``OrphanedRequests`` on hivemind's and asyncio's loggers, once (inherited by forked processes)."""
+    for name in ("hivemind.dht.dht", "asyncio"):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, OrphanedRequests) for f in target.filters):
+            target.addFilter(OrphanedRequests())
+
+
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch); record expirations are absolute times on it."""
     return float(get_dht_time())
@@ -294,6 +330,7 @@ class SwarmDHT:
             DHTError: the node could not start or reach any initial peer; the message says what to check.
         """
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
+        quiet_orphaned_requests()
         last: BaseException | None = None
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):

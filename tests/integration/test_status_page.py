@@ -91,6 +91,11 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
         assert stop(watcher, 30) == 0  # Ctrl+C ends it cleanly
         assert "Traceback" not in log.read_text()
         watcher = None
+        # Ctrl+C (SIGINT) is a graceful leave for a node: it prints no traceback, its DHT process's neither.
+        for index in range(2):
+            assert swarm.stop_node(index) == 0
+        for node in (watched, other):
+            assert "Traceback" not in node.log.read_text(), node.log.read_text()[-4000:]
     finally:
         if watcher is not None:
             kill_group(watcher, signal.SIGKILL)

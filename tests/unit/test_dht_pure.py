@@ -327,3 +327,23 @@ def test_relayed_nodes_use_their_static_relays_at_once_and_every_node_caps_what_
         args = P2P._make_process_args("p2pd", **P2P.DHT_MODE_MAPPING["client"])
         assert "-relayDiscovery=0" in args and "-relayTimeLimit=30m" in args
     assert P2P.DHT_MODE_MAPPING is before
+
+
+def test_the_tracebacks_of_orphaned_requests_are_dropped_and_others_kept():
+    import logging
+    from concurrent.futures import InvalidStateError
+
+    from parallax.dht.adapter import OrphanedRequests
+
+    def record(name, func, error):
+        r = logging.LogRecord(name, logging.ERROR, "x.py", 1, "msg", None, (type(error), error, None), func=func)
+        return r
+
+    f = OrphanedRequests()
+    assert not f.filter(record("hivemind.dht.dht", "_run", FileNotFoundError(2, "No such file or directory")))
+    assert not f.filter(record("asyncio", "default_exception_handler",
+                               InvalidStateError("Can't set_result to a future that is CANCELLED (1)")))
+    assert f.filter(record("hivemind.dht.dht", "_run", ValueError("a real failure")))
+    assert f.filter(record("hivemind.dht.dht", "get", FileNotFoundError(2, "elsewhere")))
+    assert f.filter(record("asyncio", "x", InvalidStateError("Can't set_result to a future that is FINISHED (1)")))
+    assert f.filter(logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "no exception", None, None))
