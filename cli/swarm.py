@@ -232,7 +232,7 @@ def local(
     from rich.live import Live
 
     from parallax.errors import ParallaxError
-    from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
+    from parallax.node.peer.local_swarm import LocalSwarm, final_counters, read_metrics
 
     args = ["--preset", preset, "--min-peers", str(nodes)]
     for change in set_:
@@ -248,9 +248,9 @@ def local(
         for _ in range(nodes):
             swarm.add_node()
         deadline = time.monotonic() + timeout
-        with Live(_local_table(swarm, latest, read_metrics), console=console, refresh_per_second=2) as live:
+        with Live(_local_table(swarm, final_counters, read_metrics), console=console, refresh_per_second=2) as live:
             while not stop.is_set() and time.monotonic() < deadline and any(n.alive for n in swarm.nodes):
-                live.update(_local_table(swarm, latest, read_metrics))
+                live.update(_local_table(swarm, final_counters, read_metrics))
                 stop.wait(0.5)
             console.print("stopping the swarm..." if stop.is_set() else "all nodes finished")
             # Nodes that ended on their own with an error (not those the stop below ends).
@@ -262,7 +262,7 @@ def local(
         swarm.close()
         for sg, handler in previous.items():
             signal.signal(sg, handler)
-    console.print(_local_table(swarm, latest, read_metrics, title="summary"))
+    console.print(_local_table(swarm, final_counters, read_metrics, title="summary"))
     console.print(f"logs and metrics: {workdir}")
     for n in failed:
         console.print(f"[red]node {n.index} exited with code {n.process.returncode}[/red]: see {n.log}")
@@ -272,7 +272,7 @@ def local(
 
 def _local_table(
     swarm: LocalSwarm,
-    latest: Callable[[Sequence[dict[str, Any]]], dict[str, Any] | None],
+    counters: Callable[[Sequence[dict[str, Any]]], dict[str, Any] | None],
     read_metrics: Callable[[Path], list[dict[str, Any]]],
     title: str = "local swarm",
 ) -> Table:
@@ -280,7 +280,7 @@ def _local_table(
     for col in ("node", "state", "step", "loss", "owned", "surrogates", "rounds ok", "sent MB", "received MB"):
         table.add_column(col, justify="right" if col not in ("node", "state") else "left")
     for n in swarm.nodes:
-        last = latest(read_metrics(n.metrics)) or {}
+        last = counters(read_metrics(n.metrics)) or {}
         state = "running" if n.alive else f"exit {n.process.returncode}"
         rounds = sum((last.get("rounds_ok") or {}).values())
         table.add_row(str(n.index), state, str(last.get("step", "-")), f"{last['loss']:.4f}" if "loss" in last else "-",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.live import Live
+from rich.table import Table
 
 from parallax.cli.options import (
     ConfigFile,
@@ -50,6 +53,10 @@ def join(
     relay: Relay = None,
     loopback: bool | None = typer.Option(None, "--loopback/--internet", help="Peers on one machine (accepted for "
                                          "symmetry with `node join`; the worker has no timings to shorten)."),
+    leave_when_idle: float | None = typer.Option(
+        None, "--leave-when-idle", min=0.1, help="Leave once no composer of the run has been alive for this many "
+        "seconds, after one was (default: serve until Ctrl+C)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
     no_supervise: bool = typer.Option(
         False, "--no-supervise", help="Run in this process (under a process manager that signals by pid)."),
     supervised_by: int | None = typer.Option(None, "--supervised-by", hidden=True),
@@ -69,7 +76,7 @@ def join(
              "peer.initial_peers": initial_peers or None, "peer.host": host or None,
              "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
              "peer.status_port": status_port, "peer.status_host": status_host,
-             "worker.capacity": capacity}
+             "worker.capacity": capacity, "worker.leave_when_idle_s": leave_when_idle}
     try:
         flags["worker.device"] = device_setting(gpu, cpu)
         manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
@@ -81,10 +88,13 @@ def join(
         fail(e)
     supervise_or_continue("worker", supervised_by, no_supervise)  # as `node join`
     console = Console(stderr=True)
+    live = None if quiet else Live(console=console, refresh_per_second=2, transient=False)
     previous: dict[int, object] = {}
     try:
-        worker = Worker(config)
+        worker = Worker(config, on_status=(lambda s: live.update(_status_table(s))) if live is not None else None)
         previous = install_signal_handlers(worker)
+        if live is not None:
+            live.start()
         worker.run()
     except (ParallaxError, ValueError, OSError) as e:
         console.print(f"[red]error:[/red] {e}")
@@ -92,9 +102,21 @@ def join(
     except ForcedStop as e:
         raise typer.Exit(130) from e
     finally:
+        if live is not None:
+            live.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
     console.print(f"worker left ({worker.servicer.updates} updates answered)")
+
+
+def _status_table(status: dict[str, Any]) -> Table:
+    table = Table(title=f"parallax worker {status['fingerprint']} on {status['device']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, label in (("composers", "live composers of the run"), ("experts", "experts held for composers"),
+                       ("updates", "updates answered"), ("refused", "requests refused")):
+        table.add_row(label, str(status[key]))
+    return table
 
 
 def register(app: typer.Typer) -> None:

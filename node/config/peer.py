@@ -248,9 +248,14 @@ class WorkerSettings:
     device: str = "auto"
     """auto, cpu, cuda or cuda:N: where the experts' copies and their optimizer state live."""
     limits: WorkerLimits = field(default_factory=WorkerLimits)
+    leave_when_idle_s: float | None = None
+    """Leave once no composer of the run has been alive for this long, after one was (a worker started for one
+    run: ``swarm local``). None: serve until stopped (a volunteer's worker waits for the next composers)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
+        if self.leave_when_idle_s is not None and not self.leave_when_idle_s > 0:
+            raise ValueError("worker.leave_when_idle_s (--leave-when-idle) must be > 0 seconds")
         if not self.capacity > 0:
             raise ValueError("worker.capacity (--capacity) must be > 0 (a relative weight; 1.0 = a reference worker)")
 

@@ -12,6 +12,8 @@ import contextlib
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from parallax.dht.adapter import SwarmDHT, dht_time
@@ -35,8 +37,10 @@ class Worker:
         config: what to run.
     """
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, *, on_status: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.config = config
+        self.on_status = on_status
+        """Called with the worker's status (``status()``) after every poll: the CLI's live table."""
         self.identity = Identity.load_or_create(config.peer.identity_path("worker"))
         self.stop_event = threading.Event()
         self.dht: SwarmDHT | None = None
@@ -62,14 +66,38 @@ class Worker:
         try:
             self._start()
             last: tuple[int, int, int] | None = None
+            idle = self.config.worker.leave_when_idle_s
+            seen_composers, last_composer = False, time.monotonic()
             while not self.stop_event.wait(poll_s):
                 now = (len(self.servicer.trainers), self.servicer.updates, self.servicer.refused)
                 if now != last:  # a line per change, not per poll
                     self._event("status", onboarded=now[0], updates=now[1], refused=now[2])
                     self._publish("serving", now)
                     last = now
+                composers = self.live_composers()
+                if composers:
+                    seen_composers, last_composer = True, time.monotonic()
+                if self.on_status is not None:
+                    self.on_status(self.status(composers))
+                if idle is not None and seen_composers and time.monotonic() - last_composer > idle:
+                    logger.info("no composer of run %s for %.0f s: leaving", self.config.peer.run_id, idle)
+                    self._event("idle_leave", seconds=idle)
+                    break
         finally:
             self.close()
+
+    def live_composers(self) -> int:
+        """Composers of the run alive in this worker's view."""
+        if self.membership is None:
+            return 0
+        return sum(m.heartbeat.role == "composer" for m in self.membership.view().alive().values())
+
+    def status(self, composers: int | None = None) -> dict[str, Any]:
+        """What the live table shows: the counters of the metrics file's status lines, and the live composers."""
+        s = self.servicer
+        return {"peer_id": self.peer_id or "", "fingerprint": self.identity.fingerprint, "device": s.device,
+                "composers": self.live_composers() if composers is None else composers,
+                "experts": len(s.trainers), "updates": s.updates, "refused": s.refused}
 
     def _publish(self, phase: str, counters: tuple[int, int, int] = (0, 0, 0)) -> None:
         if self._observer is not None:

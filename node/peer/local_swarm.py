@@ -66,6 +66,18 @@ def latest(records: Sequence[dict[str, Any]], kind: str = "step") -> dict[str, A
     return None
 
 
+def final_counters(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """A node's counters as it last wrote them: its ``left`` event once it has left (the rounds and snapshots of
+    the leave included), else its last step line; with the last step's loss."""
+    for r in reversed(records):
+        if r.get("kind") == "left" and "rounds_ok" in r:
+            step = latest(records) or {}
+            return {**r, "loss": step.get("loss")} if "loss" in step else dict(r)
+        if r.get("kind") == "step":
+            return r
+    return None
+
+
 class LocalSwarm:
     """Start and stop a local swarm (module docstring).
 
@@ -171,7 +183,7 @@ class LocalSwarm:
         folder = self.workdir / f"worker-{i}"
         folder.mkdir(exist_ok=True)
         metrics = self._fresh(folder / "metrics.jsonl")
-        args = ["worker", "join", "--cpu", "--no-supervise", "--run-id", self.run_id, "--identity",
+        args = ["worker", "join", "--cpu", "--quiet", "--no-supervise", "--run-id", self.run_id, "--identity",
                 str(folder / "worker.key"), "--initial-peers", self.initial_peers, "--host", self.listen(i),
                 "--metrics", str(metrics), *extra]
         worker = NodeProcess(i, self._spawn(args, folder / "worker.log", host=self.host(i)), metrics,

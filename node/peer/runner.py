@@ -104,6 +104,7 @@ class _Network:
     sync: TieredOuterSync
     scores: PeerScores
     states: StateExchange
+    gather: OuterGather
 
 
 class Node:
@@ -213,7 +214,9 @@ class Node:
                           offload=offload)
         return Training(c, composer, net.dht, net.membership, net.views, net.gossip, net.exchange, net.sync, rounds,
                         experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=val_batches(
-                            val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches), started=self._started)
+                            val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches), started=self._started,
+                        outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
+                                               net.gather.bytes_fetched))
 
     def _start_network(self, versions: dict[tuple[int, int], int]) -> _Network:
         """DHT, membership, then the network loop, gossip, snapshot exchange and outer averagers: their
@@ -273,7 +276,7 @@ class Node:
         states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.trusted_peers,
                                own_peer_id=dht.peer_id, may_fetch=lambda peer: not views.banned(peer)).start()
         stack.callback(states.close)
-        return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states)
+        return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states, gather)
 
     def _start_offload(self, net: _Network, composer: Composer) -> OffloadSession:
         c = self.config

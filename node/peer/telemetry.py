@@ -51,6 +51,10 @@ class NodeStatus:
     """Surrogate payloads fetched + served."""
     snapshot_bytes: int = 0
     """Expert snapshots fetched + served (heir copies, hand-overs)."""
+    outer_bytes: int = 0
+    """Outer-round contributions and group states fetched + served."""
+    offload_bytes: int = 0
+    """Offload traffic with workers, both ways (weights, sketches, results)."""
     heir_copies: list[list[int]] = field(default_factory=list)
     """[layer, expert] of other owners' experts this node holds a snapshot of, as their heir."""
     rounds_ok: dict[str, int] = field(default_factory=dict)
@@ -109,19 +113,23 @@ class Telemetry:
             self.status.recent_rounds = [*self.status.recent_rounds[-(RECENT_ROUNDS - 1):], line]
         self._write(line)
 
+    def counters(self) -> dict[str, Any]:
+        """The status's counters as metrics fields: every step line and the ``left`` event carry them, and every
+        table of a run (the live one, ``swarm local``'s summary, the status page) shows these."""
+        s = self.status
+        return {"peers": s.live_peers, "view_age_s": round(s.view_age_s, 2), "owned": s.owned,
+                "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
+                "snapshot_bytes": s.snapshot_bytes, "outer_bytes": s.outer_bytes, "offload_bytes": s.offload_bytes,
+                "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok, "tokens_per_s": round(s.tokens_per_s, 1)}
+
     def step(self, **fields: Any) -> None:
         """One metrics line per step: ``fields`` and the status's counters."""
         if self.observer is not None and fields.get("loss") is not None:
             self.observer.own_point(int(fields.get("step", 0)), float(fields["loss"]))
         if self._file is None:
             return
-        s = self.status
-        self._write({"t": round(dht_time(), 3), "kind": "step", **fields, "peers": s.live_peers,
-                     "view_age_s": round(s.view_age_s, 2), "owned": s.owned, "surrogates_held": s.surrogates_held,
-                     "surrogate_version_max": s.surrogate_version_max,
-                     "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
-                     "snapshot_bytes": s.snapshot_bytes, "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok,
-                     "tokens_per_s": round(s.tokens_per_s, 1)})
+        self._write({"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()})
 
     def _write(self, line: dict[str, Any]) -> None:
         if self._file is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -46,11 +46,14 @@ class Training:
                  views: SwarmViews, gossip: SurrogateGossip, exchange: ExpertExchange, sync: TieredOuterSync,
                  rounds: BackgroundRounds, experts: Experts, gate: RefitGate, telemetry: Telemetry,
                  stop_event: threading.Event, *, offload: OffloadSession | None, scores: PeerScores | None = None,
-                 val: list[tuple[torch.Tensor, torch.Tensor]], started: float) -> None:
+                 val: list[tuple[torch.Tensor, torch.Tensor]], started: float,
+                 outer_traffic: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self.config, self.composer, self.dht, self.membership, self.views = config, composer, dht, membership, views
         self.gossip, self.exchange, self.sync, self.rounds = gossip, exchange, sync, rounds
         self.experts, self.gate, self.telemetry, self.stop_event = experts, gate, telemetry, stop_event
         self.offload, self.val, self.started = offload, val, started
+        self.outer_traffic = outer_traffic
+        """() -> (bytes served, bytes fetched) of outer-round contributions and group states."""
         self.schedule = TierSchedule(config.train.sync.periods)
         self.scores = scores
         self._applied: set[tuple[int, int]] = set()  # experts whose surrogate came from an owner (not at init)
@@ -229,8 +232,9 @@ class Training:
                                  tokens=composer.tokens_seen)
         rattle = self.membership.leave("leaving after training" if not self.stop_event.is_set()
                                        else "stopped by the user")
+        self._refresh_status()  # the rounds and snapshots of the leave count too
         self.telemetry.event("left", step=composer.step, seconds=round(time.monotonic() - started, 3),
-                             deathrattle=rattle)
+                             deathrattle=rattle, **self.telemetry.counters())
 
     def checkpoint(self) -> None:
         settings = self.config.node
@@ -253,11 +257,17 @@ class Training:
         s.surrogate_version_max = max(versions.values(), default=0)
         st = self.gossip.stats
         snap_in, snap_out = self.exchange.bytes_fetched, self.exchange.servicer.bytes_served
-        s.bytes_received = st.bytes_fetched + snap_in
-        s.bytes_sent = st.bytes_served + snap_out
+        outer_out, outer_in = self.outer_traffic()
+        client = self.offload.client if self.offload is not None else None
+        off_out = sum(client.bytes_sent.values()) if client is not None else 0
+        off_in = sum(client.bytes_received.values()) if client is not None else 0
+        s.bytes_received = st.bytes_fetched + snap_in + outer_in + off_in
+        s.bytes_sent = st.bytes_served + snap_out + outer_out + off_out
         s.gossip_bytes = st.bytes_fetched + st.bytes_served
         s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())]
         s.snapshot_bytes = snap_in + snap_out
+        s.outer_bytes = outer_in + outer_out
+        s.offload_bytes = off_in + off_out
         s.rounds_ok = dict(self.rounds.rounds_ok)
         s.owned_experts = [list(eid) for eid in sorted(self.composer.owned_experts())]
         s.surrogate_versions = {f"{layer}.{expert}": v for (layer, expert), v in sorted(versions.items())}

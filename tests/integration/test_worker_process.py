@@ -80,3 +80,29 @@ def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
                 asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
+
+
+def test_a_worker_started_for_one_run_leaves_once_its_composers_have(tmp_path: Path) -> None:
+    metrics = tmp_path / "worker.jsonl"
+    proc = None
+    with LocalSwarm(RUN) as swarm:
+        try:
+            composer = swarm.add(1)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            with (tmp_path / "worker.log").open("ab") as log:
+                proc = spawn([sys.executable, "-m", "parallax.cli", "worker", "join", "--cpu", "--loopback", "--quiet",
+                              "--no-supervise", "--run-id", RUN, "--identity", str(tmp_path / "worker.key"),
+                              "--leave-when-idle", "3", "--initial-peers", composer.dht.visible_maddrs()[0],
+                              "--metrics", str(metrics)], env=env, stdout=log)
+            wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
+            assert proc.poll() is None  # a composer is alive: it serves on
+            assert composer.membership is not None
+            composer.membership.leave("done")  # the run's last composer leaves (deathrattle)
+            wait_until(lambda: proc.poll() is not None, 60)
+            assert proc.returncode == 0
+            assert any(r.get("kind") == "idle_leave" for r in read_metrics(metrics))
+            assert "Traceback" not in (tmp_path / "worker.log").read_text()
+        finally:
+            if proc is not None:
+                stop(proc, 15.0)
+                kill_group(proc, signal.SIGKILL)

@@ -1,0 +1,49 @@
+"""``parallax swarm local`` as a user runs it: real processes on loopback. Its summary shows the counters the
+nodes wrote to their metrics files, the rounds and snapshots of their leave included; a node that fails makes
+the command fail, naming it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parallax.node.peer.local_swarm import final_counters, read_metrics
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _swarm_local(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "parallax.cli", "swarm", "local", "--nodes", "2", "--workdir",
+                           str(tmp_path), "--run-id", "tour", *extra], capture_output=True, text=True, env=env,
+                          timeout=240)
+
+
+def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
+    done = _swarm_local(tmp_path, "--steps", "25", "--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}')
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    summary = "\n".join(lines[max(i for i, line in enumerate(lines) if line.strip() == "summary"):])
+    for i in range(2):
+        last = final_counters(read_metrics(tmp_path / f"node-{i}" / "metrics.jsonl"))
+        assert last is not None and last["kind"] == "left", last  # the leave's counters, not the last step's
+        cells = r"\s+exit 0\s+(\d+)\s+(\S+)\s+(\d+)\s+v(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s*$"
+        row = re.search(rf"^\s*{i}{cells}", summary, re.M)
+        assert row is not None, summary
+        step, loss, owned, _version, rounds, sent, received = row.groups()
+        assert int(step) == last["step"] == 25
+        assert int(rounds) == sum(last["rounds_ok"].values()) > 0
+        assert sent == f"{last['bytes_sent'] / 1e6:.2f}" and received == f"{last['bytes_received'] / 1e6:.2f}"
+        assert last["bytes_sent"] >= last["outer_bytes"] // 2 > 0  # outer-round traffic is counted as sent
+
+
+def test_a_node_that_fails_makes_the_command_fail_and_is_named(tmp_path: Path) -> None:
+    done = _swarm_local(tmp_path, "--steps", "5", "--set", "optim.lr=-1")
+    assert done.returncode == 1
+    said = " ".join(done.stdout.split())
+    assert "node 0 exited with code" in said and "node 1 exited with code" in said, said[-2000:]
