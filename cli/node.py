@@ -72,6 +72,9 @@ def join(
     member_cert: MemberCertFile = None,
     status_port: StatusPort = None,
     status_host: StatusHost = None,
+    log_to: list[str] | None = typer.Option(
+        None, "--log-to", help="Also log to an experiment tracker (repeatable): tensorboard:DIR or wandb:PROJECT "
+        "(extras: pip install -e '.[tensorboard]' or '.[wandb]')."),
     config_file: ConfigFile = None,
     set_: Sets = None,
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
@@ -116,7 +119,7 @@ def join(
     flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
              "peer.initial_peers": initial_peers or None, "peer.host": host or None,
              "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
-             "peer.status_port": status_port, "peer.status_host": status_host,
+             "peer.status_port": status_port, "peer.status_host": status_host, "peer.log_to": log_to or None,
              "node.data": data, "node.steps": steps, "node.checkpoint_dir": checkpoint_dir,
              "node.checkpoint_every": checkpoint_every, "node.resume": resume, "node.min_peers": min_peers,
              "node.snapshot_every": snapshot_every, "node.final_eval": final_eval}

@@ -18,6 +18,7 @@ from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
 from parallax.dht.membership import MembershipConfig
 from parallax.node.config.train import SimConfig, TrainConfig
+from parallax.node.peer.sinks import parse_sink
 
 LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
@@ -74,9 +75,13 @@ class PeerConfig:
     None: no status server."""
     status_host: str = "127.0.0.1"
     """The address the status server listens on: this machine only, unless a scraper elsewhere needs it."""
+    log_to: tuple[str, ...] = ()
+    """Experiment trackers the node also logs to: ``tensorboard:DIR``, ``wandb:PROJECT`` (extras)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        for spec in self.log_to:
+            parse_sink(spec)
         if self.status_port is not None and not 0 <= self.status_port <= 65535:
             raise ValueError(f"peer.status_port (--status-port) is a TCP port, 0-65535, not {self.status_port}")
         parse_initial_peers(self.initial_peers)  # a malformed multiaddr fails here, with what to write

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import json
 import logging
 import threading
 import time
@@ -60,6 +61,7 @@ from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.experts import Experts, owners_of
 from parallax.node.peer.observe import Observer, serve_status
 from parallax.node.peer.refits import RefitGate
+from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry
 from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
@@ -165,6 +167,9 @@ class Node:
 
     def _start(self) -> Training:
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
+        if c.peer.log_to:  # a missing tracker package fails here, before anything starts
+            telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
+                                         config=json.loads(run_settings(cfg)))
         if c.peer.status_port is not None:  # first: a port already taken fails before anything else starts
             self._observer = serve_status(c.peer, stack, "composer", n_layers=cfg.model.n_layers,
                                           n_experts=cfg.model.n_experts)

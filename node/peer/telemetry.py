@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from parallax.dht.adapter import dht_time
+from parallax.node.peer.sinks import Sink, scalars
 
 if TYPE_CHECKING:
     from parallax.node.peer.observe import Observer
@@ -89,6 +90,8 @@ class Telemetry:
         self.status = NodeStatus()
         self.on_status = on_status
         self.observer: Observer | None = None
+        self.sinks: list[Sink] = []
+        """Experiment trackers (``--log-to``) that get every step line's numbers and the final evaluation."""
         self._file: IO[str] | None = None
         if metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +114,9 @@ class Telemetry:
         line = {"t": round(dht_time(), 3), "kind": kind, **fields}
         if kind == "round":
             self.status.recent_rounds = [*self.status.recent_rounds[-(RECENT_ROUNDS - 1):], line]
+        if kind == "final_eval":
+            for sink in self.sinks:
+                sink.log(int(fields.get("step", 0)), {"val_loss": float(fields["val_loss"])})
         self._write(line)
 
     def counters(self) -> dict[str, Any]:
@@ -127,9 +133,12 @@ class Telemetry:
         """One metrics line per step: ``fields`` and the status's counters."""
         if self.observer is not None and fields.get("loss") is not None:
             self.observer.own_point(int(fields.get("step", 0)), float(fields["loss"]))
-        if self._file is None:
+        if self._file is None and not self.sinks:
             return
-        self._write({"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()})
+        line = {"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()}
+        for sink in self.sinks:
+            sink.log(int(fields.get("step", 0)), scalars(line))
+        self._write(line)
 
     def _write(self, line: dict[str, Any]) -> None:
         if self._file is not None:
@@ -137,6 +146,12 @@ class Telemetry:
             self._file.flush()
 
     def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # a tracker that cannot flush must not stop the leave
+                logger.warning("closing an experiment tracker failed: %r", e)
+        self.sinks = []
         if self._file is not None:
             self._file.close()
             self._file = None

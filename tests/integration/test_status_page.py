@@ -26,6 +26,10 @@ NODE_ARGS = ["--preset", "tiny", "--set", 'sync.periods={"router": 5, "latent": 
 URL = re.compile(r"(http://127\.0\.0\.1:\d+/)")
 
 
+def step_of(node) -> int:
+    return (latest(read_metrics(node.metrics)) or {}).get("step", 0)
+
+
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read()
@@ -47,7 +51,7 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
     watcher = None
     try:
         swarm.start_bootstrap()
-        watched = swarm.add_node("--status-port", "0")
+        watched = swarm.add_node("--status-port", "0", "--log-to", f"tensorboard:{tmp_path / 'tb'}")
         other = swarm.add_node()
         wait_until(lambda: all((latest(read_metrics(n.metrics)) or {}).get("peers") == 2 and
                                (latest(read_metrics(n.metrics)) or {}).get("step", 0) >= 5 for n in (watched, other)),
@@ -96,6 +100,14 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
             assert swarm.stop_node(index) == 0
         for node in (watched, other):
             assert "Traceback" not in node.log.read_text(), node.log.read_text()[-4000:]
+        # --log-to: TensorBoard got the watched node's step lines, in a folder named by its fingerprint.
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (folder,) = (tmp_path / "tb").iterdir()
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        steps = [e.step for e in events.Scalars("loss")]
+        assert folder.name in fingerprints and steps[0] == 1 and steps[-1] == step_of(watched) and len(steps) >= 5
     finally:
         if watcher is not None:
             kill_group(watcher, signal.SIGKILL)
