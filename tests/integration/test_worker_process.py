@@ -4,10 +4,13 @@ update requests from a composer peer, and once SIGKILLed its requests fail and i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,11 @@ def _workers(dht) -> dict[str, tuple[float, bytes]]:
     view = read_view(dht, RUN, timeout_s=3.0)
     return {} if view is None else {m.heartbeat.peer_id: (m.heartbeat.capacity, m.public_key)
                                     for m in view.alive().values() if m.heartbeat.role == "worker"}
+
+
+def _status(url: str) -> dict:
+    with urllib.request.urlopen(url + "status", timeout=10) as r:
+        return json.loads(r.read())
 
 
 def test_worker_process_serves_then_dies(tmp_path: Path) -> None:
@@ -93,9 +101,16 @@ def test_a_worker_started_for_one_run_leaves_once_its_composers_have(tmp_path: P
                 proc = spawn([sys.executable, "-m", "parallax.cli", "worker", "join", "--cpu", "--loopback", "--quiet",
                               "--no-supervise", "--run-id", RUN, "--identity", str(tmp_path / "worker.key"),
                               "--leave-when-idle", "3", "--initial-peers", composer.dht.visible_maddrs()[0],
-                              "--metrics", str(metrics)], env=env, stdout=log)
+                              "--metrics", str(metrics), "--status-port", "0"], env=env, stdout=log)
             wait_until(lambda: len(_workers(composer.dht)) == 1, 90)
             assert proc.poll() is None  # a composer is alive: it serves on
+            # Its status page: its counters, and the composer it sees.
+            url = re.search(r"http://127\.0\.0\.1:\d+/", (tmp_path / "worker.log").read_text())
+            assert url is not None
+            wait_until(lambda: len((_status(url.group(0))["swarm"] or {}).get("peers", [])) >= 2, 30)
+            doc = _status(url.group(0))
+            assert doc["node"]["counters"] == {"onboarded": 0, "updates": 0, "refused": 0}
+            assert {p["role"] for p in doc["swarm"]["peers"]} == {"composer", "worker"}
             assert composer.membership is not None
             composer.membership.leave("done")  # the run's last composer leaves (deathrattle)
             wait_until(lambda: proc.poll() is not None, 60)
