@@ -141,7 +141,7 @@ def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeou
     """Serve the run's status page until Ctrl+C, re-reading the DHT every two seconds."""
     from parallax.cli.entry import Interrupted
     from parallax.dht.membership import read_view, split_by_run
-    from parallax.node.peer.observe import Observer, StatusServer
+    from parallax.node.net.observe import Observer, StatusServer
 
     def view() -> Any:
         found = read_view(dht, run_id, timeout_s=timeout)

@@ -18,7 +18,6 @@ from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
 from parallax.dht.membership import MembershipConfig
 from parallax.node.config.train import SimConfig, TrainConfig
-from parallax.node.peer.sinks import parse_sink
 
 LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
@@ -38,6 +37,22 @@ def check_device(device: str) -> str:
     if not _DEVICE.fullmatch(device):
         raise ValueError(f"device {device!r}: write auto, cpu, cuda or cuda:N (or pass --gpu N / --cpu)")
     return device
+
+
+TRACKERS = ("tensorboard", "wandb")
+"""Experiment trackers a node can also log to (``PeerConfig.log_to``, ``node.peer.sinks``)."""
+
+
+def parse_sink(spec: str) -> tuple[str, str]:
+    """``KIND:TARGET`` -> (kind, target): ``tensorboard:DIR`` or ``wandb:PROJECT``.
+
+    Raises:
+        ValueError: another form, saying the accepted ones.
+    """
+    kind, sep, target = spec.partition(":")
+    if kind not in TRACKERS or not sep or not target:
+        raise ValueError(f"--log-to {spec!r}: write tensorboard:DIR or wandb:PROJECT")
+    return kind, target
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

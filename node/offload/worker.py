@@ -21,9 +21,9 @@ from parallax.dht.membership import Membership, MembershipConfig, PeerState
 from parallax.node.config.peer import WorkerConfig
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.observe import Observer, serve_status
 from parallax.node.offload.exchange import OffloadServicer, serve, unserve
 from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
-from parallax.node.peer.observe import Observer, serve_status
 from parallax.node.train.device import device_of
 from parallax.protocol.identity import Identity
 

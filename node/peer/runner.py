@@ -47,6 +47,7 @@ from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.observe import Observer, serve_status
 from parallax.node.net.outer_gather import OuterGather, RoundPeers
 from parallax.node.net.outer_rounds import BackgroundRounds
 from parallax.node.net.outer_state import StateExchange
@@ -59,7 +60,6 @@ from parallax.node.offload.exchange import OffloadClient
 from parallax.node.offload.proxy import settings_digest
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.experts import Experts, owners_of
-from parallax.node.peer.observe import Observer, serve_status
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry

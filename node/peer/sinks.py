@@ -14,26 +14,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from parallax.errors import NodeError
-
-KINDS = ("tensorboard", "wandb")
+from parallax.node.config.peer import parse_sink
 
 
 class Sink(Protocol):
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def parse_sink(spec: str) -> tuple[str, str]:
-    """``KIND:TARGET`` -> (kind, target): ``tensorboard:DIR`` or ``wandb:PROJECT``.
-
-    Raises:
-        ValueError: another form, saying the accepted ones.
-    """
-    kind, sep, target = spec.partition(":")
-    if kind not in KINDS or not sep or not target:
-        raise ValueError(f"--log-to {spec!r}: write tensorboard:DIR or wandb:PROJECT")
-    return kind, target
 
 
 def _module(name: str, extra: str) -> Any:

@@ -18,7 +18,7 @@ from parallax.dht.adapter import dht_time
 from parallax.node.peer.sinks import Sink, scalars
 
 if TYPE_CHECKING:
-    from parallax.node.peer.observe import Observer
+    from parallax.node.net.observe import Observer
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from parallax.dht.membership import Member, SwarmView
-from parallax.node.peer.observe import Curve, Observer, StatusServer
+from parallax.node.net.observe import Curve, Observer, StatusServer
 from parallax.node.peer.telemetry import NodeStatus
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import Heartbeat
