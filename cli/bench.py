@@ -9,7 +9,8 @@ import typer
 from parallax.benchmarks.quality import DEFAULT_RUNS
 from parallax.cli.options import JsonPath, PresetName, RunOptions, Sets, fail, with_run_options
 
-bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.",
+                       no_args_is_help=True, rich_markup_mode=None)
 
 
 @bench_app.command("quality")

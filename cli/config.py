@@ -6,7 +6,7 @@ import typer
 
 from parallax.cli.options import ConfigFile, Preset, Sets, fail
 
-config_app = typer.Typer(help="Inspect the settings a run would use.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect the settings a run would use.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @config_app.command("show")

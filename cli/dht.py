@@ -11,7 +11,7 @@ import typer
 
 from parallax.cli.options import ManifestFile, MemberCertFile, run_manifest
 
-dht_app = typer.Typer(help="DHT-only peers and tools (no training).", no_args_is_help=True)
+dht_app = typer.Typer(help="DHT-only peers and tools (no training).", no_args_is_help=True, rich_markup_mode=None)
 logger = logging.getLogger(__name__)
 
 

@@ -9,7 +9,8 @@ import typer
 from parallax.protocol.errors import KeyFileError
 from parallax.protocol.identity import Identity
 
-keys_app = typer.Typer(help="Node identities: Ed25519 key files (PEM, owner-only).", no_args_is_help=True)
+keys_app = typer.Typer(help="Node identities: Ed25519 key files (PEM, owner-only).",
+                       no_args_is_help=True, rich_markup_mode=None)
 
 KeyPath = typer.Argument(..., help="Path of the key file (PEM, created with mode 0600).")
 

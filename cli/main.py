@@ -17,6 +17,7 @@ app = typer.Typer(
     help="Decentralized Mixture-of-Experts training: owned experts, forward-only surrogates, tiered DiLoCo.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,  # help texts are literal: "[train]" and "'.[wandb]'" are text, not style tags
 )
 
 
@@ -40,7 +41,7 @@ def main(
 
 def _register() -> None:
     # Imported here so that `parallax --help` stays fast and each group owns its module.
-    from parallax.cli import bench, config, dht, doctor, keys, model, node, run, sim, swarm, worker
+    from parallax.cli import bench, checkpoints, config, dht, doctor, keys, model, node, run, sim, swarm, worker
 
     sim.register(app)
     bench.register(app)
@@ -53,6 +54,7 @@ def _register() -> None:
     node.register(app)
     worker.register(app)
     model.register(app)
+    checkpoints.register(app)
 
 
 _register()

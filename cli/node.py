@@ -28,7 +28,7 @@ from parallax.cli.options import (
     supervise_or_continue,
 )
 
-node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True)
+node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True, rich_markup_mode=None)
 logger = logging.getLogger(__name__)
 
 def _invoked_as_node_join(argv: list[str]) -> bool:
@@ -79,8 +79,9 @@ def join(
     set_: Sets = None,
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every N steps."),
-    resume: bool | None = typer.Option(
-        None, "--resume/--no-resume", help="Resume from the latest checkpoint in --checkpoint-dir."),
+    resume: str | None = typer.Option(
+        None, "--resume", help="Resume from a checkpoint: latest (the newest in --checkpoint-dir) or the path of a "
+        "step-N folder (`parallax checkpoints list DIR` lists them, each checked)."),
     steps: int | None = typer.Option(
         None, "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."),
     metrics: Path | None = typer.Option(None, "--metrics", help="JSONL metrics file (one line per step and event)."),

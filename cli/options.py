@@ -30,8 +30,9 @@ BatchSize = Annotated[
 ]
 Seed = Annotated[int | None, typer.Option("--seed", help="Seed of initialisation and data streams (default 0).")]
 ConfigFile = Annotated[
-    Path | None, typer.Option("--config", help="TOML file of settings (`parallax config show` writes one); "
-                              "flags and --set override it.")
+    Path | None, typer.Option("--config", help="TOML file of settings: a top-level preset, a [train] table "
+                              "([train.optim], ...) and [peer], [node], [net], [worker] (`parallax config show` "
+                              "writes one); flags and --set override it.")
 ]
 Data = Annotated[
     str | None, typer.Option("--data", help="Text file, folder or glob (default: built-in tinyshakespeare).")

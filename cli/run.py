@@ -9,7 +9,7 @@ import typer
 from parallax.cli.options import ConfigFile, Preset, Sets, fail
 
 run_app = typer.Typer(help="Run manifests: the settings every peer of a run shares, signed by its creator.",
-                      no_args_is_help=True)
+                      no_args_is_help=True, rich_markup_mode=None)
 
 CreatorKey = typer.Option(None, "--identity", help="The creator's Ed25519 key file (default ~/.parallax/node.key; "
                           "created if missing). Keep it: it admits members to an allowlist run.")

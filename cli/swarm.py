@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from parallax.node.peer.local_swarm import LocalSwarm
 
 swarm_app = typer.Typer(help="Run a local swarm, or look at a running one (from the DHT alone).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 _NUMERIC = frozenset({"step", "loss", "owned", "age s", "layer"})
 _WIDE = 110  # console columns from which the peer table lists each peer's experts
 

@@ -25,7 +25,7 @@ from parallax.cli.options import (
     supervise_or_continue,
 )
 
-worker_app = typer.Typer(help="Run an offload worker.", no_args_is_help=True)
+worker_app = typer.Typer(help="Run an offload worker.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @worker_app.command("join")

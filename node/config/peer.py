@@ -132,8 +132,9 @@ class NodeSettings:
     """Folder of this node's checkpoints. None: no checkpoints."""
     checkpoint_every: int = 100
     """Steps between checkpoints."""
-    resume: bool = False
-    """Resume from the latest checkpoint in checkpoint_dir."""
+    resume: str | None = None
+    """Resume from a checkpoint: ``latest`` (the one ``checkpoint_dir/latest`` names) or the path of a checkpoint
+    (a ``step-N`` folder, e.g. an older one when the latest is corrupt: ``parallax checkpoints list DIR``)."""
     min_peers: int = 1
     """Wait until this many composers are alive (this one included) before the first step."""
     start_timeout_s: float = 120.0
@@ -162,9 +163,11 @@ class NodeSettings:
         for name in ("start_timeout_s", "adopt_wait_s", "handover_window_s", "leave_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"node.{name} must be > 0 seconds")
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("node.resume (--resume) needs node.checkpoint_dir (--checkpoint-dir): where the "
-                             "checkpoints are")
+        if self.resume is not None and (not self.resume or self.resume.startswith("-")):
+            raise ValueError(f"node.resume (--resume) is latest or a checkpoint's path, not {self.resume!r}")
+        if self.resume == "latest" and self.checkpoint_dir is None:
+            raise ValueError("node.resume (--resume latest) needs node.checkpoint_dir (--checkpoint-dir): where the "
+                             "checkpoints are; or give a checkpoint's path: --resume DIR/step-N")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -34,6 +34,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.claims import ShardConfig
@@ -177,9 +178,13 @@ class Node:
             telemetry.publish()
         train_tokens, val = split_corpus(load_corpus(c.node.data), seq_len=cfg.model.seq_len)
         telemetry.phase("joining")
-        checkpoint = latest_checkpoint(c.node.checkpoint_dir) if c.node.resume and c.node.checkpoint_dir else None
-        if c.node.resume and checkpoint is None:
-            raise NodeError(f"--resume: no checkpoint in {c.node.checkpoint_dir}; start without --resume")
+        checkpoint = None
+        if c.node.resume == "latest" and c.node.checkpoint_dir is not None:
+            checkpoint = latest_checkpoint(c.node.checkpoint_dir)
+            if checkpoint is None:
+                raise NodeError(f"--resume: no checkpoint in {c.node.checkpoint_dir}; start without --resume")
+        elif c.node.resume is not None:
+            checkpoint = Path(c.node.resume)
         info = read_info(checkpoint) if checkpoint is not None else None
         net = self._start_network(dict(info.versions) if info is not None else {})
         telemetry.event("network_started", seconds=self._seconds())

@@ -79,6 +79,9 @@ FILES = ("experts", "shared", "surrogates", "optimizer", "outer", "publishers", 
 RUN_ONLY_FIELDS = frozenset({"eval_batches", "eval_every"})
 """TrainConfig fields that do not change the training trajectory, so they may differ on resume."""
 
+OLDER = "use an older checkpoint (parallax checkpoints list DIR, then --resume DIR/step-N)"
+"""What every message about a corrupt or incomplete checkpoint ends with."""
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 
@@ -273,6 +276,21 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str
     return info, _read_tensors(folder, "experts", body["files"]), _read_tensors(folder, "shared", body["files"])
 
 
+def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Check a checkpoint whole: its manifest, then every file's size, sha256 and format. Loads nothing into a
+    composer (``parallax checkpoints list``).
+
+    Raises:
+        CheckpointError: what is wrong, and with which file.
+    """
+    folder = _resolve(Path(path))
+    body = _read_manifest(folder)
+    info = _info(folder, body)
+    for fname in FILES:
+        _read_tensors(folder, fname, body["files"])
+    return info
+
+
 # ---- loading ------------------------------------------------------------------------------------
 
 def load_checkpoint(path: str | os.PathLike[str], composer: Composer, *, run_id: str | None = None) -> CheckpointInfo:
@@ -368,15 +386,15 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
         raw = (folder / MANIFEST).read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} is incomplete: it has no {MANIFEST} "
-                              "(a save that did not finish?); use an older checkpoint") from None
+                              f"(a save that did not finish?); {OLDER}") from None
     try:
         manifest = json.loads(raw)
         body, checksum = manifest["body"], manifest["sha256"]
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is corrupt ({e}); use an older checkpoint") from None
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is corrupt ({e}); {OLDER}") from None
     if hashlib.sha256(_canonical(body)).hexdigest() != checksum:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is corrupt (its checksum does not match "
-                              "its contents); use an older checkpoint")
+                              f"its contents); {OLDER}")
     if body.get("format") != FORMAT:
         raise CheckpointError(f"{folder} is not a Parallax checkpoint (format {body.get('format')!r})")
     if body.get("format_version") != FORMAT_VERSION:
@@ -396,11 +414,11 @@ def _read_tensors(folder: Path, fname: str, files: Mapping[str, Any]) -> dict[st
     expected = files[fname]
     if len(data) != expected["bytes"]:
         raise CheckpointError(f"checkpoint {folder}: {path.name} has {len(data)} bytes, the manifest says "
-                              f"{expected['bytes']} (truncated?); use an older checkpoint")
+                              f"{expected['bytes']} (truncated?); {OLDER}")
     digest = hashlib.sha256(data).hexdigest()
     if digest != expected["sha256"]:
         raise CheckpointError(f"checkpoint {folder}: {path.name} is corrupt (sha256 {digest[:16]}..., the "
-                              f"manifest says {expected['sha256'][:16]}...); use an older checkpoint")
+                              f"manifest says {expected['sha256'][:16]}...); {OLDER}")
     try:
         loaded = safetensors.torch.load(data)
     except Exception as e:  # safetensors raises its own SafetensorError on a malformed header

@@ -203,7 +203,7 @@ def test_stop_and_resume_restores_the_state_exactly(tmp_path: Path) -> None:
         assert swarm.nodes[0].process.returncode == 0
         saved = events(read_metrics(swarm.nodes[0].metrics), "checkpoint")[-1]
         assert saved["step"] == 12
-        swarm.add_node("--steps", "3", "--checkpoint-dir", str(ckpt), "--resume", index=0)
+        swarm.add_node("--steps", "3", "--checkpoint-dir", str(ckpt), "--resume", "latest", index=0)
         assert swarm.wait(180)
         records = read_metrics(swarm.nodes[0].metrics)
         resumed = events(records, "resumed")[-1]

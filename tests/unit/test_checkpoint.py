@@ -272,3 +272,37 @@ def test_empty_or_missing_folder(train, tmp_path):
     assert load_latest(tmp_path / "nothing", _composer(train)) is None
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "nothing", _composer(train))
+
+
+def test_checkpoints_list_names_a_corrupt_latest_and_the_older_one_to_resume_from(train, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from parallax.cli.main import app
+
+    c = _composer(train)
+    _advance(c, 2)
+    older = ckpt.save_checkpoint(tmp_path, c, run_id="r")
+    _advance(c, 2)
+    newest = ckpt.save_checkpoint(tmp_path, c, run_id="r")
+    data = (newest / "experts.safetensors").read_bytes()
+    (newest / "experts.safetensors").write_bytes(data[:-4] + b"\0\0\0\0")
+    with pytest.raises(CheckpointError, match=r"parallax checkpoints list DIR, then --resume DIR/step-N"):
+        ckpt.verify_checkpoint(newest)
+    assert ckpt.verify_checkpoint(older).step == 2
+    done = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["checkpoints", "list", str(tmp_path), "--json"])
+    assert done.exit_code == 0, done.output
+    rows = json.loads(done.output)
+    assert [(r["step"], r["ok"], r["latest"]) for r in rows] == [(2, True, False), (None, False, True)]
+    assert "experts.safetensors is corrupt" in rows[1]["problem"]
+    done = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["checkpoints", "list", str(tmp_path)])
+    assert f"--resume {older}" in " ".join(done.output.split())
+    done = CliRunner().invoke(app, ["checkpoints", "list", str(tmp_path / "none")])
+    assert done.exit_code == 1 and "no checkpoint" in done.output
+
+
+def test_resume_takes_latest_with_a_checkpoint_dir_or_a_checkpoints_path() -> None:
+    from parallax.node.config.peer import NodeSettings
+
+    assert NodeSettings(resume="runs/a/step-000000100").resume == "runs/a/step-000000100"
+    with pytest.raises(ValueError, match="--resume DIR/step-N"):
+        NodeSettings(resume="latest")

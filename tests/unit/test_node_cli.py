@@ -24,7 +24,7 @@ def test_gpu_without_cuda_says_what_to_do(tmp_path) -> None:
 
 
 def test_resume_needs_a_checkpoint_dir(tmp_path) -> None:
-    result = join("--cpu", "--resume", "--identity", str(tmp_path / "k"))
+    result = join("--cpu", "--resume", "latest", "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2
     assert "--checkpoint-dir" in result.output
 
