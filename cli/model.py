@@ -33,7 +33,8 @@ def export(
     identity: Path | None = typer.Option(
         None, "--identity", help="Key file the exporter signs its heartbeats with (default ~/.parallax/reader.key)."),
     loopback: bool = typer.Option(False, "--loopback", help="Listen on 127.0.0.1 (a swarm on this machine)."),
-    timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="Seconds to keep asking owners for experts."),
+    timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="Seconds for the manifest read, then for the "
+                                  "whole fetch of the shared groups and the experts."),
 ) -> None:
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
     a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups
@@ -45,13 +46,15 @@ def export(
     if bool(from_checkpoints) == bool(initial_peers):
         fail("say where the model comes from: --from-checkpoints DIR (one per composer), or --initial-peers ADDR "
              "--run-id RUN for a live swarm")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        fail(f"{out} exists and is not an empty folder; choose a new --out")
     try:
         if from_checkpoints:
             folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data)
         else:
             folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
                                   allow_missing=allow_missing, digest=digest, data=data, timeout=timeout)
-    except (NodeError, ValueError) as e:
+    except (NodeError, ValueError, OSError) as e:
         fail(e, code=1)
     except (KeyboardInterrupt, Interrupted):
         fail("stopped before the export was written; nothing was written", code=130)
@@ -100,7 +103,7 @@ def generate(
 
     try:
         model = read_model(model_dir).model
-    except ExportError as e:
+    except (ExportError, OSError) as e:
         fail(e, code=1)
     out = sample(model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                  seed=seed)
@@ -125,7 +128,7 @@ def evaluate(
         result = evaluate_on(exported.model, data, batch_size=batch_size or int(windows.get("batch_size", 8)),
                              eval_batches=batches or int(windows.get("eval_batches", 16)),
                              val_fraction=float(windows.get("val_fraction", 0.05)))
-    except (ExportError, ValueError) as e:
+    except (ExportError, ValueError, OSError) as e:
         fail(e, code=1)
     if json_out:
         typer.echo(json.dumps(result.as_dict()))

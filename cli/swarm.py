@@ -100,7 +100,8 @@ def status(
     try:
         dht = SwarmDHT.start(config, [validator])
         if serve is not None:
-            _serve(dht, run_id, manifest, serve, serve_host, timeout=timeout, layers=layers, experts=experts)
+            _serve(dht, run_id, manifest, serve, serve_host, timeout=timeout, layers=layers, experts=experts,
+                   heartbeat_ttl=heartbeat_ttl)
             return
         view = read_live_view(dht, run_id, timeout_s=timeout, wait_s=wait)
     except DHTError as e:
@@ -137,7 +138,7 @@ def status(
 
 
 def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeout: float, layers: int | None,
-           experts: int | None) -> None:
+           experts: int | None, heartbeat_ttl: float) -> None:
     """Serve the run's status page until Ctrl+C, re-reading the DHT every two seconds."""
     from parallax.cli.entry import Interrupted
     from parallax.dht.membership import read_view, split_by_run
@@ -149,7 +150,7 @@ def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeou
             found, _foreign = split_by_run(found, manifest.digest)
         return found
 
-    observer = Observer(view, run_id, n_layers=layers, n_experts=experts)
+    observer = Observer(view, run_id, n_layers=layers, n_experts=experts, heartbeat_ttl_s=heartbeat_ttl)
     try:
         server = StatusServer(observer, port, host, role="observer").start()
     except OSError as e:

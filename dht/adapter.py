@@ -84,7 +84,7 @@ class OrphanedRequests(logging.Filter):
       which then fails to set the cancelled future's result: asyncio logs "Task exception was never retrieved"
       with ``InvalidStateError``.
 
-    Counted in ``dropped``; anything else passes.
+    Counted in ``dropped`` (in the process that logs them: the DHT's own); anything else passes.
     """
 
     dropped = 0

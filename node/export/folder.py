@@ -16,6 +16,7 @@ is written, and writes into a temporary folder renamed at the end, so a failed e
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -32,7 +33,7 @@ import torch
 
 from parallax.dht.keys import ExpertId
 from parallax.errors import NodeError
-from parallax.node.config.train import ModelConfig
+from parallax.node.config.train import ModelConfig, TrainConfig
 from parallax.node.config.typed import ConfigError, apply_changes, table_changes
 from parallax.node.model.transformer import MoETransformer, group_of, own_all
 
@@ -41,6 +42,9 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
+
+ORIGINS = {"owner": "from their trainer's periodic snapshot", "final": "from a leaving owner's final snapshot",
+           "checkpoint": "from a composer's checkpoint"}
 
 BYTES_TOKENIZER = {"kind": "bytes", "vocab_size": 256}
 """Raw bytes are the tokens: nothing to download or store beside the weights."""
@@ -59,7 +63,8 @@ class Copy:
     holder: str
     """Who held it: a peer's fingerprint, or a checkpoint folder."""
     origin: str
-    """"owner" (the peer that trains it), "snapshot" (an heir's copy) or "checkpoint"."""
+    """"owner" (its trainer's periodic snapshot, live), "final" (the snapshot a leaving or releasing owner
+    served), "merged" (the shared groups as the composers agree on them, live) or "checkpoint"."""
     step: int
     """The holder's step when the copy was taken."""
     saved_unix_s: float
@@ -74,6 +79,9 @@ class NodeSummary:
     step: int
     tokens: int
     val_loss: float | None = None
+    """Its own view's validation loss, when known (a checkpoint does not hold one)."""
+    train_loss: float | None = None
+    """The training loss its last heartbeat announced (a live export)."""
 
 
 @dataclass
@@ -175,10 +183,22 @@ def assemble(cfg: ModelConfig, shared: Sequence[Copy], experts: Mapping[ExpertId
 
 def model_config_from(table: Mapping[str, Any], where: str) -> ModelConfig:
     """A ``ModelConfig`` from its JSON table, every value type-checked (a config file is input like any other)."""
+    if not isinstance(table, Mapping):
+        raise ExportError(f"{where}: the model settings are not a table")
     try:
         return apply_changes(ModelConfig(), table_changes(ModelConfig, table))
-    except (ConfigError, ValueError, TypeError) as e:
+    except (ConfigError, ValueError, TypeError, AttributeError) as e:
         raise ExportError(f"{where}: the model settings are invalid ({e})") from None
+
+
+def train_config_from(table: Mapping[str, Any], where: str) -> TrainConfig:
+    """A ``TrainConfig`` from its JSON table (a checkpoint's or a manifest's), every value type-checked."""
+    if not isinstance(table, Mapping):
+        raise ExportError(f"{where}: the settings are not a table")
+    try:
+        return apply_changes(TrainConfig(), table_changes(TrainConfig, table))
+    except (ConfigError, ValueError, TypeError, AttributeError) as e:
+        raise ExportError(f"{where}: settings this version cannot use ({e})") from None
 
 
 def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[str, torch.Tensor],
@@ -244,9 +264,9 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         lines += [f"Validation loss at export: **{v['nats_per_token']:.4f} nats per token**, "
                   f"{v['nats_per_byte']:.4f} nats per byte, perplexity {v['perplexity']:.2f} "
                   f"({v['windows']} windows of {cfg.seq_len} tokens from {v['data']}).", ""]
-    lines += ["## Nodes", "", "| node | step | tokens | val loss (own view) |", "|---|---:|---:|---:|"]
+    lines += ["## Nodes", "", "| node | step | tokens | training loss (last heartbeat) |", "|---|---:|---:|---:|"]
     for n in p.nodes:
-        loss = f"{n.val_loss:.4f}" if n.val_loss is not None and math.isfinite(n.val_loss) else "-"
+        loss = f"{n.train_loss:.4f}" if n.train_loss is not None and math.isfinite(n.train_loss) else "-"
         lines.append(f"| `{n.holder}` | {n.step:,} | {n.tokens:,} | {loss} |")
     s = p.shared_from
     lines += ["", f"Shared groups (router, latent interface, backbone) from `{s.get('holder')}` "
@@ -254,8 +274,9 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
               "| layer.expert | from | origin | holder's step | age at export (s) |", "|---|---|---|---:|---:|"]
     for e in p.experts:
         lines.append(f"| {e['layer']}.{e['expert']} | `{e['holder']}` | {e['origin']} | {e['step']:,} | {e['age_s']} |")
-    snapshots = sum(e["origin"] == "snapshot" for e in p.experts)
-    lines += ["", f"{len(p.experts) - snapshots} expert(s) from their trainer, {snapshots} from an heir's snapshot."]
+    origins = collections.Counter(e["origin"] for e in p.experts)
+    lines += ["", "Experts by origin: " + ", ".join(f"{n} {ORIGINS.get(o, o)}" for o, n in sorted(origins.items()))
+              + "."]
     if p.missing:
         lines += ["", f"**{len(p.missing)} expert(s) were held by nobody and are zeros** (they contribute nothing "
                       f"where the router picks them): {', '.join(f'{l}.{e}' for l, e in p.missing)}."]
@@ -292,8 +313,16 @@ def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
         config = json.loads((folder / CONFIG).read_text())
         if not isinstance(config, dict):
             raise TypeError("not a JSON object")
-        files = config["files"]
-        table = config["model"]
+        files, table, windows = config["files"], config["model"], config.get("eval", {})
+        if not (isinstance(files, dict) and isinstance(files.get(WEIGHTS), dict) and isinstance(table, dict)
+                and isinstance(windows, dict)):
+            raise TypeError("files, model and eval must be tables")
+        for key in ("batch_size", "eval_batches"):
+            if key in windows and not (type(windows[key]) is int and windows[key] > 0):
+                raise TypeError(f"eval.{key} must be a positive whole number")
+        if "val_fraction" in windows and not (type(windows["val_fraction"]) is float
+                                              and 0 < windows["val_fraction"] < 1):
+            raise TypeError("eval.val_fraction must be in (0, 1)")
     except (ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{folder / CONFIG} is corrupt ({e}); export the model again") from None
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
@@ -307,8 +336,7 @@ def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
         data = (folder / WEIGHTS).read_bytes()
     except FileNotFoundError:
         raise ExportError(f"{folder} has no {WEIGHTS}; export the model again") from None
-    expected = files.get(WEIGHTS, {}) if isinstance(files, dict) else {}
-    if hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+    if hashlib.sha256(data).hexdigest() != files[WEIGHTS].get("sha256"):
         raise ExportError(f"{folder / WEIGHTS} does not match the sha256 in {CONFIG} (corrupt or replaced); "
                           "export the model again")
     try:

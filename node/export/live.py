@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,8 +27,17 @@ from parallax.dht.records import Ed25519RecordValidator
 from parallax.errors import DHTError
 from parallax.node.config.peer import PeerConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
-from parallax.node.config.typed import ConfigError, apply_changes, table_changes
-from parallax.node.export.folder import Copy, ExportError, NodeSummary, Provenance, assemble, build_model, write_model
+from parallax.node.export.folder import (
+    Copy,
+    ExportError,
+    NodeSummary,
+    Provenance,
+    assemble,
+    build_model,
+    check_copy,
+    train_config_from,
+    write_model,
+)
 from parallax.node.export.use import evaluate_on
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
@@ -72,14 +80,14 @@ def fetch_manifest(peer: PeerConfig, digest: str | None, timeout_s: float) -> Ru
 
 def _train_config(manifest: RunManifest) -> TrainConfig:
     try:
-        return apply_changes(TrainConfig(), table_changes(TrainConfig, manifest.settings_dict()))
-    except (ConfigError, ValueError) as e:
-        raise ExportError(f"run {manifest.run_id}'s manifest holds settings this version cannot use: {e}") from None
+        settings = manifest.settings_dict()
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    return train_config_from(settings, f"run {manifest.run_id}'s manifest")
 
 
 def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
-                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0,
-                should_stop: Callable[[], bool] = lambda: False) -> Path:
+                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0) -> Path:
     """Assemble the model of a live run and write it to ``out``.
 
     Args:
@@ -88,52 +96,47 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         allow_missing: write experts no live owner served as zeros instead of failing.
         digest: which manifest to take when the run's composers publish several (without ``peer.manifest``).
         data: the corpus of the card's validation loss (None: the built-in corpus).
-        timeout_s: how long to keep asking for the groups and the experts.
-        should_stop: polled while waiting; True ends the export (Ctrl+C).
+        timeout_s: bounds the manifest read, and then the whole fetch of the groups and the experts.
 
     Raises:
         ExportError: unreachable swarm, no composers, or what could not be fetched.
     """
     if not peer.initial_peers:
         raise ExportError("a live export needs --initial-peers (a peer of the run), or use --from-checkpoints")
-    try:
-        manifest = peer_manifest(peer, identity, None) if peer.manifest else fetch_manifest(peer, digest, timeout_s)
-        assert manifest is not None
-        cfg = _train_config(manifest)
-        admission = peer_admission(peer, identity, manifest)
-        dht = start_dht(identity, peer, identity_path=peer.identity_path("reader"), n_layers=cfg.model.n_layers,
-                        admission=admission)
-    except DHTError as e:
-        raise ExportError(f"the swarm is unreachable: {e}") from None
-    membership = Membership(dht, identity, MembershipConfig(run_id=peer.run_id, role="reader", manifest=manifest),
-                            shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
-    loop = exchange = states = None
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            manifest = peer_manifest(peer, identity, None) if peer.manifest else fetch_manifest(peer, digest,
+                                                                                                  timeout_s)
+            assert manifest is not None
+            cfg = _train_config(manifest)
+            admission = peer_admission(peer, identity, manifest)
+            dht = start_dht(identity, peer, identity_path=peer.identity_path("reader"),
+                            n_layers=cfg.model.n_layers, admission=admission)
+        except DHTError as e:
+            raise ExportError(f"the swarm is unreachable: {e}") from None
+        stack.callback(dht.shutdown)
+        membership = Membership(dht, identity, MembershipConfig(run_id=peer.run_id, role="reader", manifest=manifest),
+                                shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
         membership.start()
+        stack.callback(_leave, membership)
         views = SwarmViews(membership, identity.fingerprint, 1, lambda *_a, **_k: None)  # for its key lookups
         loop = NetworkLoop(dht, "parallax-export")
+        stack.callback(loop.close)
         shapes = model_shapes(cfg)
         exchange = ExpertExchange(loop.p2p, loop.loop, peer.run_id, shapes.expert, identity=identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=lambda: None, may_fetch=lambda _peer: False).start()
+        stack.callback(exchange.close)
         states = StateExchange(loop.p2p, loop.loop, peer.run_id, views.trusted_peers, own_peer_id=dht.peer_id,
                                may_fetch=lambda _peer: False).start()
+        stack.callback(states.close)
         deadline = time.monotonic() + timeout_s
-        shared, nodes = _shared_groups(membership, states, shapes.groups, deadline, should_stop)
-        experts = _experts(membership, views, exchange, cfg, deadline, should_stop, allow_missing)
-        provenance = Provenance(run_id=peer.run_id, nodes=[
-            NodeSummary(holder=fp, step=step, tokens=step * cfg.tokens_per_step, val_loss=loss)
-            for fp, (step, loss) in sorted(nodes.items())])
-        state = assemble(cfg.model, [shared], experts, allow_missing=allow_missing, provenance=provenance)
-    finally:
-        for part in (exchange, states):
-            if part is not None:
-                part.close()
-        if loop is not None:
-            loop.close()
-        with contextlib.suppress(Exception):  # a failed deathrattle only delays when the others forget us
-            membership.leave("export done")
-        dht.shutdown()
+        shared, nodes = _shared_groups(membership, states, shapes.groups, deadline)
+        experts = _experts(membership, exchange, cfg, deadline, allow_missing)
+    provenance = Provenance(run_id=peer.run_id, nodes=[
+        NodeSummary(holder=fp, step=step, tokens=step * cfg.tokens_per_step, train_loss=loss)
+        for fp, (step, loss) in sorted(nodes.items())])
+    state = assemble(cfg.model, [shared], experts, allow_missing=allow_missing, provenance=provenance)
     windows = {"batch_size": cfg.batch_size, "eval_batches": cfg.eval_batches, "val_fraction": 0.05}
     try:
         provenance.val_loss = evaluate_on(build_model(cfg.model, state, "the assembled model"), data,
@@ -143,9 +146,12 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
     return write_model(out, cfg.model, state, provenance, eval_windows=windows)
 
 
-def _wait(deadline: float, should_stop: Callable[[], bool], what: str) -> None:
-    if should_stop():
-        raise ExportError("stopped")
+def _leave(membership: Membership) -> None:
+    with contextlib.suppress(Exception):  # a failed deathrattle only delays when the others forget the reader
+        membership.leave("export done")
+
+
+def _wait(deadline: float, what: str) -> None:
     if time.monotonic() > deadline:
         raise ExportError(what)
     time.sleep(POLL_S)
@@ -156,34 +162,42 @@ Steps = dict[str, tuple[int, float | None]]
 
 
 def _shared_groups(membership: Membership, states: StateExchange, groups: dict[str, dict[str, tuple[int, ...]]],
-                   deadline: float, should_stop: Callable[[], bool]) -> tuple[Copy, Steps]:
-    """The merged shared groups as the live composers agree on them, and each composer's (step, loss)."""
+                   deadline: float) -> tuple[Copy, Steps]:
+    """The merged shared groups as the live composers agree on them, and each composer's (step, loss). A group
+    state that does not check out (shape, finiteness) is asked for again."""
     tensors: dict[str, torch.Tensor] = {}
     rounds = {}
     pending = [g for g in SHARED_GROUPS if g in groups]
+    refused: list[str] = []
     while True:
         view = membership.view()
         composers = {fp: m for fp, m in view.alive().items() if m.heartbeat.role == "composer"}
         if composers:
             for group in list(pending):
                 got = states.download(group, groups[group], timeout_s=max(1.0, min(30.0, deadline - time.monotonic())))
-                if got is not None:
-                    meta, values = got
-                    tensors.update(zip(groups[group], values, strict=False))  # the anchor comes first
-                    rounds[group] = int(meta["round"])
-                    pending.remove(group)
+                if got is None:
+                    continue
+                meta, values = got
+                copy = Copy(dict(zip(groups[group], values, strict=False)), "the composers", "merged", 0, 0.0)
+                why = check_copy(copy, groups[group], f"the state of {group}")  # the anchor comes first
+                if why is not None:
+                    refused.append(why)
+                    continue
+                tensors.update(copy.tensors)
+                rounds[group] = int(meta["round"])
+                pending.remove(group)
             if not pending:
                 break
-        _wait(deadline, should_stop, "no composer of the run was seen" if not composers else
-              f"no agreed state of {', '.join(pending)} from the live composers")
+        _wait(deadline, "no composer of the run was seen" if not composers else
+              f"no agreed state of {', '.join(pending)} from the live composers" + "".join(f"; {r}" for r in refused))
     nodes = {fp: (m.heartbeat.step, m.heartbeat.loss) for fp, m in composers.items()}
     holder = f"the merged state of {len(composers)} composer(s), rounds " + ", ".join(
         f"{g} {r}" for g, r in rounds.items())
     return Copy(tensors, holder, "merged", max(s for s, _ in nodes.values()), time.time()), nodes
 
 
-def _experts(membership: Membership, views: SwarmViews, exchange: ExpertExchange, cfg: TrainConfig, deadline: float,
-             should_stop: Callable[[], bool], allow_missing: bool) -> dict[ExpertId, list[Copy]]:
+def _experts(membership: Membership, exchange: ExpertExchange, cfg: TrainConfig, deadline: float,
+             allow_missing: bool) -> dict[ExpertId, list[Copy]]:
     """Every expert's snapshot from its owner in the live assignment; asked again as the view changes."""
     out: dict[ExpertId, list[Copy]] = {}
     wanted = [(layer, e) for layer in range(cfg.model.n_layers) for e in range(cfg.model.n_experts)]
@@ -206,7 +220,7 @@ def _experts(membership: Membership, views: SwarmViews, exchange: ExpertExchange
             return out
         if time.monotonic() > deadline and allow_missing:
             return out
-        _wait(deadline, should_stop, f"{len(left)} expert(s) were not served by their owners in time: "
+        _wait(deadline, f"{len(left)} expert(s) were not served by their owners in time: "
               + ", ".join(f"{l}.{e}" for l, e in left) + "; try again, or --allow-missing writes them as zeros")
 
 

@@ -17,7 +17,7 @@ from parallax.node.export.folder import (
     Provenance,
     assemble,
     build_model,
-    model_config_from,
+    train_config_from,
     write_model,
 )
 from parallax.node.export.use import evaluate_on
@@ -75,10 +75,11 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
     if len(set(models.values())) > 1:
         raise ExportError("the checkpoints hold models of different shapes; export one run at a time")
     assert config is not None
-    cfg = model_config_from(config.get("model") or {}, f"checkpoint {folders[0]}")
+    train = train_config_from(config, f"checkpoint {folders[0]}")
+    cfg = train.model
     provenance = Provenance(run_id=next(iter(run_ids.values())), nodes=nodes)
     state = assemble(cfg, shared, experts, allow_missing=allow_missing, provenance=provenance)
-    batch_size, eval_batches = int(config.get("batch_size", 8)), int(config.get("eval_batches", 16))
+    batch_size, eval_batches = train.batch_size, train.eval_batches
     windows = {"batch_size": batch_size, "eval_batches": eval_batches, "val_fraction": val_fraction}
     model = build_model(cfg, state, "the assembled model")
     try:

@@ -64,6 +64,8 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
+    else:
+        generator.seed()  # a fresh sample each run
     model.eval()
     tokens = list(prompt) or [ord("\n")]  # an empty prompt starts a new line
     out: list[int] = []

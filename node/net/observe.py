@@ -23,6 +23,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -36,15 +37,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from parallax.dht.membership import SwarmView
-from parallax.dht.status import swarm_status
+from parallax.dht.status import DEFAULT_HEARTBEAT_TTL_S, swarm_status
 from parallax.node.config.peer import PeerConfig
 
 logger = logging.getLogger(__name__)
 
 HISTORY_POINTS = 4000
 """Points kept per curve: the newest, older ones thinned by half whenever the buffer fills."""
+SERVED_POINTS = 1000
+"""Points per curve in ``/status`` (every k-th, the newest always): the page redraws every two seconds."""
 MAX_PEER_CURVES = 256
 PAGE = Path(__file__).with_name("status_page.html")
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 # name, help, kind, key in the node document; counters end in _total (Prometheus' naming rules)
 NODE_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -58,8 +62,10 @@ NODE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("parallax_owned_experts", "Routed experts this node owns and trains.", "gauge", "owned"),
     ("parallax_surrogates_held", "Surrogates of other owners' experts this node follows.", "gauge", "surrogates_held"),
     ("parallax_surrogate_version_max", "Newest surrogate version this node holds.", "gauge", "surrogate_version_max"),
-    ("parallax_sent_bytes_total", "Bytes this node served (surrogates, snapshots).", "counter", "bytes_sent"),
-    ("parallax_received_bytes_total", "Bytes this node fetched (surrogates, snapshots).", "counter", "bytes_received"),
+    ("parallax_sent_bytes_total", "Bytes this node sent: surrogates, snapshots, outer rounds, offload.", "counter",
+     "bytes_sent"),
+    ("parallax_received_bytes_total", "Bytes this node received: surrogates, snapshots, outer rounds, offload.",
+     "counter", "bytes_received"),
     ("parallax_gossip_bytes_total", "Surrogate payload bytes fetched and served.", "counter", "gossip_bytes"),
     ("parallax_snapshot_bytes_total", "Expert snapshot bytes fetched and served.", "counter", "snapshot_bytes"),
     ("parallax_expert_adoptions_total", "Experts this node took over.", "counter", "adoptions"),
@@ -87,15 +93,18 @@ class Observer:
     that reads the swarm view every ``period_s`` (``view_source``).
 
     Args:
-        view_source: the latest membership view, or None while there is none (never blocks).
+        view_source: the latest membership view, or None while there is none; called on the sampler thread only
+            (a node's returns its membership's last view at once; ``swarm status --serve`` reads the DHT).
         run_id: shown on the page.
         n_layers, n_experts: the model's shape, so experts nobody owns show in the shard map.
         period_s: how often the sampler reads the view.
     """
 
     def __init__(self, view_source: Callable[[], SwarmView | None], run_id: str, *, n_layers: int | None = None,
-                 n_experts: int | None = None, period_s: float = 2.0) -> None:
+                 n_experts: int | None = None, period_s: float = 2.0,
+                 heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
         self.view_source = view_source
+        self.heartbeat_ttl_s = heartbeat_ttl_s
         self.run_id = run_id
         self.shape = (n_layers, n_experts)
         self.period_s = period_s
@@ -122,7 +131,8 @@ class Observer:
         view = self.view_source()
         if view is None:
             return
-        status = swarm_status(view, n_layers=self.shape[0], n_experts=self.shape[1])
+        status = swarm_status(view, n_layers=self.shape[0], n_experts=self.shape[1],
+                              heartbeat_ttl_s=self.heartbeat_ttl_s)
         with self._lock:
             for p in status.peers:
                 if p.loss is None:
@@ -158,10 +168,29 @@ class Observer:
     def document(self) -> dict[str, Any]:
         """``/status``."""
         with self._lock:
-            history = {"own": list(self._own.points), "peers": {fp: list(c.points) for fp, c in self._peers.items()}}
+            history = {"own": _thin(self._own.points), "peers": {fp: _thin(c.points) for fp, c in self._peers.items()}}
             swarm = self._swarm
-        return {"run_id": self.run_id, "time": round(time.time(), 3), "node": self._node, "swarm": swarm,
-                "history": history}
+        doc = {"run_id": self.run_id, "time": round(time.time(), 3), "node": self._node, "swarm": swarm,
+               "history": history}
+        return _finite(doc)
+
+
+def _thin(points: list[list[float]], most: int = SERVED_POINTS) -> list[list[float]]:
+    if len(points) <= most:
+        return list(points)
+    k = -(-len(points) // most)
+    return [*points[:-1:k], points[-1]]
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as None: JSON has no such numbers (a diverged loss must not break the page)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class NodeCollector(Collector):
@@ -191,7 +220,7 @@ class NodeCollector(Collector):
         yield rounds
         extra = node.get("counters") or {}
         for key, value in sorted(extra.items()):  # a worker's own counters: onboarded, updates, refused
-            yield GaugeMetricFamily(f"parallax_worker_{key}", f"Worker counter {key}.", value=float(value))
+            yield CounterMetricFamily(f"parallax_worker_{key}_total", f"Worker counter: {key}.", value=float(value))
 
 
 def serve_status(peer: PeerConfig, stack: contextlib.ExitStack, role: str, *, n_layers: int | None = None,
@@ -228,14 +257,24 @@ class StatusServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
                 path = self.path.split("?", 1)[0]
-                if path == "/status":
-                    self._send(json.dumps(observer.document()).encode(), "application/json")
+                if not self._host_allowed():
+                    self.send_error(HTTPStatus.FORBIDDEN, "this status page answers requests for its own address")
+                elif path == "/status":
+                    self._send(json.dumps(observer.document(), allow_nan=False).encode(), "application/json")
                 elif path == "/metrics":
                     self._send(generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8")
                 elif path in ("/", "/index.html"):
                     self._send(page, "text/html; charset=utf-8")
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND, "try /, /status or /metrics")
+
+            def _host_allowed(self) -> bool:
+                """A page bound to this machine answers only requests addressed to it: a web page elsewhere
+                cannot read it through a name it points at 127.0.0.1 (DNS rebinding)."""
+                if host not in LOOPBACK_NAMES:
+                    return True  # listening on a chosen address: its owner exposes it on purpose
+                name = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+                return name in LOOPBACK_NAMES
 
             def _send(self, body: bytes, content_type: str) -> None:
                 self.send_response(HTTPStatus.OK)

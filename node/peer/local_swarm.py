@@ -53,9 +53,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):  # a line of another file's making is not a record
+            out.append(record)
     return out
 
 

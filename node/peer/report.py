@@ -2,7 +2,7 @@
 
 Everything shown is read from the files: each node's step lines (loss, tokens, tokens/s, the byte counters) and
 events (outer rounds, hand-overs, the final evaluation). A benchmark JSON (``parallax bench quality --json``) adds
-its synchronous baseline's validation curve, per composer: its tokens divided by the number of nodes reported.
+its synchronous baseline's validation curve, per composer: its tokens divided by that run's composers.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from parallax.node.peer.local_swarm import read_metrics
 
@@ -60,9 +61,9 @@ def read_node(path: Path) -> NodeReport:
         if kind == "step" and isinstance(r.get("step"), int) and isinstance(r.get("loss"), int | float):
             report.steps.append(r["step"])
             report.losses.append(float(r["loss"]))
-            report.tokens.append(int(r.get("tokens") or 0))
-            report.tokens_per_s.append(float(r.get("tokens_per_s") or 0.0))
-            report.traffic.append(int(r.get("bytes_sent") or 0) + int(r.get("bytes_received") or 0))
+            report.tokens.append(_number(r, "tokens"))
+            report.tokens_per_s.append(float(_number(r, "tokens_per_s")))
+            report.traffic.append(_number(r, "bytes_sent") + _number(r, "bytes_received"))
         elif kind == "round":
             report.rounds[(str(r.get("group")), str(r.get("status")))] += 1
         elif kind == "adopted":
@@ -76,16 +77,25 @@ def read_node(path: Path) -> NodeReport:
     return report
 
 
-def baseline_curve(path: Path) -> list[tuple[int, float]]:
-    """(tokens, val loss) of the synchronous baseline in a ``bench quality`` JSON.
+def _number(record: dict[str, Any], key: str) -> int:
+    """A counter of a metrics line, 0 when absent or not a number."""
+    value = record.get(key)
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
+def baseline_curve(path: Path) -> tuple[list[tuple[int, float]], int]:
+    """(tokens, val loss) of the synchronous baseline in a ``bench quality`` JSON, and the composers its tokens
+    were counted over (the run's ``config.composers``, 1 when absent).
 
     Raises:
         ValueError: not such a file.
     """
     try:
         doc = json.loads(path.read_text())
-        return [(int(t), float(v)) for t, v in doc["runs"]["baseline"]["val_history"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        curve = [(int(t), float(v)) for t, v in doc["runs"]["baseline"]["val_history"]]
+        composers = doc.get("config", {}).get("composers", 1)
+        return curve, composers if type(composers) is int and composers > 0 else 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a `parallax bench quality --json` file with a baseline run ({e!r})") from None
 
 
@@ -102,7 +112,7 @@ def report_run(paths: Sequence[Path], out: Path, baseline: Path | None = None) -
     import matplotlib.pyplot as plt
 
     nodes = [read_node(Path(p)) for p in paths]
-    base = baseline_curve(baseline) if baseline is not None else []
+    base, composers = baseline_curve(baseline) if baseline is not None else ([], 1)
     out.mkdir(parents=True, exist_ok=True)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -112,8 +122,8 @@ def report_run(paths: Sequence[Path], out: Path, baseline: Path | None = None) -
         if n.val_loss is not None:
             ax.scatter([x[-1]], [n.val_loss], marker="o", zorder=3)
     if base:
-        ax.plot([t / len(nodes) for t, _ in base], [v for _, v in base], color="black", linestyle="--",
-                label=f"synchronous baseline, validation (tokens / {len(nodes)})")
+        ax.plot([t / composers for t, _ in base], [v for _, v in base], color="black", linestyle="--",
+                label=f"synchronous baseline, validation (tokens per composer of {composers})")
     ax.set(xlabel="tokens per node" if any(n.tokens for n in nodes) else "step", ylabel="loss (nats per token)",
            title="loss per node")
     ax.grid(alpha=0.3)

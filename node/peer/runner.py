@@ -168,14 +168,14 @@ class Node:
 
     def _start(self) -> Training:
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
-        if c.peer.log_to:  # a missing tracker package fails here, before anything starts
-            telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
-                                         config=json.loads(run_settings(cfg)))
         if c.peer.status_port is not None:  # first: a port already taken fails before anything else starts
             self._observer = serve_status(c.peer, stack, "composer", n_layers=cfg.model.n_layers,
                                           n_experts=cfg.model.n_experts)
             telemetry.observer = self._observer
             telemetry.publish()
+        if c.peer.log_to:  # a missing tracker package fails here, before the network starts
+            telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
+                                         config=json.loads(run_settings(cfg)))
         train_tokens, val = split_corpus(load_corpus(c.node.data), seq_len=cfg.model.seq_len)
         telemetry.phase("joining")
         checkpoint = None

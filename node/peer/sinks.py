@@ -8,6 +8,7 @@ environment (``WANDB_MODE=offline`` keeps a run on disk, ``wandb sync`` uploads 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,10 +71,22 @@ def open_sinks(specs: Sequence[str], *, name: str, run_id: str, config: Mapping[
         ValueError: a malformed spec. NodeError: a tracker's package is missing.
     """
     sinks: list[Sink] = []
-    for spec in specs:
-        kind, target = parse_sink(spec)
-        sinks.append(TensorBoardSink(Path(target), name) if kind == "tensorboard"
-                     else WandbSink(target, name, run_id, config))
+    try:
+        for spec in specs:
+            kind, target = parse_sink(spec)
+            try:
+                sinks.append(TensorBoardSink(Path(target), name) if kind == "tensorboard"
+                             else WandbSink(target, name, run_id, config))
+            except (NodeError, ValueError):
+                raise
+            except Exception as e:  # the tracker's own errors (a W&B login or network failure, a bad folder)
+                raise NodeError(f"--log-to {spec}: the tracker did not start ({e}); fix it or leave --log-to "
+                                "out") from e
+    except BaseException:
+        for sink in sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+        raise
     return sinks
 
 

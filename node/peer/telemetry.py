@@ -6,6 +6,7 @@ status it hands to ``on_status``. Every line carries the DHT clock (``t``) so li
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -115,8 +116,7 @@ class Telemetry:
         if kind == "round":
             self.status.recent_rounds = [*self.status.recent_rounds[-(RECENT_ROUNDS - 1):], line]
         if kind == "final_eval":
-            for sink in self.sinks:
-                sink.log(int(fields.get("step", 0)), {"val_loss": float(fields["val_loss"])})
+            self._to_sinks(int(fields.get("step", 0)), {"val_loss": float(fields["val_loss"])})
         self._write(line)
 
     def counters(self) -> dict[str, Any]:
@@ -136,9 +136,19 @@ class Telemetry:
         if self._file is None and not self.sinks:
             return
         line = {"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()}
-        for sink in self.sinks:
-            sink.log(int(fields.get("step", 0)), scalars(line))
+        self._to_sinks(int(fields.get("step", 0)), scalars(line))
         self._write(line)
+
+    def _to_sinks(self, step: int, values: dict[str, float]) -> None:
+        """Log to the trackers; one that fails is named once and dropped (training goes on)."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(step, values)
+            except Exception as e:
+                logger.warning("an experiment tracker failed (%r): no longer logging to it", e)
+                self.sinks.remove(sink)
+                with contextlib.suppress(Exception):
+                    sink.close()
 
     def _write(self, line: dict[str, Any]) -> None:
         if self._file is not None:

@@ -248,6 +248,8 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
+    if not isinstance(body.get("config"), dict):
+        raise CheckpointError(f"checkpoint {folder}: malformed manifest (its config is not a table)")
     try:
         return CheckpointInfo(
             path=folder, step=int(body["step"]), run_id=str(body["run_id"]),
@@ -273,7 +275,10 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str
     folder = _resolve(Path(path))
     body = _read_manifest(folder)
     info = _info(folder, body)
-    return info, _read_tensors(folder, "experts", body["files"]), _read_tensors(folder, "shared", body["files"])
+    try:
+        return info, _read_tensors(folder, "experts", body["files"]), _read_tensors(folder, "shared", body["files"])
+    except (KeyError, TypeError, IndexError, AttributeError) as e:  # a manifest of the right format, wrong shape
+        raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -286,8 +291,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     folder = _resolve(Path(path))
     body = _read_manifest(folder)
     info = _info(folder, body)
-    for fname in FILES:
-        _read_tensors(folder, fname, body["files"])
+    try:
+        for fname in FILES:
+            _read_tensors(folder, fname, body["files"])
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
     return info
 
 

@@ -59,7 +59,7 @@ def test_the_export_of_a_runs_checkpoints_evaluates_to_its_assembled_model(simul
     model = parallax.load(out)
     assert isinstance(model, torch.nn.Module) and not model.training
     card = (out / "README.md").read_text()
-    assert "run `sim`" in card and "nats per byte" in card and "from an heir's snapshot" in card
+    assert "run `sim`" in card and "nats per byte" in card and "8 from a composer's checkpoint" in card
 
 
 def test_an_expert_nobody_holds_fails_the_export_unless_allowed_and_then_is_zero_and_named(simulated,
@@ -176,3 +176,15 @@ def test_the_first_run_prints_the_loss_beside_the_baseline_exports_and_says_what
     model = next(tmp_path.glob("parallax-*/model"))
     assert f"parallax generate {model}" in text and "parallax swarm local" in text
     assert read_model(model).cfg.n_layers == 2  # the tiny preset unless told otherwise
+
+
+@pytest.mark.parametrize("change", [{"files": {"model.safetensors": "x"}}, {"model": [1]}, {"eval": {"batch_size": 0}},
+                                    {"eval": "windows"}, {"tokenizer": "bpe"}])
+def test_a_config_json_of_the_wrong_shape_is_named_not_a_traceback(simulated, tmp_path: Path, change) -> None:
+    root, _ = simulated
+    out = export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "m")
+    config = json.loads((out / CONFIG).read_text())
+    config.update(change)
+    (out / CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ExportError):
+        read_model(out)

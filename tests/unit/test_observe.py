@@ -113,3 +113,22 @@ def test_the_page_renders_peers_the_shard_map_and_loss_curves_in_a_browser(serve
     series = re.findall(r'<polyline[^>]*data-series="([^"]*)"', dom)
     assert sorted(series) == sorted(["this node", a, b])
     assert "self-fp" in dom and "Parallax run demo" in dom
+
+
+def test_a_request_for_another_host_is_refused_and_a_diverged_loss_is_null(served) -> None:
+    request = urllib.request.Request(served.url + "status", headers={"Host": "evil.example:80"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 403
+    served.observer.publish({"fingerprint": "x", "loss": float("nan"), "val_loss": float("inf")})
+    served.observer.own_point(13, float("nan"))
+    doc = json.loads(_get(served.url + "status"))  # strict JSON: no NaN token
+    assert doc["node"]["loss"] is None and doc["node"]["val_loss"] is None and doc["history"]["own"][-1] == [13, None]
+
+
+def test_status_serves_a_thinned_curve_with_its_newest_point() -> None:
+    observer = Observer(lambda: None, "demo")
+    for step in range(1, 3001):
+        observer.own_point(step, 1.0)
+    own = observer.document()["history"]["own"]
+    assert len(own) <= 1001 and own[0][0] == 1 and own[-1][0] == 3000

@@ -60,3 +60,10 @@ def test_a_file_that_is_not_a_nodes_metrics_is_named(tmp_path: Path) -> None:
 
 def statistics_mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def test_lines_of_the_wrong_shape_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('[1, 2]\n"text"\n{"kind": "step", "step": 1, "loss": 3.0, "bytes_sent": [1], "tokens": "many"}\n')
+    node = read_node(path)
+    assert node.steps == [1] and node.traffic == [0] and node.tokens == [0]
