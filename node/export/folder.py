@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import safetensors.torch
 import torch
@@ -48,6 +48,9 @@ ORIGINS = {"owner": "from their trainer's periodic snapshot", "final": "from a l
 
 BYTES_TOKENIZER = {"kind": "bytes", "vocab_size": 256}
 """Raw bytes are the tokens: nothing to download or store beside the weights."""
+
+
+S = TypeVar("S", ModelConfig, TrainConfig)
 
 
 class ExportError(NodeError):
@@ -183,20 +186,24 @@ def assemble(cfg: ModelConfig, shared: Sequence[Copy], experts: Mapping[ExpertId
 
 def model_config_from(table: Mapping[str, Any], where: str) -> ModelConfig:
     """A ``ModelConfig`` from its JSON table, every value type-checked (a config file is input like any other)."""
-    if not isinstance(table, Mapping):
-        raise ExportError(f"{where}: the model settings are not a table")
-    try:
-        return apply_changes(ModelConfig(), table_changes(ModelConfig, table))
-    except (ConfigError, ValueError, TypeError, AttributeError) as e:
-        raise ExportError(f"{where}: the model settings are invalid ({e})") from None
+    return settings_from(ModelConfig, table, where)
 
 
 def train_config_from(table: Mapping[str, Any], where: str) -> TrainConfig:
     """A ``TrainConfig`` from its JSON table (a checkpoint's or a manifest's), every value type-checked."""
+    return settings_from(TrainConfig, table, where)
+
+
+def settings_from(cls: type[S], table: Mapping[str, Any], where: str) -> S:
+    """``cls``'s defaults with ``table``'s values, each checked as ``--set`` checks it.
+
+    Raises:
+        ExportError: not a table, an unknown setting, a value of the wrong type, settings that do not fit together.
+    """
     if not isinstance(table, Mapping):
         raise ExportError(f"{where}: the settings are not a table")
     try:
-        return apply_changes(TrainConfig(), table_changes(TrainConfig, table))
+        return apply_changes(cls(), table_changes(cls, table))
     except (ConfigError, ValueError, TypeError, AttributeError) as e:
         raise ExportError(f"{where}: settings this version cannot use ({e})") from None
 
