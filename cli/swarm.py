@@ -224,6 +224,9 @@ def local(
     run_id: str = typer.Option("local", "--run-id", help="Run id of the local swarm."),
     set_: list[str] = typer.Option([], "--set", help="TrainConfig override PATH=VALUE for every node."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Stop everything after this many seconds."),
+    checkpoint_every: int | None = typer.Option(
+        None, "--checkpoint-every", min=1, help="Each node checkpoints every N steps (and when it leaves) into "
+        "WORKDIR/node-<i>/checkpoints, for `parallax export --from-checkpoints`."),
 ) -> None:
     """Start a bootstrap peer and N composer processes on loopback; one live table; stop all cleanly."""
     import signal
@@ -246,8 +249,9 @@ def local(
     swarm = LocalSwarm(workdir, run_id=run_id, node_args=args)
     try:
         console.print(f"bootstrap peer: {swarm.start_bootstrap()}")
-        for _ in range(nodes):
-            swarm.add_node()
+        for i in range(nodes):
+            swarm.add_node(*(["--checkpoint-dir", str(workdir / f"node-{i}" / "checkpoints"), "--checkpoint-every",
+                              str(checkpoint_every)] if checkpoint_every else []))
         deadline = time.monotonic() + timeout
         with Live(_local_table(swarm, final_counters, read_metrics), console=console, refresh_per_second=2) as live:
             while not stop.is_set() and time.monotonic() < deadline and any(n.alive for n in swarm.nodes):
@@ -265,6 +269,9 @@ def local(
             signal.signal(sg, handler)
     console.print(_local_table(swarm, final_counters, read_metrics, title="summary"))
     console.print(f"logs and metrics: {workdir}")
+    if checkpoint_every and not failed:
+        dirs = " ".join(f"--from-checkpoints {workdir / f'node-{i}' / 'checkpoints'}" for i in range(nodes))
+        console.print(f"next: parallax export {dirs} --out {workdir / 'model'}", soft_wrap=True)
     for n in failed:
         console.print(f"[red]node {n.index} exited with code {n.process.returncode}[/red]: see {n.log}")
     if failed:

@@ -132,6 +132,8 @@ class NodeSettings:
     """Folder of this node's checkpoints. None: no checkpoints."""
     checkpoint_every: int = 100
     """Steps between checkpoints."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in checkpoint_dir, the newest; older ones are deleted as new ones are written."""
     resume: str | None = None
     """Resume from a checkpoint: ``latest`` (the one ``checkpoint_dir/latest`` names) or the path of a checkpoint
     (a ``step-N`` folder, e.g. an older one when the latest is corrupt: ``parallax checkpoints list DIR``)."""
@@ -157,7 +159,7 @@ class NodeSettings:
         check_device(self.device)
         if self.steps is not None and self.steps < 1:
             raise ValueError("node.steps (--steps) must be >= 1")
-        for name in ("checkpoint_every", "snapshot_every", "min_peers"):
+        for name in ("checkpoint_every", "keep_checkpoints", "snapshot_every", "min_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"node.{name} must be >= 1")
         for name in ("start_timeout_s", "adopt_wait_s", "handover_window_s", "leave_timeout_s"):

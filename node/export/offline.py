@@ -31,7 +31,8 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
                        val_fraction: float = 0.05) -> Path:
     """Assemble the model from composers' checkpoints and write it to ``out``.
 
-    Each expert comes from the newest checkpoint that holds it, the shared groups from the newest checkpoint.
+    Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, as
+    of its last outer round (the merged state a live export takes too).
     The model card gets the loss of the exported model on ``data``'s validation windows.
 
     Args:
@@ -55,9 +56,12 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
     config = None
     for folder in folders:
         try:
-            info, held, own_shared = read_weights(folder)
+            weights = read_weights(folder)
         except CheckpointError as e:
             raise ExportError(f"cannot read checkpoint {folder}: {e}") from None
+        info, held = weights.info, weights.experts
+        # The shared groups as of the last outer round (every composer's consensus), where it merges them.
+        own_shared = {**weights.shared, **{n: t for n, t in weights.merged.items() if n in weights.shared}}
         holder = str(folder)
         run_ids[holder] = info.run_id
         models[holder] = json.dumps(info.config.get("model"), sort_keys=True)

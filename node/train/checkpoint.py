@@ -262,12 +262,21 @@ def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
 
 
-def read_weights(path: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str, torch.Tensor],
-                                                          dict[str, torch.Tensor]]:
-    """A checkpoint's model weights, verified against its manifest, without a composer to load them into.
+@dataclass(frozen=True)
+class CheckpointWeights:
+    """A checkpoint's model weights (``read_weights``), by parameter name."""
 
-    Returns:
-        (info, the experts it held by parameter name, the shared groups by parameter name).
+    info: CheckpointInfo
+    experts: dict[str, torch.Tensor]
+    """The experts the composer held."""
+    shared: dict[str, torch.Tensor]
+    """Its working copy of the shared groups (router, latent interface, backbone)."""
+    merged: dict[str, torch.Tensor]
+    """The shared groups as of its last outer round (the anchors), for the groups it merges."""
+
+
+def read_weights(path: str | os.PathLike[str]) -> CheckpointWeights:
+    """A checkpoint's model weights, verified against its manifest, without a composer to load them into.
 
     Raises:
         CheckpointError: missing, incomplete or corrupt (which file, and why).
@@ -276,9 +285,11 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[CheckpointInfo, dict[str
     body = _read_manifest(folder)
     info = _info(folder, body)
     try:
-        return info, _read_tensors(folder, "experts", body["files"]), _read_tensors(folder, "shared", body["files"])
+        experts, shared, outer = (_read_tensors(folder, f, body["files"]) for f in ("experts", "shared", "outer"))
     except (KeyError, TypeError, IndexError, AttributeError) as e:  # a manifest of the right format, wrong shape
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
+    merged = {name.split("/anchor/", 1)[1]: t for name, t in outer.items() if "/anchor/" in name}
+    return CheckpointWeights(info, experts, shared, merged)
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
