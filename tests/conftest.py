@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -35,18 +36,22 @@ def reap_children():
 
 
 @pytest.fixture(scope="session")
-def render_page() -> Callable[[str], str]:
+def render_page() -> Callable[..., str]:
     """A page's DOM after its scripts ran, from a real headless Chromium (Debian's ``chromium``, which .ci/run
     installs); tests that need it skip, saying so, where it is missing."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("no chromium on this machine (Debian: apt-get install chromium); .ci/run installs it")
 
-    def render(url: str) -> str:
-        done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                               "--virtual-time-budget=8000", "--dump-dom", url],
-                              capture_output=True, text=True, timeout=120)
+    def render(url: str, screenshot: Path | None = None) -> str:
+        flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--virtual-time-budget=8000", "--hide-scrollbars"]
+        done = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+        if screenshot is not None:
+            shot = subprocess.run([*flags, "--window-size=1000,1300", f"--screenshot={screenshot}", url],
+                                  capture_output=True, text=True, timeout=120)
+            assert shot.returncode == 0 and screenshot.read_bytes()[:4] == b"\x89PNG", shot.stderr[-2000:]
         return done.stdout
 
     return render

@@ -72,7 +72,7 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
         assert 5 <= step <= latest(read_metrics(watched.metrics))["step"]
         assert families["parallax_owned_experts"].samples[0].value == doc["node"]["owned"]
 
-        dom = render_page(url)
+        dom = render_page(url, screenshot=tmp_path / "page.png")  # a picture of what the DOM says, for people
         assert all(f'data-fingerprint="{fp}"' in dom for fp in fingerprints), dom[-3000:]
         owners = re.findall(r'data-owner="([^"]*)"', dom)
         assert len(owners) == 8 and set(owners) == fingerprints  # tiny: 2 layers x 4 experts, each owned once
