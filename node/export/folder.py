@@ -360,6 +360,13 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], where: st
     Raises:
         ExportError: a name missing or extra, or a shape that does not fit ``cfg``.
     """
+    # The sizes a config.json claims are checked against the tensors at hand before a model of that size is built.
+    embedding = tensors.get("tok_emb.weight")
+    experts = [n for n in tensors if ".moe.experts." in n]
+    if embedding is None or tuple(embedding.shape) != (cfg.vocab_size, cfg.d_model) \
+            or len(experts) != cfg.n_layers * cfg.n_experts * 3:
+        raise ExportError(f"{where} does not fit its model settings: the embedding or the number of expert "
+                          "tensors differs from what they describe")
     model = MoETransformer(cfg, own_all(cfg), seed=0)
     wanted = {n: tuple(p.shape) for n, p in model.named_parameters() if group_of(n) != "surrogate"}
     missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))

@@ -283,8 +283,10 @@ class Node:
                                peers=RoundPeers(views.composer_peers, views.working_peers, views.worked),
                                weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
-        states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.trusted_peers,
-                               own_peer_id=dht.peer_id, may_fetch=lambda peer: not views.banned(peer)).start()
+        # An open run's merged state is anyone's who joins it; a private run's goes to its live members only.
+        states = StateExchange(loop.p2p, loop.loop, c.peer.run_id, views.trusted_peers, own_peer_id=dht.peer_id,
+                               may_fetch=views.may_fetch if admission is not None
+                               else lambda peer: not views.banned(peer)).start()
         stack.callback(states.close)
         return _Network(dht, membership, views, loop, gossip, exchange, sync, scores, states, gather)
 

@@ -22,7 +22,11 @@ from parallax.dht.membership import Membership, MembershipConfig
 from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.dht.testing import wait_until
 from parallax.node.config.train import SHARED_GROUPS
+from parallax.node.export.folder import train_config_from
+from parallax.node.net.network import NetworkLoop
+from parallax.node.net.outer_state import StateExchange
 from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
+from parallax.node.peer.runner import model_shapes
 from parallax.protocol import manifest as manifests
 from parallax.protocol.identity import Identity
 
@@ -84,6 +88,22 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         wait_until(lambda: all(trained(m, step + 3) for m in members), timeout=120, explain=swarm.describe)
         assert all(latest(read_metrics(m.metrics))["peers"] == 2 for m in members)
         assert all(m.alive for m in members)
+        # The members' merged shared groups are theirs: the stranger asks each of them and gets nothing.
+        loop = NetworkLoop(stranger_dht, "stranger-net")
+        try:
+            shapes = model_shapes(train_config_from(manifest.settings_dict(), "the manifest"))
+            member_peers = [m["peer_id"] for m in json.loads(_cli(
+                "swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers, "--manifest",
+                str(tmp_path / "run.json"), "--json", "--wait", "5"))["peers"] if m["role"] == "composer"]
+            states = StateExchange(loop.p2p, loop.loop, RUN, lambda: member_peers,
+                                   own_peer_id=stranger_dht.peer_id).start()
+            try:
+                assert len(member_peers) == 2
+                assert states.download("router", shapes.groups["router"], timeout_s=15) is None
+            finally:
+                states.close()
+        finally:
+            loop.close()
         # `swarm status` with the manifest reads the run as its members do: the stranger is not listed.
         shown = json.loads(_cli("swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers,
                                 "--manifest", str(tmp_path / "run.json"), "--json", "--wait", "5"))

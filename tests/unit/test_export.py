@@ -188,3 +188,13 @@ def test_a_config_json_of_the_wrong_shape_is_named_not_a_traceback(simulated, tm
     (out / CONFIG).write_text(json.dumps(config))
     with pytest.raises(ExportError):
         read_model(out)
+
+
+def test_a_config_json_claiming_a_far_larger_model_is_refused_before_building_it(simulated, tmp_path: Path) -> None:
+    root, _ = simulated
+    out = export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "m")
+    config = json.loads((out / CONFIG).read_text())
+    config["model"]["n_layers"] = 100_000
+    (out / CONFIG).write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="number of expert tensors"):
+        read_model(out)
