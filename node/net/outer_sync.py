@@ -114,6 +114,14 @@ class ParallaxOuterAverager(DecentralizedAverager):
 
     state_provider: StateProvider | None = None
 
+    def run(self) -> None:
+        # The forked child's main thread inherits the forking thread's OpenMP team without its threads: once the
+        # parent has run a parallel torch op (any training step), a parallel op on the child's main thread (a
+        # uint8 quantization, say) waits forever. One thread never enters OpenMP; the child's work is small
+        # tensors and the wire.
+        torch.set_num_threads(1)
+        super().run()
+
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         # Runs in a background thread of the host process when a peer calls load_state_from_peers.
         provider = self.state_provider
