@@ -79,7 +79,8 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         stranger_dht = SwarmDHT.start(DHTConfig(initial_peers=(swarm.initial_peers,)), [validator])
         stranger = Membership(stranger_dht, identity, MembershipConfig(run_id=RUN, capacity=1000.0, manifest=manifest),
                               shards=ShardConfig(n_layers=2, n_experts=4))
-        stranger.start()
+        # Its heartbeats land on the bootstrap alone (the members refuse them): on a busy machine that takes a while.
+        stranger.start(timeout_s=90)
         # Its records reach the members (the bootstrap peer stores them: it validates no run) and are refused there.
         wait_until(lambda: stranger.heartbeats_sent >= 2, timeout=120)
         wait_until(lambda: any("no member certificate in an allowlist run" in m.log.read_text(errors="replace")
