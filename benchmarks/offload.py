@@ -69,7 +69,10 @@ def routed_flops(composer: Composer) -> tuple[float, float]:
 
 def measure_flops(cfg: TrainConfig, composers: int, train: torch.Tensor) -> dict[str, Any]:
     """Counted composer-side routed FLOPs of offload vs the synchronous baseline, beside the analytic ratio."""
-    cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True, private_layers=0))
+    # The reference mixture calls each expert's module, so FlopCounterMode can attribute the matmuls to experts
+    # and surrogates; the sorted kernels run the same matmuls outside those modules.
+    cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True, private_layers=0),
+                             compute=config_mod.replace(cfg.compute, kernel="reference"))
     base_routed, base_total = routed_flops(Composer(cfg, own_all(cfg.model), train, sampler_seed=cfg.seed))
     per_composer = []
     for owned in ownership_for(cfg, composers):

@@ -107,6 +107,50 @@ def flops(
         typer.echo(f"| {name} | {a:.2f}x | {counted:.2f}x | {fl.total_speedup(a):.2f}x | {tot:.2f}x |")
 
 
+@bench_app.command("speed")
+def speed(
+    preset: PresetName = "medium",
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when torch sees one)."),
+    composers: str = typer.Option("4,8", "--composers", "-c", help="Comma-separated composer counts C."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Timed steps per row (the median is reported)."),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed steps first (allocations, autotuning)."),
+    kernels: str = typer.Option("auto,reference", "--kernels",
+                                help="Comma-separated compute.kernel values; the first is held to the targets."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1,
+                                          help="Sequences per step (default: 8 on CUDA, 2 on a CPU)."),
+    sets: Sets = None,
+    json_path: JsonPath = None,
+) -> None:
+    """Step time and memory of a composer (C = 4, 8) against a process holding the whole MoE, and the sorted
+    kernels against the reference mixture, side by side in one process."""
+    import shlex
+    import sys
+
+    from parallax.benchmarks.speed import markdown, run_speed, write
+    from parallax.node.config.resolve import resolve, train_defaults
+    from parallax.node.config.train import KERNELS, TrainConfig
+    from parallax.node.config.typed import ConfigError
+    from parallax.node.train.device import DeviceError, device_of
+
+    try:
+        counts = tuple(int(x) for x in composers.split(",") if x.strip())
+        torch_device = device_of(device)
+        flags = {"preset": preset, "batch_size": batch_size or (8 if torch_device.type == "cuda" else 2)}
+        cfg = resolve(TrainConfig, train_defaults, file=None, flags=flags, sets=sets or (), default_preset=preset)
+    except (ValueError, ConfigError, DeviceError) as e:
+        fail(e)
+    if not counts or min(counts) < 2:
+        fail(f"--composers takes comma-separated counts >= 2, got {composers!r}")
+    kernel_list = tuple(k.strip() for k in kernels.split(",") if k.strip())
+    if not kernel_list or not set(kernel_list) <= set(KERNELS):
+        fail(f"--kernels takes comma-separated values of {', '.join(KERNELS)}, got {kernels!r}")
+    report = run_speed(cfg, device=torch_device, composers=counts, steps=steps, warmup=warmup, kernels=kernel_list,
+                       progress=typer.echo)
+    command = "parallax " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write(report, json_path, command)
+    typer.echo(markdown(report, command))
+
+
 @bench_app.command("dht")
 def dht(
     sizes: str = typer.Option("2,8,32", "--sizes", help="Comma-separated swarm sizes (peers on loopback)."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -35,6 +36,9 @@ def export(
     loopback: bool = typer.Option(False, "--loopback", help="Listen on 127.0.0.1 (a swarm on this machine)."),
     timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="Seconds for the manifest read, then for the "
                                   "whole fetch of the shared groups and the experts."),
+    tokenizer_file: Path | None = typer.Option(
+        None, "--tokenizer", help="The run's tokenizer.json, for a run with model.tokenizer=bpe (default: the one "
+        "beside --manifest)."),
 ) -> None:
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
     a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups
@@ -42,6 +46,8 @@ def export(
     from parallax.cli.entry import Interrupted
     from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
+    from parallax.node.train.tokenizer import BpeTokenizer
+    from parallax.node.train.tokenizer import tokenizer_file as tokenizer_file_of
 
     if bool(from_checkpoints) == bool(initial_peers):
         fail("say where the model comes from: --from-checkpoints DIR (one per composer), or --initial-peers ADDR "
@@ -49,11 +55,16 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"{out} exists and is not an empty folder; choose a new --out")
     try:
+        if tokenizer_file is None and manifest_file is not None and tokenizer_file_of(manifest_file).is_file():
+            tokenizer_file = tokenizer_file_of(manifest_file)
+        tokenizer = BpeTokenizer.load(tokenizer_file) if tokenizer_file is not None else None
         if from_checkpoints:
-            folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data)
+            folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data,
+                                        tokenizer=tokenizer)
         else:
             folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
-                                  allow_missing=allow_missing, digest=digest, data=data, timeout=timeout)
+                                  allow_missing=allow_missing, digest=digest, data=data, timeout=timeout,
+                                  tokenizer=tokenizer)
     except (NodeError, ValueError, OSError) as e:
         fail(e, code=1)
     except (KeyboardInterrupt, Interrupted):
@@ -63,7 +74,7 @@ def export(
 
 def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Path | None,
                  member_cert: Path | None, identity: Path | None, loopback: bool, out: Path, *, allow_missing: bool,
-                 digest: str | None, data: str | None, timeout: float) -> Path:
+                 digest: str | None, data: str | None, timeout: float, tokenizer: Any) -> Path:
     from parallax.node.config.peer import PeerConfig
     from parallax.node.export.live import export_live
     from parallax.protocol.identity import Identity
@@ -74,7 +85,8 @@ def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Pa
     peer = PeerConfig(run_id=run_id, identity=identity, initial_peers=tuple(initial_peers), loopback=loopback,
                       manifest=manifest_file, member_cert=member_cert, relay="off")
     key = Identity.load_or_create(peer.identity_path("reader"))
-    return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, data=data, timeout_s=timeout)
+    return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, data=data, timeout_s=timeout,
+                       tokenizer=tokenizer)
 
 
 def _exported(folder: Path) -> None:
@@ -102,11 +114,11 @@ def generate(
     from parallax.node.export.use import generate as sample
 
     try:
-        model = read_model(model_dir).model
+        exported = read_model(model_dir)
     except (ExportError, OSError) as e:
         fail(e, code=1)
-    out = sample(model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 seed=seed)
+    out = sample(exported.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 seed=seed, tokenizer=exported.tokenizer)
     sys.stdout.write(prompt + out.decode("utf-8", errors="replace") + "\n")
 
 
@@ -127,7 +139,7 @@ def evaluate(
         windows = exported.eval_windows
         result = evaluate_on(exported.model, data, batch_size=batch_size or int(windows.get("batch_size", 8)),
                              eval_batches=batches or int(windows.get("eval_batches", 16)),
-                             val_fraction=float(windows.get("val_fraction", 0.05)))
+                             val_fraction=float(windows.get("val_fraction", 0.05)), tokenizer=exported.tokenizer)
     except (ExportError, ValueError, OSError) as e:
         fail(e, code=1)
     if json_out:

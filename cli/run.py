@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from parallax.cli.options import ConfigFile, Preset, Sets, fail
+from parallax.cli.options import ConfigFile, Data, Preset, Sets, fail
 
 run_app = typer.Typer(help="Run manifests: the settings every peer of a run shares, signed by its creator.",
                       no_args_is_help=True, rich_markup_mode=None)
@@ -25,13 +25,18 @@ def create(
     admission: str = typer.Option("open", "--admission", help="open (anyone may join) or allowlist (only peers with "
                                   "a member certificate from this key: `parallax run admit`)."),
     identity: Path | None = CreatorKey,
+    data: Data = None,
 ) -> None:
     """Write a run's manifest: the shared settings (defaults < --config < --preset < --set, as `node join`), signed.
 
-    Peers start with `--manifest FILE`: they take its settings, and composers of another manifest ignore them."""
+    Peers start with `--manifest FILE`: they take its settings, and composers of another manifest ignore them. With
+    model.tokenizer=bpe (the medium and large presets) the BPE is trained on --data and written beside the
+    manifest (RUN.tokenizer.json): hand both files to the run's peers."""
     from parallax.node.config.peer import NodeConfig
     from parallax.node.config.resolve import node_defaults, resolve
     from parallax.node.config.train import run_settings
+    from parallax.node.train.data import load_corpus
+    from parallax.node.train.tokenizer import BpeTokenizer, make_tokenizer, tokenizer_file
     from parallax.protocol import manifest as manifests
     from parallax.protocol.errors import KeyFileError
     from parallax.protocol.identity import Identity
@@ -40,9 +45,15 @@ def create(
         config = resolve(NodeConfig, node_defaults, file=config_file, flags={"preset": preset, "peer.run_id": run_id},
                          sets=set_ or (), default_preset="tiny")
         creator = Identity.load_or_create(_creator_path(identity))
-        manifest = manifests.create(creator, config.peer.run_id, run_settings(config.train), admission=admission)
         if out.exists():
             raise ValueError(f"{out} exists: choose another --out (a run's manifest is never rewritten in place)")
+        model = config.train.model
+        tokenizer = make_tokenizer(model.tokenizer, model.vocab_size, load_corpus(data) if model.tokenizer == "bpe"
+                                   else b"")
+        manifest = manifests.create(creator, config.peer.run_id, run_settings(config.train), admission=admission,
+                                    tokenizer=tokenizer.digest)
+        if isinstance(tokenizer, BpeTokenizer):
+            typer.echo(f"wrote {tokenizer.save(tokenizer_file(out))}: the run's BPE of {tokenizer.vocab_size} tokens")
         manifests.save(manifest, out)
     except (ValueError, KeyFileError, OSError) as e:
         fail(e)

@@ -8,6 +8,7 @@ model and what to try next. Ctrl+C ends the run after the current step and print
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -25,7 +26,8 @@ from rich.table import Table
 from parallax.cli.options import RunOptions, fail, with_run_options
 from parallax.cli.progress import run_progress
 from parallax.node.sim.simulator import RUN_KINDS, RunResult, RunSpec, run
-from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.data import load_corpus
+from parallax.node.train.tokenizer import make_tokenizer, tokenized_splits
 
 
 @with_run_options
@@ -39,25 +41,34 @@ def sim(
         Path("parallax-sim"), "--out", help="Folder for this run's checkpoints and exported model (a new "
         "sub-folder per run)."),
     export: bool = typer.Option(True, "--export/--no-export", help="Write the trained model (parallax export)."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="bytes (each byte a token) or bpe (a byte-level BPE of model.vocab_size tokens, "
+        "trained here on the corpus). Default: the preset's (bytes for tiny and small, bpe for medium and large)."),
 ) -> None:
     """Run C composers in one process (no network); print the validation loss beside the synchronous baseline's,
     and export the model. Preset tiny unless told otherwise."""
     from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
 
+    if tokenizer is not None:  # before the user's own --set, which may still change it
+        opts = dataclasses.replace(opts, sets=[f"model.tokenizer={tokenizer}", *(opts.sets or [])])
     cfg = opts.train_config(default_preset="tiny")
     logging.getLogger("parallax.node.train.checkpoint").setLevel(logging.WARNING)  # one line per save: noise here
     try:
         spec = RunSpec(name=kind, kind=kind, cfg=cfg, composers=opts.composers)
-        train, val = split_corpus(load_corpus(opts.data), seq_len=cfg.model.seq_len)
+        corpus = load_corpus(opts.data)
+        tok = make_tokenizer(cfg.model.tokenizer, cfg.model.vocab_size, corpus)
+        splits = tokenized_splits(corpus, tok, seq_len=cfg.model.seq_len)
     except ValueError as e:
         fail(e)
+    train, val = splits.train, splits.val
     console = Console()
     folder = out / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     m = cfg.model
     console.print(f"{kind}: {opts.composers} composer(s) of a {m.n_layers}-layer MoE (d_model {m.d_model}, "
-                  f"{m.n_experts} experts, top-{m.top_k}), {cfg.steps} steps of {cfg.batch_size} x {m.seq_len} byte "
-                  "tokens each. Ctrl+C stops after the current step with the result so far.")
+                  f"{m.n_experts} experts, top-{m.top_k}), {cfg.steps} steps of {cfg.batch_size} x {m.seq_len} "
+                  f"{'byte tokens' if tok.kind == 'bytes' else f'tokens (BPE of {tok.vocab_size})'} each. Ctrl+C "
+                  "stops after the current step with the result so far.")
     with stop_on_signal(console) as stop, run_progress(cfg.steps, enabled=not opts.quiet) as progress:
         result = run(spec, train, val, progress=progress, checkpoint_dir=folder / "checkpoints" if export else None,
                      should_stop=stop.is_set)
@@ -66,11 +77,13 @@ def sim(
             same = RunSpec(name="baseline", kind="baseline", cfg=cfg, composers=opts.composers)
             baseline = run(same, train, val, progress=progress, should_stop=stop.is_set)
     stopped = result.steps < cfg.steps or (baseline is not None and baseline.steps < result.steps)
-    _print_result(console, kind, result, baseline, cfg.steps, opts.data)
+    _print_result(console, kind, result, baseline, cfg.steps, opts.data, splits.val_bytes_per_token,
+                  cfg.model.vocab_size)
     model = None
     if export:
         try:
-            model = export_checkpoints(sorted((folder / "checkpoints").iterdir()), folder / "model", data=opts.data)
+            model = export_checkpoints(sorted((folder / "checkpoints").iterdir()), folder / "model", data=opts.data,
+                                       tokenizer=tok)
         except (NodeError, ValueError) as e:
             console.print(f"[yellow]model not exported: {e}[/yellow]")
     if model is not None:
@@ -82,38 +95,50 @@ def sim(
                   soft_wrap=True)
     if opts.json_path is not None:
         opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-        doc: dict[str, Any] = result.__dict__ | {"val_loss": result.val_loss}
+        per_byte = splits.val_bytes_per_token
+        doc: dict[str, Any] = result.__dict__ | {"val_loss": result.val_loss, "tokenizer": tok.kind,
+                                                 "val_bytes_per_token": per_byte,
+                                                 "val_loss_per_byte": result.val_loss / per_byte,
+                                                 "assembled_val_loss_per_byte": result.assembled_val_loss / per_byte}
         if baseline is not None:
-            doc["reference"] = baseline.__dict__ | {"val_loss": baseline.val_loss}
+            doc["reference"] = baseline.__dict__ | {
+                "val_loss": baseline.val_loss, "assembled_val_loss_per_byte": baseline.assembled_val_loss / per_byte}
         opts.json_path.write_text(json.dumps(doc, indent=2))
     if stopped:
         raise typer.Exit(130)
 
 
 def _print_result(console: Console, kind: str, result: RunResult, baseline: RunResult | None, steps: int,
-                  data: str | None) -> None:
+                  data: str | None, bytes_per_token: float, vocab_size: int) -> None:
     if result.steps < steps:
         console.print(f"[yellow]stopped at step {result.steps} of {steps}: the result below is for those steps"
                       "[/yellow]")
     where = f"the held-out tail of {data}" if data else "the held-out tail of the built-in corpus"
-    table = Table(title=f"validation loss in nats per byte on {where}; lower is better", title_justify="left")
+    bytes_tokens = bytes_per_token == 1.0
+    unit = "nats per byte" if bytes_tokens else "nats per token and per byte"
+    table = Table(title=f"validation loss in {unit} on {where}; lower is better", title_justify="left")
     table.add_column("model")
-    table.add_column("val loss", justify="right")
+    table.add_column("val loss" if bytes_tokens else "per token", justify="right")
+    if not bytes_tokens:
+        table.add_column("per byte", justify="right")
     table.add_column("/ baseline", justify="right")
+
+    def row(name: str, loss: float, ratio: str) -> None:
+        cells = [f"{loss:.4f}"] if bytes_tokens else [f"{loss:.4f}", f"{loss / bytes_per_token:.4f}"]
+        table.add_row(name, *cells, ratio)
 
     def ratio(loss: float) -> str:
         return f"{loss / baseline.assembled_val_loss:.3f}x" if baseline is not None else "-"
 
     if kind == "baseline":
-        table.add_row("synchronous baseline", f"{result.assembled_val_loss:.4f}", "")
+        row("synchronous baseline", result.assembled_val_loss, "")
     else:
-        table.add_row(f"{kind}: the exported model", f"{result.assembled_val_loss:.4f}",
-                      ratio(result.assembled_val_loss))
-        table.add_row(f"{kind}: composers' own views, median", f"{result.val_loss:.4f}", ratio(result.val_loss))
+        row(f"{kind}: the exported model", result.assembled_val_loss, ratio(result.assembled_val_loss))
+        row(f"{kind}: composers' own views, median", result.val_loss, ratio(result.val_loss))
         if baseline is not None:
             note = "" if baseline.steps == result.steps else f" (stopped at step {baseline.steps})"
-            table.add_row(f"synchronous baseline, same tokens{note}", f"{baseline.assembled_val_loss:.4f}", "1.000x")
-    table.add_row("a uniform guess", f"{math.log(256):.4f}", "")
+            row(f"synchronous baseline, same tokens{note}", baseline.assembled_val_loss, "1.000x")
+    row("a uniform guess", math.log(vocab_size), "")
     console.print(table)
     if baseline is None and kind != "baseline" and result.steps < steps:
         console.print("the baseline was not run (stopped); for it: parallax sim --kind baseline --steps "

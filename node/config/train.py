@@ -4,6 +4,8 @@ Every field has a unit and a one-line doc; ``__post_init__`` raises ``ValueError
 Presets:
     tiny    unit/integration tests: seconds on a CPU, exercises every code path (latent interface on).
     small   the CPU benchmark: 4 layers, d=128, 8 experts top-2, f=384, r=8 (f/r = 48, as the report).
+    medium  a GPU user's first run: 12 layers, d=768, 32 experts top-4, latent 384, f=288, r=6, 1024 tokens.
+    large   about 1B parameters: 20 layers, d=1536, 32 experts top-4, latent 768, f=576, r=12, 2048 tokens.
     report  report-sized (20B-class), used only for FLOP accounting, never instantiated.
 """
 
@@ -26,7 +28,10 @@ class ModelConfig:
     """A decoder-only transformer with MoE feed-forward layers (DESIGN.md section 2)."""
 
     vocab_size: int = 256
-    """Tokens in the vocabulary; 256 = raw bytes, no tokenizer."""
+    """Tokens in the vocabulary: 256 with byte tokens; the BPE's size with ``tokenizer = "bpe"``."""
+    tokenizer: str = "bytes"
+    """"bytes" (each byte a token: no tokenizer, any encoding) or "bpe" (a byte-level BPE of vocab_size tokens
+    trained on the run's corpus, stored with the run: ``node/train/tokenizer.py``)."""
     seq_len: int = 128
     """Context length, tokens."""
     n_layers: int = 4
@@ -70,6 +75,13 @@ class ModelConfig:
             raise ValueError(f"d_latent={self.d_latent} must be <= d_model={self.d_model} (equal disables it)")
         if self.d_surrogate > self.d_expert:
             raise ValueError(f"d_surrogate={self.d_surrogate} must be <= d_expert={self.d_expert}")
+        if self.tokenizer not in ("bytes", "bpe"):
+            raise ValueError(f"ModelConfig.tokenizer must be bytes or bpe, got {self.tokenizer!r}")
+        if self.tokenizer == "bytes" and self.vocab_size < 256:
+            raise ValueError(f"byte tokens need ModelConfig.vocab_size >= 256, got {self.vocab_size}")
+        if self.tokenizer == "bpe" and self.vocab_size < 512:
+            raise ValueError(f"a BPE needs ModelConfig.vocab_size >= 512 (256 bytes and their merges), got "
+                             f"{self.vocab_size}: set model.vocab_size=8192, say")
         if self.d_shared < 0 or self.aux_loss_weight < 0:
             raise ValueError("d_shared and aux_loss_weight must be >= 0")
 
@@ -303,6 +315,37 @@ class OffloadConfig:
                              "and max_change > 0")
 
 
+KERNELS = ("auto", "grouped_mm", "slices", "reference")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComputeConfig:
+    """How this composer computes its step, chosen for its own hardware: every choice gives the same step up to
+    rounding, so composers of one run may differ here."""
+
+    kernel: str = "auto"
+    """How an MoE layer runs its experts (``KERNELS``): every kernel but "reference" sorts the selections by expert
+    once. "auto": on CUDA the owned experts as one grouped GEMM and the surrogates as one batched matmul, on a CPU
+    a matmul per expert on its slice; "grouped_mm" and "slices" force one way; "reference" is a mask and a gather
+    per expert."""
+    precision: str = "auto"
+    """"bf16": autocast to bfloat16 on CUDA, float32 master weights and optimizer state; "fp32"; "auto": bf16 on
+    a CUDA device that supports it, fp32 elsewhere (on a CPU bf16 is slower than fp32)."""
+    compile: bool = False
+    """``torch.compile`` each block's attention (the expert dispatch stays eager: its shapes change every step)."""
+    checkpoint: bool = False
+    """Activation checkpointing: keep each block's input only and recompute the block in the backward pass
+    (about a third more compute for the activations of one block instead of all). Not with sketches or offload,
+    whose hooks would run twice."""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"compute.kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"compute.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """One composer's training run."""
@@ -314,6 +357,8 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     """Levers of the in-process simulator only; ``node join`` and ``worker join`` refuse any change here."""
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    """Kernels, precision, compilation, activation checkpointing: each composer's own."""
     batch_size: int = 8
     """Sequences per composer step."""
     steps: int = 500
@@ -330,6 +375,9 @@ class TrainConfig:
             raise ValueError("batch_size, steps and eval_batches must be positive")
         if self.eval_every < 0:
             raise ValueError("eval_every must be >= 0 (0 = evaluate only at the end)")
+        if self.compute.checkpoint and (self.offload.enabled or self.sim.sketch.enabled):
+            raise ValueError("compute.checkpoint does not combine with offload or sketches (their hooks would run "
+                             "again in the recomputation): set compute.checkpoint=false or turn those off")
         if self.offload.enabled and self.offload.private_layers > self.model.n_layers:
             raise ValueError(f"offload.private_layers={self.offload.private_layers} exceeds the model's "
                              f"{self.model.n_layers} layers")
@@ -344,6 +392,12 @@ PRESETS: dict[str, ModelConfig] = {
                         d_expert=48, d_surrogate=4, d_latent=24, d_shared=16),
     "small": ModelConfig(seq_len=128, n_layers=4, d_model=128, n_heads=4, n_experts=8, top_k=2,
                          d_expert=384, d_surrogate=8, d_latent=128),
+    # GPU presets, f/r = 48 as the report, with a BPE of the run's corpus. medium: 172M parameters (58M active a
+    # token); large: 1.15B.
+    "medium": ModelConfig(vocab_size=8192, tokenizer="bpe", seq_len=1024, n_layers=12, d_model=768, n_heads=12,
+                          n_experts=32, top_k=4, d_expert=288, d_surrogate=6, d_latent=384),
+    "large": ModelConfig(vocab_size=32768, tokenizer="bpe", seq_len=2048, n_layers=20, d_model=1536, n_heads=12,
+                         n_experts=32, top_k=4, d_expert=576, d_surrogate=12, d_latent=768),
     # Report-sized: f/r = 48 with a rank-64 surrogate. Only for FLOP accounting.
     "report": ModelConfig(vocab_size=131072, seq_len=4096, n_layers=24, d_model=2048, n_heads=16,
                           n_experts=64, top_k=8, d_expert=3072, d_surrogate=64, d_latent=1024),
@@ -372,7 +426,7 @@ def train_config(preset_name: str = "small", *, steps: int | None = None, batch_
     return dataclasses.replace(cfg, **overrides)
 
 
-LOCAL_SETTINGS = ("offload", "sim", "eval_batches", "eval_every")
+LOCAL_SETTINGS = ("offload", "sim", "compute", "eval_batches", "eval_every")
 """Sections and fields of ``TrainConfig`` that each composer chooses for itself; every other one must agree
 across the run (model shapes, optimizer and schedule, merges, surrogates, batch, steps, seed)."""
 

@@ -36,6 +36,7 @@ from parallax.errors import NodeError
 from parallax.node.config.train import ModelConfig, TrainConfig
 from parallax.node.config.typed import ConfigError, apply_changes, table_changes
 from parallax.node.model.transformer import MoETransformer, group_of, own_all
+from parallax.node.train.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, TokenizerError
 
 FORMAT = "parallax-model"
 FORMAT_VERSION = 1
@@ -46,7 +47,7 @@ CARD = "README.md"
 ORIGINS = {"owner": "from their trainer's periodic snapshot", "final": "from a leaving owner's final snapshot",
            "checkpoint": "from a composer's checkpoint"}
 
-BYTES_TOKENIZER = {"kind": "bytes", "vocab_size": 256}
+TOKENIZER = "tokenizer.json"
 """Raw bytes are the tokens: nothing to download or store beside the weights."""
 
 
@@ -209,8 +210,7 @@ def settings_from(cls: type[S], table: Mapping[str, Any], where: str) -> S:
 
 
 def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[str, torch.Tensor],
-                provenance: Provenance, *, eval_windows: Mapping[str, Any],
-                tokenizer: Mapping[str, Any] = BYTES_TOKENIZER) -> Path:
+                provenance: Provenance, *, eval_windows: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> Path:
     """Write the model folder ``out`` (which must not exist, or be empty) atomically.
 
     Args:
@@ -219,8 +219,18 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[st
         state: every non-surrogate parameter (``assemble``'s result).
         provenance: for config.json and the model card.
         eval_windows: batch_size, eval_batches and val_fraction of the run, the defaults of ``parallax eval``.
-        tokenizer: how text becomes tokens.
+        tokenizer: how text becomes tokens (None: bytes); a BPE's file is written beside the weights.
+
+    Raises:
+        ExportError: ``out`` is taken, or the tokenizer is not the one ``cfg`` names.
     """
+    tokenizer = tokenizer or ByteTokenizer()
+    if tokenizer.kind != cfg.tokenizer or tokenizer.vocab_size > cfg.vocab_size:
+        raise ExportError(f"the model tokenizes with {cfg.tokenizer} ({cfg.vocab_size} tokens), the tokenizer given "
+                          f"is {tokenizer.kind} ({tokenizer.vocab_size}): pass the run's own")
+    table: dict[str, Any] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
+    if isinstance(tokenizer, BpeTokenizer):
+        table |= {"file": TOKENIZER, "sha256": tokenizer.digest}
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder; choose a new --out")
@@ -230,8 +240,10 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[st
     try:
         data = safetensors.torch.save(dict(state), metadata={"format": FORMAT})
         (tmp / WEIGHTS).write_bytes(data)
+        if isinstance(tokenizer, BpeTokenizer):
+            tokenizer.save(tmp / TOKENIZER)
         body = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "model": asdict(cfg), "tokenizer": dict(tokenizer),
+            "format": FORMAT, "format_version": FORMAT_VERSION, "model": asdict(cfg), "tokenizer": table,
             "eval": dict(eval_windows),
             "files": {WEIGHTS: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
             "provenance": _provenance_json(provenance),
@@ -297,6 +309,7 @@ class ExportedModel:
     model: MoETransformer
     config: dict[str, Any]
     """config.json as written."""
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -335,10 +348,8 @@ def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{folder} holds format {config.get('format')!r} version {config.get('format_version')}; "
                           f"this Parallax reads {FORMAT!r} version {FORMAT_VERSION}")
-    tokenizer = config.get("tokenizer")
-    if not isinstance(tokenizer, dict) or tokenizer.get("kind") != "bytes":
-        raise ExportError(f"{folder}: tokenizer {config.get('tokenizer')!r} is not one this Parallax reads")
     cfg = model_config_from(table, str(folder / CONFIG))
+    tokenizer = _read_tokenizer(folder, config.get("tokenizer"), cfg)
     try:
         data = (folder / WEIGHTS).read_bytes()
     except FileNotFoundError:
@@ -351,7 +362,41 @@ def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
     except Exception as e:  # safetensors raises its own error type on a malformed header
         raise ExportError(f"{folder / WEIGHTS} is unreadable ({e})") from None
     model = build_model(cfg, tensors, str(folder / WEIGHTS))
-    return ExportedModel(model.to(device), config)
+    return ExportedModel(model.to(device), config, tokenizer)
+
+
+def run_tokenizer_for(cfg: ModelConfig, tokenizer: Tokenizer | None, digest: str | None = None) -> Tokenizer:
+    """The tokenizer an export writes: bytes for a byte run; for a BPE run the one given, which must be the run's
+    (``digest``: the manifest's tokenizer term, where known).
+
+    Raises:
+        ExportError: a BPE run without its tokenizer, or with another one.
+    """
+    if cfg.tokenizer == "bytes":
+        return ByteTokenizer()
+    if tokenizer is None:
+        raise ExportError("the run tokenizes with a BPE: pass --tokenizer FILE, the run's tokenizer.json (beside its "
+                          "manifest, or in a model exported from it)")
+    if digest is not None and tokenizer.digest != digest:
+        raise ExportError(f"the tokenizer given has sha256 {tokenizer.digest[:16]}..., the run's manifest names "
+                          f"{digest[:16]}...: pass the run's own tokenizer.json")
+    return tokenizer
+
+
+def _read_tokenizer(folder: Path, table: object, cfg: ModelConfig) -> Tokenizer:
+    if not isinstance(table, dict) or table.get("kind") not in ("bytes", "bpe") or table.get("kind") != cfg.tokenizer:
+        raise ExportError(f"{folder}: tokenizer {table!r} is not one this Parallax reads for this model")
+    if table["kind"] == "bytes":
+        return ByteTokenizer()
+    if table.get("file") != TOKENIZER or not isinstance(table.get("sha256"), str):
+        raise ExportError(f"{folder / CONFIG}: the BPE tokenizer entry names no {TOKENIZER} and sha256")
+    try:
+        tokenizer = BpeTokenizer.load(folder / TOKENIZER, table["sha256"])
+    except TokenizerError as e:
+        raise ExportError(f"{folder}: {e}; export the model again") from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ExportError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg.vocab_size}")
+    return tokenizer
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str) -> MoETransformer:

@@ -35,6 +35,7 @@ from parallax.node.export.folder import (
     assemble,
     build_model,
     check_copy,
+    run_tokenizer_for,
     train_config_from,
     write_model,
 )
@@ -45,6 +46,7 @@ from parallax.node.net.network import NetworkLoop, parse_initial_peers, start_dh
 from parallax.node.net.outer_state import StateExchange
 from parallax.node.peer.runner import model_shapes
 from parallax.node.peer.views import SwarmViews
+from parallax.node.train.tokenizer import Tokenizer
 from parallax.protocol.identity import Identity
 from parallax.protocol.manifest import RunManifest
 
@@ -87,7 +89,8 @@ def _train_config(manifest: RunManifest) -> TrainConfig:
 
 
 def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
-                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0) -> Path:
+                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0,
+                tokenizer: Tokenizer | None = None) -> Path:
     """Assemble the model of a live run and write it to ``out``.
 
     Args:
@@ -97,6 +100,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         digest: which manifest to take when the run's composers publish several (without ``peer.manifest``).
         data: the corpus of the card's validation loss (None: the built-in corpus).
         timeout_s: bounds the manifest read, and then the whole fetch of the groups and the experts.
+        tokenizer: the run's (None: bytes); a BPE run's is required, and must be the one its manifest names.
 
     Raises:
         ExportError: unreachable swarm, no composers, or what could not be fetched.
@@ -109,6 +113,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
                                                                                                   timeout_s)
             assert manifest is not None
             cfg = _train_config(manifest)
+            tokenizer = run_tokenizer_for(cfg.model, tokenizer, manifest.tokenizer)
             admission = peer_admission(peer, identity, manifest)
             dht = start_dht(identity, peer, identity_path=peer.identity_path("reader"),
                             n_layers=cfg.model.n_layers, admission=admission)
@@ -140,10 +145,11 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
     windows = {"batch_size": cfg.batch_size, "eval_batches": cfg.eval_batches, "val_fraction": 0.05}
     try:
         provenance.val_loss = evaluate_on(build_model(cfg.model, state, "the assembled model"), data,
-                                          batch_size=cfg.batch_size, eval_batches=cfg.eval_batches).as_dict()
+                                          batch_size=cfg.batch_size, eval_batches=cfg.eval_batches,
+                                          tokenizer=tokenizer).as_dict()
     except ValueError as e:
         log.warning("the model card gets no validation loss: %s", e)
-    return write_model(out, cfg.model, state, provenance, eval_windows=windows)
+    return write_model(out, cfg.model, state, provenance, eval_windows=windows, tokenizer=tokenizer)
 
 
 def _leave(membership: Membership) -> None:

@@ -17,18 +17,20 @@ from parallax.node.export.folder import (
     Provenance,
     assemble,
     build_model,
+    run_tokenizer_for,
     train_config_from,
     write_model,
 )
 from parallax.node.export.use import evaluate_on
 from parallax.node.train.checkpoint import CheckpointError, read_weights
+from parallax.node.train.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
                        allow_missing: bool = False, data: str | os.PathLike[str] | None = None,
-                       val_fraction: float = 0.05) -> Path:
+                       val_fraction: float = 0.05, tokenizer: Tokenizer | None = None) -> Path:
     """Assemble the model from composers' checkpoints and write it to ``out``.
 
     Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, as
@@ -41,6 +43,7 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
         allow_missing: write experts no checkpoint holds as zeros instead of failing.
         data: the corpus for the card's validation loss (None: the built-in corpus).
         val_fraction: the held-out tail of ``data``, as in training.
+        tokenizer: the run's (None: bytes); a BPE run's is required (its file is copied into the model).
 
     Raises:
         ExportError: no folders, folders of different runs or model shapes, unreadable checkpoints, missing
@@ -85,10 +88,11 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
     state = assemble(cfg, shared, experts, allow_missing=allow_missing, provenance=provenance)
     batch_size, eval_batches = train.batch_size, train.eval_batches
     windows = {"batch_size": batch_size, "eval_batches": eval_batches, "val_fraction": val_fraction}
+    tokenizer = run_tokenizer_for(cfg, tokenizer)
     model = build_model(cfg, state, "the assembled model")
     try:
         provenance.val_loss = evaluate_on(model, data, batch_size=batch_size, eval_batches=eval_batches,
-                                          val_fraction=val_fraction).as_dict()
+                                          val_fraction=val_fraction, tokenizer=tokenizer).as_dict()
     except ValueError as e:
         log.warning("the model card gets no validation loss: %s", e)
-    return write_model(out, cfg, state, provenance, eval_windows=windows)
+    return write_model(out, cfg, state, provenance, eval_windows=windows, tokenizer=tokenizer)

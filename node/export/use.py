@@ -10,7 +10,8 @@ import torch
 
 from parallax.node.model.transformer import MoETransformer
 from parallax.node.train.composer import evaluate
-from parallax.node.train.data import load_corpus, split_corpus, val_batches
+from parallax.node.train.data import load_corpus, val_batches
+from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, tokenized_splits
 
 
 @dataclass(frozen=True)
@@ -29,19 +30,21 @@ class EvalResult:
 
 
 def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, batch_size: int, eval_batches: int,
-                val_fraction: float = 0.05) -> EvalResult:
+                val_fraction: float = 0.05, tokenizer: Tokenizer | None = None) -> EvalResult:
     """Mean cross-entropy of ``model`` on the fixed validation windows the run's benchmarks use: the held-out tail
-    (``val_fraction``) of ``data`` (None: the built-in corpus), ``eval_batches`` batches of ``batch_size`` windows.
+    (``val_fraction``) of ``data`` (None: the built-in corpus), ``eval_batches`` batches of ``batch_size`` windows,
+    in ``tokenizer``'s tokens (None: bytes). Nats per byte divide by the split's bytes per token.
 
     Raises:
         ValueError: the data cannot be read or is too small for one window (the message says what to pass).
     """
     cfg = model.cfg
-    _, val = split_corpus(load_corpus(data), val_fraction, seq_len=cfg.seq_len)
-    batches = val_batches(val, batch_size, cfg.seq_len, eval_batches)
+    splits = tokenized_splits(load_corpus(data), tokenizer or ByteTokenizer(), seq_len=cfg.seq_len,
+                              val_fraction=val_fraction)
+    batches = val_batches(splits.val, batch_size, cfg.seq_len, eval_batches)
     loss = evaluate(model, batches)
     tokens = sum(y.numel() for _, y in batches)
-    per_byte = loss  # byte tokens: one token is one byte
+    per_byte = loss / splits.val_bytes_per_token
     return EvalResult(nats_per_token=loss, nats_per_byte=per_byte, bits_per_byte=per_byte / math.log(2),
                       perplexity=math.exp(loss), windows=len(batches) * batch_size, tokens=tokens,
                       data=str(data) if data is not None else "the built-in corpus")
@@ -49,8 +52,9 @@ def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, b
 
 @torch.no_grad()
 def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int | None = None) -> bytes:
-    """Sample ``max_new_tokens`` byte tokens after ``prompt`` (its last ``seq_len`` tokens are the context).
+             top_k: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None) -> bytes:
+    """Sample ``max_new_tokens`` tokens after ``prompt`` (its last ``seq_len`` tokens are the context) and return
+    them as text (``tokenizer``'s; None: bytes, returned as they are).
 
     ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling.
     """
@@ -67,7 +71,8 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     else:
         generator.seed()  # a fresh sample each run
     model.eval()
-    tokens = list(prompt) or [ord("\n")]  # an empty prompt starts a new line
+    tokenizer = tokenizer or ByteTokenizer()
+    tokens = tokenizer.encode(prompt or b"\n").tolist()  # an empty prompt starts a new line
     out: list[int] = []
     for _ in range(max_new_tokens):
         context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.long, device=device)
@@ -82,4 +87,4 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
             nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
         tokens.append(nxt)
         out.append(nxt)
-    return bytes(out)
+    return bytes(out) if isinstance(tokenizer, ByteTokenizer) else tokenizer.decode(out).encode()

@@ -14,21 +14,28 @@ Shape legend (torchtitan style):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from parallax.node.config.train import GROUPS, ModelConfig
+from parallax.node.config.train import GROUPS, KERNELS, ModelConfig
+from parallax.node.model.grouped import Weights, grouped_swiglu
 
 Ownership = tuple[frozenset[int], ...]
 """Per layer, the expert ids that are real and trained on this composer."""
 
 NON_OWNED_MODES = ("surrogate", "drop", "frozen_copy")
+
+_TRAINED, _OFFLOADED, _COPY, _SURROGATE, _DROPPED = range(5)
+_RUN_ORDER = (_TRAINED, _OFFLOADED, _COPY, _SURROGATE)
 
 Recorder = Callable[[int, int, torch.Tensor], None]
 """Called as recorder(layer, expert, x_NL) with the detached inputs routed to an owned expert."""
@@ -129,6 +136,8 @@ class MoELayer(nn.Module):
         """Owned experts updated by a worker (worker offload): no weight gradient here; they still get sketched."""
         self.offload_input_grad = False
         """Let the loss's gradient flow through an offloaded expert into its input (never its weights)."""
+        self.kernel = "auto"
+        """One of ``KERNELS``: how the experts run (the same outputs and gradients up to rounding)."""
         self._freeze_non_trainable()
 
     def adopt_expert(self, e: int, module: SwiGLU) -> None:
@@ -213,18 +222,8 @@ class MoELayer(nn.Module):
             y_NL = self.sketcher(self.layer, e, h_NL, y_NL)
         return y_NL
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        B, T, D = x_BTD.shape
-        x_TD = x_BTD.reshape(B * T, D)
-        probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
-        topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
-        gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK
-        tokens_per_expert_E = torch.bincount(topk_ids_TK.flatten(), minlength=self.n_experts)
-        # Switch-style balance over the global namespace: fraction routed x mean router probability.
-        frac_E = tokens_per_expert_E.float() / (B * T * self.top_k)
-        aux_loss = self.n_experts * (frac_E * probs_TE.mean(0)).sum()
-
-        h_TL = self.latent_down(x_TD) if self.latent_down is not None else x_TD
+    def _mix_per_expert(self, h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
+        """The reference mixture: a mask and a gather per expert (``kernel = "reference"``)."""
         out_TL = torch.zeros_like(h_TL)
         for e in range(self.n_experts):
             token_idx_N, slot_N = torch.where(topk_ids_TK == e)
@@ -238,6 +237,85 @@ class MoELayer(nn.Module):
                 continue
             gate_N1 = gates_TK[token_idx_N, slot_N].unsqueeze(-1).to(y_NL.dtype)
             out_TL = out_TL.index_add(0, token_idx_N, y_NL * gate_N1)
+        return out_TL
+
+    def _kind(self, e: int) -> int:
+        if e in self.owned:
+            return _OFFLOADED if e in self.offloaded else _TRAINED
+        return {"drop": _DROPPED, "frozen_copy": _COPY}.get(self.non_owned, _SURROGATE)
+
+    def _mix_sorted(self, h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+                    tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """The selections sorted once by (kind, expert), each kind's experts run together (``grouped``).
+
+        Kinds, in order: trained (owned), offloaded (owned, forward only), full stand-ins (frozen copies),
+        surrogates, dropped (not run). Each selection's output is what ``_expert_output`` gives it.
+        """
+        K, E = self.top_k, self.n_experts
+        kinds = [self._kind(e) for e in range(E)]
+        ids_S = topk_ids_TK.reshape(-1)
+        kind_E = torch.tensor(kinds, device=ids_S.device)
+        order_S = torch.argsort(kind_E[ids_S] * E + ids_S, stable=True)  # stable: each expert's rows in token order
+        counts = tokens_per_expert_E.tolist()
+        run = [(k, [e for e in range(E) if kinds[e] == k and counts[e]]) for k in _RUN_ORDER]
+        used = sum(counts[e] for _, experts in run for e in experts)
+        order_S = order_S[:used]
+        token_S = order_S // K
+        h_SL = h_TL[token_S]
+        run = [(kind, experts) for kind, experts in run if experts]
+        if not run:
+            return torch.zeros_like(h_TL)
+        sizes = [[counts[e] for e in experts] for _, experts in run]
+        parts = [self._run_kind(kind, experts, n, rows)
+                 for (kind, experts), n, rows in zip(run, sizes, h_SL.split([sum(n) for n in sizes]), strict=True)]
+        y_SL = torch.cat(parts) if len(parts) > 1 else parts[0]
+        gate_S1 = gates_TK.reshape(-1)[order_S].unsqueeze(-1).to(y_SL.dtype)
+        return torch.zeros_like(h_TL, dtype=y_SL.dtype).index_add(0, token_S, y_SL * gate_S1)
+
+    def _run_kind(self, kind: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        owned = kind in (_TRAINED, _OFFLOADED)
+        if owned and self.recorder is not None:
+            for e, part in zip(experts, rows.detach().split(counts), strict=True):
+                self.recorder(self.layer, e, part)
+        modules = [cast(SwiGLU, self.surrogates[e] if kind == _SURROGATE else self.experts[str(e)]) for e in experts]
+        weights: Weights = ([m.w_gate.weight for m in modules], [m.w_up.weight for m in modules],
+                            [m.w_down.weight for m in modules])
+        method = self.kernel
+        if method == "auto":
+            # On CUDA one kernel per projection for all experts, and the surrogates (many, narrow) as one padded bmm;
+            # on a CPU a matmul per slice is as fast (docs/benchmarks.md) and stacks no copy of the weights.
+            method = ("padded" if kind == _SURROGATE else "grouped_mm") if rows.is_cuda else "slices"
+        if kind == _TRAINED:
+            return grouped_swiglu(rows, counts, weights, method)
+        input_grad = self.training and (self.offload_input_grad if kind == _OFFLOADED else self.stand_in_input_grad)
+        if input_grad:  # the weights get no gradient (frozen, or updated by a worker); the input does
+            detached: Weights = ([w.detach() for w in weights[0]], [w.detach() for w in weights[1]],
+                                 [w.detach() for w in weights[2]])
+            y = grouped_swiglu(rows, counts, detached, method)
+        else:
+            with torch.no_grad():
+                y = grouped_swiglu(rows.detach(), counts, weights, method)
+        if self.sketcher is None or not self.training:
+            return y
+        return torch.cat([self.sketcher(self.layer, e, x, out) for e, x, out
+                          in zip(experts, rows.split(counts), y.split(counts), strict=True)])
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
+        topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
+        gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK
+        tokens_per_expert_E = torch.bincount(topk_ids_TK.flatten(), minlength=self.n_experts)
+        # Switch-style balance over the global namespace: fraction routed x mean router probability.
+        frac_E = tokens_per_expert_E.float() / (B * T * self.top_k)
+        aux_loss = self.n_experts * (frac_E * probs_TE.mean(0)).sum()
+
+        h_TL = self.latent_down(x_TD) if self.latent_down is not None else x_TD
+        if self.kernel == "reference":
+            out_TL = self._mix_per_expert(h_TL, topk_ids_TK, gates_TK)
+        else:
+            out_TL = self._mix_sorted(h_TL, topk_ids_TK, gates_TK, tokens_per_expert_E)
         y_TD = self.latent_up(out_TL) if self.latent_up is not None else out_TL
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
@@ -295,6 +373,10 @@ class MoETransformer(nn.Module):
         self.norm_f = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied
+        self.checkpoint_blocks = False
+        """Activation checkpointing: each block keeps its input only and runs again in the backward pass (the
+        recomputation records no rows: see ``_recorder_paused``). Not with a sketcher, whose hooks would run
+        twice (``TrainConfig`` refuses the combination)."""
         self._init_weights(seed)
 
     def _init_weights(self, seed: int) -> None:
@@ -374,8 +456,13 @@ class MoETransformer(nn.Module):
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
         x_BTD = self.tok_emb(idx_BT)
         aux, counts = [], []
+        recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x_BTD, stats = block(x_BTD)
+            if recompute:
+                x_BTD, stats = torch.utils.checkpoint.checkpoint(
+                    block, x_BTD, use_reentrant=False, context_fn=partial(_contexts, cast(Block, block).moe))
+            else:
+                x_BTD, stats = block(x_BTD)
             aux.append(stats.aux_loss)
             counts.append(stats.tokens_per_expert)
         logits_BTV = self.head(self.norm_f(x_BTD))
@@ -408,6 +495,13 @@ class MoETransformer(nn.Module):
     def surrogate_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
         return dict(self.moe_layer(layer).surrogates[expert].named_parameters())
 
+    def set_kernel(self, kernel: str) -> None:
+        """Run every MoE layer's experts with ``kernel`` (one of ``KERNELS``)."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        for layer in self.moe_layers():
+            layer.kernel = kernel
+
     def set_recorder(self, recorder: Recorder | None) -> None:
         for layer in self.moe_layers():
             layer.recorder = recorder
@@ -415,6 +509,21 @@ class MoETransformer(nn.Module):
     def set_sketcher(self, sketcher: Sketcher | None) -> None:
         for layer in self.moe_layers():
             layer.sketcher = sketcher
+
+
+def _contexts(moe: MoELayer) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """A checkpointed block's (forward, recomputation) contexts: ``torch.utils.checkpoint``'s ``context_fn``."""
+    return contextlib.nullcontext(), _recorder_paused(moe)
+
+
+@contextlib.contextmanager
+def _recorder_paused(moe: MoELayer) -> Iterator[None]:
+    """A checkpointed block's recomputation: its owned experts' inputs were recorded in the forward pass."""
+    recorder, moe.recorder = moe.recorder, None
+    try:
+        yield
+    finally:
+        moe.recorder = recorder
 
 
 def group_of(name: str) -> str:

@@ -16,22 +16,24 @@ from parallax.dht.records import Admission
 from parallax.errors import NodeError
 from parallax.node.config.peer import PeerConfig
 from parallax.protocol.identity import Identity
-from parallax.protocol.manifest import RunManifest, check_member, create, load_cert, load_manifest
+from parallax.protocol.manifest import BYTE_TOKENIZER, RunManifest, check_member, create, load_cert, load_manifest
 
 
-def peer_manifest(peer: PeerConfig, identity: Identity, settings: str | None) -> RunManifest | None:
+def peer_manifest(peer: PeerConfig, identity: Identity, settings: str | None,
+                  tokenizer: str = BYTE_TOKENIZER) -> RunManifest | None:
     """The manifest this peer trains by.
 
     Args:
         settings: a composer's run settings (``run_settings``); ``None`` for a worker, which trains by the
             file's manifest if it is given one and by none otherwise.
+        tokenizer: a composer's tokenizer term (``bytes``, or its BPE file's sha256).
 
     Raises:
         ManifestError: the file is missing, altered or unreadable.
-        NodeError: the manifest is another run's, or its settings are not ``settings``.
+        NodeError: the manifest is another run's, or its settings or tokenizer are not this composer's.
     """
     if peer.manifest is None:
-        return None if settings is None else create(identity, peer.run_id, settings)
+        return None if settings is None else create(identity, peer.run_id, settings, tokenizer=tokenizer)
     manifest = load_manifest(peer.manifest)
     if manifest.run_id != peer.run_id:
         raise NodeError(f"manifest {peer.manifest} is run {manifest.run_id!r}'s, not {peer.run_id!r}'s: leave out "
@@ -40,6 +42,9 @@ def peer_manifest(peer: PeerConfig, identity: Identity, settings: str | None) ->
         raise NodeError(f"this node's settings differ from manifest {peer.manifest}: "
                         f"{settings_difference(settings, manifest.settings)}. Leave those settings out: the "
                         "manifest sets them")
+    if settings is not None and tokenizer != manifest.tokenizer:
+        raise NodeError(f"this node's tokenizer ({tokenizer[:16]}) is not the one manifest {peer.manifest} names "
+                        f"({manifest.tokenizer[:16]}): use the run's tokenizer file, beside its manifest")
     return manifest
 
 

@@ -68,8 +68,9 @@ from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
 from parallax.node.train.checkpoint import latest_checkpoint, load_checkpoint, read_info, state_hash
 from parallax.node.train.composer import Composer
-from parallax.node.train.data import load_corpus, split_corpus, val_batches
+from parallax.node.train.data import load_corpus, val_batches
 from parallax.node.train.device import device_of
+from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, run_tokenizer, tokenized_splits
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class Node:
         self.telemetry.status.fingerprint = self.identity.fingerprint
         self.training: Training | None = None
         self._observer: Observer | None = None
+        self._tokenizer: Tokenizer = ByteTokenizer()
+        """The run's (``node.train.tokenizer``), known once the corpus is read."""
         self._started = self._online_at = time.monotonic()
 
     @property
@@ -176,7 +179,10 @@ class Node:
         if c.peer.log_to:  # a missing tracker package fails here, before the network starts
             telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
                                          config=json.loads(run_settings(cfg)))
-        train_tokens, val = split_corpus(load_corpus(c.node.data), seq_len=cfg.model.seq_len)
+        corpus = load_corpus(c.node.data)
+        self._tokenizer = run_tokenizer(cfg.model.tokenizer, cfg.model.vocab_size, corpus, c.peer.manifest)
+        splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
+        train_tokens, val = splits.train, splits.val
         telemetry.phase("joining")
         checkpoint = None
         if c.node.resume == "latest" and c.node.checkpoint_dir is not None:
@@ -233,7 +239,7 @@ class Node:
         averagers take seconds to start while the announcer thread settles the shard assignment."""
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
-        manifest = peer_manifest(c.peer, self.identity, run_settings(cfg))
+        manifest = peer_manifest(c.peer, self.identity, run_settings(cfg), self._tokenizer.digest)
         assert manifest is not None  # a composer always trains by one
         admission = peer_admission(c.peer, self.identity, manifest)
         dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("node"),

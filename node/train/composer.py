@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -21,8 +22,9 @@ from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.model.sketch import Sketch, SketchRecorder, accumulate_expert_gradient, compress
 from parallax.node.model.surrogate import ActivationRecorder, distill
-from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
+from parallax.node.model.transformer import Block, MoETransformer, Ownership, SwiGLU
 from parallax.node.train.data import BatchSampler
+from parallax.node.train.device import autocast, compute_dtype
 from parallax.node.train.outer import OuterOptimizer
 
 """(layer, expert)"""
@@ -75,6 +77,13 @@ class Composer:
         for moe in self.model.moe_layers():
             moe.stand_in_input_grad = cfg.surrogate.input_grad
             moe.offload_input_grad = cfg.offload.input_grad
+        self.model.set_kernel(cfg.compute.kernel)
+        self.model.checkpoint_blocks = cfg.compute.checkpoint
+        if cfg.compute.compile:
+            for block in self.model.blocks:
+                cast(Block, block).attn.compile()
+        self.dtype = compute_dtype(self.device, cfg.compute.precision)
+        """What the step's matmuls run in (bf16 autocast on CUDA by default); weights and AdamW state stay fp32."""
         self.batch_size = batch_size or cfg.batch_size
         self.sampler = BatchSampler(train_tokens, self.batch_size, cfg.model.seq_len, seed=sampler_seed)
         decay, no_decay = _inner_param_groups(self.model)
@@ -136,7 +145,8 @@ class Composer:
         added in between (``absorb_sketches``)."""
         self.model.train()
         x_BT, y_BT = (t.to(self.device) for t in self.sampler.next_batch())
-        out = self.model(x_BT, y_BT)
+        with autocast(self.device, self.dtype):
+            out = self.model(x_BT, y_BT)
         assert out.loss is not None and out.ce_loss is not None
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()

@@ -6,6 +6,7 @@ the user asked for a GPU wastes hours before anyone notices.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -101,3 +102,28 @@ def device_of(setting: str) -> torch.device:
         return resolve_device(None, True)
     _, _, index = setting.partition(":")
     return resolve_device(int(index or 0), False)
+
+
+def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
+    """The dtype matmuls run in for a ``compute.precision`` on ``device`` (weights and optimizer state stay
+    float32): bfloat16 for "bf16", and for "auto" on a CUDA device that supports it; float32 otherwise.
+
+    Raises:
+        DeviceError: "bf16" on a CUDA device without bfloat16.
+    """
+    if precision == "fp32":
+        return torch.float32
+    bf16_cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16":
+        if device.type == "cuda" and not bf16_cuda:
+            raise DeviceError(f"compute.precision=bf16: {device} has no bfloat16 support "
+                              f"({torch.cuda.get_device_name(device)}); set compute.precision=fp32")
+        return torch.bfloat16
+    return torch.bfloat16 if bf16_cuda else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[object]:
+    """Mixed precision for a forward pass: autocast to ``dtype`` on ``device``; nothing for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
