@@ -4,7 +4,9 @@ One process, one device, the same model and batch for every row, timed side by s
     full             every expert real and trained (the synchronous baseline's process, ``own_all``);
     composer C=c     composer 0 of c: experts e with e % c == 0 real, the others forward-only surrogates;
 each with the sorted kernels (``compute.kernel = auto``) and with the reference mixture (a mask and a gather
-per expert). A step is forward, backward and the AdamW step (``Composer.train_step``).
+per expert), both processes built at once and their steps interleaved, so that the machine's drift falls on
+both alike. A step is forward, backward and the AdamW step (``Composer.train_step``). One MoE layer's forward
+and backward is timed alone as well: the part the kernels change, without the rest of the step's noise.
 
 Memory is counted, not sampled, so that it means the same on a CPU and a GPU: parameters, gradients and AdamW
 state (bytes of the tensors), plus activations, the bytes autograd saves for the backward pass (each storage
@@ -35,10 +37,10 @@ import torch
 from parallax.benchmarks.report import write_report
 from parallax.node.config.train import TrainConfig, replace
 from parallax.node.model.flops import composer_speedup, step_flops
-from parallax.node.model.transformer import MoETransformer, Ownership, group_of, own_all
+from parallax.node.model.transformer import MoELayer, MoETransformer, Ownership, group_of, own_all
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
-from parallax.node.train.device import compute_dtype
+from parallax.node.train.device import autocast, compute_dtype
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 tensor-core peaks for MFU, by a name the device's name contains."""
@@ -105,12 +107,43 @@ def _peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def measure(cfg: TrainConfig, train: torch.Tensor, composers: int, kernel: str, device: torch.device,
-            steps: int, warmup: int) -> Row:
-    """Time ``steps`` training steps (after ``warmup``) of composer 0 of ``composers`` (1: the full MoE)."""
-    cfg = replace(cfg, compute=replace(cfg.compute, kernel=kernel))
-    composer = Composer(cfg, _ownership(cfg, composers), train, sampler_seed=cfg.seed, device=device)
-    return _timed(cfg, composer, composers, kernel, device, steps, warmup)
+def measure(cfg: TrainConfig, train: torch.Tensor, composers: int, kernels: tuple[str, ...], device: torch.device,
+            steps: int, warmup: int) -> list[Row]:
+    """Composer 0 of ``composers`` (1: the full MoE) once per kernel, their ``steps`` timed steps interleaved
+    (after ``warmup`` each), so that a machine's drift falls on every kernel alike."""
+    built = [(k, Composer(replace(cfg, compute=replace(cfg.compute, kernel=k)), _ownership(cfg, composers), train,
+                          sampler_seed=cfg.seed, device=device)) for k in kernels]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _, composer in built:
+        for _ in range(warmup):
+            composer.train_step()
+    activations = {k: _activation_bytes(c) for k, c in built}
+    static = {k: _static_bytes(c) for k, c in built}
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    peaks: dict[str, int] = {}
+    for _ in range(steps):
+        for k, composer in built:
+            sync()
+            if device.type == "cuda":  # its own peak: what the others hold is resident throughout
+                others = torch.cuda.memory_allocated(device) - static[k]
+                torch.cuda.reset_peak_memory_stats(device)
+            started = time.perf_counter()
+            composer.train_step()
+            sync()
+            times[k].append(time.perf_counter() - started)
+            if device.type == "cuda":
+                peaks[k] = max(peaks.get(k, 0), torch.cuda.max_memory_allocated(device) - others)
+    tokens = cfg.batch_size * cfg.model.seq_len
+    peak = _peak_tflops(device)
+    flops = step_flops(cfg.model, 1.0 / composers, stand_in_input_grad=cfg.surrogate.input_grad).total * tokens
+    rows = []
+    for k in kernels:
+        step_s = statistics.median(times[k])
+        rows.append(Row(name="full MoE" if composers == 1 else f"composer C={composers}", composers=composers,
+                        kernel=k, step_s=step_s, tokens_per_s=tokens / step_s, static_bytes=static[k],
+                        activation_bytes=activations[k], cuda_peak_bytes=peaks.get(k),
+                        mfu=flops / step_s / (peak * 1e12) if peak else None))
+    return rows
 
 
 def stand_in_activations(cfg: TrainConfig, train: torch.Tensor, device: torch.device, non_owned: str,
@@ -123,33 +156,6 @@ def stand_in_activations(cfg: TrainConfig, train: torch.Tensor, device: torch.de
     return _activation_bytes(composer)
 
 
-def _timed(cfg: TrainConfig, composer: Composer, composers: int, kernel: str, device: torch.device, steps: int,
-           warmup: int) -> Row:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        composer.train_step()
-    activations = _activation_bytes(composer)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        sync()
-        started = time.perf_counter()
-        composer.train_step()
-        sync()
-        times.append(time.perf_counter() - started)
-    step_s = statistics.median(times)
-    tokens = cfg.batch_size * cfg.model.seq_len
-    peak = _peak_tflops(device)
-    owned_fraction = 1.0 / composers
-    flops = step_flops(cfg.model, owned_fraction, stand_in_input_grad=cfg.surrogate.input_grad).total * tokens
-    return Row(name="full MoE" if composers == 1 else f"composer C={composers}", composers=composers, kernel=kernel,
-               step_s=step_s, tokens_per_s=tokens / step_s, static_bytes=_static_bytes(composer),
-               activation_bytes=activations,
-               cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-               mfu=flops / step_s / (peak * 1e12) if peak else None)
-
-
 def analytic_memory(cfg: TrainConfig, composers: int, full: Row, backbone_activations: int,
                     surrogate_activations: int) -> float:
     """Bytes a composer of C would hold at the full process's costs, part by part (the module docstring)."""
@@ -157,6 +163,30 @@ def analytic_memory(cfg: TrainConfig, composers: int, full: Row, backbone_activa
     surrogates = surrogate_activations - backbone_activations
     activations = backbone_activations + experts / composers + surrogates * (1 - 1 / composers)
     return full.static_bytes * memory_share(cfg, composers) + activations
+
+
+def layer_seconds(cfg: TrainConfig, composers: int, kernel: str, device: torch.device, repeats: int = 9) -> float:
+    """Median seconds of one MoE layer's forward and backward on a step's tokens: the part the kernels change,
+    without the rest of the step's noise."""
+    torch.manual_seed(cfg.seed)
+    layer = MoELayer(cfg.model, 0, _ownership(cfg, composers)[0]).to(device)
+    layer.stand_in_input_grad, layer.kernel = cfg.surrogate.input_grad, kernel
+    x = torch.randn(cfg.batch_size, cfg.model.seq_len, cfg.model.d_model, device=device)
+    upstream = torch.randn_like(x)
+    dtype = compute_dtype(device, cfg.compute.precision)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats + 1):
+        inp = x.clone().requires_grad_(True)
+        sync()
+        started = time.perf_counter()
+        with autocast(device, dtype):
+            y, _ = layer(inp)
+        (y.float() * upstream).sum().backward()
+        sync()
+        times.append(time.perf_counter() - started)
+        layer.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
 
 
 def memory_share(cfg: TrainConfig, composers: int) -> float:
@@ -178,11 +208,12 @@ def run_speed(cfg: TrainConfig, *, device: torch.device, composers: tuple[int, .
     sorted one) against the full process, against the analytic figures and against "reference" if measured."""
     train, _ = split_corpus(load_corpus(data), seq_len=cfg.model.seq_len)
     rows: list[Row] = []
-    plan = [(c, k) for c in (1, *composers) for k in kernels]
-    for c, kernel in plan:
-        progress(f"{'full MoE' if c == 1 else f'composer C={c}'}, kernel {kernel}: {warmup} + {steps} steps ...")
-        rows.append(measure(cfg, train, c, kernel, device, steps, warmup))
-        progress(f"  {rows[-1].step_s:.3f} s a step, {rows[-1].memory_bytes / 2**20:.0f} MiB")
+    for c in (1, *composers):
+        progress(f"{'full MoE' if c == 1 else f'composer C={c}'}, kernels {', '.join(kernels)}: {warmup} + {steps} "
+                 "steps each, interleaved ...")
+        rows += measure(cfg, train, c, kernels, device, steps, warmup)
+        for r in rows[-len(kernels):]:
+            progress(f"  {r.kernel}: {r.step_s:.3f} s a step, {r.memory_bytes / 2**20:.0f} MiB")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     progress("activations with every expert dropped, and with every expert a surrogate ...")
@@ -190,6 +221,8 @@ def run_speed(cfg: TrainConfig, *, device: torch.device, composers: tuple[int, .
     backbone = stand_in_activations(cfg, train, device, "drop", kernel)
     surrogates = stand_in_activations(cfg, train, device, "surrogate", kernel)
     by = {(r.composers, r.kernel): r for r in rows}
+    progress("one MoE layer's forward and backward, per kernel ...")
+    layers = {f"{c}/{k}": layer_seconds(cfg, c, k, device) for c in (1, *composers) for k in kernels}
     full = by[(1, kernel)]
     loop = "reference" if "reference" in kernels else kernel
     ratios = {}
@@ -202,6 +235,7 @@ def run_speed(cfg: TrainConfig, *, device: torch.device, composers: tuple[int, .
             "analytic_speedup": analytic,
             "speedup_over_analytic": full.step_s / mine.step_s / analytic,
             "grouped_over_loop": by[(c, loop)].step_s / mine.step_s,
+            "grouped_over_loop_layer": layers[f"{c}/{loop}"] / layers[f"{c}/{kernel}"],
             "memory_bytes": mine.memory_bytes,
             "analytic_memory_bytes": memory,
             "memory_over_analytic": mine.memory_bytes / memory,
@@ -215,6 +249,9 @@ def run_speed(cfg: TrainConfig, *, device: torch.device, composers: tuple[int, .
         "per_composers": ratios,
         "grouped_over_loop": head["grouped_over_loop"],
         "grouped_over_loop_full": by[(1, loop)].step_s / full.step_s,
+        "grouped_over_loop_layer": head["grouped_over_loop_layer"],
+        "grouped_over_loop_layer_full": layers[f"1/{loop}"] / layers[f"1/{kernel}"],
+        "layer_seconds": layers,
         "kernel": kernel, "backbone_activation_bytes": backbone, "surrogate_activation_bytes": surrogates,
         "composer_over_full": head["composer_over_full"],
         "analytic_speedup": head["analytic_speedup"],
@@ -247,12 +284,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
                      f"{r['static_bytes'] / mib:.0f} | {r['activation_bytes'] / mib:.0f} | "
                      f"{r['memory_bytes'] / mib:.0f} |{mfu}")
     lines += ["", "| C | composer / full (speed) | analytic (bench flops) | measured / analytic | "
-              "sorted kernels / reference | memory / analytic share |", "|---|---|---|---|---|---|"]
+              f"{report['kernel']} / reference, step | {report['kernel']} / reference, one MoE layer | "
+              "memory / analytic share |", "|---|---|---|---|---|---|---|"]
     for c, v in report["per_composers"].items():
         lines.append(f"| {c} | {v['composer_over_full']:.2f}x | {v['analytic_speedup']:.2f}x | "
                      f"{v['speedup_over_analytic']:.2f} | {v['grouped_over_loop']:.2f}x | "
-                     f"{v['memory_over_analytic']:.3f} |")
-    lines.append(f"\nFull MoE, sorted kernels over the reference: {report['grouped_over_loop_full']:.2f}x.")
+                     f"{v['grouped_over_loop_layer']:.2f}x | {v['memory_over_analytic']:.3f} |")
+    lines.append(f"\nFull MoE, {report['kernel']} over the reference: {report['grouped_over_loop_full']:.2f}x a step, "
+                 f"{report['grouped_over_loop_layer_full']:.2f}x a layer.")
     return "\n".join(lines)
 
 

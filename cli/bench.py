@@ -124,7 +124,6 @@ def speed(
     """Step time and memory of a composer (C = 4, 8) against a process holding the whole MoE, and the sorted
     kernels against the reference mixture, side by side in one process."""
     import shlex
-    import sys
 
     from parallax.benchmarks.speed import markdown, run_speed, write
     from parallax.node.config.resolve import resolve, train_defaults
@@ -146,7 +145,10 @@ def speed(
         fail(f"--kernels takes comma-separated values of {', '.join(KERNELS)}, got {kernels!r}")
     report = run_speed(cfg, device=torch_device, composers=counts, steps=steps, warmup=warmup, kernels=kernel_list,
                        progress=typer.echo)
-    command = "parallax " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    words = ["--preset", preset, "--device", device, "--composers", composers, "--steps", str(steps), "--warmup",
+             str(warmup), "--kernels", kernels, *(["--batch-size", str(batch_size)] if batch_size else []),
+             *[w for item in sets or () for w in ("--set", item)]]
+    command = "parallax bench speed " + " ".join(shlex.quote(w) for w in words)
     write(report, json_path, command)
     typer.echo(markdown(report, command))
 

@@ -27,6 +27,13 @@ Weights = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.T
 
 
 def grouped_swiglu(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights, method: str) -> torch.Tensor:
+    """``grouped_swiglu_parts`` as one tensor [N, I]."""
+    parts = grouped_swiglu_parts(x_NI, counts, weights, method)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def grouped_swiglu_parts(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights,
+                         method: str) -> list[torch.Tensor]:
     """down(silu(gate(x)) * up(x)) for each expert g over its rows, rows sorted by expert.
 
     Args:
@@ -37,7 +44,8 @@ def grouped_swiglu(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights, 
             width is not a multiple of 16 bytes.
 
     Returns:
-        [N, I] in the rows' order.
+        The outputs in the rows' order, in consecutive parts: one [N, I] tensor ("grouped_mm", "padded"), or one per
+        expert ("slices": joining them would copy every row once more).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -48,13 +56,12 @@ def grouped_swiglu(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights, 
     # grouped GEMM wants every row stride a multiple of 16 bytes (a surrogate of width 6 is not)
     aligned = all(w * dtype.itemsize % 16 == 0 for w in (x_NI.shape[1], gates[0].shape[0]))
     if method == "grouped_mm" and aligned and grouped_mm_works(x_NI.device, dtype):
-        return _grouped_mm(x_NI, counts, gates, ups, downs)
+        return [_grouped_mm(x_NI, counts, gates, ups, downs)]
     if method == "padded" and len(counts) > 1:
-        return _padded(x_NI, counts, gates, ups, downs)
+        return [_padded(x_NI, counts, gates, ups, downs)]
     # split, not slicing: the backward of one split is one cat, of G slices G zero-filled copies of all N rows.
-    outs = [F.linear(F.silu(F.linear(x, gates[g])) * F.linear(x, ups[g]), downs[g])
+    return [F.linear(F.silu(F.linear(x, gates[g])) * F.linear(x, ups[g]), downs[g])
             for g, x in enumerate(x_NI.split(list(counts)))]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _dtype(x: torch.Tensor) -> torch.dtype:

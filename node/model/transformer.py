@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from parallax.node.config.train import GROUPS, KERNELS, ModelConfig
-from parallax.node.model.grouped import Weights, grouped_swiglu
+from parallax.node.model.grouped import Weights, grouped_swiglu_parts
 
 Ownership = tuple[frozenset[int], ...]
 """Per layer, the expert ids that are real and trained on this composer."""
@@ -266,13 +266,18 @@ class MoELayer(nn.Module):
         if not run:
             return torch.zeros_like(h_TL)
         sizes = [[counts[e] for e in experts] for _, experts in run]
-        parts = [self._run_kind(kind, experts, n, rows)
-                 for (kind, experts), n, rows in zip(run, sizes, h_SL.split([sum(n) for n in sizes]), strict=True)]
-        y_SL = torch.cat(parts) if len(parts) > 1 else parts[0]
-        gate_S1 = gates_TK.reshape(-1)[order_S].unsqueeze(-1).to(y_SL.dtype)
-        return torch.zeros_like(h_TL, dtype=y_SL.dtype).index_add(0, token_S, y_SL * gate_S1)
+        parts = [y for (kind, experts), n, rows in zip(run, sizes, h_SL.split([sum(n) for n in sizes]), strict=True)
+                 for y in self._run_kind(kind, experts, n, rows)]
+        # Each part added in place where its rows came from: no joined copy of the outputs, no copy of the sum.
+        lengths = [y.shape[0] for y in parts]
+        gate_S1 = gates_TK.reshape(-1)[order_S].unsqueeze(-1)
+        out_TL = torch.zeros_like(h_TL, dtype=parts[0].dtype)
+        for y, tokens, gate in zip(parts, token_S.split(lengths), gate_S1.split(lengths), strict=True):
+            out_TL.index_add_(0, tokens, y * gate.to(y.dtype))
+        return out_TL
 
-    def _run_kind(self, kind: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+    def _run_kind(self, kind: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of one kind's experts over their rows, in consecutive parts (``grouped_swiglu_parts``)."""
         owned = kind in (_TRAINED, _OFFLOADED)
         if owned and self.recorder is not None:
             for e, part in zip(experts, rows.detach().split(counts), strict=True):
@@ -286,19 +291,20 @@ class MoELayer(nn.Module):
             # on a CPU a matmul per slice is as fast (docs/benchmarks.md) and stacks no copy of the weights.
             method = ("padded" if kind == _SURROGATE else "grouped_mm") if rows.is_cuda else "slices"
         if kind == _TRAINED:
-            return grouped_swiglu(rows, counts, weights, method)
+            return grouped_swiglu_parts(rows, counts, weights, method)
         input_grad = self.training and (self.offload_input_grad if kind == _OFFLOADED else self.stand_in_input_grad)
         if input_grad:  # the weights get no gradient (frozen, or updated by a worker); the input does
             detached: Weights = ([w.detach() for w in weights[0]], [w.detach() for w in weights[1]],
                                  [w.detach() for w in weights[2]])
-            y = grouped_swiglu(rows, counts, detached, method)
+            ys = grouped_swiglu_parts(rows, counts, detached, method)
         else:
             with torch.no_grad():
-                y = grouped_swiglu(rows.detach(), counts, weights, method)
+                ys = grouped_swiglu_parts(rows.detach(), counts, weights, method)
         if self.sketcher is None or not self.training:
-            return y
-        return torch.cat([self.sketcher(self.layer, e, x, out) for e, x, out
-                          in zip(experts, rows.split(counts), y.split(counts), strict=True)])
+            return ys
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        return [self.sketcher(self.layer, e, x, out) for e, x, out
+                in zip(experts, rows.split(counts), y.split(counts), strict=True)]
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         B, T, D = x_BTD.shape

@@ -47,3 +47,13 @@ def test_a_node_that_fails_makes_the_command_fail_and_is_named(tmp_path: Path) -
     assert done.returncode == 1
     said = " ".join(done.stdout.split())
     assert "node 0 exited with code" in said and "node 1 exited with code" in said, said[-2000:]
+
+
+def test_nodes_of_an_open_run_train_the_same_bpe_and_train_together(tmp_path: Path) -> None:
+    # No manifest: each node trains the BPE on its corpus; the same corpus gives the same digest, hence one run.
+    done = _swarm_local(tmp_path, "--steps", "10", "--set", "model.tokenizer=bpe", "--set", "model.vocab_size=1024")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for i in range(2):
+        records = read_metrics(tmp_path / f"node-{i}" / "metrics.jsonl")
+        steps = [r for r in records if "step" in r and "peers" in r]
+        assert steps and steps[-1]["step"] == 10 and any(r["peers"] == 2 for r in steps), steps[-3:]
