@@ -152,3 +152,21 @@ def test_grouped_gemm_falls_back_where_a_width_is_not_16_byte_aligned():
     want = grouped_swiglu(x, [4, 6], weights, "slices")
     for method in ("grouped_mm", "padded"):
         torch.testing.assert_close(grouped_swiglu(x, [4, 6], weights, method), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_attention_trains_the_same_steps():
+    # torch.compile of each block's attention (compute.compile): about 20 s of compilation on a CPU.
+    from parallax.node.config.train import replace, train_config
+    from parallax.node.model.transformer import own_all
+    from parallax.node.train.composer import Composer
+    from parallax.node.train.data import load_corpus, split_corpus
+
+    cfg = train_config("tiny")
+    train, _ = split_corpus(load_corpus(None), seq_len=cfg.model.seq_len)
+    losses = []
+    for compiled in (False, True):
+        composer = Composer(replace(cfg, compute=replace(cfg.compute, compile=compiled)), own_all(cfg.model), train,
+                            sampler_seed=0)
+        losses.append([composer.train_step().loss for _ in range(3)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
