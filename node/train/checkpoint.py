@@ -78,6 +78,9 @@ FILES = ("experts", "shared", "surrogates", "optimizer", "outer", "publishers", 
 
 RUN_ONLY_FIELDS = frozenset({"eval_batches", "eval_every"})
 """TrainConfig fields that do not change the training trajectory, so they may differ on resume."""
+MACHINE_SECTIONS = ("compute.",)
+"""Sections chosen for the machine (kernels, precision): the same step up to rounding, so a checkpoint resumes on
+another machine with other choices."""
 
 OLDER = "use an older checkpoint (parallax checkpoints list DIR, then --resume DIR/step-N)"
 """What every message about a corrupt or incomplete checkpoint ends with."""
@@ -474,13 +477,13 @@ def _check_fits(folder: Path, body: Mapping[str, Any], composer: Composer, run_i
 def config_differences(saved: Mapping[str, Any], cfg: TrainConfig) -> list[str]:
     """The fields where a checkpoint's config (as JSON) and ``cfg`` differ, as "path: checkpoint X, here Y".
 
-    ``RUN_ONLY_FIELDS`` are ignored.
+    ``RUN_ONLY_FIELDS`` and ``MACHINE_SECTIONS`` are ignored.
     """
     a, b = _flatten(saved), _flatten(_config_json(cfg))
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in RUN_ONLY_FIELDS:
+        if key in RUN_ONLY_FIELDS or key.startswith(MACHINE_SECTIONS):
             continue
         was, now = a.get(key, missing), b.get(key, missing)
         if was != now:

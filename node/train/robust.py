@@ -16,7 +16,7 @@ computes the same RDA (or mean) merge after three defences, each applied tensor 
 
 Among fewer than ``min_contributions`` (3) contributions no one can be told an outlier and step 3 is skipped;
 step 2 still holds each to ``norm_clip`` x the shorter of two, so a pair with a liar moves no further than
-twice an honest round.
+twice an honest round, and nobody is suspected for it (of two, the longer may be the honest, faster peer).
 When nobody is clipped, the result is the plain merge of the same contributions, computed by the same
 code (``rda.rda_rebuild`` of weighted means): robustness costs nothing while nobody attacks. Weights
 are the caller's: a peer's declared tokens must be capped before they reach here (``cap_weights``).
@@ -77,6 +77,9 @@ class ContributionAudit:
     """The smallest factor its tensors' norms were scaled by in step 2 (1.0: none clipped)."""
     clip: float = 1.0
     """The smallest CenteredClip factor min(1, tau / distance) over its tensors (1.0: never pulled in)."""
+    judged: bool = True
+    """Whether there were enough contributions to tell an outlier (``RobustConfig.min_contributions``): of two,
+    the longer may be the honest one (a faster peer's), so its clipping is a bound, not evidence."""
 
     SUSPICIOUS_NORM_SCALE: ClassVar[float] = 0.25
     SUSPICIOUS_CLIP: ClassVar[float] = 0.1
@@ -88,8 +91,8 @@ class ContributionAudit:
         suspected). Honest composers at other points of the learning-rate schedule, or that carried tokens over
         from failed rounds, send pseudo-gradients 2-4x longer or shorter than the median and are clipped a little
         (measured: bans of honest peers in `bench attacks`' clean runs at 2x); that is no evidence against them."""
-        return (self.dropped == "non-finite" or self.norm_scale < self.SUSPICIOUS_NORM_SCALE
-                or self.clip < self.SUSPICIOUS_CLIP)
+        return self.dropped == "non-finite" or (self.judged and (self.norm_scale < self.SUSPICIOUS_NORM_SCALE
+                                                                  or self.clip < self.SUSPICIOUS_CLIP))
 
 
 @dataclass
@@ -214,6 +217,9 @@ def robust_merge_groups(
     used = audit.used
     if not used:
         return None, audit
+    if len(used) < cfg.min_contributions:  # no majority to tell an outlier by: bounded, nobody suspected
+        for i in used:
+            audit.contributions[i].judged = False
     total = sum(float(weights[i]) for i in used)
     w = [float(weights[i]) / total for i in used]
     merged = {}

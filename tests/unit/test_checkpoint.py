@@ -231,8 +231,9 @@ def test_config_mismatch_names_the_field(train, two_checkpoints, tmp_path):
 
     with pytest.raises(CheckpointMismatch, match=r"model\.d_expert: checkpoint 48, here 64"):
         load_latest(tmp_path, _composer(train, _cfg(model=config.replace(config.preset("tiny"), d_expert=64))))
-    # Evaluation settings do not change training: allowed to differ.
+    # Evaluation settings do not change training, nor do the machine's compute choices: allowed to differ.
     assert load_latest(tmp_path, _composer(train, _cfg(eval_every=7))).step == 4
+    assert load_latest(tmp_path, _composer(train, _cfg(**{"compute.kernel": "reference"}))).step == 4
 
 
 def test_other_run_ownership_or_data_is_refused(train, two_checkpoints, tmp_path):

@@ -109,6 +109,11 @@ def test_of_two_contributions_the_longer_is_held_to_twice_the_shorter() -> None:
     assert merged is not None
     assert float(merged["w"].norm()) <= 1.5 * float(honest[0]["w"].norm()) * 1.01
     assert audit.contributions[1].norm_scale < 0.01 and audit.contributions[0].norm_scale == 1.0
+    # ... and suspects neither: the longer of two may be an honest peer that trained more steps since the last round.
+    assert not any(a.suspicious for a in audit.contributions) and not audit.contributions[1].judged
+    three = [*big, honest[0]]  # with a majority the outlier is told, and suspected
+    _, audit = robust_merge_groups(three, [1.0, 1.0, 1.0], "mean")
+    assert [a.suspicious for a in audit.contributions] == [False, True, False]
 
 
 def test_two_contributions_centre_on_their_mean() -> None:
