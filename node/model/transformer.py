@@ -246,7 +246,7 @@ class MoELayer(nn.Module):
 
     def _mix_sorted(self, h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, gates_TK: torch.Tensor,
                     tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """The selections sorted once by (kind, expert), each kind's experts run together (``grouped``).
+        """The selections sorted once by (kind, expert), each kind's experts run together (``node.model.grouped``).
 
         Kinds, in order: trained (owned), offloaded (owned, forward only), full stand-ins (frozen copies),
         surrogates, dropped (not run). Each selection's output is what ``_expert_output`` gives it.

@@ -114,14 +114,6 @@ class ParallaxOuterAverager(DecentralizedAverager):
 
     state_provider: StateProvider | None = None
 
-    def run(self) -> None:
-        # The forked child's main thread inherits the forking thread's OpenMP team without its threads: once the
-        # parent has run a parallel torch op (any training step), a parallel op on the child's main thread (a
-        # uint8 quantization, say) waits forever. One thread never enters OpenMP; the child's work is small
-        # tensors and the wire.
-        torch.set_num_threads(1)
-        super().run()
-
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
         # Runs in a background thread of the host process when a peer calls load_state_from_peers.
         provider = self.state_provider
@@ -144,9 +136,15 @@ def _start_keeping_sigint(averager: DecentralizedAverager, timeout_s: float) -> 
     received: list[int] = []
     if in_main:
         signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    # The child's main thread inherits this thread's OpenMP team without its threads: once this process has run a
+    # parallel torch op (any training step), a parallel op there (a uint8 quantization) would wait forever. Forked
+    # with one intra-op thread, the child never enters OpenMP, and calls nothing to get there.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         averager.start()
     finally:
+        torch.set_num_threads(threads)
         if in_main:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
             if received:
