@@ -48,8 +48,7 @@ def create(
         if out.exists():
             raise ValueError(f"{out} exists: choose another --out (a run's manifest is never rewritten in place)")
         model = config.train.model
-        tokenizer = make_tokenizer(model.tokenizer, model.vocab_size, load_corpus(data) if model.tokenizer == "bpe"
-                                   else b"")
+        tokenizer = make_tokenizer(model, load_corpus(data) if model.tokenizer == "bpe" else b"")
         manifest = manifests.create(creator, config.peer.run_id, run_settings(config.train), admission=admission,
                                     tokenizer=tokenizer.digest)
         if isinstance(tokenizer, BpeTokenizer):

@@ -57,7 +57,7 @@ def sim(
     try:
         spec = RunSpec(name=kind, kind=kind, cfg=cfg, composers=opts.composers)
         corpus = load_corpus(opts.data)
-        tok = make_tokenizer(cfg.model.tokenizer, cfg.model.vocab_size, corpus)
+        tok = make_tokenizer(cfg.model, corpus)
         splits = tokenized_splits(corpus, tok, seq_len=cfg.model.seq_len)
     except ValueError as e:
         fail(e)

@@ -22,6 +22,9 @@ SHARED_GROUPS = ("router", "latent", "backbone")
 GROUPS = (*SHARED_GROUPS, "expert", "surrogate")
 """Every parameter belongs to exactly one group; it decides how the tensor is trained and synced."""
 
+TOKENIZERS = ("bytes", "bpe")
+"""How text becomes tokens (``ModelConfig.tokenizer``; ``node/train/tokenizer.py``)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
@@ -75,7 +78,7 @@ class ModelConfig:
             raise ValueError(f"d_latent={self.d_latent} must be <= d_model={self.d_model} (equal disables it)")
         if self.d_surrogate > self.d_expert:
             raise ValueError(f"d_surrogate={self.d_surrogate} must be <= d_expert={self.d_expert}")
-        if self.tokenizer not in ("bytes", "bpe"):
+        if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"ModelConfig.tokenizer must be bytes or bpe, got {self.tokenizer!r}")
         if self.tokenizer == "bytes" and self.vocab_size < 256:
             raise ValueError(f"byte tokens need ModelConfig.vocab_size >= 256, got {self.vocab_size}")

@@ -1,7 +1,7 @@
 """Many SwiGLU experts over one sorted batch of rows: the expert compute of an MoE layer in a few kernels.
 
 The layer sorts its routed selections by expert once; the rows of each expert are then one contiguous
-slice, and ``grouped_swiglu`` runs every expert of a kind (owned, surrogates, ...) over its slice:
+slice, and ``grouped_swiglu_parts`` runs every expert of a kind (owned, surrogates, ...) over its slice:
 
     grouped_mm  torch's grouped GEMM (``F.grouped_mm``): one kernel per projection for all experts. CUDA
                 needs bf16 and compute capability 8.0+; the CPU build runs it in float32.
@@ -24,12 +24,6 @@ METHODS = ("grouped_mm", "slices", "padded")
 
 Weights = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[torch.Tensor]]
 """Per expert: gate [H, I], up [H, I], down [I, H] (``nn.Linear`` layouts)."""
-
-
-def grouped_swiglu(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights, method: str) -> torch.Tensor:
-    """``grouped_swiglu_parts`` as one tensor [N, I]."""
-    parts = grouped_swiglu_parts(x_NI, counts, weights, method)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def grouped_swiglu_parts(x_NI: torch.Tensor, counts: Sequence[int], weights: Weights,
@@ -56,7 +50,7 @@ def grouped_swiglu_parts(x_NI: torch.Tensor, counts: Sequence[int], weights: Wei
     # grouped GEMM wants every row stride a multiple of 16 bytes (a surrogate of width 6 is not)
     aligned = all(w * dtype.itemsize % 16 == 0 for w in (x_NI.shape[1], gates[0].shape[0]))
     if method == "grouped_mm" and aligned and grouped_mm_works(x_NI.device, dtype):
-        return [_grouped_mm(x_NI, counts, gates, ups, downs)]
+        return [_grouped_mm(x_NI, counts, gates, ups, downs, dtype)]
     if method == "padded" and len(counts) > 1:
         return [_padded(x_NI, counts, gates, ups, downs)]
     # split, not slicing: the backward of one split is one cat, of G slices G zero-filled copies of all N rows.
@@ -79,8 +73,7 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm(x_NI: torch.Tensor, counts: Sequence[int], gates: Sequence[torch.Tensor],
-                ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor]) -> torch.Tensor:
-    dtype = _dtype(x_NI)
+                ups: Sequence[torch.Tensor], downs: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     offs = torch.tensor(counts, device=x_NI.device).cumsum(0).to(torch.int32)
     with torch.autocast(x_NI.device.type, enabled=False):
         x = x_NI.to(dtype)

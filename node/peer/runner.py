@@ -180,7 +180,7 @@ class Node:
             telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
                                          config=json.loads(run_settings(cfg)))
         corpus = load_corpus(c.node.data)
-        self._tokenizer = run_tokenizer(cfg.model.tokenizer, cfg.model.vocab_size, corpus, c.peer.manifest)
+        self._tokenizer = run_tokenizer(cfg.model, corpus, c.peer.manifest)
         splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
         train_tokens, val = splits.train, splits.val
         telemetry.phase("joining")

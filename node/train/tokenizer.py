@@ -21,12 +21,10 @@ from typing import Protocol
 import torch
 
 from parallax.errors import NodeError
+from parallax.node.config.train import ModelConfig
 from parallax.node.train.data import split_corpus
 
 BYTES = "bytes"
-TOKENIZERS = (BYTES, "bpe")
-MIN_BPE_VOCAB = 512
-"""256 byte symbols and at least as many merges: below this a BPE is bytes with extra steps."""
 
 
 class TokenizerError(NodeError, ValueError):
@@ -69,8 +67,8 @@ class BpeTokenizer:
         try:
             self._tok = HFTokenizer.from_str(text)
         except Exception as e:  # the library raises its own exception types for a bad file
-            raise TokenizerError(f"not a tokenizer file ({e}); make one with `parallax run create --tokenizer bpe` "
-                                 "or use the run's own") from e
+            raise TokenizerError(f"not a tokenizer file ({e}); make one with `parallax run create ... --set "
+                                 "model.tokenizer=bpe` or use the run's own") from e
         self.text = text
         self.vocab_size = self._tok.get_vocab_size()
         self.digest = hashlib.sha256(text.encode()).hexdigest()
@@ -82,9 +80,6 @@ class BpeTokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
-        if vocab_size < MIN_BPE_VOCAB:
-            raise TokenizerError(f"a BPE needs model.vocab_size >= {MIN_BPE_VOCAB}, got {vocab_size}; "
-                                 "set model.vocab_size=8192 (say) or model.tokenizer=bytes")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -139,23 +134,19 @@ def _chunks(text: str, size: int = 1 << 16) -> list[str]:
     return out
 
 
-def make_tokenizer(kind: str, vocab_size: int, corpus: bytes, path: str | os.PathLike[str] | None = None,
+def make_tokenizer(model: ModelConfig, corpus: bytes, path: str | os.PathLike[str] | None = None,
                    digest: str | None = None) -> Tokenizer:
-    """The run's tokenizer: bytes; or a BPE read from ``path`` (checked against ``digest``), else trained on
-    ``corpus``.
+    """The tokenizer ``model`` names (its kind and size checked by ``ModelConfig``): bytes; or a BPE read from
+    ``path`` (checked against ``digest``), else trained on ``corpus``.
 
     Raises:
-        TokenizerError: an unknown kind, a bad file, or a BPE whose vocabulary exceeds ``vocab_size``.
+        TokenizerError: a bad file, or a BPE whose vocabulary exceeds the model's.
     """
-    if kind == BYTES:
-        if vocab_size < 256:
-            raise TokenizerError(f"byte tokens need model.vocab_size >= 256, got {vocab_size}")
+    if model.tokenizer == BYTES:
         return ByteTokenizer()
-    if kind != "bpe":
-        raise TokenizerError(f"model.tokenizer must be one of {', '.join(TOKENIZERS)}, got {kind!r}")
-    tok = BpeTokenizer.load(path, digest) if path is not None else BpeTokenizer.train(corpus, vocab_size)
-    if tok.vocab_size > vocab_size:
-        raise TokenizerError(f"the tokenizer has {tok.vocab_size} tokens, the model's vocabulary {vocab_size}: "
+    tok = BpeTokenizer.load(path, digest) if path is not None else BpeTokenizer.train(corpus, model.vocab_size)
+    if tok.vocab_size > model.vocab_size:
+        raise TokenizerError(f"the tokenizer has {tok.vocab_size} tokens, the model's vocabulary {model.vocab_size}: "
                              f"set model.vocab_size={tok.vocab_size}")
     return tok
 
@@ -197,7 +188,7 @@ def tokenizer_file(manifest: str | os.PathLike[str]) -> Path:
     return path.with_name(f"{path.stem}.tokenizer.json")
 
 
-def run_tokenizer(kind: str, vocab_size: int, corpus: bytes, manifest: str | os.PathLike[str] | None) -> Tokenizer:
+def run_tokenizer(model: ModelConfig, corpus: bytes, manifest: str | os.PathLike[str] | None) -> Tokenizer:
     """The tokenizer a peer trains with: a run with a manifest file reads the BPE stored beside it (the manifest's
     digest is checked against it by ``node.net.admission``); a run without one trains the BPE on the corpus,
     alike on every peer with the same corpus and settings.
@@ -205,10 +196,10 @@ def run_tokenizer(kind: str, vocab_size: int, corpus: bytes, manifest: str | os.
     Raises:
         TokenizerError: the run's file is missing or bad.
     """
-    if kind != "bpe" or manifest is None:
-        return make_tokenizer(kind, vocab_size, corpus)
+    if model.tokenizer != "bpe" or manifest is None:
+        return make_tokenizer(model, corpus)
     file = tokenizer_file(manifest)
     if not file.is_file():
         raise TokenizerError(f"the run's tokenizer {file} is missing: `parallax run create` writes it beside the "
                              "manifest; copy it there with the manifest")
-    return make_tokenizer(kind, vocab_size, corpus, file)
+    return make_tokenizer(model, corpus, file)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallax.node.config.train import ModelConfig
-from parallax.node.model.grouped import grouped_mm_works, grouped_swiglu
+from parallax.node.model.grouped import grouped_mm_works, grouped_swiglu_parts
 from parallax.node.model.sketch import SketchRecorder
 from parallax.node.model.transformer import MoELayer, MoETransformer
 
@@ -101,9 +101,9 @@ def test_unknown_kernels_and_bad_counts_are_refused():
         MoETransformer(CFG).set_kernel("fast")
     w = [torch.zeros(4, 4)]
     with pytest.raises(ValueError, match="sum to the 3 rows"):
-        grouped_swiglu(torch.zeros(3, 4), [2], (w, w, w), "slices")
+        grouped_swiglu_parts(torch.zeros(3, 4), [2], (w, w, w), "slices")
     with pytest.raises(ValueError, match="method must be one of"):
-        grouped_swiglu(torch.zeros(3, 4), [3], (w, w, w), "magic")
+        grouped_swiglu_parts(torch.zeros(3, 4), [3], (w, w, w), "magic")
 
 
 def test_grouped_gemm_is_probed_not_assumed():
@@ -149,9 +149,10 @@ def test_grouped_gemm_falls_back_where_a_width_is_not_16_byte_aligned():
     x = torch.randn(10, 24, generator=g)
     weights = ([torch.randn(6, 24, generator=g) for _ in range(2)], [torch.randn(6, 24, generator=g) for _ in range(2)],
                [torch.randn(24, 6, generator=g) for _ in range(2)])  # hidden width 6: 24-byte rows
-    want = grouped_swiglu(x, [4, 6], weights, "slices")
+    want = torch.cat(grouped_swiglu_parts(x, [4, 6], weights, "slices"))
     for method in ("grouped_mm", "padded"):
-        torch.testing.assert_close(grouped_swiglu(x, [4, 6], weights, method), want, rtol=1e-5, atol=1e-5)
+        got = torch.cat(grouped_swiglu_parts(x, [4, 6], weights, method))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

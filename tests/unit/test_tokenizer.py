@@ -49,12 +49,13 @@ def test_a_tokenizer_file_is_checked_by_digest(bpe, tmp_path: Path):
     with pytest.raises(TokenizerError, match="not a tokenizer file"):
         BpeTokenizer.load(tmp_path / "junk.json")
     with pytest.raises(TokenizerError, match="set model.vocab_size=1024"):
-        make_tokenizer("bpe", 600, CORPUS, path)
+        make_tokenizer(ModelConfig(tokenizer="bpe", vocab_size=600), CORPUS, path)
     # A run with a manifest reads the file beside it, and says where it should be when it is not there.
     assert tokenizer_file(tmp_path / "run.json") == path
-    assert run_tokenizer("bpe", 1024, CORPUS, tmp_path / "run.json").digest == bpe.digest
+    model = ModelConfig(tokenizer="bpe", vocab_size=1024)
+    assert run_tokenizer(model, CORPUS, tmp_path / "run.json").digest == bpe.digest
     with pytest.raises(TokenizerError, match="beside the manifest"):
-        run_tokenizer("bpe", 1024, CORPUS, tmp_path / "other.json")
+        run_tokenizer(model, CORPUS, tmp_path / "other.json")
 
 
 def test_splits_hold_out_the_same_tail_and_count_bytes_per_token(bpe):
