@@ -109,6 +109,29 @@ def quiet_orphaned_requests() -> None:
             target.addFilter(OrphanedRequests())
 
 
+def start_shared_memory_manager() -> None:
+    """Start torch's shared-memory manager (``torch_shm_manager``) with SIGINT and SIGTERM blocked, so that a
+    Ctrl+C or SIGTERM sent to the process group cannot end it.
+
+    hivemind sets torch's ``file_system`` sharing strategy, under which every shared tensor (each batch of
+    its futures' shared state) goes through that manager, a child in our process group. Killed by the
+    group's signal while the DHT starts, it leaves the next ``share_memory_`` spinning in native code, where
+    no Python signal handler runs: the process never exits. A blocked signal mask survives ``exec``, so the
+    manager started here never receives them; it exits on its own once its last client process is gone.
+    The calling thread's mask is restored afterwards, and a signal that came meanwhile is delivered then.
+    """
+    import signal
+
+    import torch
+
+    signals = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        torch.empty(1, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]  # the first share of a process starts the manager
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch); record expirations are absolute times on it."""
     return float(get_dht_time())
@@ -331,6 +354,7 @@ class SwarmDHT:
         """
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
         quiet_orphaned_requests()
+        start_shared_memory_manager()
         last: BaseException | None = None
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):
