@@ -6,7 +6,8 @@ Runs, all with the same model preset, seed family and token count (C x B x steps
     parallax        C composers with disjoint expert shards and forward-only surrogates (RDA merge);
     no_surrogates   Parallax with non-owned selections dropped;
     frozen_copies   Parallax with full frozen copies of non-owned experts (SPES-style);
-    plain_mean      Parallax with a plain mean instead of RDA.
+    plain_mean      Parallax with a plain mean instead of RDA;
+    replicas_R      Parallax with R owners per expert, averaged among them (R = C is the DiLoCo reference).
 Parallax runs are evaluated two ways: each composer's own view (median over composers, as the report)
 and the assembled model (every expert real from its owner, merged shared groups).
 """
@@ -35,6 +36,8 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
     "no_surrogates": ("parallax", {"surrogate.non_owned": "drop"}),
     "frozen_copies": ("parallax", {"surrogate.non_owned": "frozen_copy"}),
     "plain_mean": ("parallax", {"sync.merge": "mean"}),
+    "replicas_2": ("parallax", {"ownership.replicas": 2}),
+    "replicas_4": ("parallax", {"ownership.replicas": 4}),
 }
 """The benchmark's runs: name -> (run kind, config changes on top of the chosen defaults)."""
 DEFAULT_RUNS = tuple(RUNS)
@@ -74,6 +77,11 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # start-up phase: every composer trains every expert (DiLoCo) for the first K steps, then the split
     "dense_50": ("parallax", {"sim.dense_steps": 50}),
     "dense_100": ("parallax", {"sim.dense_steps": 100}),
+    # the inner optimizer: Muon for the hidden matrices (AdamW for the rest)
+    "muon": ("parallax", {"optim.inner": "muon"}),
+    "replicas_2_muon": ("parallax", {"ownership.replicas": 2, "optim.inner": "muon"}),
+    "diloco_muon": ("diloco", {"optim.inner": "muon"}),
+    "baseline_muon": ("baseline", {"optim.inner": "muon"}),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 

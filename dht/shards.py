@@ -22,6 +22,11 @@ in the assignment of the same view without the owner. That is the "next rank" un
 plain HRW it is exactly the second-highest scorer), and it is what makes the owner's snapshots to its
 heir useful: when the owner dies, the heir is the new owner.
 
+Replicas. With R owners per expert (``assign_replicas``) the same walk fills R owner slots per expert, a peer at
+most once per expert, under quotas of R times the capacity share (a peer's capped at every expert of the
+layer, the rest shared among the others). An expert left short when the peers with quota left own it already
+is completed by exchanges that keep every load at its quota (``_complete``).
+
 Movement. When one peer joins or leaves, every expert it gains or loses must move; the quotas of the
 others also shift by at most one per layer, which can push a few more experts along. The property
 tests in ``tests/unit/test_shards.py`` measure it and check the bound ``max_extra_moves``.
@@ -35,6 +40,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 
 _HASH_DOMAIN = b"parallax/hrw/v1"
 _TIE_EXPERT = -1  # the pseudo-expert index whose hash breaks quota ties within a layer
@@ -115,6 +121,23 @@ def _ranked_pairs(
     return [(p, e) for _, p, e in scored]
 
 
+def replica_quotas(run_id: str, layer: int, n_experts: int, peers: Mapping[str, float],
+                   replicas: int) -> dict[str, int]:
+    """Each peer's share of the layer's ``replicas x n_experts`` owner slots by capacity, none above
+    ``n_experts`` (a peer owns an expert once): a peer whose share would pass it is capped there and the
+    others share the rest. The quotas sum to ``replicas x n_experts``; ``replicas = 1`` is ``layer_quotas``."""
+    capped: dict[str, int] = {}
+    live = dict(peers)
+    while True:
+        quotas = layer_quotas(run_id, layer, replicas * n_experts - n_experts * len(capped), live)
+        over = [p for p, q in quotas.items() if q > n_experts]
+        if not over:
+            return {**quotas, **capped}
+        for p in over:
+            capped[p] = n_experts
+            del live[p]
+
+
 def _match_layer(
     run_id: str,
     layer: int,
@@ -122,21 +145,48 @@ def _match_layer(
     peers: Mapping[str, float],
     ranked: list[tuple[str, int]],
     excluded: str | None = None,
-) -> list[str]:
-    """Greedy walk of ``ranked``: each expert goes to the best-scoring peer with quota left."""
+    replicas: int = 1,
+) -> list[tuple[str, ...]]:
+    """Greedy walk of ``ranked``: each expert takes, until it has ``replicas`` owners, the best-scoring peers
+    with quota left that do not own it yet. An expert still short at the end (the peers with quota left own it
+    already) is completed by exchanges that keep every load at its quota. Each expert's owners are listed
+    best score first."""
     live = {p: c for p, c in peers.items() if p != excluded}
-    quotas = layer_quotas(run_id, layer, n_experts, live)
-    owner: list[str | None] = [None] * n_experts
-    unassigned = n_experts
+    quotas = replica_quotas(run_id, layer, n_experts, live, replicas)
+    owners: list[list[str]] = [[] for _ in range(n_experts)]
+    short = n_experts * replicas
     for p, e in ranked:
-        if p != excluded and owner[e] is None and quotas[p] > 0:
-            owner[e] = p
+        if p != excluded and len(owners[e]) < replicas and quotas[p] > 0 and p not in owners[e]:
+            owners[e].append(p)
             quotas[p] -= 1
-            unassigned -= 1
-            if unassigned == 0:
+            short -= 1
+            if short == 0:
                 break
-    assert unassigned == 0, "quotas sum to n_experts, so every expert is placed"
-    return [o for o in owner if o is not None]
+    if short:
+        _complete(owners, quotas, replicas)
+    rank = {pair: i for i, pair in enumerate(ranked)}
+    return [tuple(sorted(row, key=partial(_rank_of, rank, e))) for e, row in enumerate(owners)]
+
+
+def _rank_of(rank: Mapping[tuple[str, int], int], expert: int, peer: str) -> int:
+    return rank[(peer, expert)]
+
+
+def _complete(owners: list[list[str]], quotas: dict[str, int], replicas: int) -> None:
+    """Fill the experts the greedy walk left short. Every peer q with quota left owns each short expert e
+    already (else the walk would have placed it), so q takes a full expert e2 it does not own from one of
+    e2's owners p that does not own e, and p joins e: q's load grows by one, p's stays. A complete bipartite
+    graph with these quotas always has such an exchange (each quota is at most the layer's experts and they
+    sum to the owner slots), so the loop ends with every expert full and every quota used."""
+    for row in owners:
+        while len(row) < replicas:
+            q = min(p for p, left in quotas.items() if left > 0)
+            e2, p = next((e2, p) for e2, other in enumerate(owners)
+                         if q not in other and len(other) == replicas for p in other if p not in row)
+            owners[e2].remove(p)
+            owners[e2].append(q)
+            row.append(p)
+            quotas[q] -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,13 +264,13 @@ def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[st
     heirs: list[tuple[str | None, ...]] = []
     for layer in range(n_layers):
         ranked = _ranked_pairs(run_id, layer, n_experts, peers)
-        row = _match_layer(run_id, layer, n_experts, peers, ranked)
+        row = [owner for owner, in _match_layer(run_id, layer, n_experts, peers, ranked)]
         owners.append(tuple(row))
         if len(peers) == 1:
             heirs.append((None,) * n_experts)
             continue
         # Removing a peer never changes the others' scores, so one ranking serves every "without p".
-        without = {p: _match_layer(run_id, layer, n_experts, peers, ranked, excluded=p) for p in set(row)}
+        without = {p: [o for o, in _match_layer(run_id, layer, n_experts, peers, ranked, excluded=p)] for p in set(row)}
         heirs.append(tuple(without[row[e]][e] for e in range(n_experts)))
     return Assignment(
         run_id=run_id,
@@ -230,6 +280,59 @@ def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[st
         owners=tuple(owners),
         heirs=tuple(heirs),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """The R owners of every (layer, expert), best rank first. Build it with ``assign_replicas``."""
+
+    run_id: str
+    n_layers: int
+    n_experts: int
+    replicas: int
+    peers: tuple[str, ...]  # sorted
+    owners: tuple[tuple[tuple[str, ...], ...], ...]
+    """``owners[layer][expert]``: R distinct peer ids; the first is the single-owner assignment's owner."""
+
+    def owners_of(self, layer: int, expert: int) -> tuple[str, ...]:
+        return self.owners[layer][expert]
+
+    def owned_by(self, peer: str) -> dict[int, frozenset[int]]:
+        """The experts ``peer`` is one of the owners of, by layer (layers where it owns nothing are left out)."""
+        out: dict[int, frozenset[int]] = {}
+        for layer, row in enumerate(self.owners):
+            mine = frozenset(e for e, owners in enumerate(row) if peer in owners)
+            if mine:
+                out[layer] = mine
+        return out
+
+    def load(self) -> dict[str, int]:
+        """How many experts each peer owns over all layers."""
+        counts = dict.fromkeys(self.peers, 0)
+        for row in self.owners:
+            for owners in row:
+                for o in owners:
+                    counts[o] += 1
+        return counts
+
+
+def assign_replicas(run_id: str, n_layers: int, n_experts: int, peers: Mapping[str, float],
+                    replicas: int) -> Replicas:
+    """``replicas`` distinct owners of every expert of every layer, from the live peers and their capacities.
+
+    The bounded-load matching of ``assign_experts`` with R owner slots per expert and quotas of R times each
+    peer's capacity share (``replica_quotas``); ``replicas = 1`` is ``assign_experts``'s owner.
+
+    Raises:
+        ValueError: as ``assign_experts``, or ``replicas`` outside 1..len(peers).
+    """
+    _check_inputs(run_id, n_layers, n_experts, peers)
+    if not 1 <= replicas <= len(peers):
+        raise ValueError(f"{replicas} owners per expert need at least {replicas} live peers, the view has {len(peers)}")
+    owners = [tuple(_match_layer(run_id, layer, n_experts, peers, _ranked_pairs(run_id, layer, n_experts, peers),
+                                 replicas=replicas)) for layer in range(n_layers)]
+    return Replicas(run_id=run_id, n_layers=n_layers, n_experts=n_experts, replicas=replicas,
+                    peers=tuple(sorted(peers)), owners=tuple(owners))
 
 
 def moved_experts(before: Assignment, after: Assignment) -> set[tuple[int, int]]:

@@ -236,6 +236,12 @@ class NodeConfig:
         if self.train.sim != SimConfig():
             raise ValueError("the [train.sim] levers (sketches to owners, a dense start-up phase, an offload delay) "
                              "run in `parallax sim` only: leave them out of a node's configuration")
+        if self.train.ownership.replicas != 1:
+            raise ValueError(f"ownership.replicas={self.train.ownership.replicas} runs in `parallax sim` only: a node "
+                             "assigns one owner per expert; leave ownership.replicas at 1")
+        if self.train.optim.inner != "adamw":
+            raise ValueError(f"optim.inner={self.train.optim.inner!r} runs in `parallax sim` only: a node hands "
+                             "experts over with their AdamW state; leave optim.inner at 'adamw'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -93,10 +93,18 @@ class ModelConfig:
         return self.d_latent != self.d_model
 
 
+INNER_OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
-    """The inner (per-composer) AdamW optimizer."""
+    """The inner (per-composer) optimizer."""
 
+    inner: str = "adamw"
+    """"adamw" for every parameter, or "muon": Muon (Newton-Schulz orthogonalised momentum, torch's, with its
+    learning rate scaled to match AdamW's update size) for the hidden matrices, AdamW for the token embedding
+    (tied to the output head), norm gains and other vectors. Muon runs in ``parallax sim`` only: a node hands
+    experts over with their AdamW state."""
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 20
@@ -113,6 +121,24 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("OptimConfig needs lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1")
+        if self.inner not in INNER_OPTIMIZERS:
+            raise ValueError(f"optim.inner must be one of {INNER_OPTIMIZERS}, got {self.inner!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OwnershipConfig:
+    """How many composers own each routed expert."""
+
+    replicas: int = 1
+    """R: each expert is trained by R distinct owners (the top R of the bounded-load rendezvous ranking,
+    balanced by capacity), each on its own tokens, and averaged among them on the backbone's cadence. R = 1 is
+    Parallax (disjoint shards); R = C is the DiLoCo reference (every composer trains every expert). Each step
+    costs R/C of the expert compute and memory of a full copy. In ``parallax sim`` only: a node assigns one
+    owner per expert."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"ownership.replicas must be >= 1, got {self.replicas}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -357,6 +383,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
+    ownership: OwnershipConfig = field(default_factory=OwnershipConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     """Levers of the in-process simulator only; ``node join`` and ``worker join`` refuse any change here."""

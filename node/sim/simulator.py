@@ -10,7 +10,11 @@ Run kinds (``RunSpec.kind``):
     baseline   one model, every expert real, batch C x B, on the union of the shards (synchronous MoE);
     diloco     C composers that each hold and train every expert; all parameters merged (experts on the
                backbone's cadence);
-    parallax   C composers with disjoint expert shards; non-owned selections per cfg.surrogate.non_owned.
+    parallax   C composers with disjoint expert shards; non-owned selections per cfg.surrogate.non_owned. With
+               cfg.ownership.replicas = R > 1 each expert has R owners, who each train it on their own
+               tokens and merge it among themselves on the backbone's cadence (one outer round per set of
+               owners, over the experts they share); the first owner by rank publishes its surrogate.
+               R = C is the DiLoCo reference.
     offload    parallax with every owned expert outside cfg.offload.private_layers updated by an in-process
                worker through the wire path (sketch, Taylor-proxy steps, compressed result, checked apply),
                answers cfg.sim.offload_delay steps late (``offload.LocalWorkers``).
@@ -21,15 +25,16 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from parallax.dht.shards import assign_experts
+from parallax.dht.keys import ExpertId
+from parallax.dht.shards import assign_replicas
 from parallax.node.config import train as config_mod
-from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.config.train import SHARED_GROUPS, SyncConfig, TrainConfig
 from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
 from parallax.node.model.surrogate import jacobian_error, relative_error
@@ -39,9 +44,9 @@ from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.offload.proxy import LocalWorkers
 from parallax.node.train.checkpoint import save_checkpoint
-from parallax.node.train.composer import Composer, evaluate
+from parallax.node.train.composer import Composer, evaluate, tensor_bytes
 from parallax.node.train.data import shard, val_batches
-from parallax.node.train.outer import TierSchedule
+from parallax.node.train.outer import OuterOptimizer, TierSchedule
 from parallax.node.train.rda import merge_groups
 from parallax.node.train.robust import robust_merge_groups
 
@@ -110,15 +115,40 @@ class RunResult:
         return statistics.median(self.composer_val_losses)
 
 
-def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list[Ownership]:
-    """Disjoint, complete expert shards for C composers, from the same assignment the P2P node uses."""
+def replica_owners(cfg: TrainConfig, composers: int, run_id: str = "sim") -> dict[ExpertId, tuple[int, ...]]:
+    """The ``cfg.ownership.replicas`` owners (composer indices, best rank first) of every expert, from the
+    assignment the P2P node uses (``assign_replicas``; one replica is ``assign_experts``)."""
     peers = {f"composer-{i}": 1.0 for i in range(composers)}
-    assignment = assign_experts(run_id, cfg.model.n_layers, cfg.model.n_experts, peers)
-    shards = []
-    for i in range(composers):
-        owned = assignment.owned_by(f"composer-{i}")
-        shards.append(tuple(frozenset(owned.get(layer, ())) for layer in range(cfg.model.n_layers)))
-    return shards
+    replicas = assign_replicas(run_id, cfg.model.n_layers, cfg.model.n_experts, peers, cfg.ownership.replicas)
+    return {(layer, expert): tuple(int(p.removeprefix("composer-")) for p in replicas.owners_of(layer, expert))
+            for layer in range(cfg.model.n_layers) for expert in range(cfg.model.n_experts)}
+
+
+def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list[Ownership]:
+    """Complete expert shards for C composers (disjoint with one replica), from ``replica_owners``."""
+    owners = replica_owners(cfg, composers, run_id)
+    return [tuple(frozenset(e for (layer, e), who in owners.items() if layer == layer_ and i in who)
+                  for layer_ in range(cfg.model.n_layers)) for i in range(composers)]
+
+
+def expert_bundles(owners: dict[ExpertId, tuple[int, ...]]) -> dict[tuple[int, ...], list[ExpertId]]:
+    """The experts each set of two or more owners shares (sorted composer indices -> experts): what one outer
+    round among those owners merges."""
+    bundles: dict[tuple[int, ...], list[ExpertId]] = {}
+    for eid, who in sorted(owners.items()):
+        if len(who) > 1:
+            bundles.setdefault(tuple(sorted(who)), []).append(eid)
+    return bundles
+
+
+def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterOptimizer:
+    """An outer optimizer over ``experts`` of ``composer``, its parameters in the order of the "expert" group
+    (with every expert in it, the DiLoCo reference's expert group)."""
+    cfg = composer.cfg
+    wanted = {f"blocks.{layer}.moe.experts.{expert}." for layer, expert in experts}
+    params = {name: p for name, p in composer.model.group_parameters("expert").items()
+              if any(name.startswith(prefix) for prefix in wanted)}
+    return OuterOptimizer(params, lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
 
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
@@ -143,6 +173,13 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     dense_steps = cfg.sim.dense_steps if spec.kind in SHARDED else 0
     if dense_steps and (spec.kind == "offload" or cfg.surrogate.non_owned == "frozen_copy"):
         raise ValueError("sim.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
+    replicated = spec.kind in SHARDED and cfg.ownership.replicas > 1
+    if cfg.ownership.replicas > C and spec.kind in SHARDED:
+        raise ValueError(f"ownership.replicas={cfg.ownership.replicas} needs at least that many composers, the run "
+                         f"has {C}")
+    if replicated and (spec.kind == "offload" or dense_steps or cfg.sim.sketch.enabled):
+        raise ValueError("ownership.replicas > 1 runs without offload, sim.dense_steps and sim.sketch (each "
+                         "assumes one owner per expert)")
     if dense_steps >= cfg.steps:
         raise ValueError(f"sim.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
                          "a run that never splits its experts is the DiLoCo reference (--kind diloco)")
@@ -153,6 +190,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         composers = [Composer(cfg, own_all(cfg.model), train, sampler_seed=cfg.seed,
                               batch_size=C * cfg.batch_size, device=device)]
     else:
+        owners = replica_owners(cfg, C) if spec.kind in SHARDED else {}
         shards = ownership_for(cfg, C) if spec.kind in SHARDED else [own_all(cfg.model)] * C
         dense = spec.kind == "diloco" or dense_steps > 0  # every composer holds and trains every expert
         merged_groups = (*SHARED_GROUPS, "expert") if dense else SHARED_GROUPS
@@ -161,6 +199,10 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
                      sampler_seed=cfg.seed + 1 + i, merged_groups=merged_groups, device=device)
             for i in range(C)
         ]
+    bundles = expert_bundles(owners) if replicated else {}
+    replica_outer = [{who: bundle_outer(composers[i], experts) for who, experts in bundles.items() if i in who}
+                     for i in range(len(composers))]  # each composer's outer optimizer of each bundle it is in
+    merged_at = [0] * len(composers)  # tokens each composer had seen at its bundles' last merge
     dense_tokens = [0] * len(composers)  # tokens each composer trained with every expert real
     peak = (0, 0)  # (parameters, optimizer-state bytes) a composer held before the split
     workers = LocalWorkers(composers) if spec.kind == "offload" else None
@@ -201,19 +243,24 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             continue
         split_now = step == dense_steps
         if spec.kind in SHARDED and step > dense_steps and (step % cfg.surrogate.refresh_every == 0 or last):
-            extra_flops += publish_round(composers, traffic, stand_in_history, step)
+            extra_flops += publish_round(composers, traffic, stand_in_history, step, owners)
         due = list(SHARED_GROUPS) if last or split_now else schedule.due(step)
         if (spec.kind == "diloco" or step <= dense_steps) and "backbone" in due:
             due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
                                              cfg.sync.aggregation)
+        if bundles and "backbone" in due:  # each set of owners merges the experts it shares
+            for who in bundles:
+                weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
+                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, cfg.sync)
+            merged_at = [c.tokens_seen for c in composers]
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
             peak = (max(c.parameter_count() for c in composers), max(c.optimizer_state_bytes() for c in composers))
             for c, owned in zip(composers, shards, strict=True):
                 c.split_experts(owned)
-            extra_flops += publish_round(composers, traffic, stand_in_history, step)  # the first surrogates
+            extra_flops += publish_round(composers, traffic, stand_in_history, step, owners)  # the first surrogates
         if last:
             break
     wall_s = time.perf_counter() - started
@@ -243,7 +290,9 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         name=spec.name, kind=spec.kind, composer_val_losses=composer_losses, assembled_val_loss=assembled,
         tokens=tokens, train_flops=train_flops, wall_s=wall_s,
         params_per_composer=max(peak[0], *(c.parameter_count() for c in composers)),
-        optimizer_state_bytes_per_composer=max(peak[1], *(c.optimizer_state_bytes() for c in composers)),
+        optimizer_state_bytes_per_composer=max(peak[1], *(
+            c.optimizer_state_bytes() + sum(tensor_bytes(o.state_dict()) for o in outers.values())
+            for c, outers in zip(composers, replica_outer, strict=True))),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
         network_bytes=traffic, stand_in_error=stand_in_history,
@@ -253,14 +302,18 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
 
 
 def publish_round(composers: Sequence[Composer], traffic: dict[str, int],
-                  stand_in_history: list[tuple[int, float, float]], step: int) -> float:
-    """``publish``, its bytes added to ``traffic`` and, with surrogates, the stand-in error recorded.
+                  stand_in_history: list[tuple[int, float, float]], step: int,
+                  owners: Mapping[ExpertId, tuple[int, ...]]) -> float:
+    """``publish``, its bytes added to ``traffic`` and, with surrogates, the stand-in error recorded (when some
+    composer holds a stand-in at all).
 
     Returns the distillation FLOPs spent."""
-    flops, wire = publish(composers)
+    flops, wire = publish(composers, owners)
     traffic["surrogates"] += wire
     if composers[0].cfg.surrogate.non_owned == "surrogate":
-        stand_in_history.append((step, *stand_in_error(composers)))
+        error = stand_in_error(composers, owners)
+        if error is not None:
+            stand_in_history.append((step, *error))
     return flops
 
 
@@ -282,9 +335,13 @@ def deliver_sketches(composers: Sequence[Composer], sent: dict[int, dict]) -> in
     return rows
 
 
-def publish(composers: Sequence[Composer]) -> tuple[float, int]:
-    """Owners refresh their surrogates (or, for frozen copies, their full experts) and everyone applies
-    what the others published.
+def publish(composers: Sequence[Composer], owners: Mapping[ExpertId, tuple[int, ...]]) -> tuple[float, int]:
+    """The first owner of each expert refreshes its surrogate (or, for frozen copies, sends the full expert)
+    and every composer that does not own it applies what was published; an expert every composer owns is
+    published to nobody.
+
+    Args:
+        owners: each expert's owners, composer indices best rank first (``replica_owners``).
 
     Returns:
         (distillation FLOPs spent, bytes every receiver downloaded in all, fp32 payloads).
@@ -293,44 +350,48 @@ def publish(composers: Sequence[Composer]) -> tuple[float, int]:
     if non_owned == "drop":
         return 0.0, 0
     flops, wire = 0.0, 0
-    receivers = len(composers) - 1
-    for owner in composers:
+    receivers = {eid: [c for i, c in enumerate(composers) if i not in who] for eid, who in owners.items()}
+    for index, owner in enumerate(composers):
+        published = [eid for eid, who in owners.items() if who[0] == index and receivers[eid]]
         if non_owned == "frozen_copy":
-            updates = {eid: owner.expert_state(eid) for eid in owner.owned_experts()}
-            wire += receivers * sum(4 * t.numel() for state in updates.values() for t in state.values())
-            for other in composers:
-                if other is not owner:
-                    for eid, state in updates.items():
-                        other.load_expert_state(eid, state)
+            for eid in published:
+                state = owner.expert_state(eid)
+                wire += len(receivers[eid]) * sum(4 * t.numel() for t in state.values())
+                for other in receivers[eid]:
+                    other.load_expert_state(eid, state)
             continue
-        deltas = owner.refresh_surrogates()
+        deltas = owner.refresh_surrogates(published)
         flops += distill_cost(owner, deltas.keys())
-        wire += receivers * sum(payload_bytes(factors) for factors in deltas.values())
-        for other in composers:
-            if other is not owner:
-                for eid, factors in deltas.items():
-                    other.apply_surrogate_delta(eid, factors)
+        for eid, factors in deltas.items():
+            wire += len(receivers[eid]) * payload_bytes(factors)
+            for other in receivers[eid]:
+                other.apply_surrogate_delta(eid, factors)
     return flops, wire
 
 
-def stand_in_error(composers: Sequence[Composer], rows: int = 512) -> tuple[float, float]:
+def stand_in_error(composers: Sequence[Composer], owners: Mapping[ExpertId, tuple[int, ...]],
+                   rows: int = 512) -> tuple[float, float] | None:
     """How well receivers' surrogates stand in for their experts, forward and backward.
 
-    For every owned expert that has seen tokens: its owner's most recent ``rows`` inputs, the copy of its
-    surrogate held by the next composer (every receiver applies the same deltas), ``relative_error``
-    (outputs) and ``jacobian_error`` (input gradients for Gaussian probes). Returns the medians over
-    experts (nan when no expert has seen a token)."""
+    For every published expert that has seen tokens: its first owner's most recent ``rows`` inputs, the copy
+    of its surrogate held by the next composer that does not own it (every receiver applies the same deltas),
+    ``relative_error`` (outputs) and ``jacobian_error`` (input gradients for Gaussian probes). Returns the
+    medians over experts (nan when no expert has seen a token), or None when every composer owns every
+    expert."""
     outputs, backwards = [], []
-    for i, owner in enumerate(composers):
-        receiver = composers[(i + 1) % len(composers)]
-        for layer, expert in owner.owned_experts():
-            x_NL = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
-            if x_NL is None:
-                continue
-            real = owner.model.moe_layer(layer).experts[str(expert)]
-            copy = receiver.model.moe_layer(layer).surrogates[expert]
-            outputs.append(relative_error(copy, real, x_NL[-rows:]))
-            backwards.append(jacobian_error(copy, real, x_NL[-rows:]))
+    n = len(composers)
+    if all(len(who) == n for who in owners.values()):
+        return None
+    for (layer, expert), who in owners.items():
+        owner = composers[who[0]]
+        receiver = next((composers[(who[0] + k) % n] for k in range(1, n) if (who[0] + k) % n not in who), None)
+        x_NL = owner.recorder.rows(layer, expert) if owner.recorder is not None else None
+        if receiver is None or x_NL is None:
+            continue
+        real = owner.model.moe_layer(layer).experts[str(expert)]
+        copy = receiver.model.moe_layer(layer).surrogates[expert]
+        outputs.append(relative_error(copy, real, x_NL[-rows:]))
+        backwards.append(jacobian_error(copy, real, x_NL[-rows:]))
     if not outputs:
         return float("nan"), float("nan")
     return statistics.median(outputs), statistics.median(backwards)
@@ -357,43 +418,57 @@ def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
 
 def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none",
                 aggregation: str = "allreduce") -> int:
-    """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere.
-
-    "allreduce": ``compression`` rounds what crosses the wire as hivemind's all-reduce does
-    (``outer_wire.wire_roundtrip``): each composer's pseudo-gradient on the way in, and on the way back each
-    composer gets its own ``local + round(merged - local)``, so the composers' copies differ by the rounding as
-    on the network (hivemind averages the RDA components rather than the deltas; the rounding is of the same
-    size). "gather": each pseudo-gradient goes through the gathered round's codec
-    (``outer_gather.encode_contribution``) and every composer applies the one robust merge of them all
-    (``train.robust``), as every peer of a gathered round computes it.
-
-    Returns:
-        Bytes all composers together send: the ring all-reduce of the node's wire buffers
-        (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per composer), or each body to n - 1 peers.
-    """
+    """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere
+    (``merge_outer``). Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
-    weights = [float(c.tokens_since_merge[group]) for c in composers]
+    sync = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
+    sent = merge_outer([c.outer[group] for c in composers], [float(c.tokens_since_merge[group]) for c in composers],
+                       sync)
+    if sent:
+        for c in composers:
+            c.tokens_since_merge[group] = 0
+    return sent
+
+
+def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], sync: SyncConfig | OuterSyncConfig) -> int:
+    """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
+
+    "allreduce": ``sync.compression`` rounds what crosses the wire as hivemind's all-reduce does
+    (``outer_wire.wire_roundtrip``): each participant's pseudo-gradient on the way in, and on the way back
+    each gets its own ``local + round(merged - local)``, so the copies differ by the rounding as on the
+    network (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
+    "gather": each pseudo-gradient goes through the gathered round's codec (``outer_gather.encode_contribution``)
+    and every participant applies the one robust merge of them all (``train.robust``), as every peer of a
+    gathered round computes it.
+
+    Returns:
+        Bytes all participants together send (0 when nothing was merged): the ring all-reduce of the node's
+        wire buffers (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per participant), or each body to
+        n - 1 peers.
+    """
     if sum(weights) == 0:
         return 0
-    deltas = [c.pseudo_gradient(group) for c in composers]
-    n = len(composers)
-    wire = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
-    if aggregation == "gather":
+    wire = sync if isinstance(sync, OuterSyncConfig) else OuterSyncConfig(
+        method=sync.merge, compression=sync.compression, aggregation=sync.aggregation)
+    method, compression = wire.method, wire.compression
+    deltas = [o.pseudo_gradient() for o in outers]
+    n = len(outers)
+    if wire.aggregation == "gather":
         shapes = {k: tuple(t.shape) for k, t in deltas[0].items()}
         bodies = [encode_contribution(d, compression) for d in deltas]
         received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
-        merged, _ = robust_merge_groups(received, weights, method, eps=wire.rda_eps)
+        merged, _ = robust_merge_groups(received, list(weights), method, eps=wire.rda_eps)
         if merged is None:
             return 0
-        for c in composers:
-            c.apply_outer(group, merged)
+        for o in outers:
+            o.step(merged)
         return sum(len(b) for b in bodies) * (n - 1)
     sent = deltas if compression == "none" else [
         {k: wire_roundtrip(t, compression) for k, t in d.items()} for d in deltas]
-    merged = merge_groups(sent, weights, method=method)
-    for c, local in zip(composers, deltas, strict=True):
-        c.apply_outer(group, merged if compression == "none" else {
+    merged = merge_groups(sent, list(weights), method=method)
+    for o, local in zip(outers, deltas, strict=True):
+        o.step(merged if compression == "none" else {
             k: local[k] + wire_roundtrip(t - local[k], compression) for k, t in merged.items()})
     size = outer_payload_bytes({k: t.shape for k, t in merged.items()}, wire)
     return int(2 * (n - 1) * size)
@@ -405,12 +480,16 @@ def assemble(composers: Sequence[Composer], cfg: TrainConfig) -> MoETransformer:
     device = next(composers[0].model.parameters()).device
     model = MoETransformer(cfg.model, own_all(cfg.model), seed=cfg.seed).to(device)
     params = dict(model.named_parameters())
+    taken: set[ExpertId] = set()
     with torch.no_grad():
         for name, p in composers[0].model.named_parameters():
             if ".moe.experts." not in name:
                 params[name].copy_(p)
         for c in composers:
             for layer, expert in c.owned_experts():
+                if (layer, expert) in taken:  # a replica: its owners hold the same weights after the final merge
+                    continue
+                taken.add((layer, expert))
                 for name, p in c.model.expert_parameters(layer, expert).items():
                     params[f"blocks.{layer}.moe.experts.{expert}.{name}"].copy_(p)
     return model

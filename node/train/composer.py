@@ -86,15 +86,22 @@ class Composer:
         """What the step's matmuls run in (bf16 autocast on CUDA by default); weights and AdamW state stay fp32."""
         self.batch_size = batch_size or cfg.batch_size
         self.sampler = BatchSampler(train_tokens, self.batch_size, cfg.model.seq_len, seed=sampler_seed)
-        decay, no_decay = _inner_param_groups(self.model)
         o = cfg.optim
+        matrices, decay, no_decay = _inner_param_groups(self.model, o.inner)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=o.betas,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(o.warmup_steps, cfg.steps, o.min_lr_ratio)
-        )
+        schedule = lr_lambda(o.warmup_steps, cfg.steps, o.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.matrix_optimizer: torch.optim.Muon | None = None
+        """With ``optim.inner="muon"``: Muon over the hidden matrices (AdamW keeps the rest), on the same
+        schedule; its update is scaled to AdamW's size, so it takes AdamW's lr and weight decay."""
+        self.matrix_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if o.inner == "muon":
+            self.matrix_optimizer = torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay,
+                                                     adjust_lr_fn="match_rms_adamw")
+            self.matrix_scheduler = torch.optim.lr_scheduler.LambdaLR(self.matrix_optimizer, schedule)
         s = cfg.sync
         self.outer = {
             g: OuterOptimizer(self.model.group_parameters(g), lr=s.outer_lr, momentum=s.outer_momentum)
@@ -148,7 +155,8 @@ class Composer:
         with autocast(self.device, self.dtype):
             out = self.model(x_BT, y_BT)
         assert out.loss is not None and out.ce_loss is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self._optimizers():
+            optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         tokens = x_BT.numel()
         self.step += 1
@@ -165,8 +173,15 @@ class Composer:
         """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches)."""
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        for optimizer in self._optimizers():
+            optimizer.step()
         self.scheduler.step()
+        if self.matrix_scheduler is not None:
+            self.matrix_scheduler.step()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The inner optimizers: AdamW, and Muon with ``optim.inner="muon"``."""
+        return [self.optimizer] if self.matrix_optimizer is None else [self.optimizer, self.matrix_optimizer]
 
     # ---- sketched expert gradients ----------------------------------------------------------------
 
@@ -226,7 +241,7 @@ class Composer:
 
     def _trained_parameters(self) -> list[torch.nn.Parameter]:
         """Everything this composer's optimizer steps (what its gradient clip covers)."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [p for optimizer in self._optimizers() for g in optimizer.param_groups for p in g["params"]]
 
     def absorb_sketches(self, sketches: Mapping[ExpertId, list[Sketch]], composers: int) -> None:
         """Turn other composers' sketches of our experts into expert gradient before ``optimizer_step``.
@@ -251,8 +266,11 @@ class Composer:
 
     # ---- surrogate refresh (owner side and receiver side) -----------------------------------------
 
-    def refresh_surrogates(self) -> dict[ExpertId, dict]:
-        """Distil every owned expert into its surrogate; return the published low-rank deltas.
+    def refresh_surrogates(self, experts: Iterable[ExpertId] | None = None) -> dict[ExpertId, dict]:
+        """Distil owned experts into their surrogates; return the published low-rank deltas.
+
+        Args:
+            experts: which owned experts (default: every one; with replicas, those this composer publishes).
 
         Returns:
             {(layer, expert): factors} as produced by ``ErrorFeedbackPublisher.delta``; experts that saw
@@ -261,7 +279,7 @@ class Composer:
         assert self.recorder is not None, "surrogate refresh needs non_owned='surrogate'"
         deltas = {}
         sc = self.cfg.surrogate
-        for layer, expert in self.owned_experts():
+        for layer, expert in self.owned_experts() if experts is None else experts:
             rows = self.recorder.rows(layer, expert)
             if rows is None:
                 continue
@@ -437,13 +455,16 @@ class Composer:
         optimizer state by that order. State of parameters no longer in the model is dropped; new ones
         get none (AdamW starts them at step 0) unless the caller sets it.
         """
-        decay, no_decay = _inner_param_groups(self.model)
+        matrices, decay, no_decay = _inner_param_groups(self.model, self.cfg.optim.inner)
+        live = {id(p) for p in matrices + decay + no_decay}
+        for optimizer in self._optimizers():
+            for p in [p for g in optimizer.param_groups for p in g["params"] if id(p) not in live]:
+                optimizer.state.pop(p, None)
         groups = self.optimizer.param_groups
-        assert len(groups) == 2, "the inner optimizer has a decay and a no-decay group"
-        live = {id(p) for p in decay + no_decay}
-        for p in [p for g in groups for p in g["params"] if id(p) not in live]:
-            self.optimizer.state.pop(p, None)
+        assert len(groups) == 2, "the inner AdamW has a decay and a no-decay group"
         groups[0]["params"], groups[1]["params"] = decay, no_decay
+        if self.matrix_optimizer is not None:
+            self.matrix_optimizer.param_groups[0]["params"] = matrices
 
     # ---- tiered outer sync ------------------------------------------------------------------------
 
@@ -464,8 +485,8 @@ class Composer:
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of inner optimizer state plus the outer optimizers' anchors and momenta."""
-        return _tensor_bytes(self.optimizer.state_dict()) + sum(
-            _tensor_bytes(outer.state_dict()) for outer in self.outer.values()
+        return sum(tensor_bytes(optimizer.state_dict()) for optimizer in self._optimizers()) + sum(
+            tensor_bytes(outer.state_dict()) for outer in self.outer.values()
         )
 
     @property
@@ -494,11 +515,20 @@ def evaluate(model: MoETransformer, batches: Sequence[tuple[torch.Tensor, torch.
     return sum(losses) / len(losses)
 
 
-def _inner_param_groups(model: MoETransformer) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(decayed, not decayed) trainable parameters in ``named_parameters`` order: matrices are decayed,
-    norm gains and other vectors are not."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [p for p in trainable if p.dim() >= 2], [p for p in trainable if p.dim() < 2]
+EMBEDDING = "tok_emb.weight"
+"""The token embedding (tied to the output head): a matrix AdamW keeps under ``optim.inner="muon"``."""
+
+
+def _inner_param_groups(model: MoETransformer, inner: str = "adamw") -> tuple[
+        list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(Muon's, AdamW's decayed, AdamW's not decayed) trainable parameters in ``named_parameters`` order:
+    matrices are decayed, norm gains and other vectors are not; with ``inner="muon"`` the hidden matrices
+    (all but the embedding) are Muon's and the first list is empty otherwise."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in trainable if p.dim() >= 2 and inner == "muon" and n != EMBEDDING]
+    taken = {id(p) for p in matrices}
+    return (matrices, [p for _, p in trainable if p.dim() >= 2 and id(p) not in taken],
+            [p for _, p in trainable if p.dim() < 2])
 
 
 def _with_expert(owned: Ownership, layer: int, expert: int, *, owned_now: bool) -> Ownership:
@@ -667,12 +697,12 @@ def _detached(params: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tenso
     return {name: p.data for name, p in params.items()}
 
 
-def _tensor_bytes(obj: object) -> int:
+def tensor_bytes(obj: object) -> int:
     """Bytes of every tensor inside nested dicts/lists (optimizer state dicts)."""
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
     if isinstance(obj, Mapping):
-        return sum(_tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 0

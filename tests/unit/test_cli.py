@@ -55,6 +55,25 @@ def test_quality_benchmark_short_variant_has_the_promised_keys(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_four_replicas_of_every_expert_among_four_composers_are_the_diloco_reference(tmp_path):
+    out = tmp_path / "quality.json"
+    result = runner.invoke(app, ["bench", "quality", "--preset", "tiny", "--steps", "20", "--composers", "4",
+                                 "--runs", "diloco,replicas_4,replicas_2", "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["replicas_4_val_loss"] == report["diloco_val_loss"]
+    diloco, r4, r2 = (report["runs"][name] for name in ("diloco", "replicas_4", "replicas_2"))
+    assert r4["composer_val_losses"] == diloco["composer_val_losses"]
+    assert r4["assembled_val_loss"] == diloco["assembled_val_loss"]
+    assert r4["optimizer_state_bytes_per_composer"] == diloco["optimizer_state_bytes_per_composer"]
+    assert r4["network_bytes"]["outer"] == diloco["network_bytes"]["outer"]
+    assert r4["network_bytes"]["surrogates"] == 0 and r4["stand_in_error"] == []  # nobody holds a stand-in
+    # two of four: half the experts, so fewer parameters and less state than DiLoCo, more than one owner's
+    assert r2["params_per_composer"] < diloco["params_per_composer"]
+    assert r2["optimizer_state_bytes_per_composer"] < diloco["optimizer_state_bytes_per_composer"]
+    assert r2["network_bytes"]["surrogates"] > 0 and r2["stand_in_error"]
+
+
 def test_missing_data_path_is_a_clear_error(tmp_path):
     result = runner.invoke(app, ["sim", "--preset", "tiny", "--steps", "1", "--data", str(tmp_path / "nope.txt")])
     assert result.exit_code == 2

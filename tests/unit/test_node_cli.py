@@ -41,7 +41,8 @@ def test_unknown_config_field_is_named(tmp_path) -> None:
     assert "no_such_field" in result.output
 
 
-@pytest.mark.parametrize("change", ["sim.sketch.enabled=true", "sim.dense_steps=50"])
+@pytest.mark.parametrize("change", ["sim.sketch.enabled=true", "sim.dense_steps=50", "ownership.replicas=2",
+                                    "optim.inner=muon"])
 def test_simulator_only_levers_are_refused_with_what_to_do(tmp_path, change) -> None:
     result = join("--cpu", "--set", change, "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallax.dht.shards import assign_experts, layer_quotas, max_extra_moves, moved_experts
+from parallax.dht.shards import (
+    assign_experts,
+    assign_replicas,
+    hrw_score,
+    layer_quotas,
+    max_extra_moves,
+    moved_experts,
+    replica_quotas,
+)
 
 peer_ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=12)
 capacities = st.floats(min_value=0.25, max_value=8.0, allow_nan=False, allow_infinity=False)
@@ -153,3 +161,41 @@ def test_runs_hash_differently():
 def test_bad_input_is_a_value_error(peers, match):
     with pytest.raises(ValueError, match=match):
         assign_experts("run", 1, 8, peers)
+
+
+@settings(max_examples=150, deadline=None)
+@given(swarms, shapes, st.data())
+def test_replicas_are_distinct_complete_and_loaded_exactly_to_their_quotas(peers, shape, data):
+    n_layers, n_experts = shape
+    replicas = data.draw(st.integers(1, len(peers)))
+    r = assign_replicas("run", n_layers, n_experts, peers, replicas)
+    single = assign_experts("run", n_layers, n_experts, peers)
+    total = sum(peers.values())
+    for layer in range(n_layers):
+        quotas = replica_quotas("run", layer, n_experts, peers, replicas)
+        assert sum(quotas.values()) == replicas * n_experts and max(quotas.values()) <= n_experts
+        if max(peers.values()) * replicas <= total:  # nobody capped: the plain capacity share
+            for p, q in quotas.items():
+                share = replicas * n_experts * peers[p] / total
+                assert math.floor(share - 1e-9) <= q <= math.ceil(share + 1e-9)
+        for expert in range(n_experts):
+            owners = r.owners_of(layer, expert)
+            assert len(set(owners)) == replicas and set(owners) <= set(peers)
+            scores = [hrw_score("run", layer, expert, p, peers[p]) for p in owners]
+            assert scores == sorted(scores, reverse=True)  # best rank first
+            if replicas == 1:
+                assert owners == (single.owner(layer, expert),)
+        for p in peers:
+            assert len(r.owned_by(p).get(layer, ())) == quotas[p]
+
+
+def test_every_peer_owning_every_expert_and_too_few_peers():
+    peers = {"a": 1.0, "b": 3.0, "c": 0.5}
+    r = assign_replicas("run", 2, 6, peers, 3)
+    assert all(set(r.owners_of(layer, e)) == set(peers) for layer in range(2) for e in range(6))
+    assert r.load() == {"a": 12, "b": 12, "c": 12}
+    capped = assign_replicas("run", 2, 6, {"big": 10.0, "x": 1.0, "y": 1.0}, 2)
+    assert capped.load()["big"] == 12  # capped at every expert; the others share the rest equally
+    assert capped.load()["x"] == capped.load()["y"] == 6
+    with pytest.raises(ValueError, match="at least 4 live peers"):
+        assign_replicas("run", 1, 4, peers, 4)

@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from parallax.node.config import train as config
-from parallax.node.sim.simulator import RunSpec, assemble, merge_round, ownership_for, publish, run
+from parallax.node.sim.simulator import (
+    RunSpec,
+    assemble,
+    bundle_outer,
+    expert_bundles,
+    merge_outer,
+    merge_round,
+    ownership_for,
+    publish,
+    replica_owners,
+    run,
+)
 from parallax.node.train.composer import Composer, evaluate
 from parallax.node.train.data import load_corpus, shard, split_corpus, val_batches
 
@@ -42,7 +53,7 @@ def test_publication_mirrors_surrogates_and_merges_equalise_shared_groups(splits
     for _ in range(3):
         for c in composers:
             c.train_step()
-    publish(composers)
+    publish(composers, replica_owners(cfg, 3))
     for c in composers:  # every other composer's copy of a surrogate equals what its owner published
         for layer, expert in c.owned_experts():
             published = c.publishers[(layer, expert)].published
@@ -108,6 +119,69 @@ def test_receivers_surrogates_follow_their_experts_closer_with_a_longer_fit(spli
 
 def cfg_seq() -> int:
     return config.preset("tiny").seq_len
+
+
+def test_with_two_replicas_each_expert_has_two_owners_who_merge_it_and_the_first_publishes(splits):
+    train, val = splits
+    cfg = config.replace(_cfg(), ownership=config.OwnershipConfig(replicas=2))
+    owners = replica_owners(cfg, 3)
+    assert all(len(set(who)) == 2 for who in owners.values())
+    shards = ownership_for(cfg, 3)
+    # 8 owner slots per layer among 3: 3, 3 and 2, the extra one rotating over the 2 layers
+    assert sorted(sum(len(s) for s in shard_) for shard_ in shards) == [5, 5, 6]
+    bundles = expert_bundles(owners)
+    assert sorted(e for experts in bundles.values() for e in experts) == sorted(owners)
+    composers = [Composer(cfg, shards[i], shard(train, i, 3), sampler_seed=i) for i in range(3)]
+    outers = {members: [bundle_outer(composers[i], experts) for i in members] for members, experts in bundles.items()}
+    for _ in range(2):
+        for c in composers:
+            c.train_step()
+    eid, who = next(iter(owners.items()))
+    first, second = (composers[i] for i in who)
+    assert not torch.equal(first.model.expert_parameters(*eid)["w_up.weight"],
+                           second.model.expert_parameters(*eid)["w_up.weight"])
+    for members, held in outers.items():
+        merge_outer(held, [1.0] * len(members), cfg.sync)
+    assert torch.equal(first.model.expert_parameters(*eid)["w_up.weight"],
+                       second.model.expert_parameters(*eid)["w_up.weight"])
+    publish(composers, owners)
+    receiver = next(c for i, c in enumerate(composers) if i not in who)
+    published = first.publishers[eid].published
+    for name, tensor in published.items():
+        assert torch.equal(receiver.model.surrogate_parameters(*eid)[name].data, tensor)
+    assert second.publishers[eid].published is not published  # the second owner published nothing of it
+
+
+def test_a_replicated_run_trains_and_refuses_what_assumes_one_owner(splits):
+    train, val = splits
+    cfg = config.replace(_cfg(steps=8), ownership=config.OwnershipConfig(replicas=2))
+    result = run(RunSpec(name="r2", kind="parallax", cfg=cfg, composers=3), train, val)
+    assert result.val_loss < 5.6
+    assert 0 < result.owned_fraction < 1
+    with pytest.raises(ValueError, match="at least that many composers"):
+        run(RunSpec(name="r4", kind="parallax", cfg=config.replace(cfg, ownership=config.OwnershipConfig(replicas=4)),
+                    composers=3), train, val)
+    with pytest.raises(ValueError, match="offload"):
+        run(RunSpec(name="r2", kind="offload", cfg=cfg, composers=3), train, val)
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(splits):
+    train, _ = splits
+    cfg = config.replace(_cfg(), optim=config.OptimConfig(inner="muon"))
+    composer = Composer(cfg, ownership_for(cfg, 2)[0], shard(train, 0, 2), sampler_seed=0)
+    assert composer.matrix_optimizer is not None
+    names = {id(p): n for n, p in composer.model.named_parameters()}
+    muon = {names[id(p)] for p in composer.matrix_optimizer.param_groups[0]["params"]}
+    adamw = {names[id(p)] for g in composer.optimizer.param_groups for p in g["params"]}
+    assert "tok_emb.weight" in adamw and "tok_emb.weight" not in muon
+    assert any(".moe.experts." in n for n in muon) and any(".attn.qkv." in n for n in muon)
+    assert all(".moe.surrogates." not in n for n in muon | adamw)  # stand-ins are not trained
+    assert not muon & adamw and all(composer.model.get_parameter(n).dim() == 2 for n in muon)
+    before = {n: p.detach().clone() for n, p in composer.model.named_parameters() if n in muon | adamw}
+    state = composer.optimizer_state_bytes()
+    composer.train_step()
+    assert all(not torch.equal(before[n], composer.model.get_parameter(n)) for n in before)
+    assert composer.optimizer_state_bytes() > state  # Muon's momentum is counted
 
 
 def test_ablations_run(splits):
