@@ -73,6 +73,29 @@ def horizon(
     typer.echo(f"wrote {path}")
 
 
+@bench_app.command("tradeoff")
+def tradeoff(
+    reports: list[str] = typer.Argument(..., help="Quality JSON files of one setting, one per seed."),
+    out: str = typer.Option("docs/bench/tradeoff.png", "--out", help="PNG to write (loss against memory)."),
+    json_path: str | None = typer.Option(None, "--json", help="Also write the table as JSON (and .md beside it)."),
+) -> None:
+    """Quality against memory over seeds: each run's val loss, its ratio to the baseline and to DiLoCo of the
+    same seed, and what a composer holds (needs matplotlib for the plot)."""
+    from parallax.benchmarks import tradeoff as bench
+    from parallax.benchmarks.report import write_report
+
+    try:
+        table = bench.summary(bench.load(reports))
+        path = bench.plot(table, out)
+    except ModuleNotFoundError as e:
+        raise typer.BadParameter(f"{e}; install the plotting extra: pip install -e '.[bench]'") from e
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        raise typer.BadParameter(f"cannot read {reports}: {e!r}; pass JSON written by `parallax bench quality`") from e
+    write_report(table, bench.markdown(table), json_path)
+    typer.echo(bench.markdown(table))
+    typer.echo(f"wrote {path}")
+
+
 @bench_app.command("flops")
 def flops(
     composers: int = typer.Option(8, "--composers", "-c", min=1, help="Composers C."),

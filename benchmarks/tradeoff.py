@@ -1,0 +1,123 @@
+"""Quality against memory: the runs of several ``parallax bench quality`` reports (one per seed), each run's
+validation loss and its ratios to the synchronous baseline and to the DiLoCo reference of the same seed,
+beside what a composer holds (parameters and optimizer state), its training FLOPs and its bytes per step.
+
+The replicas dial (``ownership.replicas``) trades memory and expert compute for quality; this puts the
+runs of that dial on one table and one plot. Optional dependency for the plot: matplotlib
+(``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+FP32 = 4
+"""Bytes a parameter takes (the composers keep fp32 master weights)."""
+
+
+def load(reports: Sequence[str | Path]) -> list[dict]:
+    """The reports, checked to be runs of one setting that differ only in their seed.
+
+    Raises:
+        ValueError: no report, a report without runs, the same seed twice, or different presets, composers
+            or steps.
+    """
+    loaded = [json.loads(Path(path).read_text()) for path in reports]
+    if not loaded or any(not r.get("runs") for r in loaded):
+        raise ValueError("pass one or more JSON files written by `parallax bench quality --json`")
+    settings = {(r["config"]["preset"], r["config"]["composers"], r["config"]["steps"]) for r in loaded}
+    if len(settings) != 1:
+        raise ValueError(f"the reports differ in preset, composers or steps: {sorted(settings)}")
+    seeds = [r["config"]["seed"] for r in loaded]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"two reports share a seed: {seeds}")
+    return loaded
+
+
+def memory_bytes(run: dict) -> int:
+    """What one composer holds: its parameters (fp32, real experts, stand-ins and shared groups) and its
+    inner and outer optimizer state."""
+    return int(run["params_per_composer"]) * FP32 + int(run["optimizer_state_bytes_per_composer"])
+
+
+def summary(reports: Sequence[dict]) -> dict:
+    """Per run (those in every report): each seed's val loss (own view and assembled), its ratios to that
+    seed's baseline and DiLoCo runs, and the means; memory, FLOPs and bytes per composer-step."""
+    names = [n for n in reports[0]["runs"] if all(n in r["runs"] for r in reports)]
+    out: dict = {"seeds": [r["config"]["seed"] for r in reports], "config": reports[0]["config"], "runs": {}}
+    for name in names:
+        runs = [r["runs"][name] for r in reports]
+        row: dict = {
+            "val_loss": [run["val_loss"] for run in runs],
+            "assembled_val_loss": [run["assembled_val_loss"] for run in runs],
+            "memory_bytes": memory_bytes(runs[0]),
+            "params_per_composer": runs[0]["params_per_composer"],
+            "optimizer_state_bytes_per_composer": runs[0]["optimizer_state_bytes_per_composer"],
+            "train_flops": statistics.mean(run["train_flops"] for run in runs),
+            "network_bytes_per_composer_step": statistics.mean(run["network_bytes_per_composer_step"]
+                                                               for run in runs),
+        }
+        for reference in ("baseline", "diloco"):
+            if all(reference in r["runs"] for r in reports):
+                row[f"over_{reference}"] = [run["val_loss"] / r["runs"][reference]["val_loss"]
+                                            for run, r in zip(runs, reports, strict=True)]
+        out["runs"][name] = row
+    return out
+
+
+def markdown(table: dict) -> str:
+    """The summary as a table: means over the seeds, each seed's value in brackets where there are several."""
+    several = len(table["seeds"]) > 1
+
+    def cell(values: list[float], digits: int) -> str:
+        mean = f"{statistics.mean(values):.{digits}f}"
+        return f"{mean} ({', '.join(f'{v:.{digits}f}' for v in values)})" if several else mean
+
+    lines = [
+        "| run | val loss (own view) | assembled | / baseline | / DiLoCo | memory MB/composer | params/composer "
+        "| opt. state MB/composer | train PFLOP | network KB/composer-step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in table["runs"].items():
+        lines.append(
+            f"| {name} | {cell(r['val_loss'], 4)} | {cell(r['assembled_val_loss'], 4)} "
+            f"| {cell(r['over_baseline'], 3) if 'over_baseline' in r else '-'} "
+            f"| {cell(r['over_diloco'], 3) if 'over_diloco' in r else '-'} | {r['memory_bytes'] / 2**20:.2f} "
+            f"| {r['params_per_composer']:,} | {r['optimizer_state_bytes_per_composer'] / 2**20:.2f} "
+            f"| {r['train_flops'] / 1e15:.4g} | {r['network_bytes_per_composer_step'] / 1024:.1f} |")
+    c = table["config"]
+    lines += ["", f"preset {c['preset']}, {c['composers']} composers, {c['steps']} steps x batch {c['batch_size']}, "
+              f"seeds {', '.join(str(s) for s in table['seeds'])}; memory is fp32 parameters plus inner and outer "
+              "optimizer state."]
+    return "\n".join(lines)
+
+
+def plot(table: dict, out: str | Path) -> Path:
+    """Val loss (mean over seeds, the seeds' range as the bar) against memory per composer, one point a run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, r in table["runs"].items():
+        x = r["memory_bytes"] / 2**20
+        mean = statistics.mean(r["val_loss"])
+        low, high = mean - min(r["val_loss"]), max(r["val_loss"]) - mean
+        ax.errorbar([x], [mean], yerr=[[low], [high]], marker="o", capsize=3, label=name)
+        ax.annotate(name, (x, mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    c = table["config"]
+    ax.set(xlabel="memory per composer (MB: fp32 parameters + optimizer state)",
+           ylabel="validation loss (nats/byte, own view)",
+           title=f"{c['preset']}, C = {c['composers']}, {c['steps']} steps, seeds {table['seeds']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
