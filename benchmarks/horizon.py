@@ -12,6 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from parallax.benchmarks.report import save_figure
+
 
 def ratios(run: dict, baseline: dict) -> list[tuple[int, float]]:
     """(tokens, run's val loss / baseline's val loss) at the token counts both runs evaluated."""
@@ -56,9 +58,4 @@ def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | N
     for ax in (ax_loss, ax_ratio):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -15,3 +15,15 @@ def write_report(data: Any, markdown: str, json_path: str | Path | None) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     path.with_suffix(".md").write_text(markdown + "\n")
+
+
+def save_figure(fig: Any, out: str | Path) -> Path:
+    """Lay out a matplotlib figure, write it as a PNG to ``out`` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from parallax.benchmarks.report import save_figure
+
 FP32 = 4
 """Bytes a parameter takes (the composers keep fp32 master weights)."""
 
@@ -115,9 +117,4 @@ def plot(table: dict, out: str | Path) -> Path:
            title=f"{c['preset']}, C = {c['composers']}, {c['steps']} steps, seeds {table['seeds']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
