@@ -253,7 +253,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
-                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, cfg.sync)
+                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, cfg.sync) or 0
             merged_at = [c.tokens_seen for c in composers]
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
@@ -425,13 +425,15 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     sync = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
     sent = merge_outer([c.outer[group] for c in composers], [float(c.tokens_since_merge[group]) for c in composers],
                        sync)
-    if sent:
-        for c in composers:
-            c.tokens_since_merge[group] = 0
+    if sent is None:
+        return 0
+    for c in composers:
+        c.tokens_since_merge[group] = 0
     return sent
 
 
-def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], sync: SyncConfig | OuterSyncConfig) -> int:
+def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float],
+                sync: SyncConfig | OuterSyncConfig) -> int | None:
     """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
 
     "allreduce": ``sync.compression`` rounds what crosses the wire as hivemind's all-reduce does
@@ -443,12 +445,12 @@ def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], sync
     gathered round computes it.
 
     Returns:
-        Bytes all participants together send (0 when nothing was merged): the ring all-reduce of the node's
-        wire buffers (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per participant), or each body to
-        n - 1 peers.
+        Bytes all participants together send: the ring all-reduce of the node's wire buffers
+        (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per participant), or each body to n - 1 peers;
+        None when nothing was merged (no tokens since the last round, or no contribution kept).
     """
     if sum(weights) == 0:
-        return 0
+        return None
     wire = sync if isinstance(sync, OuterSyncConfig) else OuterSyncConfig(
         method=sync.merge, compression=sync.compression, aggregation=sync.aggregation)
     method, compression = wire.method, wire.compression
@@ -460,7 +462,7 @@ def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], sync
         received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
         merged, _ = robust_merge_groups(received, list(weights), method, eps=wire.rda_eps)
         if merged is None:
-            return 0
+            return None
         for o in outers:
             o.step(merged)
         return sum(len(b) for b in bodies) * (n - 1)
