@@ -292,7 +292,8 @@ class Replicas:
     replicas: int
     peers: tuple[str, ...]  # sorted
     owners: tuple[tuple[tuple[str, ...], ...], ...]
-    """``owners[layer][expert]``: R distinct peer ids; the first is the single-owner assignment's owner."""
+    """``owners[layer][expert]``: R distinct peer ids, best rank first (with one replica, ``assign_experts``'s
+    owner)."""
 
     def owners_of(self, layer: int, expert: int) -> tuple[str, ...]:
         return self.owners[layer][expert]
