@@ -107,6 +107,12 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
     started = time.perf_counter()
     for spec in specs(cfg, composers, runs):
         results[spec.name] = run(spec, train, val, progress=progress)
+    return quality_report(cfg, composers, data, results, time.perf_counter() - started)
+
+
+def quality_report(cfg: TrainConfig, composers: int, data: str | None, results: dict[str, RunResult],
+                   total_wall_s: float) -> dict:
+    """The JSON-able report of finished runs of one setting."""
     report: dict = {
         "config": {"preset": _preset_name(cfg), "composers": composers, "steps": cfg.steps,
                    "batch_size": cfg.batch_size, "seq_len": cfg.model.seq_len, "seed": cfg.seed,
@@ -114,7 +120,7 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
                    "refresh_every": cfg.surrogate.refresh_every, "model": _asdict(cfg.model)},
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "platform": platform.platform()},
-        "total_wall_s": time.perf_counter() - started,
+        "total_wall_s": total_wall_s,
         "runs": {},
     }
     for name, r in results.items():

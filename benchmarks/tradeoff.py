@@ -105,12 +105,15 @@ def plot(table: dict, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    names_at: dict[tuple[float, float], list[str]] = {}  # runs that land on one point share a label
     for name, r in table["runs"].items():
         x = r["memory_bytes"] / 2**20
         mean = statistics.mean(r["val_loss"])
         low, high = mean - min(r["val_loss"]), max(r["val_loss"]) - mean
         ax.errorbar([x], [mean], yerr=[[low], [high]], marker="o", capsize=3, label=name)
-        ax.annotate(name, (x, mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        names_at.setdefault((round(x, 3), round(mean, 6)), []).append(name)
+    for (x, mean), names in names_at.items():
+        ax.annotate(" = ".join(names), (x, mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
     c = table["config"]
     ax.set(xlabel="memory per composer (MB: fp32 parameters + optimizer state)",
            ylabel="validation loss (nats/byte, own view)",
