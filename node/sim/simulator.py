@@ -71,6 +71,20 @@ class RunSpec:
             raise ValueError(f"run kind must be one of {RUN_KINDS}, got {self.kind!r}")
         if self.composers < 1:
             raise ValueError("a run needs at least one composer")
+        if self.kind not in SHARDED:
+            return
+        cfg, dense_steps = self.cfg, self.cfg.sim.dense_steps
+        if dense_steps and (self.kind == "offload" or cfg.surrogate.non_owned == "frozen_copy"):
+            raise ValueError("sim.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
+        if dense_steps >= cfg.steps:
+            raise ValueError(f"sim.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
+                             "a run that never splits its experts is the DiLoCo reference (--kind diloco)")
+        if cfg.ownership.replicas > self.composers:
+            raise ValueError(f"ownership.replicas={cfg.ownership.replicas} needs at least that many composers, the "
+                             f"run has {self.composers}")
+        if cfg.ownership.replicas > 1 and (self.kind == "offload" or dense_steps or cfg.sim.sketch.enabled):
+            raise ValueError("ownership.replicas > 1 runs without offload, sim.dense_steps and sim.sketch (each "
+                             "assumes one owner per expert)")
 
 
 @dataclass
@@ -171,18 +185,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     if spec.kind == "offload":
         cfg = config_mod.replace(cfg, offload=config_mod.replace(cfg.offload, enabled=True))
     dense_steps = cfg.sim.dense_steps if spec.kind in SHARDED else 0
-    if dense_steps and (spec.kind == "offload" or cfg.surrogate.non_owned == "frozen_copy"):
-        raise ValueError("sim.dense_steps needs run kind 'parallax' with surrogates or dropped selections")
     replicated = spec.kind in SHARDED and cfg.ownership.replicas > 1
-    if cfg.ownership.replicas > C and spec.kind in SHARDED:
-        raise ValueError(f"ownership.replicas={cfg.ownership.replicas} needs at least that many composers, the run "
-                         f"has {C}")
-    if replicated and (spec.kind == "offload" or dense_steps or cfg.sim.sketch.enabled):
-        raise ValueError("ownership.replicas > 1 runs without offload, sim.dense_steps and sim.sketch (each "
-                         "assumes one owner per expert)")
-    if dense_steps >= cfg.steps:
-        raise ValueError(f"sim.dense_steps ({dense_steps}) must be below the run's steps ({cfg.steps}): "
-                         "a run that never splits its experts is the DiLoCo reference (--kind diloco)")
     torch.manual_seed(cfg.seed)
     batches = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
     started = time.perf_counter()

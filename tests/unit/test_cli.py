@@ -74,6 +74,14 @@ def test_four_replicas_of_every_expert_among_four_composers_are_the_diloco_refer
     assert r2["network_bytes"]["surrogates"] > 0 and r2["stand_in_error"]
 
 
+def test_a_run_the_simulator_cannot_build_is_a_clear_error(tmp_path):
+    result = runner.invoke(app, ["sim", "--preset", "tiny", "--steps", "2", "--composers", "2", "--no-reference",
+                                 "--set", "ownership.replicas=3", "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "ownership.replicas=3 needs at least that many composers" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_missing_data_path_is_a_clear_error(tmp_path):
     result = runner.invoke(app, ["sim", "--preset", "tiny", "--steps", "1", "--data", str(tmp_path / "nope.txt")])
     assert result.exit_code == 2
