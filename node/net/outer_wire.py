@@ -17,6 +17,7 @@ can be tested byte for byte and shared with the in-process simulator:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
@@ -37,6 +38,7 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 
+from parallax.node.config.train import SyncConfig
 from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
 from parallax.protocol.identity import Identity
 
@@ -150,6 +152,10 @@ class OuterSyncConfig:
                                     allreduce_timeout_s=20.0, next_chunk_timeout_s=5.0, verify_timeout_s=3.0,
                                     dht_timeout_s=2.0, startup_timeout_s=30.0, shutdown_timeout_s=3.0)
         return cls(**{**base, **overrides})
+
+    def with_run(self, sync: SyncConfig) -> OuterSyncConfig:
+        """These settings with the run's merge, wire format and aggregation (``[train.sync]``)."""
+        return dataclasses.replace(self, method=sync.merge, compression=sync.compression, aggregation=sync.aggregation)
 
     @property
     def tolerance(self) -> float:

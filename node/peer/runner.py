@@ -88,9 +88,8 @@ def data_seed(fingerprint: str, seed: int) -> int:
 def outer_sync_config(config: NodeConfig) -> OuterSyncConfig:
     """The outer rounds' settings: the run's merge and wire format, this node's timings."""
     base = OuterSyncConfig.loopback() if config.peer.loopback else OuterSyncConfig()
-    net, sync = config.net, config.train.sync
-    return dataclasses.replace(base, method=sync.merge, compression=sync.compression, aggregation=sync.aggregation,
-                               min_matchmaking_time_s=net.min_matchmaking_time_s,
+    net = config.net
+    return dataclasses.replace(base.with_run(config.train.sync), min_matchmaking_time_s=net.min_matchmaking_time_s,
                                matchmaking_timeout_s=net.matchmaking_timeout_s,
                                allreduce_timeout_s=net.allreduce_timeout_s)
 

@@ -34,7 +34,7 @@ import torch
 from parallax.dht.keys import ExpertId
 from parallax.dht.shards import assign_replicas
 from parallax.node.config import train as config_mod
-from parallax.node.config.train import SHARED_GROUPS, SyncConfig, TrainConfig
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
 from parallax.node.model.surrogate import jacobian_error, relative_error
@@ -203,6 +203,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             for i in range(C)
         ]
     bundles = expert_bundles(owners) if replicated else {}
+    wire = OuterSyncConfig().with_run(cfg.sync)  # the bundles' rounds: the run's merge, wire format and aggregation
     replica_outer = [{who: bundle_outer(composers[i], experts) for who, experts in bundles.items() if i in who}
                      for i in range(len(composers))]  # each composer's outer optimizer of each bundle it is in
     merged_at = [0] * len(composers)  # tokens each composer had seen at its bundles' last merge
@@ -256,7 +257,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
-                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, cfg.sync) or 0
+                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, wire) or 0
             merged_at = [c.tokens_seen for c in composers]
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
@@ -425,9 +426,9 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     (``merge_outer``). Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
-    sync = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
+    wire = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
     sent = merge_outer([c.outer[group] for c in composers], [float(c.tokens_since_merge[group]) for c in composers],
-                       sync)
+                       wire)
     if sent is None:
         return 0
     for c in composers:
@@ -435,11 +436,10 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     return sent
 
 
-def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float],
-                sync: SyncConfig | OuterSyncConfig) -> int | None:
+def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], wire: OuterSyncConfig) -> int | None:
     """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
 
-    "allreduce": ``sync.compression`` rounds what crosses the wire as hivemind's all-reduce does
+    "allreduce": ``wire.compression`` rounds what crosses the wire as hivemind's all-reduce does
     (``outer_wire.wire_roundtrip``): each participant's pseudo-gradient on the way in, and on the way back
     each gets its own ``local + round(merged - local)``, so the copies differ by the rounding as on the
     network (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
@@ -454,8 +454,6 @@ def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float],
     """
     if sum(weights) == 0:
         return None
-    wire = sync if isinstance(sync, OuterSyncConfig) else OuterSyncConfig(
-        method=sync.merge, compression=sync.compression, aggregation=sync.aggregation)
     method, compression = wire.method, wire.compression
     deltas = [o.pseudo_gradient() for o in outers]
     n = len(outers)
