@@ -140,9 +140,13 @@ def replica_owners(cfg: TrainConfig, composers: int, run_id: str = "sim") -> dic
 
 def ownership_for(cfg: TrainConfig, composers: int, run_id: str = "sim") -> list[Ownership]:
     """Complete expert shards for C composers (disjoint with one replica), from ``replica_owners``."""
-    owners = replica_owners(cfg, composers, run_id)
+    return shards_of(replica_owners(cfg, composers, run_id), cfg.model.n_layers, composers)
+
+
+def shards_of(owners: Mapping[ExpertId, tuple[int, ...]], n_layers: int, composers: int) -> list[Ownership]:
+    """Each composer's experts, per layer, from every expert's owners."""
     return [tuple(frozenset(e for (layer, e), who in owners.items() if layer == layer_ and i in who)
-                  for layer_ in range(cfg.model.n_layers)) for i in range(composers)]
+                  for layer_ in range(n_layers)) for i in range(composers)]
 
 
 def expert_bundles(owners: dict[ExpertId, tuple[int, ...]]) -> dict[tuple[int, ...], list[ExpertId]]:
@@ -194,7 +198,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
                               batch_size=C * cfg.batch_size, device=device)]
     else:
         owners = replica_owners(cfg, C) if spec.kind in SHARDED else {}
-        shards = ownership_for(cfg, C) if spec.kind in SHARDED else [own_all(cfg.model)] * C
+        shards = shards_of(owners, cfg.model.n_layers, C) if spec.kind in SHARDED else [own_all(cfg.model)] * C
         dense = spec.kind == "diloco" or dense_steps > 0  # every composer holds and trains every expert
         merged_groups = (*SHARED_GROUPS, "expert") if dense else SHARED_GROUPS
         composers = [
