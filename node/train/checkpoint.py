@@ -477,15 +477,17 @@ def _check_fits(folder: Path, body: Mapping[str, Any], composer: Composer, run_i
 def config_differences(saved: Mapping[str, Any], cfg: TrainConfig) -> list[str]:
     """The fields where a checkpoint's config (as JSON) and ``cfg`` differ, as "path: checkpoint X, here Y".
 
-    ``RUN_ONLY_FIELDS`` and ``MACHINE_SECTIONS`` are ignored.
+    ``RUN_ONLY_FIELDS`` and ``MACHINE_SECTIONS`` are ignored. A setting the checkpoint lacks (one added to
+    ``TrainConfig`` after it was written) counts as its default, what training did before the setting existed.
     """
     a, b = _flatten(saved), _flatten(_config_json(cfg))
+    defaults = _flatten(_config_json(TrainConfig()))
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):
         if key in RUN_ONLY_FIELDS or key.startswith(MACHINE_SECTIONS):
             continue
-        was, now = a.get(key, missing), b.get(key, missing)
+        was, now = a.get(key, defaults.get(key, missing)), b.get(key, missing)
         if was != now:
             show = ["(absent)" if v is missing else json.dumps(v) for v in (was, now)]
             out.append(f"{key}: checkpoint {show[0]}, here {show[1]}")

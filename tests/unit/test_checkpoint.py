@@ -236,6 +236,16 @@ def test_config_mismatch_names_the_field(train, two_checkpoints, tmp_path):
     assert load_latest(tmp_path, _composer(train, _cfg(**{"compute.kernel": "reference"}))).step == 4
 
 
+def test_a_setting_the_checkpoint_lacks_counts_as_its_default(train, two_checkpoints, tmp_path):
+    _, _, newer = two_checkpoints
+    body = json.loads((newer / "manifest.json").read_text())["body"]
+    del body["config"]["ownership"], body["config"]["optim"]["inner"]  # written before these settings existed
+    (newer / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
+    assert load_checkpoint(newer, _composer(train)).step == 4
+    with pytest.raises(CheckpointMismatch, match=r"ownership\.replicas: checkpoint 1, here 2"):
+        load_checkpoint(newer, _composer(train, _cfg(**{"ownership.replicas": 2})))
+
+
 def test_other_run_ownership_or_data_is_refused(train, two_checkpoints, tmp_path):
     with pytest.raises(CheckpointMismatch, match="belongs to run 'run-test'"):
         load_latest(tmp_path, _composer(train), run_id="another-run")
