@@ -82,6 +82,25 @@ def _run(averagers: Sequence[GroupAverager], deltas, tokens, **kwargs: Callable 
         return [f.result(timeout=budget) for f in futures]
 
 
+def _run_whole(averagers: Sequence[GroupAverager], deltas, tokens, tol: float, tries: int = 3):
+    """A round that every peer verified. On a loaded machine hivemind's reducer may give up on a slow sender
+    (next_chunk_timeout_s) and average a part without it: the peers that got that part agree on it and keep
+    the round, the slow sender did not get it, diverges and drops the round. Such a round is retried;
+    whenever the peers disagree, the agreeing ones must hold the same tensors and the others nothing."""
+    for _ in range(tries):
+        results = _run(averagers, deltas, tokens)
+        reports = [a.last_report for a in averagers]
+        if all(r is not None and r.status is RoundStatus.OK for r in reports):
+            return results
+        kept = [m for m, r in zip(results, reports, strict=True) if r is not None and r.status is RoundStatus.OK]
+        dropped = [m for m, r in zip(results, reports, strict=True) if r is None or r.status is not RoundStatus.OK]
+        assert all(m is None for m in dropped) and all(m is not None for m in kept), reports
+        for m in kept[1:]:
+            for name in SHAPES:
+                assert _rel_err(m[name], kept[0][name]) < 2 * tol, name
+    pytest.fail(f"no round of {tries} was verified by every peer: {[a.last_report for a in averagers]}")
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -96,7 +115,7 @@ def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
     try:
         deltas = _deltas(3)
         started = time.monotonic()
-        results = _run(averagers, deltas, TOKENS)
+        results = _run_whole(averagers, deltas, TOKENS, tol)
         elapsed = time.monotonic() - started
         reference = merge_groups(deltas, TOKENS, method=method)
         for a, merged in zip(averagers, results, strict=True):
