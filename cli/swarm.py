@@ -121,7 +121,8 @@ def status(
         view, foreign = split_by_run(view, manifest.digest)
         if foreign:
             typer.echo(f"{len(foreign)} composer(s) of run {run_id} train by another manifest: not shown", err=True)
-    summary = swarm_status(view, heartbeat_ttl_s=heartbeat_ttl, n_layers=layers, n_experts=experts)
+    summary = swarm_status(view, heartbeat_ttl_s=heartbeat_ttl, n_layers=layers, n_experts=experts,
+                           replicas=_replicas_of(manifest))
     if as_json:
         typer.echo(json.dumps(summary.to_json(), indent=2))
     elif summary.peers:
@@ -137,6 +138,18 @@ def status(
         raise typer.Exit(1)
 
 
+def _replicas_of(manifest: Any) -> int | None:
+    """The run's owners per expert when its manifest is known (``ownership.replicas``), else None."""
+    if manifest is None:
+        return None
+    try:
+        ownership = manifest.settings_dict().get("ownership", {})
+    except ValueError:
+        return None
+    replicas = ownership.get("replicas", 1) if isinstance(ownership, dict) else 1
+    return replicas if isinstance(replicas, int) and replicas >= 1 else None
+
+
 def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeout: float, layers: int | None,
            experts: int | None, heartbeat_ttl: float) -> None:
     """Serve the run's status page until Ctrl+C, re-reading the DHT every two seconds."""
@@ -150,7 +163,8 @@ def _serve(dht: Any, run_id: str, manifest: Any, port: int, host: str, *, timeou
             found, _foreign = split_by_run(found, manifest.digest)
         return found
 
-    observer = Observer(view, run_id, n_layers=layers, n_experts=experts, heartbeat_ttl_s=heartbeat_ttl)
+    observer = Observer(view, run_id, n_layers=layers, n_experts=experts, heartbeat_ttl_s=heartbeat_ttl,
+                        replicas=_replicas_of(manifest))
     try:
         server = StatusServer(observer, port, host, role="observer").start()
     except OSError as e:

@@ -1,15 +1,16 @@
 """Leased, signed claims on experts: what the owners say, and which of those claims are valid.
 
-Who *should* own an expert follows from the live view (``shards.assign_experts``); a claim is the
-owner saying "I train it now", so every node can check that the expert has exactly one trainer. Each
+Who *should* own an expert follows from the live view (``shards.assign_experts``); a claim is an
+owner saying "I train it now", so every node can check that the expert has no more trainers than owners
+(one, or ``ownership.replicas``). Each
 owner keeps one record per layer under ``keys.claims_key(run, layer)``, in its own signed subkey:
 the ``ShardClaim`` for every expert of that layer it owns, each with a lease, and a ``ShardRelease``
 (naming the heir) for every expert it just gave up. The record expires with the leases and is
 renewed every heartbeat period, and at once when the assignment changes.
 
 A claim is valid only while its lease runs, its record has not expired, its owner's heartbeat is
-alive, and the owner has not released it. If two valid claims name one expert (a handover in
-flight), the one by the expert's assigned owner wins, so every node resolves it the same way.
+alive, and the owner has not released it. If more valid claims name one expert than it has owners (a
+handover in flight), those by its assigned owners win, so every node resolves it the same way.
 
 Everything here is pure: the announcer thread (``membership.Membership``) does the I/O.
 """
@@ -45,12 +46,16 @@ class ShardConfig:
     """Experts per MoE layer."""
     lease_s: float = 6.0
     """How long a claim stays valid without renewal (renewed every heartbeat period)."""
+    replicas: int = 1
+    """Owners per expert (``ownership.replicas``); fewer while fewer composers are alive."""
 
     def __post_init__(self) -> None:
         if self.n_layers < 1 or self.n_experts < 1:
             raise ValueError(f"need n_layers >= 1 and n_experts >= 1, got {self.n_layers}, {self.n_experts}")
         if self.lease_s <= 0:
             raise ValueError("lease_s must be > 0 seconds")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,31 +158,33 @@ def valid_claims(
     alive: Collection[str],
     now: float,
     assignment: Assignment | None = None,
-) -> dict[Shard, Claim]:
-    """The valid claim of every claimed expert.
+) -> dict[Shard, tuple[Claim, ...]]:
+    """The valid claims of every claimed expert: at most as many as it has owners.
 
     Args:
         records: layer -> claimant fingerprint -> (its ClaimSet, record expiration).
         alive: fingerprints whose heartbeat is alive now.
         now: the DHT clock.
-        assignment: the current assignment, to settle two valid claims on one expert (handover).
+        assignment: the current assignment: its owners of an expert win over other claimants (a handover in
+            flight), best rank first. Without one, a single claim per expert counts.
 
     Returns:
-        (layer, expert) -> Claim, only for experts with at least one valid claim.
+        (layer, expert) -> its valid claims, the assigned owners' first by rank, then the others' by claimant id;
+        only for experts with at least one valid claim.
     """
-    out: dict[Shard, Claim] = {}
+    found: dict[Shard, list[Claim]] = {}
     for layer, by_holder in records.items():
         for holder in sorted(by_holder):
             claim_set, record_expiry = by_holder[holder]
             if holder not in alive or record_expiry <= now:
                 continue
             for c in claim_set.claims:
-                if c.lease_expiry <= now:
-                    continue
-                claim = Claim(layer, c.expert, holder, c.lease_expiry, c.step)
-                current = out.get(c.shard)
-                if current is None:
-                    out[c.shard] = claim
-                elif assignment is not None and assignment.owner(layer, c.expert) == holder:
-                    out[c.shard] = claim  # the assigned owner wins a handover; else the first by id stays
+                if c.lease_expiry > now:
+                    found.setdefault(c.shard, []).append(Claim(layer, c.expert, holder, c.lease_expiry, c.step))
+    out: dict[Shard, tuple[Claim, ...]] = {}
+    for (layer, expert), claims in found.items():
+        owners = assignment.owners_of(layer, expert) if assignment is not None else ()
+        rank = {o: i for i, o in enumerate(owners)}
+        claims.sort(key=lambda c: (rank.get(c.holder, len(owners)), c.holder))
+        out[(layer, expert)] = tuple(claims[:max(1, len(owners))])
     return out

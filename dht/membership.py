@@ -197,18 +197,20 @@ class SwarmView:
         return {fp: min(c, bound) for fp, c in declared.items()}
 
     def assignment(self, now: float | None = None, leaving_out: str | None = None) -> Assignment | None:
-        """Owner and heir of every expert over the live composers (None without shards or composers);
-        ``leaving_out``: over those but that one (the assignment the others held while it was cut off)."""
+        """The owners and heir of every expert over the live composers (None without shards or composers), with
+        ``shards.replicas`` owners per expert or as many as there are composers; ``leaving_out``: over those but
+        that one (the assignment the others held while it was cut off)."""
         peers = {fp: c for fp, c in self.composers(now).items() if fp != leaving_out}
         if self.shards is None or not peers:
             return None
-        return _cached_assignment(self.run_id, self.shards.n_layers, self.shards.n_experts, peers)
+        return _cached_assignment(self.run_id, self.shards.n_layers, self.shards.n_experts, peers,
+                                  min(self.shards.replicas, len(peers)))
 
-    def claims(self, now: float | None = None) -> dict[tuple[int, int], str]:
-        """(layer, expert) -> fingerprint of the holder of its valid claim."""
+    def claims(self, now: float | None = None) -> dict[tuple[int, int], tuple[str, ...]]:
+        """(layer, expert) -> fingerprints of the holders of its valid claims, its assigned owners first by rank."""
         now = dht_time() if now is None else now
         found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
-        return {shard: c.holder for shard, c in found.items()}
+        return {shard: tuple(c.holder for c in claims) for shard, claims in found.items()}
 
 
 class Progress:
@@ -375,13 +377,14 @@ _assignment_cache: dict[tuple[object, ...], Assignment] = {}
 _assignment_lock = threading.Lock()
 
 
-def _cached_assignment(run_id: str, n_layers: int, n_experts: int, peers: dict[str, float]) -> Assignment:
+def _cached_assignment(run_id: str, n_layers: int, n_experts: int, peers: dict[str, float],
+                       replicas: int) -> Assignment:
     # Views are asked often with the same live set; the assignment is pure, so memoise a few.
-    key = (run_id, n_layers, n_experts, tuple(sorted(peers.items())))
+    key = (run_id, n_layers, n_experts, replicas, tuple(sorted(peers.items())))
     with _assignment_lock:
         hit = _assignment_cache.get(key)
     if hit is None:
-        hit = assign_experts(run_id, n_layers, n_experts, peers)
+        hit = assign_experts(run_id, n_layers, n_experts, peers, replicas)
         with _assignment_lock:
             if len(_assignment_cache) > 64:
                 _assignment_cache.clear()

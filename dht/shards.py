@@ -22,10 +22,11 @@ in the assignment of the same view without the owner. That is the "next rank" un
 plain HRW it is exactly the second-highest scorer), and it is what makes the owner's snapshots to its
 heir useful: when the owner dies, the heir is the new owner.
 
-Replicas. With R owners per expert (``assign_replicas``) the same walk fills R owner slots per expert, a peer at
-most once per expert, under quotas of R times the capacity share (a peer's capped at every expert of the
-layer, the rest shared among the others). An expert left short when the peers with quota left own it already
-is completed by exchanges that keep every load at its quota (``_complete``).
+Replicas. With R owners per expert (``assign_experts(..., replicas=R)``) the same walk fills R owner slots
+per expert, a peer at most once per expert, under quotas of R times the capacity share (a peer's capped at
+every expert of the layer, the rest shared among the others). An expert left short when the peers with quota
+left own it already is completed by exchanges that keep every load at its quota (``_complete``). The heir of
+an expert is then its second owner: a live replica, not a snapshot.
 
 Movement. When one peer joins or leaves, every expert it gains or loses must move; the quotas of the
 others also shift by at most one per layer, which can push a few more experts along. The property
@@ -191,10 +192,13 @@ def _complete(owners: list[list[str]], quotas: dict[str, int], replicas: int) ->
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """Owner and heir of every (layer, expert) for one live view. Build it with ``assign_experts``.
+    """The owners and heir of every (layer, expert) for one live view. Build it with ``assign_experts``.
 
-    ``owners[layer][expert]`` is a peer id; ``heirs[layer][expert]`` is a peer id, or ``None`` when
-    the view holds a single peer.
+    ``owners[layer][expert]`` is the expert's first owner by rank (its only one with ``replicas`` = 1): the
+    one that publishes its surrogate. ``co_owners[layer][expert]`` are its other owners, by rank (empty
+    tuples with one replica). ``heirs[layer][expert]`` takes the expert over when its first owner leaves:
+    with one replica the peer that would own it without that owner (it keeps a snapshot), with more the
+    first co-owner (a live replica); ``None`` when the view holds a single peer.
     """
 
     run_id: str
@@ -203,33 +207,44 @@ class Assignment:
     peers: tuple[str, ...]  # sorted
     owners: tuple[tuple[str, ...], ...]
     heirs: tuple[tuple[str | None, ...], ...]
+    co_owners: tuple[tuple[tuple[str, ...], ...], ...] = ()
+
+    @property
+    def replicas(self) -> int:
+        """Owners per expert."""
+        return 1 + (len(self.co_owners[0][0]) if self.co_owners else 0)
 
     def owner(self, layer: int, expert: int) -> str:
         return self.owners[layer][expert]
+
+    def owners_of(self, layer: int, expert: int) -> tuple[str, ...]:
+        """Every owner of the expert, best rank first."""
+        return (self.owners[layer][expert], *(self.co_owners[layer][expert] if self.co_owners else ()))
 
     def heir(self, layer: int, expert: int) -> str | None:
         return self.heirs[layer][expert]
 
     def owned_by(self, peer: str) -> dict[int, frozenset[int]]:
-        """The experts ``peer`` owns, by layer (layers where it owns nothing are left out)."""
+        """The experts ``peer`` is an owner of, by layer (layers where it owns nothing are left out)."""
         out: dict[int, frozenset[int]] = {}
-        for layer, row in enumerate(self.owners):
-            mine = frozenset(e for e, o in enumerate(row) if o == peer)
+        for layer in range(self.n_layers):
+            mine = frozenset(e for e in range(self.n_experts) if peer in self.owners_of(layer, e))
             if mine:
                 out[layer] = mine
         return out
 
     def inherited_by(self, peer: str) -> dict[int, frozenset[int]]:
-        """The experts ``peer`` is heir of (and should hold a snapshot of), by layer."""
+        """The experts ``peer`` is heir of and does not own (it should hold a snapshot of them), by layer: none
+        with more than one replica, where the heir is a co-owner."""
         out: dict[int, frozenset[int]] = {}
         for layer, row in enumerate(self.heirs):
-            mine = frozenset(e for e, h in enumerate(row) if h == peer)
+            mine = frozenset(e for e, h in enumerate(row) if h == peer and peer not in self.owners_of(layer, e))
             if mine:
                 out[layer] = mine
         return out
 
     def items(self) -> Iterable[tuple[int, int, str, str | None]]:
-        """Every ``(layer, expert, owner, heir)``."""
+        """Every ``(layer, expert, first owner, heir)``."""
         for layer in range(self.n_layers):
             for expert in range(self.n_experts):
                 yield layer, expert, self.owners[layer][expert], self.heirs[layer][expert]
@@ -237,41 +252,54 @@ class Assignment:
     def load(self) -> dict[str, int]:
         """How many experts each peer owns over all layers."""
         counts = dict.fromkeys(self.peers, 0)
-        for row in self.owners:
-            for o in row:
-                counts[o] += 1
+        for layer in range(self.n_layers):
+            for expert in range(self.n_experts):
+                for o in self.owners_of(layer, expert):
+                    counts[o] += 1
         return counts
 
 
-def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[str, float]) -> Assignment:
-    """Owner and heir of every expert of every layer, from the live peers and their capacities.
+def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[str, float],
+                   replicas: int = 1) -> Assignment:
+    """The owners and heir of every expert of every layer, from the live peers and their capacities.
 
     Args:
         run_id: the training run; different runs hash differently.
         n_layers: MoE layers in the model.
         n_experts: experts per layer.
         peers: live composer id -> declared capacity (any positive unit; only ratios matter).
+        replicas: owners per expert (``ownership.replicas``): the same walk with R owner slots per expert and
+            quotas of R times each peer's capacity share (``replica_quotas``). One replica: disjoint shards.
 
     Returns:
-        An ``Assignment``: disjoint and complete per layer, each peer's load per layer the floor or
-        ceiling of its capacity share, identical on every node given the same inputs.
+        An ``Assignment``: complete per layer, with R distinct owners per expert, each peer's load per layer its
+        quota (with one replica the floor or ceiling of its capacity share), identical on every node given the
+        same inputs.
 
     Raises:
-        ValueError: no peers, a non-positive or non-finite capacity, or an empty shape.
+        ValueError: no peers, a non-positive or non-finite capacity, an empty shape, or ``replicas`` outside
+            1..len(peers).
     """
     _check_inputs(run_id, n_layers, n_experts, peers)
+    if not 1 <= replicas <= len(peers):
+        raise ValueError(f"{replicas} owners per expert need at least {replicas} live peers, the view has {len(peers)}")
     owners: list[tuple[str, ...]] = []
     heirs: list[tuple[str | None, ...]] = []
+    co_owners: list[tuple[tuple[str, ...], ...]] = []
     for layer in range(n_layers):
         ranked = _ranked_pairs(run_id, layer, n_experts, peers)
-        row = [owner for owner, in _match_layer(run_id, layer, n_experts, peers, ranked)]
-        owners.append(tuple(row))
-        if len(peers) == 1:
+        row = _match_layer(run_id, layer, n_experts, peers, ranked, replicas=replicas)
+        owners.append(tuple(o[0] for o in row))
+        if replicas > 1:
+            co_owners.append(tuple(o[1:] for o in row))
+            heirs.append(tuple(o[1] for o in row))
+        elif len(peers) == 1:
             heirs.append((None,) * n_experts)
-            continue
-        # Removing a peer never changes the others' scores, so one ranking serves every "without p".
-        without = {p: [o for o, in _match_layer(run_id, layer, n_experts, peers, ranked, excluded=p)] for p in set(row)}
-        heirs.append(tuple(without[row[e]][e] for e in range(n_experts)))
+        else:
+            # Removing a peer never changes the others' scores, so one ranking serves every "without p".
+            without = {p: [o for o, in _match_layer(run_id, layer, n_experts, peers, ranked, excluded=p)]
+                       for p in set(owners[-1])}
+            heirs.append(tuple(without[owners[-1][e]][e] for e in range(n_experts)))
     return Assignment(
         run_id=run_id,
         n_layers=n_layers,
@@ -279,61 +307,8 @@ def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[st
         peers=tuple(sorted(peers)),
         owners=tuple(owners),
         heirs=tuple(heirs),
+        co_owners=tuple(co_owners),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Replicas:
-    """The R owners of every (layer, expert), best rank first. Build it with ``assign_replicas``."""
-
-    run_id: str
-    n_layers: int
-    n_experts: int
-    replicas: int
-    peers: tuple[str, ...]  # sorted
-    owners: tuple[tuple[tuple[str, ...], ...], ...]
-    """``owners[layer][expert]``: R distinct peer ids, best rank first (with one replica, ``assign_experts``'s
-    owner)."""
-
-    def owners_of(self, layer: int, expert: int) -> tuple[str, ...]:
-        return self.owners[layer][expert]
-
-    def owned_by(self, peer: str) -> dict[int, frozenset[int]]:
-        """The experts ``peer`` is one of the owners of, by layer (layers where it owns nothing are left out)."""
-        out: dict[int, frozenset[int]] = {}
-        for layer, row in enumerate(self.owners):
-            mine = frozenset(e for e, owners in enumerate(row) if peer in owners)
-            if mine:
-                out[layer] = mine
-        return out
-
-    def load(self) -> dict[str, int]:
-        """How many experts each peer owns over all layers."""
-        counts = dict.fromkeys(self.peers, 0)
-        for row in self.owners:
-            for owners in row:
-                for o in owners:
-                    counts[o] += 1
-        return counts
-
-
-def assign_replicas(run_id: str, n_layers: int, n_experts: int, peers: Mapping[str, float],
-                    replicas: int) -> Replicas:
-    """``replicas`` distinct owners of every expert of every layer, from the live peers and their capacities.
-
-    The bounded-load matching of ``assign_experts`` with R owner slots per expert and quotas of R times each
-    peer's capacity share (``replica_quotas``); ``replicas = 1`` is ``assign_experts``'s owner.
-
-    Raises:
-        ValueError: as ``assign_experts``, or ``replicas`` outside 1..len(peers).
-    """
-    _check_inputs(run_id, n_layers, n_experts, peers)
-    if not 1 <= replicas <= len(peers):
-        raise ValueError(f"{replicas} owners per expert need at least {replicas} live peers, the view has {len(peers)}")
-    owners = [tuple(_match_layer(run_id, layer, n_experts, peers, _ranked_pairs(run_id, layer, n_experts, peers),
-                                 replicas=replicas)) for layer in range(n_layers)]
-    return Replicas(run_id=run_id, n_layers=n_layers, n_experts=n_experts, replicas=replicas,
-                    peers=tuple(sorted(peers)), owners=tuple(owners))
 
 
 def moved_experts(before: Assignment, after: Assignment) -> set[tuple[int, int]]:

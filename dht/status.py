@@ -3,8 +3,9 @@
 Everything comes from the peers' own heartbeats (``membership.read_view``), so it shows what each node
 *says* it does: who is alive, its role, step, loss, the experts it announces as owned and its version
 counters. Ownership per layer is the union of those announcements: an expert nobody announces has no
-owner (a peer just died, or the run has no composer for it), one announced by two peers is contested
-(a handover in flight for a heartbeat period, or two nodes disagreeing on the live view).
+owner (a peer just died, or the run has no composer for it), one announced by more peers than it has owners
+(one, or ``ownership.replicas`` as ``view.shards`` says) is contested (a handover in flight for a heartbeat
+period, or two nodes disagreeing on the live view).
 
 The heartbeat carries no send time; its record expires ``heartbeat_ttl_s`` after it was sent, so its
 age is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (the default, 6 s).
@@ -23,7 +24,7 @@ DEFAULT_HEARTBEAT_TTL_S: float = MembershipConfig.heartbeat_ttl_s  # what nodes 
 _ROLE_ORDER = {"composer": 0, "worker": 1, "reader": 2, "bootstrap": 3}
 
 PEER_COLUMNS = ("fingerprint", "peer id", "role", "step", "loss", "owned", "experts", "versions", "age s")
-SHARD_COLUMNS = ("layer", "owned", "owners (experts)", "no owner", "2+ owners")
+SHARD_COLUMNS = ("layer", "owned", "owners (experts)", "no owner", "too many owners")
 SUSPECT_COLUMNS = ("peer id", "is", "banned by", "suspected by", "highest score")
 
 
@@ -56,6 +57,8 @@ class LayerOwnership:
 
     layer: int
     owners: tuple[tuple[str, ...], ...]  # expert -> sorted fingerprints announcing it (empty: no owner)
+    replicas: int = 1
+    """Owners each expert should have (``ownership.replicas``)."""
 
     @property
     def unowned(self) -> tuple[int, ...]:
@@ -63,7 +66,8 @@ class LayerOwnership:
 
     @property
     def contested(self) -> tuple[int, ...]:
-        return tuple(e for e, o in enumerate(self.owners) if len(o) > 1)
+        """Experts announced by more peers than they have owners."""
+        return tuple(e for e, o in enumerate(self.owners) if len(o) > self.replicas)
 
     def by_owner(self) -> dict[str, tuple[int, ...]]:
         """Fingerprint -> the experts of this layer it announces (sorted by fingerprint)."""
@@ -173,6 +177,7 @@ def swarm_status(
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
     n_layers: int | None = None,
     n_experts: int | None = None,
+    replicas: int | None = None,
 ) -> SwarmStatus:
     """Summarise ``view``: live peers (composers, workers, bootstrap; each by fingerprint) and ownership.
 
@@ -182,6 +187,7 @@ def swarm_status(
         heartbeat_ttl_s: the heartbeat TTL the peers run, to turn expiries into ages (seconds).
         n_layers, n_experts: the model shape; unknown parts are taken from ``view.shards``, else from
             the largest layer and expert any peer announces.
+        replicas: owners per expert (more announcing one is contested); default ``view.shards``'s, else 1.
 
     Returns:
         A ``SwarmStatus``; ``peers`` is empty when nobody in the run is alive.
@@ -215,8 +221,10 @@ def swarm_status(
     owners: list[list[list[str]]] = [[[] for _ in range(experts_n)] for _ in range(layers_n)]
     for layer, e, fp in announced:
         owners[layer][e].append(fp)
+    if replicas is None:
+        replicas = view.shards.replicas if view.shards is not None else 1
     layers = tuple(
-        LayerOwnership(layer, tuple(tuple(sorted(o)) for o in row)) for layer, row in enumerate(owners)
+        LayerOwnership(layer, tuple(tuple(sorted(o)) for o in row), replicas) for layer, row in enumerate(owners)
     )
     departed = tuple(
         DepartedPeer(fp, d.peer_id, d.step, d.reason) for fp, d in sorted(view.departed.items()) if fp not in alive

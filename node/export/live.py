@@ -121,7 +121,8 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
             raise ExportError(f"the swarm is unreachable: {e}") from None
         stack.callback(dht.shutdown)
         membership = Membership(dht, identity, MembershipConfig(run_id=peer.run_id, role="reader", manifest=manifest),
-                                shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
+                                shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts,
+                                                  replicas=cfg.ownership.replicas))
         membership.start()
         stack.callback(_leave, membership)
         views = SwarmViews(membership, identity.fingerprint, 1, lambda *_a, **_k: None)  # for its key lookups

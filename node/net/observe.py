@@ -98,12 +98,14 @@ class Observer:
         run_id: shown on the page.
         n_layers, n_experts: the model's shape, so experts nobody owns show in the shard map.
         period_s: how often the sampler reads the view.
+        replicas: owners per expert (more announcing one is contested); default: the view's shards', else 1.
     """
 
     def __init__(self, view_source: Callable[[], SwarmView | None], run_id: str, *, n_layers: int | None = None,
                  n_experts: int | None = None, period_s: float = 2.0,
-                 heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S) -> None:
+                 heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S, replicas: int | None = None) -> None:
         self.view_source = view_source
+        self.replicas = replicas
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.run_id = run_id
         self.shape = (n_layers, n_experts)
@@ -132,7 +134,7 @@ class Observer:
         if view is None:
             return
         status = swarm_status(view, n_layers=self.shape[0], n_experts=self.shape[1],
-                              heartbeat_ttl_s=self.heartbeat_ttl_s)
+                              heartbeat_ttl_s=self.heartbeat_ttl_s, replicas=self.replicas)
         with self._lock:
             for p in status.peers:
                 if p.loss is None:

@@ -221,7 +221,8 @@ class Node:
         rounds.publish_state()
         if joining:
             before = {m.fingerprint: m.heartbeat.capacity for m in others}
-            owners = owners_of(assign_experts(c.peer.run_id, cfg.model.n_layers, cfg.model.n_experts, before))
+            owners = owners_of(assign_experts(c.peer.run_id, cfg.model.n_layers, cfg.model.n_experts, before,
+                                              min(cfg.ownership.replicas, len(before))))
         else:
             owners = owners_of(net.membership.view().assignment())
         experts = Experts(composer, net.gossip, net.exchange, net.membership, net.views, telemetry, c.node,
@@ -253,7 +254,8 @@ class Node:
         membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", manifest=manifest,
                                              stall_s=c.net.stall_s, idle_s=c.net.idle_s)
         membership = Membership(dht, self.identity, membership_config,
-                                shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts))
+                                shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts,
+                                                  replicas=cfg.ownership.replicas))
         membership.start()
         stack.callback(_leave_quietly, membership)
         if self._observer is not None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from parallax.dht.keys import ExpertId
-from parallax.dht.shards import assign_replicas
+from parallax.dht.shards import assign_experts
 from parallax.node.config import train as config_mod
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.flops import step_flops
@@ -131,10 +131,10 @@ class RunResult:
 
 def replica_owners(cfg: TrainConfig, composers: int, run_id: str = "sim") -> dict[ExpertId, tuple[int, ...]]:
     """The ``cfg.ownership.replicas`` owners (composer indices, best rank first) of every expert, from the
-    assignment the P2P node uses (``assign_replicas``; one replica is ``assign_experts``)."""
+    assignment the P2P node uses (``assign_experts``)."""
     peers = {f"composer-{i}": 1.0 for i in range(composers)}
-    replicas = assign_replicas(run_id, cfg.model.n_layers, cfg.model.n_experts, peers, cfg.ownership.replicas)
-    return {(layer, expert): tuple(int(p.removeprefix("composer-")) for p in replicas.owners_of(layer, expert))
+    assignment = assign_experts(run_id, cfg.model.n_layers, cfg.model.n_experts, peers, cfg.ownership.replicas)
+    return {(layer, expert): tuple(int(p.removeprefix("composer-")) for p in assignment.owners_of(layer, expert))
             for layer in range(cfg.model.n_layers) for expert in range(cfg.model.n_experts)}
 
 

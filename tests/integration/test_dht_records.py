@@ -126,7 +126,7 @@ def _views_agree_on_genuine_claims(honest) -> bool:
     for p in honest:
         view = p.membership.view()
         a = view.assignment(now)
-        owners = {(layer, e): o for layer, e, o, _ in a.items()}
+        owners = {(layer, e): (o,) for layer, e, o, _ in a.items()}
         if view.claims(now) != owners:
             return False
         want = want or owners

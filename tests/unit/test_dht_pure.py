@@ -102,10 +102,11 @@ def test_claim_valid_only_while_lease_record_and_heartbeat_are():
     for p in PEERS:
         records[0][p] = (build_claim_set(a, 0, a.owned_by(p).get(0, frozenset()), (), now=100.0, lease_s=6.0), 106.0)
     everyone = valid_claims(records, set(PEERS), 101.0, a)
-    assert {s: c.holder for s, c in everyone.items()} == {(0, e): a.owner(0, e) for e in range(8)}
+    holders = {s: tuple(c.holder for c in cs) for s, cs in everyone.items()}
+    assert holders == {(0, e): (a.owner(0, e),) for e in range(8)}
     assert valid_claims(records, set(PEERS), 106.5, a) == {}  # lease over
     no_b = valid_claims(records, {"aaa", "ccc"}, 101.0, a)  # bbb's heartbeat died
-    assert all(c.holder != "bbb" for c in no_b.values()) and len(no_b) == 8 - len(a.owned_by("bbb")[0])
+    assert all(cs[0].holder != "bbb" for cs in no_b.values()) and len(no_b) == 8 - len(a.owned_by("bbb")[0])
 
 
 def test_handover_conflict_resolved_by_assignment_everywhere():
@@ -115,7 +116,34 @@ def test_handover_conflict_resolved_by_assignment_everywhere():
         "aaa": (ClaimSet((ShardClaim(layer=0, expert=e, lease_expiry=110.0),)), 110.0),
         "bbb": (ClaimSet((ShardClaim(layer=0, expert=e, lease_expiry=110.0),)), 110.0),
     }}
-    assert valid_claims(records, set(PEERS), 101.0, a)[(0, e)].holder == "bbb"
+    assert [c.holder for c in valid_claims(records, set(PEERS), 101.0, a)[(0, e)]] == ["bbb"]
+
+
+def test_an_expert_with_two_owners_has_both_claims_and_a_third_claimant_is_left_out():
+    a = assign_experts("r", 1, 8, PEERS, replicas=2)
+    records = {0: {p: (build_claim_set(a, 0, a.owned_by(p).get(0, frozenset()), (), now=100.0, lease_s=6.0), 106.0)
+                   for p in PEERS}}
+    found = valid_claims(records, set(PEERS), 101.0, a)
+    assert {s: tuple(c.holder for c in cs) for s, cs in found.items()} == {(0, e): a.owners_of(0, e) for e in range(8)}
+    e = next(e for e in range(8) if "aaa" not in a.owners_of(0, e))
+    records[0]["aaa"] = (ClaimSet((ShardClaim(layer=0, expert=e, lease_expiry=110.0),)), 110.0)
+    assert [c.holder for c in valid_claims(records, set(PEERS), 101.0, a)[(0, e)]] == list(a.owners_of(0, e))
+    # One owner dead: its co-owner's claim stays, and the third claimant's counts while the assignment lags.
+    dead = a.owner(0, e)
+    left = [c.holder for c in valid_claims(records, set(PEERS) - {dead}, 101.0, a)[(0, e)]]
+    assert left == [a.owners_of(0, e)[1], "aaa"]
+
+
+def test_with_two_replicas_the_heir_is_the_live_co_owner_and_nobody_keeps_snapshots():
+    a = assign_experts("r", 2, 6, PEERS, replicas=2)
+    assert a.replicas == 2
+    for layer, e, owner, heir in a.items():
+        assert heir == a.owners_of(layer, e)[1] and heir != owner
+    assert all(a.inherited_by(p) == {} for p in PEERS)
+    assert sum(a.load().values()) == 2 * 2 * 6
+    single = assign_experts("r", 2, 6, PEERS)
+    assert single.replicas == 1 and all(single.owners_of(layer, e) == (single.owner(layer, e),)
+                                        for layer in range(2) for e in range(6))
 
 
 def test_release_all_names_heirs():

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from parallax.dht.shards import (
     assign_experts,
-    assign_replicas,
     hrw_score,
     layer_quotas,
     max_extra_moves,
@@ -168,7 +167,7 @@ def test_bad_input_is_a_value_error(peers, match):
 def test_replicas_are_distinct_complete_and_loaded_exactly_to_their_quotas(peers, shape, data):
     n_layers, n_experts = shape
     replicas = data.draw(st.integers(1, len(peers)))
-    r = assign_replicas("run", n_layers, n_experts, peers, replicas)
+    r = assign_experts("run", n_layers, n_experts, peers, replicas=replicas)
     single = assign_experts("run", n_layers, n_experts, peers)
     total = sum(peers.values())
     for layer in range(n_layers):
@@ -191,11 +190,11 @@ def test_replicas_are_distinct_complete_and_loaded_exactly_to_their_quotas(peers
 
 def test_every_peer_owning_every_expert_and_too_few_peers():
     peers = {"a": 1.0, "b": 3.0, "c": 0.5}
-    r = assign_replicas("run", 2, 6, peers, 3)
+    r = assign_experts("run", 2, 6, peers, replicas=3)
     assert all(set(r.owners_of(layer, e)) == set(peers) for layer in range(2) for e in range(6))
     assert r.load() == {"a": 12, "b": 12, "c": 12}
-    capped = assign_replicas("run", 2, 6, {"big": 10.0, "x": 1.0, "y": 1.0}, 2)
+    capped = assign_experts("run", 2, 6, {"big": 10.0, "x": 1.0, "y": 1.0}, replicas=2)
     assert capped.load()["big"] == 12  # capped at every expert; the others share the rest equally
     assert capped.load()["x"] == capped.load()["y"] == 6
     with pytest.raises(ValueError, match="at least 4 live peers"):
-        assign_replicas("run", 1, 4, peers, 4)
+        assign_experts("run", 1, 4, peers, replicas=4)

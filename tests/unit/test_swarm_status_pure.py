@@ -76,9 +76,9 @@ def test_rows_from_a_view_mark_unowned_and_contested_experts():
     assert [lo["layer"] for lo in layers] == ["0", "1"]
     assert layers[0]["owned"] == "3/4" and layers[0]["no owner"] == "3"
     pair = "+".join(sorted([a.fingerprint, b.fingerprint]))
-    assert layers[0]["2+ owners"] == f"2({pair})"
+    assert layers[0]["too many owners"] == f"2({pair})"
     assert f"{a.fingerprint}: 0-2" in layers[0]["owners (experts)"]
-    assert layers[1]["owned"] == "2/4" and layers[1]["no owner"] == "1,2" and layers[1]["2+ owners"] == "-"
+    assert layers[1]["owned"] == "2/4" and layers[1]["no owner"] == "1,2" and layers[1]["too many owners"] == "-"
 
     data = status.to_json()
     assert data["layers"][0]["contested"] == [2] and data["layers"][1]["unowned"] == [1, 2]
