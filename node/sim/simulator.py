@@ -44,9 +44,9 @@ from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.offload.proxy import LocalWorkers
 from parallax.node.train.checkpoint import save_checkpoint
-from parallax.node.train.composer import Composer, evaluate, tensor_bytes
+from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import shard, val_batches
-from parallax.node.train.outer import OuterOptimizer, TierSchedule
+from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule
 from parallax.node.train.rda import merge_groups
 from parallax.node.train.robust import robust_merge_groups
 
@@ -159,14 +159,10 @@ def expert_bundles(owners: dict[ExpertId, tuple[int, ...]]) -> dict[tuple[int, .
     return bundles
 
 
-def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterOptimizer:
-    """An outer optimizer over ``experts`` of ``composer``, its parameters in the order of the "expert" group
-    (with every expert in it, the DiLoCo reference's expert group)."""
-    cfg = composer.cfg
-    wanted = {f"blocks.{layer}.moe.experts.{expert}." for layer, expert in experts}
-    params = {name: p for name, p in composer.model.group_parameters("expert").items()
-              if any(name.startswith(prefix) for prefix in wanted)}
-    return OuterOptimizer(params, lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
+def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterBundle:
+    """The outer optimizers of ``experts`` of ``composer`` (``Composer(replica_outers=True)``) stepped as one, in
+    the order of the "expert" group (with every expert in it, the DiLoCo reference's expert group)."""
+    return OuterBundle([composer.outer[expert_group(eid)] for eid in sorted(experts)])
 
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
@@ -203,13 +199,12 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         merged_groups = (*SHARED_GROUPS, "expert") if dense else SHARED_GROUPS
         composers = [
             Composer(cfg, own_all(cfg.model) if dense else shards[i], shard(train, i, C),
-                     sampler_seed=cfg.seed + 1 + i, merged_groups=merged_groups, device=device)
+                     sampler_seed=cfg.seed + 1 + i, merged_groups=merged_groups, device=device,
+                     replica_outers=replicated)
             for i in range(C)
         ]
     bundles = expert_bundles(owners) if replicated else {}
     wire = OuterSyncConfig().with_run(cfg.sync)  # the bundles' rounds: the run's merge, wire format and aggregation
-    replica_outer = [{who: bundle_outer(composers[i], experts) for who, experts in bundles.items() if i in who}
-                     for i in range(len(composers))]  # each composer's outer optimizer of each bundle it is in
     merged_at = [0] * len(composers)  # tokens each composer had seen at its bundles' last merge
     dense_tokens = [0] * len(composers)  # tokens each composer trained with every expert real
     peak = (0, 0)  # (parameters, optimizer-state bytes) a composer held before the split
@@ -261,7 +256,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
-                traffic["outer"] += merge_outer([replica_outer[i][who] for i in who], weights, wire) or 0
+                traffic["outer"] += merge_outer([bundle_outer(composers[i], bundles[who]) for i in who], weights,
+                                                wire) or 0
             merged_at = [c.tokens_seen for c in composers]
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
@@ -298,9 +294,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         name=spec.name, kind=spec.kind, composer_val_losses=composer_losses, assembled_val_loss=assembled,
         tokens=tokens, train_flops=train_flops, wall_s=wall_s,
         params_per_composer=max(peak[0], *(c.parameter_count() for c in composers)),
-        optimizer_state_bytes_per_composer=max(peak[1], *(
-            c.optimizer_state_bytes() + sum(tensor_bytes(o.state_dict()) for o in outers.values())
-            for c, outers in zip(composers, replica_outer, strict=True))),
+        optimizer_state_bytes_per_composer=max(peak[1], *(c.optimizer_state_bytes() for c in composers)),
         owned_fraction=statistics.mean(c.owned_fraction for c in composers), loss_history=history,
         val_history=[*val_history, (tokens, statistics.median(composer_losses))],
         network_bytes=traffic, stand_in_error=stand_in_history,
@@ -440,7 +434,8 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     return sent
 
 
-def merge_outer(outers: Sequence[OuterOptimizer], weights: Sequence[float], wire: OuterSyncConfig) -> int | None:
+def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],
+                wire: OuterSyncConfig) -> int | None:
     """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
 
     "allreduce": ``wire.compression`` rounds what crosses the wire as hivemind's all-reduce does

@@ -65,11 +65,14 @@ class Composer:
             adds "expert").
         batch_size: sequences per step (defaults to cfg.batch_size; the baseline uses C x that).
         device: where the model lives.
+        replica_outers: each owned expert has its own outer optimizer, ``outer[expert_group(eid)]`` (with
+            ``ownership.replicas`` > 1: the owners of an expert merge it DiLoCo-style among themselves). It moves
+            with the expert: ``expert_snapshot`` carries its anchor and momentum, ``adopt_expert`` takes them.
     """
 
     def __init__(self, cfg: TrainConfig, owned: Ownership, train_tokens: torch.Tensor, *, sampler_seed: int,
                  merged_groups: Sequence[str] = SHARED_GROUPS, batch_size: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", replica_outers: bool = False) -> None:
         self.cfg = cfg
         self.owned = owned
         self.device = torch.device(device)
@@ -109,6 +112,13 @@ class Composer:
             if self.model.group_parameters(g)
         }
         self.tokens_since_merge = dict.fromkeys(self.outer, 0)
+        self.replica_outers = replica_outers
+        if replica_outers:
+            if "expert" in self.outer:
+                raise ValueError("replica_outers merges each expert among its owners; it cannot go with the 'expert' "
+                                 "group merged among every composer")
+            for eid in self.owned_experts():
+                self._start_replica_outer(eid, {})
         self.step = 0
         self.tokens_seen = 0
         self.selections_owned = 0
@@ -317,7 +327,8 @@ class Composer:
         Returns:
             CPU float32 copies: the weights under their ``expert_parameters`` names ("w_gate.weight", ...),
             and, once the optimizer has stepped them, "adam.exp_avg.<name>", "adam.exp_avg_sq.<name>" and
-            "adam.step" (a 0-d float64 tensor).
+            "adam.step" (a 0-d float64 tensor); with ``replica_outers``, its outer anchor "outer.anchor.<name>"
+            and, once an outer step made it, the momentum "outer.momentum.<name>".
 
         Raises:
             ValueError: the expert does not exist or is not owned here.
@@ -325,7 +336,7 @@ class Composer:
         layer, expert = self._check_expert(expert_id, owned=True)
         params = self.model.expert_parameters(layer, expert)
         out = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()}
-        return {**out, **adam_state(self.optimizer, params)}
+        return {**out, **adam_state(self.optimizer, params), **self._replica_outer_state((layer, expert))}
 
     def load_expert_adam(self, expert_id: ExpertId, step: float, moments: Mapping[str, torch.Tensor]) -> None:
         """Set an owned expert's AdamW state (checked by ``check_adam_state``): an adopted expert's, or the state
@@ -347,8 +358,10 @@ class Composer:
         Args:
             expert_id: (layer, expert), not owned here.
             snapshot: the previous owner's ``expert_snapshot`` / ``release_expert``; with adam.* entries its
-                AdamW state carries on, without them the optimizer starts the expert afresh. None: the
-                expert's seeded initial weights (an expert nobody has trained, or whose owner vanished).
+                AdamW state carries on, without them the optimizer starts the expert afresh; with outer.* entries
+                (``replica_outers``) its outer anchor and momentum do, without them the anchor is the adopted
+                weights. None: the expert's seeded initial weights (an expert nobody has trained, or whose owner
+                vanished).
 
         Raises:
             ValueError: the expert does not exist or is already owned, ownership cannot change in this
@@ -360,10 +373,14 @@ class Composer:
         with torch.device("meta"):
             module = SwiGLU(self.cfg.model.d_latent, self.cfg.model.d_expert)
         shapes = {n: p.shape for n, p in module.named_parameters()}
+        outer_state: dict[str, torch.Tensor] = {}
         if snapshot is None:
             weights, adam = self.model.initial_expert_weights(layer, expert, self.cfg.seed), None
         else:
-            weights, adam = check_snapshot(f"snapshot of expert {(layer, expert)}", snapshot, shapes,
+            where = f"snapshot of expert {(layer, expert)}"
+            outer_state = check_outer_state(where, {k: v for k, v in snapshot.items() if k.startswith(OUTER_PREFIX)},
+                                            shapes) if self.replica_outers else {}
+            weights, adam = check_snapshot(where, {k: v for k, v in snapshot.items() if k not in outer_state}, shapes,
                                            self.optimizer.param_groups[0]["betas"])
 
         moe = self.model.moe_layer(layer)
@@ -378,6 +395,8 @@ class Composer:
         self._canonical_optimizer()
         if adam is not None:
             self.load_expert_adam((layer, expert), *adam)
+        if self.replica_outers:
+            self._start_replica_outer((layer, expert), outer_state)
         if self.cfg.surrogate.non_owned == "surrogate":
             # Receivers hold our copy of its surrogate (every composer applied the same deltas), so the
             # next refresh publishes only what changes from here.
@@ -406,6 +425,8 @@ class Composer:
         self.owned = _with_expert(self.owned, layer, expert, owned_now=False)
         self._canonical_optimizer()
         self.publishers.pop((layer, expert), None)
+        self.outer.pop(expert_group((layer, expert)), None)
+        self.tokens_since_merge.pop(expert_group((layer, expert)), None)
         if self.recorder is not None:
             self.recorder.drop(layer, expert)
         return snapshot
@@ -465,6 +486,44 @@ class Composer:
         groups[0]["params"], groups[1]["params"] = decay, no_decay
         if self.matrix_optimizer is not None:
             self.matrix_optimizer.param_groups[0]["params"] = matrices
+
+    # ---- replicated experts' outer state ----------------------------------------------------------
+
+    def _start_replica_outer(self, eid: ExpertId, state: Mapping[str, torch.Tensor]) -> None:
+        """The outer optimizer of an owned expert: from ``state`` (``check_outer_state``'s entries) when given,
+        else anchored at its weights now. ``outer`` stays in canonical order: shared groups, then experts."""
+        prefix = expert_prefix(eid)
+        params = {prefix + n: p for n, p in self.model.expert_parameters(*eid).items()}
+        s = self.cfg.sync
+        outer = OuterOptimizer(params, lr=s.outer_lr, momentum=s.outer_momentum)
+        if state:
+            with torch.no_grad():
+                for name, anchor in outer.anchor.items():
+                    anchor.copy_(state[f"{OUTER_PREFIX}anchor.{name[len(prefix):]}"])
+                    momentum = state.get(f"{OUTER_PREFIX}momentum.{name[len(prefix):]}")
+                    if momentum is not None:
+                        outer.optimizer.state[anchor]["momentum_buffer"] = momentum.to(torch.float32).clone()
+        self.outer[expert_group(eid)] = outer
+        self.tokens_since_merge[expert_group(eid)] = 0
+        shared = {g: o for g, o in self.outer.items() if not g.startswith(EXPERT_GROUP_PREFIX)}
+        experts = sorted((g, o) for g, o in self.outer.items() if g.startswith(EXPERT_GROUP_PREFIX))
+        self.outer = {**shared, **dict(sorted(experts, key=lambda go: _expert_of_group(go[0])))}
+
+    def _replica_outer_state(self, eid: ExpertId) -> dict[str, torch.Tensor]:
+        """An owned expert's outer anchor and momentum under snapshot names (empty without ``replica_outers``)."""
+        outer = self.outer.get(expert_group(eid))
+        if outer is None:
+            return {}
+        prefix = expert_prefix(eid)
+        out = {f"{OUTER_PREFIX}anchor.{name[len(prefix):]}": a.clone() for name, a in outer.anchor.items()}
+        momenta = {name: outer.optimizer.state.get(a, {}).get("momentum_buffer") for name, a in outer.anchor.items()}
+        if all(m is not None for m in momenta.values()):
+            out.update({f"{OUTER_PREFIX}momentum.{name[len(prefix):]}": m.clone() for name, m in momenta.items()})
+        return out
+
+    def replicated_experts(self) -> list[ExpertId]:
+        """The owned experts with an outer optimizer of their own (``replica_outers``)."""
+        return [_expert_of_group(g) for g in self.outer if g.startswith(EXPERT_GROUP_PREFIX)]
 
     # ---- tiered outer sync ------------------------------------------------------------------------
 
@@ -535,6 +594,52 @@ def _with_expert(owned: Ownership, layer: int, expert: int, *, owned_now: bool) 
     """``owned`` with one expert added (owned_now) or removed."""
     return tuple((experts | {expert} if owned_now else experts - {expert}) if i == layer else experts
                  for i, experts in enumerate(owned))
+
+
+OUTER_PREFIX = "outer."
+"""Snapshot entries of a replicated expert's outer state: "outer.anchor.<name>", "outer.momentum.<name>"."""
+EXPERT_GROUP_PREFIX = "expert/"
+
+
+def expert_group(eid: ExpertId) -> str:
+    """The ``Composer.outer`` key of one replicated expert's outer optimizer ("expert/<layer>.<expert>")."""
+    return f"{EXPERT_GROUP_PREFIX}{int(eid[0])}.{int(eid[1])}"
+
+
+def _expert_of_group(group: str) -> ExpertId:
+    layer, expert = group[len(EXPERT_GROUP_PREFIX):].split(".")
+    return int(layer), int(expert)
+
+
+def expert_prefix(eid: ExpertId) -> str:
+    """The model's name prefix of one expert's parameters (its names in the "expert" group)."""
+    return f"blocks.{int(eid[0])}.moe.experts.{int(eid[1])}."
+
+
+def outer_state_shapes(shapes: Mapping[str, torch.Size]) -> dict[str, torch.Size]:
+    """The names and shapes of a replicated expert's outer state in a snapshot (``Composer.expert_snapshot``)."""
+    return {f"{OUTER_PREFIX}{kind}.{n}": shape for kind in ("anchor", "momentum") for n, shape in shapes.items()}
+
+
+def check_outer_state(where: str, state: Mapping[str, torch.Tensor],
+                      shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Check the outer.* entries of a snapshot: none, the anchor alone, or the anchor and the momentum, each
+    whole, of the expert's shapes, finite and bounded.
+
+    Raises:
+        ValueError: unknown names, a part of the anchor or the momentum, or a bad tensor.
+    """
+    if not state:
+        return {}
+    allowed = outer_state_shapes(shapes)
+    anchor = {f"{OUTER_PREFIX}anchor.{n}" for n in shapes}
+    momentum = {f"{OUTER_PREFIX}momentum.{n}" for n in shapes}
+    names = set(state)
+    if names - set(allowed) or not anchor <= names or names & momentum not in (set(), momentum):
+        raise ValueError(f"{where}: outer state has {sorted(names)}; expected all of {sorted(anchor)} and either all "
+                         f"or none of {sorted(momentum)}")
+    _check_tensors(where, state, {n: allowed[n] for n in state}, ValueError)
+    return dict(state)
 
 
 def adam_state_shapes(shapes: Mapping[str, torch.Size]) -> dict[str, torch.Size]:

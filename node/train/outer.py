@@ -13,7 +13,7 @@ Tiered sync (DESIGN.md section 4): each shared group has its own period H_G, rou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,46 @@ class OuterOptimizer:
             a.copy_(self._live(name))
         if reset_momentum:
             self.optimizer.state.clear()
+
+
+class OuterBundle:
+    """Several outer optimizers stepped as one: the experts one set of owners merges in one round.
+
+    SGD is elementwise, so stepping each part with its share of the merged pseudo-gradient is the step of one
+    optimizer over all of them; the names of the parts must differ (the model's parameter names do).
+    """
+
+    def __init__(self, parts: Sequence[OuterOptimizer]) -> None:
+        names = [n for p in parts for n in p.anchor]
+        if not parts or len(set(names)) != len(names):
+            raise ValueError("an outer bundle needs at least one part and distinct tensor names")
+        self.parts = list(parts)
+
+    @property
+    def anchor(self) -> dict[str, torch.Tensor]:
+        return {n: a for p in self.parts for n, a in p.anchor.items()}
+
+    def pseudo_gradient(self) -> dict[str, torch.Tensor]:
+        return {n: d for p in self.parts for n, d in p.pseudo_gradient().items()}
+
+    def live_copy(self) -> dict[str, torch.Tensor]:
+        return {n: t for p in self.parts for n, t in p.live_copy().items()}
+
+    def step(self, merged: Mapping[str, torch.Tensor]) -> None:
+        """``OuterOptimizer.step`` of every part with its tensors of ``merged``."""
+        self._check(merged)
+        for p in self.parts:
+            p.step({n: merged[n] for n in p.anchor})
+
+    def step_late(self, merged: Mapping[str, torch.Tensor], submitted: Mapping[str, torch.Tensor]) -> None:
+        """``OuterOptimizer.step_late`` of every part."""
+        self._check(merged)
+        for p in self.parts:
+            p.step_late({n: merged[n] for n in p.anchor}, {n: submitted[n] for n in p.anchor})
+
+    def _check(self, merged: Mapping[str, torch.Tensor]) -> None:
+        if set(merged) != set(self.anchor):
+            raise ValueError(f"merged tensors {sorted(merged)} != bundle tensors {sorted(self.anchor)}")
 
 
 class TierSchedule:

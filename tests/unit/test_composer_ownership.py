@@ -13,7 +13,7 @@ from parallax.node.config import train as config
 from parallax.node.config.train import train_config
 from parallax.node.config.typed import apply_changes
 from parallax.node.train.checkpoint import load_checkpoint, read_info, save_checkpoint, state_hash
-from parallax.node.train.composer import BadOptimizerState, Composer, moment_bound
+from parallax.node.train.composer import BadOptimizerState, Composer, expert_group, moment_bound
 from parallax.node.train.data import load_corpus, split_corpus
 
 OWNED_A = (frozenset({0, 2}), frozenset({3}))
@@ -290,3 +290,52 @@ def test_adamw_states_keep_the_moment_bound_and_the_bound_is_tight(betas):
         assert max(ratios) <= bound * 1.001
     assert ratios[-1] >= 0.99 * bound
     assert moment_bound((0.99, 0.9)) is None  # b1^2 >= b2: AdamW's moments admit no such bound
+
+
+def _replicated(train, owned, seed) -> Composer:  # with outer momentum, so that there is some to carry
+    return Composer(_cfg(**{"sync.outer_momentum": 0.9}), owned, train, sampler_seed=seed, replica_outers=True)
+
+
+def test_a_replicated_experts_outer_state_moves_with_it_and_resumes_exactly(train, tmp_path):
+    a, b = _replicated(train, OWNED_A, 3), _replicated(train, OWNED_B, 4)
+    assert a.replicated_experts() == [(0, 0), (0, 2), (1, 3)]
+    expert_names = set(a.model.group_parameters("expert"))
+    assert {n for eid in a.replicated_experts() for n in a.outer[expert_group(eid)].anchor} == expert_names
+    _advance(b, 3)
+    b.apply_outer(expert_group((1, 0)), b.pseudo_gradient(expert_group((1, 0))))  # an outer step: momentum now
+    _advance(b, 2)
+    given = b.outer[expert_group((1, 0))].state_dict()
+    snapshot = b.release_expert((1, 0))
+    assert {k for k in snapshot if k.startswith("outer.")} == {f"outer.{kind}.{n}" for kind in ("anchor", "momentum")
+                                                                for n in WEIGHTS}
+    assert expert_group((1, 0)) not in b.outer and expert_group((1, 0)) not in b.tokens_since_merge
+    a.adopt_expert((1, 0), snapshot)
+    taken = a.outer[expert_group((1, 0))].state_dict()
+    for name, anchor in given["anchor"].items():
+        assert torch.equal(taken["anchor"][name], anchor)
+    momenta = [s["momentum_buffer"] for s in taken["optimizer"]["state"].values()]
+    assert momenta and all(torch.equal(m, g["momentum_buffer"])
+                           for m, g in zip(momenta, given["optimizer"]["state"].values(), strict=True))
+    assert a.replicated_experts() == [(0, 0), (0, 2), (1, 0), (1, 3)]  # canonical order, as a fresh composer's
+    a.release_expert((0, 0))
+    _advance(a, 2)
+    path = save_checkpoint(tmp_path, a, run_id="run-test")
+    fresh = _replicated(train, read_info(path).owned, 3)
+    load_checkpoint(path, fresh, run_id="run-test")
+    assert state_hash(fresh) == state_hash(a)
+    for eid in a.replicated_experts():
+        group = expert_group(eid)
+        _assert_same(fresh.outer[group].state_dict()["anchor"], a.outer[group].state_dict()["anchor"])
+
+
+def test_a_snapshot_without_outer_state_anchors_at_its_weights_and_a_partial_one_is_refused(train):
+    a, b = _replicated(train, OWNED_A, 3), _replicated(train, OWNED_B, 4)
+    _advance(b, 2)
+    snapshot = b.release_expert((1, 0))
+    partial = {k: v for k, v in snapshot.items() if k != "outer.anchor.w_up.weight"}
+    with pytest.raises(ValueError, match="outer state"):
+        a.adopt_expert((1, 0), partial)
+    assert (1, 0) not in a.replicated_experts()
+    a.adopt_expert((1, 0), {k: v for k, v in snapshot.items() if not k.startswith("outer.")})
+    for name, anchor in a.outer[expert_group((1, 0))].anchor.items():
+        assert torch.equal(anchor, snapshot[name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.train.outer import OuterOptimizer, TierSchedule
+from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule
 
 
 def _param(values, dtype=torch.float32):
@@ -120,3 +120,26 @@ def test_schedule_validation():
         TierSchedule({"router": 1, "experts": 2})
     with pytest.raises(ValueError):
         TierSchedule({"router": 0})
+
+
+def test_a_bundle_steps_as_one_optimizer_over_all_its_parts():
+    g = torch.Generator().manual_seed(1)
+    values = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)}
+    whole_params = {n: torch.nn.Parameter(v.clone()) for n, v in values.items()}
+    split_params = {n: torch.nn.Parameter(v.clone()) for n, v in values.items()}
+    whole = OuterOptimizer(whole_params, lr=0.7, momentum=0.9)
+    bundle = OuterBundle([OuterOptimizer({n: p}, lr=0.7, momentum=0.9) for n, p in split_params.items()])
+    for _ in range(3):
+        for params in (whole_params, split_params):
+            with torch.no_grad():
+                for p in params.values():
+                    p.mul_(0.9)  # the same inner progress on both
+        assert all(torch.equal(whole.pseudo_gradient()[n], d) for n, d in bundle.pseudo_gradient().items())
+        merged = {n: d * 0.5 for n, d in whole.pseudo_gradient().items()}
+        whole.step(merged)
+        bundle.step(merged)
+    assert all(torch.equal(whole_params[n], split_params[n]) for n in values)
+    with pytest.raises(ValueError, match="bundle tensors"):
+        bundle.step({"a": torch.zeros(3, 4)})
+    with pytest.raises(ValueError, match="distinct"):
+        OuterBundle([OuterOptimizer({"a": split_params["a"]}), OuterOptimizer({"a": split_params["a"]})])

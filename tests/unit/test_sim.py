@@ -132,7 +132,7 @@ def test_with_two_replicas_each_expert_has_two_owners_who_merge_it_and_the_first
     assert sorted(sum(len(s) for s in shard_) for shard_ in shards) == [5, 5, 6]
     bundles = expert_bundles(owners)
     assert sorted(e for experts in bundles.values() for e in experts) == sorted(owners)
-    composers = [Composer(cfg, shards[i], shard(train, i, 3), sampler_seed=i) for i in range(3)]
+    composers = [Composer(cfg, shards[i], shard(train, i, 3), sampler_seed=i, replica_outers=True) for i in range(3)]
     outers = {members: [bundle_outer(composers[i], experts) for i in members] for members, experts in bundles.items()}
     for _ in range(2):
         for c in composers:
