@@ -86,12 +86,15 @@ SURROGATE_VERSION = "surrogate.version"
 
 
 def snapshot_shapes(expert_shapes: Shapes, surrogate_shapes: Shapes | None = None) -> dict[str, tuple[int, ...]]:
-    """Every name a snapshot may carry: weights, their two Adam moments, the Adam step, and the surrogate
-    receivers hold with its version (what a new owner continues from)."""
+    """Every name a snapshot may carry: weights, their two Adam moments, the Adam step, a replicated expert's
+    outer anchor and momentum, and the surrogate receivers hold with its version (what a new owner continues
+    from)."""
     out = dict(expert_shapes)
     for name, shape in expert_shapes.items():
         out[f"adam.exp_avg.{name}"] = shape
         out[f"adam.exp_avg_sq.{name}"] = shape
+        out[f"outer.anchor.{name}"] = shape
+        out[f"outer.momentum.{name}"] = shape
     out["adam.step"] = ()
     for name, shape in (surrogate_shapes or {}).items():
         out[f"{SURROGATE_PREFIX}{name}"] = shape

@@ -5,6 +5,12 @@ an expert it lost is released (its final snapshot served for the peer taking it 
 what every receiver holds); an expert it gained is taken over through a ``Handover`` (``handover.py``) and
 adopted from the snapshot that wins, or from this node's heir copy, or from the seeded initialisation (logged).
 The new owner then publishes the surrogate as a full copy at a version that makes every receiver catch up.
+
+With ``ownership.replicas`` = R > 1 an expert has R owners, all training it. Only the first by rank, its lead
+(``led``), publishes its surrogate; the others apply the lead's updates to their copy of the surrogate like any
+receiver, so that whichever of them leads next continues from what receivers hold. An owner that gains an
+expert while another owner keeps it takes it over from that live replica: its first snapshot (weights, AdamW
+state, outer anchor and momentum) ends the hand-over, and the replica it came from never stopped training.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from parallax.node.train.composer import ADAM_PREFIX, BadOptimizerState, Compose
 logger = logging.getLogger(__name__)
 
 
-def owners_of(assignment: Assignment | None) -> dict[ExpertId, str]:
-    """expert -> owner fingerprint in ``assignment`` (empty without one)."""
-    return {} if assignment is None else {(layer, e): owner for layer, e, owner, _ in assignment.items()}
+def owners_of(assignment: Assignment | None) -> dict[ExpertId, tuple[str, ...]]:
+    """expert -> its owners' fingerprints in ``assignment``, best rank first (empty without one)."""
+    if assignment is None:
+        return {}
+    return {(layer, e): assignment.owners_of(layer, e) for layer, e, _, _ in assignment.items()}
 
 
 class Experts:
@@ -45,14 +53,15 @@ class Experts:
         settings: the node's own settings (adoption wait, hand-over window, snapshot period).
         fingerprint: this node's identity fingerprint.
         online_at: when this node's first heartbeat was stored (monotonic clock).
-        owners: expert -> owner fingerprint as the node last saw it (the previous owners of a joiner's experts).
+        owners: expert -> its owners' fingerprints as the node last saw them (the previous owners of a joiner's
+            experts), best rank first.
         offload: the offload session, when this node offloads.
         clock: the monotonic clock (injected in tests).
     """
 
     def __init__(self, composer: Composer, gossip: SurrogateGossip, exchange: ExpertExchange, membership: Membership,
                  views: SwarmViews, telemetry: Telemetry, settings: NodeSettings, *, fingerprint: str,
-                 online_at: float, owners: dict[ExpertId, str], offload: OffloadSession | None = None,
+                 online_at: float, owners: dict[ExpertId, tuple[str, ...]], offload: OffloadSession | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.composer, self.gossip, self.exchange, self.membership = composer, gossip, exchange, membership
         self.views, self.telemetry, self.settings = views, telemetry, settings
@@ -60,6 +69,10 @@ class Experts:
         self.clock = clock
         self.handovers: dict[ExpertId, tuple[Handover, Future[Snapshot | None] | None]] = {}
         self._adopted: set[ExpertId] = set()  # taken over since start: the next publication jumps versions
+        self.led: set[ExpertId] = {eid for eid in composer.owned_experts() if not composer.replica_outers
+                                   or owners.get(eid, (fingerprint,))[0] == fingerprint}
+        """The owned experts whose surrogate this node publishes (all of them with one owner per expert)."""
+        self._assignment: Assignment | None = None  # as of the last reconcile
 
     # --- ownership changes ---
 
@@ -71,6 +84,7 @@ class Experts:
         assignment = view.assignment(view.read_at) if view is not None else None
         if view is None or assignment is None or self.fingerprint not in assignment.peers:
             return  # no fresh view that has us in it (a transient DHT miss): change nothing
+        self._assignment = assignment
         current = set(self.composer.owned_experts())
         cut_off = view.quorum is QuorumState.LOST
         if cut_off != self.telemetry.status.cut_off:
@@ -99,7 +113,11 @@ class Experts:
         now = self.clock()
         alive = view.alive(view.read_at)
         for eid in sorted(target - current - set(self.handovers)):
-            previous = self.owners.get(eid)
+            before = self.owners.get(eid, ())
+            # With replicas, an owner that keeps the expert trains a live copy: take it over from that one.
+            keepers = [fp for fp in assignment.owners_of(*eid) if fp in before and fp != self.fingerprint
+                       and fp in alive and fp not in view.stalled]
+            previous = keepers[0] if keepers else (before[0] if before else None)
             member = alive.get(previous) if previous and previous != self.fingerprint else None
             if member is not None and previous in view.stalled:
                 member = None  # a banned or idle owner's copy is not waited for: the heir's, or the initialisation
@@ -112,7 +130,7 @@ class Experts:
                         if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
                 started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
                 wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
-                has_own_copy=self.exchange.has_local_copy(eid))
+                has_own_copy=self.exchange.has_local_copy(eid), live_source=bool(keepers))
             self.handovers[eid] = (handover, None)
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
@@ -126,8 +144,26 @@ class Experts:
             else:
                 self._carry_out(eid, handover.tick(self.clock()))
         self.owners = owners_of(assignment)
-        if set(self.composer.owned_experts()) != current:
+        owned = set(self.composer.owned_experts())
+        for eid in sorted(owned - self.led):
+            if assignment.owner(*eid) == self.fingerprint:
+                self._take_lead(eid)
+        for eid in sorted(self.led & owned):
+            if assignment.owner(*eid) != self.fingerprint:  # still an owner, no longer the one that publishes
+                self.led.discard(eid)
+                self.gossip.disown(*eid)
+        if owned != current:
             self.shard_event()
+
+    def _take_lead(self, eid: ExpertId) -> None:
+        """Publish the surrogate of an expert this node trains already (a co-owner whose lead left): from the
+        surrogate receivers hold, which it applied like them, as a full copy past the versions it may have missed."""
+        self.composer.reset_publisher(eid)
+        self._adopted.add(eid)
+        self.led.add(eid)
+        self.publish(eid[0], eid[1], self.composer.publishers[eid].delta(
+            {n: p.data for n, p in self.composer.model.surrogate_parameters(*eid).items()}))
+        self.telemetry.event("lead", layer=eid[0], expert=eid[1], step=self.composer.step)
 
     def _carry_out(self, eid: ExpertId, actions: list[Ask | Finish]) -> None:
         for action in actions:
@@ -162,13 +198,16 @@ class Experts:
                            "restarting it from init", eid)
             source = "init"
             composer.adopt_expert(eid, None)
-        self._adopted.add(eid)
         self.telemetry.status.adoptions += 1
         self.telemetry.event("adopted", layer=eid[0], expert=eid[1], source=source,
                              snapshot_step=snapshot.step if snapshot else None,
                              surrogate_version=self.gossip.versions().get(eid, 0))
+        if self._assignment is not None and self._assignment.owner(*eid) != self.fingerprint:
+            return  # a co-owner: the lead publishes the surrogate; this node follows its updates
         # Publish at once: every receiver switches to this node's copy of the surrogate (a full copy at a
         # version past anything the previous owner may have published).
+        self._adopted.add(eid)
+        self.led.add(eid)
         self.publish(eid[0], eid[1], composer.publishers[eid].delta(
             {n: p.data for n, p in composer.model.surrogate_parameters(*eid).items()}))
 
@@ -200,11 +239,13 @@ class Experts:
         composer = self.composer
         if self.offload is not None:  # trained here again before its snapshot (unanswered sketches are dropped)
             self.offload.release(eid)
-        mirror = composer.publishers[eid].full() if eid in composer.publishers else None
+        # A co-owner's surrogate is already what receivers hold: it applied the lead's updates like them.
+        mirror = composer.publishers[eid].full() if eid in composer.publishers and eid in self.led else None
         snapshot = self.snapshot(eid)
         composer.release_expert(eid)
         self.exchange.put(eid, composer.step, snapshot, final=True)
         self.gossip.disown(*eid)
+        self.led.discard(eid)
         if mirror is not None:  # back to the surrogate every receiver holds
             with torch.no_grad():
                 for n, p in composer.model.surrogate_parameters(*eid).items():
@@ -218,7 +259,9 @@ class Experts:
         """An owned expert's snapshot: weights + AdamW state, and the surrogate every receiver holds with its
         version, so whoever takes the expert over continues the surrogate's versions from the same base."""
         tensors = self.composer.expert_snapshot(eid)
-        for name, t in self.composer.publishers[eid].full().items():
+        held = (self.composer.publishers[eid].full() if eid in self.led else
+                {n: p.detach().clone() for n, p in self.composer.model.surrogate_parameters(*eid).items()})
+        for name, t in held.items():
             tensors[f"{SURROGATE_PREFIX}{name}"] = t
         tensors[SURROGATE_VERSION] = torch.tensor(float(self.gossip.versions().get(eid, 0)))
         return tensors

@@ -4,7 +4,8 @@ A pure state machine in the style of h11's ``_state.py``: the node feeds it even
 passed) with the time they happened, and carries out the actions it returns (ask a peer, finish with the best
 snapshot). No clock, no network, no composer inside: the unit tests drive it with plain events.
 
-The protocol. The new owner asks the previous owner first (when it is alive), then, while the answers are not
+The protocol. The new owner asks the previous owner first (when it is alive; with replicas, an owner that keeps
+the expert, whose first snapshot is enough), then, while the answers are not
 the hand-over's final snapshot, every other live composer in turn, with the previous owner again every other
 request: a previous owner whose view lagged ours releases the expert (and serves its final snapshot) seconds
 later, and under churn the node that trained the expert last may not be the owner our view names. At most
@@ -76,6 +77,8 @@ class Handover:
         wait_s: give up asking after this long.
         handover_window_s: a final snapshot released longer than this before ``started`` is stale.
         has_own_copy: this node holds an heir copy of the expert (with a dead source: ask nobody).
+        live_source: the source keeps training the expert (another of its owners, with replicas): its first
+            snapshot ends the wait as a final one would; it never releases the expert.
     """
 
     source: str | None
@@ -85,6 +88,7 @@ class Handover:
     wait_s: float
     handover_window_s: float
     has_own_copy: bool = False
+    live_source: bool = False
     phase: Phase = Phase.ASKING
     asking: str | None = None
     asked_at: float = 0.0
@@ -124,7 +128,8 @@ class Handover:
             return []
         assert self.asking is not None and self.source is not None
         last = self._last
-        if (last is None or last.final) and self.others:  # nothing there, or a stale final: someone else
+        # Nothing there, or a stale final, or (a live source) another peer's copy: someone else.
+        if (last is None or last.final or (self.live_source and self.asking != self.source)) and self.others:
             if self.asking == self.source:  # the next of the others, in turn
                 nxt = self.others.pop(0)
                 self.others.append(nxt)
@@ -134,6 +139,8 @@ class Handover:
         return self._ask(self.asking, now)
 
     def _is_handover_final(self, snapshot: Served | None, now: float) -> bool:
+        if snapshot is not None and self.live_source and self.asking == self.source:
+            return True
         if snapshot is None or not snapshot.final:
             return False
         released_at = now - snapshot.age_s

@@ -201,7 +201,7 @@ class Node:
         # so it starts owning nothing; the previous owners are those of the assignment without it.
         ownership = info.owned if info is not None else ownership_of({} if joining else owned, cfg.model.n_layers)
         composer = Composer(cfg, ownership, train_tokens, sampler_seed=data_seed(self.identity.fingerprint, cfg.seed),
-                            device=str(device_of(c.node.device)))
+                            device=str(device_of(c.node.device)), replica_outers=cfg.ownership.replicas > 1)
         telemetry.event("composer_built", seconds=self._seconds())
         offload = self._start_offload(net, composer) if cfg.offload.enabled else None
         if checkpoint is not None:

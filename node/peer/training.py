@@ -144,7 +144,7 @@ class Training:
         typical: dict[int, dict[str, float]] = {}  # per layer, once a seam
         for update in gossip.drain():
             eid = (update.layer, update.expert)
-            if eid not in owned_now:
+            if eid not in self.experts.led:  # a co-owner follows the lead's surrogate as any receiver does
                 if eid[0] not in typical:  # only surrogates received from owners: a joiner's are still at init
                     received = [{n: p.data for n, p in composer.model.surrogate_parameters(eid[0], e).items()}
                                 for e in range(self.config.train.model.n_experts)
@@ -192,7 +192,7 @@ class Training:
             self.telemetry.event("refit_deferred", step=composer.step, until=self.gate.waits_for)
             return
         began = time.perf_counter()
-        published = composer.refresh_surrogates()
+        published = composer.refresh_surrogates(sorted(self.experts.led))
         self._refit_took += time.perf_counter() - began
         for (layer, expert), factors in published.items():
             self.experts.publish(layer, expert, factors)

@@ -146,11 +146,13 @@ class SwarmViews:
         return out
 
     def heirs_of(self, experts: list[ExpertId]) -> dict[ExpertId, str]:
-        """expert -> its heir's fingerprint, for those of ``experts`` that have one."""
+        """expert -> its heir's fingerprint, for those of ``experts`` whose heir keeps a snapshot of them (with
+        replicas, the heir is a co-owner training a live copy: it pulls none)."""
         assignment = self.membership.view().assignment()
         if assignment is None:
             return {}
-        return {eid: heir for eid in experts if (heir := assignment.heir(*eid)) is not None}
+        return {eid: heir for eid in experts
+                if (heir := assignment.heir(*eid)) is not None and heir not in assignment.owners_of(*eid)}
 
     def live_workers(self) -> dict[str, float] | None:
         """Offload workers in the view that run this node's worker settings: libp2p peer id -> capacity. A

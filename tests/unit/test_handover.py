@@ -91,3 +91,15 @@ def test_an_answer_after_the_wait_finishes_with_the_best_seen() -> None:
     late = Snap(step=7)
     assert h.answered(late, 131.0) == [Finish(late)]
     assert h.answered(Snap(step=9), 132.0) == []  # done: later answers change nothing
+
+
+def test_a_live_co_owners_first_snapshot_ends_the_wait_and_one_from_another_peer_does_not() -> None:
+    h = Handover(source="co", others=["b"], started=100.0, online_since=50.0, wait_s=30.0, handover_window_s=30.0,
+                 live_source=True)
+    assert h.start() == [Ask("co")]
+    assert h.answered(None, 100.1) == []  # it has served none yet: ask b, then it again
+    assert h.tick(100.7) == [Ask("b")]
+    assert h.answered(Snap(step=40), 100.8) == []  # b's periodic copy is not the live one
+    assert h.tick(101.4) == [Ask("co")]
+    live = Snap(step=44)  # periodic, not final: from the co-owner that keeps training it, enough
+    assert h.answered(live, 101.5) == [Finish(live)]
