@@ -10,6 +10,7 @@ reading each other's records:
                                   the payloads it serves (``dht.surrogates.SurrogateRecord``)
     {run_id}/outer/{group}        hivemind's averager prefix of one shared group (its own keys below it)
     {run_id}/outer/{group}/rounds subkey per node: the fingerprints of its latest outer rounds of the group
+                                  (a shared group, or ``replica_group``: the owners of replicated experts)
 
 Every key above but the averager's is *protected*: each entry must be signed by the key its subkey names
 (``protected_keys``), so a plain value written by a stock hivemind client is refused. Keys that change
@@ -80,6 +81,20 @@ def outer_prefix(run_id: str, group: str) -> str:
 def outer_rounds_key(run_id: str, group: str) -> str:
     """The key under which each node keeps the fingerprints of its latest outer rounds of ``group``."""
     return f"{outer_prefix(run_id, group)}/rounds"
+
+
+def replica_group(eid: ExpertId) -> str:
+    """The outer-round group of the replicated experts one set of owners shares, named after the first of them
+    ("experts-<layer>-<expert>"): a name every owner derives alike, from a set of names known in advance."""
+    layer, expert = (int(x) for x in eid)
+    if layer < 0 or expert < 0:
+        raise ValueError(f"layer and expert must be >= 0, got ({layer}, {expert})")
+    return f"experts-{layer}-{expert}"
+
+
+def replica_groups(n_layers: int, n_experts: int) -> list[str]:
+    """Every ``replica_group`` of a model (their round keys go in ``protected_keys``)."""
+    return [replica_group((layer, expert)) for layer in range(n_layers) for expert in range(n_experts)]
 
 
 def protected_keys(run_id: str, n_layers: int, groups: Sequence[str] = ()) -> list[str]:

@@ -236,9 +236,9 @@ class NodeConfig:
         if self.train.sim != SimConfig():
             raise ValueError("the [train.sim] levers (sketches to owners, a dense start-up phase, an offload delay) "
                              "run in `parallax sim` only: leave them out of a node's configuration")
-        if self.train.ownership.replicas != 1:
-            raise ValueError(f"ownership.replicas={self.train.ownership.replicas} runs in `parallax sim` only: a node "
-                             "assigns one owner per expert; leave ownership.replicas at 1")
+        if self.train.ownership.replicas > 1 and self.train.offload.enabled:
+            raise ValueError(f"ownership.replicas={self.train.ownership.replicas} cannot go with offload: replicated "
+                             "experts are trained and merged by their owners; set ownership.replicas=1 to offload")
         if self.train.optim.inner != "adamw":
             raise ValueError(f"optim.inner={self.train.optim.inner!r} runs in `parallax sim` only: a node hands "
                              "experts over with their AdamW state; leave optim.inner at 'adamw'")

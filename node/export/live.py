@@ -42,7 +42,7 @@ from parallax.node.export.folder import (
 from parallax.node.export.use import evaluate_on
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
-from parallax.node.net.network import NetworkLoop, parse_initial_peers, start_dht
+from parallax.node.net.network import NetworkLoop, parse_initial_peers, run_replica_groups, start_dht
 from parallax.node.net.outer_state import StateExchange
 from parallax.node.peer.runner import model_shapes
 from parallax.node.peer.views import SwarmViews
@@ -116,7 +116,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
             tokenizer = run_tokenizer_for(cfg.model, tokenizer, manifest.tokenizer)
             admission = peer_admission(peer, identity, manifest)
             dht = start_dht(identity, peer, identity_path=peer.identity_path("reader"),
-                            n_layers=cfg.model.n_layers, admission=admission)
+                            n_layers=cfg.model.n_layers, admission=admission, extra_groups=run_replica_groups(cfg))
         except DHTError as e:
             raise ExportError(f"the swarm is unreachable: {e}") from None
         stack.callback(dht.shutdown)

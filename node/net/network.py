@@ -19,17 +19,17 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 from hivemind.p2p import P2P, ServicerBase
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
-from parallax.dht.keys import protected_keys
+from parallax.dht.keys import protected_keys, replica_groups
 from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.node.config.peer import PeerConfig
-from parallax.node.config.train import SHARED_GROUPS
+from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import Identity
 
@@ -61,10 +61,12 @@ def cap_stream_messages() -> None:
 
 
 def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_layers: int,
-              admission: Admission | None = None, while_starting: Callable[[], object] | None = None) -> SwarmDHT:
+              admission: Admission | None = None, while_starting: Callable[[], object] | None = None,
+              extra_groups: Sequence[str] = ()) -> SwarmDHT:
     """The run's DHT node for ``peer``'s addresses: its libp2p key beside ``identity_path`` (``.p2p``), records
-    of the run's protected keys signed and checked with ``identity`` (and, in an allowlist run, ``admission``'s
-    certificates).
+    of the run's protected keys (the shared groups' rounds, and ``extra_groups``': a run's replicated experts',
+    ``run_replica_groups``) signed and checked with ``identity`` (and, in an allowlist run,
+    ``admission``'s certificates).
 
     Raises:
         DHTError: as ``SwarmDHT.start``.
@@ -76,9 +78,14 @@ def start_dht(identity: Identity, peer: PeerConfig, *, identity_path: Path, n_la
                        relays=initial if peer.relayed else (), relay_always=peer.relay == "always")
     # A node names every key of its run, so it learns none: a hostile signed record under one of hivemind's own
     # keys (the averager's matchmaking) must not make it refuse hivemind's unsigned records there.
-    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(peer.run_id, n_layers, SHARED_GROUPS),
-                                       learn_protected=False, admission=admission)
+    validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(
+        peer.run_id, n_layers, [*SHARED_GROUPS, *extra_groups]), learn_protected=False, admission=admission)
     return SwarmDHT.start(config, [validator], while_starting=while_starting)
+
+
+def run_replica_groups(cfg: TrainConfig) -> list[str]:
+    """The outer-round groups of a run's replicated experts (none with one owner per expert)."""
+    return replica_groups(cfg.model.n_layers, cfg.model.n_experts) if cfg.ownership.replicas > 1 else []
 
 
 class RateLimiter:

@@ -82,7 +82,8 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
     """A peer's body back to float32 tensors of exactly ``shapes``.
 
     Raises:
-        MalformedMessage: undecodable, other names, shapes or codecs, non-finite values, or too large.
+        MalformedMessage: undecodable, other shapes or codecs, non-finite values, or too large; ``OtherTensors``:
+            other names.
     """
     if len(body) > contribution_limit(shapes):
         raise MalformedMessage(f"outer contribution of {len(body)} bytes is over the group's cap", peer=peer)
@@ -91,8 +92,10 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
                                 max_bin_len=len(body), max_array_len=0)
     except MSGPACK_ERRORS:
         raise MalformedMessage("undecodable outer contribution", peer=peer) from None
-    if not isinstance(blobs, dict) or set(blobs) != set(shapes):
-        raise MalformedMessage("outer contribution with other tensors than the group's", peer=peer)
+    if not isinstance(blobs, dict):
+        raise MalformedMessage("outer contribution that is not a map of tensors", peer=peer)
+    if set(blobs) != set(shapes):
+        raise OtherTensors("outer contribution with other tensors than the group's", peer=peer)
     out = {}
     for name, shape in shapes.items():
         limits = TensorLimits(max_elements=math.prod(shape), max_ndim=max(len(shape), 1),
@@ -186,6 +189,11 @@ def decode_entries(record: object) -> dict[int, RoundEntry]:
 
 
 # ---- serving and fetching bodies ----------------------------------------------------------------------
+
+
+class OtherTensors(MalformedMessage):
+    """A contribution naming other tensors than the group's: a forgery in a shared group, or (replicated experts)
+    an owner whose view assigned the round's key to other experts for a moment."""
 
 
 class ContributionMismatch(RemoteProtocolError):

@@ -29,6 +29,7 @@ from parallax.node.net.outer_gather import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
     ContributionMismatch,
+    OtherTensors,
     OuterGather,
     RoundEntry,
     RoundPeers,
@@ -81,12 +82,15 @@ class GatheredRounds:
             declared weight above it counts as the cap. None: no cap (tests).
         scores: where evidence against peers goes, and whose bans the rounds honour.
         report: ``GroupAverager``'s report hook: (status, started, **fields).
+        other_tensors_blameless: a contribution naming other tensors is left out without counting against its
+            sender.
     """
 
     def __init__(self, records: RoundRecords, shapes: Mapping[str, torch.Size], config: OuterSyncConfig,
                  gather: OuterGather, peers: RoundPeers, *, weight_cap: float | None,
-                 scores: PeerScores | None, report: Callable[..., None]) -> None:
+                 scores: PeerScores | None, report: Callable[..., None], other_tensors_blameless: bool = False) -> None:
         self.records, self.shapes, self.config, self.gather, self.peers = records, shapes, config, gather, peers
+        self.other_tensors_blameless = other_tensors_blameless
         self.group, self.peer_id = records.group, records.peer_id
         self.weight_cap, self.scores, self.report = weight_cap, scores, report
         self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
@@ -266,7 +270,8 @@ class GatheredRounds:
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
-            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage):
+            blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
+            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage) and not blameless:
                 self.scores.record(peer, "forged or malformed outer contribution", 2.0)
             with self._lock:
                 self._refused[name] = repr(e)

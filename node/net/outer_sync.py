@@ -169,6 +169,8 @@ class GroupAverager:
         weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
             period): a declared weight above it counts as the cap. None: no cap (tests).
         scores: where a gathered round records evidence against peers, and whose bans it honours.
+        other_tensors_blameless: a gathered round leaves out a contribution naming other tensors without counting
+            it against its sender (replicated experts: owners may name one key for other experts a moment).
 
     Raises:
         ValueError: bad names or an empty group.
@@ -178,7 +180,8 @@ class GroupAverager:
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, shapes: Mapping[str, Sequence[int]],
                  config: OuterSyncConfig, signer: FingerprintSigner | None = None, *,
                  gather: OuterGather | None = None, peers: RoundPeers | None = None,
-                 weight_cap: float | None = None, scores: PeerScores | None = None) -> None:
+                 weight_cap: float | None = None, scores: PeerScores | None = None,
+                 other_tensors_blameless: bool = False) -> None:
         self.prefix = outer_prefix(run_id, group)
         if not shapes:
             raise ValueError(f"group {group!r} has no tensors")
@@ -192,7 +195,8 @@ class GroupAverager:
             if gather is None or peers is None:
                 raise ValueError("a gathered outer round needs the node's OuterGather and its live composers")
             self._gathered = GatheredRounds(self.records, self.shapes, config, gather, peers, weight_cap=weight_cap,
-                                            scores=scores, report=self._report)
+                                            scores=scores, report=self._report,
+                                            other_tensors_blameless=other_tensors_blameless)
         self._rounds = 0
         self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
         self._round_lock = threading.Lock()  # one round at a time per group

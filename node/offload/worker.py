@@ -20,7 +20,7 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership, MembershipConfig, PeerState
 from parallax.node.config.peer import WorkerConfig
 from parallax.node.net.admission import peer_admission, peer_manifest
-from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.net.observe import Observer, serve_status
 from parallax.node.offload.exchange import OffloadServicer, serve, unserve
 from parallax.node.offload.proxy import SETTINGS_KEY, settings_digest
@@ -119,7 +119,8 @@ class Worker:
         # An allowlist run's worker needs its certificate: without one it would serve nobody.
         admission = peer_admission(c.peer, self.identity, peer_manifest(c.peer, self.identity, None))
         self.dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("worker"),
-                             n_layers=c.train.model.n_layers, admission=admission)
+                             n_layers=c.train.model.n_layers, admission=admission,
+                             extra_groups=run_replica_groups(c.train))
         self.peer_id = self.dht.peer_id
         self._net = NetworkLoop(self.dht, "parallax-worker-net")
         # Serve before announcing: a composer that sees the heartbeat may onboard at once.

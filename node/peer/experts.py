@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -266,10 +266,34 @@ class Experts:
         tensors[SURROGATE_VERSION] = torch.tensor(float(self.gossip.versions().get(eid, 0)))
         return tensors
 
-    def serve_snapshots(self, *, final: bool = False) -> None:
-        """Serve a snapshot of every owned expert at the current step (for heirs, or final when leaving)."""
-        for eid in self.composer.owned_experts():
+    def serve_snapshots(self, *, final: bool = False, experts: Iterable[ExpertId] | None = None) -> None:
+        """Serve a snapshot of every owned expert (or of those of ``experts`` owned) at the current step (for heirs,
+        for an owner that joins a replicated expert, or final when leaving)."""
+        owned = set(self.composer.owned_experts())
+        for eid in sorted(owned if experts is None else owned & set(experts)):
             self.exchange.put(eid, self.composer.step, self.snapshot(eid), final=final)
+
+    def resync(self, eid: ExpertId, lead: str) -> None:
+        """Take the lead's copy of an expert this node co-owns (after an outer round of its owners this node may
+        have left half-applied): stop training it and take it over from the lead's next snapshot."""
+        view = self.membership.view()
+        member = view.alive().get(lead)
+        if eid not in set(self.composer.owned_experts()) or member is None or eid in self.handovers:
+            return
+        logger.warning("expert %s: its owners' last outer round may have left the copies apart; taking the copy of "
+                       "its lead %s", eid, member.heartbeat.peer_id)
+        if self.offload is not None:
+            self.offload.release(eid)
+        self.composer.release_expert(eid)  # not served: its final snapshot would compete with the lead's copy
+        self.led.discard(eid)
+        handover = Handover(source=member.heartbeat.peer_id, others=[], started=self.clock(),
+                            online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
+                            wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
+                            live_source=True)
+        self.handovers[eid] = (handover, None)
+        self._carry_out(eid, handover.start())
+        self.telemetry.event("resync", layer=eid[0], expert=eid[1], lead=member.heartbeat.peer_id,
+                             step=self.composer.step)
 
     def publish(self, layer: int, expert: int, factors: Any) -> None:
         """Publish a surrogate change of an owned expert (the first after a take-over jumps versions)."""

@@ -47,7 +47,7 @@ from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
-from parallax.node.net.network import NetworkLoop, start_dht
+from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.net.observe import Observer, serve_status
 from parallax.node.net.outer_gather import OuterGather, RoundPeers
 from parallax.node.net.outer_rounds import BackgroundRounds
@@ -55,6 +55,7 @@ from parallax.node.net.outer_state import StateExchange
 from parallax.node.net.outer_sync import TieredOuterSync
 from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.redial import Redialer
+from parallax.node.net.replica_rounds import ReplicaRounds
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.exchange import OffloadClient
@@ -228,11 +229,19 @@ class Node:
         experts = Experts(composer, net.gossip, net.exchange, net.membership, net.views, telemetry, c.node,
                           fingerprint=self.identity.fingerprint, online_at=self._online_at, owners=owners,
                           offload=offload)
+        replicas = None
+        if composer.replica_outers:
+            replicas = ReplicaRounds(
+                net.dht, c.peer.run_id, composer, outer_sync_config(c), me=self.identity.fingerprint,
+                peers_of=net.views.owner_peers, signer=FingerprintSigner(self.identity, net.views.public_key_of),
+                gather=net.gather, scores=net.scores, worked=net.views.worked, resync=experts.resync,
+                weight_cap=float(cfg.batch_size * cfg.model.seq_len * cfg.sync.periods["backbone"]))
+            stack.callback(replicas.shutdown)
         return Training(c, composer, net.dht, net.membership, net.views, net.gossip, net.exchange, net.sync, rounds,
                         experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=val_batches(
                             val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches), started=self._started,
                         outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
-                                               net.gather.bytes_fetched))
+                                               net.gather.bytes_fetched), replicas=replicas)
 
     def _start_network(self, versions: dict[tuple[int, int], int]) -> _Network:
         """DHT, membership, then the network loop, gossip, snapshot exchange and outer averagers: their
@@ -243,7 +252,7 @@ class Node:
         assert manifest is not None  # a composer always trains by one
         admission = peer_admission(c.peer, self.identity, manifest)
         dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("node"),
-                        n_layers=cfg.model.n_layers, admission=admission,
+                        n_layers=cfg.model.n_layers, admission=admission, extra_groups=run_replica_groups(cfg),
                         while_starting=lambda: importlib.import_module("torch._dynamo"))
         stack.callback(dht.shutdown)
         telemetry.status.peer_id = dht.peer_id

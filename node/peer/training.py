@@ -22,6 +22,7 @@ from parallax.node.net.gossip import LAYER_BOUND, MAX_GROWTH, SurrogateGossip, S
 from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
 from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.net.outer_wire import payload_bytes
+from parallax.node.net.replica_rounds import ReplicaRounds
 from parallax.node.net.scores import PeerScores
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.experts import Experts
@@ -47,13 +48,17 @@ class Training:
                  rounds: BackgroundRounds, experts: Experts, gate: RefitGate, telemetry: Telemetry,
                  stop_event: threading.Event, *, offload: OffloadSession | None, scores: PeerScores | None = None,
                  val: list[tuple[torch.Tensor, torch.Tensor]], started: float,
-                 outer_traffic: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 outer_traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 replicas: ReplicaRounds | None = None) -> None:
         self.config, self.composer, self.dht, self.membership, self.views = config, composer, dht, membership, views
         self.gossip, self.exchange, self.sync, self.rounds = gossip, exchange, sync, rounds
         self.experts, self.gate, self.telemetry, self.stop_event = experts, gate, telemetry, stop_event
         self.offload, self.val, self.started = offload, val, started
         self.outer_traffic = outer_traffic
         """() -> (bytes served, bytes fetched) of outer-round contributions and group states."""
+        self.replicas = replicas
+        """The outer rounds among the owners of replicated experts (``ownership.replicas`` > 1), on the backbone's
+        cadence."""
         self.schedule = TierSchedule(config.train.sync.periods)
         self.scores = scores
         self._applied: set[tuple[int, int]] = set()  # experts whose surrogate came from an owner (not at init)
@@ -155,6 +160,8 @@ class Training:
         for report in rounds.collect():
             self._round_event(report)
             self.gate.round_done(report.group, report.status is RoundStatus.OK, composer.step)
+        if self.replicas is not None:
+            self._collect_replicas()
         step = composer.step
         if step > 0:
             self._outer_rounds(step)
@@ -168,10 +175,24 @@ class Training:
                                versions={"max": max(versions.values(), default=0), "held": len(versions)})
         self._refresh_status()
 
+    def _collect_replicas(self) -> None:
+        """Apply the replicated experts' finished rounds and serve the merged experts' snapshots at once: an owner
+        that joins one of them takes it with the anchor its other owners hold."""
+        assert self.replicas is not None
+        for report in self.replicas.collect():
+            self._round_event(report)
+            if report.status is RoundStatus.OK:
+                self.experts.serve_snapshots(experts=self.replicas.last_applied)
+
     def _outer_rounds(self, step: int) -> None:
         """Start the outer rounds due at ``step``; alone, apply the outer step with our own pseudo-gradient."""
         composer, rounds = self.composer, self.rounds
         alone = self.views.composers() < 2
+        if self.replicas is not None and "backbone" in self.schedule.due(step):
+            view = self.views.fresh()
+            assignment = view.assignment(view.read_at) if view is not None else None
+            if assignment is not None and self.experts.fingerprint in assignment.peers:
+                self.replicas.submit(assignment, round_id=step // self.schedule.periods["backbone"])
         for group in self.schedule.due(step):
             if group not in composer.outer:
                 continue
@@ -207,8 +228,8 @@ class Training:
         """Bytes this node sent in an all-reduce: a butterfly all-reduce sends (n-1)/n of the payload to the
         others and receives as much back."""
         n = len(report.participants)
-        if n < 2 or not report.began_allreduce:
-            return 0
+        if n < 2 or not report.began_allreduce or report.group not in self.sync.groups:
+            return 0  # replicated experts' rounds are gathered: their bytes are in outer_traffic's counters
         averager = self.sync.groups[report.group]
         return int(payload_bytes(averager.shapes, averager.config) * (n - 1) / n)
 
@@ -222,6 +243,9 @@ class Training:
         if self.views.composers() > 1:  # alone, a round in flight can only time out
             for report in self.rounds.wait(timeout_s=min(settings.leave_timeout_s, 20.0)):
                 self._round_event(report)  # the last rounds count in the metrics too
+            if self.replicas is not None:
+                for report in self.replicas.wait(timeout_s=min(settings.leave_timeout_s, 20.0)):
+                    self._round_event(report)
         self.experts.serve_snapshots(final=True)
         self.experts.push_final_snapshots(deadline=started + settings.leave_timeout_s)
         if settings.checkpoint_dir is not None:
@@ -270,6 +294,8 @@ class Training:
         s.outer_bytes = outer_in + outer_out
         s.offload_bytes = off_in + off_out
         s.rounds_ok = dict(self.rounds.rounds_ok)
+        if self.replicas is not None:
+            s.rounds_ok["experts"] = self.replicas.counts.applied
         s.owned_experts = [list(eid) for eid in sorted(self.composer.owned_experts())]
         s.surrogate_versions = {f"{layer}.{expert}": v for (layer, expert), v in sorted(versions.items())}
         s.workers = sorted(self.views.live_workers() or {}) if self.offload is not None else []

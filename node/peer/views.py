@@ -7,7 +7,7 @@ offload client may call these from their own threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
@@ -183,6 +183,17 @@ class SwarmViews:
         round merges their contributions."""
         return sorted(m.heartbeat.peer_id for m in self.membership.view().alive().values()
                       if m.heartbeat.role == "composer")
+
+    def owner_peers(self, owners: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The libp2p peer ids of those of ``owners`` (fingerprints) that are alive, and of those of them that show
+        work, this node and the peers it bans left out: a replicated expert's outer round deals with them."""
+        view = self.membership.view()
+        alive, working = view.alive(), set(view.composers())
+        live = [alive[fp].heartbeat.peer_id for fp in owners if fp in alive and fp != self.fingerprint
+                and not self.banned(alive[fp].heartbeat.peer_id)]
+        busy = [alive[fp].heartbeat.peer_id for fp in owners if fp in working and fp in alive
+                and fp != self.fingerprint and not self.banned(alive[fp].heartbeat.peer_id)]
+        return live, busy
 
     def working_peers(self) -> list[str]:
         """The libp2p peer ids of the live composers that show work (``Membership``'s progress rules): a

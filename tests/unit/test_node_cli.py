@@ -41,13 +41,20 @@ def test_unknown_config_field_is_named(tmp_path) -> None:
     assert "no_such_field" in result.output
 
 
-@pytest.mark.parametrize("change", ["sim.sketch.enabled=true", "sim.dense_steps=50", "ownership.replicas=2",
-                                    "optim.inner=muon"])
+@pytest.mark.parametrize("change", ["sim.sketch.enabled=true", "sim.dense_steps=50", "optim.inner=muon"])
 def test_simulator_only_levers_are_refused_with_what_to_do(tmp_path, change) -> None:
     result = join("--cpu", "--set", change, "--identity", str(tmp_path / "k"))
     assert result.exit_code == 2
     message = " ".join(result.output.replace("│", " ").split())  # unwrapped from rich's error box
     assert change.split("=")[0] in message and "parallax sim" in message
+
+
+def test_replicated_experts_with_offload_are_refused_with_what_to_do(tmp_path) -> None:
+    result = join("--cpu", "--set", "ownership.replicas=2", "--set", "offload.enabled=true",
+                  "--identity", str(tmp_path / "k"))
+    assert result.exit_code == 2
+    message = " ".join(result.output.replace("│", " ").split())
+    assert "ownership.replicas=2" in message and "offload" in message
 
 
 def test_config_file_errors_name_the_setting_and_the_file(tmp_path) -> None:
