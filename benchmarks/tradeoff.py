@@ -21,11 +21,12 @@ FP32 = 4
 
 
 def load(reports: Sequence[str | Path]) -> list[dict]:
-    """The reports, checked to be runs of one setting that differ only in their seed.
+    """The reports, checked to be runs of one setting, joined into one report per seed (a seed's runs may come
+    from several commands: a run added later goes in its own file).
 
     Raises:
-        ValueError: no report, a report without runs, the same seed twice, or different presets, composers
-            or steps.
+        ValueError: no report, a report without runs, one run of one seed in two reports, or different presets,
+            composers or steps.
     """
     loaded = [json.loads(Path(path).read_text()) for path in reports]
     if not loaded or any(not r.get("runs") for r in loaded):
@@ -33,10 +34,18 @@ def load(reports: Sequence[str | Path]) -> list[dict]:
     settings = {(r["config"]["preset"], r["config"]["composers"], r["config"]["steps"]) for r in loaded}
     if len(settings) != 1:
         raise ValueError(f"the reports differ in preset, composers or steps: {sorted(settings)}")
-    seeds = [r["config"]["seed"] for r in loaded]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"two reports share a seed: {seeds}")
-    return loaded
+    by_seed: dict[int, dict] = {}
+    for r in loaded:
+        seed = r["config"]["seed"]
+        held = by_seed.get(seed)
+        if held is None:
+            by_seed[seed] = {**r, "runs": dict(r["runs"])}
+            continue
+        twice = sorted(set(held["runs"]) & set(r["runs"]))
+        if twice:
+            raise ValueError(f"seed {seed}: runs {twice} are in two reports; pass each run of a seed once")
+        held["runs"].update(r["runs"])
+    return list(by_seed.values())
 
 
 def memory_bytes(run: dict) -> int:

@@ -33,12 +33,16 @@ def test_ratios_are_taken_against_the_same_seed_then_averaged(tmp_path):
     assert "| replicas_2 | 1.9700 (1.9000, 2.0400) |" in text and "seeds 0, 1" in text
 
 
-def test_reports_of_different_settings_or_the_same_seed_are_refused(tmp_path):
-    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    a.write_text(json.dumps(_report(0, {"baseline": 1.6})))
+def test_a_seeds_runs_join_across_reports_and_a_run_given_twice_or_other_settings_are_refused(tmp_path):
+    a, b, c, d = (tmp_path / f"{n}.json" for n in "abcd")
+    a.write_text(json.dumps(_report(0, {"baseline": 1.6, "diloco": 1.8})))
     b.write_text(json.dumps(_report(0, {"baseline": 1.7})))
     c.write_text(json.dumps(_report(1, {"baseline": 1.7}, steps=250)))
-    with pytest.raises(ValueError, match="share a seed"):
+    d.write_text(json.dumps(_report(0, {"replicas_2_muon": 1.95})))
+    joined = tradeoff.load([a, d])
+    assert len(joined) == 1 and set(joined[0]["runs"]) == {"baseline", "diloco", "replicas_2_muon"}
+    assert tradeoff.summary(joined)["runs"]["replicas_2_muon"]["over_baseline"] == pytest.approx([1.95 / 1.6])
+    with pytest.raises(ValueError, match="in two reports"):
         tradeoff.load([a, b])
     with pytest.raises(ValueError, match="differ in preset"):
         tradeoff.load([a, c])
