@@ -73,6 +73,7 @@ class Experts:
                                    or owners.get(eid, (fingerprint,))[0] == fingerprint}
         """The owned experts whose surrogate this node publishes (all of them with one owner per expert)."""
         self._assignment: Assignment | None = None  # as of the last reconcile
+        self._resyncs: dict[ExpertId, Future[Snapshot | None]] = {}  # lead copies asked for (``resync``)
 
     # --- ownership changes ---
 
@@ -85,6 +86,7 @@ class Experts:
         if view is None or assignment is None or self.fingerprint not in assignment.peers:
             return  # no fresh view that has us in it (a transient DHT miss): change nothing
         self._assignment = assignment
+        self._finish_resyncs()
         current = set(self.composer.owned_experts())
         cut_off = view.quorum is QuorumState.LOST
         if cut_off != self.telemetry.status.cut_off:
@@ -274,26 +276,34 @@ class Experts:
             self.exchange.put(eid, self.composer.step, self.snapshot(eid), final=final)
 
     def resync(self, eid: ExpertId, lead: str) -> None:
-        """Take the lead's copy of an expert this node co-owns (after an outer round of its owners this node may
-        have left half-applied): stop training it and take it over from the lead's next snapshot."""
-        view = self.membership.view()
-        member = view.alive().get(lead)
-        if eid not in set(self.composer.owned_experts()) or member is None or eid in self.handovers:
+        """Ask for the lead's copy of an expert this node co-owns (after an outer round of its owners this node may
+        have left half-applied); it replaces this node's copy at a later seam (``reconcile``). Until then, and if
+        the lead serves none, this node trains its own copy on."""
+        member = self.membership.view().alive().get(lead)
+        if eid not in set(self.composer.owned_experts()) or member is None or eid in self._resyncs:
             return
-        logger.warning("expert %s: its owners' last outer round may have left the copies apart; taking the copy of "
-                       "its lead %s", eid, member.heartbeat.peer_id)
-        if self.offload is not None:
-            self.offload.release(eid)
-        self.composer.release_expert(eid)  # not served: its final snapshot would compete with the lead's copy
-        self.led.discard(eid)
-        handover = Handover(source=member.heartbeat.peer_id, others=[], started=self.clock(),
-                            online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
-                            wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
-                            live_source=True)
-        self.handovers[eid] = (handover, None)
-        self._carry_out(eid, handover.start())
-        self.telemetry.event("resync", layer=eid[0], expert=eid[1], lead=member.heartbeat.peer_id,
-                             step=self.composer.step)
+        logger.warning("expert %s: its owners' last outer round may have left their copies apart; asking its lead %s "
+                       "for its copy", eid, member.heartbeat.peer_id)
+        self._resyncs[eid] = self.exchange.fetch(member.heartbeat.peer_id, eid)
+
+    def _finish_resyncs(self) -> None:
+        """Take every lead's copy that arrived (weights, AdamW state, outer anchor and momentum, surrogate); a copy
+        that did not come or that the composer refuses leaves this node's own in place."""
+        owned = set(self.composer.owned_experts())
+        for eid, future in list(self._resyncs.items()):
+            if not future.done():
+                continue
+            del self._resyncs[eid]
+            snapshot = future.result() if future.exception() is None else None
+            if snapshot is None or eid not in owned:
+                logger.info("expert %s: no copy from its lead; this node trains its own on", eid)
+                continue
+            own = self.composer.release_expert(eid)
+            if not self._adopt_snapshot(eid, snapshot, "lead"):
+                self.composer.adopt_expert(eid, own)
+                continue
+            self.telemetry.event("resync", layer=eid[0], expert=eid[1], snapshot_step=snapshot.step,
+                                 step=self.composer.step)
 
     def publish(self, layer: int, expert: int, factors: Any) -> None:
         """Publish a surrogate change of an owned expert (the first after a take-over jumps versions)."""

@@ -1,0 +1,106 @@
+"""A co-owner taking its lead's copy of a replicated expert (``Experts.resync``): the network parts are stand-ins
+(this is the node's bookkeeping between two steps), the composers are real."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import torch
+
+from parallax.node.config import train as config
+from parallax.node.config.peer import NodeSettings
+from parallax.node.config.train import train_config
+from parallax.node.config.typed import apply_changes
+from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, Snapshot
+from parallax.node.peer.experts import Experts
+from parallax.node.train.composer import Composer, expert_group
+from parallax.node.train.data import load_corpus, split_corpus
+
+EID = (0, 1)
+OWNED = (frozenset({1}), frozenset())
+
+
+class _Gossip:
+    def __init__(self) -> None:
+        self.held: dict = {}
+
+    def hold(self, eid, version) -> None:
+        self.held[eid] = version
+
+    def versions(self) -> dict:
+        return dict(self.held)
+
+
+class _Exchange:
+    def __init__(self, answer: Snapshot | None) -> None:
+        self.answer, self.asked = answer, []
+
+    def fetch(self, peer, eid) -> Future:
+        self.asked.append((peer, eid))
+        done: Future = Future()
+        done.set_result(self.answer)
+        return done
+
+
+def _composer(seed: int) -> Composer:
+    cfg = apply_changes(train_config("tiny", steps=20, batch_size=2), {"sync.outer_momentum": 0.9,
+                                                                       "ownership.replicas": 2})
+    cfg = config.replace(cfg, surrogate=config.replace(cfg.surrogate, refresh_every=2, distill_steps=2,
+                                                       buffer_tokens=48, delta_rank=2))
+    train = split_corpus(load_corpus()[:40_000])[0]
+    return Composer(cfg, OWNED, train, sampler_seed=seed, replica_outers=True)
+
+
+def _experts(composer: Composer, exchange: _Exchange) -> tuple[Experts, list]:
+    events: list = []
+    member = SimpleNamespace(heartbeat=SimpleNamespace(peer_id="lead-peer"))
+    membership = SimpleNamespace(view=lambda: SimpleNamespace(alive=lambda: {"lead": member}))
+    telemetry = SimpleNamespace(event=lambda kind, **f: events.append((kind, f)))
+    experts = Experts(composer, _Gossip(), exchange, membership, None, telemetry, NodeSettings(),  # type: ignore[arg-type]
+                      fingerprint="me", online_at=0.0, owners={EID: ("lead", "me")})
+    return experts, events
+
+
+def _lead_snapshot(lead: Composer) -> Snapshot:
+    tensors = lead.expert_snapshot(EID)
+    for name, p in lead.model.surrogate_parameters(*EID).items():
+        tensors[f"{SURROGATE_PREFIX}{name}"] = p.detach().clone()
+    tensors[SURROGATE_VERSION] = torch.tensor(7.0)
+    return Snapshot(layer=EID[0], expert=EID[1], step=lead.step, final=False, tensors=tensors)
+
+
+def test_a_co_owner_takes_its_leads_weights_and_outer_state_at_the_next_seam():
+    lead, me = _composer(3), _composer(4)
+    for c in (lead, me):
+        for _ in range(3):
+            c.train_step()
+    lead.apply_outer(expert_group(EID), lead.pseudo_gradient(expert_group(EID)))  # the lead's anchor moved on
+    exchange = _Exchange(_lead_snapshot(lead))
+    experts, events = _experts(me, exchange)
+    assert experts.led == set()  # the lead publishes this expert, not us
+    experts.resync(EID, "lead")
+    experts.resync(EID, "lead")  # asked once only
+    assert exchange.asked == [("lead-peer", EID)]
+    experts._finish_resyncs()
+    for name, p in me.model.expert_parameters(*EID).items():
+        assert torch.equal(p.data, lead.model.expert_parameters(*EID)[name].data)
+    for name, anchor in me.outer[expert_group(EID)].anchor.items():
+        assert torch.equal(anchor, lead.outer[expert_group(EID)].anchor[name])
+    assert experts.gossip.held[EID] == 7 and [k for k, _ in events] == ["resync"]
+
+
+def test_no_copy_from_the_lead_or_a_refused_one_leaves_the_own_copy_training():
+    lead, me = _composer(3), _composer(4)
+    me.train_step()
+    before = {n: p.detach().clone() for n, p in me.model.expert_parameters(*EID).items()}
+    for answer in (None, _lead_snapshot(lead)):
+        if answer is not None:
+            answer.tensors["w_up.weight"] = answer.tensors["w_up.weight"][:, :-1]  # a shape the composer refuses
+        experts, events = _experts(me, _Exchange(answer))
+        experts.resync(EID, "lead")
+        experts._finish_resyncs()
+        assert EID in set(me.owned_experts()) and events == []
+        for name, p in me.model.expert_parameters(*EID).items():
+            assert torch.equal(p.data, before[name])
+    me.train_step()  # and it trains on
