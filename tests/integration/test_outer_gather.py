@@ -234,3 +234,27 @@ def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
         assert report.status is RoundStatus.NO_GROUP and not report.needs_reload, report
         results = _run(averagers, _deltas(4, seed=6), tokens, round_id=6)
         assert all(r is not None for r in results) and len(averagers[3].last_report.participants) == 4
+
+
+@pytest.mark.parametrize("blameless", [False, True])
+def test_a_contribution_of_other_tensors_is_left_out_and_blamed_only_where_views_may_differ(peers, blameless):
+    """Two peers name one round key for different tensors. In a shared group that is a forgery, counted against
+    its sender; in a replicated experts' round (``other_tensors_blameless``) the owners' views differ for a moment:
+    the contribution is left out and nobody is blamed."""
+    config = OuterSyncConfig.loopback(compression="fp16")
+    ids = [p.dht.peer_id for p in peers[:2]]
+    scores = [PeerScores() for _ in range(2)]
+    shapes = [SHAPES, {"w": SHAPES["w"], "other": (8,)}]
+    with contextlib.ExitStack() as stack:
+        averagers = [stack.enter_context(GroupAverager(
+            p.dht, "gather", f"experts-0-{int(blameless)}", s, config, p.signer, gather=p.gather,
+            peers=RoundPeers(lambda: ids), weight_cap=CAP, scores=score, other_tensors_blameless=blameless))
+            for p, s, score in zip(peers[:2], shapes, scores, strict=True)]
+        g = torch.Generator().manual_seed(3)
+        deltas = [{n: torch.randn(shape, generator=g) * 0.01 for n, shape in s.items()} for s in shapes]
+        results = _run(averagers, deltas, [CAP, CAP], round_id=1)
+    assert results == [None, None]  # neither merges the other's: no quorum of two
+    for i, score in enumerate(scores):
+        other = ids[1 - i]
+        reasons = score.snapshot().get(other, {}).get("reasons", {})
+        assert ("forged or malformed outer contribution" in reasons) is not blameless, (i, reasons)
