@@ -159,27 +159,27 @@ class ReplicaRounds:
                 merged, report = None, RoundReport(group, RoundStatus.FAILED, detail=repr(e))
             assert report is not None
             held = set(self.composer.replicated_experts())
-            if merged is not None and set(flight.experts) <= held:
+            # The optimizers the round was taken from, still the composer's (not released or taken over since).
+            same = all(self.composer.outer.get(expert_group(eid)) is part
+                       for eid, part in zip(flight.experts, flight.bundle.parts, strict=True))
+            if merged is not None and same:
                 flight.bundle.step_late(merged, flight.submitted)
                 self.counts.applied += 1
                 self.last_applied += flight.experts
-            else:
-                self.counts.failed += 1
-                if merged is not None or not report.needs_reload:  # merged nowhere: the tokens go into the next
-                    for eid in set(flight.experts) & held:
-                        self.composer.tokens_since_merge[expert_group(eid)] += flight.tokens
-                else:
-                    for eid in flight.experts:
-                        lead = self._leads.get(eid)
-                        if eid in held and lead is not None and lead != self.me:
-                            self.counts.resyncs += 1
-                            self.resync(eid, lead)
+                done.append(report)
+                continue
+            self.counts.failed += 1
+            if merged is None and report.needs_reload:  # others may have applied it: take the lead's copy
+                for eid in flight.experts:
+                    lead = self._leads.get(eid)
+                    if eid in held and lead is not None and lead != self.me:
+                        self.counts.resyncs += 1
+                        self.resync(eid, lead)
+            elif merged is None and same:  # merged nowhere: the tokens go into the next round
+                for eid in flight.experts:
+                    self.composer.tokens_since_merge[expert_group(eid)] += flight.tokens
             done.append(report)
         return done
-
-    def in_flight(self) -> list[tuple[ExpertId, ...]]:
-        """The experts of the rounds running now."""
-        return [f.experts for f in self._in_flight.values()]
 
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave)."""
