@@ -38,10 +38,11 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
+from typing import TypeVar
 
 _HASH_DOMAIN = b"parallax/hrw/v1"
 _TIE_EXPERT = -1  # the pseudo-expert index whose hash breaks quota ties within a layer
@@ -309,6 +310,20 @@ def assign_experts(run_id: str, n_layers: int, n_experts: int, peers: Mapping[st
         heirs=tuple(heirs),
         co_owners=tuple(co_owners),
     )
+
+
+Owner = TypeVar("Owner", str, int)
+
+
+def expert_bundles(owners: Mapping[tuple[int, int], Sequence[Owner]],
+                   ) -> dict[tuple[Owner, ...], tuple[tuple[int, int], ...]]:
+    """The experts each set of two or more owners shares (its sorted owners -> the experts, in model order): what
+    one outer round among those owners merges (``ownership.replicas`` > 1)."""
+    found: dict[tuple[Owner, ...], list[tuple[int, int]]] = {}
+    for eid, who in sorted(owners.items()):
+        if len(who) > 1:
+            found.setdefault(tuple(sorted(who)), []).append(eid)
+    return {who: tuple(experts) for who, experts in found.items()}
 
 
 def moved_experts(before: Assignment, after: Assignment) -> set[tuple[int, int]]:

@@ -36,7 +36,7 @@ import torch
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import ExpertId, replica_group
-from parallax.dht.shards import Assignment
+from parallax.dht.shards import Assignment, expert_bundles
 from parallax.node.net.outer_gather import OuterGather, RoundPeers
 from parallax.node.net.outer_records import RoundStatus
 from parallax.node.net.outer_sync import GroupAverager, RoundReport
@@ -53,13 +53,8 @@ Owners = tuple[str, ...]
 
 def bundles(assignment: Assignment, me: str) -> dict[Owners, tuple[ExpertId, ...]]:
     """The experts ``me`` owns with others, by their set of owners (sorted fingerprints), each in model order."""
-    out: dict[Owners, list[ExpertId]] = {}
-    for layer, experts in sorted(assignment.owned_by(me).items()):
-        for expert in sorted(experts):
-            owners = assignment.owners_of(layer, expert)
-            if len(owners) > 1:
-                out.setdefault(tuple(sorted(owners)), []).append((layer, expert))
-    return {owners: tuple(experts) for owners, experts in out.items()}
+    return expert_bundles({(layer, e): assignment.owners_of(layer, e)
+                           for layer, experts in assignment.owned_by(me).items() for e in experts})
 
 
 @dataclass

@@ -189,11 +189,9 @@ class SwarmViews:
         work, this node and the peers it bans left out: a replicated expert's outer round deals with them."""
         view = self.membership.view()
         alive, working = view.alive(), set(view.composers())
-        live = [alive[fp].heartbeat.peer_id for fp in owners if fp in alive and fp != self.fingerprint
-                and not self.banned(alive[fp].heartbeat.peer_id)]
-        busy = [alive[fp].heartbeat.peer_id for fp in owners if fp in working and fp in alive
-                and fp != self.fingerprint and not self.banned(alive[fp].heartbeat.peer_id)]
-        return live, busy
+        live = {fp: alive[fp].heartbeat.peer_id for fp in owners if fp in alive and fp != self.fingerprint}
+        live = {fp: peer for fp, peer in live.items() if not self.banned(peer)}
+        return list(live.values()), [peer for fp, peer in live.items() if fp in working]
 
     def working_peers(self) -> list[str]:
         """The libp2p peer ids of the live composers that show work (``Membership``'s progress rules): a

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from parallax.dht.keys import ExpertId
-from parallax.dht.shards import assign_experts
+from parallax.dht.shards import assign_experts, expert_bundles
 from parallax.node.config import train as config_mod
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.flops import step_flops
@@ -147,16 +147,6 @@ def shards_of(owners: Mapping[ExpertId, tuple[int, ...]], n_layers: int, compose
     """Each composer's experts, per layer, from every expert's owners."""
     return [tuple(frozenset(e for (layer, e), who in owners.items() if layer == layer_ and i in who)
                   for layer_ in range(n_layers)) for i in range(composers)]
-
-
-def expert_bundles(owners: dict[ExpertId, tuple[int, ...]]) -> dict[tuple[int, ...], list[ExpertId]]:
-    """The experts each set of two or more owners shares (sorted composer indices -> experts): what one outer
-    round among those owners merges."""
-    bundles: dict[tuple[int, ...], list[ExpertId]] = {}
-    for eid, who in sorted(owners.items()):
-        if len(who) > 1:
-            bundles.setdefault(tuple(sorted(who)), []).append(eid)
-    return bundles
 
 
 def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterBundle:

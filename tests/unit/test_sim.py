@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallax.dht.shards import expert_bundles
 from parallax.node.config import train as config
 from parallax.node.net.outer_wire import OuterSyncConfig
 from parallax.node.sim.simulator import (
     RunSpec,
     assemble,
     bundle_outer,
-    expert_bundles,
     merge_outer,
     merge_round,
     ownership_for,
