@@ -81,8 +81,8 @@ class OrphanedRequests(logging.Filter):
       one at exit) is gone cannot be rebuilt: ``DHT._run`` logs ``[Errno 2] No such file or directory`` with a
       traceback, although nobody is left to answer.
     - A call this node gave up on (its future cancelled after our timeout) still finishes in the DHT process,
-      which then fails to set the cancelled future's result: asyncio logs "Task exception was never retrieved"
-      with ``InvalidStateError``.
+      which then fails to set the cancelled future's result: ``DHT._run_coroutine`` logs "Caught an exception when
+      running a coroutine", and asyncio "Task exception was never retrieved", each with ``InvalidStateError``.
 
     Counted in ``dropped`` (in the process that logs them: the DHT's own); anything else passes.
     """
@@ -93,7 +93,7 @@ class OrphanedRequests(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         orphaned = (record.name == "hivemind.dht.dht" and record.funcName == "_run"
                     and isinstance(error, FileNotFoundError | ConnectionRefusedError))
-        cancelled = (record.name == "asyncio" and type(error).__name__ == "InvalidStateError"
+        cancelled = (record.name in ("asyncio", "hivemind.dht.dht") and type(error).__name__ == "InvalidStateError"
                      and "future that is CANCELLED" in str(error))
         if orphaned or cancelled:
             OrphanedRequests.dropped += 1

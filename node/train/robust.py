@@ -76,7 +76,12 @@ class ContributionAudit:
     norm_scale: float = 1.0
     """The smallest factor its tensors' norms were scaled by in step 2 (1.0: none clipped)."""
     clip: float = 1.0
-    """The smallest CenteredClip factor min(1, tau / distance) over its tensors (1.0: never pulled in)."""
+    """CenteredClip's factor min(1, tau / distance), averaged over its tensors weighted by their sizes (1.0: never
+    pulled in). By size, because the radius follows how closely the others agree: on a small tensor where honest
+    peers happen to agree almost exactly (a final norm's weight early in training), an honest contribution taken
+    from an older anchor lies 20x outside it, while the rest of it lies within."""
+    _clip_mass: float = field(default=0.0, repr=False)
+    _clip_size: int = field(default=0, repr=False)
     judged: bool = True
     """Whether there were enough contributions to tell an outlier (``RobustConfig.min_contributions``): of two,
     the longer may be the honest one (a faster peer's), so its clipping is a bound, not evidence."""
@@ -84,13 +89,20 @@ class ContributionAudit:
     SUSPICIOUS_NORM_SCALE: ClassVar[float] = 0.25
     SUSPICIOUS_CLIP: ClassVar[float] = 0.1
 
+    def note_clip(self, factor: float, size: int) -> None:
+        """Count CenteredClip's ``factor`` for one of its tensors, of ``size`` entries."""
+        self._clip_mass += factor * size
+        self._clip_size += size
+        self.clip = self._clip_mass / self._clip_size
+
     @property
     def suspicious(self) -> bool:
         """Non-finite, more than four times as long as the clip bound (8x the median norm), or pulled in to under a
-        tenth of its distance: further than honest training goes (a peer that processed no tokens is dropped, not
-        suspected). Honest composers at other points of the learning-rate schedule, or that carried tokens over
-        from failed rounds, send pseudo-gradients 2-4x longer or shorter than the median and are clipped a little
-        (measured: bans of honest peers in `bench attacks`' clean runs at 2x); that is no evidence against them."""
+        tenth of its distance on average over its entries: further than honest training goes (a peer that processed
+        no tokens is dropped, not suspected). Honest composers at other points of the learning-rate schedule, or
+        that carried tokens over from failed rounds, send pseudo-gradients 2-4x longer or shorter than the median
+        and are clipped a little (measured: bans of honest peers in `bench attacks`' clean runs at 2x); that is no
+        evidence against them."""
         return self.dropped == "non-finite" or (self.judged and (self.norm_scale < self.SUSPICIOUS_NORM_SCALE
                                                                   or self.clip < self.SUSPICIOUS_CLIP))
 
@@ -249,14 +261,14 @@ def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float
         return plain(clipped, w)
     mean_delta, delta_clip = centered_clip(clipped, w, tau=cfg.tau, iters=cfg.iters)
     if method == "mean":
-        _note_clips(audits, delta_clip)
+        _note_clips(audits, delta_clip, tensors[0].numel())
         return mean_delta
     directions, clipped_norms = zip(*(rda_components(t) for t in clipped), strict=True)
     mean_direction, direction_clip = centered_clip(directions, w, tau=cfg.tau, iters=cfg.iters)
-    _note_clips(audits, direction_clip)
+    _note_clips(audits, direction_clip, tensors[0].numel())
     return rda_rebuild(mean_direction, _plain_mean(clipped_norms, w), mean_delta, eps=eps)
 
 
-def _note_clips(audits: list[ContributionAudit], factors: list[float]) -> None:
+def _note_clips(audits: list[ContributionAudit], factors: list[float], size: int) -> None:
     for a, f in zip(audits, factors, strict=True):
-        a.clip = min(a.clip, f)
+        a.note_clip(f, size)

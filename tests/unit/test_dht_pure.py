@@ -371,6 +371,8 @@ def test_the_tracebacks_of_orphaned_requests_are_dropped_and_others_kept():
     assert not f.filter(record("hivemind.dht.dht", "_run", FileNotFoundError(2, "No such file or directory")))
     assert not f.filter(record("asyncio", "default_exception_handler",
                                InvalidStateError("Can't set_result to a future that is CANCELLED (1)")))
+    assert not f.filter(record("hivemind.dht.dht", "_run_coroutine",
+                               InvalidStateError("Can't set_result to a future that is CANCELLED (2)")))
     assert f.filter(record("hivemind.dht.dht", "_run", ValueError("a real failure")))
     assert f.filter(record("hivemind.dht.dht", "get", FileNotFoundError(2, "elsewhere")))
     assert f.filter(record("asyncio", "x", InvalidStateError("Can't set_result to a future that is FINISHED (1)")))

@@ -136,3 +136,62 @@ def test_a_contribution_covering_several_periods_is_judged_per_period() -> None:
     _, spanned = robust_merge_groups(deltas, [1.0] * 4, spans=[1.0, 1.0, 1.0, span_of(3000, 1000)])
     assert flat.contributions[3].norm_scale < 1.0 and spanned.contributions[3].norm_scale == 1.0
     assert span_of(1e12, 1000) == 4.0 and span_of(10, 1000) == 1.0 and span_of(float("nan"), 1000) == 1.0
+
+
+def test_an_honest_contribution_off_on_one_small_tensor_is_no_evidence() -> None:
+    """Three peers that agree almost exactly on a small tensor (a final norm's weight early in training) and a
+    fourth, honest, whose delta starts from an older anchor: it lies far outside the tiny radius on that tensor
+    only. CenteredClip still bounds it there; it is not evidence against its sender."""
+    g = torch.Generator().manual_seed(5)
+    big, small = torch.randn(4096, generator=g), torch.randn(32, generator=g)
+
+    def peer(spread: float) -> dict[str, torch.Tensor]:
+        return {"big": big + 0.5 * torch.randn(4096, generator=g),
+                "small": small + spread * torch.randn(32, generator=g)}
+
+    deltas = [peer(1e-3), peer(1e-3), peer(1e-3), peer(0.5)]
+    for method in ("rda", "mean"):
+        merged, audit = robust_merge_groups(deltas, [1.0] * 4, method)
+        assert merged is not None and audit.contributions[3].clip > 0.9
+        assert not any(a.suspicious for a in audit.contributions), (method, audit)
+    # The same contribution off on every tensor is evidence.
+    deltas[3] = {"big": -10 * big, "small": -10 * small}
+    _, audit = robust_merge_groups(deltas, [1.0] * 4)
+    assert [a.suspicious for a in audit.contributions] == [False, False, False, True]
+
+
+def test_a_composer_that_missed_the_first_merge_is_not_suspected() -> None:
+    """Real composers of the tiny preset: three merge the backbone's first round and train on; the fourth, slower,
+    sends its first pseudo-gradient, taken from the initial anchor. Its contribution is honest and must not count
+    against it (three such rounds would ban it for ten minutes)."""
+    from parallax.node.config.train import train_config
+    from parallax.node.sim.simulator import replica_owners, shards_of
+    from parallax.node.train.composer import Composer
+    from parallax.node.train.data import load_corpus, shard, split_corpus
+
+    cfg = train_config("tiny", steps=500)
+    train, _ = split_corpus(load_corpus())
+    owners = replica_owners(cfg, 4)
+    shards = shards_of(owners, cfg.model.n_layers, 4)
+    composers = [Composer(cfg, shards[i], shard(train, i, 4), sampler_seed=cfg.seed + 1 + i) for i in range(4)]
+    cap = float(cfg.batch_size * cfg.model.seq_len * 10)
+
+    def merge(indices: list[int]) -> tuple[dict[str, torch.Tensor] | None, list[bool]]:
+        tokens = [composers[i].tokens_since_merge["backbone"] for i in indices]
+        merged, audit = robust_merge_groups([composers[i].outer["backbone"].pseudo_gradient() for i in indices],
+                                            cap_weights(tokens, cap), spans=[span_of(t, cap) for t in tokens])
+        return merged, [a.suspicious for a in audit.contributions]
+
+    for _ in range(10):
+        for c in composers:
+            c.train_step()
+    merged, _ = merge([0, 1, 3])
+    assert merged is not None
+    for i in (0, 1, 3):
+        composers[i].apply_outer("backbone", merged)
+    for _ in range(20):
+        for i in (0, 1, 3):
+            composers[i].train_step()
+    composers[2].train_step()
+    _, suspected = merge([0, 1, 2, 3])
+    assert suspected == [False] * 4
