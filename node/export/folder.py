@@ -73,6 +73,9 @@ class Copy:
     """The holder's step when the copy was taken."""
     saved_unix_s: float
     """When the copy was taken (the holder's clock)."""
+    groups: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """For a copy of the shared groups: group -> {"round", "step", "origin"}, where each group's weights come from
+    (the model card's table)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ def assemble(cfg: ModelConfig, shared: Sequence[Copy], experts: Mapping[ExpertId
                           + (f": {'; '.join(refused)}" if refused else ": no source holds them"))
     state = {n: base.tensors[n].detach().to("cpu", torch.float32).contiguous() for n in shared_shapes(cfg)}
     provenance.shared_from = {"holder": base.holder, "origin": base.origin, "step": base.step,
-                              "saved_unix_s": base.saved_unix_s}
+                              "saved_unix_s": base.saved_unix_s, "groups": {g: dict(v) for g, v in base.groups.items()}}
     missing = []
     for layer in range(cfg.n_layers):
         for expert in range(cfg.n_experts):
@@ -289,7 +292,11 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         lines.append(f"| `{n.holder}` | {n.step:,} | {n.tokens:,} | {loss} |")
     s = p.shared_from
     lines += ["", f"Shared groups (router, latent interface, backbone) from `{s.get('holder')}` "
-                  f"({s.get('origin')}, step {s.get('step')}).", "", "## Experts", "",
+                  f"({s.get('origin')}, step {s.get('step')}).", ""]
+    if s.get("groups"):
+        lines += ["| group | outer round | step | weights |", "|---|---:|---:|---|"]
+        lines += [f"| {g} | {v['round']} | {v['step']:,} | {v['origin']} |" for g, v in s["groups"].items()] + [""]
+    lines += ["## Experts", "",
               "| layer.expert | from | origin | holder's step | age at export (s) |", "|---|---|---|---:|---:|"]
     for e in p.experts:
         lines.append(f"| {e['layer']}.{e['expert']} | `{e['holder']}` | {e['origin']} | {e['step']:,} | {e['age_s']} |")

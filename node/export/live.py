@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ from parallax.node.export.use import evaluate_on
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
 from parallax.node.net.network import NetworkLoop, parse_initial_peers, run_replica_groups, start_dht
+from parallax.node.net.outer_rounds import live_uid
 from parallax.node.net.outer_state import StateExchange
 from parallax.node.peer.runner import model_shapes
 from parallax.node.peer.views import SwarmViews
@@ -170,10 +172,12 @@ Steps = dict[str, tuple[int, float | None]]
 
 def _shared_groups(membership: Membership, states: StateExchange, groups: dict[str, dict[str, tuple[int, ...]]],
                    deadline: float) -> tuple[Copy, Steps]:
-    """The merged shared groups as the live composers agree on them, and each composer's (step, loss). A group
-    state that does not check out (shape, finiteness) is asked for again."""
+    """The shared groups as the live composers agree on them, and each composer's (step, loss): each group's merged
+    state (its anchor), or, for a group never merged yet (round 0: the anchor is the initial parameters), the
+    composers' current weights of it. A group state that does not check out (shape, finiteness) is asked for
+    again."""
     tensors: dict[str, torch.Tensor] = {}
-    rounds = {}
+    origins: dict[str, dict[str, Any]] = {}
     pending = [g for g in SHARED_GROUPS if g in groups]
     refused: list[str] = []
     while True:
@@ -181,7 +185,11 @@ def _shared_groups(membership: Membership, states: StateExchange, groups: dict[s
         composers = {fp: m for fp, m in view.alive().items() if m.heartbeat.role == "composer"}
         if composers:
             for group in list(pending):
-                got = states.download(group, groups[group], timeout_s=max(1.0, min(30.0, deadline - time.monotonic())))
+                timeout = max(1.0, min(30.0, deadline - time.monotonic()))
+                got = states.download(group, groups[group], timeout_s=timeout)
+                live = got is not None and int(got[0]["round"]) == 0
+                if live:
+                    got = states.download(live_uid(group), groups[group], timeout_s=timeout)
                 if got is None:
                     continue
                 meta, values = got
@@ -191,16 +199,18 @@ def _shared_groups(membership: Membership, states: StateExchange, groups: dict[s
                     refused.append(why)
                     continue
                 tensors.update(copy.tensors)
-                rounds[group] = int(meta["round"])
+                origins[group] = {"round": int(meta["round"]), "step": int(meta.get("step", 0)),
+                                  "origin": f"current weights of peer {meta['source']} (never merged)" if live
+                                  else "merged"}
                 pending.remove(group)
             if not pending:
                 break
         _wait(deadline, "no composer of the run was seen" if not composers else
               f"no agreed state of {', '.join(pending)} from the live composers" + "".join(f"; {r}" for r in refused))
     nodes = {fp: (m.heartbeat.step, m.heartbeat.loss) for fp, m in composers.items()}
-    holder = f"the merged state of {len(composers)} composer(s), rounds " + ", ".join(
-        f"{g} {r}" for g, r in rounds.items())
-    return Copy(tensors, holder, "merged", max(s for s, _ in nodes.values()), time.time()), nodes
+    holder = f"the state of {len(composers)} composer(s), rounds " + ", ".join(
+        f"{g} {o['round']}" for g, o in origins.items())
+    return Copy(tensors, holder, "merged", max(s for s, _ in nodes.values()), time.time(), origins), nodes
 
 
 def _experts(membership: Membership, exchange: ExpertExchange, cfg: TrainConfig, deadline: float,

@@ -33,8 +33,9 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
                        val_fraction: float = 0.05, tokenizer: Tokenizer | None = None) -> Path:
     """Assemble the model from composers' checkpoints and write it to ``out``.
 
-    Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, as
-    of its last outer round (the merged state a live export takes too).
+    Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, each
+    as of its last outer round (the merged state a live export takes too), or its own weights of a group it never
+    merged. The model card names the round and step of every group.
     The model card gets the loss of the exported model on ``data``'s validation windows.
 
     Args:
@@ -63,14 +64,22 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
         except CheckpointError as e:
             raise ExportError(f"cannot read checkpoint {folder}: {e}") from None
         info, held = weights.info, weights.experts
-        # The shared groups as of the last outer round (every composer's consensus), where it merges them.
-        own_shared = {**weights.shared, **{n: t for n, t in weights.merged.items() if n in weights.shared}}
+        # Each shared group as of its last outer round (every composer's consensus), or, while it was never
+        # merged, this composer's own weights of it: an initial anchor is no model.
+        own_shared = dict(weights.shared)
+        groups = {}
+        for group, anchor in weights.merged.items():
+            merged = weights.rounds[group] > 0
+            if merged:
+                own_shared.update({n: t for n, t in anchor.items() if n in weights.shared})
+            groups[group] = {"round": weights.rounds[group], "step": info.step,
+                             "origin": "merged" if merged else "own weights (never merged)"}
         holder = str(folder)
         run_ids[holder] = info.run_id
         models[holder] = json.dumps(info.config.get("model"), sort_keys=True)
         config = config or info.config
         nodes.append(NodeSummary(holder=holder, step=info.step, tokens=info.tokens_seen))
-        shared.append(Copy(own_shared, holder, "checkpoint", info.step, info.saved_unix_s))
+        shared.append(Copy(own_shared, holder, "checkpoint", info.step, info.saved_unix_s, groups))
         for layer, owned in enumerate(info.owned):
             for expert in owned:
                 prefix = f"blocks.{layer}.moe.experts.{expert}."

@@ -13,7 +13,13 @@ thread publishes an immutable copy of each group's anchor and momentum (``publis
 state exchange (``outer_state``: several sources at once, one liar outvoted) hands out without touching live
 tensors.
 
-Metadata served with the state: {"v": 1, "group", "round", "step", "names", "momentum"}.
+Metadata served with the state: {"v": 1, "group", "round", "step", "names", "momentum"}. While a group has never
+been merged (round 0: its anchor is the initial parameters), the node also serves its current weights of it under
+``{group}/live`` (``publish_live``): what an export takes for that group instead of an untrained anchor.
+
+A group's state is never taken blindly: a downloaded state that would raise this node's loss on a few held-out
+batches by more than ``RELOAD_LOSS_BOUND`` is refused and its source named (``take_state``), so a peer serving an
+untrained or poisoned anchor cannot throw away what this node trained.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +45,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+RELOAD_LOSS_BOUND = 1.10
+"""A downloaded group state is refused when it would make this node's held-out loss more than this many times what
+it is now (an honest reload after a half-applied round moves it by a few percent at most)."""
+LIVE = "live"
 
 
 @dataclass
@@ -56,6 +66,22 @@ class RoundCounts:
     failed: int = 0
     skipped_busy: int = 0
     reloads: int = 0
+    refused: int = 0
+    """Downloaded states refused (they would have raised the loss, or did not check out)."""
+
+
+def live_uid(group: str) -> str:
+    """The name a group's current weights are served under (``publish_live``)."""
+    return f"{group}/{LIVE}"
+
+
+def live_state(outer: OuterOptimizer, *, group: str, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """(metadata, tensors) of a group's current weights, for an export (no momentum)."""
+    names = list(outer.anchor)
+    live = outer.live_copy()
+    meta = {"v": _STATE_VERSION, "group": live_uid(group), "round": outer.round, "step": step, "names": names,
+            "momentum": False}
+    return meta, [live[n] for n in names]
 
 
 def group_state(outer: OuterOptimizer, *, group: str, round_id: int, step: int) -> tuple[dict[str, Any],
@@ -112,7 +138,33 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
         for i, n in enumerate(names):
             outer.optimizer.state[outer.anchor[n]] = {"momentum_buffer": tensors[len(names) + i].to(torch.float32)
                                                       .clone()}
+    outer.round = round_id
     return round_id
+
+
+def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
+               since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None) -> int | None:
+    """``load_group_state``, unless the state makes ``probe()`` (this node's loss on fixed held-out batches) more
+    than ``RELOAD_LOSS_BOUND`` times what it was: then everything is put back as it was, the source (``meta``'s
+    ``source``) is named in the log, and None is returned.
+
+    Raises:
+        ValueError: as ``load_group_state`` (nothing changed).
+    """
+    if probe is None:
+        return load_group_state(outer, group, meta, tensors, since)
+    before, saved, live = probe(), outer.state_dict(), outer.live_copy()
+    round_id = load_group_state(outer, group, meta, tensors, since)
+    after = probe()
+    if after <= RELOAD_LOSS_BOUND * before:
+        return round_id
+    with torch.no_grad():
+        outer.load_state_dict(saved)
+        for name, p in outer.params.items():
+            p.copy_(live[name])
+    logger.warning("refused the state of %s (round %s) from peer %s: it raises this node's held-out loss from %.4f "
+                   "to %.4f; this node keeps its own", group, round_id, meta.get("source", "?"), before, after)
+    return None
 
 
 class BackgroundRounds:
@@ -124,14 +176,18 @@ class BackgroundRounds:
             in ``submit``/``collect``/``publish_state``).
         serve: serve every group's state to joiners from the start (a node of a new swarm: its seeded
             init is the swarm's). A joiner passes False: it serves a group only once it holds the swarm's
-            state of it (downloaded, or a round applied), never its own init to the next joiner.
+            state of it (downloaded, or a round applied), never its own init to the next joiner, and it
+            contributes to no round of a group before that (a due round downloads the state instead).
+        states: where group states are served and downloaded (None: hivemind's averager state sharing).
+        probe: () -> this node's loss on fixed held-out batches (``take_state``'s guard); None: no guard.
     """
 
     def __init__(self, sync: TieredOuterSync, composer: Composer, *, serve: bool = True,
-                 states: StateExchange | None = None) -> None:
+                 states: StateExchange | None = None, probe: Callable[[], float] | None = None) -> None:
         self.sync = sync
         self.composer = composer
         self.states = states
+        self.probe = probe
         self.counts = RoundCounts()
         self.reports: list[RoundReport] = []
         self.rounds_ok: dict[str, int] = dict.fromkeys(sync.groups, 0)
@@ -147,7 +203,6 @@ class BackgroundRounds:
         if serve:
             for group in sync.groups:
                 self._start_serving(group)
-        self.last_round: dict[str, int] = dict.fromkeys(sync.groups, -1)
 
     # --- training thread ---
 
@@ -155,11 +210,17 @@ class BackgroundRounds:
         return group in self._in_flight
 
     def submit(self, group: str, round_id: int) -> bool:
-        """Start a round of ``group`` with the composer's current pseudo-gradient; False if one is running."""
+        """Start a round of ``group`` with the composer's current pseudo-gradient; False if one is running, or
+        when this node does not hold the swarm's state of the group yet (it downloads it instead)."""
         if group in self._in_flight or group in self._reloads:
             self.counts.skipped_busy += 1
             logger.info("outer round %s/%d skipped: the previous round of this group is still running", group,
                         round_id)
+            return False
+        if group not in self._serving:  # a joiner whose download failed: its delta is from the seeded init
+            logger.info("outer round %s/%d skipped: this node does not hold the swarm's state of the group yet; "
+                        "downloading it", group, round_id)
+            self._start_reload(group)
             return False
         outer = self.composer.outer[group]
         delta, submitted = outer.pseudo_gradient(), outer.live_copy()
@@ -169,6 +230,15 @@ class BackgroundRounds:
         self._in_flight[group] = _InFlight(round_id, submitted, tokens, future)
         self.counts.submitted += 1
         return True
+
+    def merge_alone(self, group: str, round_id: int) -> None:
+        """A merge among one (no other composer is live): the outer step with this node's own pseudo-gradient, so
+        its anchor follows its training and what a joiner downloads is trained. Served like any merged state."""
+        outer = self.composer.outer[group]
+        self.composer.apply_outer(group, outer.pseudo_gradient())
+        outer.round = round_id
+        self.publish_state(group)
+        self._start_serving(group)
 
     def _run(self, group: str, delta: dict[str, torch.Tensor], tokens: int,
              round_id: int) -> tuple[dict[str, torch.Tensor] | None, RoundReport | None]:
@@ -187,10 +257,11 @@ class BackgroundRounds:
                 merged, report = None, RoundReport(group, RoundStatus.FAILED, flight.round_id, detail=repr(e))
             assert report is not None
             if merged is not None:
-                self.composer.outer[group].step_late(merged, flight.submitted)
+                outer = self.composer.outer[group]
+                outer.step_late(merged, flight.submitted)
+                outer.round = report.round_id if report.round_id is not None else flight.round_id
                 self.counts.applied += 1
                 self.rounds_ok[group] += 1
-                self.last_round[group] = report.round_id if report.round_id is not None else flight.round_id
                 self.publish_state(group)
                 self._start_serving(group)
             else:
@@ -211,11 +282,13 @@ class BackgroundRounds:
                 self.composer.tokens_since_merge[group] += tokens  # our delta is still ours to send
                 continue
             try:
-                self.last_round[group] = load_group_state(self.composer.outer[group], group, *found,
-                                                          since=submitted)
+                taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
+                taken = None
+            if taken is None:
                 self.composer.tokens_since_merge[group] += tokens
+                self.counts.refused += 1
                 continue
             self.counts.reloads += 1
             self.publish_state(group)
@@ -248,10 +321,26 @@ class BackgroundRounds:
     def publish_state(self, group: str | None = None) -> None:
         """Make the current anchor (and momentum) of ``group`` (default: all) what joiners download."""
         for g in [group] if group is not None else list(self.sync.groups):
-            state = group_state(self.composer.outer[g], group=g, round_id=max(self.last_round[g], 0),
-                                step=self.composer.step)
+            outer = self.composer.outer[g]
+            state = group_state(outer, group=g, round_id=outer.round, step=self.composer.step)
             with self._served_lock:
                 self._served[g] = state
+                if outer.round > 0:
+                    self._served.pop(live_uid(g), None)  # merged: an export takes the anchor now
+
+    def publish_live(self) -> None:
+        """Serve the current weights of every group never merged yet (``live_uid``): an export takes them instead
+        of an untrained anchor. A copy of the groups, so the training thread calls it now and then (snapshots)."""
+        for g, outer in self.composer.outer.items():
+            if g not in self.sync.groups or outer.round > 0:
+                continue
+            uid = live_uid(g)
+            with self._served_lock:
+                self._served[uid] = live_state(outer, group=g, step=self.composer.step)
+            if uid not in self._serving:
+                self._serving.add(uid)
+                if self.states is not None:
+                    self.states.serve(uid, functools.partial(self._serve, uid))
 
     def _serve(self, group: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
         with self._served_lock:
@@ -286,11 +375,13 @@ class BackgroundRounds:
                 logger.info("outer group %s: no peer served its state (a new swarm?)", group)
                 continue
             try:
-                taken[group] = load_group_state(self.composer.outer[group], group, *found)
+                round_id = take_state(self.composer.outer[group], group, *found, probe=self.probe)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
                 continue
-            self.last_round[group] = taken[group]
+            if round_id is None:
+                continue
+            taken[group] = round_id
             self._start_serving(group)
         self.publish_state()
         return taken
@@ -300,6 +391,7 @@ class BackgroundRounds:
             averager.serve_state(None)
             if self.states is not None:
                 self.states.serve(group, None)
+                self.states.serve(live_uid(group), None)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -207,7 +207,7 @@ def decode_state(group: str, meta_bytes: bytes, body: bytes, shapes: Mapping[str
 
 def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, Sequence[int]], *,
                  asked: int) -> State | None:
-    """Which downloaded state to take (None: none; the caller keeps its own).
+    """Which downloaded state to take (None: none; the caller keeps its own); its metadata names its ``source``.
 
     Honest composers' anchors differ by the rounds each took part in, so states are compared robustly, not for
     equality: of three or more, the one nearest the coordinate-wise median of all the anchors (one liar cannot
@@ -217,6 +217,7 @@ def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, S
     """
     if not states:
         return None
+    states = {peer: ({**meta, "source": peer}, tensors) for peer, (meta, tensors) in states.items()}
     peers = sorted(states)
     if len(peers) == 1:
         peer = peers[0]

@@ -76,6 +76,9 @@ from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
 
+PROBE_BATCHES = 2
+"""Held-out batches a downloaded group state is judged on before it replaces this node's (``take_state``)."""
+
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
     return tuple(frozenset(owned.get(layer, ())) for layer in range(n_layers))
@@ -208,7 +211,10 @@ class Node:
         if checkpoint is not None:
             loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
-        rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states)
+        held_out = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
+        probe = held_out[:PROBE_BATCHES]
+        rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states,
+                                  probe=lambda: composer.evaluate(probe))
         stack.callback(rounds.shutdown)
         if joining and checkpoint is None:
             telemetry.phase("loading state")
@@ -238,8 +244,8 @@ class Node:
                 weight_cap=float(cfg.batch_size * cfg.model.seq_len * cfg.sync.periods["backbone"]))
             stack.callback(replicas.shutdown)
         return Training(c, composer, net.dht, net.membership, net.views, net.gossip, net.exchange, net.sync, rounds,
-                        experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=val_batches(
-                            val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches), started=self._started,
+                        experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=held_out,
+                        started=self._started,
                         outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
                                                net.gather.bytes_fetched), replicas=replicas)
 

@@ -169,6 +169,7 @@ class Training:
                 self._publish_refresh()
             if step % self.config.node.snapshot_every == 0:
                 self.experts.serve_snapshots()
+                rounds.publish_live()
         versions = gossip.versions()
         suspects, banned = self.scores.suspects(MAX_SUSPECTS) if self.scores is not None else ({}, ())
         self.membership.update(step=step, loss=self.telemetry.status.loss, suspects=suspects, banned=banned,
@@ -197,7 +198,7 @@ class Training:
             if group not in composer.outer:
                 continue
             if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
-                composer.apply_outer(group, composer.pseudo_gradient(group))
+                rounds.merge_alone(group, round_id=step // self.schedule.periods[group])
                 fresh = self.views.fresh()  # not a view that lost the others for a moment
                 if fresh is not None and len(fresh.composers()) < 2:
                     self.gate.merged_alone(group, step)
@@ -247,6 +248,7 @@ class Training:
                 for report in self.replicas.wait(timeout_s=min(settings.leave_timeout_s, 20.0)):
                     self._round_event(report)
         self.experts.serve_snapshots(final=True)
+        self.rounds.publish_live()
         self.experts.push_final_snapshots(deadline=started + settings.leave_timeout_s)
         if settings.checkpoint_dir is not None:
             self.checkpoint()

@@ -46,7 +46,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -274,8 +274,10 @@ class CheckpointWeights:
     """The experts the composer held."""
     shared: dict[str, torch.Tensor]
     """Its working copy of the shared groups (router, latent interface, backbone)."""
-    merged: dict[str, torch.Tensor]
-    """The shared groups as of its last outer round (the anchors), for the groups it merges."""
+    merged: dict[str, dict[str, torch.Tensor]]
+    """group -> the group as of its last outer round (its anchor), for the groups it merges."""
+    rounds: dict[str, int]
+    """group -> the outer round its anchor is from (0: never merged, the anchor is the initial parameters)."""
 
 
 def read_weights(path: str | os.PathLike[str]) -> CheckpointWeights:
@@ -287,12 +289,17 @@ def read_weights(path: str | os.PathLike[str]) -> CheckpointWeights:
     folder = _resolve(Path(path))
     body = _read_manifest(folder)
     info = _info(folder, body)
+    merged: dict[str, dict[str, torch.Tensor]] = {}
     try:
         experts, shared, outer = (_read_tensors(folder, f, body["files"]) for f in ("experts", "shared", "outer"))
+        for key, t in outer.items():
+            if "/anchor/" in key:
+                group, name = key.split("/anchor/", 1)
+                merged.setdefault(group, {})[name] = t
+        rounds = _outer_rounds(folder, body["state"], merged)
     except (KeyError, TypeError, IndexError, AttributeError) as e:  # a manifest of the right format, wrong shape
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
-    merged = {name.split("/anchor/", 1)[1]: t for name, t in outer.items() if "/anchor/" in name}
-    return CheckpointWeights(info, experts, shared, merged)
+    return CheckpointWeights(info, experts, shared, merged, rounds)
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -554,6 +561,7 @@ def _collect(composer: Composer) -> tuple[dict[str, dict[str, torch.Tensor]], di
         "optimizer": optimizer,
         "scheduler": composer.scheduler.state_dict(),
         "outer": outer,
+        "outer_rounds": {group: oo.round for group, oo in composer.outer.items()},
         "publishers": sorted([l, e] for l, e in composer.publishers),
         "sampler": sampler,
         "recorder": recorder,
@@ -603,6 +611,7 @@ def _plan_restore(composer: Composer, meta: Mapping[str, Any],
     sketch_state = t["data"]["sketch/generator"]
     counters = meta["counters"]
     scheduler = meta["scheduler"]
+    rounds = _outer_rounds(None, meta, composer.outer)
 
     @torch.no_grad()
     def apply() -> None:
@@ -611,7 +620,7 @@ def _plan_restore(composer: Composer, meta: Mapping[str, Any],
         composer.optimizer.load_state_dict(opt_state)
         composer.scheduler.load_state_dict(dict(scheduler))
         for group, state in outer_states.items():
-            composer.outer[group].load_state_dict(state)
+            composer.outer[group].load_state_dict({**state, "round": rounds[group]})
         for key, v in expected_pub.items():
             v.copy_(t["publishers"][key])
         composer.sampler.load_state_dict(sampler_state)
@@ -628,6 +637,16 @@ def _plan_restore(composer: Composer, meta: Mapping[str, Any],
         composer.selections_total = int(counters["selections_total"])
 
     return apply
+
+
+def _outer_rounds(folder: Path | None, meta: Mapping[str, Any], groups: Iterable[str]) -> dict[str, int]:
+    """group -> the outer round of its saved anchor; 0 for a checkpoint written before rounds were kept."""
+    saved = meta.get("outer_rounds", {})
+    rounds = {g: saved.get(g, 0) if isinstance(saved, Mapping) else None for g in groups}
+    good = {g: r for g, r in rounds.items() if type(r) is int and r >= 0}
+    if len(good) != len(rounds):
+        raise CheckpointError(f"{f'checkpoint {folder}: ' if folder else ''}malformed outer rounds {saved!r}")
+    return good
 
 
 def _param_names(composer: Composer) -> list[str]:

@@ -53,6 +53,9 @@ class OuterOptimizer:
         self.optimizer = torch.optim.SGD(
             list(self.anchor.values()), lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
         )
+        self.round = 0
+        """The outer round whose merge gave the anchor (its number: the step of the round over the group's period); 0
+        while the anchor is the initial parameters. Set by whoever applies or loads a merge; checkpoints keep it."""
 
     def _live(self, name: str) -> torch.Tensor:
         return self.params[name].detach().to(device="cpu", dtype=torch.float32)
@@ -106,9 +109,9 @@ class OuterOptimizer:
         return {name: self._live(name).clone() for name in self.anchor}
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns: the anchor (name -> CPU float32 tensor) and the SGD state (momentum buffers)."""
+        """Returns: the anchor (name -> CPU float32 tensor), the SGD state (momentum buffers) and the round."""
         return {"anchor": {n: a.clone() for n, a in self.anchor.items()},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "round": self.round}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -126,6 +129,7 @@ class OuterOptimizer:
                     f"outer state {name} has shape {tuple(anchor[name].shape)}, expected {tuple(a.shape)}")
             a.copy_(anchor[name])  # in place: the SGD keeps pointing at the same tensors
         self.optimizer.load_state_dict(state["optimizer"])
+        self.round = int(state.get("round", 0))
 
     @torch.no_grad()
     def reset_anchor(self, *, reset_momentum: bool = False) -> None:

@@ -53,7 +53,8 @@ def test_a_live_swarm_exports_every_expert_from_its_owner(tmp_path: Path) -> Non
         assert len(provenance["experts"]) == 8 and not provenance["missing"]
         assert {e["holder"] for e in provenance["experts"]} == fingerprints  # each from one of the two owners
         assert all(e["origin"] == "owner" and e["step"] >= 10 for e in provenance["experts"])
-        assert "merged state of 2 composer(s)" in provenance["shared_from"]["holder"]
+        assert "state of 2 composer(s)" in provenance["shared_from"]["holder"]
+        assert all(g["round"] > 0 and g["origin"] == "merged" for g in provenance["shared_from"]["groups"].values())
         exported = read_model(out)
         loss = evaluate_on(exported.model, None, batch_size=8, eval_batches=4).nats_per_token
         assert 0 < loss < 5.6  # below a uniform guess over bytes (ln 256 = 5.55) once trained a little

@@ -20,6 +20,7 @@ from parallax.node.train.checkpoint import (
     load_checkpoint,
     load_latest,
     read_info,
+    read_weights,
     save_checkpoint,
     state_hash,
 )
@@ -317,3 +318,28 @@ def test_resume_takes_latest_with_a_checkpoint_dir_or_a_checkpoints_path() -> No
     assert NodeSettings(resume="runs/a/step-000000100").resume == "runs/a/step-000000100"
     with pytest.raises(ValueError, match="--resume DIR/step-N"):
         NodeSettings(resume="latest")
+
+
+def test_each_groups_outer_round_is_kept_and_says_whether_it_was_ever_merged(train, tmp_path):
+    """An export takes a group's anchor only when it was merged (round > 0): the round goes into the checkpoint,
+    back into the composer, and into ``read_weights``; a checkpoint written before rounds were kept reads 0."""
+    original = _composer(train)
+    _advance(original, 3)
+    original.outer["router"].round = 7  # merged at round 7; latent and backbone never
+    save_checkpoint(tmp_path, original, run_id=RUN)
+    restored = _composer(train)
+    load_checkpoint(tmp_path, restored, run_id=RUN)
+    assert {g: o.round for g, o in restored.outer.items()} == {g: o.round for g, o in original.outer.items()}
+    weights = read_weights(tmp_path)
+    assert weights.rounds == {"router": 7, **{g: 0 for g in original.outer if g != "router"}}
+    assert set(weights.merged) == set(original.outer)
+    assert all(torch.equal(weights.merged["router"][n], a) for n, a in original.outer["router"].anchor.items())
+    path = latest_checkpoint(tmp_path)
+    body = json.loads((path / "manifest.json").read_text())["body"]
+    del body["state"]["outer_rounds"]  # written before rounds were kept
+    (path / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
+    assert read_weights(tmp_path).rounds == dict.fromkeys(original.outer, 0)
+    body["state"]["outer_rounds"] = {"router": "seven"}
+    (path / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
+    with pytest.raises(CheckpointError, match="malformed outer rounds"):
+        read_weights(tmp_path)

@@ -1,12 +1,12 @@
 """The pure parts of background outer rounds: late application keeps local progress; group state
-round-trips to a joiner and refuses what does not fit."""
+round-trips to a joiner and refuses what does not fit, or what would throw this node's training away."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from parallax.node.net.outer_rounds import group_state, load_group_state
+from parallax.node.net.outer_rounds import RELOAD_LOSS_BOUND, group_state, live_state, load_group_state, take_state
 from parallax.node.train.outer import OuterOptimizer
 
 
@@ -103,3 +103,49 @@ def test_group_state_that_does_not_fit_is_refused_before_any_change(breakage: st
     with pytest.raises(ValueError):
         load_group_state(dst, "router", meta, tensors)
     assert all(torch.equal(params[n].detach(), before[n]) for n in params)
+
+
+def test_a_state_that_raises_the_held_out_loss_is_refused_and_everything_put_back() -> None:
+    """The probe stands for this node's held-out loss: here the distance of ``w`` to a target the node trained
+    towards. A peer's trained anchor is taken; an untrained one (the initial parameters) is refused, and the anchor,
+    the momentum, the live weights and the round are as they were."""
+    target = torch.full((3, 2), 2.0)
+    params, outer = make(0.7, 0.9)
+
+    def probe() -> float:
+        return 1.0 + float((params["w"].detach() - target).norm())
+
+    with torch.no_grad():
+        params["w"].add_(1.0)
+    outer.step(outer.pseudo_gradient())  # a lone merge: momentum and a moved anchor
+    outer.round = 4
+    with torch.no_grad():
+        params["w"].add_(0.1)
+    saved, live = outer.state_dict(), outer.live_copy()
+    _, untrained = make(0.7, 0.9)
+    meta, tensors = group_state(untrained, group="router", round_id=0, step=0)
+    assert probe() * RELOAD_LOSS_BOUND < 1.0 + float(target.norm())  # the untrained state is clearly worse
+    assert take_state(outer, "router", {**meta, "source": "QmPeer"}, tensors, probe=probe) is None
+    assert outer.round == 4 and all(torch.equal(outer.anchor[n], saved["anchor"][n]) for n in outer.anchor)
+    assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+    assert torch.equal(outer.optimizer.state[outer.anchor["w"]]["momentum_buffer"],
+                       saved["optimizer"]["state"][0]["momentum_buffer"])
+
+    trained_params, trained = make(0.7, 0.9)
+    with torch.no_grad():
+        trained_params["w"].add_(1.9)
+    trained.step(trained.pseudo_gradient())
+    meta, tensors = group_state(trained, group="router", round_id=9, step=90)
+    assert take_state(outer, "router", meta, tensors, probe=probe) == 9 and outer.round == 9
+    assert torch.equal(outer.anchor["w"], trained.anchor["w"])
+
+
+def test_live_state_is_the_current_weights_under_a_name_of_its_own() -> None:
+    params, outer = make()
+    with torch.no_grad():
+        params["w"].add_(1.5)
+    meta, tensors = live_state(outer, group="backbone", step=12)
+    assert meta["group"] == "backbone/live" and meta["round"] == 0 and not meta["momentum"]
+    assert torch.equal(tensors[meta["names"].index("w")], params["w"].detach())
+    with pytest.raises(ValueError):  # never loaded as a group's merged state
+        load_group_state(outer, "backbone", meta, tensors)
