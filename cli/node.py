@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,32 @@ def _invoked_as_node_join(argv: list[str]) -> bool:
     return invoked_as(argv, "node", "join")
 
 
+def join_line(config: Any, initial_peers: str, *, preset: str | None = None, config_file: Path | None = None,
+              sets: list[str] | None = None) -> str:
+    """The command a second node joins this one's swarm with: the run id, the run's manifest when this node has
+    one (else the settings it was started with, which its manifest is made of), the timing profile and this node's
+    address. Quoted for a POSIX shell."""
+    args = ["parallax", "node", "join", "--run-id", config.peer.run_id]
+    if config.peer.manifest:
+        args += ["--manifest", str(config.peer.manifest)]
+    else:
+        args += ["--preset", preset] if preset else []
+        args += ["--config", str(config_file)] if config_file else []
+        for item in sets or ():
+            args += ["--set", item]
+    if config.peer.loopback:
+        args.append("--loopback")
+    return shlex.join(args) + " " + initial_peers
+
+
+def print_join_line(console: Console, status: Any, line: str) -> None:
+    """Say the node is up and print ``line`` whole: one line that no console breaks (the terminal may soft-wrap
+    it, and a copy of it pastes as one command)."""
+    console.print(f"peer {status.peer_id} is up (run digest {status.run_digest}). Others join this swarm with:",
+                  soft_wrap=True, markup=False, highlight=False)
+    console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False, crop=False)
+
+
 def _status_table(status: Any) -> Table:
     table = Table(title=f"parallax node {status.fingerprint} — {status.phase}", show_header=False)
     table.add_column(style="bold")
@@ -44,7 +71,8 @@ def _status_table(status: Any) -> Table:
     rounds = " ".join(f"{g}:{n}" for g, n in status.rounds_ok.items()) or "-"
     upcoming = " ".join(f"{g} in {n}" for g, n in status.next_round.items()) or "-"
     for key, value in (
-        ("step", f"{status.step} ({status.trained} this session)"), ("loss", loss),
+        ("step", f"{status.step} ({status.trained} this session)"), ("schedule", status.schedule or "-"),
+        ("loss", loss),
         ("tokens/s", f"{status.tokens_per_s:,.0f}"), ("live composers", str(status.live_peers)),
         ("owned experts", str(status.owned)),
         ("surrogates", f"{status.surrogates_held} followed, newest v{status.surrogate_version_max}"),
@@ -146,13 +174,13 @@ def join(
     def show(status: Any) -> None:
         if status.join_command and not printed:
             printed.append(True)
-            how = f"--manifest {config.peer.manifest}" if config.peer.manifest else "the same settings"
-            console.print(f"peer {status.peer_id} is up (run digest {status.run_digest}). Others join this swarm "
-                          f"with {how}:\n  parallax node join --run-id {config.peer.run_id} {status.join_command}")
+            print_join_line(console, status, join_line(config, status.join_command, preset=preset,
+                                                       config_file=config_file, sets=set_))
         if live is not None:
             live.update(_status_table(status))
 
     previous: dict[int, Any] = {}
+    node = None
     try:
         node = Node(config, on_status=show)
         previous = install_signal_handlers(node)
@@ -160,10 +188,12 @@ def join(
             live.start()
         status = node.run()
     except (ParallaxError, ValueError, OSError) as e:  # bad key file, data, checkpoint, unreachable swarm
+        _clear(live)
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e
     except ForcedStop as e:  # the node closed everything it started before this propagated
-        console.print(f"[yellow]{e}[/yellow]; the checkpoint on disk is the last one written")
+        _clear(live)
+        console.print(f"[yellow]{e}[/yellow]; {_what_is_kept(config, node)}")
         raise typer.Exit(130) from e
     finally:
         if live is not None:
@@ -172,6 +202,23 @@ def join(
             signal.signal(s, handler)
     console.print(f"left the swarm at step {status.step} after {status.trained} steps "
                   f"(loss {status.loss if status.loss is not None else float('nan'):.4f})")
+
+
+def _clear(live: Live | None) -> None:
+    """Take the live table off the screen: after an error it would show a node that never ran."""
+    if live is not None:
+        live.transient = True
+        live.stop()
+
+
+def _what_is_kept(config: Any, node: Any) -> str:
+    """What a forced stop leaves behind, said truly."""
+    if node is None or node.starting:
+        return "it stopped before training began" + (" (the checkpoint it was resuming from is untouched)"
+                                                     if config.node.resume else "")
+    if config.node.checkpoint_dir is not None:
+        return f"the last checkpoint written is in {config.node.checkpoint_dir}"
+    return "this node kept no checkpoint (no --checkpoint-dir): its experts go on in their heirs' snapshots"
 
 
 def register(app: typer.Typer) -> None:

@@ -147,7 +147,26 @@ def _rebuilt_tree(obj: Any, tree: Mapping[str, Any], prefix: str) -> Any:
               for name, sub in tree.items()}
     if not change:
         return obj
-    return _rebuilt(obj, change, ", ".join(_leaves(tree, prefix)))
+    try:
+        return dataclasses.replace(obj, **change)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        at_fault = _at_fault(obj, change, tree, prefix)
+        raise ConfigError(str(e) if str(e).startswith(at_fault) else f"{at_fault}: {e}") from None
+
+
+def _at_fault(obj: Any, change: Mapping[str, object], tree: Mapping[str, Any], prefix: str) -> str:
+    """The settings of ``change`` that ``obj`` refuses (what an error names): those refused each on its own, or,
+    when only their combination is refused (one bound against another), all of them."""
+    alone = []
+    for name, value in change.items():
+        try:
+            dataclasses.replace(obj, **{name: value})
+        except (ValueError, TypeError):
+            alone.append(name)
+    names = alone or list(change)
+    return ", ".join(p for name in sorted(names) for p in _leaves({name: tree[name]}, prefix))
 
 
 def _leaves(tree: Mapping[str, Any], prefix: str) -> list[str]:
@@ -160,15 +179,6 @@ def _leaves(tree: Mapping[str, Any], prefix: str) -> list[str]:
 
 def _first_field(cls: type) -> str:
     return dataclasses.fields(cls)[0].name
-
-
-def _rebuilt(obj: Any, change: dict[str, object], path: str) -> Any:
-    try:
-        return dataclasses.replace(obj, **change)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, str]:

@@ -67,7 +67,7 @@ from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry
 from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
-from parallax.node.train.checkpoint import latest_checkpoint, load_checkpoint, read_info, state_hash
+from parallax.node.train.checkpoint import load_checkpoint, read_info, sound_checkpoint, state_hash
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, val_batches
 from parallax.node.train.device import device_of
@@ -186,15 +186,19 @@ class Node:
         self._tokenizer = run_tokenizer(cfg.model, corpus, c.peer.manifest)
         splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
         train_tokens, val = splits.train, splits.val
+        # The checkpoint is chosen, checked and loaded before the network starts: a node that cannot resume says
+        # so before it announces itself to anyone.
+        composer, info = None, None
+        device = str(device_of(c.node.device))
+        sampler_seed = data_seed(self.identity.fingerprint, cfg.seed)
+        checkpoint = self._checkpoint()
+        if checkpoint is not None:
+            info = read_info(checkpoint)
+            composer = Composer(cfg, info.owned, train_tokens, sampler_seed=sampler_seed, device=device,
+                                replica_outers=cfg.ownership.replicas > 1)
+            loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
+            telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         telemetry.phase("joining")
-        checkpoint = None
-        if c.node.resume == "latest" and c.node.checkpoint_dir is not None:
-            checkpoint = latest_checkpoint(c.node.checkpoint_dir)
-            if checkpoint is None:
-                raise NodeError(f"--resume: no checkpoint in {c.node.checkpoint_dir}; start without --resume")
-        elif c.node.resume is not None:
-            checkpoint = Path(c.node.resume)
-        info = read_info(checkpoint) if checkpoint is not None else None
         net = self._start_network(dict(info.versions) if info is not None else {})
         telemetry.event("network_started", seconds=self._seconds())
         owned, joining = self._wait_for_shard(net.membership)
@@ -203,14 +207,11 @@ class Node:
                   if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
         # A joiner takes its experts over from their previous owners at its first seams (``Experts.reconcile``),
         # so it starts owning nothing; the previous owners are those of the assignment without it.
-        ownership = info.owned if info is not None else ownership_of({} if joining else owned, cfg.model.n_layers)
-        composer = Composer(cfg, ownership, train_tokens, sampler_seed=data_seed(self.identity.fingerprint, cfg.seed),
-                            device=str(device_of(c.node.device)), replica_outers=cfg.ownership.replicas > 1)
+        if composer is None:
+            composer = Composer(cfg, ownership_of({} if joining else owned, cfg.model.n_layers), train_tokens,
+                                sampler_seed=sampler_seed, device=device, replica_outers=cfg.ownership.replicas > 1)
         telemetry.event("composer_built", seconds=self._seconds())
         offload = self._start_offload(net, composer) if cfg.offload.enabled else None
-        if checkpoint is not None:
-            loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
-            telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         held_out = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
         probe = held_out[:PROBE_BATCHES]
         rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states,
@@ -248,6 +249,28 @@ class Node:
                         started=self._started,
                         outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
                                                net.gather.bytes_fetched), replicas=replicas)
+
+    def _checkpoint(self) -> Path | None:
+        """The checkpoint ``--resume`` names: with ``latest``, the newest sound one of ``--checkpoint-dir`` (those
+        skipped are named in the log)."""
+        settings = self.config.node
+        if settings.resume is None:
+            return None
+        if settings.resume != "latest":
+            return Path(settings.resume)
+        if settings.checkpoint_dir is None:
+            raise NodeError("--resume latest needs --checkpoint-dir (the folder the node checkpoints to)")
+        found, skipped = sound_checkpoint(settings.checkpoint_dir)
+        for folder, why in skipped:
+            logger.warning("--resume latest: skipped %s: %s", folder.name, why)
+        if found is None:
+            raise NodeError(f"--resume latest: no sound checkpoint in {settings.checkpoint_dir}"
+                            + "".join(f"; {f.name}: {why}" for f, why in skipped)
+                            + "; start without --resume, or name a step-N folder")
+        if skipped:
+            logger.warning("--resume latest: resuming from %s, the newest sound checkpoint", found.name)
+        self.telemetry.event("resume_from", path=str(found), skipped=[str(f) for f, _ in skipped])
+        return found
 
     def _start_network(self, versions: dict[tuple[int, int], int]) -> _Network:
         """DHT, membership, then the network loop, gossip, snapshot exchange and outer averagers: their

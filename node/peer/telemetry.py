@@ -39,6 +39,8 @@ class NodeStatus:
     phase: str = "starting"
     step: int = 0
     trained: int = 0
+    schedule: str = ""
+    """Where the node stands in the run's learning-rate schedule (the run's ``steps``, fixed by its manifest)."""
     loss: float | None = None
     tokens_per_s: float = 0.0
     live_peers: int = 0

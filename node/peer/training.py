@@ -30,7 +30,7 @@ from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import Telemetry
 from parallax.node.peer.views import SwarmViews
 from parallax.node.train.checkpoint import save_checkpoint, state_hash
-from parallax.node.train.composer import Composer
+from parallax.node.train.composer import Composer, schedule_position
 from parallax.node.train.outer import TierSchedule
 from parallax.protocol.messages import MAX_SUSPECTS
 
@@ -65,6 +65,7 @@ class Training:
         self._frozen: set[tuple[int, int]] = set()  # experts whose owner sent a refused delta
         self.join_to_first_step_s: float | None = None
         self._refit_took = 0.0  # seconds of surrogate refits in the current seam
+        self._past_schedule = False  # warned that the run's learning-rate schedule has ended
 
     # --- the loop ---
 
@@ -302,6 +303,15 @@ class Training:
         s.surrogate_versions = {f"{layer}.{expert}": v for (layer, expert), v in sorted(versions.items())}
         s.workers = sorted(self.views.live_workers() or {}) if self.offload is not None else []
         s.next_round = next_round_in(dict(self.schedule.periods), self.composer.step)
+        optim, steps = self.config.train.optim, self.config.train.steps
+        s.schedule = schedule_position(self.composer.step, steps, optim.min_lr_ratio)
+        if self.composer.step >= steps and not self._past_schedule:
+            self._past_schedule = True
+            logger.warning("the run's learning-rate schedule ended at step %d (its steps setting, in its manifest): "
+                           "this node trains on at the minimum learning rate, %.0f%% of the peak. A longer run is a "
+                           "new run with a larger steps setting (parallax run create --set steps=N)", steps,
+                           100 * optim.min_lr_ratio)
+            self.telemetry.event("schedule_ended", step=self.composer.step, steps=steps)
         self.telemetry.publish()
 
 

@@ -373,13 +373,7 @@ def load_latest(root: str | os.PathLike[str], composer: Composer, *, run_id: str
         CheckpointMismatch: a sound checkpoint that does not fit this node (not retried on older
             ones: they were written by the same node).
     """
-    pointed = latest_checkpoint(root)
-    every = list_checkpoints(root)
-    if pointed is not None:
-        older = [p for p in every if _step_of(p) < _step_of(pointed)]
-        candidates = [pointed, *reversed(older)]
-    else:
-        candidates = list(reversed(every))
+    candidates = _newest_first(root)
     if not candidates:
         return None
     if not fall_back:
@@ -394,6 +388,30 @@ def load_latest(root: str | os.PathLike[str], composer: Composer, *, run_id: str
             log.warning("cannot resume from %s: %s", folder, e)
             reasons.append(str(e))
     raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(reasons))
+
+
+def _newest_first(root: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoints to resume from, in order: the one ``latest`` names, then the older ones, newest first
+    (without a pointer: every checkpoint, newest first)."""
+    pointed = latest_checkpoint(root)
+    every = list_checkpoints(root)
+    if pointed is None:
+        return list(reversed(every))
+    return [pointed, *reversed([p for p in every if _step_of(p) < _step_of(pointed)])]
+
+
+def sound_checkpoint(root: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``root`` whose every file checks out (``verify_checkpoint``), and the newer
+    ones skipped with why (a save that did not finish, a damaged file). (None, reasons) when none is sound."""
+    skipped = []
+    for folder in _newest_first(root):
+        try:
+            verify_checkpoint(folder)
+        except CheckpointError as e:
+            skipped.append((folder, str(e)))
+            continue
+        return folder, skipped
+    return None, skipped
 
 
 def _resolve(path: Path) -> Path:

@@ -53,6 +53,15 @@ def lr_lambda(optim_warmup: int, total_steps: int, min_ratio: float) -> Callable
     return factor
 
 
+def schedule_position(step: int, total_steps: int, min_ratio: float) -> str:
+    """Where ``step`` stands in the run's learning-rate schedule (``lr_lambda``), for people: the live table, the
+    status page and the end-of-schedule warning."""
+    if step < total_steps:
+        return f"step {step:,} of {total_steps:,} ({step / total_steps:.0%})"
+    return (f"past its end at step {total_steps:,}: learning rate at its minimum, {min_ratio:.0%} of the peak "
+            "(the run's steps setting)")
+
+
 class Composer:
     """A composer of a run.
 

@@ -210,6 +210,15 @@ def test_stop_and_resume_restores_the_state_exactly(tmp_path: Path) -> None:
         assert resumed["step"] == 12
         assert resumed["state_hash"] == saved["state_hash"]
         assert steps_of(records)[-1]["step"] == 15
+        # The newest checkpoint damaged (a save cut short): --resume latest takes the previous sound one, and says so.
+        newest = ckpt / "step-000000015" / "shared.safetensors"
+        newest.write_bytes(newest.read_bytes()[:100])
+        swarm.add_node("--steps", "1", "--checkpoint-dir", str(ckpt), "--resume", "latest", index=0)
+        assert swarm.wait(180) and swarm.nodes[0].process.returncode == 0, swarm.describe()
+        resumed = events(read_metrics(swarm.nodes[0].metrics), "resumed")[-1]
+        assert resumed["step"] == 12 and resumed["state_hash"] == saved["state_hash"]
+        assert "skipped step-000000015" in swarm.nodes[0].log.read_text() and "resuming from step-000000012" in \
+            swarm.nodes[0].log.read_text()
     finally:
         swarm.close()
     assert not session_processes(swarm), "processes left behind"

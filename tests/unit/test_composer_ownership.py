@@ -339,3 +339,13 @@ def test_a_snapshot_without_outer_state_anchors_at_its_weights_and_a_partial_one
     a.adopt_expert((1, 0), {k: v for k, v in snapshot.items() if not k.startswith("outer.")})
     for name, anchor in a.outer[expert_group((1, 0))].anchor.items():
         assert torch.equal(anchor, snapshot[name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]])
+
+
+def test_the_schedule_position_says_where_the_run_stands_and_when_it_ended() -> None:
+    from parallax.node.train.composer import lr_lambda, schedule_position
+
+    factor = lr_lambda(20, 500, 0.1)
+    assert schedule_position(120, 500, 0.1) == "step 120 of 500 (24%)"
+    assert factor(499) > 0.1 and factor(500) == pytest.approx(0.1) and factor(9_276) == pytest.approx(0.1)
+    past = schedule_position(9_276, 500, 0.1)
+    assert past.startswith("past its end at step 500") and "10% of the peak" in past

@@ -43,6 +43,21 @@ def test_bad_values_are_one_line_errors_naming_the_setting(change: str, named: s
     assert named in message and "\n" not in message
 
 
+def test_an_error_names_the_one_setting_at_fault_among_those_given_together() -> None:
+    """Many settings of one section change at once (a node's flags): the error names the one refused, not them all;
+    a pair that is refused only together (one bound against another) is named as the pair."""
+    changes = {"peer.run_id": "demo", "peer.loopback": True, "peer.identity": "a.key", "peer.initial_peers": ["x"]}
+    with pytest.raises(ConfigError) as info:
+        apply_changes(node_defaults("tiny", True), changes)
+    assert str(info.value).startswith("peer.initial_peers: initial peer 'x' is not a multiaddr"), info.value
+    with pytest.raises(ConfigError) as info:
+        apply_changes(node_defaults("tiny", True), {"net.stall_s": 3.0, "net.gossip_poll_s": 0.5})
+    assert str(info.value).startswith("net.stall_s") and "gossip_poll_s" not in str(info.value), info.value
+    with pytest.raises(ConfigError) as info:
+        apply_changes(node_defaults("tiny", True), {"net.announce_period_s": 20.0, "net.announce_ttl_s": 10.0})
+    assert str(info.value).startswith("net.announce_period_s, net.announce_ttl_s: "), info.value
+
+
 def test_typed_values_from_toml_and_python_are_checked_too() -> None:
     cfg = apply_changes(TrainConfig(), {"optim.lr": 1, "optim.betas": [0.8, 0.9], "batch_size": 4.0})
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)

@@ -77,3 +77,31 @@ def test_supervision_only_when_run_from_a_command_line() -> None:
     assert _invoked_as_node_join(["/x/__main__.py", "--log-level", "DEBUG", "node", "join"])
     assert not _invoked_as_node_join(["/bin/pytest", "tests/unit", "-q"])
     assert not _invoked_as_node_join(["node", "join"])  # argv[0] is the program, never the command
+
+
+@pytest.mark.parametrize("width", [20, 40, 80, 120, 300])
+def test_the_join_line_prints_whole_on_one_line_at_any_width(tmp_path, width) -> None:
+    import io
+    import shlex
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from parallax.cli.node import join_line, print_join_line
+    from parallax.node.config.peer import PeerConfig
+
+    address = "/ip4/127.0.0.1/tcp/41234/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+    manifest = tmp_path / "a run" / "demo.json"
+    for peer, expected in ((PeerConfig(run_id="demo", loopback=True, manifest=manifest), ["--manifest", str(manifest)]),
+                           (PeerConfig(run_id="demo"), ["--preset", "small", "--set", 'sync.periods={"router": 5}'])):
+        config = SimpleNamespace(peer=peer)
+        line = join_line(config, f"--initial-peers {address}", preset="small", sets=['sync.periods={"router": 5}'])
+        out = io.StringIO()
+        print_join_line(Console(file=out, width=width, force_terminal=True),
+                        SimpleNamespace(peer_id="QmPeer", run_digest="ab12"), line)
+        lines = out.getvalue().splitlines()
+        assert lines[1] == f"  {line}", lines  # no break inserted, nothing styled or cut
+        argv = shlex.split(line)
+        assert argv[:5] == ["parallax", "node", "join", "--run-id", "demo"]
+        assert argv[-2:] == ["--initial-peers", address]
+        assert " ".join(expected) in " ".join(argv) and ("--loopback" in argv) == peer.loopback
