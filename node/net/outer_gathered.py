@@ -334,8 +334,17 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...
 
 def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],
                 acceptable: Callable[[str], bool], quorum: int) -> tuple[str, ...] | None:
-    """A set of at least ``quorum`` contributions, ours and only acceptable peers' among them, that more of its
-    senders merged than merged ours (our own vote for ours included: ``entries`` are the others')."""
-    votes = {members: n for members, n in merged_sets(entries, mine, acceptable).items() if len(members) >= quorum}
+    """A set of at least ``quorum`` contributions, ours and only acceptable peers' among them, that a strict
+    majority of its senders already merged (it verified among them: they applied it, and it is final), or that
+    more of its senders merged than merged ours (our own vote for ours included: ``entries`` are the others').
+
+    A final set is taken over ours even when as many merged ours: ours then waits for votes that are not coming
+    (its other senders applied that set), and the round would be lost here while the others keep it."""
+    votes = merged_sets(entries, mine, acceptable)
+    ours = votes.pop(current, 0)
+    votes = {members: n for members, n in votes.items() if len(members) >= quorum}
+    final = {members: n for members, n in votes.items() if 2 * n > len(members)}
+    if final:
+        return best_set(final)
     best = best_set(votes)
-    return best if best is not None and best != current and votes[best] > votes.get(current, 0) + 1 else None
+    return best if best is not None and votes[best] > ours + 1 else None

@@ -299,8 +299,8 @@ class BackgroundRounds:
         if group not in self._reloads:
             if since is not None:
                 self._reload_since[group] = since
-            logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
-                           group)
+                logger.warning("outer group %s: reloading its state from peers after a round others may have "
+                               "applied", group)
             self._reloads[group] = self._pool.submit(self._download, group, 30.0)
 
     def _download(self, group: str, timeout_s: float) -> tuple[Any, list[torch.Tensor]] | None:
