@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+import parallax
 from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
 from parallax.node.export.folder import CONFIG
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.peer.timeline import events
+from parallax.protocol.identity import Identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -80,10 +82,22 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
                   f"{since_join[0]:.4f}, {statistics.mean(after):.4f} after two backbone rounds")
             assert statistics.mean(since_join[:5]) < bound and statistics.mean(after) < bound, (name, before, after)
 
-        # A live export of the pair: every group merged by both, the model as good as the nodes.
+        # A live export of the pair, by a reader peer: every group merged by both, every expert from its owner's
+        # signed snapshot, the model as good as the nodes.
         live, card = _export(["--initial-peers", swarm.initial_peers, "--run-id", RUN, "--loopback", "--identity",
                               str(tmp_path / "reader.key"), "--timeout", "120"], tmp_path / "live-model")
         assert all(g["round"] > 0 and g["origin"] == "merged" for g in card["shared_from"]["groups"].values()), card
+        assert "state of 2 composer(s)" in card["shared_from"]["holder"]
+        fingerprints = {Identity.load(tmp_path / f"node-{i}" / "node.key").fingerprint for i in range(2)}
+        assert {n["holder"] for n in card["nodes"]} == fingerprints
+        assert len(card["experts"]) == 8 and not card["missing"]
+        assert {e["holder"] for e in card["experts"]} == fingerprints  # each from one of the two owners
+        assert all(e["origin"] == "owner" and e["step"] >= 10 for e in card["experts"])
+        assert parallax.load(tmp_path / "live-model") is not None
+        # The reader owned nothing and was never counted: both composers still see two peers and keep training.
+        step = max(_step(n) for n in (first, second))
+        wait_until(lambda: all(_step(n) >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2
+                               for n in (first, second)), timeout=120, explain=swarm.describe)
         codes = [swarm.stop_node(i) for i in range(2)]
         assert codes == [0, 0], swarm.describe()
         own = statistics.median(events(read_metrics(n.metrics), "final_eval")[-1]["val_loss"] for n in (first, second))
@@ -97,21 +111,20 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
 
 
 def test_an_export_before_the_first_backbone_round_holds_the_trained_weights(tmp_path: Path) -> None:
-    """Two nodes stop at step 60, before the backbone's first round (at 100): the export takes each never-merged
-    group from the nodes' own weights, and scores near their own loss, not a uniform guess (5.55 nats)."""
-    swarm = LocalSwarm(tmp_path, run_id="early", node_args=["--preset", "tiny", "--steps", "60", "--final-eval",
-                                                            "--min-peers", "2"])
+    """A node stops at step 60, before the backbone's first round (at 100; the router and latent interface merged
+    alone at 25 and 50): the export takes the never-merged backbone from the node's own weights, and scores near
+    its own loss, not a uniform guess (5.55 nats)."""
+    swarm = LocalSwarm(tmp_path, run_id="early", node_args=["--preset", "tiny", "--steps", "60", "--final-eval"])
     try:
         swarm.start_bootstrap()
-        nodes = [swarm.add_node("--checkpoint-dir", str(tmp_path / f"ckpt-{i}")) for i in range(2)]
-        assert swarm.wait(timeout_s=240), swarm.describe()
-        assert [n.process.returncode for n in nodes] == [0, 0], swarm.describe()
-        own = statistics.median(events(read_metrics(n.metrics), "final_eval")[-1]["val_loss"] for n in nodes)
-        loss, card = _export(["--from-checkpoints", str(tmp_path / "ckpt-0"), "--from-checkpoints",
-                              str(tmp_path / "ckpt-1")], tmp_path / "model")
+        node = swarm.add_node("--checkpoint-dir", str(tmp_path / "ckpt"))
+        assert swarm.wait(timeout_s=240) and node.process.returncode == 0, swarm.describe()
+        own = events(read_metrics(node.metrics), "final_eval")[-1]["val_loss"]
+        loss, card = _export(["--from-checkpoints", str(tmp_path / "ckpt")], tmp_path / "model")
         groups = card["shared_from"]["groups"]
         assert groups["backbone"]["round"] == 0 and "never merged" in groups["backbone"]["origin"], groups
-        print(f"val loss at step 60: the nodes' own {own:.4f}, the export {loss:.4f}")
+        assert groups["router"]["round"] == 2 and groups["router"]["origin"] == "merged", groups
+        print(f"val loss at step 60: the node's own {own:.4f}, the export {loss:.4f}")
         assert abs(loss / own - 1) < 0.05, (loss, own)
     finally:
         swarm.close()
