@@ -217,7 +217,7 @@ def _what_is_kept(config: Any, node: Any) -> str:
         return "it stopped before training began" + (" (the checkpoint it was resuming from is untouched)"
                                                      if config.node.resume else "")
     if config.node.checkpoint_dir is not None:
-        return f"the last checkpoint written is in {config.node.checkpoint_dir}"
+        return f"no final checkpoint was written: {config.node.checkpoint_dir} holds those written before"
     return "this node kept no checkpoint (no --checkpoint-dir): its experts go on in their heirs' snapshots"
 
 
