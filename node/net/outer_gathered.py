@@ -264,8 +264,11 @@ class GatheredRounds:
         peer = split_pair(name)[0]
         try:
             if entry.size > self._body_cap:
-                raise ContributionMismatch(f"outer contribution announced at {entry.size} bytes, over the group's "
-                                           f"{self._body_cap}", peer=peer)
+                # Fetched by nobody. In a replicated experts' round, an owner whose view gave the round's key to a
+                # larger bundle for a moment announces a larger body: other tensors, not a lie.
+                error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
+                raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
+                            peer=peer)
             body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)

@@ -240,11 +240,12 @@ def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
 def test_a_contribution_of_other_tensors_is_left_out_and_blamed_only_where_views_may_differ(peers, blameless):
     """Two peers name one round key for different tensors. In a shared group that is a forgery, counted against
     its sender; in a replicated experts' round (``other_tensors_blameless``) the owners' views differ for a moment:
-    the contribution is left out and nobody is blamed."""
+    the contribution is left out and nobody is blamed. The second peer's tensors are larger too: the first refuses
+    its body by the announced size alone (never fetched), the second by its tensors."""
     config = OuterSyncConfig.loopback(compression="fp16")
     ids = [p.dht.peer_id for p in peers[:2]]
     scores = [PeerScores() for _ in range(2)]
-    shapes = [SHAPES, {"w": SHAPES["w"], "other": (8,)}]
+    shapes = [SHAPES, {"w": SHAPES["w"], "other": (32768,)}]
     with contextlib.ExitStack() as stack:
         averagers = [stack.enter_context(GroupAverager(
             p.dht, "gather", f"experts-0-{int(blameless)}", s, config, p.signer, gather=p.gather,
