@@ -406,11 +406,7 @@ def fast_forward(composer: Composer, step: int) -> None:
     if step <= composer.step:
         return
     composer.step = step
-    scheduler = composer.scheduler
-    scheduler.last_epoch = step
-    for group, base, factor in zip(composer.optimizer.param_groups, scheduler.base_lrs,  # type: ignore[attr-defined]
-                                   scheduler.lr_lambdas, strict=True):
-        group["lr"] = base * factor(step)
+    composer.follow_schedule(step)
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,9 @@ class Training:
             if step % self.config.node.snapshot_every == 0:
                 self.experts.serve_snapshots()
                 rounds.publish_live()
+        run_step = self.views.run_step()
+        if run_step is not None:  # a composer slower than the others trains at their point of the schedule
+            composer.follow_schedule(run_step)
         versions = gossip.versions()
         suspects, banned = self.scores.suspects(MAX_SUSPECTS) if self.scores is not None else ({}, ())
         self.membership.update(step=step, loss=self.telemetry.status.loss, suspects=suspects, banned=banned,
@@ -303,15 +306,15 @@ class Training:
         s.surrogate_versions = {f"{layer}.{expert}": v for (layer, expert), v in sorted(versions.items())}
         s.workers = sorted(self.views.live_workers() or {}) if self.offload is not None else []
         s.next_round = next_round_in(dict(self.schedule.periods), self.composer.step)
-        optim, steps = self.config.train.optim, self.config.train.steps
-        s.schedule = schedule_position(self.composer.step, steps, optim.min_lr_ratio)
-        if self.composer.step >= steps and not self._past_schedule:
+        optim, steps, position = self.config.train.optim, self.config.train.steps, self.composer.schedule_step
+        s.schedule = schedule_position(position, steps, optim.min_lr_ratio)
+        if position >= steps and not self._past_schedule:
             self._past_schedule = True
             logger.warning("the run's learning-rate schedule ended at step %d (its steps setting, in its manifest): "
                            "this node trains on at the minimum learning rate, %.0f%% of the peak. A longer run is a "
                            "new run with a larger steps setting (parallax run create --set steps=N)", steps,
                            100 * optim.min_lr_ratio)
-            self.telemetry.event("schedule_ended", step=self.composer.step, steps=steps)
+            self.telemetry.event("schedule_ended", step=self.composer.step, schedule_step=position, steps=steps)
         self.telemetry.publish()
 
 

@@ -7,6 +7,7 @@ offload client may call these from their own threads.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 
 from parallax.dht.adapter import dht_time
@@ -177,6 +178,14 @@ class SwarmViews:
     def composers(self) -> int:
         """Live composers in the view, this one included."""
         return len(self.membership.view().composers())
+
+    def run_step(self) -> int | None:
+        """The run's place in its learning-rate schedule as the view tells it: the median (the higher of the middle
+        two) of the steps the live composers that show work announce, this one included; None before a read. The
+        steps are self-declared: a minority cannot move the median, and a node follows it only forwards."""
+        view = self.membership.view()
+        steps = [view.members[fp].heartbeat.step for fp in view.composers()]
+        return statistics.median_high(steps) if steps else None
 
     def composer_peers(self) -> list[str]:
         """The libp2p peer ids of the live composers in the view (this one included): a gathered outer

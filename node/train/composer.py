@@ -188,6 +188,26 @@ class Composer:
                                      for layer, experts in enumerate(self.owned) if experts)
         return StepStats(out.loss.item(), out.ce_loss.item(), out.aux_loss.item(), tokens)
 
+    @property
+    def schedule_step(self) -> int:
+        """Where this composer's learning rate stands in the run's schedule (``lr_lambda``): its own step count,
+        unless ``follow_schedule`` moved it further."""
+        return int(self.scheduler.last_epoch)
+
+    def follow_schedule(self, step: int) -> None:
+        """Take the learning rate of the run's schedule at ``step`` when that is further than this composer's own
+        place in it (never back): a composer slower than the others trains at their point of the schedule, not at
+        a peak they passed long ago."""
+        if step <= self.schedule_step:
+            return
+        for scheduler in (self.scheduler, self.matrix_scheduler):
+            if scheduler is None:
+                continue
+            scheduler.last_epoch = step
+            for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                           scheduler.lr_lambdas, strict=True):
+                group["lr"] = base * factor(step)
+
     def optimizer_step(self) -> None:
         """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches)."""
         if self.cfg.optim.grad_clip > 0:

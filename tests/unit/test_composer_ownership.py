@@ -349,3 +349,24 @@ def test_the_schedule_position_says_where_the_run_stands_and_when_it_ended() -> 
     assert factor(499) > 0.1 and factor(500) == pytest.approx(0.1) and factor(9_276) == pytest.approx(0.1)
     past = schedule_position(9_276, 500, 0.1)
     assert past.startswith("past its end at step 500") and "10% of the peak" in past
+
+
+def test_a_slower_composer_follows_the_runs_place_in_the_schedule_only_forwards(train) -> None:
+    """The run is at step 35 of 40 while this composer has trained 2: it takes the learning rate of step 35 (near
+    the schedule's end), never goes back when told an earlier step, and counts on from there."""
+    from parallax.node.train.composer import lr_lambda
+
+    cfg = _cfg()
+    c = _composer(train, OWNED_B, cfg=cfg)
+    factor = lr_lambda(cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
+    for _ in range(2):
+        c.train_step()
+    assert c.schedule_step == c.step == 2
+    c.follow_schedule(35)
+    assert c.schedule_step == 35 and c.step == 2
+    assert all(g["lr"] == pytest.approx(cfg.optim.lr * factor(35)) for g in c.optimizer.param_groups)
+    c.follow_schedule(10)
+    assert c.schedule_step == 35
+    c.train_step()
+    assert c.schedule_step == 36 and c.step == 3
+    assert all(g["lr"] == pytest.approx(cfg.optim.lr * factor(36)) for g in c.optimizer.param_groups)
