@@ -21,6 +21,7 @@ from parallax.dht.testing import wait_until
 from parallax.node.config.resolve import node_defaults
 from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
 from parallax.node.peer.netlab import NetLab, NetLabError, check_rate, unavailable
+from parallax.node.peer.processes import kill_group, spawn
 from parallax.node.peer.runner import outer_sync_config
 from parallax.node.peer.timeline import events, longest_double_ownership, shard_at
 
@@ -221,11 +222,15 @@ def test_a_composer_behind_nat_is_reached_through_a_relay_trains_serves_and_merg
         relayed = f"{join}/p2p-circuit/p2p/{direct.rsplit('/p2p/', 1)[1]}"
 
         def reached(address: str) -> bool:  # by a peer that never talked to it
+            ping = spawn(outsider.argv(sys.executable, "-c", _PING, outsider.maddr(), address),
+                         stdout=subprocess.DEVNULL)
             try:
-                return subprocess.run(outsider.argv(sys.executable, "-c", _PING, outsider.maddr(), address),
-                                      capture_output=True, timeout=60).returncode == 0
-            except subprocess.TimeoutExpired:  # a busy machine: not reached this time (run() killed the child)
+                return ping.wait(60) == 0
+            except subprocess.TimeoutExpired:  # a busy machine: not reached this time
                 return False
+            finally:  # its DHT's p2pd too, which outlives a killed parent
+                kill_group(ping)
+                ping.wait(10)
 
         # No host can dial it directly; through its reservation at the bootstrap peer, any can.
         assert not reached(direct)
