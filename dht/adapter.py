@@ -82,7 +82,8 @@ class OrphanedRequests(logging.Filter):
       traceback, although nobody is left to answer.
     - A call this node gave up on (its future cancelled after our timeout) still finishes in the DHT process,
       which then fails to set the cancelled future's result: ``DHT._run_coroutine`` logs "Caught an exception when
-      running a coroutine", and asyncio "Task exception was never retrieved", each with ``InvalidStateError``.
+      running a coroutine", asyncio "Task exception was never retrieved", and, when the answer reaches this process,
+      hivemind's ``MPFuture`` updater "Could not retrieve update", each with ``InvalidStateError``.
 
     Counted in ``dropped`` (in the process that logs them: the DHT's own); anything else passes.
     """
@@ -93,17 +94,20 @@ class OrphanedRequests(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         orphaned = (record.name == "hivemind.dht.dht" and record.funcName == "_run"
                     and isinstance(error, FileNotFoundError | ConnectionRefusedError))
-        cancelled = (record.name in ("asyncio", "hivemind.dht.dht") and type(error).__name__ == "InvalidStateError"
-                     and "future that is CANCELLED" in str(error))
+        cancelled = (record.name in _CANCELLED_LOGGERS and type(error).__name__ == "InvalidStateError"
+                     and ("future that is CANCELLED" in str(error) or str(error).startswith("CANCELLED:")))
         if orphaned or cancelled:
             OrphanedRequests.dropped += 1
             return False
         return True
 
 
+_CANCELLED_LOGGERS = ("asyncio", "hivemind.dht.dht", "hivemind.utils.mpfuture")
+
+
 def quiet_orphaned_requests() -> None:
     """Install ``OrphanedRequests`` on hivemind's and asyncio's loggers, once (inherited by forked processes)."""
-    for name in ("hivemind.dht.dht", "asyncio"):
+    for name in _CANCELLED_LOGGERS:
         target = logging.getLogger(name)
         if not any(isinstance(f, OrphanedRequests) for f in target.filters):
             target.addFilter(OrphanedRequests())

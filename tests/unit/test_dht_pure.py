@@ -373,6 +373,8 @@ def test_the_tracebacks_of_orphaned_requests_are_dropped_and_others_kept():
                                InvalidStateError("Can't set_result to a future that is CANCELLED (1)")))
     assert not f.filter(record("hivemind.dht.dht", "_run_coroutine",
                                InvalidStateError("Can't set_result to a future that is CANCELLED (2)")))
+    assert not f.filter(record("hivemind.utils.mpfuture", "_process_updates_in_background",
+                               InvalidStateError("CANCELLED: <MPFuture at 0x7f36 state=cancelled>")))
     assert f.filter(record("hivemind.dht.dht", "_run", ValueError("a real failure")))
     assert f.filter(record("hivemind.dht.dht", "get", FileNotFoundError(2, "elsewhere")))
     assert f.filter(record("asyncio", "x", InvalidStateError("Can't set_result to a future that is FINISHED (1)")))
