@@ -65,8 +65,9 @@ def peers() -> Iterator[list[Peer]]:
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
                round_peers: RoundPeers | None = None) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
-    composers are ``peers`` unless ``round_peers`` says otherwise."""
-    config = OuterSyncConfig.loopback(compression="fp16")
+    composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
+    loopback profile's 4 s ran out on a machine busy with other work): these tests are about what is merged."""
+    config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=15.0)
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
