@@ -73,14 +73,14 @@ def _tamper_contributions(change: Callable[[str, torch.Tensor], torch.Tensor]) -
     fetch and the digest announced for it, both)."""
 
     def patch(_: Attacker) -> None:
-        from parallax.node.net import outer_gathered
+        from parallax.node.outer import gathered
 
-        honest = outer_gathered.encode_contribution
+        honest = gathered.encode_contribution
 
         def tampered(delta: Any, compression: str) -> bytes:
             return honest({name: change(name, t) for name, t in delta.items()}, compression)
 
-        outer_gathered.encode_contribution = tampered
+        gathered.encode_contribution = tampered
 
     return patch
 
@@ -90,7 +90,7 @@ def _nan_contributions(_: Attacker) -> None:
     import msgpack
     import numpy as np
 
-    from parallax.node.net import outer_gathered
+    from parallax.node.outer import gathered
     from parallax.protocol import codec
 
     def poisoned(delta: Any, compression: str) -> bytes:
@@ -99,7 +99,7 @@ def _nan_contributions(_: Attacker) -> None:
                  for name, t in delta.items()}
         return msgpack.packb(blobs, use_bin_type=True)  # type: ignore[no-any-return]
 
-    honest_decode = outer_gathered.decode_contribution
+    honest_decode = gathered.decode_contribution
 
     def decode(body: bytes, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
         try:
@@ -107,8 +107,8 @@ def _nan_contributions(_: Attacker) -> None:
         except Exception:
             return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
 
-    outer_gathered.encode_contribution = poisoned
-    outer_gathered.decode_contribution = decode
+    gathered.encode_contribution = poisoned
+    gathered.decode_contribution = decode
 
 
 def _random_direction(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ def _replay(patch_state: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor
 
 def _declared_weight(weight: float) -> Callable[[Attacker], None]:
     def patch(_: Attacker) -> None:
-        from parallax.node.net.outer_gathered import GatheredRounds
+        from parallax.node.outer.gathered import GatheredRounds
 
         honest = GatheredRounds.run
 
@@ -140,7 +140,7 @@ def _declared_weight(weight: float) -> Callable[[Attacker], None]:
 
 def _poisoned_state(_: Attacker) -> None:
     """Every group state this node serves to a joiner is its anchor x3."""
-    from parallax.node.net.outer_state import StateExchange
+    from parallax.node.outer.state import StateExchange
 
     honest = StateExchange.serve
 
@@ -332,9 +332,9 @@ def _oversized_streams(attacker: Attacker) -> None:
     from parallax.node.net.expert_exchange import ExpertServicer
     from parallax.node.net.gossip import SurrogateServicer
     from parallax.node.net.network import NetworkLoop
-    from parallax.node.net.outer_gather import ContributionServicer
-    from parallax.node.net.outer_state import StateServicer
     from parallax.node.net.whoami import IdentityServicer
+    from parallax.node.outer.state import StateServicer
+    from parallax.node.outer.transport import ContributionServicer
 
     run = attacker.run_id
     handles = [ContributionServicer._get_handle_name(f"parallax.{run}.outer", "rpc_contribution"),

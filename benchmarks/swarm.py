@@ -243,7 +243,7 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
 
 def _group_bytes(cfg: Any) -> dict[str, int]:
     """Bytes of one outer round's averaged buffers per group, as the node sends them (fp16 when large)."""
-    from parallax.node.net.outer_wire import OuterSyncConfig, payload_bytes
+    from parallax.node.outer.wire import OuterSyncConfig, payload_bytes
     from parallax.node.peer.runner import model_shapes
 
     config = OuterSyncConfig().with_run(cfg.sync)

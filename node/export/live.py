@@ -44,8 +44,8 @@ from parallax.node.export.use import evaluate_on
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
 from parallax.node.net.network import NetworkLoop, parse_initial_peers, run_replica_groups, start_dht
-from parallax.node.net.outer_rounds import live_uid
-from parallax.node.net.outer_state import StateExchange
+from parallax.node.outer.background import live_uid
+from parallax.node.outer.state import StateExchange
 from parallax.node.peer.runner import model_shapes
 from parallax.node.peer.views import SwarmViews
 from parallax.node.train.tokenizer import Tokenizer

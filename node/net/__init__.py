@@ -1,1 +1,1 @@
-"""What crosses the network between composers: surrogate gossip, expert snapshots, outer rounds."""
+"""What crosses the network between composers: surrogate gossip, expert snapshots, peer scores, the status server."""

@@ -49,18 +49,18 @@ from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.net.observe import Observer, serve_status
-from parallax.node.net.outer_gather import OuterGather, RoundPeers
-from parallax.node.net.outer_rounds import BackgroundRounds
-from parallax.node.net.outer_state import StateExchange
-from parallax.node.net.outer_sync import TieredOuterSync
-from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.redial import Redialer
-from parallax.node.net.replica_rounds import ReplicaRounds
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.exchange import OffloadClient
 from parallax.node.offload.proxy import settings_digest
 from parallax.node.offload.session import OffloadSession
+from parallax.node.outer.averager import TieredOuterSync
+from parallax.node.outer.background import BackgroundRounds
+from parallax.node.outer.replicas import ReplicaRounds
+from parallax.node.outer.state import StateExchange
+from parallax.node.outer.transport import OuterGather, RoundPeers
+from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.peer.experts import Experts, owners_of
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.sinks import open_sinks

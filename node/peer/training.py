@@ -19,12 +19,12 @@ from parallax.dht.membership import Membership
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import LAYER_BOUND, MAX_GROWTH, SurrogateGossip, SurrogateUpdate
-from parallax.node.net.outer_rounds import BackgroundRounds, next_round_in
-from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
-from parallax.node.net.outer_wire import payload_bytes
-from parallax.node.net.replica_rounds import ReplicaRounds
 from parallax.node.net.scores import PeerScores
 from parallax.node.offload.session import OffloadSession
+from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.outer.background import BackgroundRounds, next_round_in
+from parallax.node.outer.replicas import ReplicaRounds
+from parallax.node.outer.wire import payload_bytes
 from parallax.node.peer.experts import Experts
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import Telemetry

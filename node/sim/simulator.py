@@ -39,10 +39,10 @@ from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
 from parallax.node.model.surrogate import jacobian_error, relative_error
 from parallax.node.model.transformer import MoETransformer, Ownership, own_all
-from parallax.node.net.outer_gather import decode_contribution, encode_contribution
-from parallax.node.net.outer_wire import OuterSyncConfig, wire_roundtrip
-from parallax.node.net.outer_wire import payload_bytes as outer_payload_bytes
 from parallax.node.offload.proxy import LocalWorkers
+from parallax.node.outer.transport import decode_contribution, encode_contribution
+from parallax.node.outer.wire import OuterSyncConfig, wire_roundtrip
+from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
 from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import shard, val_batches
@@ -429,16 +429,16 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
 
     "allreduce": ``wire.compression`` rounds what crosses the wire as hivemind's all-reduce does
-    (``outer_wire.wire_roundtrip``): each participant's pseudo-gradient on the way in, and on the way back
+    (``wire.wire_roundtrip``): each participant's pseudo-gradient on the way in, and on the way back
     each gets its own ``local + round(merged - local)``, so the copies differ by the rounding as on the
     network (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
-    "gather": each pseudo-gradient goes through the gathered round's codec (``outer_gather.encode_contribution``)
+    "gather": each pseudo-gradient goes through the gathered round's codec (``transport.encode_contribution``)
     and every participant applies the one robust merge of them all (``train.robust``), as every peer of a
     gathered round computes it.
 
     Returns:
         Bytes all participants together send: the ring all-reduce of the node's wire buffers
-        (``outer_wire.payload_bytes``: 2 (n - 1) / n of them per participant), or each body to n - 1 peers;
+        (``wire.payload_bytes``: 2 (n - 1) / n of them per participant), or each body to n - 1 peers;
         None when nothing was merged (no tokens since the last round, or no contribution kept).
     """
     if sum(weights) == 0:

@@ -24,7 +24,7 @@ from parallax.dht.testing import wait_until
 from parallax.node.config.train import SHARED_GROUPS
 from parallax.node.export.folder import train_config_from
 from parallax.node.net.network import NetworkLoop
-from parallax.node.net.outer_state import StateExchange
+from parallax.node.outer.state import StateExchange
 from parallax.node.peer.local_swarm import LocalSwarm, latest, read_metrics
 from parallax.node.peer.runner import model_shapes
 from parallax.protocol import manifest as manifests

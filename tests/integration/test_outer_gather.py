@@ -21,10 +21,10 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import NetworkLoop
-from parallax.node.net.outer_gather import OuterGather, RoundPeers, decode_contribution, encode_contribution
-from parallax.node.net.outer_sync import GroupAverager, RoundStatus
-from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.scores import PeerScores
+from parallax.node.outer.averager import GroupAverager, RoundStatus
+from parallax.node.outer.transport import OuterGather, RoundPeers, decode_contribution, encode_contribution
+from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.robust import robust_merge_groups
 
 pytestmark = pytest.mark.timeout(90)

@@ -11,7 +11,7 @@ import torch
 
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import NetworkLoop
-from parallax.node.net.outer_state import StateExchange
+from parallax.node.outer.state import StateExchange
 
 pytestmark = pytest.mark.timeout(120)
 

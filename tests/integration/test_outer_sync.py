@@ -19,8 +19,8 @@ import torch
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
-from parallax.node.net.outer_sync import GroupAverager, RoundStatus, TieredOuterSync
-from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.outer.averager import GroupAverager, RoundStatus, TieredOuterSync
+from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.rda import merge_groups
 from parallax.protocol.identity import Identity
 

@@ -13,7 +13,7 @@ import pytest
 from parallax.benchmarks.attacker import announce_huge
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import MAX_STREAM_MESSAGE_BYTES, NetworkLoop
-from parallax.node.net.outer_gather import ContributionServicer, OuterGather, RoundEntry, body_digest
+from parallax.node.outer.transport import ContributionServicer, OuterGather, RoundEntry, body_digest
 
 pytestmark = pytest.mark.timeout(120)
 

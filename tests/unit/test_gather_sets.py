@@ -3,8 +3,8 @@ records as data, no network)."""
 
 from __future__ import annotations
 
-from parallax.node.net.outer_gather import RoundEntry, pair
-from parallax.node.net.outer_gathered import _better_set
+from parallax.node.outer.gathered import _better_set
+from parallax.node.outer.transport import RoundEntry, pair
 
 PEERS = ("A", "B", "C", "D")
 MINE = pair("A", 4)

@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"parallax.node.model"},
     {"parallax.node.train"},
     {"parallax.node.net"},
+    {"parallax.node.outer"},  # the outer rounds: wire format, transport, round, records, state, scheduling
     {"parallax.node.offload"},
     {"parallax.node.sim", "parallax.node.peer"},  # siblings: neither imports the other
     {"parallax.node.export"},  # the trained model out of checkpoints or a live swarm (as a reader peer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.net.outer_rounds import RELOAD_LOSS_BOUND, group_state, live_state, load_group_state, take_state
+from parallax.node.outer.background import RELOAD_LOSS_BOUND, group_state, live_state, load_group_state, take_state
 from parallax.node.train.outer import OuterOptimizer
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parallax.dht.keys import outer_prefix, outer_rounds_key, protected_keys
-from parallax.node.net.outer_wire import (
+from parallax.node.outer.wire import (
     FP_SLOTS,
     ROUNDS_KEPT,
     SMALL_TENSOR_NUMEL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from parallax.dht.keys import replica_group, replica_groups
 from parallax.dht.shards import assign_experts
-from parallax.node.net.replica_rounds import bundles
+from parallax.node.outer.replicas import bundles
 
 PEERS = {f"peer-{i}": 1.0 for i in range(4)}
 

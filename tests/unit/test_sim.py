@@ -7,7 +7,7 @@ import torch
 
 from parallax.dht.shards import expert_bundles
 from parallax.node.config import train as config
-from parallax.node.net.outer_wire import OuterSyncConfig
+from parallax.node.outer.wire import OuterSyncConfig
 from parallax.node.sim.simulator import (
     RunSpec,
     assemble,

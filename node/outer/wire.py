@@ -1,6 +1,6 @@
 """What an outer round puts on the wire and how its peers check each other: pure, no network.
 
-``node.outer_sync`` runs a round over hivemind; this module holds what that round is made of, so it
+``node.outer.averager`` runs a round over hivemind; this module holds what that round is made of, so it
 can be tested byte for byte and shared with the in-process simulator:
 
 - ``OuterSyncConfig``: timings, merge method and wire compression of a node's outer rounds;
@@ -78,7 +78,7 @@ class OuterSyncConfig:
     """"rda" (radial-directional) or "mean"; every peer of a run must use the same."""
     aggregation: str = "gather"
     """"gather": every participant fetches every contribution and merges them itself, robustly
-    (``node.net.outer_gather``); "allreduce": hivemind's butterfly all-reduce, weights as each peer declares
+    (``node.outer.transport``); "allreduce": hivemind's butterfly all-reduce, weights as each peer declares
     them (fewer bytes, for swarms whose peers trust each other). Every peer of a run must use the same."""
     compression: str = "fp16"
     """Wire format of the all-reduce (``COMPRESSIONS``): "fp16" (half the traffic), "uint8" (a quarter) or

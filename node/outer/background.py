@@ -10,7 +10,7 @@ group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's
 
 The same class serves this node's outer state to joiners: after every applied round the training
 thread publishes an immutable copy of each group's anchor and momentum (``publish_state``), which the
-state exchange (``outer_state``: several sources at once, one liar outvoted) hands out without touching live
+state exchange (``state``: several sources at once, one liar outvoted) hands out without touching live
 tensors.
 
 Metadata served with the state: {"v": 1, "group", "round", "step", "names", "momentum"}. While a group has never
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallax.node.net.outer_state import StateExchange
-from parallax.node.net.outer_sync import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.outer.state import StateExchange
 from parallax.node.train.outer import OuterOptimizer
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from parallax.node.net.network import ServedOnLoop
-from parallax.node.net.outer_wire import SMALL_TENSOR_NUMEL
+from parallax.node.outer.wire import SMALL_TENSOR_NUMEL
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
@@ -135,7 +135,7 @@ class RoundPeers:
 @dataclass(frozen=True)
 class RoundEntry:
     """One round in a peer's rounds record: its contribution (digest, size, declared tokens), then, once
-    merged, its fingerprint (``outer_wire.encode_fingerprint``, tagged) and the participants it merged."""
+    merged, its fingerprint (``wire.encode_fingerprint``, tagged) and the participants it merged."""
 
     round_id: int
     digest: bytes

@@ -1,7 +1,7 @@
 """One group's gathered outer rounds (``sync.aggregation = "gather"``): collect, merge robustly, verify.
 
-The transport and the pure parts are in ``outer_gather``; this is the round itself, run by
-``outer_sync.GroupAverager`` in its round thread:
+The transport and the pure parts are in ``transport``; this is the round itself, run by
+``averager.GroupAverager`` in its round thread:
 
 1. publish this node's contribution (its entry: round, sha256, size, tokens) and serve its body;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from parallax.node.net.outer_gather import (
+from parallax.node.net.scores import PeerScores
+from parallax.node.outer.records import POLL_S, RoundRecords, RoundStatus
+from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
     ContributionMismatch,
@@ -47,8 +49,7 @@ from parallax.node.net.outer_gather import (
     pair,
     split_pair,
 )
-from parallax.node.net.outer_records import POLL_S, RoundRecords, RoundStatus
-from parallax.node.net.outer_wire import (
+from parallax.node.outer.wire import (
     ROUNDS_KEPT,
     OuterSyncConfig,
     decode_fingerprint,
@@ -56,7 +57,6 @@ from parallax.node.net.outer_wire import (
     fingerprint,
     round_tag,
 )
-from parallax.node.net.scores import PeerScores
 from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage
 

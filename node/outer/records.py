@@ -2,7 +2,7 @@
 
 Every participant keeps one signed record per group under the group's protected rounds key
 (``dht.keys.outer_rounds_key``), in its own subkey: the fingerprints of its latest all-reduce rounds
-(``outer_wire.encode_round_record``), or the entries of its latest gathered rounds (``outer_gather.RoundEntry``).
+(``wire.encode_round_record``), or the entries of its latest gathered rounds (``transport.RoundEntry``).
 A peer's record counts only under the key the membership names for its peer id. ``RoundRecords`` reads and
 writes them for one group of one node and waits for a majority to agree with this node's result.
 """
@@ -18,8 +18,8 @@ from enum import StrEnum
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
 from parallax.dht.records import owner_subkey
-from parallax.node.net.outer_gather import RoundEntry, latest_entries, split_pair
-from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig, majority_agrees
+from parallax.node.outer.transport import RoundEntry, latest_entries, split_pair
+from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig, majority_agrees
 
 logger = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 Two ways to merge (``OuterSyncConfig.aggregation``, the run setting ``sync.aggregation``):
 
 - "gather" (default): each participant fetches every contribution and merges them itself, robustly
-  (``outer_gathered.GatheredRounds``, transport in ``outer_gather``);
+  (``gathered.GatheredRounds``, transport in ``transport``);
 - "allreduce": hivemind's butterfly all-reduce, described below: fewer bytes, every peer trusted.
 
-Both verify a merged round against the participants' signed fingerprints (``outer_records``), and both serve
+Both verify a merged round against the participants' signed fingerprints (``records``), and both serve
 and download a group's state through the hivemind averager's state sharing (``serve_state``).
 
 DESIGN.md section 4. Every H_G inner steps the composers of a run merge the pseudo-gradients of
@@ -39,7 +39,7 @@ Any failure returns ``None`` (the caller skips the outer step; nothing was appli
 ``GroupAverager.last_report`` says why. A peer whose report is ``DIVERGED`` or ``UNVERIFIED`` did
 not apply a round that others may have applied: its shared group now differs from theirs and it
 should reload the group from peers (``load_state_from_peers``, the joiner's path) before the next
-round. ``outer_rounds.BackgroundRounds.collect`` starts that reload; ``serve_state`` is the serving half.
+round. ``background.BackgroundRounds.collect`` starts that reload; ``serve_state`` is the serving half.
 
 Concurrency: ``run_round`` blocks the calling thread (the node's outer-sync thread; the training
 loop meets it at one seam) for at most ``OuterSyncConfig.round_budget_s``. With
@@ -67,10 +67,11 @@ from hivemind.averaging import DecentralizedAverager
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import outer_prefix
 from parallax.errors import NodeError
-from parallax.node.net.outer_gather import OuterGather, RoundPeers
-from parallax.node.net.outer_gathered import GatheredRounds
-from parallax.node.net.outer_records import RoundRecords, RoundReport, RoundStatus
-from parallax.node.net.outer_wire import (
+from parallax.node.net.scores import PeerScores
+from parallax.node.outer.gathered import GatheredRounds
+from parallax.node.outer.records import RoundRecords, RoundReport, RoundStatus
+from parallax.node.outer.transport import OuterGather, RoundPeers
+from parallax.node.outer.wire import (
     BUFFER_LOCK_TIMEOUT_S,
     MIN_WEIGHT,
     ROUNDS_KEPT,
@@ -85,7 +86,6 @@ from parallax.node.net.outer_wire import (
     round_fingerprint,
     round_tag,
 )
-from parallax.node.net.scores import PeerScores
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -162,10 +162,10 @@ class GroupAverager:
         shapes: name -> shape of the group's tensors, in a fixed order (every peer the same).
         config: timings, compression, merge method.
         signer: this node's identity, under whose subkey its fingerprints are stored (signed by the DHT's
-            record validator), and whose key to expect for each peer (``outer_wire.FingerprintSigner``);
+            record validator), and whose key to expect for each peer (``wire.FingerprintSigner``);
             None keeps fingerprints under peer-id subkeys, unsigned (tests of the averaging alone).
         gather: serves and fetches contributions (``config.aggregation == "gather"``).
-        peers: the live and working composers of a gathered round (``outer_gather.RoundPeers``).
+        peers: the live and working composers of a gathered round (``transport.RoundPeers``).
         weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
             period): a declared weight above it counts as the cap. None: no cap (tests).
         scores: where a gathered round records evidence against peers, and whose bans it honours.

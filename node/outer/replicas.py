@@ -37,11 +37,11 @@ import torch
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import ExpertId, replica_group
 from parallax.dht.shards import Assignment, expert_bundles
-from parallax.node.net.outer_gather import OuterGather, RoundPeers
-from parallax.node.net.outer_records import RoundStatus
-from parallax.node.net.outer_sync import GroupAverager, RoundReport
-from parallax.node.net.outer_wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.net.scores import PeerScores
+from parallax.node.outer.averager import GroupAverager, RoundReport
+from parallax.node.outer.records import RoundStatus
+from parallax.node.outer.transport import OuterGather, RoundPeers
+from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.composer import Composer, expert_group
 from parallax.node.train.outer import OuterBundle
 
