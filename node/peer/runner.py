@@ -49,7 +49,6 @@ from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import GossipConfig, SurrogateGossip
 from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.net.observe import Observer, serve_status
-from parallax.node.net.redial import Redialer
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.exchange import OffloadClient
@@ -62,6 +61,7 @@ from parallax.node.outer.state import StateExchange
 from parallax.node.outer.transport import OuterGather, RoundPeers
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.peer.experts import Experts, owners_of
+from parallax.node.peer.redial import Redialer
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry

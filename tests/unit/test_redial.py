@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from parallax.node.net.redial import Redialer
+from parallax.node.peer.redial import Redialer
 
 A = "12D3KooWQMeeqkDeMWWHRcouSnN8REbEvXLVTux8BdjBfgdf7NX9"
 B = "12D3KooWHJkHfUh4rHKQjy7sWM5cQenwUbdDi8ten4YBcM9j6JDm"
