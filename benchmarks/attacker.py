@@ -195,8 +195,8 @@ def _capacity(value: float) -> Callable[[Attacker], None]:
 
         honest = membership.Membership.__init__
 
-        def init(self: Any, dht: Any, identity: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-            honest(self, dht, identity, replace(config, capacity=value), *args, **kwargs)
+        def init(self: Any, dht: Any, identity: Any, presence: Any, *args: Any, **kwargs: Any) -> None:
+            honest(self, dht, identity, replace(presence, capacity=value), *args, **kwargs)
 
         membership.Membership.__init__ = init  # type: ignore[method-assign]
 

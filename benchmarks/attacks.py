@@ -43,7 +43,7 @@ NODES = (0, 1, 2, 3)
 TARGET = 1.02
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
 IDLE_S = 10
-"""``net.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
+"""``net.membership.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
 two seconds; identities that train nothing lose their experts 10 s after they appear (300 s by default, for
 runs of hours, 60 s on loopback)."""
 
@@ -61,7 +61,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     model = get_preset(preset)
     total = model.n_layers * model.n_experts
     args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
-            "--set", f"net.idle_s={IDLE_S}", "--final-eval", "--snapshot-every", "20"]
+            "--set", f"net.membership.idle_s={IDLE_S}", "--final-eval", "--snapshot-every", "20"]
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
@@ -213,8 +213,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Attacks: {report['composers']} composers (one of them the attacker, one an honest joiner once the others "
         f"passed step {report['join_at']}), preset {report['preset']}, {report['steps']} steps, periods "
-        f"{report['periods']}, net.idle_s {report['idle_s']} ({report['wall_s'] / 60:.1f} min). Val loss: the two "
-        f"honest composers that train from the start, against the clean runs' mean {_opt(report['clean_val_loss'])} "
+        f"{report['periods']}, net.membership.idle_s {report['idle_s']} ({report['wall_s'] / 60:.1f} min). Val loss: "
+        f"the two honest composers that train from the start, against the clean runs' mean "
+        f"{_opt(report['clean_val_loss'])} "
         f"(the clean runs end {'-' if spread is None else f'{100 * spread:.1f}%'} apart); target <= "
         f"{report['target']}.",
         "",

@@ -246,7 +246,7 @@ def _group_bytes(cfg: Any) -> dict[str, int]:
     from parallax.node.outer.wire import OuterSyncConfig, payload_bytes
     from parallax.node.peer.runner import model_shapes
 
-    config = OuterSyncConfig().with_run(cfg.sync)
+    config = OuterSyncConfig(sync=cfg.sync)
     return {g: payload_bytes(shapes, config) for g, shapes in model_shapes(cfg).groups.items()}
 
 

@@ -16,10 +16,12 @@ def show(
     set_: Sets = None,
     command: str = typer.Option("node", "--for", help="Whose settings: node (node join), worker (worker join) or "
                                 "sim (sim and the in-process benchmarks)."),
+    explain: bool = typer.Option(False, "--explain", help="Write each setting's description above it, as a "
+                                 "comment (the file still reads back with --config)."),
 ) -> None:
     """Print the resolved settings (defaults < --config file < --set) as TOML."""
     from parallax.node.config.resolve import ROOTS, resolve
-    from parallax.node.config.typed import ConfigError, to_toml
+    from parallax.node.config.typed import ConfigError, to_explained_toml, to_toml
 
     if command not in ROOTS:
         fail(f"--for {command!r}: choose one of {', '.join(ROOTS)}")
@@ -29,7 +31,7 @@ def show(
                       default_preset=default_preset)
     except ConfigError as e:
         fail(e)
-    typer.echo(to_toml(cfg), nl=False)
+    typer.echo(to_explained_toml(cfg) if explain else to_toml(cfg), nl=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -44,7 +44,7 @@ def bootstrap(
     """Run a standalone DHT peer that others join through; prints the --initial-peers line to share."""
     from parallax.dht.adapter import DHTConfig, SwarmDHT, p2p_identity_path
     from parallax.dht.keys import protected_keys
-    from parallax.dht.membership import Membership, MembershipConfig
+    from parallax.dht.membership import Membership, Presence
     from parallax.dht.records import Admission, Ed25519RecordValidator
     from parallax.errors import DHTError, NodeError
     from parallax.node.config.peer import PeerConfig
@@ -75,7 +75,7 @@ def bootstrap(
                     admission = peer_admission(peer_config, key, manifest)
                 except NodeError as e:
                     raise ValueError(str(e)) from None
-        membership_config = MembershipConfig(run_id=run_id, role="bootstrap") if announce_in_run and run_id else None
+        presence = Presence(run_id=run_id, role="bootstrap") if announce_in_run and run_id else None
         protected = protected_keys(run_id, layers, SHARED_GROUPS) if run_id else []
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -87,8 +87,8 @@ def bootstrap(
         dht = SwarmDHT.start(config, [Ed25519RecordValidator(key, protected_keys=protected, admission=admission)])
         typer.echo(f"bootstrap peer {dht.peer_id} is up (identity {key.fingerprint}). Others join with:\n")
         typer.echo(f"  {dht.join_command()}\n")
-        if membership_config is not None:
-            membership = Membership(dht, key, membership_config)
+        if presence is not None:
+            membership = Membership(dht, key, presence)
             membership.start()
             typer.echo(f"announcing in run {run_id} as bootstrap")
         peer.up = True

@@ -69,16 +69,40 @@ class DuplicateIdentityError(DHTError):
     """This node's identity is already alive in the swarm (another process runs the same key)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class MembershipConfig:
-    """What a node announces and how often. Times in seconds."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Presence:
+    """Who a node is in a run: what its heartbeat says besides its progress."""
 
     run_id: str
     """The training run (namespaces every key)."""
     role: str = "composer"
-    """composer, worker or bootstrap; only composers own experts."""
+    """composer, worker, reader or bootstrap; only composers own experts."""
     capacity: float = 1.0
     """Declared relative capacity (> 0): the weight in shard assignment."""
+    manifest: RunManifest | None = None
+    """The run manifest this composer trains by: its digest goes in the heartbeat, the manifest itself under
+    ``{run}/manifest`` every ``MembershipConfig.manifest_period_s``. When set, composers announcing another digest
+    are left out of this node's view: they own nothing here and take no part in its rounds."""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {sorted(ROLES)}")
+        if not self.capacity > 0:
+            raise ValueError("capacity must be > 0")
+        if self.manifest is not None and self.manifest.run_id != self.run_id:
+            raise ValueError(f"the manifest is run {self.manifest.run_id!r}'s, not {self.run_id!r}'s")
+
+    @property
+    def run_digest(self) -> bytes:
+        return self.manifest.digest if self.manifest is not None else b""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MembershipConfig:
+    """How often a node announces itself and reads the swarm, and when it counts a composer out (the section
+    ``net.membership`` of a node's settings). Times in seconds."""
+
     heartbeat_period_s: float = 2.0
     """Re-announce the heartbeat this often."""
     heartbeat_ttl_s: float = 6.0
@@ -90,15 +114,12 @@ class MembershipConfig:
     max_addresses: int = 4
     """Addresses carried in the heartbeat (keeps the record small)."""
     stall_s: float = 120.0
-    """A composer whose announced step has not moved for this long, while the run trains, owns nothing (an
-    identity that only sends heartbeats)."""
-    idle_s: float = 0.0
-    """A composer none of whose work reached this node for this long (``Membership.worked``), while others'
-    did, owns nothing (``Progress``); 0: work is not asked for (nodes that never report any)."""
-    manifest: RunManifest | None = None
-    """The run manifest this composer trains by: its digest goes in the heartbeat, the manifest itself under
-    ``{run}/manifest`` every ``manifest_period_s``. When set, composers announcing another digest are left out
-    of this node's view: they own nothing here and take no part in its rounds."""
+    """A composer whose announced step has not moved for this long, while others trained, owns nothing (an
+    identity that sends heartbeats and does no work)."""
+    idle_s: float = 300.0
+    """A composer none of whose work (outer contributions, surrogate updates: ``Membership.worked``) reached this
+    node for this long, while others' did, owns nothing and no round waits for it (an identity that heartbeats
+    and trains nothing; ``Progress``). 0: work is not asked for."""
     manifest_period_s: float = 60.0
     """How often the manifest record is stored again (it lives ``MANIFEST_TTL_S``)."""
     quorum_window_s: float = 60.0
@@ -106,31 +127,27 @@ class MembershipConfig:
     no majority of them owns nothing. A partition longer than this ends with each side training every expert."""
 
     def __post_init__(self) -> None:
-        check_run_id(self.run_id)
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} is not one of {sorted(ROLES)}")
-        if not self.capacity > 0:
-            raise ValueError("capacity must be > 0")
         if not 0 < self.heartbeat_period_s < self.heartbeat_ttl_s:
             raise ValueError("need 0 < heartbeat_period_s < heartbeat_ttl_s (a TTL of 3 periods is usual)")
         if not 0 < self.refresh_s <= self.heartbeat_period_s:
             raise ValueError("need 0 < refresh_s <= heartbeat_period_s")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if self.max_addresses < 1:
+            raise ValueError("max_addresses must be >= 1")
         if self.stall_s <= self.heartbeat_ttl_s:
             raise ValueError("stall_s must exceed heartbeat_ttl_s")
         if self.idle_s < 0 or 0 < self.idle_s <= self.heartbeat_ttl_s:
             raise ValueError("idle_s must be 0 (off) or exceed heartbeat_ttl_s")
-        if self.manifest is not None and self.manifest.run_id != self.run_id:
-            raise ValueError(f"the manifest is run {self.manifest.run_id!r}'s, not {self.run_id!r}'s")
         if not 0 < self.manifest_period_s < MANIFEST_TTL_S:
             raise ValueError(f"need 0 < manifest_period_s < {MANIFEST_TTL_S:.0f}")
         if self.quorum_window_s <= self.heartbeat_ttl_s:
             raise ValueError("quorum_window_s must exceed heartbeat_ttl_s")
 
-    @property
-    def run_digest(self) -> bytes:
-        return self.manifest.digest if self.manifest is not None else b""
+    @classmethod
+    def loopback(cls) -> MembershipConfig:
+        """Peers on one machine: work arrives within seconds, so a composer that sends none is named sooner."""
+        return cls(idle_s=60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +529,7 @@ class Membership:
 
     Usage::
 
-        m = Membership(dht, identity, MembershipConfig(run_id="r1"), shards=ShardConfig(n_layers=4, n_experts=8))
+        m = Membership(dht, identity, Presence(run_id="r1"), shards=ShardConfig(n_layers=4, n_experts=8))
         m.start()                 # JOINING -> ONLINE; raises DuplicateIdentityError
         view = m.view()           # any time, from any thread; never blocks
         m.update(step=120)        # carried by the next heartbeat
@@ -523,20 +540,22 @@ class Membership:
         self,
         dht: SwarmDHT,
         identity: Identity,
-        config: MembershipConfig,
+        presence: Presence,
+        config: MembershipConfig | None = None,
         *,
         shards: ShardConfig | None = None,
         clock: Callable[[], float] = dht_time,
     ) -> None:
         self.dht = dht
         self.identity = identity
-        self.config = config
+        self.presence = presence
+        self.config = config = config if config is not None else MembershipConfig()
         self.shards = shards
         self.fingerprint = identity.fingerprint
         self._clock = clock
         self._subkey = owner_subkey(identity.public_key)
-        self._members_key = members_key(config.run_id)
-        self._claim_keys = [claims_key(config.run_id, layer) for layer in range(shards.n_layers)] if shards else []
+        self._members_key = members_key(presence.run_id)
+        self._claim_keys = [claims_key(presence.run_id, layer) for layer in range(shards.n_layers)] if shards else []
         relayed = dht.relayed_maddrs()[:RELAYED_KEPT]  # after the direct ones: how peers reach a node behind NAT
         direct = dht.visible_maddrs()[: max(1, config.max_addresses - len(relayed))]
         self._addresses = tuple(direct + relayed)[: config.max_addresses]
@@ -545,7 +564,7 @@ class Membership:
         self._announce_now = threading.Event()
         self._threads: list[threading.Thread] = []
         self._state = PeerState.JOINING
-        self._view = SwarmView(run_id=config.run_id, read_at=0.0, shards=shards)
+        self._view = SwarmView(run_id=presence.run_id, read_at=0.0, shards=shards)
         self._step = 0
         self._versions: dict[str, int] = {}
         self._loss: float | None = None
@@ -628,7 +647,7 @@ class Membership:
         ]
         for thread in self._threads:
             thread.start()
-        logger.info("%s is online in run %s as %s", self.fingerprint, self.config.run_id, self.config.role)
+        logger.info("%s is online in run %s as %s", self.fingerprint, self.presence.run_id, self.presence.role)
 
     def leave(self, reason: str = "", timeout_s: float = 5.0) -> bool:
         """LEAVING: release claims, publish a signed deathrattle, stop. True if the deathrattle was stored."""
@@ -645,7 +664,7 @@ class Membership:
             rattle = Deathrattle(peer_id=self.dht.peer_id, step=self._step, reason=reason[:256])
         ok = self._store(self._members_key, pack_message(rattle), now + self.config.heartbeat_ttl_s, timeout_s)
         self._state = PeerState.STOPPED
-        logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.config.run_id,
+        logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.presence.run_id,
                     "stored" if ok else "NOT stored")
         return ok
 
@@ -699,10 +718,10 @@ class Membership:
         heartbeat when due (or ownership changed), then the claims when due."""
         changed = self._announce_now.is_set()
         self._announce_now.clear()
-        manifest = self.config.manifest
+        manifest = self.presence.manifest
         if manifest is not None and self._clock() >= self._next_manifest and not self._stop.is_set():
             now = self._clock()
-            if self._store(manifest_key(self.config.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
+            if self._store(manifest_key(self.presence.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
                            self.config.request_timeout_s):
                 self._next_manifest = now + self.config.manifest_period_s
         failed = False
@@ -753,9 +772,9 @@ class Membership:
         shards = tuple(sorted((layer, e) for layer, es in self._owned.items() for e in es))
         with self._lock:
             hb = Heartbeat(
-                peer_id=self.dht.peer_id, addresses=self._addresses, role=self.config.role,
-                capacity=self.config.capacity, shards=shards, step=self._step, versions=dict(self._versions),
-                loss=self._loss, run=self.config.run_digest, suspects=dict(self._suspects),
+                peer_id=self.dht.peer_id, addresses=self._addresses, role=self.presence.role,
+                capacity=self.presence.capacity, shards=shards, step=self._step, versions=dict(self._versions),
+                loss=self._loss, run=self.presence.run_digest, suspects=dict(self._suspects),
                 banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
@@ -779,14 +798,14 @@ class Membership:
 
     def _refresh(self) -> bool:
         """Read a new view; False (the previous view kept) when the read failed."""
-        view = read_view(self.dht, self.config.run_id, shards=self.shards, timeout_s=self.config.request_timeout_s,
+        view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self.config.request_timeout_s,
                          clock=self._clock)
         if view is None:
             return False  # keep the previous view; its expirations still age correctly
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
-        view, foreign = split_by_run(view, self.config.run_digest)
+        view, foreign = split_by_run(view, self.presence.run_digest)
         unnamed = {fp: m for fp, m in foreign.items() if self._naming.get(fp, 0) < _NAMING_TRIES}
         if unnamed:
             self._name_foreign(unnamed)
@@ -796,7 +815,7 @@ class Membership:
         return True
 
     def _check_quorum(self, view: SwarmView) -> QuorumState:
-        if self.config.role != "composer":
+        if self.presence.role != "composer":
             return QuorumState.HELD
         alive = [fp for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"]
         state = self._quorum.check(alive, view.departed, time.monotonic())
@@ -826,12 +845,12 @@ class Membership:
             del self._naming[next(iter(self._naming))]
 
     def _read_manifests(self) -> dict[bytes, tuple[RunManifest, int]]:
-        return read_manifests(self.dht, self.config.run_id, timeout_s=self.config.request_timeout_s) or {}
+        return read_manifests(self.dht, self.presence.run_id, timeout_s=self.config.request_timeout_s) or {}
 
     def foreign_difference(self, member: Member, found: Mapping[bytes, tuple[RunManifest, int]] | None = None) -> str:
         """How ``member``'s manifest differs from this node's, as far as the published manifests (``found``, read
         now when not given) tell."""
-        mine, theirs = self.config.manifest, member.heartbeat.run
+        mine, theirs = self.presence.manifest, member.heartbeat.run
         if mine is None:
             return "this node has none"
         found = self._read_manifests() if found is None else found
@@ -877,7 +896,7 @@ class Membership:
         me = self._view.members.get(self.fingerprint)
         if me is not None and me.alive(now) and me.heartbeat.peer_id != self.dht.peer_id:
             raise DuplicateIdentityError(
-                f"identity {self.fingerprint} is already alive in run {self.config.run_id} as peer "
+                f"identity {self.fingerprint} is already alive in run {self.presence.run_id} as peer "
                 f"{me.heartbeat.peer_id} (heartbeat valid for {me.expires_at - now:.1f} more s). Another "
                 "process is using the same key file: stop it, or give this node its own --identity. If that "
                 f"process just crashed, retry in {me.expires_at - now:.0f} s."

@@ -20,7 +20,7 @@ from typing import Any
 
 from parallax.dht.membership import MembershipConfig, SwarmView
 
-DEFAULT_HEARTBEAT_TTL_S: float = MembershipConfig.heartbeat_ttl_s  # what nodes run unless told otherwise
+DEFAULT_HEARTBEAT_TTL_S: float = MembershipConfig().heartbeat_ttl_s  # what nodes run unless told otherwise
 _ROLE_ORDER = {"composer": 0, "worker": 1, "reader": 2, "bootstrap": 3}
 
 PEER_COLUMNS = ("fingerprint", "peer id", "role", "step", "loss", "owned", "experts", "versions", "age s")

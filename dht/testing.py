@@ -17,7 +17,7 @@ from typing import TypedDict, Unpack
 from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
-from parallax.dht.membership import Membership, MembershipConfig
+from parallax.dht.membership import Membership, MembershipConfig, Presence
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.protocol.identity import Identity
 
@@ -101,8 +101,8 @@ class LocalSwarm:
     ) -> LocalPeer:
         """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE)."""
         peer = self.add_dht(fixed_identity(i))
-        cfg = MembershipConfig(run_id=self.run_id, capacity=capacity, role=role, **timing)
-        peer.membership = Membership(peer.dht, peer.identity, cfg, shards=shards)
+        presence = Presence(run_id=self.run_id, capacity=capacity, role=role)
+        peer.membership = Membership(peer.dht, peer.identity, presence, MembershipConfig(**timing), shards=shards)
         peer.membership.start()
         return peer
 

@@ -1,29 +1,24 @@
 """Settings of the networked processes: what ``parallax node join`` and ``parallax worker join`` run with.
 
 Both share ``PeerConfig`` (run, identity, addresses). A node adds ``NodeSettings`` (its run of steps, checkpoints,
-hand-over waits) and ``NetConfig`` (poll periods and timeouts of what crosses the network); a worker adds
-``WorkerSettings``. Timings have two profiles: the internet (the defaults) and ``peer.loopback`` (peers on one
-machine: tests and ``parallax swarm local``); ``config/resolve.py`` picks the profile before applying changes, so
-a timing set by a file or a flag wins over either profile.
+hand-over waits) and ``NetConfig`` (``config/net.py``: one section per component of its network side, with the
+internet and loopback timing profiles); a worker adds ``WorkerSettings``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
-from parallax.dht.membership import MembershipConfig
+from parallax.node.config.net import UNARY_CAP, NetConfig
 from parallax.node.config.train import SimConfig, TrainConfig
 
 LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
 RELAY_MODES = ("auto", "always", "off")
-UNARY_CAP = 4 * 2**20
-"""hivemind refuses a unary P2P message larger than this, bytes."""
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -170,56 +165,6 @@ class NodeSettings:
         if self.resume == "latest" and self.checkpoint_dir is None:
             raise ValueError("node.resume (--resume latest) needs node.checkpoint_dir (--checkpoint-dir): where the "
                              "checkpoints are; or give a checkpoint's path: --resume DIR/step-N")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class NetConfig:
-    """Poll periods and timeouts of a node's network side, in seconds. The defaults suit the internet;
-    ``NetConfig.loopback()`` suits peers on one machine."""
-
-    gossip_poll_s: float = 2.0
-    """Re-read the surrogate announcements this often."""
-    announce_period_s: float = 10.0
-    """Re-store this node's surrogate announcements this often."""
-    announce_ttl_s: float = 60.0
-    """A surrogate announcement expires this long after it is stored."""
-    snapshot_poll_s: float = 10.0
-    """An heir checks its owners' heartbeats for newer expert snapshots this often."""
-    exchange_timeout_s: float = 30.0
-    """One expert snapshot download, and one offload request to a worker."""
-    stall_s: float = 120.0
-    """A composer whose announced step has not moved for this long while others trained owns nothing (an
-    identity that sends heartbeats and does no work)."""
-    idle_s: float = 300.0
-    """A composer none of whose work (outer contributions, surrogate updates) reached this node for this long,
-    while others' did, owns nothing and no round waits for it (an identity that heartbeats and trains nothing)."""
-    load_state_timeout_s: float = 30.0
-    """A joiner's download of the shared groups from live peers."""
-    min_matchmaking_time_s: float = 15.0
-    """An outer round waits this long for more peers before averaging with those present."""
-    matchmaking_timeout_s: float = 60.0
-    """An outer round that formed no group within this long is given up."""
-    allreduce_timeout_s: float = 300.0
-    """An outer all-reduce not finished this long after its group formed is given up."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"net.{f.name} must be > 0 seconds")
-        if self.announce_ttl_s <= self.announce_period_s:
-            raise ValueError("net.announce_ttl_s must exceed net.announce_period_s, or records lapse between stores")
-        if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
-            raise ValueError("net.matchmaking_timeout_s must exceed net.min_matchmaking_time_s")
-        for name in ("stall_s", "idle_s"):
-            if getattr(self, name) <= MembershipConfig.heartbeat_ttl_s:
-                raise ValueError(f"net.{name} must exceed the heartbeat TTL ({MembershipConfig.heartbeat_ttl_s} s)")
-
-    @classmethod
-    def loopback(cls) -> NetConfig:
-        """Short timings for peers on one machine."""
-        return cls(gossip_poll_s=0.5, announce_period_s=2.0, announce_ttl_s=30.0, snapshot_poll_s=2.0,
-                   exchange_timeout_s=5.0, min_matchmaking_time_s=1.0, matchmaking_timeout_s=15.0,
-                   allreduce_timeout_s=20.0, idle_s=60.0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -133,8 +133,8 @@ class OwnershipConfig:
     """R: each expert is trained by R distinct owners (the top R of the bounded-load rendezvous ranking,
     balanced by capacity), each on its own tokens, and averaged among them on the backbone's cadence. R = 1 is
     Parallax (disjoint shards); R = C is the DiLoCo reference (every composer trains every expert). Each step
-    costs R/C of the expert compute and memory of a full copy. In ``parallax sim`` only: a node assigns one
-    owner per expert."""
+    costs R/C of the expert compute and memory of a full copy. Nodes and the simulator both run it (not with
+    offload); a node's co-owners merge each set of shared experts in a gathered round (``node.outer.replicas``)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

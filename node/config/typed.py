@@ -9,9 +9,12 @@ exit 2. The core never sees a string where a bool belongs.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
 import json
+import textwrap
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,12 +122,24 @@ def apply_changes(cfg: T, changes: Mapping[str, object]) -> T:
         node, section = tree, type(cfg)
         for i, name in enumerate(parents):
             types = field_types(section)
+            if i == len(parents) - 1 and name in types and _is_mapping(types[name]):
+                break  # one entry of a mapping setting: ``sync.periods.backbone``
             if name not in types or not is_section(types[name]):
                 raise _unknown(section, name, ".".join(parents[: i + 1]))
             node, section = node.setdefault(name, {}), types[name]
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(parents[: i + 1])} is set both as a value and as a section")
         types = field_types(section)
+        if parents and parents[-1] in types and _is_mapping(types[parents[-1]]):
+            name = parents[-1]
+            entry = coerce(typing.get_args(_strip_optional(types[name])[0])[1], value, path)
+            current = node.get(name)
+            if current is None:
+                current = node[name] = _Value(dict(_current(cfg, parents)))
+            if not isinstance(current, _Value) or not isinstance(current.value, dict):
+                raise ConfigError(f"{'.'.join(parents)} is set both as a value and as a section")
+            current.value[leaf] = entry
+            continue
         if leaf not in types:
             raise _unknown(section, leaf, path)
         if is_section(types[leaf]):
@@ -140,6 +155,19 @@ def apply_changes(cfg: T, changes: Mapping[str, object]) -> T:
 @dataclasses.dataclass(frozen=True)
 class _Value:
     value: object
+
+
+def _is_mapping(tp: Any) -> bool:
+    """Whether a field holds a mapping whose entries are set one by one (``sync.periods.backbone=50``)."""
+    return typing.get_origin(_strip_optional(tp)[0]) is dict
+
+
+def _current(cfg: object, path: Sequence[str]) -> Mapping[str, object]:
+    """The value at ``path`` in ``cfg`` ({} where it is None)."""
+    value: Any = cfg
+    for name in path:
+        value = getattr(value, name)
+    return value or {}
 
 
 def _rebuilt_tree(obj: Any, tree: Mapping[str, Any], prefix: str) -> Any:
@@ -244,3 +272,55 @@ def _plain(value: object) -> object:
 def to_toml(cfg: object) -> str:
     """``cfg`` as a TOML document that ``--config`` reads back to the same settings."""
     return tomli_w.dumps(to_table(cfg))
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), read from the source: what
+    ``parallax config show --explain`` prints beside each setting. {} where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for stmt, after in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _toml_value(value: object) -> str:
+    """One value as TOML text, a mapping as an inline table."""
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return tomli_w.dumps({"v": value}).partition(" = ")[2].strip()
+
+
+def _comment(text: str, width: int = 100) -> list[str]:
+    """``text`` as comment lines, each paragraph re-wrapped."""
+    paragraphs = [" ".join(para.split()) for para in text.split("\n\n")]
+    return [f"# {line}".rstrip() for para in paragraphs if para for line in textwrap.wrap(para, width)]
+
+
+def to_explained_toml(cfg: object, prefix: str = "") -> str:
+    """``cfg`` as ``to_toml`` writes it, each setting under its docstring as comments (``--config`` reads it back
+    to the same settings; a setting left unset is a comment)."""
+    lines: list[str] = []
+    docs = field_docs(typing.cast(type, type(cfg)))
+    sections = []
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+            continue
+        lines += _comment(docs.get(f.name, ""))
+        lines.append(f"{f.name} = {_toml_value(_plain(value))}" if value is not None else f"# {f.name}: not set")
+        lines.append("")
+    for name, value in sections:
+        path = f"{prefix}{name}"
+        doc = inspect.getdoc(type(value)) or ""
+        lines += [*_comment(doc.split("\n\n")[0]), f"[{path}]", ""]
+        lines.append(to_explained_toml(value, f"{path}."))
+    return "\n".join(lines)

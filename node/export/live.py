@@ -23,7 +23,7 @@ from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import ExpertId, manifest_key
 from parallax.dht.manifests import read_manifests
-from parallax.dht.membership import Membership, MembershipConfig
+from parallax.dht.membership import Membership, Presence
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.errors import DHTError
 from parallax.node.config.peer import PeerConfig
@@ -122,7 +122,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         except DHTError as e:
             raise ExportError(f"the swarm is unreachable: {e}") from None
         stack.callback(dht.shutdown)
-        membership = Membership(dht, identity, MembershipConfig(run_id=peer.run_id, role="reader", manifest=manifest),
+        membership = Membership(dht, identity, Presence(run_id=peer.run_id, role="reader", manifest=manifest),
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts,
                                                   replicas=cfg.ownership.replicas))
         membership.start()

@@ -46,6 +46,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
+from parallax.node.config.net import ExchangeConfig
 from parallax.node.net.network import RateLimiter, rate_limited
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
@@ -238,8 +239,7 @@ class ExpertExchange:
             thread, so it must be thread-safe (read an immutable view).
         snapshot_every: the owners' snapshot period in steps (a copy is refetched once the owner is this
             many steps past it).
-        poll_s: how often heir copies are refreshed.
-        timeout_s: one whole snapshot fetch.
+        config: how often heir copies are refreshed, and the bound on one whole snapshot fetch (``net.exchange``).
         may_fetch: peer id -> whether this node serves it snapshots (a live composer of the run it does not ban);
             called on the loop thread, so thread-safe and cheap.
         keep_s: how long released experts' final snapshots stay served.
@@ -250,8 +250,8 @@ class ExpertExchange:
                  surrogate_shapes: Shapes | None = None,
                  heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
                  snapshot_every: int = 10,
-                 poll_s: float = 10.0, may_fetch: Callable[[str], bool] = lambda _peer: True,
-                 timeout_s: float = 30.0, keep_s: float = 120.0) -> None:
+                 may_fetch: Callable[[str], bool] = lambda _peer: True, config: ExchangeConfig | None = None,
+                 keep_s: float = 120.0) -> None:
         self.p2p, self.loop, self.key_of = p2p, loop, key_of
         self.namespace = f"parallax.{run_id}.experts"
         self.sealer, self.opener = Sealer(identity, run_id), snapshot_opener(run_id)
@@ -259,7 +259,8 @@ class ExpertExchange:
         self.surrogate_shapes = {n: tuple(s) for n, s in (surrogate_shapes or {}).items()}
         self.heir_targets = heir_targets
         self.snapshot_every = snapshot_every
-        self.poll_s, self.timeout_s = poll_s, timeout_s
+        config = config if config is not None else ExchangeConfig()
+        self.poll_s, self.timeout_s = config.poll_s, config.timeout_s
         self.store = SnapshotStore(keep_s)
         self.servicer = ExpertServicer(self.store, may_fetch)
         self.bytes_fetched = 0

@@ -55,6 +55,7 @@ from hivemind.proto import runtime_pb2
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import check_run_id, expert_id, parse_expert_id
 from parallax.dht.surrogates import Holding, SurrogateRecord, read_records, store_record
+from parallax.node.config.net import GossipConfig
 from parallax.node.model.lowrank import Factors, apply_delta, change_of
 from parallax.node.net.network import RateLimiter, rate_limited
 from parallax.node.net.surrogate_payload import (
@@ -88,52 +89,6 @@ def _floor(t: torch.Tensor) -> float:
     return GROWTH_FLOOR * math.sqrt(t.numel())
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 _REFUSAL_LOG_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class GossipConfig:
-    """How often to poll and announce, how long to wait, what to accept. Times in seconds."""
-
-    run_id: str
-    """The training run (namespaces DHT keys and the P2P handler)."""
-    n_layers: int
-    """MoE layers whose surrogate keys are polled and announced."""
-    poll_s: float = 2.0
-    """Re-read the announcements this often."""
-    announce_period_s: float = 10.0
-    """Re-store this node's records this often (and at once after a publish or a fetch)."""
-    announce_ttl_s: float = 60.0
-    """A record expires this long after it is stored: providers can re-serve an owner's versions for
-    this long after it vanished."""
-    window: int = 4
-    """Delta versions per expert kept, served and announced (the latest full copy is kept besides)."""
-    max_behind: int = 4
-    """A receiver further behind than this pulls the full copy instead of the deltas."""
-    request_timeout_s: float = 3.0
-    """Timeout of each DHT store/get."""
-    chunk_timeout_s: float = 5.0
-    """Give up on a provider when the next chunk takes longer than this."""
-    fetch_timeout_s: float = 30.0
-    """Give up on a provider when one whole payload takes longer than this."""
-    chunk_bytes: int = 256 * 1024
-    """Bytes per streamed message (hivemind caps one message at 4 MiB)."""
-    max_norm: float | None = 1e4
-    """L2 bound on each received delta factor and full tensor (None: no bound)."""
-    max_parallel: int = 4
-    """Experts synchronised concurrently in one poll."""
-
-    def __post_init__(self) -> None:
-        check_run_id(self.run_id)
-        for name in ("poll_s", "announce_period_s", "announce_ttl_s", "request_timeout_s", "chunk_timeout_s",
-                     "fetch_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.announce_ttl_s <= self.announce_period_s:
-            raise ValueError("announce_ttl_s must exceed announce_period_s, or records lapse between stores")
-        if min(self.n_layers, self.window, self.max_behind, self.max_parallel) < 1:
-            raise ValueError("n_layers, window, max_behind and max_parallel must be >= 1")
-        if not 1024 <= self.chunk_bytes <= 4 * 2**20 - 1024:
-            raise ValueError("chunk_bytes must be in [1 KiB, 4 MiB - 1 KiB] (hivemind's message cap)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +313,9 @@ class SurrogateGossip:
     Args:
         dht: this node's running DHT (shut down by its owner, after ``close()``).
         identity: this node's key; its records are signed with it (the DHT's validator must hold it).
-        config: timing and limits.
+        config: timings and limits (the section ``net.gossip``).
+        run_id: the training run (namespaces DHT keys and the P2P handler).
+        n_layers: MoE layers whose surrogate keys are polled and announced.
         shapes: name -> shape of one surrogate's tensors (``model.surrogate_parameters``).
         owner_of: (layer, expert) -> the owner's Ed25519 public key, or None when unknown; called on the
             loop thread, so it must be thread-safe (e.g. read an immutable membership view).
@@ -374,6 +331,8 @@ class SurrogateGossip:
         identity: Identity,
         config: GossipConfig,
         *,
+        run_id: str,
+        n_layers: int,
         shapes: Shapes,
         owner_of: Callable[[ExpertId], bytes | None],
         start_versions: Mapping[ExpertId, int] | None = None,
@@ -383,11 +342,15 @@ class SurrogateGossip:
         self.dht = dht
         self.identity = identity
         self.config = config
+        check_run_id(run_id)
+        if n_layers < 1:
+            raise ValueError("n_layers must be >= 1")
+        self.run_id, self.n_layers = run_id, n_layers
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.owner_of = owner_of
         self.stats = GossipStats()
         self.store = PayloadStore(config.window)
-        self.namespace = f"parallax.{config.run_id}.surrogates"
+        self.namespace = f"parallax.{run_id}.surrogates"
         self._limits = payload_limits(self.shapes, config.max_norm)
         self._held: dict[ExpertId, int] = dict(start_versions or {})
         self._bad: set[bytes] = set()
@@ -593,14 +556,14 @@ class SurrogateGossip:
     async def _announce_once(self) -> None:
         cfg = self.config
         for layer in sorted(self.store.layers()):
-            if layer >= cfg.n_layers:
+            if layer >= self.n_layers:
                 continue
             record = self.store.record(self.dht.peer_id, layer)
             expiry = max(dht_time() + cfg.announce_ttl_s, self._expiry.get(layer, 0.0) + _MIN_EXPIRY_STEP_S)
             self._expiry[layer] = expiry
             assert self._dht_lock is not None
             async with self._dht_lock:
-                ok = await asyncio.to_thread(store_record, self.dht, self.identity, cfg.run_id, layer, record,
+                ok = await asyncio.to_thread(store_record, self.dht, self.identity, self.run_id, layer, record,
                                              expiry, timeout_s=cfg.request_timeout_s)
             if not ok:
                 logger.debug("surrogate record of layer %d was not stored; retrying next period", layer)
@@ -609,7 +572,7 @@ class SurrogateGossip:
         cfg = self.config
         assert self._dht_lock is not None
         async with self._dht_lock:
-            records = await asyncio.to_thread(read_records, self.dht, cfg.run_id, range(cfg.n_layers),
+            records = await asyncio.to_thread(read_records, self.dht, self.run_id, range(self.n_layers),
                                               timeout_s=cfg.request_timeout_s)
         if records is None:
             return
@@ -750,7 +713,6 @@ def owner_first_then_random(providers: list[str], owner_peer: str | None) -> lis
 
 
 __all__ = [
-    "GossipConfig",
     "GossipStats",
     "Offer",
     "Step",

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parallax.dht.adapter import SwarmDHT, dht_time
-from parallax.dht.membership import Membership, MembershipConfig, PeerState
+from parallax.dht.membership import Membership, PeerState, Presence
 from parallax.node.config.peer import WorkerConfig
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
@@ -126,7 +126,7 @@ class Worker:
         # Serve before announcing: a composer that sees the heartbeat may onboard at once.
         self._net.run(serve(self.servicer, self._net.p2p, c.peer.run_id), 10.0)
         self.membership = Membership(self.dht, self.identity,
-                                     MembershipConfig(run_id=c.peer.run_id, role="worker", capacity=c.worker.capacity))
+                                     Presence(run_id=c.peer.run_id, role="worker", capacity=c.worker.capacity))
         # Composers use only workers that announce their own settings (offload.worker_settings).
         self.membership.update(versions={SETTINGS_KEY: settings_digest(c.train)})
         self.membership.start()

@@ -207,20 +207,20 @@ class GroupAverager:
         self._buffers = [torch.zeros(s, dtype=torch.float32) for s in component_shapes(self.shapes, config.method)]
         self._averager = ParallaxOuterAverager(
             self._buffers, dht.hivemind_dht, start=False, prefix=self.prefix,
-            target_group_size=config.target_group_size, min_group_size=config.min_group_size,
-            min_matchmaking_time=config.min_matchmaking_time_s, request_timeout=config.request_timeout_s,
-            allreduce_timeout=config.allreduce_timeout_s, next_chunk_timeout=config.next_chunk_timeout_s,
+            target_group_size=config.net.target_group_size, min_group_size=config.net.min_group_size,
+            min_matchmaking_time=config.net.min_matchmaking_time_s, request_timeout=config.net.request_timeout_s,
+            allreduce_timeout=config.net.allreduce_timeout_s, next_chunk_timeout=config.net.next_chunk_timeout_s,
             compression=config.hivemind_compression(), allow_state_sharing=False,
-            shutdown_timeout=config.shutdown_timeout_s,
+            shutdown_timeout=config.net.shutdown_timeout_s,
         )
         try:
-            _start_keeping_sigint(self._averager, config.startup_timeout_s)
+            _start_keeping_sigint(self._averager, config.net.startup_timeout_s)
         except BaseException as e:  # a signal during the start too: the process just forked must not outlive us
             self.shutdown()
             if not isinstance(e, Exception):
                 raise
             raise NodeError(f"the outer-sync averager of group {group!r} did not start within "
-                            f"{config.startup_timeout_s} s: {e!r}") from e
+                            f"{config.net.startup_timeout_s} s: {e!r}") from e
 
     # ---- one round ----
 
@@ -360,13 +360,13 @@ class GroupAverager:
             try:
                 started.set_result(averager.step(
                     gather={"v": _GATHER_VERSION, "round": n, "tokens": tokens}, weight=weight,
-                    timeout=cfg.matchmaking_timeout_s, allow_retries=False, wait=False,
+                    timeout=cfg.net.matchmaking_timeout_s, allow_retries=False, wait=False,
                 ))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread below
                 started.set_exception(e)
 
         threading.Thread(target=start_step, name=f"outer-step-{self.group}", daemon=True).start()
-        start_deadline = time.monotonic() + cfg.matchmaking_timeout_s + 2.0
+        start_deadline = time.monotonic() + cfg.net.matchmaking_timeout_s + 2.0
         while True:
             try:
                 control = started.result(timeout=0.5)
@@ -380,7 +380,7 @@ class GroupAverager:
                 return None, RoundStatus.FAILED, False, repr(e)
         # One attempt (allow_retries=False): a retry after a half-finished all-reduce would average
         # half-averaged buffers. Wait in slices so that a crashed averager process is noticed at once.
-        deadline = time.monotonic() + cfg.matchmaking_timeout_s + cfg.allreduce_timeout_s + 2.0
+        deadline = time.monotonic() + cfg.net.matchmaking_timeout_s + cfg.net.allreduce_timeout_s + 2.0
         while True:
             try:
                 gathered = control.result(timeout=min(0.5, max(0.0, deadline - time.monotonic())))

@@ -121,7 +121,7 @@ class GatheredRounds:
         common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
-        deadline = verify_started + cfg.verify_timeout_s
+        deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
@@ -212,7 +212,7 @@ class GatheredRounds:
         """The fewest contributions a round merges: a majority of the working composers (this one included), and
         at least ``min_group_size``. When the working set shrinks to a pair, the robust merge holds the longer of
         the two to twice the shorter (``train.robust``): no outlier can be told, but a liar is bounded."""
-        return max(self.config.min_group_size, (len(self._working()) + 1) // 2 + 1)
+        return max(self.config.net.min_group_size, (len(self._working()) + 1) // 2 + 1)
 
     def _acceptable(self, peer: str) -> bool:
         """A peer whose contribution may be merged: a live composer this node does not ban."""
@@ -237,9 +237,9 @@ class GatheredRounds:
         contributions to merge (sorted pairs), or None when no quorum could be had."""
         cfg = self.config
         now = time.monotonic()
-        wait_until, give_up = now + cfg.min_matchmaking_time_s, now + cfg.matchmaking_timeout_s
+        wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         while True:
-            entries = self._entries_of_live(min(cfg.dht_timeout_s, give_up - time.monotonic()))
+            entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
             quorum = self._quorum()
             taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
                               .items() if len(members) >= quorum})
@@ -269,7 +269,7 @@ class GatheredRounds:
                 error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
-            body = self.gather.fetch(peer, self.group, entry, self.config.allreduce_timeout_s)
+            body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
@@ -313,7 +313,7 @@ class GatheredRounds:
         if not missing:
             return True
         if entries is None:
-            entries = self._entries_of_live(min(self.config.dht_timeout_s, deadline - time.monotonic()))
+            entries = self._entries_of_live(min(self.config.net.dht_timeout_s, deadline - time.monotonic()))
         announced = [(name, entry_of(entries, name)) for name in missing]
         if any(entry is None for _, entry in announced):
             return False

@@ -95,8 +95,8 @@ class RoundRecords:
 
     def store(self, value: bytes) -> bool:
         """Replace this node's record of the group; False when no peer took it."""
-        return self._dht.store(self.key, self._own_subkey, value, dht_time() + self.config.fingerprint_ttl_s,
-                               timeout_s=self.config.dht_timeout_s)
+        return self._dht.store(self.key, self._own_subkey, value, dht_time() + self.config.net.fingerprint_ttl_s,
+                               timeout_s=self.config.net.dht_timeout_s)
 
     def read(self, peers: Sequence[str], timeout_s: float) -> dict[str, bytes]:
         """peer -> its raw record, for the peers whose key the membership names."""
@@ -137,14 +137,14 @@ class RoundRecords:
             the other set, or None).
         """
         cfg = self.config
-        deadline = time.monotonic() + cfg.verify_timeout_s if deadline is None else deadline
+        deadline = time.monotonic() + cfg.net.verify_timeout_s if deadline is None else deadline
         others: dict[str, tuple[float, ...]] = {}
         mine = [p for p in participants if split_pair(p)[0] == self.peer_id] if other_set else [self.peer_id]
         wanted = [p for p in participants if p not in mine]
         while True:
             remaining = deadline - time.monotonic()
             senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
-            records = self.read(sorted(set(senders) | readers()), min(cfg.dht_timeout_s, remaining))
+            records = self.read(sorted(set(senders) | readers()), min(cfg.net.dht_timeout_s, remaining))
             for sender, name in senders.items():
                 decoded = read(name, records[sender]) if sender in records else None
                 if decoded is not None:

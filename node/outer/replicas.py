@@ -98,7 +98,7 @@ class ReplicaRounds:
                  gather: OuterGather, scores: PeerScores | None, worked: Callable[[str], None] | None,
                  weight_cap: float | None, resync: Callable[[ExpertId, str], None]) -> None:
         self.dht, self.run_id, self.composer, self.me = dht, run_id, composer, me
-        self.config = dataclasses.replace(config, aggregation="gather")
+        self.config = dataclasses.replace(config, sync=dataclasses.replace(config.sync, aggregation="gather"))
         self.peers_of, self.signer, self.gather, self.scores = peers_of, signer, gather, scores
         self.worked, self.weight_cap, self.resync = worked, weight_cap, resync
         self.counts = ReplicaCounts()

@@ -3,7 +3,7 @@
 ``node.outer.averager`` runs a round over hivemind; this module holds what that round is made of, so it
 can be tested byte for byte and shared with the in-process simulator:
 
-- ``OuterSyncConfig``: timings, merge method and wire compression of a node's outer rounds;
+- ``OuterSyncConfig``: the run's merge rule and wire format with this node's timings of the outer rounds;
 - components: the buffers a group averages (RDA: scaled unit directions, norms, raw deltas) and how
   the merged group is rebuilt from their means;
 - compression: hivemind's codec for each buffer ("fp16", "uint8" or none; small tensors always go
@@ -22,7 +22,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -38,12 +38,12 @@ from hivemind.compression import (
     Uniform8BitQuantization,
 )
 
+from parallax.node.config.net import OuterConfig
 from parallax.node.config.train import SyncConfig
 from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
 from parallax.protocol.identity import Identity
 
 COMPRESSIONS = ("fp16", "uint8", "none")
-AGGREGATIONS = ("gather", "allreduce")
 """Wire formats of an outer all-reduce: float16, hivemind's uniform 8-bit quantisation (256 buckets over
 6 standard deviations, each decoded to its bucket's mean; about 3.5% relative error on a backbone
 pseudo-gradient of the small preset, against 0.02% for float16), or float32."""
@@ -71,109 +71,59 @@ BUFFER_LOCK_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OuterSyncConfig:
-    """How a node merges its shared groups over the network. Defaults suit peers on the internet;
-    ``OuterSyncConfig.loopback()`` suits tests on one machine. Times in seconds."""
+    """How a node merges its shared groups over the network: the run's merge rule, wire format and aggregation
+    (``train.sync``, the same on every peer) with this node's timings (``net.outer``)."""
 
-    method: str = "rda"
-    """"rda" (radial-directional) or "mean"; every peer of a run must use the same."""
-    aggregation: str = "gather"
-    """"gather": every participant fetches every contribution and merges them itself, robustly
-    (``node.outer.transport``); "allreduce": hivemind's butterfly all-reduce, weights as each peer declares
-    them (fewer bytes, for swarms whose peers trust each other). Every peer of a run must use the same."""
-    compression: str = "fp16"
-    """Wire format of the all-reduce (``COMPRESSIONS``): "fp16" (half the traffic), "uint8" (a quarter) or
-    "none" (fp32); every peer of a run must use the same."""
-    target_group_size: int = 16
-    """A round starts at once when this many peers are looking: set it to the live composer count."""
-    min_group_size: int = 2
-    """Fewer peers than this is no round (returns None)."""
-    min_matchmaking_time_s: float = 15.0
-    """With fewer than target_group_size peers, wait this long for more before averaging with those present
-    (internet: 15, covering peers whose inner steps run a few seconds apart; loopback: 1)."""
-    request_timeout_s: float = 5.0
-    """A matchmaking request to one peer is lost after this long; must be < min_matchmaking_time_s."""
-    matchmaking_timeout_s: float = 60.0
-    """Give up the round when no group formed within this long (> min_matchmaking_time_s)."""
-    allreduce_timeout_s: float = 300.0
-    """Give up an all-reduce that has not finished this long after the group formed (internet: 300 s is
-    ~1 GB of fp16 pseudo-gradient over a 30 Mbit/s uplink; loopback: 20)."""
-    next_chunk_timeout_s: float = 30.0
-    """A groupmate that sends no chunk for this long is dropped from the all-reduce (the round is then
-    inconsistent and verification discards it)."""
-    verify_timeout_s: float = 15.0
-    """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
-    dht_timeout_s: float = 5.0
-    """Each DHT store/get of a fingerprint."""
-    fingerprint_ttl_s: float = 600.0
-    """Fingerprint records expire after this long (only the round just run is read)."""
-    fingerprint_tolerance: float | None = None
-    """Two merged results agree when every projection and norm differs by at most this times their scale;
-    None: by compression (fp16 2e-2, uint8 0.15, none 1e-5), far above rounding noise, below a broken round
-    (under uint8 the margin is thinner: a round merged from a subset differs by tens of percent)."""
-    direction_eps: float | None = None
-    """RDA falls back to the plain mean below this length of the mean unit direction; None: by compression.
-    fp16 gives the mean direction ~3e-4 of noise per peer and the rebuilt direction amplifies it by
-    1/length, so under fp16 we fall back below 0.05, under uint8 (~3.5e-2 per peer) below 0.1
-    (rda.DIRECTION_EPS, 1e-6, when uncompressed)."""
-    startup_timeout_s: float = 60.0
-    """Starting an averager process (busy hosts need 30-120 s)."""
-    shutdown_timeout_s: float = 5.0
-    """Grace period of an averager process at shutdown before it is terminated."""
-
-    def __post_init__(self) -> None:
-        if self.method not in MERGE_METHODS:
-            raise ValueError(f"OuterSyncConfig.method must be one of {MERGE_METHODS}, got {self.method!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"OuterSyncConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"OuterSyncConfig.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
-        if self.min_group_size < 2 or self.target_group_size < self.min_group_size:
-            raise ValueError("OuterSyncConfig needs 2 <= min_group_size <= target_group_size")
-        for name in ("min_matchmaking_time_s", "request_timeout_s", "matchmaking_timeout_s", "allreduce_timeout_s",
-                     "next_chunk_timeout_s", "verify_timeout_s", "dht_timeout_s", "fingerprint_ttl_s",
-                     "startup_timeout_s", "shutdown_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"OuterSyncConfig.{name} must be > 0 seconds")
-        if self.request_timeout_s >= self.min_matchmaking_time_s:
-            raise ValueError("OuterSyncConfig: request_timeout_s must be < min_matchmaking_time_s (hivemind can "
-                             "deadlock otherwise); lower request_timeout_s or raise min_matchmaking_time_s")
-        if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
-            raise ValueError("OuterSyncConfig: matchmaking_timeout_s must exceed min_matchmaking_time_s, or no group "
-                             "smaller than target_group_size can ever form")
-        for name in ("fingerprint_tolerance", "direction_eps"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < 1:
-                raise ValueError(f"OuterSyncConfig.{name} must be in (0, 1) or None, got {value}")
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    net: OuterConfig = field(default_factory=OuterConfig)
 
     @classmethod
-    def loopback(cls, **overrides: Any) -> OuterSyncConfig:
-        """Timings for peers on one machine (tests, ``parallax swarm local``)."""
-        base: dict[str, Any] = dict(min_matchmaking_time_s=1.0, request_timeout_s=0.5, matchmaking_timeout_s=4.0,
-                                    allreduce_timeout_s=20.0, next_chunk_timeout_s=5.0, verify_timeout_s=3.0,
-                                    dht_timeout_s=2.0, startup_timeout_s=30.0, shutdown_timeout_s=3.0)
-        return cls(**{**base, **overrides})
+    def of(cls, *, loopback: bool = False, **changes: Any) -> OuterSyncConfig:
+        """The run's defaults and a timing profile (``loopback``: peers on one machine), with ``changes`` to
+        either section by field name (tests)."""
+        net = OuterConfig.loopback() if loopback else OuterConfig()
+        sync_names = {f.name for f in dataclasses.fields(SyncConfig)}
+        return cls(sync=SyncConfig(**{k: v for k, v in changes.items() if k in sync_names}),
+                   net=dataclasses.replace(net, **{k: v for k, v in changes.items() if k not in sync_names}))
 
-    def with_run(self, sync: SyncConfig) -> OuterSyncConfig:
-        """These settings with the run's merge, wire format and aggregation (``[train.sync]``)."""
-        return dataclasses.replace(self, method=sync.merge, compression=sync.compression, aggregation=sync.aggregation)
+    @classmethod
+    def loopback(cls, **changes: Any) -> OuterSyncConfig:
+        """``of`` with the loopback timings."""
+        return cls.of(loopback=True, **changes)
+
+    @property
+    def method(self) -> str:
+        """The merge rule (``sync.merge``)."""
+        return self.sync.merge
+
+    @property
+    def compression(self) -> str:
+        """The wire format (``sync.compression``)."""
+        return self.sync.compression
+
+    @property
+    def aggregation(self) -> str:
+        """Gathered or all-reduced (``sync.aggregation``)."""
+        return self.sync.aggregation
 
     @property
     def tolerance(self) -> float:
-        if self.fingerprint_tolerance is not None:
-            return self.fingerprint_tolerance
+        if self.net.fingerprint_tolerance is not None:
+            return self.net.fingerprint_tolerance
         return _TOLERANCE[self.compression]
 
     @property
     def rda_eps(self) -> float:
-        if self.direction_eps is not None:
-            return self.direction_eps
+        if self.net.direction_eps is not None:
+            return self.net.direction_eps
         return _RDA_EPS[self.compression]
 
     @property
     def round_budget_s(self) -> float:
         """The longest ``run_round`` blocks: matchmaking, all-reduce, verification, and slack."""
-        return (self.matchmaking_timeout_s + self.allreduce_timeout_s + self.verify_timeout_s
-                + 2 * self.dht_timeout_s + BUFFER_LOCK_TIMEOUT_S)
+        net = self.net
+        return (net.matchmaking_timeout_s + net.allreduce_timeout_s + net.verify_timeout_s + 2 * net.dht_timeout_s
+                + BUFFER_LOCK_TIMEOUT_S)
 
     def hivemind_compression(self) -> CompressionBase:
         return wire_compression(self.compression)

@@ -25,7 +25,6 @@ corpus rarely overlap).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import json
 import logging
@@ -38,7 +37,7 @@ from pathlib import Path
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import Membership, MembershipConfig, PeerState
+from parallax.dht.membership import Membership, PeerState, Presence
 from parallax.dht.shards import assign_experts
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
@@ -46,7 +45,7 @@ from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
 from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
-from parallax.node.net.gossip import GossipConfig, SurrogateGossip
+from parallax.node.net.gossip import SurrogateGossip
 from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.net.observe import Observer, serve_status
 from parallax.node.net.scores import PeerScores
@@ -91,11 +90,7 @@ def data_seed(fingerprint: str, seed: int) -> int:
 
 def outer_sync_config(config: NodeConfig) -> OuterSyncConfig:
     """The outer rounds' settings: the run's merge and wire format, this node's timings."""
-    base = OuterSyncConfig.loopback() if config.peer.loopback else OuterSyncConfig()
-    net = config.net
-    return dataclasses.replace(base.with_run(config.train.sync), min_matchmaking_time_s=net.min_matchmaking_time_s,
-                               matchmaking_timeout_s=net.matchmaking_timeout_s,
-                               allreduce_timeout_s=net.allreduce_timeout_s)
+    return OuterSyncConfig(sync=config.train.sync, net=config.net.outer)
 
 
 @dataclass
@@ -219,7 +214,7 @@ class Node:
         stack.callback(rounds.shutdown)
         if joining and checkpoint is None:
             telemetry.phase("loading state")
-            taken = rounds.load_from_peers(timeout_s=c.net.load_state_timeout_s)
+            taken = rounds.load_from_peers(timeout_s=c.net.outer.load_state_timeout_s)
             swarm_step = max((m.heartbeat.step for m in others), default=0)
             fast_forward(composer, swarm_step)
             telemetry.event("loaded_state", groups=taken, step=swarm_step)
@@ -289,9 +284,8 @@ class Node:
         telemetry.status.join_command = dht.join_command()
         telemetry.event("dht_started", join=telemetry.status.join_command, run_digest=manifest.digest_hex,
                         admission=manifest.admission)
-        membership_config = MembershipConfig(run_id=c.peer.run_id, role="composer", manifest=manifest,
-                                             stall_s=c.net.stall_s, idle_s=c.net.idle_s)
-        membership = Membership(dht, self.identity, membership_config,
+        membership = Membership(dht, self.identity, Presence(run_id=c.peer.run_id, role="composer", manifest=manifest),
+                                c.net.membership,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts,
                                                   replicas=cfg.ownership.replicas))
         membership.start()
@@ -308,16 +302,15 @@ class Node:
         stack.callback(Redialer(loop.p2p, loop.loop, dht.peer_id, views.peer_addresses).start().close)
         membership.ignored = views.ignored
         shapes = model_shapes(cfg)
-        gcfg = GossipConfig(run_id=c.peer.run_id, n_layers=cfg.model.n_layers, poll_s=c.net.gossip_poll_s,
-                            announce_period_s=c.net.announce_period_s, announce_ttl_s=c.net.announce_ttl_s)
-        gossip = SurrogateGossip(dht, self.identity, gcfg, shapes=shapes.surrogate, owner_of=views.owner_key,
+        gossip = SurrogateGossip(dht, self.identity, c.net.gossip, run_id=c.peer.run_id,
+                                 n_layers=cfg.model.n_layers, shapes=shapes.surrogate, owner_of=views.owner_key,
                                  start_versions=versions, loop=loop.loop).start()
         stack.callback(gossip.close)
         exchange = ExpertExchange(loop.p2p, loop.loop, c.peer.run_id, shapes.expert, identity=self.identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
                                   may_fetch=views.may_fetch,
-                                  poll_s=c.net.snapshot_poll_s, timeout_s=c.net.exchange_timeout_s).start()
+                                  config=c.net.exchange).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
         stack.callback(gather.close)
@@ -338,7 +331,7 @@ class Node:
     def _start_offload(self, net: _Network, composer: Composer) -> OffloadSession:
         c = self.config
         client = OffloadClient(net.loop.p2p, net.loop.loop, c.peer.run_id, self.identity, net.views.public_key_of,
-                               onboard_timeout_s=c.net.exchange_timeout_s, update_timeout_s=c.net.exchange_timeout_s)
+                               onboard_timeout_s=c.net.exchange.timeout_s, update_timeout_s=c.net.exchange.timeout_s)
         net.views.settings_digest = settings_digest(c.train)
         session = OffloadSession(composer, client, c.peer.run_id, net.views.live_workers, event=self.telemetry.event)
         self._stack.callback(session.close)

@@ -194,7 +194,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             for i in range(C)
         ]
     bundles = expert_bundles(owners) if replicated else {}
-    wire = OuterSyncConfig().with_run(cfg.sync)  # the bundles' rounds: the run's merge, wire format and aggregation
+    wire = OuterSyncConfig(sync=cfg.sync)  # the bundles' rounds: the run's merge, wire format and aggregation
     merged_at = [0] * len(composers)  # tokens each composer had seen at its bundles' last merge
     dense_tokens = [0] * len(composers)  # tokens each composer trained with every expert real
     peak = (0, 0)  # (parameters, optimizer-state bytes) a composer held before the split
@@ -414,7 +414,7 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     (``merge_outer``). Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
-    wire = OuterSyncConfig(method=method, compression=compression, aggregation=aggregation)
+    wire = OuterSyncConfig.of(merge=method, compression=compression, aggregation=aggregation)
     sent = merge_outer([c.outer[group] for c in composers], [float(c.tokens_since_merge[group]) for c in composers],
                        wire)
     if sent is None:

@@ -43,7 +43,8 @@ __all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "ce
 
 @dataclass(frozen=True)
 class RobustConfig:
-    """How hard the robust merge pulls outliers in (``sync.robust_*`` in the run settings)."""
+    """How hard the robust merge pulls outliers in. Every peer merges with these defaults: a node has no setting for
+    them, so no run can loosen its own defence."""
 
     norm_clip: float = 2.0
     """A contribution's norm (per tensor) is at most this x the median norm of that tensor."""

@@ -18,7 +18,7 @@ import pytest
 from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
-from parallax.dht.membership import Membership, MembershipConfig
+from parallax.dht.membership import Membership, Presence
 from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.dht.testing import wait_until
 from parallax.node.config.train import SHARED_GROUPS
@@ -77,7 +77,7 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(RUN, 2, SHARED_GROUPS),
                                            admission=Admission(manifest.creator, manifest.digest))
         stranger_dht = SwarmDHT.start(DHTConfig(initial_peers=(swarm.initial_peers,)), [validator])
-        stranger = Membership(stranger_dht, identity, MembershipConfig(run_id=RUN, capacity=1000.0, manifest=manifest),
+        stranger = Membership(stranger_dht, identity, Presence(run_id=RUN, capacity=1000.0, manifest=manifest),
                               shards=ShardConfig(n_layers=2, n_experts=4))
         # Its heartbeats land on the bootstrap alone (the members refuse them): on a busy machine that takes a while.
         stranger.start(timeout_s=90)

@@ -14,7 +14,7 @@ import pytest
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import DuplicateIdentityError, Membership, MembershipConfig, PeerState
+from parallax.dht.membership import DuplicateIdentityError, Membership, PeerState, Presence
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
@@ -87,13 +87,13 @@ def test_four_peers_detection_deathrattle_and_reassignment(swarm: LocalSwarm, re
 def test_duplicate_identity_is_refused(swarm: LocalSwarm):
     first = swarm.add(0, heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
     twin = swarm.add_dht(fixed_identity(0))  # same Ed25519 key, another process and peer id
-    m = Membership(twin.dht, twin.identity, MembershipConfig(run_id="itest"))
+    m = Membership(twin.dht, twin.identity, Presence(run_id="itest"))
     with pytest.raises(DuplicateIdentityError, match="already alive"):
         m.start()
     assert first.membership.state is PeerState.ONLINE
     # Once the first leaves, the same identity may join again.
     first.membership.leave()
-    m2 = Membership(twin.dht, twin.identity, MembershipConfig(run_id="itest"))
+    m2 = Membership(twin.dht, twin.identity, Presence(run_id="itest"))
     twin.membership = m2
     m2.start()
     assert m2.state is PeerState.ONLINE

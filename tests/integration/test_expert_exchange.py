@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
+from parallax.node.config.net import ExchangeConfig
 from parallax.node.net.expert_exchange import ExpertExchange, encode_snapshot
 from parallax.protocol.envelope import Sealer
 from parallax.protocol.identity import Identity
@@ -46,7 +47,8 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
                 p2p = asyncio.run_coroutine_threadsafe(peer.dht.hivemind_dht.replicate_p2p(), loop).result(30)
                 replicas.append(p2p)
                 exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, identity=fixed_identity(i), key_of=keys.get,
-                                                heir_targets=heir_targets, poll_s=0.2, timeout_s=5.0,
+                                                heir_targets=heir_targets,
+                                                config=ExchangeConfig(poll_s=0.2, timeout_s=5.0),
                                                 may_fetch=allowed.__contains__).start())
             yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets, "allowed": allowed,
                                                "heir": heir.dht.peer_id}

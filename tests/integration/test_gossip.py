@@ -14,8 +14,9 @@ import torch
 
 from parallax.dht.surrogates import read_records
 from parallax.dht.testing import LocalPeer, LocalSwarm, fixed_identity, wait_until
+from parallax.node.config.net import GossipConfig
 from parallax.node.model.lowrank import ErrorFeedbackPublisher
-from parallax.node.net.gossip import GossipConfig, SurrogateGossip, SurrogateUpdate
+from parallax.node.net.gossip import SurrogateGossip, SurrogateUpdate
 from parallax.node.net.surrogate_payload import encode_delta, payload_digest
 from parallax.protocol.messages import SurrogateDelta, SurrogatePayload
 
@@ -82,8 +83,8 @@ def world() -> Iterator[Callable[..., Node]]:
         peer = swarm.add_dht(fixed_identity(i))
         for eid in owns:
             owners[eid] = peer.identity.public_key
-        gossip = SurrogateGossip(peer.dht, peer.identity, GossipConfig(run_id=RUN, n_layers=1, **{**FAST, **cfg}),
-                                 shapes=SHAPES, owner_of=owners.get, provider_order=provider_order)
+        gossip = SurrogateGossip(peer.dht, peer.identity, GossipConfig(**{**FAST, **cfg}), run_id=RUN,
+                                 n_layers=1, shapes=SHAPES, owner_of=owners.get, provider_order=provider_order)
         gossips.append(gossip)
         return Node(peer, gossip.start())
 

@@ -104,7 +104,7 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
         received = [decode_contribution(encode_contribution(d, "fp16"), SHAPES, peer="p") for d in deltas]
         order = sorted(range(4), key=lambda i: peers[i].dht.peer_id)  # participants merge in peer-id order
         reference, _ = robust_merge_groups([received[i] for i in order], [tokens[i] for i in order], "rda",
-                                           eps=OuterSyncConfig(compression="fp16").rda_eps)
+                                           eps=OuterSyncConfig.of(compression="fp16").rda_eps)
         assert reference is not None
         for a, merged in zip(averagers, results, strict=True):
             assert a.last_report.status is RoundStatus.OK, a.last_report

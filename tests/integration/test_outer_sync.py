@@ -42,7 +42,7 @@ def dhts() -> Iterator[list[SwarmDHT]]:
 
 
 def _config(**overrides) -> OuterSyncConfig:
-    return OuterSyncConfig.loopback(aggregation="allreduce", **overrides)
+    return OuterSyncConfig.loopback(**{"aggregation": "allreduce", "compression": "fp16", **overrides})
 
 
 def _deltas(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -110,7 +110,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
     # Each peer gets local + round(mean - local): the error is relative to (mean - local), which for "c"
     # (whose deltas cancel) is 5-10x the mean, hence uint8's loose tolerance on the merge itself.
-    config = _config(method=method, compression=compression, target_group_size=3)
+    config = _config(merge=method, compression=compression, target_group_size=3)
     averagers = _start(dhts, f"merge-{method}-{compression}", config)
     try:
         deltas = _deltas(3)
@@ -179,8 +179,8 @@ def test_absent_peer_round_completes_among_present_or_returns_none(dhts):
             assert len(a.last_report.participants) == 2
             for name in ("w", "b"):
                 assert _rel_err(merged[name], reference[name]) < 5e-3
-        assert elapsed < config.matchmaking_timeout_s + 2
-        print(f"2 of 3 peers: round in {elapsed:.2f} s (min_matchmaking_time {config.min_matchmaking_time_s} s)")
+        assert elapsed < config.net.matchmaking_timeout_s + 2
+        print(f"2 of 3 peers: round in {elapsed:.2f} s (min_matchmaking_time {config.net.min_matchmaking_time_s} s)")
 
         # Alone: no group, None within the budget, buffers free for the next round.
         started = time.monotonic()

@@ -8,10 +8,20 @@ import pytest
 from typer.testing import CliRunner
 
 from parallax.cli.main import app
-from parallax.node.config.peer import NodeConfig
-from parallax.node.config.resolve import node_defaults, resolve, train_defaults
+from parallax.node.config.net import NetConfig
+from parallax.node.config.peer import NodeConfig, WorkerConfig
+from parallax.node.config.resolve import ROOTS, node_defaults, resolve, train_defaults
 from parallax.node.config.train import TrainConfig
-from parallax.node.config.typed import ConfigError, apply_changes, parse_sets, to_toml
+from parallax.node.config.typed import (
+    ConfigError,
+    apply_changes,
+    field_docs,
+    field_types,
+    is_section,
+    parse_sets,
+    to_explained_toml,
+    to_toml,
+)
 
 runner = CliRunner()
 
@@ -51,11 +61,12 @@ def test_an_error_names_the_one_setting_at_fault_among_those_given_together() ->
         apply_changes(node_defaults("tiny", True), changes)
     assert str(info.value).startswith("peer.initial_peers: initial peer 'x' is not a multiaddr"), info.value
     with pytest.raises(ConfigError) as info:
-        apply_changes(node_defaults("tiny", True), {"net.stall_s": 3.0, "net.gossip_poll_s": 0.5})
-    assert str(info.value).startswith("net.stall_s") and "gossip_poll_s" not in str(info.value), info.value
+        apply_changes(node_defaults("tiny", True), {"net.membership.stall_s": 3.0, "net.gossip.poll_s": 0.5})
+    assert str(info.value).startswith("net.membership.stall_s") and "poll_s" not in str(info.value), info.value
     with pytest.raises(ConfigError) as info:
-        apply_changes(node_defaults("tiny", True), {"net.announce_period_s": 20.0, "net.announce_ttl_s": 10.0})
-    assert str(info.value).startswith("net.announce_period_s, net.announce_ttl_s: "), info.value
+        apply_changes(node_defaults("tiny", True),
+                      {"net.gossip.announce_period_s": 20.0, "net.gossip.announce_ttl_s": 10.0})
+    assert str(info.value).startswith("net.gossip.announce_period_s, net.gossip.announce_ttl_s: "), info.value
 
 
 def test_typed_values_from_toml_and_python_are_checked_too() -> None:
@@ -91,9 +102,9 @@ def test_precedence_defaults_file_flags_sets(tmp_path) -> None:
 
 
 def test_the_loopback_profile_yields_to_an_explicit_timing() -> None:
-    cfg = resolve(NodeConfig, node_defaults, flags={"peer.loopback": True}, sets=["net.exchange_timeout_s=9"])
-    assert cfg.net.gossip_poll_s == 0.5 and cfg.net.exchange_timeout_s == 9.0
-    assert resolve(NodeConfig, node_defaults).net.gossip_poll_s == 2.0
+    cfg = resolve(NodeConfig, node_defaults, flags={"peer.loopback": True}, sets=["net.exchange.timeout_s=9"])
+    assert cfg.net.gossip.poll_s == 0.5 and cfg.net.exchange.timeout_s == 9.0
+    assert resolve(NodeConfig, node_defaults).net.gossip.poll_s == 2.0
 
 
 def test_simulator_levers_are_refused_by_a_node_and_taken_by_the_simulator() -> None:
@@ -131,3 +142,40 @@ def test_show_refuses_bad_values_with_exit_2_and_one_line(change: str) -> None:
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and change.split("=")[0] in lines[0]
+
+
+def _settings(cls: type, path: str = "") -> list[tuple[str, type, str]]:
+    """(path, owning class, field) for every setting under ``cls``, sections walked into."""
+    out = []
+    for name, tp in field_types(cls).items():
+        out += _settings(tp, f"{path}{name}.") if is_section(tp) else [(f"{path}{name}", cls, name)]
+    return out
+
+
+@pytest.mark.parametrize("root", [NodeConfig, WorkerConfig, TrainConfig])
+def test_every_setting_is_documented_and_the_explained_file_reads_back(root) -> None:
+    undocumented = [path for path, cls, name in _settings(root) if not field_docs(cls).get(name)]
+    assert not undocumented, undocumented
+    cfg = resolve(root, ROOTS[{NodeConfig: "node", WorkerConfig: "worker", TrainConfig: "sim"}[root]][1])
+    explained = to_explained_toml(cfg)
+    assert tomllib.loads(explained) == tomllib.loads(to_toml(cfg))
+    assert "# Re-read the surrogate announcements this often." in explained or root is not NodeConfig
+
+
+def test_one_entry_of_a_mapping_setting_changes_alone() -> None:
+    cfg = resolve(NodeConfig, node_defaults, sets=["sync.periods.backbone=50"])
+    assert cfg.train.sync.periods == {"router": 25, "latent": 50, "backbone": 50}
+    cfg = resolve(TrainConfig, train_defaults, sets=['sync.periods={"router": 5, "latent": 10, "backbone": 20}',
+                                                      "sync.periods.latent=15"])
+    assert cfg.sync.periods == {"router": 5, "latent": 15, "backbone": 20}
+    with pytest.raises(ConfigError, match="sync.periods.backbone"):
+        resolve(TrainConfig, train_defaults, sets=["sync.periods.backbone=often"])
+    with pytest.raises(ConfigError, match="needs exactly the groups"):
+        resolve(TrainConfig, train_defaults, sets=["sync.periods.experts=50"])
+
+
+def test_one_loopback_profile_sets_every_sections_timings() -> None:
+    internet, loopback = node_defaults("tiny", False).net, node_defaults("tiny", True).net
+    assert loopback == NetConfig.loopback() and internet == NetConfig()
+    assert loopback.outer.matchmaking_timeout_s < internet.outer.matchmaking_timeout_s
+    assert loopback.gossip.poll_s < internet.gossip.poll_s and loopback.membership.idle_s < internet.membership.idle_s

@@ -13,6 +13,7 @@ from parallax.dht.manifests import manifest_difference, settings_difference
 from parallax.dht.membership import (
     Member,
     MembershipConfig,
+    Presence,
     Progress,
     Quorum,
     QuorumState,
@@ -70,9 +71,9 @@ def test_keys_are_run_namespaced():
 
 def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="heartbeat_period_s < heartbeat_ttl_s"):
-        MembershipConfig(run_id="r", heartbeat_period_s=6, heartbeat_ttl_s=6)
+        MembershipConfig(heartbeat_period_s=6, heartbeat_ttl_s=6)
     with pytest.raises(ValueError, match="role"):
-        MembershipConfig(run_id="r", role="boss")
+        Presence(run_id="r", role="boss")
 
 
 PEERS = {"aaa": 1.0, "bbb": 1.0, "ccc": 1.0}

@@ -10,11 +10,11 @@ import torch
 
 from parallax.dht.records import MAX_RECORD_BYTES
 from parallax.dht.surrogates import Holding, SurrogateRecord, fit_record
+from parallax.node.config.net import GossipConfig
 from parallax.node.model.lowrank import ErrorFeedbackPublisher, apply_delta
 from parallax.node.net.gossip import (
     LAYER_BOUND,
     MAX_GROWTH,
-    GossipConfig,
     Offer,
     SurrogateUpdate,
     _request_meta,
@@ -226,11 +226,11 @@ def test_store_keeps_a_window_and_describes_its_holdings():
 
 
 def test_config_checks():
-    GossipConfig(run_id="r", n_layers=2)
+    GossipConfig()
     for bad in (dict(poll_s=0), dict(announce_ttl_s=5, announce_period_s=10), dict(window=0),
                 dict(chunk_bytes=8 * 2**20)):
         with pytest.raises(ValueError):
-            GossipConfig(run_id="r", n_layers=2, **bad)
+            GossipConfig(**bad)
 
 
 def test_a_delta_that_multiplies_the_surrogate_is_measured_by_its_growth() -> None:

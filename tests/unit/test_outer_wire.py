@@ -119,7 +119,7 @@ def test_fingerprints_tolerate_fp16_rounding_but_not_a_broken_round():
     assert not torch.equal(results[0], results[1])  # peers never agree bit for bit
     fps = [fingerprint([r, r[:7].clone()], [float(x.norm()), float(x[:7].norm())])
            for r, x in zip(results, locals_, strict=True)]
-    tol = OuterSyncConfig(compression="fp16").tolerance
+    tol = OuterSyncConfig.of(compression="fp16").tolerance
     assert all(fingerprints_agree(fps[0], fp, tol) for fp in fps)
 
     def broken(change) -> tuple[float, ...]:
@@ -169,17 +169,17 @@ def test_majority_counts_absent_and_disagreeing_participants_against_me():
 
 
 def test_config_defaults_and_validation():
-    internet, loopback = OuterSyncConfig(), OuterSyncConfig.loopback()
-    assert internet.request_timeout_s < internet.min_matchmaking_time_s < internet.matchmaking_timeout_s
-    assert loopback.round_budget_s < 40 < internet.round_budget_s
-    assert OuterSyncConfig(compression="none").tolerance < internet.tolerance
-    assert OuterSyncConfig(compression="none").rda_eps == 1e-6 and internet.rda_eps == 0.05
-    assert internet.tolerance < OuterSyncConfig(compression="uint8").tolerance < 0.5
-    for bad in (dict(method="median"), dict(compression="int8"), dict(min_group_size=1),
+    internet, loopback = OuterSyncConfig.of(compression="fp16"), OuterSyncConfig.loopback()
+    assert internet.net.request_timeout_s < internet.net.min_matchmaking_time_s < internet.net.matchmaking_timeout_s
+    assert loopback.round_budget_s < 60 < internet.round_budget_s
+    assert OuterSyncConfig.of(compression="none").tolerance < internet.tolerance
+    assert OuterSyncConfig.of(compression="none").rda_eps == 1e-6 and internet.rda_eps == 0.05
+    assert internet.tolerance < OuterSyncConfig.of(compression="uint8").tolerance < 0.5
+    for bad in (dict(merge="median"), dict(compression="int8"), dict(min_group_size=1),
                 dict(target_group_size=1), dict(request_timeout_s=20.0),
                 dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0)):
-        with pytest.raises(ValueError, match="OuterSyncConfig"):
-            OuterSyncConfig(**bad)
+        with pytest.raises(ValueError, match="SyncConfig|net.outer"):
+            OuterSyncConfig.of(**bad)
 
 
 def test_names():
@@ -212,11 +212,11 @@ def test_wire_rounding_and_bytes_by_compression(compression, bytes_per_entry, ma
     assert back.shape == big.shape and back.dtype == torch.float32
     assert float((back - big).norm() / big.norm()) <= max_err
     assert torch.equal(wire_roundtrip(small, compression), small)  # small tensors always go exact
-    config = OuterSyncConfig(method="mean", compression=compression)
+    config = OuterSyncConfig.of(merge="mean", compression=compression)
     codebook = 8 + 256 * 4 if compression == "uint8" else 0
     assert payload_bytes({"big": big.shape, "small": small.shape}, config) == (
         bytes_per_entry * big.numel() + codebook + 4 * small.numel())
-    rda = OuterSyncConfig(method="rda", compression=compression)  # directions + norms + raw deltas
+    rda = OuterSyncConfig.of(merge="rda", compression=compression)  # directions + norms + raw deltas
     assert payload_bytes({"big": big.shape}, rda) == 2 * (bytes_per_entry * big.numel() + codebook) + 4
 
 
@@ -227,7 +227,7 @@ def test_uint8_rounding_stays_within_its_fingerprint_tolerance():
     deltas = [{n: t.repeat(1000) if t.dim() == 1 else t.repeat(100, 100) for n, t in d.items()} for d in deltas]
     merged = merge_groups(deltas, [1.0, 1.0, 1.0], method="mean")
     local_norms = [float(t.norm()) for t in deltas[0].values()]
-    tol = OuterSyncConfig(compression="uint8").tolerance
+    tol = OuterSyncConfig.of(compression="uint8").tolerance
     views = [[d[n] + wire_roundtrip(merged[n] - d[n], "uint8") for n in merged] for d in deltas]
     fps = [fingerprint(v, local_norms) for v in views]
     assert fingerprints_agree(fps[0], fps[1], tol) and fingerprints_agree(fps[1], fps[2], tol)

@@ -142,7 +142,7 @@ def test_with_two_replicas_each_expert_has_two_owners_who_merge_it_and_the_first
     assert not torch.equal(first.model.expert_parameters(*eid)["w_up.weight"],
                            second.model.expert_parameters(*eid)["w_up.weight"])
     for members, held in outers.items():
-        merge_outer(held, [1.0] * len(members), OuterSyncConfig().with_run(cfg.sync))
+        merge_outer(held, [1.0] * len(members), OuterSyncConfig(sync=cfg.sync))
     assert torch.equal(first.model.expert_parameters(*eid)["w_up.weight"],
                        second.model.expert_parameters(*eid)["w_up.weight"])
     publish(composers, owners)
