@@ -26,7 +26,7 @@ from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import members_key
 from parallax.dht.membership import Membership
 from parallax.dht.records import owner_subkey
-from parallax.dht.testing import LocalPeer, LocalSwarm, fixed_identity, wait_until
+from parallax.dht.testing import LocalPeer, LocalSwarm, agreed, fixed_identity, wait_until
 
 HIVEMIND_PUBLISHED = {"peers": 1024, "store_ms": 14.9, "get_ms": 6.6}
 RUN = "bench"
@@ -153,14 +153,7 @@ def _gone_everywhere(peers: Sequence[LocalPeer], fp: str) -> bool:
 
 
 def _agreed(peers: Sequence[LocalPeer], gone: str) -> bool:
-    now = dht_time()
-    views = [_m(p).view() for p in peers]
-    assignments = [v.assignment(now) for v in views]
-    first = assignments[0]
-    if first is None or gone in first.peers or any(a is None or a.owners != first.owners for a in assignments):
-        return False
-    want = {(layer, e): o for layer, e, o, _ in first.items()}
-    return all(v.claims(now) == want for v in views)
+    return agreed([_m(p).view() for p in peers], gone)
 
 
 def run_dht_bench(

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT
+from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
-from parallax.dht.membership import Membership, MembershipConfig, Presence
+from parallax.dht.membership import Membership, MembershipConfig, Presence, SwarmView
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.protocol.identity import Identity
 
@@ -37,6 +37,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             said = f"\n{explain()}" if explain is not None else ""
             raise TimeoutError(f"condition not met within {timeout} s{said}")
         time.sleep(interval)
+
+
+def agreed(views: Sequence[SwarmView], gone: str | None = None, now: float | None = None) -> bool:
+    """Whether ``views`` (one per peer) settled together: each the same assignment, owners and co-owners, without
+    ``gone`` (a fingerprint), and in each every expert validly claimed by exactly its assigned owners."""
+    now = dht_time() if now is None else now
+    assignments = [v.assignment(now) for v in views]
+    first = assignments[0] if assignments else None
+    if first is None or any(a is None or gone in a.peers or (a.owners, a.co_owners) != (first.owners, first.co_owners)
+                            for a in assignments):
+        return False
+    want = {(layer, e): first.owners_of(layer, e) for layer in range(first.n_layers) for e in range(first.n_experts)}
+    return all(v.claims(now) == want for v in views)
 
 
 def fixed_identity(i: int) -> Identity:

@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from parallax.dht.adapter import dht_time
 from parallax.dht.claims import ShardConfig
 from parallax.dht.membership import DuplicateIdentityError, Membership, PeerState, Presence
-from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
+from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
 
@@ -23,16 +22,8 @@ SHARDS = ShardConfig(n_layers=2, n_experts=8)
 
 
 def _agreed_and_claimed(peers, gone: str) -> bool:
-    """Every view: same assignment without ``gone``, and every expert validly claimed by its owner."""
-    now = dht_time()
-    assignments = [p.membership.view().assignment(now) for p in peers]
-    if any(a is None or gone in a.peers for a in assignments):
-        return False
-    if any((a.owners, a.co_owners) != (assignments[0].owners, assignments[0].co_owners) for a in assignments):
-        return False
-    first = assignments[0]
-    want = {(layer, e): first.owners_of(layer, e) for layer in range(first.n_layers) for e in range(first.n_experts)}
-    return all(p.membership.view().claims(now) == want for p in peers)
+    """Every view: same assignment without ``gone``, and every expert validly claimed by its owners."""
+    return agreed([p.membership.view() for p in peers], gone)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -21,7 +21,7 @@ from parallax.dht.records import (
     sign_record_for_test,
     stored_value,
 )
-from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
+from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
 from parallax.protocol.messages import Heartbeat, ShardClaim
 
 RUN = "itest"
@@ -121,18 +121,7 @@ def test_forgeries_are_refused_and_the_victim_still_reads(arena):
 
 
 def _views_agree_on_genuine_claims(honest) -> bool:
-    now = dht_time()
-    want = None
-    for p in honest:
-        view = p.membership.view()
-        a = view.assignment(now)
-        owners = {(layer, e): (o,) for layer, e, o, _ in a.items()}
-        if view.claims(now) != owners:
-            return False
-        want = want or owners
-        if owners != want:
-            return False
-    return True
+    return agreed([p.membership.view() for p in honest])
 
 
 def test_replay_of_an_older_genuine_record_cannot_roll_the_victim_back(arena):
