@@ -49,8 +49,12 @@ runs of hours, 60 s on loopback)."""
 
 
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
-                workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
-    """Run the clean runs and one run per attack (module docstring); returns the report (JSON-able)."""
+                workdir: Path | None = None, progress: Any = print, clean_runs: int = len(CLEAN)) -> dict[str, Any]:
+    """Run the clean runs (the first ``clean_runs`` of ``CLEAN``: their spread is the noise a ratio is judged
+    against) and one run per attack (module docstring); returns the report (JSON-able)."""
+    if not 1 <= clean_runs <= len(CLEAN):
+        raise ValueError(f"clean_runs must be in 1..{len(CLEAN)}, got {clean_runs}")
+    clean_names = CLEAN[:clean_runs]
     names = list(ATTACKS) if attacks is None else attacks
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
@@ -65,25 +69,26 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
-    for name in [*CLEAN, *names]:
+    for name in [*clean_names, *names]:
         progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
         run = _run(name, workdir / name, keys, args, steps=steps, join_at=join_at, total=total)
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
-    clean, clean_joiner = (_mean([r[key] for r in runs[:len(CLEAN)]]) for key in ("val_loss", "joiner_val_loss"))
+    clean, clean_joiner = (_mean([r[key] for r in runs[:clean_runs]]) for key in ("val_loss", "joiner_val_loss"))
     rows = []
     for run in runs:
         ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner,
-                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:len(CLEAN)]),
+                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:clean_runs]),
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
             "clean_val_loss": clean, "clean_joiner_val_loss": clean_joiner,
-            "clean_spread": _spread([r["val_loss"] for r in runs[:len(CLEAN)]]),
+            "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "composers": 4, "target": TARGET, "wall_s": time.monotonic() - started,
-            "clean": [r for r in rows if r["name"] in CLEAN], "attacks": [r for r in rows if r["name"] not in CLEAN],
+            "clean": [r for r in rows if r["name"] in clean_names],
+            "attacks": [r for r in rows if r["name"] not in clean_names],
             "workdir": str(workdir)}
 
 

@@ -1,8 +1,9 @@
 """What this node holds against each peer, and whom it ignores for a while because of it.
 
-Evidence comes from the places that check what peers send: a gathered outer round whose robust merge dropped
-or clipped a contribution far past the honest spread, a contribution whose body did not match its signed
-announcement or did not decode. Each piece adds to the sender's score, which halves every ``half_life_s``;
+Evidence (``Evidence``: what was found, and how much it counts) comes from the places that check what peers
+send: a gathered outer round whose robust merge dropped or clipped a contribution far past the honest spread, a
+contribution whose body did not match its signed announcement or did not decode, a surrogate update that would
+multiply the surrogate. Each piece adds its weight to the sender's score, which halves every ``half_life_s``;
 a peer whose score reaches ``threshold`` is banned for ``ban_s``: this node leaves it out of its rounds
 (``GroupAverager``) and says so in its log, naming it. Bans are local: every node judges for itself, so a
 liar cannot get an honest peer banned by others by accusing it.
@@ -16,10 +17,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 logger = logging.getLogger(__name__)
 
 _MAX_PEERS = 4096  # bounded memory: the least suspected are forgotten first
+
+
+class Evidence(Enum):
+    """What a check found against a peer, and its weight in the peer's score (a ban at ``threshold``, 2.5 by
+    default). An outlier can be an honest peer's bad luck and counts 1; a body that contradicts its signed
+    announcement, or an update that would multiply a surrogate, cannot be, and counts 2."""
+
+    OUTLIER = ("outlier outer contribution", 1.0)
+    NON_FINITE = ("non-finite outer contribution", 1.0)
+    ZERO_WEIGHT = ("zero weight outer contribution", 1.0)
+    FORGED = ("forged or malformed outer contribution", 2.0)
+    SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
+
+    def __init__(self, reason: str, weight: float) -> None:
+        self.reason, self.weight = reason, weight
 
 
 @dataclass
@@ -51,14 +68,14 @@ class PeerScores:
         self._peers: dict[str, _Record] = {}
         self._lock = threading.Lock()
 
-    def record(self, peer: str, reason: str, weight: float = 1.0) -> bool:
-        """Add evidence against ``peer``; True when this starts (or extends) a ban."""
+    def record(self, peer: str, evidence: Evidence) -> bool:
+        """Add ``evidence`` against ``peer``; True when this starts (or extends) a ban."""
         now = self._clock()
         with self._lock:
             rec = self._peers.setdefault(peer, _Record(at=now))
-            rec.score = self._decayed(rec, now) + weight
+            rec.score = self._decayed(rec, now) + evidence.weight
             rec.at = now
-            rec.reasons[reason] = rec.reasons.get(reason, 0) + 1
+            rec.reasons[evidence.reason] = rec.reasons.get(evidence.reason, 0) + 1
             starts = rec.score >= self.threshold
             was_banned = rec.banned_until > now
             if starts:

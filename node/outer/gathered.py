@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from parallax.node.net.scores import PeerScores
+from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.records import POLL_S, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
@@ -67,6 +67,8 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCHES_AT_ONCE = 8
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
+_EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
+"""The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
 
 class GatheredRounds:
@@ -177,7 +179,7 @@ class GatheredRounds:
                 peer = split_pair(name)[0]
                 suspects.append(peer)
                 if self.scores is not None and peer != self.peer_id:
-                    self.scores.record(peer, f"{a.dropped or 'outlier'} outer contribution")
+                    self.scores.record(peer, _EVIDENCE.get(a.dropped, Evidence.OUTLIER))
                 logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
                                "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
                                a.norm_scale, a.clip, found[name][1])
@@ -275,7 +277,7 @@ class GatheredRounds:
         except Exception as e:  # a bad body, or a broken stream: that contribution is out
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
             if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage) and not blameless:
-                self.scores.record(peer, "forged or malformed outer contribution", 2.0)
+                self.scores.record(peer, Evidence.FORGED)
             with self._lock:
                 self._refused[name] = repr(e)
                 while len(self._refused) > _REFUSED_KEPT:

@@ -19,7 +19,7 @@ from parallax.dht.membership import Membership
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import LAYER_BOUND, MAX_GROWTH, SurrogateGossip, SurrogateUpdate
-from parallax.node.net.scores import PeerScores
+from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.offload.session import OffloadSession
 from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.outer.background import BackgroundRounds, next_round_in
@@ -136,7 +136,7 @@ class Training:
             self.telemetry.event("surrogate_refused", layer=eid[0], expert=eid[1], version=update.version,
                                  owner=owner, growth=round(growth, 3), layer_ratio=round(ratio, 3))
             if owner is not None and self.scores is not None:
-                self.scores.record(owner, "surrogate update past the growth bound", 2.0)
+                self.scores.record(owner, Evidence.SURROGATE_GROWTH)
             return
         update.apply(held)
         self._applied.add(eid)

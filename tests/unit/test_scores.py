@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallax.node.net.scores import PeerScores
+from parallax.node.net.scores import Evidence, PeerScores
 
 
 class Clock:
@@ -19,9 +19,9 @@ def test_evidence_bans_past_the_threshold_for_a_while_and_fades() -> None:
     clock, bans = Clock(), []
     scores = PeerScores(threshold=3.0, ban_s=100.0, half_life_s=50.0, clock=clock,
                         on_ban=lambda peer, reasons: bans.append((peer, reasons)))
-    assert not scores.record("liar", "outlier outer contribution")
-    assert not scores.record("liar", "outlier outer contribution")
-    assert scores.record("liar", "forged or malformed outer contribution", 2.0)
+    assert not scores.record("liar", Evidence.OUTLIER)
+    assert not scores.record("liar", Evidence.OUTLIER)
+    assert scores.record("liar", Evidence.FORGED)
     assert scores.banned("liar") and not scores.banned("honest")
     assert bans == [("liar", {"outlier outer contribution": 2, "forged or malformed outer contribution": 1})]
     clock.now = 101.0
@@ -30,7 +30,7 @@ def test_evidence_bans_past_the_threshold_for_a_while_and_fades() -> None:
     # Evidence spread thinly over time never adds up to a ban.
     for _ in range(10):
         clock.now += 60.0
-        assert not scores.record("unlucky", "outlier outer contribution")
+        assert not scores.record("unlucky", Evidence.OUTLIER)
     assert len(bans) == 1
 
 
@@ -43,11 +43,13 @@ def test_settings_must_be_positive() -> None:
 def test_suspects_are_the_highest_scores_and_the_bans_a_heartbeat_carries() -> None:
     clock = Clock()
     scores = PeerScores(threshold=2.5, ban_s=100.0, half_life_s=1e9, clock=clock)
-    for i in range(12):
-        scores.record(f"p{i:02d}", "outlier outer contribution", 0.3 * i)
-    scores.record("liar", "forged or malformed outer contribution", 9.0)
+    for i in range(5):
+        for _ in range(i):
+            scores.record(f"p{i:02d}", Evidence.OUTLIER)  # p0i: i points
+    for _ in range(5):
+        scores.record("liar", Evidence.FORGED)
     suspects, banned = scores.suspects(4)
-    assert list(suspects) == ["liar", "p11", "p10", "p09"] and suspects["liar"] == 9.0
-    assert banned == ("liar", "p11", "p10", "p09")  # 3.3, 3.0 and 2.7 are past the threshold too
+    assert list(suspects) == ["liar", "p04", "p03", "p02"] and suspects["liar"] == 10.0
+    assert banned == ("liar", "p04", "p03")  # 4 and 3 are past the threshold too, 2 is not
     suspects, banned = scores.suspects(8, floor=3.1)
-    assert list(suspects) == ["liar", "p11"] and banned[:2] == ("liar", "p11")
+    assert list(suspects) == ["liar", "p04"] and banned[:2] == ("liar", "p04")
