@@ -6,7 +6,7 @@ import logging
 import shlex
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,23 +14,56 @@ from rich.live import Live
 from rich.table import Table
 
 from parallax.cli.options import (
+    Announce,
     ConfigFile,
+    Cpu,
     Data,
+    Gpu,
+    Host,
+    IdentityFile,
+    InitialPeers,
+    LiveQuiet,
+    LogTo,
+    Loopback,
     ManifestFile,
     MemberCertFile,
+    Metrics,
+    NoSupervise,
     Preset,
     Relay,
+    RunId,
     Sets,
+    Setting,
     StatusHost,
     StatusPort,
+    SupervisedBy,
     fail,
     invoked_as,
     run_manifest,
+    setting_flags,
     supervise_or_continue,
 )
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True, rich_markup_mode=None)
 logger = logging.getLogger(__name__)
+
+CheckpointDir = Annotated[Path | None, typer.Option("--checkpoint-dir", help="Folder for checkpoints of this node."),
+                          Setting("node.checkpoint_dir")]
+CheckpointEvery = Annotated[int | None, typer.Option("--checkpoint-every", min=1, help="Checkpoint every N steps."),
+                            Setting("node.checkpoint_every")]
+Resume = Annotated[str | None, typer.Option(
+    "--resume", help="Resume from a checkpoint: latest (the newest in --checkpoint-dir) or the path of a step-N folder "
+    "(`parallax checkpoints list DIR` lists them, each checked)."), Setting("node.resume")]
+NodeSteps = Annotated[int | None, typer.Option(
+    "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."), Setting("node.steps")]
+MinPeers = Annotated[int | None, typer.Option(
+    "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
+    Setting("node.min_peers")]
+SnapshotEvery = Annotated[int | None, typer.Option(
+    "--snapshot-every", min=1, help="Steps between expert snapshots for heirs (default 50): the most steps of its "
+    "experts a crash loses; shorter costs traffic."), Setting("node.snapshot_every")]
+FinalEval = Annotated[bool | None, typer.Option(
+    "--final-eval/--no-final-eval", help="Evaluate on the validation split when leaving."), Setting("node.final_eval")]
 
 def _invoked_as_node_join(argv: list[str]) -> bool:
     """Whether this process's command line is ``parallax [global options] node join ...`` (re-runnable)."""
@@ -86,53 +119,35 @@ def _status_table(status: Any) -> Table:
 
 @node_app.command("join")
 def join(
-    gpu: int | None = typer.Option(None, "--gpu", help="Train on CUDA device N (default: cuda:0 when present)."),
-    cpu: bool = typer.Option(False, "--cpu", help="Train on the CPU."),
-    initial_peers: list[str] | None = typer.Option(
-        None, "--initial-peers", help="Multiaddr of a live peer, ending in /p2p/<id> (repeatable). None: start a new "
-        "swarm and print the join line."),
-    identity: Path | None = typer.Option(
-        None, "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/node.key)."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Training run id; every peer of a run uses the same."),
+    gpu: Gpu = None,
+    cpu: Cpu = False,
+    initial_peers: InitialPeers = None,
+    identity: IdentityFile = None,
+    run_id: RunId = None,
     data: Data = None,
     preset: Preset = None,
     manifest_file: ManifestFile = None,
     member_cert: MemberCertFile = None,
     status_port: StatusPort = None,
     status_host: StatusHost = None,
-    log_to: list[str] | None = typer.Option(
-        None, "--log-to", help="Also log to an experiment tracker (repeatable): tensorboard:DIR or wandb:PROJECT "
-        "(extras: pip install -e '.[tensorboard]' or '.[wandb]')."),
+    log_to: LogTo = None,
     config_file: ConfigFile = None,
     set_: Sets = None,
-    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints of this node."),
-    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint every N steps."),
-    resume: str | None = typer.Option(
-        None, "--resume", help="Resume from a checkpoint: latest (the newest in --checkpoint-dir) or the path of a "
-        "step-N folder (`parallax checkpoints list DIR` lists them, each checked)."),
-    steps: int | None = typer.Option(
-        None, "--steps", min=1, help="Train N steps, then leave gracefully (default: until Ctrl+C)."),
-    metrics: Path | None = typer.Option(None, "--metrics", help="JSONL metrics file (one line per step and event)."),
-    host: list[str] | None = typer.Option(
-        None, "--host", help="Multiaddr to listen on (repeatable; default every interface, /ip4/0.0.0.0/tcp/0, "
-        "or 127.0.0.1 with --loopback; a fixed port, /ip4/0.0.0.0/tcp/PORT, for a port forward)."),
-    announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
+    checkpoint_dir: CheckpointDir = None,
+    checkpoint_every: CheckpointEvery = None,
+    resume: Resume = None,
+    steps: NodeSteps = None,
+    metrics: Metrics = None,
+    host: Host = None,
+    announce: Announce = None,
     relay: Relay = None,
-    min_peers: int | None = typer.Option(
-        None, "--min-peers", min=1, help="Wait until this many composers are alive before the first step."),
-    loopback: bool | None = typer.Option(
-        None, "--loopback/--internet", help="Timings for peers on one machine (local swarms) or the internet's."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
-    snapshot_every: int | None = typer.Option(
-        None, "--snapshot-every", min=1, help="Steps between expert snapshots for heirs (default 50): the most "
-        "steps of its experts a crash loses; shorter costs traffic."),
-    final_eval: bool | None = typer.Option(
-        None, "--final-eval/--no-final-eval", help="Evaluate on the validation split when leaving."),
-    no_supervise: bool = typer.Option(
-        False, "--no-supervise", help="Run the node in this process. By default it runs in a session of its own "
-        "that Ctrl+C reaches only through this process, so its p2pd daemon lives until the graceful leave is "
-        "done; use this under a process manager that signals the node by pid."),
-    supervised_by: int | None = typer.Option(None, "--supervised-by", hidden=True),
+    min_peers: MinPeers = None,
+    loopback: Loopback = None,
+    quiet: LiveQuiet = False,
+    snapshot_every: SnapshotEvery = None,
+    final_eval: FinalEval = None,
+    no_supervise: NoSupervise = False,
+    supervised_by: SupervisedBy = None,
 ) -> None:
     """Join (or start) a swarm as a composer: claim an expert shard, train it, exchange in the background.
 
@@ -145,17 +160,10 @@ def join(
     from parallax.node.peer.runner import Node
     from parallax.node.train.device import DeviceError, device_of, device_setting
 
-    flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
-             "peer.initial_peers": initial_peers or None, "peer.host": host or None,
-             "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
-             "peer.status_port": status_port, "peer.status_host": status_host, "peer.log_to": log_to or None,
-             "node.data": data, "node.steps": steps, "node.checkpoint_dir": checkpoint_dir,
-             "node.checkpoint_every": checkpoint_every, "node.resume": resume, "node.min_peers": min_peers,
-             "node.snapshot_every": snapshot_every, "node.final_eval": final_eval}
+    flags = setting_flags(join, locals())
     try:
         flags["node.device"] = device_setting(gpu, cpu)
         manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
-        flags["peer.manifest"], flags["peer.member_cert"] = manifest_file, member_cert
         config = resolve(NodeConfig, node_defaults, file=config_file, flags=flags, sets=set_ or (),
                          default_preset="tiny", manifest=manifest)
         device_of(config.node.device)  # a device that cannot be used fails here, before anything starts

@@ -1,11 +1,16 @@
-"""Options shared by several commands, declared once (Typer ``Annotated`` style)."""
+"""Options shared by several commands, declared once (Typer ``Annotated`` style).
+
+An option that sets a setting carries its path (``Setting``): a command builds its flag map from its own
+signature (``setting_flags``), so no command maps flags to settings by hand.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -16,12 +21,21 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """The setting an option sets (its dotted path): ``Annotated[..., typer.Option(...), Setting("peer.run_id")]``."""
+
+    path: str
+
+
 Composers = Annotated[
     int, typer.Option("--composers", "-c", min=1, help="Composers C, each with its own expert shard.")
 ]
 Preset = Annotated[
     str | None, typer.Option("--preset", help="Model preset: tiny (tests, seconds), small (CPU benchmark), report "
-                             "(FLOP accounting only). Default: the --config file's, else the command's.")
+                             "(FLOP accounting only). Default: the --config file's, else the command's."),
+    Setting("preset"),
 ]
 PresetName = Annotated[str, typer.Option("--preset", help="Model preset: tiny, small or report.")]
 Steps = Annotated[int | None, typer.Option("--steps", min=1, help="Inner steps per composer (default 500).")]
@@ -34,9 +48,6 @@ ConfigFile = Annotated[
                               "([train.optim], ...) and [peer], [node], [net], [worker] (`parallax config show` "
                               "writes one); flags and --set override it.")
 ]
-Data = Annotated[
-    str | None, typer.Option("--data", help="Text file, folder or glob (default: built-in tinyshakespeare).")
-]
 JsonPath = Annotated[
     Path | None, typer.Option("--json", help="Write the result as JSON to this path (and a .md beside it).")
 ]
@@ -47,29 +58,105 @@ Sets = Annotated[
         'surrogate.input_grad=false or sync.periods={"router": 25, "latent": 50, "backbone": 100}; '
         "`parallax config show` lists every PATH.")
 ]
+
+
+def setting_flags(command: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, object]:
+    """setting path -> value of every option of ``command`` that carries a ``Setting``, from ``values`` (the
+    command's arguments); an option not given (None, or an empty list) maps to None: ``resolve`` skips it."""
+    flags: dict[str, object] = {}
+    for name, hint in typing.get_type_hints(command, include_extras=True).items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if isinstance(meta, Setting):
+                value = values[name]
+                flags[meta.path] = None if value == [] else value
+    return flags
+
+
+Data = Annotated[
+    str | None, typer.Option("--data", help="Text file, folder or glob (default: built-in tinyshakespeare)."),
+    Setting("node.data"),
+]
 ManifestFile = Annotated[
     Path | None, typer.Option(
         "--manifest", help="The run's manifest file (`parallax run create`, `parallax run fetch`): it sets the run's "
-        "settings and id. Default: sign one of this peer's own settings (an open run).")
+        "settings and id. Default: sign one of this peer's own settings (an open run)."),
+    Setting("peer.manifest"),
+]
+MemberCertFile = Annotated[
+    Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
+                              "(`parallax run admit`)."),
+    Setting("peer.member_cert"),
+]
+
+# A networked peer's options (``node join``, ``worker join``): who it is, where it listens, what it serves.
+Gpu = Annotated[int | None, typer.Option("--gpu", help="Use CUDA device N (default: cuda:0 when present).")]
+Cpu = Annotated[bool, typer.Option("--cpu", help="Use the CPU.")]
+InitialPeers = Annotated[
+    list[str] | None, typer.Option(
+        "--initial-peers", help="Multiaddr of a live peer of the run, ending in /p2p/<id> (repeatable). None: start a "
+        "new swarm and print the join line."),
+    Setting("peer.initial_peers"),
+]
+RunId = Annotated[
+    str | None, typer.Option("--run-id", help="Training run id; every peer of a run uses the same."),
+    Setting("peer.run_id"),
+]
+IdentityFile = Annotated[
+    Path | None, typer.Option(
+        "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/node.key for a node, "
+        "~/.parallax/worker.key for a worker)."),
+    Setting("peer.identity"),
+]
+Host = Annotated[
+    list[str] | None, typer.Option(
+        "--host", help="Multiaddr to listen on (repeatable; default every interface, /ip4/0.0.0.0/tcp/0, or "
+        "127.0.0.1 with --loopback; a fixed port, /ip4/0.0.0.0/tcp/PORT, for a port forward)."),
+    Setting("peer.host"),
+]
+Announce = Annotated[
+    list[str] | None, typer.Option("--announce", help="Public multiaddr others dial (repeatable)."),
+    Setting("peer.announce"),
 ]
 Relay = Annotated[
     str | None, typer.Option(
         "--relay", help="Circuit relays through the initial peers, for a node behind NAT: auto (when libp2p finds "
-        "this node unreachable; the default), always, off.")
+        "this node unreachable; the default), always, off."),
+    Setting("peer.relay"),
+]
+Loopback = Annotated[
+    bool | None, typer.Option(
+        "--loopback/--internet", help="Timings for peers on one machine (local swarms) or the internet's."),
+    Setting("peer.loopback"),
+]
+Metrics = Annotated[
+    Path | None, typer.Option("--metrics", help="JSONL metrics file (one line per step and event)."),
+    Setting("peer.metrics"),
 ]
 StatusPort = Annotated[
     int | None, typer.Option(
         "--status-port", min=0, max=65535, help="Serve a status page on http://127.0.0.1:PORT/ with /status (JSON) "
-        "and /metrics (Prometheus).")
+        "and /metrics (Prometheus)."),
+    Setting("peer.status_port"),
 ]
 StatusHost = Annotated[
     str | None, typer.Option("--status-host", help="Address the status page listens on (default 127.0.0.1; "
-                             "0.0.0.0 for a scraper on another machine).")
+                             "0.0.0.0 for a scraper on another machine)."),
+    Setting("peer.status_host"),
 ]
-MemberCertFile = Annotated[
-    Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
-                              "(`parallax run admit`).")
+LogTo = Annotated[
+    list[str] | None, typer.Option(
+        "--log-to", help="Also log to an experiment tracker (repeatable): tensorboard:DIR or wandb:PROJECT "
+        "(extras: pip install -e '.[tensorboard]' or '.[wandb]')."),
+    Setting("peer.log_to"),
 ]
+LiveQuiet = Annotated[bool, typer.Option("--quiet", help="No live table (logs only).")]
+NoSupervise = Annotated[
+    bool, typer.Option(
+        "--no-supervise", help="Run in this process. By default the peer runs in a session of its own that Ctrl+C "
+        "reaches only through this process, so its p2pd daemon lives until the graceful leave is done; use this "
+        "under a process manager that signals the peer by pid."),
+]
+SupervisedBy = Annotated[int | None, typer.Option("--supervised-by", hidden=True)]
 
 
 def run_manifest(path: Path | None, run_id: str | None) -> tuple[Any, str | None]:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import signal
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -12,31 +11,50 @@ from rich.live import Live
 from rich.table import Table
 
 from parallax.cli.options import (
+    Announce,
     ConfigFile,
+    Cpu,
+    Gpu,
+    Host,
+    IdentityFile,
+    InitialPeers,
+    LiveQuiet,
+    Loopback,
     ManifestFile,
     MemberCertFile,
+    Metrics,
+    NoSupervise,
     Preset,
     Relay,
+    RunId,
     Sets,
+    Setting,
     StatusHost,
     StatusPort,
+    SupervisedBy,
     fail,
     run_manifest,
+    setting_flags,
     supervise_or_continue,
 )
 
 worker_app = typer.Typer(help="Run an offload worker.", no_args_is_help=True, rich_markup_mode=None)
 
+Capacity = Annotated[float | None, typer.Option(
+    "--capacity", min=0.001, help="Relative capacity (1.0 = a reference worker): composers give this worker experts "
+    "in proportion to it."), Setting("worker.capacity")]
+LeaveWhenIdle = Annotated[float | None, typer.Option(
+    "--leave-when-idle", min=0.1, help="Leave once no composer of the run has been alive for this many seconds, after "
+    "one was (default: serve until Ctrl+C)."), Setting("worker.leave_when_idle_s")]
+
 
 @worker_app.command("join")
 def join(
-    gpu: int | None = typer.Option(None, "--gpu", help="Run the expert updates on CUDA device N."),
-    cpu: bool = typer.Option(False, "--cpu", help="Run the expert updates on the CPU."),
-    initial_peers: list[str] | None = typer.Option(
-        None, "--initial-peers", help="Multiaddr of a live peer of the run, ending in /p2p/<id> (repeatable)."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Training run id (the composers' --run-id)."),
-    identity: Path | None = typer.Option(
-        None, "--identity", help="Ed25519 key file, created on first run (default ~/.parallax/worker.key)."),
+    gpu: Gpu = None,
+    cpu: Cpu = False,
+    initial_peers: InitialPeers = None,
+    run_id: RunId = None,
+    identity: IdentityFile = None,
     preset: Preset = None,
     manifest_file: ManifestFile = None,
     member_cert: MemberCertFile = None,
@@ -44,22 +62,16 @@ def join(
     status_host: StatusHost = None,
     config_file: ConfigFile = None,
     set_: Sets = None,
-    capacity: float | None = typer.Option(None, "--capacity", min=0.001, help="Relative capacity (1.0 = a reference "
-                                          "worker): composers give this worker experts in proportion to it."),
-    metrics: Path | None = typer.Option(None, "--metrics", help="JSONL events file."),
-    host: list[str] | None = typer.Option(None, "--host", help="Multiaddr to listen on (repeatable; default "
-                                          "every interface, or 127.0.0.1 with --loopback)."),
-    announce: list[str] | None = typer.Option(None, "--announce", help="Public multiaddr others dial (repeatable)."),
+    capacity: Capacity = None,
+    metrics: Metrics = None,
+    host: Host = None,
+    announce: Announce = None,
     relay: Relay = None,
-    loopback: bool | None = typer.Option(None, "--loopback/--internet", help="Peers on one machine (accepted for "
-                                         "symmetry with `node join`; the worker has no timings to shorten)."),
-    leave_when_idle: float | None = typer.Option(
-        None, "--leave-when-idle", min=0.1, help="Leave once no composer of the run has been alive for this many "
-        "seconds, after one was (default: serve until Ctrl+C)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live table (logs only)."),
-    no_supervise: bool = typer.Option(
-        False, "--no-supervise", help="Run in this process (under a process manager that signals by pid)."),
-    supervised_by: int | None = typer.Option(None, "--supervised-by", hidden=True),
+    loopback: Loopback = None,
+    leave_when_idle: LeaveWhenIdle = None,
+    quiet: LiveQuiet = False,
+    no_supervise: NoSupervise = False,
+    supervised_by: SupervisedBy = None,
 ) -> None:
     """Join a run as a worker: announce a capacity, take experts composers offload, answer their sketches.
 
@@ -72,15 +84,10 @@ def join(
     from parallax.node.peer.processes import ForcedStop, install_signal_handlers
     from parallax.node.train.device import DeviceError, device_of, device_setting
 
-    flags = {"preset": preset, "peer.run_id": run_id, "peer.identity": identity,
-             "peer.initial_peers": initial_peers or None, "peer.host": host or None,
-             "peer.announce": announce or None, "peer.relay": relay, "peer.loopback": loopback, "peer.metrics": metrics,
-             "peer.status_port": status_port, "peer.status_host": status_host,
-             "worker.capacity": capacity, "worker.leave_when_idle_s": leave_when_idle}
+    flags = setting_flags(join, locals())
     try:
         flags["worker.device"] = device_setting(gpu, cpu)
         manifest, flags["peer.run_id"] = run_manifest(manifest_file, run_id)
-        flags["peer.manifest"], flags["peer.member_cert"] = manifest_file, member_cert
         config = resolve(WorkerConfig, worker_defaults, file=config_file, flags=flags, sets=set_ or (),
                          default_preset="tiny", manifest=manifest)
         device_of(config.worker.device)

@@ -105,3 +105,24 @@ def test_the_join_line_prints_whole_on_one_line_at_any_width(tmp_path, width) ->
         assert argv[:5] == ["parallax", "node", "join", "--run-id", "demo"]
         assert argv[-2:] == ["--initial-peers", address]
         assert " ".join(expected) in " ".join(argv) and ("--loopback" in argv) == peer.loopback
+
+
+@pytest.mark.parametrize(("command", "root"), [("node", "NodeConfig"), ("worker", "WorkerConfig")])
+def test_every_flag_of_a_join_names_a_setting_of_its_command(command, root) -> None:
+    """The flag map is built from the options' own setting paths (``cli.options.Setting``): each must exist."""
+    import inspect
+
+    from parallax.cli import node, worker
+    from parallax.cli.options import setting_flags
+    from parallax.node.config import peer
+    from parallax.node.config.typed import field_types
+
+    join = {"node": node.join, "worker": worker.join}[command]
+    flags = setting_flags(join, {name: None for name in inspect.signature(join).parameters})
+    assert "peer.run_id" in flags and "peer.initial_peers" in flags
+    for path in flags.keys() - {"preset"}:
+        section: type = getattr(peer, root)
+        *parents, leaf = path.split(".")
+        for name in parents:
+            section = field_types(section)[name]
+        assert leaf in field_types(section), path
