@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from parallax.dht.adapter import parse_initial_peers
 from parallax.dht.keys import check_run_id
@@ -18,7 +19,8 @@ from parallax.node.config.train import SimConfig, TrainConfig
 
 LOOPBACK_HOST = ("/ip4/127.0.0.1/tcp/0",)
 ALL_INTERFACES = ("/ip4/0.0.0.0/tcp/0",)
-RELAY_MODES = ("auto", "always", "off")
+RelayMode = Literal["auto", "always", "off"]
+RELAY_MODES: tuple[str, ...] = get_args(RelayMode)
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -67,7 +69,7 @@ class PeerConfig:
     """Public multiaddrs other peers dial (behind a port forward, say). Empty: what libp2p reports."""
     loopback: bool = False
     """Every peer on one machine (tests, ``swarm local``): the loopback timing profile."""
-    relay: str = "auto"
+    relay: RelayMode = "auto"
     """Circuit relays through the initial peers, for a peer others cannot dial (behind NAT): ``auto`` reserves a
     relay slot when libp2p's AutoNAT finds this peer unreachable, ``always`` reserves one in any case (a peer that
     knows it is behind NAT), ``off`` never. With ``auto`` and ``always`` the heartbeat also names the relayed

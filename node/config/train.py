@@ -14,7 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+MergeName = Literal["rda", "mean"]
+"""The merge rules (``node.train.merge_rules.MERGE_RULES``, held equal to this by a test)."""
+Compression = Literal["fp16", "uint8", "none"]
+Aggregation = Literal["gather", "allreduce"]
+DeltaDtype = Literal["float16", "float32"]
+NonOwned = Literal["surrogate", "drop", "frozen_copy"]
+SketchCodec = Literal["raw", "fp16", "int8", "int4"]
 
 SHARED_GROUPS = ("router", "latent", "backbone")
 """Parameter groups every composer trains and merges DiLoCo-style, fastest cadence first."""
@@ -22,7 +30,8 @@ SHARED_GROUPS = ("router", "latent", "backbone")
 GROUPS = (*SHARED_GROUPS, "expert", "surrogate")
 """Every parameter belongs to exactly one group; it decides how the tensor is trained and synced."""
 
-TOKENIZERS = ("bytes", "bpe")
+Tokenizer = Literal["bytes", "bpe"]
+TOKENIZERS: tuple[str, ...] = get_args(Tokenizer)
 """How text becomes tokens (``ModelConfig.tokenizer``; ``node/train/tokenizer.py``)."""
 
 
@@ -32,7 +41,7 @@ class ModelConfig:
 
     vocab_size: int = 256
     """Tokens in the vocabulary: 256 with byte tokens; the BPE's size with ``tokenizer = "bpe"``."""
-    tokenizer: str = "bytes"
+    tokenizer: Tokenizer = "bytes"
     """"bytes" (each byte a token: no tokenizer, any encoding) or "bpe" (a byte-level BPE of vocab_size tokens
     trained on the run's corpus, stored with the run: ``node/train/tokenizer.py``)."""
     seq_len: int = 128
@@ -93,14 +102,15 @@ class ModelConfig:
         return self.d_latent != self.d_model
 
 
-INNER_OPTIMIZERS = ("adamw", "muon")
+InnerOptimizer = Literal["adamw", "muon"]
+INNER_OPTIMIZERS: tuple[str, ...] = get_args(InnerOptimizer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
     """The inner (per-composer) optimizer."""
 
-    inner: str = "adamw"
+    inner: InnerOptimizer = "adamw"
     """"adamw" for every parameter, or "muon": Muon (Newton-Schulz orthogonalised momentum, torch's, with its
     learning rate scaled to match AdamW's update size) for the hidden matrices, AdamW for the token embedding
     (tied to the output head), norm gains and other vectors. Muon runs in ``parallax sim`` only: a node hands
@@ -152,12 +162,12 @@ class SyncConfig:
     """Outer Nesterov momentum (0 disables momentum; DiLoCo uses 0.9)."""
     periods: dict[str, int] = field(default_factory=lambda: {"router": 25, "latent": 50, "backbone": 100})
     """Inner steps between merges of each shared group, H_G."""
-    merge: str = "rda"
+    merge: MergeName = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
-    compression: str = "uint8"
+    compression: Compression = "uint8"
     """Wire format of the outer merge: "fp16", "uint8" (8 bits an entry) or "none"; tensors under 4096 entries
     always go uncompressed. The in-process simulator applies the same rounding."""
-    aggregation: str = "gather"
+    aggregation: Aggregation = "gather"
     """How the composers merge: "gather" (each fetches every pseudo-gradient and merges them itself, robust to
     a lying peer: weights capped by the schedule, non-finite ones dropped, norms clipped, CenteredClip) or
     "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
@@ -167,11 +177,11 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.periods needs exactly the groups {SHARED_GROUPS}, got {sorted(self.periods)}")
         if any(p <= 0 for p in self.periods.values()):
             raise ValueError("every SyncConfig period must be a positive number of steps")
-        if self.compression not in ("fp16", "uint8", "none"):
+        if self.compression not in get_args(Compression):
             raise ValueError(f"SyncConfig.compression must be fp16, uint8 or none, got {self.compression!r}")
-        if self.aggregation not in ("gather", "allreduce"):
+        if self.aggregation not in get_args(Aggregation):
             raise ValueError(f"SyncConfig.aggregation must be 'gather' or 'allreduce', got {self.aggregation!r}")
-        if self.merge not in ("rda", "mean"):
+        if self.merge not in get_args(MergeName):
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("SyncConfig needs outer_lr > 0 and 0 <= outer_momentum < 1")
@@ -198,10 +208,10 @@ class SurrogateConfig:
     """Backpropagate through non-owned stand-ins into their input (the latent interface and backbone then
     learn from every selection, as in the baseline); their weights stay frozen. Costs ~2x their forward
     (a surrogate's: r/f of an expert's); docs/decisions.md measures it."""
-    delta_dtype: str = "float16"
+    delta_dtype: DeltaDtype = "float16"
     """Width of the published delta's numbers: "float16" (half the bytes; error feedback carries the
     rounding to the next refresh) or "float32"."""
-    non_owned: str = "surrogate"
+    non_owned: NonOwned = "surrogate"
     """What a non-owned selection calls: "surrogate", "drop" (output zero) or "frozen_copy" (full expert)."""
 
     def __post_init__(self) -> None:
@@ -209,9 +219,9 @@ class SurrogateConfig:
             raise ValueError("SurrogateConfig periods, steps, buffer and rank must be positive")
         if self.jacobian_weight < 0:
             raise ValueError(f"SurrogateConfig.jacobian_weight must be >= 0, got {self.jacobian_weight}")
-        if self.delta_dtype not in ("float16", "float32"):
+        if self.delta_dtype not in get_args(DeltaDtype):
             raise ValueError(f"SurrogateConfig.delta_dtype must be float16 or float32, got {self.delta_dtype!r}")
-        if self.non_owned not in ("surrogate", "drop", "frozen_copy"):
+        if self.non_owned not in get_args(NonOwned):
             raise ValueError(f"non_owned must be surrogate, drop or frozen_copy, got {self.non_owned!r}")
 
 
@@ -225,7 +235,7 @@ class SketchConfig:
     """Probability of keeping each selection in a sketch (kept rows are scaled by 1/p: unbiased)."""
     delay: int = 1
     """Steps between computing a sketch and its owner applying it (network latency; 0 = same step)."""
-    wire_codec: str = "int8"
+    wire_codec: SketchCodec = "int8"
     """Codec of x and g on the wire: raw, fp16, int8 or int4 (parallax.protocol.codec)."""
 
     def __post_init__(self) -> None:
@@ -233,7 +243,7 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.sample_fraction must be in (0, 1], got {self.sample_fraction}")
         if self.delay < 0:
             raise ValueError("SketchConfig.delay must be >= 0 steps")
-        if self.wire_codec not in ("raw", "fp16", "int8", "int4"):
+        if self.wire_codec not in get_args(SketchCodec):
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
@@ -258,8 +268,10 @@ class SimConfig:
             raise ValueError("sim.dense_steps and sim.offload_delay must be >= 0 steps")
 
 
-RESULT_CODECS = ("ternary", "lowrank", "fp16")
-ONBOARD_CODECS = ("ternary", "fp16", "raw")
+ResultCodec = Literal["ternary", "lowrank", "fp16"]
+RESULT_CODECS: tuple[str, ...] = get_args(ResultCodec)
+OnboardCodec = Literal["ternary", "fp16", "raw"]
+ONBOARD_CODECS: tuple[str, ...] = get_args(OnboardCodec)
 MAX_WAIT_S = 60.0
 """Longest offload.wait_s: a composer should not stall a minute a step on a worker (drop it instead)."""
 
@@ -281,14 +293,14 @@ class OffloadConfig:
     sketch's mean-loss scale; 0 = the linear proxy. Matters only with worker_steps > 1."""
     sample_fraction: float = 1.0
     """Probability of keeping each owned selection in a sketch (kept rows' g scaled by 1/p: unbiased)."""
-    wire_codec: str = "int8"
+    wire_codec: SketchCodec = "int8"
     """Codec of the sketch's x and g: raw, fp16, int8 or int4 (parallax.protocol.codec)."""
-    result_codec: str = "ternary"
+    result_codec: ResultCodec = "ternary"
     """How the worker sends a weight change: "ternary" (1.6 bits a weight, per-row scale, error feedback
     on the worker), "lowrank" (rank result_rank per matrix, error feedback) or "fp16"."""
     result_rank: int = 8
     """Rank of a "lowrank" result per weight matrix, at most 64."""
-    onboard_codec: str = "fp16"
+    onboard_codec: OnboardCodec = "fp16"
     """How a worker receives its expert's weights: "fp16", "raw" (the worker's copy then equals the
     composer's) or "ternary" (1.6 bits a weight: the worker trains a ternary copy's Jacobian)."""
     private_layers: int = 0
@@ -326,7 +338,7 @@ class OffloadConfig:
             raise ValueError("OffloadConfig needs worker_steps >= 1, worker_lr > 0 and proxy_lambda >= 0")
         if not 0 < self.sample_fraction <= 1:
             raise ValueError(f"OffloadConfig.sample_fraction must be in (0, 1], got {self.sample_fraction}")
-        if self.wire_codec not in ("raw", "fp16", "int8", "int4"):
+        if self.wire_codec not in get_args(SketchCodec):
             raise ValueError(f"OffloadConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
         if self.result_codec not in RESULT_CODECS:
             raise ValueError(f"OffloadConfig.result_codec must be one of {RESULT_CODECS}, got {self.result_codec!r}")
@@ -344,8 +356,10 @@ class OffloadConfig:
                              "and max_change > 0")
 
 
-KERNELS = ("auto", "grouped_mm", "slices", "reference")
-PRECISIONS = ("auto", "fp32", "bf16")
+Kernel = Literal["auto", "grouped_mm", "slices", "reference"]
+KERNELS: tuple[str, ...] = get_args(Kernel)
+Precision = Literal["auto", "fp32", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -353,12 +367,12 @@ class ComputeConfig:
     """How this composer computes its step, chosen for its own hardware: every choice gives the same step up to
     rounding, so composers of one run may differ here."""
 
-    kernel: str = "auto"
+    kernel: Kernel = "auto"
     """How an MoE layer runs its experts (``KERNELS``): every kernel but "reference" sorts the selections by expert
     once. "auto": on CUDA the owned experts as one grouped GEMM and the surrogates as one batched matmul, on a CPU
     a matmul per expert on its slice; "grouped_mm" and "slices" force one way; "reference" is a mask and a gather
     per expert."""
-    precision: str = "auto"
+    precision: Precision = "auto"
     """"bf16": autocast to bfloat16 on CUDA, float32 master weights and optimizer state; "fp32"; "auto": bf16 on
     a CUDA device that supports it, fp32 elsewhere (on a CPU bf16 is slower than fp32)."""
     compile: bool = False

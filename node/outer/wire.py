@@ -40,7 +40,8 @@ from hivemind.compression import (
 
 from parallax.node.config.net import OuterConfig
 from parallax.node.config.train import SyncConfig
-from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, rda_components, rda_rebuild
+from parallax.node.train.merge_rules import merge_rule
+from parallax.node.train.rda import DIRECTION_EPS
 from parallax.protocol.identity import Identity
 
 COMPRESSIONS = ("fp16", "uint8", "none")
@@ -167,46 +168,16 @@ def payload_bytes(shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig) 
 # ---- pure parts: pack, rebuild, fingerprint --------------------------------------------------------
 
 
-def _direction_scale(numel: int) -> float:
-    # A unit vector of n entries has entries ~1/sqrt(n); times sqrt(n) they are O(1), where fp16 is exact
-    # to 3 digits instead of sinking into subnormals. The same constant on every peer: the mean scales too.
-    return math.sqrt(max(numel, 1))
-
-
 def component_shapes(shapes: Mapping[str, Sequence[int]], method: str) -> list[torch.Size]:
     """Shapes of the averaged buffers for a group with tensors ``shapes`` (see ``component_tensors``)."""
-    if method not in MERGE_METHODS:
-        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
-    sizes = [torch.Size(s) for s in shapes.values()]
-    if method == "mean":
-        return sizes
-    return sizes + [torch.Size([len(sizes)])] + sizes
+    return merge_rule(method).buffer_shapes([torch.Size(s) for s in shapes.values()])
 
 
 def component_tensors(delta: Mapping[str, torch.Tensor], method: str) -> list[torch.Tensor]:
-    """What one peer puts into the all-reduce for its pseudo-gradient ``delta`` (CPU float32).
-
-    Args:
-        delta: name -> pseudo-gradient of one group.
-        method: "rda": [direction_t * sqrt(numel_t) for each t] + [norms, shape [T]] + [delta_t for each t];
-            "mean": [delta_t for each t].
-
-    Returns:
-        The buffers in that order. Their token-weighted means give ``merged_from_components`` what
-        ``rda.merge_groups`` computes from all peers' deltas.
-    """
-    if method not in MERGE_METHODS:
-        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
-    deltas = [d.detach().to(device="cpu", dtype=torch.float32) for d in delta.values()]
-    if method == "mean":
-        return deltas
-    directions, norms = [], []
-    for d in deltas:
-        direction, norm_1 = rda_components(d)
-        directions.append(direction.mul_(_direction_scale(d.numel())))
-        norms.append(norm_1)
-    norms_T = torch.cat(norms) if norms else torch.zeros(0)
-    return directions + [norms_T] + deltas
+    """What one peer puts into the all-reduce for its pseudo-gradient ``delta`` (CPU float32): the merge rule's
+    buffers (``MergeRule.buffers``; RDA: scaled unit directions, the norms, the raw deltas). Their token-weighted
+    means give ``merged_from_components`` what ``merge_rules.merge_groups`` computes from all peers' deltas."""
+    return merge_rule(method).buffers([d.detach().to(device="cpu", dtype=torch.float32) for d in delta.values()])
 
 
 def merged_from_components(
@@ -217,7 +188,7 @@ def merged_from_components(
     Args:
         means: the averaged buffers, in ``component_shapes`` order.
         shapes: name -> shape of the group's tensors, in the same order as when packing.
-        method: "rda" or "mean".
+        method: the merge rule's name.
         eps: RDA falls back to the mean delta when the mean direction is shorter than this.
 
     Returns:
@@ -230,16 +201,7 @@ def merged_from_components(
     got = [m.shape for m in means]
     if got != expected:
         raise ValueError(f"averaged buffers have shapes {got}, expected {expected}")
-    names = list(shapes)
-    if method == "mean":
-        return {n: m.detach().to(torch.float32).clone() for n, m in zip(names, means, strict=True)}
-    k = len(names)
-    directions, norms_T, deltas = means[:k], means[k], means[k + 1:]
-    return {
-        name: rda_rebuild(directions[i] / _direction_scale(directions[i].numel()), norms_T[i:i + 1], deltas[i],
-                          eps=eps)
-        for i, name in enumerate(names)
-    }
+    return dict(zip(shapes, merge_rule(method).rebuild(means, len(shapes), eps=eps), strict=True))
 
 
 def _hash_signs(n: int, seed: int) -> np.ndarray:

@@ -46,8 +46,8 @@ from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
 from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import shard, val_batches
+from parallax.node.train.merge_rules import merge_groups
 from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule
-from parallax.node.train.rda import merge_groups
 from parallax.node.train.robust import robust_merge_groups
 
 RUN_KINDS = ("baseline", "diloco", "parallax", "offload")

@@ -14,21 +14,18 @@ The network version averages with hivemind's DecentralizedAverager, which can on
 weighted mean of tensors. So the math is written as decompose -> weighted mean -> rebuild:
 each peer contributes ``rda_components(delta)`` plus the delta itself, the averager means all three,
 and ``rda_rebuild`` finishes. ``rda_merge`` is built on the same two functions, so the in-process
-simulator and the network compute the same thing.
+simulator and the network compute the same thing. ``merge_rules.RdaRule`` is the rule that uses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
 DIRECTION_EPS = 1e-6
 """Below this norm the mean unit direction counts as cancelled. Unit directions have norm 1, so
 this is already relative to the scale of the directions."""
-
-MERGE_METHODS = ("rda", "mean")
-
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # Norms of fp16/bf16 tensors overflow or lose digits; compute in at least float32.
@@ -152,34 +149,3 @@ def rda_merge(
     directions, norms = zip(*(rda_components(d) for d in deltas), strict=True)
     mean_direction, mean_norm = _weighted_mean(directions, w), _weighted_mean(norms, w)
     return rda_rebuild(mean_direction, mean_norm, _weighted_mean(deltas, w), eps=eps)
-
-
-def merge_groups(
-    deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], method: str = "rda"
-) -> dict[str, torch.Tensor]:
-    """Merge the pseudo-gradients of a parameter group tensor by tensor.
-
-    RDA is applied per tensor (not to the group flattened into one vector), so a large tensor
-    cannot dominate the direction of a small one.
-
-    Args:
-        deltas: K mappings name -> pseudo-gradient, all with the same names and shapes.
-        weights: K non-negative weights (tokens processed), not all zero.
-        method: "rda" or "mean".
-
-    Returns:
-        name -> merged tensor, in the order of the first mapping.
-
-    Raises:
-        ValueError: unknown method, mappings with different names, or as ``mean_merge``.
-    """
-    if method not in MERGE_METHODS:
-        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
-    if not deltas:
-        raise ValueError("nothing to merge: no deltas given")
-    names = list(deltas[0])
-    for i, d in enumerate(deltas[1:], start=1):
-        if set(d) != set(names):
-            raise ValueError(f"delta {i} has tensors {sorted(d)} but delta 0 has {sorted(names)}")
-    merge = rda_merge if method == "rda" else mean_merge
-    return {name: merge([d[name] for d in deltas], weights) for name in names}

@@ -35,7 +35,8 @@ from typing import ClassVar
 
 import torch
 
-from parallax.node.train.rda import DIRECTION_EPS, MERGE_METHODS, mean_merge, rda_components, rda_merge, rda_rebuild
+from parallax.node.train.merge_rules import MergeRule, merge_rule, weighted_mean
+from parallax.node.train.rda import DIRECTION_EPS
 
 __all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "robust_merge_groups",
            "span_of"]
@@ -164,13 +165,13 @@ def centered_clip(points: Sequence[torch.Tensor], weights: Sequence[float], *, t
     radius = tau * float(distances.median())
     factors = [1.0] * len(points)
     if radius <= 0.0:  # most points coincide: nothing to measure an outlier against, so nobody is clipped
-        return _plain_mean(points, weights), factors
+        return weighted_mean(points, weights), factors
     for _ in range(iters):
         diffs = stacked - centre
         dist = torch.linalg.vector_norm(diffs, dim=1)
         scale = [1.0 if d <= radius else radius / d for d in dist.tolist()]
         if all(s == 1.0 for s in scale + factors):  # nobody clipped, now or before: the plain mean
-            return _plain_mean(points, weights), factors
+            return weighted_mean(points, weights), factors
         factors = [min(f, s) for f, s in zip(factors, scale, strict=True)]
         step = torch.zeros_like(centre)
         for diff, w, s in zip(diffs, weights, scale, strict=True):
@@ -180,14 +181,6 @@ def centered_clip(points: Sequence[torch.Tensor], weights: Sequence[float], *, t
         if float(torch.linalg.vector_norm(step)) <= 1e-6 * max(float(torch.linalg.vector_norm(centre)), 1e-12):
             break
     return centre.reshape(points[0].shape), factors
-
-
-def _plain_mean(tensors: Sequence[torch.Tensor], w: Sequence[float]) -> torch.Tensor:
-    out = torch.zeros_like(tensors[0])
-    for t, wi in zip(tensors, w, strict=True):
-        if wi:
-            out.add_(t, alpha=wi)
-    return out
 
 
 def robust_merge_groups(
@@ -200,7 +193,7 @@ def robust_merge_groups(
         deltas: K mappings name -> tensor, all with the same names and shapes (checked by the caller's
             decoder: a peer's contribution of another shape never reaches here).
         weights: K declared weights, already capped (``cap_weights``).
-        method: "rda" or "mean".
+        method: a merge rule's name (``merge_rules.MERGE_RULES``).
         config: the clipping settings (defaults when None).
         spans: per contribution, how many merge periods it covers (``span_of``): a peer whose last rounds
             failed sends the pseudo-gradient of several periods, longer by right, and its norm is compared
@@ -213,8 +206,7 @@ def robust_merge_groups(
     Raises:
         ValueError: unknown method, or mappings with different names or shapes.
     """
-    if method not in MERGE_METHODS:
-        raise ValueError(f"merge method must be one of {MERGE_METHODS}, got {method!r}")
+    rule = merge_rule(method)
     cfg = config or RobustConfig()
     if len(weights) != len(deltas) or (spans is not None and len(spans) != len(deltas)):
         raise ValueError(f"got {len(deltas)} deltas but {len(weights)} weights or spans")
@@ -239,12 +231,12 @@ def robust_merge_groups(
     for name in names:
         tensors = [deltas[i][name].detach().to(torch.promote_types(deltas[i][name].dtype, torch.float32))
                    for i in used]
-        merged[name] = _merge_tensor(tensors, w, [spans[i] if spans is not None else 1.0 for i in used], method,
+        merged[name] = _merge_tensor(tensors, w, [spans[i] if spans is not None else 1.0 for i in used], rule,
                                      cfg, eps, [audit.contributions[i] for i in used])
     return merged, audit
 
 
-def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float], method: str, cfg: RobustConfig,
+def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float], rule: MergeRule, cfg: RobustConfig,
                   eps: float, audits: list[ContributionAudit]) -> torch.Tensor:
     norms = [float(torch.linalg.vector_norm(t)) for t in tensors]
     per_period = sorted(n / s for n, s in zip(norms, spans, strict=True))
@@ -258,16 +250,11 @@ def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float
         else:
             clipped.append(t)
     if len(tensors) < cfg.min_contributions:
-        plain = mean_merge if method == "mean" else functools.partial(rda_merge, eps=eps)
-        return plain(clipped, w)
-    mean_delta, delta_clip = centered_clip(clipped, w, tau=cfg.tau, iters=cfg.iters)
-    if method == "mean":
-        _note_clips(audits, delta_clip, tensors[0].numel())
-        return mean_delta
-    directions, clipped_norms = zip(*(rda_components(t) for t in clipped), strict=True)
-    mean_direction, direction_clip = centered_clip(directions, w, tau=cfg.tau, iters=cfg.iters)
-    _note_clips(audits, direction_clip, tensors[0].numel())
-    return rda_rebuild(mean_direction, _plain_mean(clipped_norms, w), mean_delta, eps=eps)
+        return rule.merge(clipped, w, eps=eps)
+    merged, factors = rule.robust(clipped, w, functools.partial(centered_clip, weights=w, tau=cfg.tau,
+                                                                 iters=cfg.iters), eps=eps)
+    _note_clips(audits, factors, tensors[0].numel())
+    return merged
 
 
 def _note_clips(audits: list[ContributionAudit], factors: list[float], size: int) -> None:

@@ -21,7 +21,7 @@ from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.outer.averager import GroupAverager, RoundStatus, TieredOuterSync
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
-from parallax.node.train.rda import merge_groups
+from parallax.node.train.merge_rules import merge_groups
 from parallax.protocol.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)

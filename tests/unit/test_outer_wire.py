@@ -26,7 +26,7 @@ from parallax.node.outer.wire import (
     round_tag,
     wire_roundtrip,
 )
-from parallax.node.train.rda import merge_groups
+from parallax.node.train.merge_rules import merge_groups
 
 SHAPES = {"w": (6, 5), "b": (5,), "c": (7,), "z": (3,)}
 
@@ -78,7 +78,7 @@ def test_rebuild_refuses_wrong_buffers_and_does_not_alias():
     assert torch.equal(means[0], torch.ones(3))
     with pytest.raises(ValueError, match="shapes"):
         merged_from_components(means, {"a": (3,)}, "rda")
-    with pytest.raises(ValueError, match="merge method"):
+    with pytest.raises(ValueError, match="merge rule"):
         component_tensors({"a": torch.ones(3)}, "median")
 
 

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallax.node.train.rda import mean_merge, merge_groups, rda_components, rda_merge, rda_rebuild
+from parallax.node.train.merge_rules import merge_groups
+from parallax.node.train.rda import mean_merge, rda_components, rda_merge, rda_rebuild
 
 
 def test_orthogonal_deltas_keep_their_norm():
@@ -113,7 +114,18 @@ def test_merge_groups_per_tensor():
         assert torch.equal(out[name], rda_merge([d[name] for d in groups], weights))
     means = merge_groups(groups, weights, method="mean")
     assert torch.allclose(means["b"], mean_merge([d["b"] for d in groups], weights))
-    with pytest.raises(ValueError, match="method"):
+    with pytest.raises(ValueError, match="merge rule"):
         merge_groups(groups, weights, method="median")
     with pytest.raises(ValueError, match="tensors"):
         merge_groups([groups[0], {"w": groups[1]["w"]}], [1, 1])
+
+
+def test_the_merge_setting_names_exactly_the_registered_rules() -> None:
+    import typing
+
+    from parallax.node.config.train import MergeName
+    from parallax.node.train.merge_rules import MERGE_RULES, merge_rule
+
+    assert set(typing.get_args(MergeName)) == set(MERGE_RULES)
+    with pytest.raises(ValueError, match="rda, mean"):
+        merge_rule("median")

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from parallax.node.train.rda import merge_groups
+from parallax.node.train.merge_rules import merge_groups
 from parallax.node.train.robust import RobustConfig, cap_weights, centered_clip, robust_merge_groups, span_of
 
 DIM = 512
