@@ -97,7 +97,7 @@ def _nan_contributions(_: Attacker) -> None:
         blobs = {name: codec._pack("raw", "float32", tuple(t.shape), [],
                                    np.full(tuple(t.shape), np.nan, dtype="<f4").tobytes())
                  for name, t in delta.items()}
-        return msgpack.packb(blobs, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(blobs, use_bin_type=True)
 
     honest_decode = gathered.decode_contribution
 

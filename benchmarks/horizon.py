@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from parallax.benchmarks.report import save_figure
 
 
-def ratios(run: dict, baseline: dict) -> list[tuple[int, float]]:
+def ratios(run: dict[str, Any], baseline: dict[str, Any]) -> list[tuple[int, float]]:
     """(tokens, run's val loss / baseline's val loss) at the token counts both runs evaluated."""
     base = {int(t): loss for t, loss in baseline["val_history"]}
     return [(int(t), loss / base[int(t)]) for t, loss in run["val_history"] if int(t) in base]

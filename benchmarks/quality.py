@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ def specs(cfg: TrainConfig, composers: int, runs: Sequence[str] = DEFAULT_RUNS) 
 
 
 def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = DEFAULT_RUNS,
-                progress: ProgressFn | None = None) -> dict:
+                progress: ProgressFn | None = None) -> dict[str, Any]:
     """Run the benchmark and return its JSON-able report."""
     train, val = split_corpus(load_corpus(data))
     results: dict[str, RunResult] = {}
@@ -111,9 +112,9 @@ def run_quality(cfg: TrainConfig, composers: int, data: str | None = None, *, ru
 
 
 def quality_report(cfg: TrainConfig, composers: int, data: str | None, results: dict[str, RunResult],
-                   total_wall_s: float) -> dict:
+                   total_wall_s: float) -> dict[str, Any]:
     """The JSON-able report of finished runs of one setting."""
-    report: dict = {
+    report: dict[str, Any] = {
         "config": {"preset": _preset_name(cfg), "composers": composers, "steps": cfg.steps,
                    "batch_size": cfg.batch_size, "seq_len": cfg.model.seq_len, "seed": cfg.seed,
                    "data": data or "built-in tinyshakespeare", "sync_periods": dict(cfg.sync.periods),
@@ -139,7 +140,7 @@ def quality_report(cfg: TrainConfig, composers: int, data: str | None, results: 
     return report
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict[str, Any]) -> str:
     """A short table of the report, ratios against the baseline."""
     base = report["runs"].get("baseline", {}).get("val_loss")
     lines = [
@@ -170,7 +171,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _stand_in(run: dict) -> str:
+def _stand_in(run: dict[str, Any]) -> str:
     """The surrogates' median errors over the run's refreshes, "-" where there are none."""
     errors = [(out, back) for _, out, back in run.get("stand_in_error", [])]
     if not errors:
@@ -178,11 +179,11 @@ def _stand_in(run: dict) -> str:
     return f"{statistics.median(e[0] for e in errors):.3f} / {statistics.median(e[1] for e in errors):.3f}"
 
 
-def write(report: dict, json_path: str | Path | None) -> None:
+def write(report: dict[str, Any], json_path: str | Path | None) -> None:
     write_report(report, markdown(report), json_path)
 
 
-def _asdict(cfg: object) -> dict:
+def _asdict(cfg: object) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}  # type: ignore[attr-defined]
 
 

@@ -13,6 +13,7 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from parallax.benchmarks.report import save_figure
 
@@ -20,7 +21,7 @@ FP32 = 4
 """Bytes a parameter takes (the composers keep fp32 master weights)."""
 
 
-def load(reports: Sequence[str | Path]) -> list[dict]:
+def load(reports: Sequence[str | Path]) -> list[dict[str, Any]]:
     """The reports, checked to be runs of one setting, joined into one report per seed (a seed's runs may come
     from several commands: a run added later goes in its own file).
 
@@ -34,7 +35,7 @@ def load(reports: Sequence[str | Path]) -> list[dict]:
     settings = {(r["config"]["preset"], r["config"]["composers"], r["config"]["steps"]) for r in loaded}
     if len(settings) != 1:
         raise ValueError(f"the reports differ in preset, composers or steps: {sorted(settings)}")
-    by_seed: dict[int, dict] = {}
+    by_seed: dict[int, dict[str, Any]] = {}
     for r in loaded:
         seed = r["config"]["seed"]
         held = by_seed.get(seed)
@@ -48,20 +49,20 @@ def load(reports: Sequence[str | Path]) -> list[dict]:
     return list(by_seed.values())
 
 
-def memory_bytes(run: dict) -> int:
+def memory_bytes(run: dict[str, Any]) -> int:
     """What one composer holds: its parameters (fp32, real experts, stand-ins and shared groups) and its
     inner and outer optimizer state."""
     return int(run["params_per_composer"]) * FP32 + int(run["optimizer_state_bytes_per_composer"])
 
 
-def summary(reports: Sequence[dict]) -> dict:
+def summary(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per run (those in every report): each seed's val loss (own view and assembled), its ratios to that
     seed's baseline and DiLoCo runs, and the means; memory, FLOPs and bytes per composer-step."""
     names = [n for n in reports[0]["runs"] if all(n in r["runs"] for r in reports)]
-    out: dict = {"seeds": [r["config"]["seed"] for r in reports], "config": reports[0]["config"], "runs": {}}
+    out: dict[str, Any] = {"seeds": [r["config"]["seed"] for r in reports], "config": reports[0]["config"], "runs": {}}
     for name in names:
         runs = [r["runs"][name] for r in reports]
-        row: dict = {
+        row: dict[str, Any] = {
             "val_loss": [run["val_loss"] for run in runs],
             "assembled_val_loss": [run["assembled_val_loss"] for run in runs],
             "memory_bytes": memory_bytes(runs[0]),
@@ -79,7 +80,7 @@ def summary(reports: Sequence[dict]) -> dict:
     return out
 
 
-def markdown(table: dict) -> str:
+def markdown(table: dict[str, Any]) -> str:
     """The summary as a table: means over the seeds, each seed's value in brackets where there are several."""
     several = len(table["seeds"]) > 1
 
@@ -106,7 +107,7 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(table: dict, out: str | Path) -> Path:
+def plot(table: dict[str, Any], out: str | Path) -> Path:
     """Val loss (mean over seeds, the seeds' range as the bar) against memory per composer, one point a run."""
     import matplotlib
 

@@ -58,7 +58,7 @@ def _file_changes(root: type, doc: Mapping[str, Any]) -> dict[str, object]:
         if not isinstance(train, Mapping):
             raise ConfigError("--config: train must be a table ([train])")
         return table_changes(TrainConfig, train)
-    own = {f.name for f in dataclasses.fields(root)}  # type: ignore[arg-type]
+    own = {f.name for f in dataclasses.fields(root)}
     return table_changes(root, {k: v for k, v in doc.items() if k in own or k not in PROCESS_TABLES})
 
 

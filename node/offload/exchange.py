@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -389,7 +389,7 @@ class OffloadClient:
         self.requests = {"rpc_onboard": 0, "rpc_update": 0}
         self.replies = {"rpc_onboard": 0, "rpc_update": 0}
         self._closing = False
-        self._abandoned: set[asyncio.Future] = set()
+        self._abandoned: set[asyncio.Future[Any]] = set()
         """Calls past their timeout (or given up by the caller) still waiting for hivemind's reply."""
 
     def close(self) -> None:
@@ -403,7 +403,7 @@ class OffloadClient:
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing is left to cancel
             self.loop.call_soon_threadsafe(cancel_all)
 
-    def _settled(self, call: asyncio.Future) -> None:
+    def _settled(self, call: asyncio.Future[Any]) -> None:
         """An abandoned call ended: forget it, and retrieve its outcome (no "never retrieved" warning)."""
         self._abandoned.discard(call)
         if not call.cancelled():

@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from parallax.dht.keys import ExpertId
 from parallax.node.model.sketch import Sketch, compress, concat, subsample
@@ -78,7 +79,7 @@ class _Offloaded:
     """When its onboarding was sent (monotonic clock): the first applied result reports the time to it."""
     pending: list[_Part] = field(default_factory=list)
     """Parts not sent yet (the expert has ``max_in_flight`` requests unanswered), oldest first."""
-    in_flight: list[tuple[list[_Part], concurrent.futures.Future]] = field(default_factory=list)
+    in_flight: list[tuple[list[_Part], concurrent.futures.Future[Any]]] = field(default_factory=list)
     """(the parts of one request, future of the result blobs), oldest first."""
     lateness: float | None = None
     """Moving average of the steps its results arrive late (``LATENESS_WEIGHT`` on the newest)."""
@@ -128,7 +129,7 @@ class OffloadSession:
         self.max_rows = max_rows or row_budget(composer.cfg)
         self.max_held = max_held or 2 * max_parts
         self.offloaded: dict[ExpertId, _Offloaded] = {}
-        self.onboarding: dict[ExpertId, tuple[str, concurrent.futures.Future, float]] = {}
+        self.onboarding: dict[ExpertId, tuple[str, concurrent.futures.Future[Any], float]] = {}
         self.banned: set[str] = set()
         self.applied = 0
         self.coalesced = 0

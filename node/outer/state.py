@@ -82,7 +82,7 @@ class StateServicer(ServicerBase):
 
 
 def _encode(tensors: Sequence[torch.Tensor]) -> bytes:
-    return msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors],  # type: ignore[no-any-return]
+    return msgpack.packb([encode(t.detach().cpu().float().numpy(), "raw") for t in tensors],
                          use_bin_type=True)
 
 

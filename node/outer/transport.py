@@ -69,7 +69,7 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], compression: str) -> 
         array = t.detach().to(device="cpu", dtype=torch.float32).numpy()
         codec = "raw" if array.size < SMALL_TENSOR_NUMEL else _CODEC[compression]
         blobs[name] = encode(array, codec)
-    return msgpack.packb(blobs, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(blobs, use_bin_type=True)
 
 
 def contribution_limit(shapes: Mapping[str, Sequence[int]]) -> int:
@@ -166,7 +166,7 @@ ROUND_RECORD_MAX_BYTES = 5 * 1024
 
 
 def encode_entries(entries: Sequence[RoundEntry]) -> bytes:
-    return msgpack.packb([e.to_wire() for e in entries], use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb([e.to_wire() for e in entries], use_bin_type=True)
 
 
 def decode_entries(record: object) -> dict[int, RoundEntry]:

@@ -318,7 +318,7 @@ class FingerprintSigner:
 
 def encode_round_record(fingerprints: Sequence[bytes]) -> bytes:
     """One node's DHT value for a group: its latest ``ROUNDS_KEPT`` encoded fingerprints, newest last."""
-    return msgpack.packb(list(fingerprints)[-ROUNDS_KEPT:], use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(list(fingerprints)[-ROUNDS_KEPT:], use_bin_type=True)
 
 
 def round_fingerprint(record: object, tag: bytes) -> tuple[float, ...] | None:

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from parallax.dht.keys import ExpertId
 
 Interval = tuple[float, float]
 
 
-def events(records: Sequence[dict], kind: str) -> list[dict]:
+def events(records: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     """The records of ``kind`` (``step``, ``round``, ``adopted``, ...), in file order."""
     return [r for r in records if r.get("kind") == kind]
 
 
-def shard_at(records: Sequence[dict], t: float) -> set[ExpertId]:
+def shard_at(records: Sequence[dict[str, Any]], t: float) -> set[ExpertId]:
     """The experts a node owned at time ``t`` (its last ``shard`` event at or before ``t``)."""
     owned: set[ExpertId] = set()
     for r in events(records, "shard"):
@@ -29,7 +30,7 @@ def shard_at(records: Sequence[dict], t: float) -> set[ExpertId]:
     return owned
 
 
-def ownership(records: Sequence[dict]) -> dict[ExpertId, list[Interval]]:
+def ownership(records: Sequence[dict[str, Any]]) -> dict[ExpertId, list[Interval]]:
     """When the node owned each expert: intervals from its ``shard`` events; one still open at its last record
     ends there (the node left or was stopped)."""
     end = max((r["t"] for r in records if "t" in r), default=0.0)
@@ -46,7 +47,7 @@ def ownership(records: Sequence[dict]) -> dict[ExpertId, list[Interval]]:
     return out
 
 
-def longest_double_ownership(nodes: Sequence[Sequence[dict]], start: float, end: float,
+def longest_double_ownership(nodes: Sequence[Sequence[dict[str, Any]]], start: float, end: float,
                              ) -> tuple[float, ExpertId | None]:
     """The longest stretch within [``start``, ``end``] during which two of ``nodes`` (their metrics records)
     owned one expert at once, and that expert (None: never)."""

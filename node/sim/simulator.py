@@ -37,6 +37,7 @@ from parallax.node.config import train as config_mod
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
+from parallax.node.model.sketch import Sketch
 from parallax.node.model.surrogate import jacobian_error, relative_error
 from parallax.node.model.transformer import MoETransformer, Ownership, own_all
 from parallax.node.offload.proxy import LocalWorkers
@@ -203,7 +204,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     history: list[tuple[int, float]] = []
     val_history: list[tuple[int, float]] = []
     extra_flops = 0.0  # surrogate distillation and sketch absorption, beyond the inner steps
-    in_flight: list[dict[int, dict]] = []  # sketches on their way, oldest first
+    in_flight: list[dict[int, dict[ExpertId, Sketch]]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     stand_in_history: list[tuple[int, float, float]] = []
     steps_done = 0
@@ -309,13 +310,13 @@ def publish_round(composers: Sequence[Composer], traffic: dict[str, int],
     return flops
 
 
-def deliver_sketches(composers: Sequence[Composer], sent: dict[int, dict]) -> int:
+def deliver_sketches(composers: Sequence[Composer], sent: dict[int, dict[ExpertId, Sketch]]) -> int:
     """Every owner absorbs the sketches other composers made of its experts (possibly none this step).
 
     Returns the number of (x, g) rows absorbed."""
     rows = 0
     for owner in composers:
-        received: dict = {}
+        received: dict[ExpertId, list[Sketch]] = {}
         for sender, sketches in sent.items():
             if composers[sender] is owner:
                 continue

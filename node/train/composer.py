@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -305,7 +305,7 @@ class Composer:
 
     # ---- surrogate refresh (owner side and receiver side) -----------------------------------------
 
-    def refresh_surrogates(self, experts: Iterable[ExpertId] | None = None) -> dict[ExpertId, dict]:
+    def refresh_surrogates(self, experts: Iterable[ExpertId] | None = None) -> dict[ExpertId, dict[str, Any]]:
         """Distil owned experts into their surrogates; return the published low-rank deltas.
 
         Args:
@@ -329,7 +329,7 @@ class Composer:
             deltas[(layer, expert)] = self.publishers[(layer, expert)].delta(current)
         return deltas
 
-    def apply_surrogate_delta(self, expert_id: ExpertId, factors: Mapping) -> None:
+    def apply_surrogate_delta(self, expert_id: ExpertId, factors: Mapping[str, Any]) -> None:
         """Apply an owner's published surrogate delta to our copy of that surrogate."""
         layer, expert = expert_id
         apply_delta(_detached(self.model.surrogate_parameters(layer, expert)), factors)
