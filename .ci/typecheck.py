@@ -10,6 +10,10 @@ as symlinks to the real folders, read from the same mapping in pyproject.toml (o
 runs mypy on it (``mypy_path`` points there), and rewrites the paths mypy prints back to the real
 files: errors read ``node/net/gossip.py:12: ...``, not a path inside the tree.
 
+The same tree lets editors follow the imports: ``pyrightconfig.json`` (pyright, Pylance) names it as an extra
+import root, so ``python .ci/typecheck.py --tree-only`` once after cloning is enough (folders are linked whole:
+new modules appear by themselves, except new files of common/).
+
 Usage: ``python .ci/typecheck.py [extra mypy arguments]``; the exit status is mypy's.
 """
 
@@ -53,6 +57,9 @@ def _real_path(match: re.Match[str]) -> str:
 
 def main(argv: list[str]) -> int:
     build_tree()
+    if argv == ["--tree-only"]:  # for editors: pyrightconfig.json names the tree as an extra import root
+        print(f"laid out {TREE}{os.sep}{ROOT_PACKAGE}")
+        return 0
     proc = subprocess.Popen(
         [sys.executable, "-m", "mypy", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
