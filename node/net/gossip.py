@@ -58,6 +58,7 @@ from parallax.dht.surrogates import Holding, SurrogateRecord, read_records, stor
 from parallax.node.config.net import GossipConfig
 from parallax.node.model.lowrank import Factors, apply_delta, change_of
 from parallax.node.net.network import RateLimiter, rate_limited
+from parallax.node.net.scores import Evidence
 from parallax.node.net.surrogate_payload import (
     ExpertId,
     PayloadStore,
@@ -89,6 +90,18 @@ def _floor(t: torch.Tensor) -> float:
     return GROWTH_FLOOR * math.sqrt(t.numel())
 _MIN_EXPIRY_STEP_S = 1e-3  # hivemind keeps a subkey's record only if its expiration is strictly later
 _REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a surrogate update is refused (``SurrogateUpdate.verdict``)."""
+
+    why: str
+    """What it would do, for the log."""
+    growth: float
+    layer_ratio: float
+    evidence: Evidence | None
+    """What it holds against the owner (None: nothing; the update is refused all the same)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +157,24 @@ class SurrogateUpdate:
         assert self.factors is not None
         return {name: target[name].detach().float().cpu() + change_of(f).float().reshape(target[name].shape)
                 for name, f in self.factors.items()}
+
+    def verdict(self, target: Mapping[str, torch.Tensor], typical: Mapping[str, float]) -> Refusal | None:
+        """Whether to refuse this update of the held surrogate ``target`` (None: apply it), and what the refusal
+        holds against the owner.
+
+        A delta past ``MAX_GROWTH`` multiplies the surrogate in one refresh, which an honest refit does not: it
+        is evidence (``Evidence.SURROGATE_GROWTH``). An update past ``LAYER_BOUND`` x ``typical`` is refused
+        too, but is no evidence: honest surrogates cross that bound (a receiver cut off for 30 s holds stale
+        copies of the layer's others and measured honest updates at 4-6x them), and a ban for it leaves an honest
+        owner out of this node's view while it owns its experts in the others': two owners of an expert."""
+        growth = self.growth(target)
+        if growth > MAX_GROWTH:
+            return Refusal(f"make the surrogate {growth:.3g} times longer", growth, 0.0, Evidence.SURROGATE_GROWTH)
+        ratio = self.layer_ratio(target, typical)
+        if ratio > LAYER_BOUND:
+            return Refusal(f"make the surrogate {ratio:.3g} times longer than the layer's other surrogates", growth,
+                           ratio, None)
+        return None
 
     def apply(self, target: Mapping[str, torch.Tensor]) -> None:
         """Apply to the held surrogate ``target`` (name -> tensor, updated in place under no_grad)."""

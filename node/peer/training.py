@@ -18,8 +18,8 @@ from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.membership import Membership
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
-from parallax.node.net.gossip import LAYER_BOUND, MAX_GROWTH, SurrogateGossip, SurrogateUpdate
-from parallax.node.net.scores import Evidence, PeerScores
+from parallax.node.net.gossip import SurrogateGossip, SurrogateUpdate
+from parallax.node.net.scores import PeerScores
 from parallax.node.offload.session import OffloadSession
 from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.outer.background import BackgroundRounds, next_round_in
@@ -111,11 +111,10 @@ class Training:
                              seam_s=round(seam_s, 4), seam_max_s=round(seam_max_s, 4), refit_s=round(refit_s, 4))
 
     def _apply_surrogate(self, update: SurrogateUpdate, eid: tuple[int, int], typical: Mapping[str, float]) -> None:
-        """Apply one surrogate update unless it grows the held surrogate past ``MAX_GROWTH``, or past
-        ``LAYER_BOUND`` x ``typical`` (the layer's held surrogates' norms, ``SurrogateUpdate.layer_norms``): then
-        it is refused, its owner named and scored, and the expert's later deltas skipped (they build
-        on the refused one) until a full copy replaces the surrogate. An owner this node bans is not listened to
-        in the same way."""
+        """Apply one surrogate update unless ``SurrogateUpdate.verdict`` refuses it (past ``MAX_GROWTH``, or past
+        ``LAYER_BOUND`` x ``typical``, the layer's held surrogates' norms): then its owner is named (and scored
+        where the refusal is evidence), and the expert's later deltas skipped (they build on the refused one)
+        until a full copy replaces the surrogate. An owner this node bans is not listened to in the same way."""
         model = self.composer.model
         held = {n: p.data for n, p in model.surrogate_parameters(*eid).items()}
         if update.is_full:
@@ -126,17 +125,16 @@ class Training:
         if owner is not None and self.views.banned(owner):
             self._frozen.add(eid)  # ignored while banned; its later deltas would build on what was skipped
             return
-        growth, ratio = update.growth(held), update.layer_ratio(held, typical)
-        if growth > MAX_GROWTH or ratio > LAYER_BOUND:
+        refusal = update.verdict(held, typical)
+        if refusal is not None:
             self._frozen.add(eid)
-            why = (f"make the surrogate {growth:.3g} times longer" if growth > MAX_GROWTH else
-                   f"make the surrogate {ratio:.3g} times longer than the layer's other surrogates")
             logger.warning("refused surrogate version %d of expert %s from its owner %s: it would %s; the previous "
-                           "version is kept", update.version, eid, owner, why)
+                           "version is kept", update.version, eid, owner, refusal.why)
             self.telemetry.event("surrogate_refused", layer=eid[0], expert=eid[1], version=update.version,
-                                 owner=owner, growth=round(growth, 3), layer_ratio=round(ratio, 3))
-            if owner is not None and self.scores is not None:
-                self.scores.record(owner, Evidence.SURROGATE_GROWTH)
+                                 owner=owner, growth=round(refusal.growth, 3),
+                                 layer_ratio=round(refusal.layer_ratio, 3), evidence=refusal.evidence is not None)
+            if owner is not None and self.scores is not None and refusal.evidence is not None:
+                self.scores.record(owner, refusal.evidence)
             return
         update.apply(held)
         self._applied.add(eid)

@@ -268,3 +268,23 @@ def test_deltas_each_under_the_growth_bound_cannot_compound_past_the_layer_s_oth
     assert honest.layer_ratio(held, SurrogateUpdate.layer_norms([])) == 0.0  # nothing held to compare with
     norms = SurrogateUpdate.layer_norms([{"w": torch.full((2, 2), v)} for v in (1.0, 3.0, 2.0, 5.0)])
     assert norms == {"w": pytest.approx(4.0)}  # the lower median of the norms 2, 6, 4, 10
+
+
+def test_a_refusal_for_the_layer_bound_holds_nothing_against_the_owner() -> None:
+    """A receiver whose copies of the layer's other surrogates are stale (cut off for a while) measures an honest,
+    fresh surrogate at several times them: the update is refused, but that is no evidence. Scoring it banned
+    honest owners, who then owned nothing in that node's view while they kept their experts in the others'."""
+    from parallax.node.net.scores import Evidence
+
+    g = torch.Generator().manual_seed(2)
+    stale = [{"w": torch.randn(8, 128, generator=g) * 0.05} for _ in range(3)]
+    held = {"w": torch.randn(8, 128, generator=g) * 0.05}
+    fresh = SurrogateUpdate(layer=0, expert=1, version=9, state={"w": held["w"] * 6})  # grown while it was away
+    refusal = fresh.verdict(held, SurrogateUpdate.layer_norms(stale))
+    assert refusal is not None and refusal.layer_ratio > LAYER_BOUND and refusal.evidence is None
+    u, v = torch.randn(8, 2, generator=g), torch.randn(2, 128, generator=g)
+    poisoned = SurrogateUpdate(layer=0, expert=1, version=9, factors={"w": (u * 30, v)})
+    refusal = poisoned.verdict(held, SurrogateUpdate.layer_norms(stale))
+    assert refusal is not None and refusal.growth > MAX_GROWTH and refusal.evidence is Evidence.SURROGATE_GROWTH
+    honest = SurrogateUpdate(layer=0, expert=1, version=9, state={"w": held["w"] * 1.2})
+    assert honest.verdict(held, SurrogateUpdate.layer_norms(stale)) is None
