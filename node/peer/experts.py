@@ -316,16 +316,18 @@ class Experts:
         """Hand our experts' final state to their heirs before the deathrattle.
 
         Heirs pull the owner's snapshot whenever its heartbeat shows a newer step; we announce our last
-        step and wait (bounded) until each owned expert's snapshot at that step was served."""
-        owned = list(self.views.heirs_of(list(self.composer.owned_experts())))
-        if not owned:
+        step and wait (bounded) until each owned expert's snapshot at that step was served to its heir. The heirs
+        are read from the view at every check: one that leaves meanwhile (a swarm stopped together) is waited for
+        no longer."""
+        experts = list(self.composer.owned_experts())
+        if not self.views.heirs_of(experts):
             return
         versions = self.gossip.versions()
         self.membership.update(step=self.composer.step, versions={"max": max(versions.values(), default=0),
                                                                    "held": len(versions), LEAVING: 1})
         while self.clock() < deadline:
             served = self.exchange.servicer.served_steps
-            if all(served.get(eid, -1) >= self.composer.step for eid in owned):
+            if all(served.get(eid, -1) >= self.composer.step for eid in self.views.heirs_of(experts)):
                 return
             time.sleep(0.2)
         logger.info("leaving before every heir pulled its final snapshot (heirs keep their last periodic copy)")

@@ -104,3 +104,19 @@ def test_no_copy_from_the_lead_or_a_refused_one_leaves_the_own_copy_training():
         for name, p in me.model.expert_parameters(*EID).items():
             assert torch.equal(p.data, before[name])
     me.train_step()  # and it trains on
+
+
+def test_a_leaving_owner_stops_waiting_for_an_heir_that_left_first():
+    """Nodes stopped together: the heir of this node's experts leaves before it. The leaving owner reads its heirs
+    from the view at every check, so it leaves at once instead of waiting out the leave bound for a peer gone."""
+    me = _composer(4)
+    ticks = iter(range(1000))
+    heirs = [{EID: "heir"}, {EID: "heir"}, {}]  # the heir's deathrattle reaches the view at the third check
+    views = SimpleNamespace(heirs_of=lambda experts: heirs.pop(0) if len(heirs) > 1 else heirs[0])
+    updates: list = []
+    membership = SimpleNamespace(update=lambda **fields: updates.append(fields))
+    exchange = SimpleNamespace(servicer=SimpleNamespace(served_steps={}))  # the heir never pulled
+    experts = Experts(me, _Gossip(), exchange, membership, views, None, NodeSettings(),  # type: ignore[arg-type]
+                      fingerprint="me", online_at=0.0, owners={EID: ("me",)}, clock=lambda: float(next(ticks)))
+    experts.push_final_snapshots(deadline=1000.0)
+    assert next(ticks) < 10 and updates and updates[0]["step"] == me.step  # it announced its last step, then left
