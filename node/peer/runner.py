@@ -38,7 +38,6 @@ from pathlib import Path
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.membership import Membership, PeerState, Presence
-from parallax.dht.shards import assign_experts
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
@@ -222,12 +221,10 @@ class Node:
         # have trained it since: its refits wait for a merge (refits.py).
         gate = RefitGate("backbone" if joining and "backbone" in composer.outer else None, telemetry.event)
         rounds.publish_state()
-        if joining:
-            before = {m.fingerprint: m.heartbeat.capacity for m in others}
-            owners = owners_of(assign_experts(c.peer.run_id, cfg.model.n_layers, cfg.model.n_experts, before,
-                                              min(cfg.ownership.replicas, len(before))))
-        else:
-            owners = owners_of(net.membership.view().assignment())
+        # A joiner's experts come from their owners in the assignment without it: the view's own, with the same
+        # capacity bound and progress rules as every other assignment this node computes.
+        view = net.membership.view()
+        owners = owners_of(view.assignment(leaving_out=self.identity.fingerprint) if joining else view.assignment())
         experts = Experts(composer, net.gossip, net.exchange, net.membership, net.views, telemetry, c.node,
                           fingerprint=self.identity.fingerprint, online_at=self._online_at, owners=owners,
                           offload=offload)
