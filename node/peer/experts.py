@@ -24,25 +24,19 @@ from typing import Any
 import torch
 
 from parallax.dht.keys import ExpertId
-from parallax.dht.membership import Membership, QuorumState
+from parallax.dht.membership import Membership
 from parallax.dht.shards import Assignment
 from parallax.node.config.peer import NodeSettings
 from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.net.gossip import SurrogateGossip
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.handover import Ask, Finish, Handover, Served
+from parallax.node.peer.ownership import Side, leads, owners_of, plan_ownership, previous_owner
 from parallax.node.peer.telemetry import Telemetry
 from parallax.node.peer.views import LEAVING, SwarmViews
 from parallax.node.train.composer import ADAM_PREFIX, BadOptimizerState, Composer
 
 logger = logging.getLogger(__name__)
-
-
-def owners_of(assignment: Assignment | None) -> dict[ExpertId, tuple[str, ...]]:
-    """expert -> its owners' fingerprints in ``assignment``, best rank first (empty without one)."""
-    if assignment is None:
-        return {}
-    return {(layer, e): assignment.owners_of(layer, e) for layer, e, _, _ in assignment.items()}
 
 
 class Experts:
@@ -88,7 +82,8 @@ class Experts:
         self._assignment = assignment
         self._finish_resyncs()
         current = set(self.composer.owned_experts())
-        cut_off = view.quorum is QuorumState.LOST
+        plan = plan_ownership(assignment, self.fingerprint, view.quorum, current, set(self.handovers))
+        cut_off = plan.side is Side.CUT_OFF
         if cut_off != self.telemetry.status.cut_off:
             self.telemetry.status.cut_off = cut_off
             self.telemetry.event("cut_off" if cut_off else "rejoined", step=self.composer.step,
@@ -98,47 +93,36 @@ class Experts:
                 # The others trained our experts while we were away: their final snapshots are the ones to wait
                 # for, not our own copies from before the partition.
                 self.owners = owners_of(away)
+        if plan.side is Side.DOUBT:
+            return
+        for eid in plan.release:
+            self.release(eid)
+        for eid in plan.forget:
+            del self.handovers[eid]  # cut off, or it moved on before we took it
         if cut_off:
-            # Our side of a partition holds no quorum: the other side takes our experts; we take none of
-            # theirs, and keep the owners we knew for the hand-overs back.
-            for eid in sorted(current):
-                self.release(eid)
-            self.handovers.clear()
+            # The other side takes our experts; we take none of theirs, and keep the owners we knew for the
+            # hand-overs back.
             if current:
                 self.shard_event()
             return
-        if view.quorum is QuorumState.DOUBT:
-            return  # the quorum may be lost: take nothing, drop nothing until it is settled
-        target = {(layer, e) for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
-        for eid in sorted(current - target):
-            self.release(eid)
         now = self.clock()
         alive = view.alive(view.read_at)
-        for eid in sorted(target - current - set(self.handovers)):
-            before = self.owners.get(eid, ())
-            # With replicas, an owner that keeps the expert trains a live copy: take it over from that one.
-            keepers = [fp for fp in assignment.owners_of(*eid) if fp in before and fp != self.fingerprint
-                       and fp in alive and fp not in view.stalled]
-            previous = keepers[0] if keepers else (before[0] if before else None)
-            member = alive.get(previous) if previous and previous != self.fingerprint else None
-            if member is not None and previous in view.stalled:
-                member = None  # a banned or idle owner's copy is not waited for: the heir's, or the initialisation
+        for eid in plan.take:
+            previous, live = previous_owner(eid, assignment, self.owners.get(eid, ()), self.fingerprint, alive,
+                                            view.stalled)
             # Under churn the previous owner in our view may not be the node that trained the expert last:
             # after it, every other live composer that shows work is asked (a releaser serves its final snapshot
             # for minutes).
             handover = Handover(
-                source=member.heartbeat.peer_id if member else None,
+                source=alive[previous].heartbeat.peer_id if previous is not None else None,
                 others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
                         if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
                 started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
                 wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
-                has_own_copy=self.exchange.has_local_copy(eid), live_source=bool(keepers))
+                has_own_copy=self.exchange.has_local_copy(eid), live_source=live)
             self.handovers[eid] = (handover, None)
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
-            if eid not in target:
-                del self.handovers[eid]  # it moved on before we took it
-                continue
             handover, pending = self.handovers[eid]
             if pending is not None and pending.done():
                 self.handovers[eid] = (handover, None)
@@ -147,13 +131,12 @@ class Experts:
                 self._carry_out(eid, handover.tick(self.clock()))
         self.owners = owners_of(assignment)
         owned = set(self.composer.owned_experts())
-        for eid in sorted(owned - self.led):
-            if assignment.owner(*eid) == self.fingerprint:
-                self._take_lead(eid)
-        for eid in sorted(self.led & owned):
-            if assignment.owner(*eid) != self.fingerprint:  # still an owner, no longer the one that publishes
-                self.led.discard(eid)
-                self.gossip.disown(*eid)
+        lead = leads(assignment, self.fingerprint, owned)
+        for eid in sorted(lead - self.led):
+            self._take_lead(eid)
+        for eid in sorted((self.led & owned) - lead):  # still an owner, no longer the one that publishes
+            self.led.discard(eid)
+            self.gossip.disown(*eid)
         if owned != current:
             self.shard_event()
 

@@ -58,7 +58,8 @@ from parallax.node.outer.replicas import ReplicaRounds
 from parallax.node.outer.state import StateExchange
 from parallax.node.outer.transport import OuterGather, RoundPeers
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
-from parallax.node.peer.experts import Experts, owners_of
+from parallax.node.peer.experts import Experts
+from parallax.node.peer.ownership import owners_of
 from parallax.node.peer.redial import Redialer
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.sinks import open_sinks
