@@ -272,8 +272,8 @@ def test_deltas_each_under_the_growth_bound_cannot_compound_past_the_layer_s_oth
 
 def test_a_refusal_for_the_layer_bound_holds_nothing_against_the_owner() -> None:
     """A receiver whose copies of the layer's other surrogates are stale (cut off for a while) measures an honest,
-    fresh surrogate at several times them: the update is refused, but that is no evidence. Scoring it banned
-    honest owners, who then owned nothing in that node's view while they kept their experts in the others'."""
+    fresh surrogate at several times them: the update is refused, but that is no evidence. Scored, it would ban
+    honest owners, who would then own nothing in that node's view while keeping their experts in the others'."""
     from parallax.node.net.scores import Evidence
 
     g = torch.Generator().manual_seed(2)
