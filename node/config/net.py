@@ -107,8 +107,7 @@ class OuterConfig:
     """A groupmate that sends no chunk for this long is dropped from the all-reduce (the round is then
     inconsistent and verification discards it)."""
     verify_timeout_s: float = 15.0
-    """Wait at most this long for the participants' fingerprints in the DHT (loopback: 10); the wait ends as soon
-    as a majority agrees."""
+    """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0
@@ -149,11 +148,8 @@ class OuterConfig:
 
     @classmethod
     def loopback(cls) -> OuterConfig:
-        # verify_timeout_s: the wait for a majority's fingerprints ends as soon as they agree; 3 s runs out on a
-        # 2-core machine running four composers in the network lab, and the late participant drops a round the
-        # others keep.
         return cls(min_matchmaking_time_s=1.0, request_timeout_s=0.5, matchmaking_timeout_s=15.0,
-                   allreduce_timeout_s=20.0, next_chunk_timeout_s=5.0, verify_timeout_s=10.0, dht_timeout_s=2.0,
+                   allreduce_timeout_s=20.0, next_chunk_timeout_s=5.0, verify_timeout_s=3.0, dht_timeout_s=2.0,
                    startup_timeout_s=30.0, shutdown_timeout_s=3.0)
 
 
