@@ -259,8 +259,7 @@ class ExpertExchange:
         self.surrogate_shapes = {n: tuple(s) for n, s in (surrogate_shapes or {}).items()}
         self.heir_targets = heir_targets
         self.snapshot_every = snapshot_every
-        config = config if config is not None else ExchangeConfig()
-        self.poll_s, self.timeout_s = config.poll_s, config.timeout_s
+        self.config = config if config is not None else ExchangeConfig()
         self.store = SnapshotStore(keep_s)
         self.servicer = ExpertServicer(self.store, may_fetch)
         self.bytes_fetched = 0
@@ -354,7 +353,7 @@ class ExpertExchange:
             try:
                 found_targets = self.heir_targets()
                 if found_targets is None:  # no fresh view of the swarm: keep every copy, fetch nothing
-                    await asyncio.sleep(self.poll_s)
+                    await asyncio.sleep(self.config.poll_s)
                     continue
                 wanted = dict(found_targets)
                 self.forget_heir_copies(set(wanted))
@@ -372,11 +371,11 @@ class ExpertExchange:
                 raise
             except Exception:  # a bad view or a dying daemon must not end the heir loop
                 logger.exception("heir snapshot poll failed; retrying")
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(self.config.poll_s)
 
     async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
         try:
-            got = await asyncio.wait_for(self._fetch(peer, eid), self.timeout_s)
+            got = await asyncio.wait_for(self._fetch(peer, eid), self.config.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # peer gone, stream broken, timeout
