@@ -9,7 +9,10 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    merged this node's contribution in;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
-   more of its senders merged replaces ours (at most twice).
+   more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
+   set in sets without ours and went on to their next rounds, nobody can apply ours: our contribution is
+   offered again and collected with their next ones (a composer that started its round while the others were
+   merging theirs would otherwise wait out its verification and reload).
 """
 
 from __future__ import annotations
@@ -119,13 +122,15 @@ class GatheredRounds:
         me = pair(self.peer_id, n)
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
-        participants = self._collect(me, found)
+        give_up = time.monotonic() + cfg.net.matchmaking_timeout_s
+        participants = self._collect(me, found, give_up)
         common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
-        for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
+        # Our own set, then at most twice a set more of its members merged or a set collected again.
+        for _attempt in range(3):
             if participants is None or len(participants) < self._quorum():
                 self._withdraw(n)
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
@@ -148,12 +153,22 @@ class GatheredRounds:
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
                 other_set=functools.partial(_better_set, mine=me, current=participants, acceptable=self._acceptable,
                                             quorum=self._quorum()),
-                readers=self._live)
+                readers=self._live, moved_on=functools.partial(_moved_on, tag=tag))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
                 self.report(RoundStatus.OK, started, **common)
                 return merged
+            if status is RoundStatus.SUPERSEDED and time.monotonic() < give_up:
+                # The others merged the contributions of our set in sets without ours and went on to their next
+                # rounds, which they are collecting now: offer ours again and merge with those.
+                logger.info("outer round %s/%d: the other senders of its set merged theirs elsewhere; collecting "
+                            "again", self.group, n)
+                self._publish(dataclasses.replace(self._entries[n], fingerprint=b"", participants=()))
+                participants = self._collect(me, found, give_up)
+                common["allreduce_s"] = time.monotonic() - started - pack_s
+                deadline = time.monotonic() + cfg.net.verify_timeout_s
+                continue
             if other is None or not self._fetch_set(other, found, deadline):
                 break
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
@@ -232,16 +247,15 @@ class GatheredRounds:
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
 
-    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
+    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                 give_up: float) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
-        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``matchmaking_timeout_s``, while fewer
-        than a quorum have); or, when others already merged ours with theirs, their set. Returns the
-        contributions to merge (sorted pairs), or None when no quorum could be had."""
-        cfg = self.config
-        now = time.monotonic()
-        wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
+        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``give_up``, while fewer than a quorum
+        have); or, when others already merged ours with theirs, their set. Returns the contributions to merge
+        (sorted pairs), or None when no quorum could be had."""
+        wait_until = min(time.monotonic() + self.config.net.min_matchmaking_time_s, give_up)
         while True:
-            entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
+            entries = self._entries_of_live(min(self.config.net.dht_timeout_s, max(0.0, give_up - time.monotonic())))
             quorum = self._quorum()
             taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
                               .items() if len(members) >= quorum})
@@ -335,6 +349,19 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...
     """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""
     entry = decode_entries(record).get(split_pair(name)[1])
     return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
+
+
+def _moved_on(name: str, record: bytes, tag: bytes) -> bool:
+    """Has the sender of contribution ``name`` finished its round without merging the set tagged ``tag``: it
+    withdrew it, or merged it in another set and published a later round (a node runs one round of a group at a
+    time, so that vote is final)?"""
+    entries = decode_entries(record)
+    entry = entries.get(split_pair(name)[1])
+    if entry is None or not entry.fingerprint:
+        return False
+    if entry.fingerprint == WITHDRAWN:
+        return True
+    return max(entries) > entry.round_id and decode_fingerprint(entry.fingerprint, tag) is None
 
 
 def _better_set(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str, current: tuple[str, ...],

@@ -38,6 +38,7 @@ class RoundStatus(StrEnum):
     NO_TOKENS = "no_tokens"  # no participant processed any token: nothing to merge
     DIVERGED = "diverged"  # our result disagrees with the majority: reload the group from peers
     UNVERIFIED = "unverified"  # too few fingerprints arrived to form a majority: reload the group from peers
+    SUPERSEDED = "superseded"  # gathered: the other senders of our set merged their contributions in other sets
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class RoundReport:
         if self.status in (RoundStatus.DIVERGED, RoundStatus.UNVERIFIED):
             return True
         return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY,
-                                                        RoundStatus.NO_GROUP, RoundStatus.NO_TOKENS)
+                                                        RoundStatus.NO_GROUP, RoundStatus.NO_TOKENS,
+                                                        RoundStatus.SUPERSEDED)
 
 
 
@@ -120,7 +122,7 @@ class RoundRecords:
         self, fp: tuple[float, ...], participants: Sequence[str],
         read: Callable[[str, bytes], tuple[float, ...] | None], *, deadline: float | None = None,
         other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
-        readers: Callable[[], set[str]] = set,
+        readers: Callable[[], set[str]] = set, moved_on: Callable[[str, bytes], bool] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
         """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
 
@@ -130,9 +132,13 @@ class RoundRecords:
             other_set: a gathered round's check, each poll, for a set of contributions that more of their
                 senders merged than ours: the wait then ends, and the caller may merge that set instead.
             readers: () -> further peers whose records ``other_set`` sees (a gathered round: the live composers).
+            moved_on: a gathered round's (participant, its sender's rounds record) -> True when that sender has
+                finished the participant's round without merging our set: its vote is never coming.
 
         Returns:
-            (OK, DIVERGED when those who answered outvoted us, or UNVERIFIED when too few answered;
+            (OK, DIVERGED when those who answered outvoted us, UNVERIFIED when too few answered, or
+            SUPERSEDED when every fingerprint found agrees with ours but senders that ``moved_on`` leave a
+            majority out of reach: nobody can have applied our set;
             how many participants agree with us, us included; how many fingerprints we had, ours included;
             the other set, or None).
         """
@@ -156,6 +162,10 @@ class RoundRecords:
             if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
             disagreeing = len(others) + 1 - agreeing
+            gone = sum(1 for sender, name in senders.items() if name not in others and moved_on is not None
+                       and sender in records and moved_on(name, records[sender]))
+            if gone and disagreeing == 0 and 2 * gone >= len(participants):
+                return RoundStatus.SUPERSEDED, agreeing, len(others) + 1, None
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
                 # A majority is out of reach whoever answers later.
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, None

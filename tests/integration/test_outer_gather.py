@@ -9,6 +9,7 @@ rounds under a run id of its own and shuts its averagers down in ``finally``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,11 +20,17 @@ import torch
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
-from parallax.dht.testing import LocalSwarm, fixed_identity
+from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
-from parallax.node.outer.transport import OuterGather, RoundPeers, decode_contribution, encode_contribution
+from parallax.node.outer.transport import (
+    OuterGather,
+    RoundPeers,
+    decode_contribution,
+    decode_entries,
+    encode_contribution,
+)
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.robust import robust_merge_groups
 
@@ -235,6 +242,52 @@ def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
         assert report.status is RoundStatus.NO_GROUP and not report.needs_reload, report
         results = _run(averagers, _deltas(4, seed=6), tokens, round_id=6)
         assert all(r is not None for r in results) and len(averagers[3].last_report.participants) == 4
+
+
+def test_a_peer_whose_set_the_others_merged_elsewhere_offers_its_contribution_again(peers):
+    """Peer 3 starts its round while the others, who stopped waiting for it, are merging theirs: it merges their
+    contributions with its own, but they verify their set of three and go on to their next round. Nobody can
+    apply peer 3's set: once its other senders are past it, peer 3 offers its contribution again, and their next
+    round merges it with theirs. Nothing is reloaded and no round is lost; without the second offer peer 3 would
+    wait out its verification (20 s here) and reload."""
+    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=3.0, matchmaking_timeout_s=25.0,
+                                      verify_timeout_s=20.0)
+    ids = [p.dht.peer_id for p in peers]
+    merging, go = threading.Semaphore(0), threading.Event()
+
+    def hold(_merged: dict[str, torch.Tensor]) -> None:  # between a peer's merge and its fingerprint
+        merging.release()
+        go.wait(timeout=60)
+
+    with contextlib.ExitStack() as stack:
+        averagers = [stack.enter_context(GroupAverager(
+            p.dht, "gather", "superseded", SHAPES, config, p.signer, gather=p.gather,
+            peers=RoundPeers(lambda: ids), weight_cap=CAP)) for p in peers]
+        deltas, tokens = _deltas(4, seed=7), [CAP] * 4
+        with ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(a.run_round, d, t, round_id=5, fault=hold)
+                     for a, d, t in zip(averagers[:3], deltas[:3], tokens[:3], strict=True)]
+            for _ in range(3):
+                assert merging.acquire(timeout=60), [a.last_report for a in averagers[:3]]
+            late = pool.submit(averagers[3].run_round, deltas[3], tokens[3], round_id=5)
+            wait_until(lambda: _merged_round(averagers[3], ids[3], 5), timeout=30)
+            go.set()
+            assert all(f.result(timeout=60) is not None for f in first), [a.last_report for a in averagers[:3]]
+            assert all(len(a.last_report.participants) == 3 for a in averagers[:3])
+            nxt = [pool.submit(a.run_round, d, t, round_id=6)
+                   for a, d, t in zip(averagers[:3], _deltas(3, seed=8), tokens[:3], strict=True)]
+            results = [late.result(timeout=60)] + [f.result(timeout=60) for f in nxt]
+        reports = [a.last_report for a in averagers]
+        assert all(r is not None for r in results), reports
+        assert all(r.status is RoundStatus.OK and len(r.participants) == 4 for r in reports), reports
+        assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
+
+
+def _merged_round(averager: GroupAverager, peer: str, n: int) -> bool:
+    """Has ``peer`` published a fingerprint for its round ``n`` of ``averager``'s group?"""
+    record = averager.records.read([peer], 2.0).get(peer)
+    entry = decode_entries(record).get(n) if record is not None else None
+    return entry is not None and bool(entry.fingerprint)
 
 
 @pytest.mark.parametrize("blameless", [False, True])

@@ -3,8 +3,9 @@ records as data, no network)."""
 
 from __future__ import annotations
 
-from parallax.node.outer.gathered import _better_set
-from parallax.node.outer.transport import RoundEntry, pair
+from parallax.node.outer.gathered import _better_set, _moved_on
+from parallax.node.outer.transport import WITHDRAWN, RoundEntry, encode_entries, pair
+from parallax.node.outer.wire import encode_fingerprint, round_tag
 
 PEERS = ("A", "B", "C", "D")
 MINE = pair("A", 4)
@@ -43,3 +44,26 @@ def test_a_final_set_of_a_banned_or_absent_peer_or_below_the_quorum_is_not_taken
     entries = {"C": _entry("C", 6, theirs), "D": _entry("D", 5, theirs)}
     assert _better_set(entries, MINE, everyone, lambda p: p != "D", quorum=3) is None
     assert _better_set(entries, MINE, everyone, lambda _p: True, quorum=4) is None
+
+
+def test_a_sender_has_moved_on_only_once_its_vote_on_that_contribution_is_final() -> None:
+    """B's contribution of round 3 is in our set. B's vote on our set is never coming once B withdrew it, or merged
+    it in another set and published a later round; while B is still verifying another set it may switch to ours,
+    and a fingerprint for our set is a vote, not a refusal."""
+    ours, theirs = round_tag(0, _names(*PEERS)), round_tag(0, _names("B", "C", "D"))
+    fp = (1.0, 2.0, 3.0, 4.0)
+
+    def record(*entries: RoundEntry) -> bytes:
+        return encode_entries(list(entries))
+
+    def merged(n: int, tag: bytes) -> RoundEntry:
+        return RoundEntry(n, bytes(32), 100, 1.0, fingerprint=encode_fingerprint(fp, tag), participants=("x@1",))
+
+    b3 = pair("B", 3)
+    later = RoundEntry(4, bytes(32), 100, 1.0)
+    assert _moved_on(b3, record(merged(3, theirs), later), ours)
+    assert _moved_on(b3, record(RoundEntry(3, bytes(32), 100, 1.0, fingerprint=WITHDRAWN)), ours)
+    assert not _moved_on(b3, record(merged(3, theirs)), ours)  # still verifying: it may take ours
+    assert not _moved_on(b3, record(merged(3, ours), later), ours)  # it merged ours: a vote
+    assert not _moved_on(b3, record(RoundEntry(3, bytes(32), 100, 1.0), later), ours)  # open: not merged yet
+    assert not _moved_on(b3, record(later), ours)  # round 3 left its record: unknown
