@@ -70,6 +70,7 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCHES_AT_ONCE = 8
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
+_RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
@@ -100,8 +101,9 @@ class GatheredRounds:
         self.weight_cap, self.scores, self.report = weight_cap, scores, report
         self._entries: dict[int, RoundEntry] = {}  # this node's latest rounds
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
+        self._retry_at: dict[str, float] = {}  # contributions a fetch of failed for now -> when to ask again
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
-        self._lock = threading.Lock()  # _refused and _digests: contributions are fetched in parallel
+        self._lock = threading.Lock()  # _refused, _retry_at, _digests: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
@@ -275,7 +277,7 @@ class GatheredRounds:
         """Fetch contribution ``name`` (announced by ``entry``) into ``found``, once; False when it is unusable."""
         if name in found:
             return True
-        if name in self._refused:
+        if name in self._refused or time.monotonic() < self._retry_at.get(name, 0.0):
             return False
         peer = split_pair(name)[0]
         try:
@@ -288,15 +290,21 @@ class GatheredRounds:
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
-        except Exception as e:  # a bad body, or a broken stream: that contribution is out
+        except Exception as e:  # a bad body, or a broken stream: that contribution is out, or out for now
+            bad = isinstance(e, ContributionMismatch | MalformedMessage)
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
-            if self.scores is not None and isinstance(e, ContributionMismatch | MalformedMessage) and not blameless:
+            if self.scores is not None and bad and not blameless:
                 self.scores.record(peer, Evidence.FORGED)
             with self._lock:
-                self._refused[name] = repr(e)
-                while len(self._refused) > _REFUSED_KEPT:
-                    del self._refused[next(iter(self._refused))]
-            logger.warning("outer round %s: no usable contribution %s from peer %s: %s", self.group, name, peer, e)
+                if bad:
+                    self._refused[name] = repr(e)
+                else:  # not held (yet), a timeout, a broken stream: asked again after a pause
+                    self._retry_at[name] = time.monotonic() + _RETRY_S
+                for kept in (self._refused, self._retry_at):
+                    while len(kept) > _REFUSED_KEPT:
+                        del kept[next(iter(kept))]
+            logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
+                           "" if bad else " for now", e)
             return False
         found[name] = (tensors, entry.tokens)
         if self.peers.worked is not None:
@@ -324,16 +332,23 @@ class GatheredRounds:
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
-        """Fetch every contribution of ``names`` not held yet; True when all are held."""
-        missing = [name for name in names if name not in found]
-        if not missing:
-            return True
-        if entries is None:
-            entries = self._entries_of_live(min(self.config.net.dht_timeout_s, deadline - time.monotonic()))
-        announced = [(name, entry_of(entries, name)) for name in missing]
-        if any(entry is None for _, entry in announced):
-            return False
-        return all(self._fetch_all([(n, e) for n, e in announced if e is not None], found))
+        """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
+        fetch failed for now; True when all are held."""
+        while True:
+            missing = [name for name in names if name not in found]
+            if not missing:
+                return True
+            if any(name in self._refused for name in missing) or time.monotonic() >= deadline:
+                return False
+            if entries is None:
+                entries = self._entries_of_live(min(self.config.net.dht_timeout_s, deadline - time.monotonic()))
+            announced = [(name, entry_of(entries, name)) for name in missing]
+            if any(entry is None for _, entry in announced):
+                return False
+            if all(self._fetch_all([(n, e) for n, e in announced if e is not None], found)):
+                return True
+            retry = min((self._retry_at.get(name, 0.0) for name in missing if name not in found), default=0.0)
+            time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
 
     def _fetch_all(self, named: Iterable[tuple[str, RoundEntry]],
                    found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> list[bool]:
