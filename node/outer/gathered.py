@@ -136,14 +136,14 @@ class GatheredRounds:
             if participants is None or len(participants) < self._quorum():
                 self._withdraw(n)
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
-                self.report(RoundStatus.NO_GROUP, started, began_allreduce=self.gather.store.served(self.group, n),
-                            **common)
+                common["began_allreduce"] = self.gather.store.served(self.group, n)
+                self.report(RoundStatus.NO_GROUP, started, **common)
                 return None
             merged = self._merge(n, participants, found, common)
             if merged is None:
                 self._withdraw(n)
-                self.report(RoundStatus.NO_TOKENS, started, began_allreduce=self.gather.store.served(self.group, n),
-                            **common)
+                common["began_allreduce"] = self.gather.store.served(self.group, n)
+                self.report(RoundStatus.NO_TOKENS, started, **common)
                 return None
             if fault is not None:
                 fault(merged)

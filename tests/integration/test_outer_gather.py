@@ -70,16 +70,19 @@ def peers() -> Iterator[list[Peer]]:
 
 @contextlib.contextmanager
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
-               round_peers: RoundPeers | None = None) -> Iterator[list[GroupAverager]]:
+               round_peers: RoundPeers | None = None, quorum_waits: Sequence[float] | None = None,
+               ) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
     composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
-    loopback profile's 4 s ran out on a machine busy with other work): these tests are about what is merged."""
-    config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=15.0)
+    loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``: each peer's wait instead):
+    these tests are about what is merged."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
         averagers = []
-        for p, score in zip(peers, scores or [None] * len(peers), strict=True):
+        for p, score, wait in zip(peers, scores or [None] * len(peers), quorum_waits or [15.0] * len(peers),
+                                  strict=True):
+            config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=wait)
             averagers.append(stack.enter_context(GroupAverager(
                 p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
@@ -229,7 +232,8 @@ def test_peers_at_different_round_numbers_merge_their_current_contributions(peer
 def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
     # Peer 3 comes late: the others merged without it. Its contribution was never fetched, so it skips this
     # round without reloading (its progress goes into its next round) and the next round includes it again.
-    with _averagers(peers, "latecomer") as averagers:
+    # It waits 3 s for a quorum that is not coming.
+    with _averagers(peers, "latecomer", quorum_waits=[15.0, 15.0, 15.0, 3.0]) as averagers:
         deltas, tokens = _deltas(4, seed=5), [CAP] * 4
         with ThreadPoolExecutor(3) as pool:
             early = [pool.submit(a.run_round, d, t, round_id=5) for a, d, t in
@@ -296,7 +300,7 @@ def test_a_contribution_of_other_tensors_is_left_out_and_blamed_only_where_views
     its sender; in a replicated experts' round (``other_tensors_blameless``) the owners' views differ for a moment:
     the contribution is left out and nobody is blamed. The second peer's tensors are larger too: the first refuses
     its body by the announced size alone (never fetched), the second by its tensors."""
-    config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=6.0)  # no quorum comes: 6 s, not 15
+    config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=3.0)  # no quorum comes: 3 s, not 15
     ids = [p.dht.peer_id for p in peers[:2]]
     scores = [PeerScores() for _ in range(2)]
     shapes = [SHAPES, {"w": SHAPES["w"], "other": (32768,)}]
