@@ -10,9 +10,9 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
-   set in sets without ours and went on to their next rounds, nobody can apply ours: our contribution is
-   offered again and collected with their next ones (a composer that started its round while the others were
-   merging theirs would otherwise wait out its verification and reload).
+   set in sets without ours and went on to their next rounds, nobody can apply ours: the round ends at once,
+   its contribution withdrawn, and this node's delta goes into its next round (a composer that started its
+   round while the others were merging theirs would otherwise wait out its verification and reload).
 """
 
 from __future__ import annotations
@@ -124,15 +124,13 @@ class GatheredRounds:
         me = pair(self.peer_id, n)
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
-        give_up = time.monotonic() + cfg.net.matchmaking_timeout_s
-        participants = self._collect(me, found, give_up)
+        participants = self._collect(me, found)
         common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
-        # Our own set, then at most twice a set more of its members merged or a set collected again.
-        for _attempt in range(3):
+        for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
                 self._withdraw(n)
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
@@ -161,16 +159,13 @@ class GatheredRounds:
             if status is RoundStatus.OK:
                 self.report(RoundStatus.OK, started, **common)
                 return merged
-            if status is RoundStatus.SUPERSEDED and time.monotonic() < give_up:
-                # The others merged the contributions of our set in sets without ours and went on to their next
-                # rounds, which they are collecting now: offer ours again and merge with those.
-                logger.info("outer round %s/%d: the other senders of its set merged theirs elsewhere; collecting "
-                            "again", self.group, n)
-                self._publish(dataclasses.replace(self._entries[n], fingerprint=b"", participants=()))
-                participants = self._collect(me, found, give_up)
-                common["allreduce_s"] = time.monotonic() - started - pack_s
-                deadline = time.monotonic() + cfg.net.verify_timeout_s
-                continue
+            if status is RoundStatus.SUPERSEDED:
+                # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
+                # on. Ours comes off offer; this node's delta and tokens go into its next round, which meets theirs.
+                self._withdraw(n)
+                self.report(status, started, detail=f"{len(common['participants']) - agreeing} of the set's other "
+                                                     "senders merged theirs elsewhere", **common)
+                return None
             if other is None or not self._fetch_set(other, found, deadline):
                 break
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
@@ -249,19 +244,20 @@ class GatheredRounds:
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
 
-    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                 give_up: float) -> tuple[str, ...] | None:
+    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
-        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``give_up``, while fewer than a quorum
-        have); or, when others already merged ours with theirs, their set. Returns the contributions to merge
-        (sorted pairs), or None when no quorum could be had."""
-        wait_until = min(time.monotonic() + self.config.net.min_matchmaking_time_s, give_up)
+        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``matchmaking_timeout_s``, while fewer
+        than a quorum have); or, when others already merged ours with theirs, their set. Returns the
+        contributions to merge (sorted pairs), or None when no quorum could be had."""
+        cfg = self.config
+        now = time.monotonic()
+        wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         while True:
-            entries = self._entries_of_live(min(self.config.net.dht_timeout_s, max(0.0, give_up - time.monotonic())))
+            entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
             quorum = self._quorum()
             taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
                               .items() if len(members) >= quorum})
-            if taken is not None and self._fetch_set(taken, found, give_up, entries):
+            if taken is not None and self._fetch_set(taken, found, time.monotonic(), entries):
                 return taken
             current = open_contributions(entries)
             self._fetch_all(current.items(), found)
@@ -333,12 +329,12 @@ class GatheredRounds:
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
         """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
-        fetch failed for now; True when all are held."""
+        fetch failed for now (a deadline already past: one try); True when all are held."""
         while True:
             missing = [name for name in names if name not in found]
             if not missing:
                 return True
-            if any(name in self._refused for name in missing) or time.monotonic() >= deadline:
+            if any(name in self._refused for name in missing):
                 return False
             if entries is None:
                 entries = self._entries_of_live(min(self.config.net.dht_timeout_s, deadline - time.monotonic()))
@@ -347,6 +343,8 @@ class GatheredRounds:
                 return False
             if all(self._fetch_all([(n, e) for n, e in announced if e is not None], found)):
                 return True
+            if time.monotonic() >= deadline:
+                return False
             retry = min((self._retry_at.get(name, 0.0) for name in missing if name not in found), default=0.0)
             time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
 

@@ -248,12 +248,11 @@ def test_a_peer_that_comes_after_the_others_merged_skips_the_round(peers):
         assert all(r is not None for r in results) and len(averagers[3].last_report.participants) == 4
 
 
-def test_a_peer_whose_set_the_others_merged_elsewhere_offers_its_contribution_again(peers):
+def test_a_peer_whose_set_the_others_merged_elsewhere_ends_its_round_as_soon_as_they_move_on(peers):
     """Peer 3 starts its round while the others, who stopped waiting for it, are merging theirs: it merges their
     contributions with its own, but they verify their set of three and go on to their next round. Nobody can
-    apply peer 3's set: once its other senders are past it, peer 3 offers its contribution again, and their next
-    round merges it with theirs. Nothing is reloaded and no round is lost; without the second offer peer 3 would
-    wait out its verification (20 s here) and reload."""
+    apply peer 3's set: once its other senders are past it, peer 3 ends its round (no reload: nobody fetched its
+    contribution) instead of waiting out its verification (20 s here), and its next round meets theirs."""
     config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=3.0, matchmaking_timeout_s=25.0,
                                       verify_timeout_s=20.0)
     ids = [p.dht.peer_id for p in peers]
@@ -280,11 +279,13 @@ def test_a_peer_whose_set_the_others_merged_elsewhere_offers_its_contribution_ag
             assert all(len(a.last_report.participants) == 3 for a in averagers[:3])
             nxt = [pool.submit(a.run_round, d, t, round_id=6)
                    for a, d, t in zip(averagers[:3], _deltas(3, seed=8), tokens[:3], strict=True)]
-            results = [late.result(timeout=60)] + [f.result(timeout=60) for f in nxt]
-        reports = [a.last_report for a in averagers]
-        assert all(r is not None for r in results), reports
-        assert all(r.status is RoundStatus.OK and len(r.participants) == 4 for r in reports), reports
-        assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
+            assert late.result(timeout=60) is None
+            report = averagers[3].last_report
+            assert report.status is RoundStatus.SUPERSEDED and not report.needs_reload, report
+            assert all(f.result(timeout=60) is not None for f in nxt), [a.last_report for a in averagers[:3]]
+        results = _run(averagers, _deltas(4, seed=9), tokens, round_id=7)
+        assert all(r is not None for r in results), [a.last_report for a in averagers]
+        assert all(len(a.last_report.participants) == 4 for a in averagers)
 
 
 def _merged_round(averager: GroupAverager, peer: str, n: int) -> bool:
