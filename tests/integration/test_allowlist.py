@@ -89,13 +89,16 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         wait_until(lambda: all(trained(m, step + 3) for m in members), timeout=120, explain=swarm.describe)
         assert all(latest(read_metrics(m.metrics))["peers"] == 2 for m in members)
         assert all(m.alive for m in members)
+        # `swarm status` with the manifest reads the run as its members do: the stranger is not listed.
+        shown = json.loads(_cli("swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers,
+                                "--manifest", str(tmp_path / "run.json"), "--json", "--wait", "5"))
+        listed = {p["fingerprint"] for p in shown["peers"]}
+        assert identity.fingerprint not in listed and len(listed & member_fps) == 2, shown["peers"]
         # The members' merged shared groups are theirs: the stranger asks each of them and gets nothing.
         loop = NetworkLoop(stranger_dht, "stranger-net")
         try:
             shapes = model_shapes(train_config_from(manifest.settings_dict(), "the manifest"))
-            member_peers = [m["peer_id"] for m in json.loads(_cli(
-                "swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers, "--manifest",
-                str(tmp_path / "run.json"), "--json", "--wait", "5"))["peers"] if m["role"] == "composer"]
+            member_peers = [m["peer_id"] for m in shown["peers"] if m["role"] == "composer"]
             states = StateExchange(loop.p2p, loop.loop, RUN, lambda: member_peers,
                                    own_peer_id=stranger_dht.peer_id).start()
             try:
@@ -105,11 +108,6 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
                 states.close()
         finally:
             loop.close()
-        # `swarm status` with the manifest reads the run as its members do: the stranger is not listed.
-        shown = json.loads(_cli("swarm", "status", "--run-id", RUN, "--initial-peers", swarm.initial_peers,
-                                "--manifest", str(tmp_path / "run.json"), "--json", "--wait", "5"))
-        listed = {p["fingerprint"] for p in shown["peers"]}
-        assert identity.fingerprint not in listed and len(listed & member_fps) == 2, shown["peers"]
     finally:
         if stranger is not None:
             stranger.abandon()

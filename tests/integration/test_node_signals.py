@@ -89,33 +89,42 @@ def test_node_leaves_gracefully_and_leaves_nothing_behind(tmp_path: Path, how: s
 @pytest.mark.parametrize("command", ["node join", "dht bootstrap"])
 def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_started(tmp_path: Path,
                                                                                    command: str) -> None:
-    # Signalled while importing, while starting p2pd and the DHT, and while waiting for peers or serving.
+    # Signalled while importing, while starting p2pd and the DHT, and while waiting for peers or serving: four
+    # processes started together, each signalled at its own moment.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = {"node join": ["node", "join", "--cpu", "--quiet", "--loopback", "--min-peers", "2"],
             "dht bootstrap": ["dht", "bootstrap", "--host", "/ip4/127.0.0.1/tcp/0"]}[command]
-    for i, delay in enumerate((0.5, 2.0, 4.0, 8.0)):
-        folder = tmp_path / str(i)
-        folder.mkdir()
-        cmd = [sys.executable, "-m", "parallax.cli", *args, "--identity", str(folder / "k")]
-        with (folder / "out.log").open("wb") as out:
-            proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env)
-        started: dict[int, int] = {}
-        try:
-            time.sleep(delay)  # the moment of start-up under test: this wait is the input, not a synchronisation
-            started = _sessions_of(str(folder))
+    delays = (0.5, 2.0, 4.0, 8.0)
+    procs: list[subprocess.Popen[bytes]] = []
+    started: list[dict[int, int]] = [{} for _ in delays]
+    try:
+        for i in range(len(delays)):
+            folder = tmp_path / str(i)
+            folder.mkdir()
+            with (folder / "out.log").open("wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "parallax.cli", *args, "--identity", str(folder / "k")],
+                    start_new_session=True, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
+        t0 = time.monotonic()
+        signalled = []
+        for i, (proc, delay) in enumerate(zip(procs, delays, strict=True)):
+            # The moment of start-up under test: this wait is the input, not a synchronisation.
+            time.sleep(max(0.0, t0 + delay - time.monotonic()))
+            started[i] = _sessions_of(str(tmp_path / str(i)))
             os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl+C: the whole foreground group
-            signalled = time.monotonic()
+            signalled.append(time.monotonic())
+        for i, (proc, delay) in enumerate(zip(procs, delays, strict=True)):
             code = proc.wait(30)
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and any(_alive(p) for p in started):
+            while time.monotonic() < deadline and any(_alive(p) for p in started[i]):
                 time.sleep(0.1)
-            took = time.monotonic() - signalled
-            assert code in (0, 130), (delay, code, (folder / "out.log").read_text()[-2000:])
-            assert not [p for p in started if _alive(p)], f"left running after Ctrl+C at {delay} s"
-            print(f"{command}: Ctrl+C at {delay} s, everything gone {took:.2f} s later (exit {code})")
-        finally:
-            for sid in set(started.values()) | {proc.pid}:
+            took = time.monotonic() - signalled[i]
+            assert code in (0, 130), (delay, code, (tmp_path / str(i) / "out.log").read_text()[-2000:])
+            assert not [p for p in started[i] if _alive(p)], f"left running after Ctrl+C at {delay} s"
+            print(f"{command}: Ctrl+C at {delay} s, everything gone at most {took:.2f} s later (exit {code})")
+    finally:
+        for proc, sessions in zip(procs, started, strict=False):
+            for sid in set(sessions.values()) | {proc.pid}:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(sid, signal.SIGKILL)  # only sessions led by processes this test started
             with contextlib.suppress(ProcessLookupError):
