@@ -116,8 +116,10 @@ class NetLab:
         index = len(self.hosts) + 2
         host = Host(name, f"{self.prefix}-{name}", f"10.77.{self.lab}.{index}", f"v{self.lab}{name}")
         self._ns("add", host.namespace)
-        self._run("ip", "link", "add", host.port, "type", "veth", "peer", "name", "e0", "netns", host.namespace)
-        self._run("ip", "link", "set", host.port, "netns", self.bridge_ns)
+        # Both ends made inside the lab's namespaces: no name of it ever exists in the machine's own namespace, where
+        # another lab (another process) may use the same one.
+        self._run("ip", "-n", self.bridge_ns, "link", "add", host.port, "type", "veth", "peer", "name", "e0", "netns",
+                  host.namespace)
         self._run("ip", "-n", self.bridge_ns, "link", "set", host.port, "master", "br0")
         self._run("ip", "-n", self.bridge_ns, "link", "set", host.port, "up")
         self._run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "e0")

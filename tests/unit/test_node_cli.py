@@ -69,7 +69,7 @@ def test_config_file_errors_name_the_setting_and_the_file(tmp_path) -> None:
 def test_missing_data_file_is_an_error_not_a_traceback(tmp_path) -> None:
     result = join("--cpu", "--data", str(tmp_path / "nope.txt"), "--identity", str(tmp_path / "k"))
     assert result.exit_code == 1
-    assert "nope.txt" in result.output
+    assert "nope.txt" in result.output.replace("\n", "")  # the console wraps a long path anywhere
 
 
 def test_supervision_only_when_run_from_a_command_line() -> None:
