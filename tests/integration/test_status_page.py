@@ -51,6 +51,12 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
     watcher = None
     try:
         swarm.start_bootstrap()
+        # The whole run's page, from the DHT alone: its reader starts beside the nodes.
+        log = tmp_path / "watcher.log"
+        with log.open("wb") as out:
+            watcher = spawn([sys.executable, "-m", "parallax.cli", "swarm", "status", "--run-id", RUN,
+                             "--initial-peers", swarm.initial_peers, "--serve", "0", "--layers", "2", "--experts", "4"],
+                            env=None, stdout=out)
         watched = swarm.add_node("--status-port", "0", "--log-to", f"tensorboard:{tmp_path / 'tb'}")
         other = swarm.add_node()
         wait_until(lambda: all((latest(read_metrics(n.metrics)) or {}).get("peers") == 2 and
@@ -78,12 +84,7 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
         assert len(owners) == 8 and set(owners) == fingerprints  # tiny: 2 layers x 4 experts, each owned once
         assert "this node" in re.findall(r'<polyline[^>]*data-series="([^"]*)"', dom)
 
-        # The whole run's page, from the DHT alone.
-        log = tmp_path / "watcher.log"
-        with log.open("wb") as out:
-            watcher = spawn([sys.executable, "-m", "parallax.cli", "swarm", "status", "--run-id", RUN,
-                             "--initial-peers", swarm.initial_peers, "--serve", "0", "--layers", "2", "--experts", "4"],
-                            env=None, stdout=out)
+        # The whole run's page.
         wait_until(lambda: _url_in(log) is not None or watcher.poll() is not None, timeout=60)
         run_url = _url_in(log)
         assert run_url is not None, log.read_text()
