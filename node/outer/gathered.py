@@ -163,8 +163,8 @@ class GatheredRounds:
                 # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
                 # on. Ours comes off offer; this node's delta and tokens go into its next round, which meets theirs.
                 self._withdraw(n)
-                self.report(status, started, detail=f"{len(common['participants']) - agreeing} of the set's other "
-                                                     "senders merged theirs elsewhere", **common)
+                self.report(status, started, detail="a majority of the set's other senders merged theirs elsewhere "
+                                                     "and went on", **common)
                 return None
             if other is None or not self._fetch_set(other, found, deadline):
                 break

@@ -38,7 +38,7 @@ class RoundStatus(StrEnum):
     NO_TOKENS = "no_tokens"  # no participant processed any token: nothing to merge
     DIVERGED = "diverged"  # our result disagrees with the majority: reload the group from peers
     UNVERIFIED = "unverified"  # too few fingerprints arrived to form a majority: reload the group from peers
-    SUPERSEDED = "superseded"  # gathered: the other senders of our set merged their contributions in other sets
+    SUPERSEDED = "superseded"  # gathered: our set's other senders merged theirs elsewhere: nobody applies ours
 
 
 @dataclass(frozen=True)
