@@ -132,16 +132,12 @@ class GatheredRounds:
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
-                self._withdraw(n)
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
-                common["began_allreduce"] = self.gather.store.served(self.group, n)
-                self.report(RoundStatus.NO_GROUP, started, **common)
+                self._withdrawn(n, RoundStatus.NO_GROUP, started, common)
                 return None
             merged = self._merge(n, participants, found, common)
             if merged is None:
-                self._withdraw(n)
-                common["began_allreduce"] = self.gather.store.served(self.group, n)
-                self.report(RoundStatus.NO_TOKENS, started, **common)
+                self._withdrawn(n, RoundStatus.NO_TOKENS, started, common)
                 return None
             if fault is not None:
                 fault(merged)
@@ -162,9 +158,8 @@ class GatheredRounds:
             if status is RoundStatus.SUPERSEDED:
                 # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
                 # on. Ours comes off offer; this node's delta and tokens go into its next round, which meets theirs.
-                self._withdraw(n)
-                self.report(status, started, detail="a majority of the set's other senders merged theirs elsewhere "
-                                                     "and went on", **common)
+                common["detail"] = "a majority of the set's other senders merged theirs elsewhere and went on"
+                self._withdrawn(n, status, started, common)
                 return None
             if other is None or not self._fetch_set(other, found, deadline):
                 break
@@ -200,11 +195,14 @@ class GatheredRounds:
                       suspects=tuple(suspects))
         return merged
 
-    def _withdraw(self, n: int) -> None:
+    def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any]) -> None:
         """Round ``n`` merged nothing here: take its contribution off offer (a late peer must not merge what this
-        node will send again next round)."""
+        node will send again next round) and report ``status``, saying whether anyone fetched the contribution
+        (then others may have merged it: the caller reloads)."""
+        common["began_allreduce"] = self.gather.store.served(self.group, n)
         self.gather.store.drop(self.group, n)
         self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
+        self.report(status, started, **common)
 
     def _publish(self, entry: RoundEntry) -> None:
         """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds, fewer when large
@@ -364,11 +362,10 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...
     return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
 
 
-def _moved_on(name: str, record: bytes, tag: bytes) -> bool:
-    """Has the sender of contribution ``name`` finished its round without merging the set tagged ``tag``: it
-    withdrew it, or merged it in another set and published a later round (a node runs one round of a group at a
-    time, so that vote is final)?"""
-    entries = decode_entries(record)
+def _moved_on(name: str, entries: Mapping[int, RoundEntry], tag: bytes) -> bool:
+    """Has the sender of contribution ``name`` (its rounds record's ``entries``) finished its round without merging
+    the set tagged ``tag``: it withdrew it, or merged it in another set and published a later round (a node runs
+    one round of a group at a time, so that vote is final)?"""
     entry = entries.get(split_pair(name)[1])
     if entry is None or not entry.fingerprint:
         return False

@@ -122,7 +122,8 @@ class RoundRecords:
         self, fp: tuple[float, ...], participants: Sequence[str],
         read: Callable[[str, bytes], tuple[float, ...] | None], *, deadline: float | None = None,
         other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
-        readers: Callable[[], set[str]] = set, moved_on: Callable[[str, bytes], bool] | None = None,
+        readers: Callable[[], set[str]] = set,
+        moved_on: Callable[[str, Mapping[int, RoundEntry]], bool] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
         """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
 
@@ -132,7 +133,7 @@ class RoundRecords:
             other_set: a gathered round's check, each poll, for a set of contributions that more of their
                 senders merged than ours: the wait then ends, and the caller may merge that set instead.
             readers: () -> further peers whose records ``other_set`` sees (a gathered round: the live composers).
-            moved_on: a gathered round's (participant, its sender's rounds record) -> True when that sender has
+            moved_on: a gathered round's (participant, its sender's entries by round) -> True when that sender has
                 finished the participant's round without merging our set: its vote is never coming.
 
         Returns:
@@ -158,14 +159,16 @@ class RoundRecords:
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
                 return RoundStatus.OK, agreeing, len(others) + 1, None
-            other = other_set(latest_entries(records)) if other_set is not None else None
+            entries = latest_entries(records) if other_set is not None or moved_on is not None else {}
+            other = other_set(entries) if other_set is not None else None
             if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
             disagreeing = len(others) + 1 - agreeing
-            gone = sum(1 for sender, name in senders.items() if name not in others and moved_on is not None
-                       and sender in records and moved_on(name, records[sender]))
-            if gone and disagreeing == 0 and 2 * gone >= len(participants):
-                return RoundStatus.SUPERSEDED, agreeing, len(others) + 1, None
+            if moved_on is not None and disagreeing == 0:
+                gone = sum(1 for sender, name in senders.items()
+                           if name not in others and sender in entries and moved_on(name, entries[sender]))
+                if 2 * gone >= len(participants):
+                    return RoundStatus.SUPERSEDED, agreeing, len(others) + 1, None
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
                 # A majority is out of reach whoever answers later.
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
