@@ -77,6 +77,9 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     age_s: float = 0.0
     """How long before it was served the holder took it (a final one: when the holder released the expert)."""
+    taken_at: float = 0.0
+    """When the holder took it, on this node's monotonic clock (received less ``age_s``): copies from different
+    nodes are ordered by this, never by their steps (each node counts its own)."""
 
 
 # --- the message, both ways (pure) ----------------------------------------------------------------
@@ -319,10 +322,10 @@ class ExpertExchange:
         return self.heir_copy(eid) is not None or (entry is not None and entry[1])
 
     def take_local_copy(self, eid: ExpertId) -> tuple[Snapshot, str] | None:
-        """The newest copy of ``eid`` this node holds itself, with where it came from ("heir copy" or "own
-        release"); the heir copy is taken. An expert that comes back to the node that released it resumes
-        from that node's own final snapshot rather than from init (for example when a joiner leaves before it
-        took its experts over)."""
+        """The newest copy of ``eid`` this node holds itself (by when it was taken), with where it came from
+        ("heir copy" or "own release"); the heir copy is taken. An expert that comes back to the node that
+        released it resumes from that node's own final snapshot rather than from init (for example when a joiner
+        leaves before it took its experts over)."""
         found = []
         heir = self.take_heir_copy(eid)
         if heir is not None:
@@ -330,12 +333,13 @@ class ExpertExchange:
         entry = self.store.get(eid)
         if entry is not None and entry[1]:
             try:
-                found.append((decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
-                                              signer=self.sealer.identity.public_key,
-                                              surrogate_shapes=self.surrogate_shapes), "own release"))
+                own = decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
+                                      signer=self.sealer.identity.public_key, surrogate_shapes=self.surrogate_shapes)
+                found.append((dataclasses.replace(own, age_s=entry[3], taken_at=time.monotonic() - entry[3]),
+                              "own release"))
             except ProtocolError as e:  # our own encoding: only a bug gets here
                 logger.warning("own final snapshot of %s does not decode: %s", eid, e)
-        return max(found, key=lambda f: f[0].step, default=None)
+        return max(found, key=lambda f: f[0].taken_at, default=None)
 
     def forget_heir_copies(self, keep: set[ExpertId]) -> None:
         with self._lock:
@@ -397,7 +401,7 @@ class ExpertExchange:
             self.refused += 1
             logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)
             return None
-        return dataclasses.replace(snap, age_s=age_s)
+        return dataclasses.replace(snap, age_s=age_s, taken_at=time.monotonic() - age_s)
 
     async def _fetch(self, peer: str, eid: ExpertId) -> tuple[int, bool, float, bytes] | None:
         stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)

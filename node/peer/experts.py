@@ -159,11 +159,11 @@ class Experts:
                 self._finish(eid, action.best)
 
     def _finish(self, eid: ExpertId, best: Served | None) -> None:
+        assert best is None or isinstance(best, Snapshot)
         local = self.exchange.take_local_copy(eid)
-        if best is not None and local is not None and local[0].step > best.step:
-            best = None  # our own copy is newer than anything a live peer had
+        if best is not None and local is not None and local[0].taken_at > best.taken_at:
+            best = None  # our own copy was taken after anything a live peer served (steps are per node)
         if best is not None:
-            assert isinstance(best, Snapshot)
             self.adopt(eid, best, source="previous owner")
         else:
             self.adopt(eid, local[0] if local else None, source=local[1] if local else "init")

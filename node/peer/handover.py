@@ -11,8 +11,9 @@ request: a previous owner whose view lagged ours releases the expert (and serves
 later, and under churn the node that trained the expert last may not be the owner our view names. At most
 two requests a second per expert. The wait ends with the hand-over's final snapshot (released within
 ``handover_window_s`` before the adoption began, and not before this node came online), or when ``wait_s``
-has passed; the node then adopts the newest snapshot it was served, or its own heir copy when that is newer,
-or restarts the expert from its initialisation when it has neither.
+has passed; the node then adopts the newest snapshot it was served, or its own copy when that was taken later
+("newest" by when each holder took its copy: every node counts its own steps), or restarts the expert from its
+initialisation when it has neither.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Handover:
     asked_at: float = 0.0
     best: Served | None = None
     _last: Served | None = field(default=None, repr=False)
+    _best_taken: float = field(default=0.0, repr=False)  # when ``best``'s holder took it
 
     def start(self) -> list[Action]:
         """The first action: ask the source, or (dead source) another peer unless we hold our own copy."""
@@ -111,8 +113,9 @@ class Handover:
         if self.phase is not Phase.ASKING:
             return []
         self._last = snapshot
-        if snapshot is not None and (self.best is None or snapshot.step >= self.best.step):
-            self.best = snapshot
+        # The newest by when its holder took it: each node counts its own steps, so steps order nothing here.
+        if snapshot is not None and (self.best is None or now - snapshot.age_s >= self._best_taken):
+            self.best, self._best_taken = snapshot, now - snapshot.age_s
         if self._is_handover_final(snapshot, now) or now - self.started >= self.wait_s:
             return self._finish()
         self.phase = Phase.ANSWERED

@@ -97,13 +97,18 @@ def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:
     got = owner.take_local_copy(EID)
     assert got is not None and got[1] == "own release" and got[0].step == 6
     assert torch.equal(got[0].tensors["w_up.weight"], torch.full((6, 4), 6.0))
-    # the heir also holds a newer copy: the newest wins, and the heir copy is taken
+    # The heir holds both kinds: the copy taken last wins, whatever its step (each node counts its own steps),
+    # and an heir copy is taken.
+    heir.put(EID, 40, snapshot(40.0), final=True)
     owner.put(EID, 30, snapshot(30.0))
     ids["targets"][EID] = (ids["peer"], 30)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
-    heir.put(EID, 12, snapshot(12.0), final=True)
     got = heir.take_local_copy(EID)
     assert got is not None and got[1] == "heir copy" and got[0].step == 30
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)  # pulled again: it inherits it still
+    heir.put(EID, 12, snapshot(12.0), final=True)
+    got = heir.take_local_copy(EID)
+    assert got is not None and got[1] == "own release" and got[0].step == 12
 
 
 def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:

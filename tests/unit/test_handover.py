@@ -103,3 +103,18 @@ def test_a_live_co_owners_first_snapshot_ends_the_wait_and_one_from_another_peer
     assert h.tick(101.4) == [Ask("co")]
     live = Snap(step=44)  # periodic, not final: from the co-owner that keeps training it, enough
     assert h.answered(live, 101.5) == [Finish(live)]
+
+
+def test_the_best_snapshot_is_the_one_taken_last_whatever_its_step() -> None:
+    """Each node counts its own steps: a fast node's copy at step 500 taken 20 s ago is older than a slower
+    node's at step 40 taken a fifth of a second ago."""
+    h = _handover()
+    h.start()
+    old = Snap(step=500, age_s=20.0)  # taken at 81
+    assert h.answered(old, 101.0) == [Ask("owner")]
+    fresh = Snap(step=40, age_s=0.2)  # taken at 101
+    assert h.answered(fresh, 101.2) == []
+    assert h.best == fresh
+    assert h.tick(102.0) == [Ask("owner")]
+    assert h.answered(Snap(step=900, age_s=30.0), 102.1) == []  # taken at 72
+    assert h.tick(131.0) == [Finish(fresh)]
