@@ -82,7 +82,6 @@ def test_only_certified_members_train_in_an_allowlist_run(tmp_path: Path) -> Non
         # Its heartbeats land on the bootstrap alone (the members refuse them): on a busy machine that takes a while.
         stranger.start(timeout_s=90)
         # Its records reach the members (the bootstrap peer stores them: it validates no run) and are refused there.
-        wait_until(lambda: stranger.heartbeats_sent >= 2, timeout=120)
         wait_until(lambda: any("no member certificate in an allowlist run" in m.log.read_text(errors="replace")
                                for m in members), timeout=120)
         step = max(latest(read_metrics(m.metrics))["step"] for m in members)

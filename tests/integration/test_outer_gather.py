@@ -164,7 +164,8 @@ def test_one_attacker_moves_the_honest_merge_less_than_an_honest_peer_differs(pe
 
 def test_a_replayed_contribution_is_refused_and_counts_against_its_sender(peers):
     scores = [PeerScores() for _ in peers]
-    with _averagers(peers, "replayed", scores) as averagers:
+    # The replayer's own round, whose set nobody else merges, waits out a short quorum wait of its own.
+    with _averagers(peers, "replayed", scores, quorum_waits=[3.0, 15.0, 15.0, 15.0]) as averagers:
         first = _deltas(4, seed=7)
         assert all(r is not None for r in _run(averagers, first, [CAP] * 4, round_id=1))
         again = _deltas(4, seed=8)
