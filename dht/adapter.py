@@ -324,6 +324,30 @@ async def _ping(_dht: DHT, node: DHTNode, address: str, timeout_s: float) -> tup
     return connected - start, time.monotonic() - connected
 
 
+@dataclass
+class DHTCalls:
+    """Counts of one node's DHT calls and of the record bytes they carried: keys, subkeys and values stored,
+    values read back. hivemind's own traffic comes on top: each store goes to several of the nearest peers, each
+    read walks the key's neighbourhood, and every message is framed. Thread-safe."""
+
+    stores: int = 0
+    reads: int = 0
+    """Keys read (a read of several keys counts each)."""
+    bytes_stored: int = 0
+    bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def stored(self, size: int) -> None:
+        with self._lock:
+            self.stores += 1
+            self.bytes_stored += size
+
+    def read(self, keys: int, size: int) -> None:
+        with self._lock:
+            self.reads += keys
+            self.bytes_read += size
+
+
 class SwarmDHT:
     """A running hivemind DHT node with Parallax's record validators.
 
@@ -341,6 +365,9 @@ class SwarmDHT:
         self.forbidden_thread: int | None = None
         """A thread that must not call the network (the node's training loop); its calls are counted."""
         self.forbidden_calls = 0
+        self.calls = DHTCalls()
+        """What this node's own stores and reads asked of the DHT (what grows with the swarm: a read of the run's
+        members key returns every live heartbeat)."""
 
     @classmethod
     def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = (),
@@ -447,6 +474,7 @@ class SwarmDHT:
         the call timed out); never raises for network trouble.
         """
         self._check_thread("store")
+        self.calls.stored(len(key) + len(subkey) + len(value))
         with self._send_lock:
             future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
         try:
@@ -491,6 +519,8 @@ class SwarmDHT:
                     if isinstance(exp, float):
                         items[subkey] = (v, exp)
             out[key] = items
+        self.calls.read(len(keys), sum(len(v) for items in out.values() for v, _ in items.values()
+                                       if isinstance(v, bytes | bytearray)))
         return out
 
     def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:

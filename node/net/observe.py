@@ -68,6 +68,8 @@ NODE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "counter", "bytes_received"),
     ("parallax_gossip_bytes_total", "Surrogate payload bytes fetched and served.", "counter", "gossip_bytes"),
     ("parallax_snapshot_bytes_total", "Expert snapshot bytes fetched and served.", "counter", "snapshot_bytes"),
+    ("parallax_dht_requests_total", "DHT records stored and keys read by this node.", "counter", "dht_requests"),
+    ("parallax_dht_bytes_total", "Bytes of the DHT records this node stored and read.", "counter", "dht_bytes"),
     ("parallax_expert_adoptions_total", "Experts this node took over.", "counter", "adoptions"),
     ("parallax_expert_releases_total", "Experts this node handed over.", "counter", "releases"),
     ("parallax_cut_off", "1 while this node's side of a partition holds no quorum.", "gauge", "cut_off"),

@@ -57,6 +57,10 @@ class NodeStatus:
     """Expert snapshots fetched + served (heir copies, hand-overs)."""
     outer_bytes: int = 0
     """Outer-round contributions and group states fetched + served."""
+    dht_requests: int = 0
+    """Records this node stored in the DHT and keys it read (``SwarmDHT.calls``)."""
+    dht_bytes: int = 0
+    """Bytes of those records, stored and read back (hivemind's replication and routing not counted)."""
     offload_bytes: int = 0
     """Offload traffic with workers, both ways (weights, sketches, results)."""
     heir_copies: list[list[int]] = field(default_factory=list)
@@ -129,6 +133,7 @@ class Telemetry:
                 "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
                 "snapshot_bytes": s.snapshot_bytes, "outer_bytes": s.outer_bytes, "offload_bytes": s.offload_bytes,
+                "dht_requests": s.dht_requests, "dht_bytes": s.dht_bytes,
                 "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok, "tokens_per_s": round(s.tokens_per_s, 1)}
 
     def step(self, **fields: Any) -> None:

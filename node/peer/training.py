@@ -297,6 +297,8 @@ class Training:
         s.snapshot_bytes = snap_in + snap_out
         s.outer_bytes = outer_in + outer_out
         s.offload_bytes = off_in + off_out
+        calls = self.dht.calls
+        s.dht_requests, s.dht_bytes = calls.stores + calls.reads, calls.bytes_stored + calls.bytes_read
         s.rounds_ok = dict(self.rounds.rounds_ok)
         if self.replicas is not None:
             s.rounds_ok["experts"] = self.replicas.counts.applied

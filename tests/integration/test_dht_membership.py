@@ -119,3 +119,15 @@ def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
     a.membership.ignored = lambda fp, view: view.members[fp].heartbeat.peer_id == liar_peer
     wait_until(lambda: set(a.membership.view().assignment().peers) == {a.fp, b.fp}, timeout=5)
     assert liar.fp in b.membership.view().assignment().peers  # bans are each node's own
+
+
+def test_a_peers_dht_calls_are_counted_with_the_bytes_of_their_records(swarm: LocalSwarm):
+    """What ``parallax bench scale`` reads: each read of the members key brings every live heartbeat back."""
+    peers = [swarm.add(i, shards=SHARDS) for i in range(3)]
+    wait_until(lambda: all(len(p.membership.view().alive()) == 3 for p in peers), timeout=5)
+    calls = peers[0].dht.calls
+    stores, reads, read = calls.stores, calls.reads, calls.bytes_read
+    wait_until(lambda: calls.stores > stores and calls.reads > reads + 4, timeout=10)
+    # A signed heartbeat is over 64 bytes (its signature alone), and every read of the view returns three.
+    assert calls.bytes_read - read >= 3 * 64 * (calls.reads - reads) // (1 + SHARDS.n_layers)
+    assert calls.bytes_stored > 64 * calls.stores

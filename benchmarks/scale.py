@@ -1,0 +1,273 @@
+"""Swarms of growing size on one machine, measured the same way: ``parallax bench scale``.
+
+For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
+torch thread each) train the same steps with the same settings; once every node is a quarter through, a new
+composer joins, and once every node sees it, node 0 is SIGKILLed. Then the in-process simulator trains C
+composers for the same steps. Reported per size, from the nodes' own metrics:
+
+- traffic: outer-round bytes (contributions and states fetched and served) per round a node took part in, and
+  bytes per composer-step for training (surrogate gossip + outer rounds) and for durability (expert snapshots);
+- the DHT: records stored and keys read per peer per second, with their bytes (``SwarmDHT.calls``: the records
+  alone; hivemind replicates each store to several peers and walks the neighbourhood of each read on top), and
+  the size of one read of the run's members key, which holds every live heartbeat;
+- membership: seconds until every node's view shows the joiner (from its first heartbeat) and drops the killed
+  node (from the kill), read from the step lines, so at the resolution of a step;
+- outer rounds that completed, of those begun; start to first step (node start, imports excluded);
+- peak resident memory of each node (its training process and DHT process together) and of its p2pd, sampled
+  every second;
+- final validation loss: the median of the first nodes' own views (the killed one left out) against the
+  in-process run of C composers at the same steps.
+
+Every node and p2pd shares two cores here: the larger the swarm, the slower each node's steps and the later
+its answers, so times and the rounds that completed at 16 say as much about the crowded CPU as about the
+protocol (the report names the machine's cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from parallax.benchmarks.report import write_report
+from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
+from parallax.dht.keys import members_key
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, read_metrics
+
+PERIODS = {"router": 10, "latent": 20, "backbone": 40}
+Progress = Callable[[str], object]
+
+
+def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind") == kind]
+
+
+def _step(node: NodeProcess) -> int:
+    steps = _events(read_metrics(node.metrics), "step")
+    return int(steps[-1]["step"]) if steps else 0
+
+
+class _Peaks:
+    """The largest resident memory seen of each node's processes: its Python processes (the node and its DHT
+    process) together, and its p2pd."""
+
+    def __init__(self) -> None:
+        self.node_mb: dict[int, float] = {}
+        self.p2pd_mb: dict[int, float] = {}
+
+    def sample(self, nodes: list[NodeProcess]) -> None:
+        for n in nodes:
+            if not n.alive:
+                continue
+            try:
+                root = psutil.Process(n.process.pid)
+                procs = [root, *root.children(recursive=True)]
+                python = p2pd = 0
+                for p in procs:
+                    rss = p.memory_info().rss
+                    if p.name() == "p2pd":
+                        p2pd += rss
+                    elif p.name().startswith("python") or p is root:
+                        python += rss
+            except psutil.Error:  # it exited while we looked
+                continue
+            self.node_mb[n.index] = max(self.node_mb.get(n.index, 0.0), python / 2**20)
+            self.p2pd_mb[n.index] = max(self.p2pd_mb.get(n.index, 0.0), p2pd / 2**20)
+
+
+def _wait(condition: Callable[[], bool], peaks: _Peaks, swarm: LocalSwarm, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        peaks.sample(swarm.nodes)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {timeout_s:.0f} s; see {swarm.workdir}")
+        dead = [n.index for n in swarm.nodes if not n.alive and n.process.returncode not in (0, -9)]
+        if dead:
+            raise RuntimeError(f"node(s) {dead} failed; see {swarm.workdir}")
+        time.sleep(1.0)
+
+
+def _members_read_bytes(initial_peers: str, run_id: str) -> int | None:
+    """The bytes of one read of the run's members key, as a newcomer's first read of the view gets them."""
+    dht = SwarmDHT.start(DHTConfig(initial_peers=(initial_peers,), client_mode=True))
+    try:
+        found = dht.get_dicts([members_key(run_id)], latest=True, timeout_s=10)
+        return dht.calls.bytes_read if found is not None else None
+    finally:
+        dht.shutdown()
+
+
+def _first_seen(records: list[dict[str, Any]], since: float, ok: Callable[[int], bool]) -> float | None:
+    """When a node's step lines first showed a number of live composers that ``ok`` accepts, after ``since``."""
+    for r in _events(records, "step"):
+        if r["t"] >= since and ok(int(r.get("peers", 0))):
+            return float(r["t"])
+    return None
+
+
+def _until_all(times: list[float | None], since: float | None) -> float | None:
+    """Seconds from ``since`` until the last of ``times``; None unless every one came."""
+    if since is None or not times or any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None) - since
+
+
+def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
+    """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
+    join_at = max(5, steps // 4)
+    args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
+            "--final-eval", "--snapshot-every", "20"]
+    swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
+    peaks = _Peaks()
+    started = time.monotonic()
+    try:
+        swarm.start_bootstrap()
+        for _ in range(size):
+            swarm.add_node("--min-peers", str(size))
+        originals = list(swarm.nodes)
+        _wait(lambda: all(_step(n) >= join_at for n in originals), peaks, swarm, 1800,
+              f"not every node reached step {join_at}")
+        joiner = swarm.add_node("--steps", str(steps - join_at))
+        progress(f"{size} composers past step {join_at} after {time.monotonic() - started:.0f} s; one joins")
+        _wait(lambda: all((r := _events(read_metrics(n.metrics), "step")) and r[-1].get("peers", 0) >= size + 1
+                          for n in originals), peaks, swarm, 300, "the joiner was not seen by every node")
+        members_bytes = _members_read_bytes(swarm.initial_peers, swarm.run_id)
+        killed_at = dht_time()
+        swarm.kill(0)
+        progress(f"every node sees {size + 1}; node 0 killed")
+        _wait(lambda: all(not n.alive for n in swarm.nodes), peaks, swarm, 1800, "the swarm did not finish")
+    finally:
+        swarm.close()
+    wall_s = time.monotonic() - started
+    records = swarm.metrics()
+    codes = [n.process.returncode for n in swarm.nodes]
+    survivors = [i for i in range(len(swarm.nodes)) if i != 0]
+    joiner_records = records[joiner.index]
+    online = _events(joiner_records, "network_started")
+    joined_at = float(online[0]["t"]) if online else None
+    seen_join = [_first_seen(records[i], joined_at, lambda p: p >= size + 1) if joined_at else None
+                 for i in range(size)]
+    seen_death = [_first_seen(records[i], killed_at, lambda p: p <= size) for i in survivors]
+
+    per_node: list[dict[str, Any]] = []
+    for i in survivors:
+        r = records[i]
+        final = final_counters(r) or {}
+        rounds = _events(r, "round")
+        ok = [x for x in rounds if x["status"] == "ok"]
+        n_steps = len(_events(r, "step"))
+        first = _events(r, "first_step")
+        alive_s = (r[-1]["t"] - first[0]["t"]) if first and r else None
+        outer, gossip, snap = (final.get(k, 0) for k in ("outer_bytes", "gossip_bytes", "snapshot_bytes"))
+        per_node.append({
+            "node": i, "joiner": i == joiner.index, "exit_code": codes[i], "steps": n_steps,
+            "val_loss": (e[-1]["val_loss"] if (e := _events(r, "final_eval")) else None),
+            "rounds": len(rounds), "rounds_ok": len(ok),
+            "outer_bytes_per_round": outer / len(ok) if ok else None,
+            "training_bytes_per_step": (gossip + outer) / n_steps if n_steps else None,
+            "snapshot_bytes_per_step": snap / n_steps if n_steps else None,
+            "dht_requests_per_s": final.get("dht_requests", 0) / alive_s if alive_s else None,
+            "dht_bytes_per_s": final.get("dht_bytes", 0) / alive_s if alive_s else None,
+            "first_step_s": first[0]["seconds"] if first else None,
+            "peak_rss_mb": peaks.node_mb.get(i), "p2pd_peak_rss_mb": peaks.p2pd_mb.get(i),
+        })
+
+    def med(key: str, nodes: list[dict[str, Any]] = per_node) -> float | None:
+        values = [n[key] for n in nodes if n[key] is not None]
+        return statistics.median(values) if values else None
+
+    firsts = [n for n in per_node if not n["joiner"]]
+    joiner_first = _events(joiner_records, "first_step")
+    losses = [n["val_loss"] for n in firsts if n["val_loss"] is not None]
+    progress(f"{size} composers done in {wall_s:.0f} s; the in-process run of {size} composers, {steps} steps")
+    reference = _in_process(size, steps)
+    swarm_loss = statistics.median(losses) if losses else None
+    all_rounds = sum(n["rounds"] for n in per_node)
+    return {
+        "composers": size, "steps": steps, "wall_s": round(wall_s, 1), "exit_codes": codes,
+        "bytes_per_round_per_peer": med("outer_bytes_per_round"),
+        "training_bytes_per_step": med("training_bytes_per_step"),
+        "snapshot_bytes_per_step": med("snapshot_bytes_per_step"),
+        "dht_requests_per_peer_s": med("dht_requests_per_s"),
+        "dht_bytes_per_peer_s": med("dht_bytes_per_s"),
+        "members_read_bytes": members_bytes,
+        "join_seen_by_all_s": _until_all(seen_join, joined_at),
+        "death_seen_by_all_s": _until_all(seen_death, killed_at),
+        "death_seen_by": sum(1 for t in seen_death if t is not None), "survivors": len(survivors),
+        "rounds_ok_fraction": sum(n["rounds_ok"] for n in per_node) / all_rounds if all_rounds else None,
+        "join_to_first_step_s": joiner_first[0]["seconds"] if joiner_first else None,
+        "start_to_first_step_s": med("first_step_s", firsts),
+        "peak_rss_mb": med("peak_rss_mb"), "peak_rss_mb_max": max((n["peak_rss_mb"] or 0) for n in per_node),
+        "p2pd_peak_rss_mb": med("p2pd_peak_rss_mb"),
+        "val_loss": swarm_loss, "in_process_val_loss": reference,
+        "val_loss_over_in_process": swarm_loss / reference if swarm_loss and reference else None,
+        "per_node": per_node, "workdir": str(workdir),
+    }
+
+
+def _in_process(composers: int, steps: int) -> float:
+    from parallax.node.config.train import train_config
+    from parallax.node.config.typed import apply_changes
+    from parallax.node.sim.simulator import RunSpec, run
+    from parallax.node.train.data import load_corpus, split_corpus
+
+    cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS})
+    result = run(RunSpec(name="scale", kind="parallax", cfg=cfg, composers=composers),
+                 *split_corpus(load_corpus(None), seq_len=cfg.model.seq_len))
+    return float(result.val_loss)
+
+
+def run_scale_bench(sizes: list[int], steps: int = 200, workdir: Path | None = None,
+                    progress: Progress = print) -> dict[str, Any]:
+    """Every size in turn (module docstring); returns the report (JSON-able)."""
+    root = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-scale-"))
+    out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "memory_gb": round(psutil.virtual_memory().total
+                                                                                      / 2**30, 1),
+                           "preset": "tiny", "steps": steps, "periods": PERIODS, "sizes": {}}
+    for size in sizes:
+        out["sizes"][str(size)] = run_size(size, steps, root / f"c{size}", progress)
+    return out
+
+
+ROWS = [
+    ("outer bytes per round per peer", "bytes_per_round_per_peer", "{:,.0f}"),
+    ("training bytes per composer-step", "training_bytes_per_step", "{:,.0f}"),
+    ("snapshot bytes per composer-step", "snapshot_bytes_per_step", "{:,.0f}"),
+    ("DHT requests per peer per s", "dht_requests_per_peer_s", "{:.1f}"),
+    ("DHT record bytes per peer per s", "dht_bytes_per_peer_s", "{:,.0f}"),
+    ("one read of the members key, bytes", "members_read_bytes", "{:,.0f}"),
+    ("join seen by every node, s", "join_seen_by_all_s", "{:.2f}"),
+    ("death seen by every survivor, s", "death_seen_by_all_s", "{:.2f}"),
+    ("outer rounds completed", "rounds_ok_fraction", "{:.1%}"),
+    ("node start to first step (median), s", "start_to_first_step_s", "{:.2f}"),
+    ("joiner: node start to first step, s", "join_to_first_step_s", "{:.2f}"),
+    ("peak RSS per node (median), MB", "peak_rss_mb", "{:,.0f}"),
+    ("peak RSS per node (max), MB", "peak_rss_mb_max", "{:,.0f}"),
+    ("peak RSS per p2pd (median), MB", "p2pd_peak_rss_mb", "{:,.0f}"),
+    ("final val loss (median own view)", "val_loss", "{:.4f}"),
+    ("in-process, same composers and steps", "in_process_val_loss", "{:.4f}"),
+    ("swarm / in-process", "val_loss_over_in_process", "{:.3f}"),
+    ("wall time of the swarm, s", "wall_s", "{:.0f}"),
+]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    sizes = report["sizes"]
+    lines = [f"Swarms of the {report['preset']} preset, {report['steps']} steps, periods {report['periods']}, "
+             f"on {report['cores']} cores and {report['memory_gb']} GB: one joiner, one node killed",
+             "", "| composers | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for label, key, fmt in ROWS:
+        cells = ["-" if s.get(key) is None else fmt.format(s[key]) for s in sizes.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], json_path: str | Path | None) -> None:
+    write_report(report, markdown(report), json_path)
