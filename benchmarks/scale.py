@@ -2,7 +2,7 @@
 
 For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
 torch thread each) train the same steps with the same settings; once every node is a quarter through, a new
-composer joins, and once every node sees it, node 0 is SIGKILLed. Then the in-process simulator trains C
+composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are done. Then the in-process simulator trains C
 composers for the same steps. Reported per size, from the nodes' own metrics:
 
 - traffic: outer-round bytes (contributions and states fetched and served) per round a node took part in, and
@@ -38,7 +38,9 @@ import psutil
 
 from parallax.benchmarks.report import write_report
 from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
-from parallax.dht.keys import members_key
+from parallax.dht.keys import members_key, protected_keys
+from parallax.dht.records import Ed25519RecordValidator
+from parallax.node.config.train import SHARED_GROUPS
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, read_metrics
 
 PERIODS = {"router": 10, "latent": 20, "backbone": 40}
@@ -94,12 +96,14 @@ def _wait(condition: Callable[[], bool], peaks: _Peaks, swarm: LocalSwarm, timeo
         time.sleep(1.0)
 
 
-def _members_read_bytes(initial_peers: str, run_id: str) -> int | None:
-    """The bytes of one read of the run's members key, as a newcomer's first read of the view gets them."""
-    dht = SwarmDHT.start(DHTConfig(initial_peers=(initial_peers,), client_mode=True))
+def _members_read(initial_peers: str, run_id: str, layers: int) -> tuple[int, int] | None:
+    """One read of the run's members key as a newcomer's first view gets it: (bytes of the heartbeats, signatures
+    checked and stripped; how many)."""
+    validator = Ed25519RecordValidator(None, protected_keys=protected_keys(run_id, layers, SHARED_GROUPS))
+    dht = SwarmDHT.start(DHTConfig(initial_peers=(initial_peers,), client_mode=True), [validator])
     try:
         found = dht.get_dicts([members_key(run_id)], latest=True, timeout_s=10)
-        return dht.calls.bytes_read if found is not None else None
+        return None if found is None else (dht.calls.bytes_read, len(found[members_key(run_id)]))
     finally:
         dht.shutdown()
 
@@ -123,14 +127,14 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
     """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
     join_at = max(5, steps // 4)
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
-            "--final-eval", "--snapshot-every", "20"]
+            "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
     peaks = _Peaks()
     started = time.monotonic()
     try:
         swarm.start_bootstrap()
         for _ in range(size):
-            swarm.add_node("--min-peers", str(size))
+            swarm.add_node("--min-peers", str(size), "--steps", str(steps))
         originals = list(swarm.nodes)
         _wait(lambda: all(_step(n) >= join_at for n in originals), peaks, swarm, 1800,
               f"not every node reached step {join_at}")
@@ -138,11 +142,12 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
         progress(f"{size} composers past step {join_at} after {time.monotonic() - started:.0f} s; one joins")
         _wait(lambda: all((r := _events(read_metrics(n.metrics), "step")) and r[-1].get("peers", 0) >= size + 1
                           for n in originals), peaks, swarm, 300, "the joiner was not seen by every node")
-        members_bytes = _members_read_bytes(swarm.initial_peers, swarm.run_id)
+        members = _members_read(swarm.initial_peers, swarm.run_id, layers=2)
         killed_at = dht_time()
         swarm.kill(0)
         progress(f"every node sees {size + 1}; node 0 killed")
-        _wait(lambda: all(not n.alive for n in swarm.nodes), peaks, swarm, 1800, "the swarm did not finish")
+        _wait(lambda: all(not n.alive for n in originals), peaks, swarm, 1800, "the swarm did not finish")
+        swarm.stop_node(joiner.index)  # it joined later: it leaves with the others
     finally:
         swarm.close()
     wall_s = time.monotonic() - started
@@ -197,7 +202,7 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
         "snapshot_bytes_per_step": med("snapshot_bytes_per_step"),
         "dht_requests_per_peer_s": med("dht_requests_per_s"),
         "dht_bytes_per_peer_s": med("dht_bytes_per_s"),
-        "members_read_bytes": members_bytes,
+        "members_read_bytes": members[0] if members else None, "members_read_entries": members[1] if members else None,
         "join_seen_by_all_s": _until_all(seen_join, joined_at),
         "death_seen_by_all_s": _until_all(seen_death, killed_at),
         "death_seen_by": sum(1 for t in seen_death if t is not None), "survivors": len(survivors),
@@ -242,7 +247,8 @@ ROWS = [
     ("snapshot bytes per composer-step", "snapshot_bytes_per_step", "{:,.0f}"),
     ("DHT requests per peer per s", "dht_requests_per_peer_s", "{:.1f}"),
     ("DHT record bytes per peer per s", "dht_bytes_per_peer_s", "{:,.0f}"),
-    ("one read of the members key, bytes", "members_read_bytes", "{:,.0f}"),
+    ("one read of the members key, bytes (signatures stripped)", "members_read_bytes", "{:,.0f}"),
+    ("heartbeats in that read", "members_read_entries", "{:.0f}"),
     ("join seen by every node, s", "join_seen_by_all_s", "{:.2f}"),
     ("death seen by every survivor, s", "death_seen_by_all_s", "{:.2f}"),
     ("outer rounds completed", "rounds_ok_fraction", "{:.1%}"),
