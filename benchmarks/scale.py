@@ -2,8 +2,9 @@
 
 For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
 torch thread each) train the same steps with the same settings; once every node is a quarter through, a new
-composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are done. Then the in-process simulator trains C
-composers for the same steps. Reported per size, from the nodes' own metrics:
+composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are
+done. Steps are of 32 sequences by default: the preset's 8 take a few milliseconds on a shared core, too few for
+outer rounds every 25 steps to keep up. Then the in-process simulator trains C composers for the same steps. Reported per size, from the nodes' own metrics:
 
 - traffic: outer-round bytes (contributions and states fetched and served) per round a node took part in, and
   bytes per composer-step for training (surrogate gossip + outer rounds) and for durability (expert snapshots);
@@ -43,7 +44,7 @@ from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.train import SHARED_GROUPS
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, read_metrics
 
-PERIODS = {"router": 10, "latent": 20, "backbone": 40}
+PERIODS = {"router": 25, "latent": 50, "backbone": 100}  # the tiny preset's own
 Progress = Callable[[str], object]
 
 
@@ -123,11 +124,11 @@ def _until_all(times: list[float | None], since: float | None) -> float | None:
     return max(t for t in times if t is not None) - since
 
 
-def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
+def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
     """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
     join_at = max(5, steps // 4)
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
-            "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
+            "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
     peaks = _Peaks()
     started = time.monotonic()
@@ -141,7 +142,10 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
         joiner = swarm.add_node("--steps", str(steps - join_at))
         progress(f"{size} composers past step {join_at} after {time.monotonic() - started:.0f} s; one joins")
         _wait(lambda: all((r := _events(read_metrics(n.metrics), "step")) and r[-1].get("peers", 0) >= size + 1
-                          for n in originals), peaks, swarm, 300, "the joiner was not seen by every node")
+                          for n in originals) or not all(n.alive for n in originals), peaks, swarm, 300,
+              "the joiner was not seen by every node")
+        if not all(n.alive for n in originals):
+            raise RuntimeError(f"a node finished before every node saw the joiner: raise --steps; see {workdir}")
         members = _members_read(swarm.initial_peers, swarm.run_id, layers=2)
         killed_at = dht_time()
         swarm.kill(0)
@@ -192,7 +196,7 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
     joiner_first = _events(joiner_records, "first_step")
     losses = [n["val_loss"] for n in firsts if n["val_loss"] is not None]
     progress(f"{size} composers done in {wall_s:.0f} s; the in-process run of {size} composers, {steps} steps")
-    reference = _in_process(size, steps)
+    reference = _in_process(size, steps, batch_size)
     swarm_loss = statistics.median(losses) if losses else None
     all_rounds = sum(n["rounds"] for n in per_node)
     return {
@@ -217,27 +221,28 @@ def run_size(size: int, steps: int, workdir: Path, progress: Progress = print) -
     }
 
 
-def _in_process(composers: int, steps: int) -> float:
+def _in_process(composers: int, steps: int, batch_size: int) -> float:
     from parallax.node.config.train import train_config
     from parallax.node.config.typed import apply_changes
     from parallax.node.sim.simulator import RunSpec, run
     from parallax.node.train.data import load_corpus, split_corpus
 
-    cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS})
+    cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS, "batch_size": batch_size})
     result = run(RunSpec(name="scale", kind="parallax", cfg=cfg, composers=composers),
                  *split_corpus(load_corpus(None), seq_len=cfg.model.seq_len))
     return float(result.val_loss)
 
 
-def run_scale_bench(sizes: list[int], steps: int = 200, workdir: Path | None = None,
+def run_scale_bench(sizes: list[int], steps: int = 400, batch_size: int = 32, workdir: Path | None = None,
                     progress: Progress = print) -> dict[str, Any]:
     """Every size in turn (module docstring); returns the report (JSON-able)."""
     root = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-scale-"))
     out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "memory_gb": round(psutil.virtual_memory().total
                                                                                       / 2**30, 1),
-                           "preset": "tiny", "steps": steps, "periods": PERIODS, "sizes": {}}
+                           "preset": "tiny", "steps": steps, "batch_size": batch_size, "periods": PERIODS,
+                           "sizes": {}}
     for size in sizes:
-        out["sizes"][str(size)] = run_size(size, steps, root / f"c{size}", progress)
+        out["sizes"][str(size)] = run_size(size, steps, batch_size, root / f"c{size}", progress)
     return out
 
 
@@ -266,7 +271,8 @@ ROWS = [
 
 def markdown(report: dict[str, Any]) -> str:
     sizes = report["sizes"]
-    lines = [f"Swarms of the {report['preset']} preset, {report['steps']} steps, periods {report['periods']}, "
+    lines = [f"Swarms of the {report['preset']} preset, {report['steps']} steps of {report['batch_size']} sequences, "
+             f"periods {report['periods']}, "
              f"on {report['cores']} cores and {report['memory_gb']} GB: one joiner, one node killed",
              "", "| composers | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for label, key, fmt in ROWS:
