@@ -3,8 +3,9 @@
 For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
 torch thread each) train the same steps with the same settings; once every node is a quarter through, a new
 composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are
-done. Steps are of 32 sequences by default: the preset's 8 take a few milliseconds on a shared core, too few for
-outer rounds every 25 steps to keep up. Then the in-process simulator trains C composers for the same steps. Reported per size, from the nodes' own metrics:
+done. Steps are of 32 sequences by default: the preset's 8 take a few milliseconds on a shared core, too
+few for outer rounds every 25 steps to keep up. Then the in-process simulator trains C composers for the same
+steps. Reported per size, from the nodes' own metrics:
 
 - traffic: outer-round bytes (contributions and states fetched and served) per round a node took part in, and
   bytes per composer-step for training (surrogate gossip + outer rounds) and for durability (expert snapshots);
@@ -233,7 +234,7 @@ def _in_process(composers: int, steps: int, batch_size: int) -> float:
     return float(result.val_loss)
 
 
-def run_scale_bench(sizes: list[int], steps: int = 400, batch_size: int = 32, workdir: Path | None = None,
+def run_scale_bench(sizes: list[int], steps: int = 1000, batch_size: int = 32, workdir: Path | None = None,
                     progress: Progress = print) -> dict[str, Any]:
     """Every size in turn (module docstring); returns the report (JSON-able)."""
     root = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-scale-"))

@@ -207,7 +207,7 @@ def _sizes(text: str, minimum: int = 1) -> list[int]:
 @bench_app.command("scale")
 def scale(
     sizes: str = typer.Option("4,8,16", "--sizes", help="Comma-separated numbers of composers, one swarm each."),
-    steps: int = typer.Option(400, "--steps", min=40, help="Inner steps per composer (and of each in-process run)."),
+    steps: int = typer.Option(1000, "--steps", min=40, help="Inner steps per composer (and of each in-process run)."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Sequences per step (the tiny preset's 8 take "
                                    "a few milliseconds: too few for rounds every 25 steps to keep up)."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
