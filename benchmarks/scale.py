@@ -1,7 +1,7 @@
 """Swarms of growing size on one machine, measured the same way: ``parallax bench scale``.
 
 For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
-torch thread each) train the same steps with the same settings; once every node is a quarter through, a new
+torch thread each) train the same steps with the same settings; once every node is a tenth through, a new
 composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are
 done. Steps are of 32 sequences by default: the preset's 8 take a few milliseconds on a shared core, too
 few for outer rounds every 25 steps to keep up. Then the in-process simulator trains C composers for the same
@@ -15,8 +15,8 @@ steps. Reported per size, from the nodes' own metrics:
 - membership: seconds until every node's view shows the joiner (from its first heartbeat) and drops the killed
   node (from the kill), read from the step lines, so at the resolution of a step;
 - outer rounds that completed, of those begun; start to first step (node start, imports excluded);
-- peak resident memory of each node (its training process and DHT process together) and of its p2pd, sampled
-  every second;
+- peak resident memory of each node (its training process and DHT process together, so pages the two share
+  count twice) and of its p2pd, sampled every second;
 - final validation loss: the median of the first nodes' own views (the killed one left out) against the
   in-process run of C composers at the same steps.
 
@@ -127,7 +127,7 @@ def _until_all(times: list[float | None], since: float | None) -> float | None:
 
 def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
     """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
-    join_at = max(5, steps // 4)
+    join_at = max(5, steps // 10)  # the joiner's start-up and the death's detection both happen while all train
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
             "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
