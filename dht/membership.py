@@ -604,6 +604,13 @@ class Membership:
         """The experts this node owns in its latest view, by layer."""
         return dict(self._owned)
 
+    def assigned(self) -> bool:
+        """Whether this node's latest view has a shard assignment with this node among its composers, whether or
+        not it owns an expert there (with more composers than a layer has experts, some own none in that layer,
+        and a swarm larger than all the experts has composers that own none at all)."""
+        assignment, _ = self._ownership
+        return assignment is not None and self.fingerprint in assignment.peers
+
     def update(self, *, step: int | None = None, versions: Mapping[str, int] | None = None,
                loss: float | None = None, suspects: Mapping[str, float] | None = None,
                banned: Sequence[str] | None = None) -> None:

@@ -336,9 +336,11 @@ class Node:
         return session
 
     def _wait_for_shard(self, membership: Membership) -> tuple[dict[int, frozenset[int]], bool]:
-        """Wait until the live assignment gives us experts and has been stable for a moment, or, joining a
-        swarm that already trains, until we see it (a joiner starts owning nothing and takes its experts
-        over at its first seams, so the assignment need not have settled).
+        """Wait until the live assignment has us in it and what it gives us has been stable for a moment, or,
+        joining a swarm that already trains, until we see it (a joiner starts owning nothing and takes its experts
+        over at its first seams, so the assignment need not have settled). What it gives us may be nothing: a
+        swarm of more composers than experts has composers that own none, and they train the shared groups with
+        every expert's surrogate until the swarm shrinks.
 
         Returns:
             (the experts offered, whether this node joins a running swarm). It joins one when a composer was
@@ -365,11 +367,12 @@ class Node:
             # Peers that waited for min_peers composers counting this one started because of it: it is one of them
             # even if its first view of them comes after their first steps.
             running = any(step > 0 for step in first_seen_step.values()) and len(first_seen_step) >= settings.min_peers
-            if peers >= settings.min_peers and ((owned and stable) or running):
+            if peers >= settings.min_peers and ((membership.assigned() and stable) or running):
                 return owned, running
             if time.monotonic() > deadline:
-                raise NodeError(f"no expert shard within {settings.start_timeout_s:.0f} s ({peers} live composers "
-                                f"seen, {settings.min_peers} wanted); check --initial-peers and --run-id")
+                raise NodeError(f"not in the swarm's shard assignment within {settings.start_timeout_s:.0f} s "
+                                f"({peers} live composers seen, {settings.min_peers} wanted); check --initial-peers "
+                                "and --run-id")
             self.telemetry.phase(f"waiting for peers ({peers}/{settings.min_peers})")
             self.stop_event.wait(0.1)
 

@@ -238,3 +238,28 @@ def test_a_swarm_started_again_in_the_same_folder_reads_only_its_own_files(tmp_p
     finally:
         swarm.close()
     assert not session_processes(swarm), "processes left behind"
+
+
+def test_more_composers_than_experts_all_train_and_the_one_owning_none_takes_an_expert_when_an_owner_leaves(
+        tmp_path: Path) -> None:
+    """Three composers and two experts: one owns none. It trains too (the shared groups, every expert through its
+    surrogate), and when an owner leaves it takes that owner's expert over."""
+    small = ["--set", "model.n_layers=1", "--set", "model.n_experts=2", "--set", "model.top_k=1"]
+    swarm = LocalSwarm(tmp_path, run_id="crowded", node_args=[*NODE_ARGS, *small])
+    try:
+        swarm.start_bootstrap()
+        nodes = [swarm.add_node("--min-peers", "3") for _ in range(3)]
+        wait_until(lambda: all(step_of(n) >= 5 for n in nodes), timeout=150, explain=swarm.describe)
+        held = [shard_at(read_metrics(n.metrics), dht_time()) for n in nodes]
+        idle = [i for i, h in enumerate(held) if not h]
+        assert len(idle) == 1 and sorted(e for h in held for e in h) == [(0, 0), (0, 1)], held
+        leaving = next(i for i, h in enumerate(held) if h)
+        assert swarm.stop_node(leaving) == 0
+        heir = nodes[idle[0]]
+        wait_until(lambda: shard_at(read_metrics(heir.metrics), dht_time()) == held[leaving], timeout=60,
+                   explain=swarm.describe)
+        step = step_of(heir)
+        wait_until(lambda: step_of(heir) > step + 3, timeout=60, explain=swarm.describe)
+    finally:
+        swarm.close()
+    assert not session_processes(swarm), "processes left behind"

@@ -113,3 +113,24 @@ def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change
 def test_bench_offload_swarm_refuses_to_switch_offload_itself():
     result = runner.invoke(app, ["bench", "offload-swarm", "--set", "offload.enabled=true"])
     assert result.exit_code == 2 and "sets it itself" in result.output
+
+
+@pytest.mark.parametrize("sizes", ["1,4", "four", ""])
+def test_bench_scale_refuses_sizes_it_cannot_run_before_starting_anything(sizes):
+    result = runner.invoke(app, ["bench", "scale", "--sizes", sizes])
+    assert result.exit_code == 2 and "--sizes" in result.output
+
+
+def test_the_scale_report_has_a_column_per_size_and_a_dash_where_nothing_was_measured():
+    from parallax.benchmarks.scale import ROWS, _until_all, markdown
+
+    assert _until_all([3.0, 5.5], since=1.0) == 4.5
+    assert _until_all([3.0, None], since=1.0) is None  # one node never showed it: not "seen by all"
+    measured = {key: 1.0 for _, key, _ in ROWS}
+    report = {"preset": "tiny", "steps": 10, "batch_size": 32, "periods": {}, "cores": 2, "memory_gb": 24,
+              "sizes": {"4": measured, "8": {**measured, "death_seen_by_all_s": None}}}
+    table = markdown(report).splitlines()
+    assert table[2] == "| composers | 4 | 8 |"
+    death = next(line for line in table if line.startswith("| death seen"))
+    assert death.endswith("| 1.00 | - |")
+    assert len(table) == 4 + len(ROWS)
