@@ -1,8 +1,9 @@
 """Swarms of growing size on one machine, measured the same way: ``parallax bench scale``.
 
 For each size C: a bootstrap peer and C ``parallax node join`` composers of the tiny preset on loopback (one
-torch thread each) train the same steps with the same settings; once every node is a tenth through, a new
-composer joins, and once every node sees it, node 0 is SIGKILLed. The joiner leaves when the others are
+torch thread each) train the same steps with the same settings; once every node has trained ten steps, a new
+composer joins (its start-up on cores the others keep busy takes tens of seconds), and once every node sees it,
+node 0 is SIGKILLed. The joiner leaves when the others are
 done. Steps are of 32 sequences by default: the preset's 8 take a few milliseconds on a shared core, too
 few for outer rounds every 25 steps to keep up. Then the in-process simulator trains C composers for the same
 steps. Reported per size, from the nodes' own metrics:
@@ -127,7 +128,7 @@ def _until_all(times: list[float | None], since: float | None) -> float | None:
 
 def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
     """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
-    join_at = max(5, steps // 10)  # the joiner's start-up and the death's detection both happen while all train
+    join_at = 10  # the joiner's start-up and the death's detection both happen while all train
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
             "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
