@@ -219,15 +219,15 @@ def scale(
     import signal
     from pathlib import Path
 
-    from parallax.benchmarks.scale import markdown, run_scale_bench, write
+    from parallax.benchmarks.scale import markdown, run_scale_bench
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every node it started
 
     size_list = _sizes(sizes, minimum=2)
     signal.signal(signal.SIGTERM, interrupt)
-    report = run_scale_bench(size_list, steps, batch_size, Path(workdir) if workdir else None, progress=typer.echo)
-    write(report, json_path)
+    report = run_scale_bench(size_list, steps, batch_size, Path(workdir) if workdir else None, progress=typer.echo,
+                             json_path=json_path)
     typer.echo(markdown(report))
 
 

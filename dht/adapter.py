@@ -335,17 +335,27 @@ class DHTCalls:
     """Keys read (a read of several keys counts each)."""
     bytes_stored: int = 0
     bytes_read: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    """Stores and key reads by the kind of key (its second path component: members, claims, outer, ...)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def stored(self, size: int) -> None:
+    def stored(self, key: str, size: int) -> None:
         with self._lock:
             self.stores += 1
             self.bytes_stored += size
+            self._count(key)
 
-    def read(self, keys: int, size: int) -> None:
+    def read(self, keys: Sequence[str], size: int) -> None:
         with self._lock:
-            self.reads += keys
+            self.reads += len(keys)
             self.bytes_read += size
+            for key in keys:
+                self._count(key)
+
+    def _count(self, key: str) -> None:
+        kind = key.split("/")[1] if "/" in key else key
+        if kind in self.by_kind or len(self.by_kind) < 32:  # bounded: keys are the run's, a few kinds
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
 
 
 class SwarmDHT:
@@ -474,7 +484,7 @@ class SwarmDHT:
         the call timed out); never raises for network trouble.
         """
         self._check_thread("store")
-        self.calls.stored(len(key) + len(subkey) + len(value))
+        self.calls.stored(key, len(key) + len(subkey) + len(value))
         with self._send_lock:
             future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
         try:
@@ -519,8 +529,8 @@ class SwarmDHT:
                     if isinstance(exp, float):
                         items[subkey] = (v, exp)
             out[key] = items
-        self.calls.read(len(keys), sum(len(v) for items in out.values() for v, _ in items.values()
-                                       if isinstance(v, bytes | bytearray)))
+        self.calls.read(keys, sum(len(v) for items in out.values() for v, _ in items.values()
+                                  if isinstance(v, bytes | bytearray)))
         return out
 
     def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:
