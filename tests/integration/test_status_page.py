@@ -59,9 +59,14 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
                             env=None, stdout=out)
         watched = swarm.add_node("--status-port", "0", "--log-to", f"tensorboard:{tmp_path / 'tb'}")
         other = swarm.add_node()
-        wait_until(lambda: all((latest(read_metrics(n.metrics)) or {}).get("peers") == 2 and
-                               (latest(read_metrics(n.metrics)) or {}).get("step", 0) >= 5 for n in (watched, other)),
-                   timeout=150, explain=swarm.describe)
+        # Both train together and hold their experts: a node that came up after the other's first steps joins
+        # owning nothing and takes its experts over during its first steps.
+        def settled() -> bool:
+            last = [latest(read_metrics(n.metrics)) or {} for n in (watched, other)]
+            return (all(s.get("peers") == 2 and s.get("step", 0) >= 5 and s.get("owned", 0) > 0 for s in last)
+                    and sum(s["owned"] for s in last) == 8)  # tiny: 2 layers x 4 experts
+
+        wait_until(settled, timeout=150, explain=swarm.describe)
         url = _url_in(watched.log)
         assert url is not None, swarm.describe()
         fingerprints = {Identity.load(tmp_path / f"node-{i}" / "node.key").fingerprint for i in range(2)}
