@@ -36,13 +36,10 @@ from parallax.benchmarks.swarm import _loss, _num, _sec, swarm_changes
 from parallax.dht.adapter import dht_time
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.peer.processes import kill_group
+from parallax.node.peer.timeline import events
 
 OWN_OPTIONS = {**SWARM_OWN_OPTIONS, "offload.enabled": "off in the direct swarm, on in the offload swarm"}
 """Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
-
-
-def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("kind") == kind]
 
 
 def _step(node: NodeProcess) -> int:
@@ -52,10 +49,10 @@ def _step(node: NodeProcess) -> int:
 
 def _busiest(crew: list[NodeProcess], composers: list[NodeProcess]) -> tuple[str, NodeProcess]:
     """The worker most experts were onboarded to (its peer id and process): the death that costs most."""
-    peers = {_events(read_metrics(w.metrics), "worker_started")[0]["peer_id"]: w for w in crew}
+    peers = {events(read_metrics(w.metrics), "worker_started")[0]["peer_id"]: w for w in crew}
     load = {peer: 0 for peer in peers}
     for node in composers:
-        for e in _events(read_metrics(node.metrics), "offload_onboarded"):
+        for e in events(read_metrics(node.metrics), "offload_onboarded"):
             if e["worker"] in load:
                 load[e["worker"]] += 1
     peer = max(sorted(load), key=lambda p: load[p])
@@ -75,7 +72,7 @@ def _run_swarm(workdir: Path, name: str, args: list[str], preset: str, nodes: in
         crew = [swarm.add_worker("--preset", preset, *worker_args) for _ in range(workers)]
         deadline = time.monotonic() + 300
         while crew and time.monotonic() < deadline and not all(
-                _events(read_metrics(w.metrics), "worker_started") for w in crew):
+                events(read_metrics(w.metrics), "worker_started") for w in crew):
             time.sleep(0.5)
         for i in range(nodes):
             if keys_from is not None:  # the same identities: the same data streams and expert assignment
@@ -122,7 +119,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
                          workers, steps, kill_at, workdir / "direct", progress, worker_args=tuple(sets))
 
     def val(run: dict[str, Any]) -> tuple[float | None, int]:
-        evals = [e[-1] for r in run["records"] if (e := _events(r, "final_eval"))]
+        evals = [e[-1] for r in run["records"] if (e := events(r, "final_eval"))]
         losses = [e["val_loss"] for e in evals]
         return (statistics.median(losses) if losses else None), sum(e["tokens"] for e in evals)
 
@@ -133,9 +130,9 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
     killed = offload["killed"]
     for i, r in enumerate(offload["records"]):
         last = latest(r) or {}
-        n_steps = len(_events(r, "step"))
-        onboarded = _events(r, "offload_onboarded")
-        first = _events(r, "offload_first_update")
+        n_steps = len(events(r, "step"))
+        onboarded = events(r, "offload_onboarded")
+        first = events(r, "offload_first_update")
         per_node.append({
             "node": i, "steps": n_steps, "offloaded_last": last.get("offloaded"),
             "sketches": last.get("offload_sketches", 0), "sketch_bytes": last.get("offload_sketch_bytes", 0),
@@ -147,7 +144,7 @@ def run_offload_swarm_bench(*, nodes: int = 2, workers: int = 2, steps: int = 20
             "onboard_s": [e["seconds"] for e in onboarded], "first_update_s": [e["seconds"] for e in first],
         })
         if killed:
-            for f in _events(r, "offload_fallback"):
+            for f in events(r, "offload_fallback"):
                 if f["worker"] == killed["worker"] and f["t"] >= killed["t"]:
                     fallbacks.append({"node": i, "expert": f["expert"], "reason": f["reason"],
                                       "seconds": round(f["t"] - killed["t"], 3),

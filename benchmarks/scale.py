@@ -44,19 +44,15 @@ from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.keys import members_key, protected_keys
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.train import SHARED_GROUPS
-from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, read_metrics
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, latest, read_metrics
+from parallax.node.peer.timeline import events
 
 PERIODS = {"router": 25, "latent": 50, "backbone": 100}  # the tiny preset's own
 Progress = Callable[[str], object]
 
 
-def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("kind") == kind]
-
-
 def _step(node: NodeProcess) -> int:
-    steps = _events(read_metrics(node.metrics), "step")
-    return int(steps[-1]["step"]) if steps else 0
+    return int((latest(read_metrics(node.metrics)) or {}).get("step", 0))
 
 
 class _Peaks:
@@ -112,12 +108,12 @@ def _members_read(initial_peers: str, run_id: str, layers: int) -> tuple[int, in
 
 
 def _online(node: NodeProcess) -> bool:
-    return bool(_events(read_metrics(node.metrics), "network_started"))
+    return bool(events(read_metrics(node.metrics), "network_started"))
 
 
 def _first_seen(records: list[dict[str, Any]], since: float, ok: Callable[[int], bool]) -> float | None:
     """When a node's step lines first showed a number of live composers that ``ok`` accepts, after ``since``."""
-    for r in _events(records, "step"):
+    for r in events(records, "step"):
         if r["t"] >= since and ok(int(r.get("peers", 0))):
             return float(r["t"])
     return None
@@ -152,7 +148,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         # minute: the kill comes then, and the report says who never saw the joiner.
         seen_by = time.monotonic() + 60
         _wait(lambda: time.monotonic() > seen_by or not all(n.alive for n in originals) or all(
-            (r := _events(read_metrics(n.metrics), "step")) and r[-1].get("peers", 0) >= size + 1 for n in originals),
+            (latest(read_metrics(n.metrics)) or {}).get("peers", 0) >= size + 1 for n in originals),
               peaks, swarm, 120, "the joiner was not seen")
         if not all(n.alive for n in originals):
             raise RuntimeError(f"a node finished before the joiner was up a minute: raise --steps; see {workdir}")
@@ -169,7 +165,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     codes = [n.process.returncode for n in swarm.nodes]
     survivors = [i for i in range(len(swarm.nodes)) if i != 0]
     joiner_records = records[joiner.index]
-    online = _events(joiner_records, "network_started")
+    online = events(joiner_records, "network_started")
     joined_at = float(online[0]["t"]) if online else None
     seen_join = [_first_seen(records[i], joined_at, lambda p: p >= size + 1) if joined_at else None
                  for i in range(size)]
@@ -179,15 +175,15 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     for i in survivors:
         r = records[i]
         final = final_counters(r) or {}
-        rounds = _events(r, "round")
+        rounds = events(r, "round")
         ok = [x for x in rounds if x["status"] == "ok"]
-        n_steps = len(_events(r, "step"))
-        first = _events(r, "first_step")
+        n_steps = len(events(r, "step"))
+        first = events(r, "first_step")
         alive_s = (r[-1]["t"] - first[0]["t"]) if first and r else None
         outer, gossip, snap = (final.get(k, 0) for k in ("outer_bytes", "gossip_bytes", "snapshot_bytes"))
         per_node.append({
             "node": i, "joiner": i == joiner.index, "exit_code": codes[i], "steps": n_steps,
-            "val_loss": (e[-1]["val_loss"] if (e := _events(r, "final_eval")) else None),
+            "val_loss": (e[-1]["val_loss"] if (e := events(r, "final_eval")) else None),
             "rounds": len(rounds), "rounds_ok": len(ok),
             "outer_bytes_per_round": outer / len(ok) if ok else None,
             "training_bytes_per_step": (gossip + outer) / n_steps if n_steps else None,
@@ -196,7 +192,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
             "dht_bytes_per_s": final.get("dht_bytes", 0) / alive_s if alive_s else None,
             "dht_requests_by_kind_per_s": {k: v / alive_s for k, v in final.get("dht_by_kind", {}).items()}
             if alive_s else {},
-            "view_age_s_median": statistics.median(a) if (a := [x["view_age_s"] for x in _events(r, "step")
+            "view_age_s_median": statistics.median(a) if (a := [x["view_age_s"] for x in events(r, "step")
                                                                   if "view_age_s" in x]) else None,
             "first_step_s": first[0]["seconds"] if first else None,
             "peak_rss_mb": peaks.node_mb.get(i), "p2pd_peak_rss_mb": peaks.p2pd_mb.get(i),
@@ -207,7 +203,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         return statistics.median(values) if values else None
 
     firsts = [n for n in per_node if not n["joiner"]]
-    joiner_first = _events(joiner_records, "first_step")
+    joiner_first = events(joiner_records, "first_step")
     losses = [n["val_loss"] for n in firsts if n["val_loss"] is not None]
     progress(f"{size} composers done in {wall_s:.0f} s; the in-process run of {size} composers, {steps} steps")
     reference = _in_process(size, steps, batch_size)

@@ -30,6 +30,7 @@ from typing import Any
 
 from parallax.benchmarks.report import write_report
 from parallax.node.peer.local_swarm import LocalSwarm, read_metrics
+from parallax.node.peer.timeline import events
 
 
 def loopback_bandwidth(megabytes: int = 256) -> float:
@@ -55,10 +56,6 @@ def loopback_bandwidth(megabytes: int = 256) -> float:
     elapsed = time.perf_counter() - started
     server.close()
     return received[0] / elapsed
-
-
-def _events(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("kind") == kind]
 
 
 OWN_OPTIONS = {"steps": "--steps", "sync.periods": "25/50/100, reported", "surrogate.refresh_every": "25, reported"}
@@ -115,7 +112,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
             swarm.add_node("--steps", str(steps), "--min-peers", str(nodes))
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline:
-            last = [_events(read_metrics(n.metrics), "step") for n in swarm.nodes]
+            last = [events(read_metrics(n.metrics), "step") for n in swarm.nodes]
             if all(s and s[-1]["step"] >= join_at for s in last):
                 break
             time.sleep(0.5)
@@ -137,16 +134,16 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
 
     per_node = []
     for i, r in enumerate(records):
-        steps_done = _events(r, "step")
-        rounds = _events(r, "round")
+        steps_done = events(r, "step")
+        rounds = events(r, "round")
         ok = [x for x in rounds if x["status"] == "ok"]
         final = steps_done[-1] if steps_done else {}
         outer_bytes = 2 * sum(x["bytes_est"] for x in rounds)  # sent and received
         gossip_bytes, snapshot_bytes = final.get("gossip_bytes", 0), final.get("snapshot_bytes", 0)
         p2p_bytes = final.get("bytes_sent", 0) + final.get("bytes_received", 0)
         n_steps = len(steps_done)
-        path = _events(r, "step_path")
-        evals = _events(r, "final_eval")
+        path = events(r, "step_path")
+        evals = events(r, "final_eval")
         per_node.append({
             "node": i, "joiner": swarm.nodes[i] is joiner, "exit_code": codes[i], "steps": n_steps,
             "val_loss": evals[-1]["val_loss"] if evals else None,
@@ -160,10 +157,10 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
             "rounds_failed": len(rounds) - len(ok),
             "allreduce_s": {g: [x["allreduce_s"] for x in ok if x["group"] == g] for g in ("router", "latent",
                                                                                       "backbone")},
-            "first_step_s": _events(r, "first_step")[0]["seconds"] if _events(r, "first_step") else None,
+            "first_step_s": events(r, "first_step")[0]["seconds"] if events(r, "first_step") else None,
         })
     joiner_index = swarm.nodes.index(joiner)
-    joiner_first = _events(records[joiner_index], "first_step")
+    joiner_first = events(records[joiner_index], "first_step")
     spawn_to_first = joiner_first[0]["t"] - spawned if joiner_first else None
 
     sizes = _group_bytes(cfg)
@@ -177,7 +174,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     progress("join probe: one node training, a second joining")
     probe = join_probe(preset, workdir / "probe")
     # Equal tokens: the joiner's steps count too, so the in-process composers train as many tokens in all.
-    swarm_tokens = sum(e[-1]["tokens"] for r in records if (e := _events(r, "final_eval")))
+    swarm_tokens = sum(e[-1]["tokens"] for r in records if (e := events(r, "final_eval")))
     per_step = nodes * cfg.batch_size * cfg.model.seq_len
     ref_steps = max(1, round(swarm_tokens / per_step)) if swarm_tokens else steps
     progress(f"swarm done in {wall_s:.0f} s; running the in-process reference ({nodes} composers, {ref_steps} steps)")
@@ -222,7 +219,7 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
         first = swarm.add_node()
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            steps = _events(read_metrics(first.metrics), "step")
+            steps = events(read_metrics(first.metrics), "step")
             if steps and steps[-1]["step"] >= 5:
                 break
             time.sleep(0.2)
@@ -232,12 +229,12 @@ def join_probe(preset: str, workdir: Path) -> dict[str, Any]:
     finally:
         swarm.close()
     records = read_metrics(joiner.metrics)
-    t0 = _events(records, "first_step")[0]
+    t0 = events(records, "first_step")[0]
     start = t0["t"] - t0["seconds"]
-    phases = {kind: round(_events(records, kind)[0]["t"] - start, 3)
+    phases = {kind: round(events(records, kind)[0]["t"] - start, 3)
               for kind in ("dht_started", "network_started", "shard_offered", "composer_built", "loaded_state",
                            "first_step")
-              if _events(records, kind)}
+              if events(records, kind)}
     return {"phases_s": phases, "node_start_to_first_step_s": t0["seconds"]}
 
 
