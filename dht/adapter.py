@@ -352,6 +352,11 @@ class DHTCalls:
             for key in keys:
                 self._count(key)
 
+    def kinds(self) -> dict[str, int]:
+        """A copy of ``by_kind`` (other threads may be adding to it)."""
+        with self._lock:
+            return dict(self.by_kind)
+
     def _count(self, key: str) -> None:
         kind = key.split("/")[1] if "/" in key else key
         if kind in self.by_kind or len(self.by_kind) < 32:  # bounded: keys are the run's, a few kinds

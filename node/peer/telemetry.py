@@ -61,8 +61,6 @@ class NodeStatus:
     """Records this node stored in the DHT and keys it read (``SwarmDHT.calls``)."""
     dht_bytes: int = 0
     """Bytes of those records, stored and read back (hivemind's replication and routing not counted)."""
-    dht_by_kind: dict[str, int] = field(default_factory=dict)
-    """Those requests by the kind of key (members, claims, outer, ...)."""
     offload_bytes: int = 0
     """Offload traffic with workers, both ways (weights, sketches, results)."""
     heir_copies: list[list[int]] = field(default_factory=list)

@@ -262,7 +262,7 @@ class Training:
                                        else "stopped by the user")
         self._refresh_status()  # the rounds and snapshots of the leave count too
         self.telemetry.event("left", step=composer.step, seconds=round(time.monotonic() - started, 3),
-                             deathrattle=rattle, dht_by_kind=self.telemetry.status.dht_by_kind,
+                             deathrattle=rattle, dht_by_kind=self.dht.calls.kinds(),
                              **self.telemetry.counters())
 
     def checkpoint(self) -> None:
@@ -300,7 +300,6 @@ class Training:
         s.offload_bytes = off_in + off_out
         calls = self.dht.calls
         s.dht_requests, s.dht_bytes = calls.stores + calls.reads, calls.bytes_stored + calls.bytes_read
-        s.dht_by_kind = dict(calls.by_kind)
         s.rounds_ok = dict(self.rounds.rounds_ok)
         if self.replicas is not None:
             s.rounds_ok["experts"] = self.replicas.counts.applied
