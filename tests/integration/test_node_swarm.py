@@ -68,9 +68,14 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
         for _ in range(3):
             swarm.add_node("--min-peers", "3")  # until stopped
         wait_until(lambda: all(step_of(n) >= 12 for n in swarm.nodes), timeout=180)
-        joiner = swarm.add_node("--steps", "200")  # about 10 s of tiny steps: long enough to take experts over
-        wait_until(lambda: not joiner.alive, timeout=180)
-        assert joiner.process.returncode == 0, f"the joiner failed; see {joiner.log}"
+        joiner = swarm.add_node("--min-peers", "3")  # until stopped: it refits only after a merged backbone round
+
+        def refitted() -> bool:
+            record = read_metrics(joiner.metrics)
+            return bool(events(record, "refit")) and len(steps_of(record)) >= 20
+
+        wait_until(refitted, timeout=180, explain=swarm.describe)
+        assert swarm.stop_node(3) == 0, f"the joiner did not leave cleanly; see {joiner.log}"
         for i in range(3):
             assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"
         records = swarm.metrics()
