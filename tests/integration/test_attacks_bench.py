@@ -11,7 +11,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_a_nan_attacker_is_named_and_banned_and_no_honest_composer_crashes(tmp_path):
-    report = run_attacks(attacks=["nan"], steps=100, join_at=10, workdir=tmp_path, progress=lambda _: None,
+    # Tiny steps take about 20 ms: 400 of them outlast start-up, so the joiner comes mid-run and merged outer rounds
+    # are trained on before the final evaluation. A run of 100 ends within a round's time: most rounds are skipped
+    # and the last ones, spanning 40-70 steps each, land after the final step, untrained on.
+    report = run_attacks(attacks=["nan"], steps=400, join_at=10, workdir=tmp_path, progress=lambda _: None,
                          clean_runs=1)
     assert len(report["clean"]) == 1 and not report["clean"][0]["crashed"], report["clean"]
     (row,) = report["attacks"]
