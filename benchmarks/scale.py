@@ -55,7 +55,7 @@ def _step(node: NodeProcess) -> int:
     return int((latest(read_metrics(node.metrics)) or {}).get("step", 0))
 
 
-class _Peaks:
+class RssPeaks:
     """The largest resident memory seen of each node's processes: its Python processes (the node and its DHT
     process) together, and its p2pd."""
 
@@ -83,7 +83,7 @@ class _Peaks:
             self.p2pd_mb[n.index] = max(self.p2pd_mb.get(n.index, 0.0), p2pd / 2**20)
 
 
-def _wait(condition: Callable[[], bool], peaks: _Peaks, swarm: LocalSwarm, timeout_s: float, what: str) -> None:
+def _wait(condition: Callable[[], bool], peaks: RssPeaks, swarm: LocalSwarm, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         peaks.sample(swarm.nodes)
@@ -132,7 +132,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
             "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
-    peaks = _Peaks()
+    peaks = RssPeaks()
     started = time.monotonic()
     try:
         swarm.start_bootstrap()

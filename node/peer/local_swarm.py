@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from parallax.errors import NodeError
 from parallax.node.peer.netlab import Host
 from parallax.node.peer.processes import kill_group, send, spawn, stop
@@ -237,6 +239,20 @@ class LocalSwarm:
             stop(self.bootstrap, 15.0)
         for p in [n.process for n in everyone] + ([self.bootstrap] if self.bootstrap else []):
             kill_group(p, signal.SIGKILL)  # leftovers of a child that died without cleaning up
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes still alive in the sessions this swarm's children led (their daemons included): none, once
+        ``close`` returned."""
+        sessions = {n.process.pid for n in self.nodes + self.workers} | (
+            {self.bootstrap.pid} if self.bootstrap else set())
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) in sessions and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (ProcessLookupError, psutil.Error, PermissionError):
+                continue
+        return found
 
     def __enter__(self) -> LocalSwarm:
         return self

@@ -6,10 +6,8 @@ Every process is started in its own session by ``LocalSwarm`` and stopped in its
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import psutil
 import pytest
 
 from parallax.dht.adapter import dht_time
@@ -45,19 +43,6 @@ def assert_partition(shards: list[set[tuple[int, int]]]) -> None:
         assert not (union & s), f"experts owned twice: {union & s}"
         union |= s
     assert union == ALL_EXPERTS, f"experts without an owner: {ALL_EXPERTS - union}"
-
-
-def session_processes(swarm: LocalSwarm) -> list[psutil.Process]:
-    """Processes still alive in the sessions our children led (daemons included)."""
-    sessions = {n.process.pid for n in swarm.nodes} | ({swarm.bootstrap.pid} if swarm.bootstrap else set())
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) in sessions and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (ProcessLookupError, psutil.Error, PermissionError):
-            continue
-    return found
 
 
 @pytest.mark.slow
@@ -134,7 +119,7 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
             assert all(n >= 2 for n in rounds.values()), f"node {i} completed rounds {rounds}"
     finally:
         swarm.close()
-    assert not session_processes(swarm), "processes left behind"
+    assert not swarm.leftovers(), "processes left behind"
 
 
 @pytest.mark.slow
@@ -180,7 +165,7 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
             assert later and all(x["participants"] <= 3 for x in later), f"node {i}: rounds after the kill {later}"
     finally:
         swarm.close()
-    assert not session_processes(swarm), "processes left behind"
+    assert not swarm.leftovers(), "processes left behind"
 
 
 def _heir_copies(node: NodeProcess) -> set[tuple[int, int]]:
@@ -226,7 +211,7 @@ def test_stop_and_resume_restores_the_state_exactly(tmp_path: Path) -> None:
             swarm.nodes[0].log.read_text()
     finally:
         swarm.close()
-    assert not session_processes(swarm), "processes left behind"
+    assert not swarm.leftovers(), "processes left behind"
 
 
 def test_a_swarm_started_again_in_the_same_folder_reads_only_its_own_files(tmp_path: Path) -> None:
@@ -242,7 +227,7 @@ def test_a_swarm_started_again_in_the_same_folder_reads_only_its_own_files(tmp_p
         assert [s["step"] for s in steps_of(read_metrics(node.metrics))] == [1, 2]
     finally:
         swarm.close()
-    assert not session_processes(swarm), "processes left behind"
+    assert not swarm.leftovers(), "processes left behind"
 
 
 def test_more_composers_than_experts_all_train_and_the_one_owning_none_takes_an_expert_when_an_owner_leaves(
@@ -276,4 +261,4 @@ def test_more_composers_than_experts_all_train_and_the_one_owning_none_takes_an_
         assert adoptions and all(a["source"] != "init" for a in adoptions), adoptions
     finally:
         swarm.close()
-    assert not session_processes(swarm), "processes left behind"
+    assert not swarm.leftovers(), "processes left behind"
