@@ -193,14 +193,14 @@ def dht(
     typer.echo(markdown(report))
 
 
-def _sizes(text: str, minimum: int = 1) -> list[int]:
-    """``--sizes``: comma-separated integers of at least ``minimum``."""
+def _sizes(text: str, minimum: int = 1, option: str = "--sizes") -> list[int]:
+    """``option`` (``--sizes``): comma-separated integers of at least ``minimum``."""
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise typer.BadParameter(f"--sizes takes comma-separated integers, got {text!r}") from e
+        raise typer.BadParameter(f"{option} takes comma-separated integers, got {text!r}") from e
     if not sizes or min(sizes) < minimum:
-        raise typer.BadParameter(f"--sizes takes integers of at least {minimum}, got {text!r}")
+        raise typer.BadParameter(f"{option} takes integers of at least {minimum}, got {text!r}")
     return sizes
 
 
@@ -227,6 +227,38 @@ def scale(
     size_list = _sizes(sizes, minimum=2)
     signal.signal(signal.SIGTERM, interrupt)
     report = run_scale_bench(size_list, steps, batch_size, Path(workdir) if workdir else None, progress=typer.echo,
+                             json_path=json_path)
+    typer.echo(markdown(report))
+
+
+@bench_app.command("churn")
+def churn(
+    composers: int = typer.Option(8, "--composers", min=3, help="Composers the swarm keeps (each departure is "
+                                  "replaced by a new identity)."),
+    minutes: float = typer.Option(20.0, "--minutes", min=0.5, help="How long the churn lasts."),
+    lifetime: float = typer.Option(180.0, "--lifetime", min=10.0, help="Mean seconds a composer stays (exponential):"
+                                   " the swarm loses one every lifetime / composers seconds on average."),
+    replicas: str = typer.Option("1,2", "--replicas", help="Comma-separated ownership.replicas, one pair of runs "
+                                 "(churn, none) each."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the departure times, ways and choices."),
+    workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
+    json_path: JsonPath = None,
+) -> None:
+    """A swarm of the tiny preset under constant churn (Ctrl+C, SIGKILL and frozen hosts, each replaced at once)
+    against the same swarm without churn at the same step: steps lost per departure, hand-over times, rounds
+    completed, final and exported loss, peak memory, processes left behind."""
+    import signal
+    from pathlib import Path
+
+    from parallax.benchmarks.churn import markdown, run_churn_bench
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every node it started
+
+    replica_list = _sizes(replicas, minimum=1, option="--replicas")
+    signal.signal(signal.SIGTERM, interrupt)
+    report = run_churn_bench(composers=composers, minutes=minutes, lifetime_s=lifetime, replicas=replica_list,
+                             seed=seed, workdir=Path(workdir) if workdir else None, progress=typer.echo,
                              json_path=json_path)
     typer.echo(markdown(report))
 
