@@ -14,11 +14,11 @@ hand-overs. Departures take turns in a seeded random order, a third each:
 At the end the swarm waits (bounded) until every expert has ``ownership.replicas`` owners among the nodes alive,
 exports the whole model from the live swarm (``parallax export``), and every node leaves with its final
 evaluation. Then the same swarm without churn trains to the same swarm step (the median step of the nodes alive
-at the end), exported and evaluated alike. Measured, from the nodes' own metrics:
+when the churn ended), waits, exports and is evaluated alike. Measured, from the nodes' own metrics:
 
-- expert steps lost per departure: for each expert the departed node owned, the steps between its last step and
-  the snapshot its new owner took the expert over from (0 when another owner held it live, ``ownership.replicas``
-  >= 2, or when the departure handed it over); an expert never taken over counts in ``experts_never_adopted``;
+- expert steps lost per departure: for each expert the departed node owned, its steps on it after the copy its
+  new owner took it over from was taken (0 when another owner held it live, ``ownership.replicas`` >= 2, or when
+  the departure handed it over); an expert never taken over counts in ``experts_never_adopted``;
 - hand-overs: seconds from a departure until each of its experts was adopted elsewhere;
 - outer rounds completed, of those begun; peak resident memory per node and per p2pd;
 - final validation loss of the nodes alive at the end (median of their own views) and of the export, each over the
@@ -52,7 +52,7 @@ from parallax.benchmarks.scale import RssPeaks
 from parallax.dht.adapter import dht_time
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.peer.processes import kill_group, send
-from parallax.node.peer.timeline import events, shard_at
+from parallax.node.peer.timeline import events, ownership, shard_at
 
 PERIODS = {"router": 25, "latent": 50, "backbone": 100}  # the tiny preset's own
 N_LAYERS, N_EXPERTS = 2, 4  # the tiny preset's MoE shape
@@ -213,8 +213,14 @@ def owners_complete(live: list[list[dict[str, Any]]], t: float, replicas: int) -
 
 
 def measure_departures(departures: list[Departure], records: list[list[dict[str, Any]]]) -> None:
-    """Fill each departure's steps lost and hand-over time per expert it owned, from every node's metrics."""
+    """Fill each departure's steps lost and hand-over time per expert it owned, from every node's metrics.
+
+    Steps lost: the departed node's steps on the expert after the copy its new owner took over was taken (the
+    adoption's time less the copy's age), counted from its own step records: every step since it took the
+    expert when the new owner started it from init, none when another owner held it live (replicas)."""
     for d in departures:
+        mine = records[d.node]
+        held = ownership(mine)
         for eid in d.owned:
             name = f"{eid[0]}.{eid[1]}"
             others = [r for i, r in enumerate(records) if i != d.node]
@@ -228,10 +234,13 @@ def measure_departures(departures: list[Departure], records: list[list[dict[str,
                 continue
             first = taken[0]
             d.handover_s[name] = round(first["t"] - d.t, 2)
-            # Snapshot steps count the holder's steps: those of the departed node's copies are comparable to its
-            # last step; a copy from anyone else (an older owner's) or none (init) loses what the departed trained.
-            from_it = first["source"] in ("previous owner", "heir copy") and first.get("snapshot_step") is not None
-            d.lost_steps[name] = max(0, d.step - int(first["snapshot_step"])) if from_it else d.step
+            since = max((start for start, end in held.get(eid, []) if start <= d.t), default=d.t)
+            age = first.get("snapshot_age_s")
+            if first["source"] != "init" and age is not None:
+                since = max(since, first["t"] - float(age))
+            elif first["source"] != "init":
+                since = d.t  # a copy whose age is unknown: counted as current
+            d.lost_steps[name] = sum(1 for r in events(mine, "step") if since < r["t"] <= d.t)
 
 
 def _median(values: list[float]) -> float | None:
@@ -264,7 +273,7 @@ def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: i
     peaks = RssPeaks()
     churn = Churn(swarm, composers, lifetime_s, seed, peaks, progress)
     started = time.monotonic()
-    settled_s = export_loss = joined_s = None
+    settled_s = export_loss = joined_s = phase_end_step = None
     try:
         churn.start(timeout_s=900)
         progress(f"{name}, R={replicas}: {composers} composers past step 10 after {time.monotonic() - started:.0f} s")
@@ -276,6 +285,7 @@ def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: i
         else:
             target = until_step or 0
             churn.run(lambda: (_median([_step(n) for n in swarm.nodes if n.alive]) or 0) >= target)
+        phase_end_step = _median([float(_step(n)) for n in swarm.nodes if n.alive])
         joined_s = churn.joined(timeout_s=300)
         settled_s = churn.settle(replicas, timeout_s=120)
         export_loss = _export(swarm, workdir / "export") if export else None
@@ -305,7 +315,7 @@ def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: i
         "joined_s": None if joined_s is None else round(joined_s, 1),
         "settled_s": None if settled_s is None else round(settled_s, 1),
         "survivors": len(live), "survivors_trained": survivors_trained,
-        "final_step_median": _median([float(s) for s in live_steps]),
+        "phase_end_step_median": phase_end_step, "final_step_median": _median([float(s) for s in live_steps]),
         "val_loss": _median(finals), "export_val_loss": export_loss,
         "peak_rss_mb": _median(list(peaks.node_mb.values())),
         "p2pd_peak_rss_mb": _median(list(peaks.p2pd_mb.values())),
@@ -330,7 +340,7 @@ def run_churn_bench(*, composers: int = 8, minutes: float = 20.0, lifetime_s: fl
         out["replicas"][str(r)] = {"churn": churned}
         write(out, json_path)
         steady = run_once(composers=composers, lifetime_s=None, minutes=None,
-                          until_step=int(churned["final_step_median"] or 0), replicas=r, seed=seed,
+                          until_step=int(churned["phase_end_step_median"] or 0), replicas=r, seed=seed,
                           workdir=root / f"steady-r{r}", progress=progress)
         row = out["replicas"][str(r)]
         row["steady"] = steady

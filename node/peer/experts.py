@@ -184,8 +184,10 @@ class Experts:
             source = "init"
             composer.adopt_expert(eid, None)
         self.telemetry.status.adoptions += 1
+        taken = snapshot.taken_at if snapshot is not None and snapshot.taken_at > 0 else None
         self.telemetry.event("adopted", layer=eid[0], expert=eid[1], source=source,
                              snapshot_step=snapshot.step if snapshot else None,
+                             snapshot_age_s=None if taken is None else round(time.monotonic() - taken, 3),
                              surrogate_version=self.gossip.versions().get(eid, 0))
         if self._assignment is not None and self._assignment.owner(*eid) != self.fingerprint:
             return  # a co-owner: the lead publishes the surrogate; this node follows its updates

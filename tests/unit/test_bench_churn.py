@@ -11,27 +11,41 @@ def _shard(t: float, experts: list[list[int]]) -> dict:
     return {"t": t, "kind": "shard", "experts": experts}
 
 
-def _adopted(t: float, eid: tuple[int, int], source: str, snapshot_step: int | None) -> dict:
+def _adopted(t: float, eid: tuple[int, int], source: str, age_s: float | None) -> dict:
     return {"t": t, "kind": "adopted", "layer": eid[0], "expert": eid[1], "source": source,
-            "snapshot_step": snapshot_step}
+            "snapshot_step": None if age_s is None else 1, "snapshot_age_s": age_s}
 
 
-def test_steps_lost_count_from_the_snapshot_taken_over_and_nothing_is_lost_to_a_live_replica():
+def _steps(times: range) -> list[dict]:
+    return [{"t": float(t), "kind": "step", "step": t} for t in times]
+
+
+def test_steps_lost_are_the_departed_nodes_steps_after_the_copy_taken_over_and_none_with_a_live_replica():
     records = [
-        [_shard(0.0, [[0, 0], [0, 1], [1, 0]])],  # departs at 10 s, at its step 100
+        [_shard(0.0, [[0, 0], [0, 1], [1, 0]]), _shard(4.5, [[0, 0], [0, 1], [1, 0], [1, 3]]), *_steps(range(1, 11))],
         [_shard(0.0, [[0, 1], [1, 1]]),  # a live replica of (0, 1): nothing to take over
-         _adopted(12.5, (0, 0), "heir copy", 80), _adopted(20.0, (0, 0), "previous owner", 100)],
+         _adopted(12.5, (0, 0), "heir copy", 4.5), _adopted(20.0, (0, 0), "previous owner", 0.1)],
         [_shard(0.0, [[0, 2]]), _adopted(11.0, (1, 0), "init", None)],
     ]
-    gone = Departure(t=10.0, node=0, how="kill", step=100, owned=[(0, 0), (0, 1), (1, 0), (1, 3)])
+    gone = Departure(t=10.0, node=0, how="kill", step=10, owned=[(0, 0), (0, 1), (1, 0), (1, 3)])
     measure_departures([gone], records)
-    assert gone.lost_steps == {"0.0": 20, "0.1": 0, "1.0": 100, "1.3": None}  # its first adoption counts
+    # (0, 0): the heir copy was taken at 12.5 - 4.5 = 8 s, so its steps at 9 and 10 s are lost (the first adoption
+    # counts); (1, 0) restarted from init: all ten; (1, 3) nobody took over.
+    assert gone.lost_steps == {"0.0": 2, "0.1": 0, "1.0": 10, "1.3": None}
     assert gone.handover_s == {"0.0": 2.5, "0.1": 0.0, "1.0": 1.0, "1.3": None}
 
 
+def test_an_expert_restarted_from_init_loses_only_the_steps_since_the_departed_node_took_it():
+    records = [[_shard(0.0, [[0, 0]]), _shard(6.5, [[0, 0], [1, 2]]), *_steps(range(1, 11))],
+               [_adopted(10.5, (1, 2), "init", None), _adopted(10.6, (0, 0), "previous owner", 0.05)]]
+    gone = Departure(t=10.0, node=0, how="interrupt", step=10, owned=[(0, 0), (1, 2)])
+    measure_departures([gone], records)
+    assert gone.lost_steps == {"0.0": 0, "1.2": 4}  # its final snapshot handed (0, 0) over; (1, 2) since 6.5 s
+
+
 def test_an_adoption_before_the_departure_is_not_its_hand_over():
-    records = [[_shard(0.0, [[0, 0]])], [_adopted(5.0, (0, 0), "heir copy", 3)]]
-    gone = Departure(t=10.0, node=0, how="interrupt", step=50, owned=[(0, 0)])
+    records = [[_shard(0.0, [[0, 0]]), *_steps(range(1, 11))], [_adopted(5.0, (0, 0), "heir copy", 3.0)]]
+    gone = Departure(t=10.0, node=0, how="interrupt", step=10, owned=[(0, 0)])
     measure_departures([gone], records)
     assert gone.lost_steps == {"0.0": None}
 
