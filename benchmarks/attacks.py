@@ -141,13 +141,7 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], *, steps: int, jo
 
 
 def _past(nodes: list[NodeProcess], step: int) -> bool:
-    last = [latest_step(read_metrics(n.metrics)) for n in nodes]
-    return all(s >= step for s in last)
-
-
-def latest_step(records: list[dict[str, Any]]) -> int:
-    steps = [r["step"] for r in records if r.get("kind") == "step"]
-    return steps[-1] if steps else -1
+    return all(n.step >= step for n in nodes)
 
 
 def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:

@@ -42,11 +42,6 @@ OWN_OPTIONS = {**SWARM_OWN_OPTIONS, "offload.enabled": "off in the direct swarm,
 """Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
 
 
-def _step(node: NodeProcess) -> int:
-    last = latest(read_metrics(node.metrics))
-    return last["step"] if last else 0
-
-
 def _busiest(crew: list[NodeProcess], composers: list[NodeProcess]) -> tuple[str, NodeProcess]:
     """The worker most experts were onboarded to (its peer id and process): the death that costs most."""
     peers = {events(read_metrics(w.metrics), "worker_started")[0]["peer_id"]: w for w in crew}
@@ -81,9 +76,9 @@ def _run_swarm(workdir: Path, name: str, args: list[str], preset: str, nodes: in
             swarm.add_node("--steps", str(steps), "--min-peers", str(nodes))
         deadline = time.monotonic() + 3600
         while crew and kill_at > 0 and time.monotonic() < deadline:
-            if statistics.median(_step(n) for n in swarm.nodes) >= kill_at * steps:
+            if statistics.median(n.step for n in swarm.nodes) >= kill_at * steps:
                 peer, victim = _busiest(crew, swarm.nodes)
-                killed = {"t": dht_time(), "worker": peer, "steps": [_step(n) for n in swarm.nodes]}
+                killed = {"t": dht_time(), "worker": peer, "steps": [n.step for n in swarm.nodes]}
                 kill_group(victim.process, signal.SIGKILL)
                 progress(f"{name}: killed worker {peer} at composer steps {killed['steps']}")
                 break

@@ -51,10 +51,6 @@ PERIODS = {"router": 25, "latent": 50, "backbone": 100}  # the tiny preset's own
 Progress = Callable[[str], object]
 
 
-def _step(node: NodeProcess) -> int:
-    return int((latest(read_metrics(node.metrics)) or {}).get("step", 0))
-
-
 class RssPeaks:
     """The largest resident memory seen of each node's processes: its Python processes (the node and its DHT
     process) together, and its p2pd."""
@@ -139,7 +135,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         for _ in range(size):
             swarm.add_node("--min-peers", str(size), "--steps", str(steps))
         originals = list(swarm.nodes)
-        _wait(lambda: all(_step(n) >= join_at for n in originals), peaks, swarm, 1800,
+        _wait(lambda: all(n.step >= join_at for n in originals), peaks, swarm, 1800,
               f"not every node reached step {join_at}")
         joiner = swarm.add_node("--steps", str(steps - join_at))
         progress(f"{size} composers past step {join_at} after {time.monotonic() - started:.0f} s; one joins")

@@ -47,6 +47,12 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    @property
+    def step(self) -> int:
+        """The step of the node's latest step record, read from its metrics file (0 before its first step)."""
+        last = latest(read_metrics(self.metrics))
+        return int(last["step"]) if last else 0
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every complete JSON line of a node's metrics file (a line being written is skipped)."""

@@ -28,11 +28,6 @@ def steps_of(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("kind") == "step"]
 
 
-def step_of(node: NodeProcess) -> int:
-    last = latest(read_metrics(node.metrics))
-    return last["step"] if last else 0
-
-
 def _is_partition(shards: list[set[tuple[int, int]]]) -> bool:
     return sum(len(s) for s in shards) == len(ALL_EXPERTS) and set().union(*shards) == ALL_EXPERTS
 
@@ -52,7 +47,7 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
         swarm.start_bootstrap()
         for _ in range(3):
             swarm.add_node("--min-peers", "3")  # until stopped
-        wait_until(lambda: all(step_of(n) >= 12 for n in swarm.nodes), timeout=180)
+        wait_until(lambda: all(n.step >= 12 for n in swarm.nodes), timeout=180)
         joiner = swarm.add_node("--min-peers", "3")  # until stopped: it refits only after a merged backbone round
 
         def refitted() -> bool:
@@ -129,7 +124,7 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
         swarm.start_bootstrap()
         for _ in range(4):
             swarm.add_node("--min-peers", "4")  # until stopped
-        wait_until(lambda: all(step_of(n) >= 22 for n in swarm.nodes), timeout=240)
+        wait_until(lambda: all(n.step >= 22 for n in swarm.nodes), timeout=240)
         victim = read_metrics(swarm.nodes[3].metrics)
         lost = shard_at(victim, float("inf"))
         assert lost, "the victim owned nothing"
@@ -240,7 +235,7 @@ def test_more_composers_than_experts_all_train_and_the_one_owning_none_takes_an_
     try:
         swarm.start_bootstrap()
         nodes = [swarm.add_node("--min-peers", "3") for _ in range(3)]
-        wait_until(lambda: all(step_of(n) >= 5 for n in nodes), timeout=150, explain=swarm.describe)
+        wait_until(lambda: all(n.step >= 5 for n in nodes), timeout=150, explain=swarm.describe)
         held = [shard_at(read_metrics(n.metrics), dht_time()) for n in nodes]
         idle = [i for i, h in enumerate(held) if not h]
         assert len(idle) == 1 and sorted(e for h in held for e in h) == [(0, 0), (0, 1)], held
@@ -255,8 +250,8 @@ def test_more_composers_than_experts_all_train_and_the_one_owning_none_takes_an_
 
         wait_until(one_each, timeout=60, explain=swarm.describe)
         heir = nodes[idle[0]]
-        step = step_of(heir)
-        wait_until(lambda: step_of(heir) > step + 3, timeout=60, explain=swarm.describe)
+        step = heir.step
+        wait_until(lambda: heir.step > step + 3, timeout=60, explain=swarm.describe)
         adoptions = [a for n in survivors for a in events(read_metrics(n.metrics), "adopted") if a["t"] > left_at]
         assert adoptions and all(a["source"] != "init" for a in adoptions), adoptions
     finally:

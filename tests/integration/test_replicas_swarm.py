@@ -18,7 +18,7 @@ from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
 from parallax.node.config.train import train_config
 from parallax.node.config.typed import apply_changes
-from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 from parallax.node.peer.timeline import events, ownership, shard_at
 from parallax.node.sim.simulator import RunSpec, run
 from parallax.node.train.data import load_corpus, split_corpus
@@ -29,11 +29,6 @@ PERIODS = '{"router": 5, "latent": 10, "backbone": 10}'
 NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5",
              "--set", "ownership.replicas=2", "--snapshot-every", "10", "--final-eval"]
 ALL_EXPERTS = {(layer, e) for layer in range(2) for e in range(4)}  # tiny: 2 layers x 4 experts
-
-
-def _step(node: NodeProcess) -> int:
-    last = latest(read_metrics(node.metrics))
-    return last["step"] if last else 0
 
 
 def _expert_rounds_ok(node: NodeProcess, since: float = 0.0) -> int:
@@ -58,13 +53,13 @@ def test_a_killed_owner_costs_no_expert_step_and_the_owners_merge_their_copies(t
         swarm.start_bootstrap()
         for _ in range(4):
             swarm.add_node("--min-peers", "4")  # until stopped
-        wait_until(lambda: all(_step(n) >= 22 and _expert_rounds_ok(n) >= 1 for n in swarm.nodes)
+        wait_until(lambda: all(n.step >= 22 and _expert_rounds_ok(n) >= 1 for n in swarm.nodes)
                    and _settled(swarm.nodes), timeout=300, explain=swarm.describe)
         killed_at = dht_time()
         at_kill = _owners(swarm.nodes, killed_at)
         lost = {eid for eid, who in at_kill.items() if 3 in who}
         assert lost, "the victim owned nothing"
-        steps_at_kill = {i: _step(swarm.nodes[i]) for i in range(3)}
+        steps_at_kill = {i: swarm.nodes[i].step for i in range(3)}
         swarm.kill(3)
         survivors = swarm.nodes[:3]
         wait_until(lambda: _settled(survivors), timeout=90, explain=swarm.describe)

@@ -26,10 +26,6 @@ NODE_ARGS = ["--preset", "tiny", "--set", 'sync.periods={"router": 5, "latent": 
 URL = re.compile(r"(http://127\.0\.0\.1:\d+/)")
 
 
-def step_of(node) -> int:
-    return (latest(read_metrics(node.metrics)) or {}).get("step", 0)
-
-
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read()

@@ -49,10 +49,6 @@ def _loss_before(node: NodeProcess, step: int) -> float:
     return statistics.mean(losses)
 
 
-def _step(node: NodeProcess) -> int:
-    return (latest(read_metrics(node.metrics)) or {}).get("step", 0)
-
-
 def _backbone_rounds(node: NodeProcess, after: float) -> list[dict]:
     return [r for r in events(read_metrics(node.metrics), "round")
             if r["group"] == "backbone" and r["status"] == "ok" and r["t"] > after and r["participants"] == 2]
@@ -71,7 +67,7 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
     try:
         swarm.start_bootstrap()
         first = swarm.add_node("--checkpoint-dir", str(tmp_path / "ckpt-0"))
-        wait_until(lambda: _step(first) >= ALONE_STEPS, timeout=180, explain=swarm.describe)
+        wait_until(lambda: first.step >= ALONE_STEPS, timeout=180, explain=swarm.describe)
         before = _losses(first)[-WINDOW:]
         joined_at = dht_time()
         second = swarm.add_node("--checkpoint-dir", str(tmp_path / "ckpt-1"))
@@ -103,8 +99,8 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
         assert all(e["origin"] == "owner" and e["step"] >= 10 for e in card["experts"])
         assert parallax.load(tmp_path / "live-model") is not None
         # The reader owned nothing and was never counted: both composers still see two peers and keep training.
-        step = max(_step(n) for n in (first, second))
-        wait_until(lambda: all(_step(n) >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2
+        step = max(n.step for n in (first, second))
+        wait_until(lambda: all(n.step >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2
                                for n in (first, second)), timeout=120, explain=swarm.describe)
         codes = [swarm.stop_node(i) for i in range(2)]
         assert codes == [0, 0], swarm.describe()
