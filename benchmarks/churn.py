@@ -50,7 +50,7 @@ import psutil
 from parallax.benchmarks.report import write_report
 from parallax.benchmarks.scale import RssPeaks
 from parallax.dht.adapter import dht_time
-from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
+from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 from parallax.node.peer.processes import kill_group, send
 from parallax.node.peer.timeline import events, ownership, shard_at
 
@@ -81,10 +81,6 @@ def _records(node: NodeProcess) -> list[dict[str, Any]]:
     return read_metrics(node.metrics)
 
 
-def _step(node: NodeProcess) -> int:
-    return int((latest(_records(node)) or {}).get("step", 0))
-
-
 def _training(node: NodeProcess) -> bool:
     return node.alive and bool(events(_records(node), "first_step"))
 
@@ -105,7 +101,7 @@ class Churn:
         self.swarm.start_bootstrap()
         for _ in range(self.composers):
             self.swarm.add_node("--min-peers", str(self.composers))
-        self._wait(lambda: all(_step(n) >= 10 for n in self.swarm.nodes), timeout_s, "every node past step 10")
+        self._wait(lambda: all(n.step >= 10 for n in self.swarm.nodes), timeout_s, "every node past step 10")
 
     def run(self, until: Callable[[], bool]) -> None:
         """Depart and replace nodes at exponential times until ``until()``; frozen nodes die on schedule."""
@@ -128,25 +124,13 @@ class Churn:
     def joined(self, timeout_s: float) -> float | None:
         """Seconds until every node alive had trained a step (the last replacements are still starting when the
         churn ends); None: not within ``timeout_s``."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if all(_training(n) for n in self.swarm.nodes if n.alive):
-                return time.monotonic() - started
-            self.peaks.sample(self.swarm.nodes)
-            self._check_failures()
-            time.sleep(1.0)
-        return None
+        return self._poll(lambda: all(_training(n) for n in self.swarm.nodes if n.alive), timeout_s)
 
     def settle(self, replicas: int, timeout_s: float) -> float | None:
         """Seconds until every expert had ``replicas`` owners among the live nodes (None: not within
         ``timeout_s``)."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if owners_complete([_records(n) for n in self.swarm.nodes if n.alive], dht_time(), replicas):
-                return time.monotonic() - started
-            self.peaks.sample(self.swarm.nodes)
-            time.sleep(1.0)
-        return None
+        return self._poll(lambda: owners_complete([_records(n) for n in self.swarm.nodes if n.alive], dht_time(),
+                                                  replicas), timeout_s, check_failures=False)
 
     def _next_departure(self) -> float:
         if self.lifetime_s is None:
@@ -165,7 +149,7 @@ class Churn:
         node = self.rng.choice(candidates)
         records = _records(node)
         t = dht_time()
-        gone = Departure(t=t, node=node.index, how=how, step=_step(node), owned=sorted(shard_at(records, t)))
+        gone = Departure(t=t, node=node.index, how=how, step=node.step, owned=sorted(shard_at(records, t)))
         if how == "interrupt":
             send(node.process, signal.SIGINT)  # it leaves on its own; its replacement starts meanwhile
         elif how == "kill":
@@ -192,13 +176,21 @@ class Churn:
             raise RuntimeError(f"node(s) {failed} failed on their own; see {self.swarm.workdir}")
 
     def _wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
+        if self._poll(condition, timeout_s) is None:
+            raise RuntimeError(f"not {what} within {timeout_s:.0f} s; see {self.swarm.workdir}")
+
+    def _poll(self, condition: Callable[[], bool], timeout_s: float, check_failures: bool = True) -> float | None:
+        """Seconds until ``condition()`` held, checked every second while memory is sampled (and, with
+        ``check_failures``, a node that failed on its own raises); None: not within ``timeout_s``."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if condition():
+                return time.monotonic() - started
             self.peaks.sample(self.swarm.nodes)
-            self._check_failures()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not {what} within {timeout_s:.0f} s; see {self.swarm.workdir}")
+            if check_failures:
+                self._check_failures()
             time.sleep(1.0)
+        return None
 
 
 def owners_complete(live: list[list[dict[str, Any]]], t: float, replicas: int) -> bool:
@@ -284,14 +276,14 @@ def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: i
             churn.run(lambda: len(churn.departures) >= departures)
         else:
             target = until_step or 0
-            churn.run(lambda: (_median([_step(n) for n in swarm.nodes if n.alive]) or 0) >= target)
-        phase_end_step = _median([float(_step(n)) for n in swarm.nodes if n.alive])
+            churn.run(lambda: (_median([n.step for n in swarm.nodes if n.alive]) or 0) >= target)
+        phase_end_step = _median([float(n.step) for n in swarm.nodes if n.alive])
         joined_s = churn.joined(timeout_s=300)
         settled_s = churn.settle(replicas, timeout_s=120)
         export_loss = _export(swarm, workdir / "export") if export else None
         end_t = dht_time()
         live = [n.index for n in swarm.nodes if n.alive]
-        live_steps = [_step(swarm.nodes[i]) for i in live]
+        live_steps = [swarm.nodes[i].step for i in live]
     finally:
         churn.kill_frozen()
         swarm.close()
