@@ -6,16 +6,22 @@ AdamW state (``Composer.expert_snapshot``) encoded as an ``ExpertSnapshot`` mess
 node serves, from a thread-safe ``SnapshotStore``:
 
 - a *periodic* snapshot of every expert it owns, replaced by the training loop every few steps;
-- a *final* snapshot of every expert it just released (a joiner took it over), kept for ``keep_s``.
+- a *final* snapshot of every expert it just released (a joiner took it over), kept for ``keep_s``;
+- the *heir copy* it holds of an expert it does not own, when that is newer than its own final one.
 
 and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir*
 of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. When the
-owner dies, the heir already holds its expert and loses at most the steps since that snapshot.
+owner dies, the heir already holds its expert and loses at most the steps since that snapshot. A node that is
+no longer an expert's heir (a joiner took that role in its view) keeps its copy ``keep_s`` longer and serves it:
+under churn the new heir may not have pulled a copy yet (the owner's view may not have it), may leave before it
+does, or the views may name another new owner, which then finds the copy by asking the live composers.
 
 Trust: a snapshot is a signed envelope (``protocol.envelope``), sealed once when the owner takes it, and is
-asked for by peer id from the node the signed membership names as the expert's owner (or previous owner);
-the asker accepts it only when it is signed by the key the membership names for that peer, so a copy can
-come from no one else even if it travels further some day. Its sequence number is not checked (the same
+asked for by peer id from the node the signed membership names as the expert's owner (or previous owner, or
+from any live composer when that owner is dead); the asker accepts it only when it is signed by the key the
+membership names for that peer, so a copy can come from no one else even if it travels further some day. An heir
+serves a copy it checked under its own signature: it vouches for it as for an expert it trained (a composer
+could serve anything as its own final snapshot). Its sequence number is not checked (the same
 snapshot is served again and again; its ``step`` is what orders copies) and its timestamp may be up to
 ``SNAPSHOT_WINDOW_S`` old. Its tensors are still checked (names, shapes, finite, a norm bound) before use —
 a bad one is refused and logged, never raised into the training loop. The stream's first message (step,
@@ -190,8 +196,9 @@ class ExpertServicer(ServicerBase):
     a live composer of the run: an expert's weights and optimizer state are for the run's composers only).
     Do not rename (protocol id)."""
 
-    def __init__(self, store: SnapshotStore, may_fetch: Callable[[str], bool] = lambda _peer: True) -> None:
-        self._store = store
+    def __init__(self, held: Callable[[ExpertId], tuple[int, bool, bytes, float] | None],
+                 may_fetch: Callable[[str], bool] = lambda _peer: True) -> None:
+        self._held = held  # expert -> (step, final, sealed body, age in seconds) served, or None
         self._may_fetch = may_fetch
         self.bytes_served = 0
         self.refused_peers = 0
@@ -211,7 +218,7 @@ class ExpertServicer(ServicerBase):
             logger.info("refused a snapshot of %s to peer %s: not a live composer of this run, or banned here",
                         request.uid[:40], peer)
             return
-        held = self._store.get(eid)
+        held = self._held(eid)
         if held is None:
             return
         step, final, body, age_s = held
@@ -264,10 +271,12 @@ class ExpertExchange:
         self.snapshot_every = snapshot_every
         self.config = config if config is not None else ExchangeConfig()
         self.store = SnapshotStore(keep_s)
-        self.servicer = ExpertServicer(self.store, may_fetch)
+        self.servicer = ExpertServicer(self.served, may_fetch)
         self.bytes_fetched = 0
         self.refused = 0
         self._heirs: dict[ExpertId, Snapshot] = {}
+        self._former: dict[ExpertId, float] = {}  # heir copies of experts no longer inherited: since when
+        self._sealed: dict[ExpertId, tuple[float, bytes]] = {}  # heir copy (by ``taken_at``) sealed by this node
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -313,13 +322,15 @@ class ExpertExchange:
     def take_heir_copy(self, eid: ExpertId) -> Snapshot | None:
         """Remove and return the heir copy of ``eid`` (the training thread takes the expert over)."""
         with self._lock:
+            self._former.pop(eid, None)
+            self._sealed.pop(eid, None)
             return self._heirs.pop(eid, None)
 
-    def has_local_copy(self, eid: ExpertId) -> bool:
-        """Whether this node holds a copy of ``eid`` itself: an heir copy, or the final snapshot it kept when
-        it released ``eid`` (served ``keep_s`` after)."""
-        entry = self.store.get(eid)
-        return self.heir_copy(eid) is not None or (entry is not None and entry[1])
+    def inherits_copy(self, eid: ExpertId) -> bool:
+        """Whether this node holds a copy of ``eid`` pulled as its heir and is its heir still (the copy it pulled
+        while the owner trained): adopting ``eid`` from it needs nobody else."""
+        with self._lock:
+            return eid in self._heirs and eid not in self._former
 
     def take_local_copy(self, eid: ExpertId) -> tuple[Snapshot, str] | None:
         """The newest copy of ``eid`` this node holds itself (by when it was taken), with where it came from
@@ -342,9 +353,38 @@ class ExpertExchange:
         return max(found, key=lambda f: f[0].taken_at, default=None)
 
     def forget_heir_copies(self, keep: set[ExpertId]) -> None:
+        """``keep``: the experts this node inherits now; a copy of another is dropped ``keep_s`` after it was
+        inherited last (served meanwhile: module docstring)."""
+        now = time.monotonic()
         with self._lock:
+            for eid in keep:
+                self._former.pop(eid, None)
             for eid in set(self._heirs) - keep:
-                del self._heirs[eid]
+                if now - self._former.setdefault(eid, now) > self.store.keep_s:
+                    del self._heirs[eid], self._former[eid]
+                    self._sealed.pop(eid, None)
+
+    def served(self, eid: ExpertId) -> tuple[int, bool, bytes, float] | None:
+        """What this node serves of ``eid`` (step, final, sealed body, age in seconds): its periodic snapshot when
+        it owns ``eid``, else the newer of its final snapshot and its heir copy, or None. Called on the loop
+        thread; an heir copy is sealed once per copy pulled."""
+        own = self.store.get(eid)
+        if own is not None and not own[1]:
+            return own
+        with self._lock:
+            heir = self._heirs.get(eid)
+            sealed = self._sealed.get(eid)
+        if heir is None:
+            return own
+        age_s = time.monotonic() - heir.taken_at
+        if own is not None and own[3] <= age_s:
+            return own
+        if sealed is None or sealed[0] != heir.taken_at:
+            sealed = heir.taken_at, self.sealer.seal(encode_snapshot(eid[0], eid[1], heir.step, heir.tensors))
+            with self._lock:
+                if self._heirs.get(eid) is heir:
+                    self._sealed[eid] = sealed
+        return heir.step, False, sealed[1], age_s
 
     def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | None]:
         """Ask ``peer`` for its snapshot of ``eid``; the future gives None when it holds none or fails."""

@@ -119,7 +119,7 @@ class Experts:
                         if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
                 started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
                 wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
-                has_own_copy=self.exchange.has_local_copy(eid), live_source=live)
+                has_own_copy=self.exchange.inherits_copy(eid), live_source=live)
             self.handovers[eid] = (handover, None)
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):

@@ -14,6 +14,11 @@ two requests a second per expert. The wait ends with the hand-over's final snaps
 has passed; the node then adopts the newest snapshot it was served, or its own copy when that was taken later
 ("newest" by when each holder took its copy: every node counts its own steps), or restarts the expert from its
 initialisation when it has neither.
+
+When the previous owner is dead, there is no hand-over to wait for: unless this node holds the copy it pulled as
+the expert's heir, it asks every other live composer once (a survey) and adopts the newest copy served. A final
+snapshot does not end a survey early: a peer that released the expert to the dead owner serves one, older than
+what the dead owner trained after it, which its heir (in that heir's view, maybe not ours) still holds.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ class Handover:
             node came online, less a heartbeat lifetime for views that lag).
         wait_s: give up asking after this long.
         handover_window_s: a final snapshot released longer than this before ``started`` is stale.
-        has_own_copy: this node holds an heir copy of the expert (with a dead source: ask nobody).
+        has_own_copy: this node holds the copy it pulled as the expert's heir (with a dead source: ask nobody).
         live_source: the source keeps training the expert (another of its owners, with replicas): its first
             snapshot ends the wait as a final one would; it never releases the expert.
     """
@@ -94,6 +99,8 @@ class Handover:
     asking: str | None = None
     asked_at: float = 0.0
     best: Served | None = None
+    survey: bool = False
+    """The source is dead: each of ``others`` is asked once, and the newest copy wins."""
     _last: Served | None = field(default=None, repr=False)
     _best_taken: float = field(default=0.0, repr=False)  # when ``best``'s holder took it
 
@@ -102,8 +109,9 @@ class Handover:
         others = [p for p in self.others if p != self.source]
         if self.source is None:
             if self.has_own_copy or not others:
-                self.others = others if not self.has_own_copy else []
+                self.others = []
                 return self._finish()
+            self.survey = True
             self.source = others.pop(0)
         self.others = others
         return self._ask(self.source, self.started)
@@ -116,7 +124,8 @@ class Handover:
         # The newest by when its holder took it: each node counts its own steps, so steps order nothing here.
         if snapshot is not None and (self.best is None or now - snapshot.age_s >= self._best_taken):
             self.best, self._best_taken = snapshot, now - snapshot.age_s
-        if self._is_handover_final(snapshot, now) or now - self.started >= self.wait_s:
+        if (self._is_handover_final(snapshot, now) or now - self.started >= self.wait_s
+                or (self.survey and not self.others)):
             return self._finish()
         self.phase = Phase.ANSWERED
         return self.tick(now)
@@ -130,9 +139,12 @@ class Handover:
         if self.phase is Phase.ASKING or now - self.asked_at < REQUEST_INTERVAL_S:
             return []
         assert self.asking is not None and self.source is not None
+        if self.survey:
+            return self._ask(self.others.pop(0), now)  # ``answered`` finished when none was left
         last = self._last
-        # Nothing there, or a stale final, or (a live source) another peer's copy: someone else.
-        if (last is None or last.final or (self.live_source and self.asking != self.source)) and self.others:
+        # Nothing there, a stale final, or another peer's copy (an heir's, or with a live source a replica's; a
+        # peer whose lagging view still has it train the expert serves its final when next in turn): someone else.
+        if (last is None or last.final or self.asking != self.source) and self.others:
             if self.asking == self.source:  # the next of the others, in turn
                 nxt = self.others.pop(0)
                 self.others.append(nxt)
@@ -142,6 +154,8 @@ class Handover:
         return self._ask(self.asking, now)
 
     def _is_handover_final(self, snapshot: Served | None, now: float) -> bool:
+        if self.survey:
+            return False
         if snapshot is not None and self.live_source and self.asking == self.source:
             return True
         if snapshot is None or not snapshot.final:

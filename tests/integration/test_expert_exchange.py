@@ -19,6 +19,7 @@ from parallax.protocol.identity import Identity
 
 SHAPES = {"w_gate.weight": (6, 4), "w_up.weight": (6, 4), "w_down.weight": (4, 6)}
 EID = (1, 2)
+KEEP_S = 8.0  # how long a released expert's final snapshot, and a former heir's copy, stay served
 
 
 def snapshot(step: float) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
                 exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, identity=fixed_identity(i), key_of=keys.get,
                                                 heir_targets=heir_targets,
                                                 config=ExchangeConfig(poll_s=0.2, timeout_s=5.0),
-                                                may_fetch=allowed.__contains__).start())
+                                                may_fetch=allowed.__contains__, keep_s=KEEP_S).start())
             yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets, "allowed": allowed,
                                                "heir": heir.dht.peer_id}
         finally:
@@ -91,9 +92,9 @@ def test_snapshots_go_only_to_live_composers_of_the_run(pair) -> None:
 def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:
     owner, heir, ids = pair
     owner.put(EID, 5, snapshot(5.0))  # a periodic snapshot of an owned expert is not a copy to adopt from
-    assert not owner.has_local_copy(EID) and owner.take_local_copy(EID) is None
+    assert owner.take_local_copy(EID) is None
     owner.put(EID, 6, snapshot(6.0), final=True)  # released: if it comes back, resume from here, not init
-    assert owner.has_local_copy(EID)
+    assert not owner.inherits_copy(EID)  # but a copy to compare with what the live peers serve
     got = owner.take_local_copy(EID)
     assert got is not None and got[1] == "own release" and got[0].step == 6
     assert torch.equal(got[0].tensors["w_up.weight"], torch.full((6, 4), 6.0))
@@ -126,8 +127,29 @@ def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:
         return copy is not None and copy.step == 20
 
     wait_until(has_step_20, timeout=15)
-    del targets[EID]  # no longer the heir: the copy is dropped
-    wait_until(lambda: heir.heir_copy(EID) is None, timeout=15)
+    assert heir.inherits_copy(EID)
+    del targets[EID]  # no longer the heir (a joiner is, in the heir's view)
+    wait_until(lambda: not heir.inherits_copy(EID), timeout=15)
+    # The copy stays and is served, under the heir's own signature, to whoever takes the expert over (the owner
+    # asks here, standing in for any live composer) until KEEP_S after.
+    served = owner.fetch(ids["heir"], EID).result(10)
+    assert served is not None and served.step == 20 and not served.final
+    assert torch.equal(served.tensors["w_up.weight"], torch.full((6, 4), 20.0))
+    wait_until(lambda: heir.heir_copy(EID) is None, timeout=KEEP_S + 20)
+    assert owner.fetch(ids["heir"], EID).result(10) is None
+
+
+def test_an_heir_serves_the_newer_of_its_copy_and_its_own_final(pair) -> None:
+    owner, heir, ids = pair
+    heir.put(EID, 3, snapshot(3.0), final=True)  # the heir released EID to the owner
+    owner.put(EID, 10, snapshot(10.0))  # which trained it on
+    ids["targets"][EID] = (ids["peer"], 10)
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
+    got = owner.fetch(ids["heir"], EID).result(10)
+    assert got is not None and got.step == 10 and not got.final
+    heir.put(EID, 12, snapshot(12.0), final=True)  # it released EID again, after that copy was taken
+    got = owner.fetch(ids["heir"], EID).result(10)
+    assert got is not None and got.step == 12 and got.final
 
 
 def test_bad_snapshots_are_refused_not_raised(pair) -> None:

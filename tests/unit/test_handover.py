@@ -74,11 +74,23 @@ def test_a_dead_owner_with_an_own_heir_copy_asks_nobody() -> None:
     assert _handover(source=None, others=("b", "c"), own_copy=True).start() == [Finish(None)]
 
 
-def test_a_dead_owner_without_a_copy_asks_the_other_peers_in_turn() -> None:
+def test_a_dead_owner_without_a_copy_asks_every_other_peer_once() -> None:
     h = _handover(source=None, others=("b", "c"))
     assert h.start() == [Ask("b")]
     assert h.answered(None, 100.6) == [Ask("c")]
-    assert h.answered(None, 101.2) == [Ask("b")]
+    assert h.answered(None, 101.2) == [Finish(None)]
+
+
+def test_a_dead_owners_heir_copy_wins_over_the_final_it_trained_from() -> None:
+    """b released the expert to the owner 20 s ago (a final inside the hand-over window), the owner trained it and
+    died; c, its heir in c's view, pulled a copy 3 s ago. The final does not end the survey: c's copy wins."""
+    h = _handover(source=None, others=("b", "c", "d"))
+    assert h.start() == [Ask("b")]
+    release = Snap(step=300, final=True, age_s=20.0)
+    assert h.answered(release, 100.6) == [Ask("c")]
+    heir_copy = Snap(step=120, age_s=3.0)
+    assert h.answered(heir_copy, 101.2) == [Ask("d")]
+    assert h.answered(None, 101.8) == [Finish(heir_copy)]
 
 
 def test_nobody_to_ask_finishes_at_once() -> None:
@@ -118,3 +130,15 @@ def test_the_best_snapshot_is_the_one_taken_last_whatever_its_step() -> None:
     assert h.tick(102.0) == [Ask("owner")]
     assert h.answered(Snap(step=900, age_s=30.0), 102.1) == []  # taken at 72
     assert h.tick(131.0) == [Finish(fresh)]
+
+
+def test_a_copy_another_peer_holds_is_kept_and_the_previous_owner_asked_next() -> None:
+    """b holds a copy it pulled as an heir and will never release: asking it again would end nothing."""
+    h = _handover(others=("b", "c"))
+    assert h.start() == [Ask("owner")]
+    assert h.answered(None, 100.1) == []
+    assert h.tick(100.7) == [Ask("b")]
+    copy = Snap(step=40, age_s=1.0)
+    assert h.answered(copy, 100.8) == []
+    assert h.tick(101.4) == [Ask("owner")]
+    assert h.best == copy
