@@ -51,9 +51,9 @@ runs of hours, 60 s on loopback)."""
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print, clean_runs: int = len(CLEAN)) -> dict[str, Any]:
     """Run the clean runs (the first ``clean_runs`` of ``CLEAN``: their spread is the noise a ratio is judged
-    against) and one run per attack (module docstring); returns the report (JSON-able)."""
-    if not 1 <= clean_runs <= len(CLEAN):
-        raise ValueError(f"clean_runs must be in 1..{len(CLEAN)}, got {clean_runs}")
+    against; with none, no ratio) and one run per attack (module docstring); returns the report (JSON-able)."""
+    if not 0 <= clean_runs <= len(CLEAN):
+        raise ValueError(f"clean_runs must be in 0..{len(CLEAN)}, got {clean_runs}")
     clean_names = CLEAN[:clean_runs]
     names = list(ATTACKS) if attacks is None else attacks
     unknown = [n for n in names if n not in ATTACKS]
@@ -81,7 +81,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner,
-                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:clean_runs]),
+                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs
+                     else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
             "clean_val_loss": clean, "clean_joiner_val_loss": clean_joiner,
@@ -228,8 +229,9 @@ def markdown(report: dict[str, Any]) -> str:
             ratio = f"**{ratio}**"
         joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
+        clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
         lines.append(f"| {r['name']} | {r['description']} | {ratio} | {joiner} | {_opt(r['attacker_experts'])} | "
-                     f"{r['rounds_ok']:g} ({r['rounds_ok_clean']:g}) | {'yes' if r['attacker_named'] else 'no'} | "
+                     f"{r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
     return "\n".join(lines)
 

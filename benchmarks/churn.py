@@ -255,11 +255,12 @@ def _export(swarm: LocalSwarm, out: Path) -> float | None:
 
 def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: int, workdir: Path,
              progress: Progress, minutes: float | None = None, departures: int | None = None,
-             until_step: int | None = None, export: bool = True) -> dict[str, Any]:
+             until_step: int | None = None, quality: bool = True) -> dict[str, Any]:
     """One swarm: under churn (``lifetime_s``) for ``minutes`` or until ``departures`` left, or without churn
-    until its median live step reaches ``until_step``; ``export``: export the model and evaluate it."""
+    until its median live step reaches ``until_step``; ``quality``: the nodes evaluate the model as they leave,
+    and the model is exported from the live swarm and evaluated."""
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", "batch_size=32",
-            "--set", f"ownership.replicas={replicas}", "--final-eval", "--snapshot-every", "20"]
+            "--set", f"ownership.replicas={replicas}", "--snapshot-every", "20", *(["--final-eval"] if quality else [])]
     name = "churn" if lifetime_s is not None else "steady"
     swarm = LocalSwarm(workdir, run_id=f"{name}{replicas}", node_args=args)
     peaks = RssPeaks()
@@ -280,7 +281,7 @@ def run_once(*, composers: int, lifetime_s: float | None, replicas: int, seed: i
         phase_end_step = _median([float(n.step) for n in swarm.nodes if n.alive])
         joined_s = churn.joined(timeout_s=300)
         settled_s = churn.settle(replicas, timeout_s=120)
-        export_loss = _export(swarm, workdir / "export") if export else None
+        export_loss = _export(swarm, workdir / "export") if quality else None
         end_t = dht_time()
         live = [n.index for n in swarm.nodes if n.alive]
         live_steps = [swarm.nodes[i].step for i in live]

@@ -159,34 +159,23 @@ def _four_composers(swarm: LocalSwarm, merged: int = 4) -> None:
 
 
 @pytest.mark.slow
-def test_four_hosts_on_50_mbit_links_train_and_merge(lab: NetLab, tmp_path: Path) -> None:
-    hosts = [lab.add_host(f"h{i}", rate="50mbit") for i in range(4)]
-    swarm = LocalSwarm(tmp_path, run_id="lab4", node_args=NODE_ARGS, hosts=hosts)
-    try:
-        _four_composers(swarm)
-        for i, node in enumerate(swarm.nodes):
-            records = read_metrics(node.metrics)
-            losses = [r["loss"] for r in records if r.get("kind") == "step"]
-            assert len(losses) >= 150, f"node {i} trained {len(losses)} steps"
-            assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, f"node {i}: loss did not fall"
-            rounds = rounds_ok(records)
-            assert all(rounds[g] >= 3 for g in GROUPS), f"node {i} completed rounds {rounds}"
-            # It talked to its peers at their lab addresses, not over this machine's loopback.
-            said = node.log.read_text(errors="replace")
-            assert hosts[i].address in said, f"node {i} did not listen on {hosts[i].address}"
-    finally:
-        swarm.close()
-
-
-@pytest.mark.slow
-def test_a_host_on_a_5_mbit_link_does_not_stall_the_others_rounds(lab: NetLab, tmp_path: Path) -> None:
+def test_four_hosts_train_and_merge_and_one_on_a_5_mbit_link_stalls_none_of_the_others_rounds(
+        lab: NetLab, tmp_path: Path) -> None:
     hosts = [lab.add_host(f"h{i}", rate="5mbit" if i == 3 else "50mbit") for i in range(4)]
-    swarm = LocalSwarm(tmp_path, run_id="labslow", node_args=NODE_ARGS, hosts=hosts)
+    swarm = LocalSwarm(tmp_path, run_id="lab4", node_args=NODE_ARGS, hosts=hosts)
     budget = outer_sync_config(node_defaults("tiny", True)).round_budget_s
     try:
         _four_composers(swarm, merged=3)
-        for i, node in enumerate(swarm.nodes[:3]):
+        for i, node in enumerate(swarm.nodes):
             records = read_metrics(node.metrics)
+            losses = [r["loss"] for r in records if r.get("kind") == "step"]
+            assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10, f"node {i}: loss did not fall"
+            # It talked to its peers at their lab addresses, not over this machine's loopback.
+            said = node.log.read_text(errors="replace")
+            assert hosts[i].address in said, f"node {i} did not listen on {hosts[i].address}"
+            if i == 3:
+                continue  # the 5 Mbit host: its rounds may time out; the others' must not wait for it
+            assert len(losses) >= 150, f"node {i} trained {len(losses)} steps"
             rounds = rounds_ok(records)
             assert all(rounds[g] >= 3 for g in GROUPS), f"node {i} completed rounds {rounds}"
             slowest = max(r["total_s"] for r in records if r.get("kind") == "round")
