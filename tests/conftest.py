@@ -20,12 +20,12 @@ torch.set_num_threads(1)
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many test processes ``-n auto`` (pyproject.toml) starts. The default suite's integration tests wait on
-    peers, daemons and timeouts as much as they compute: two at once per two cores (at most four) halve its
-    time. The slow swarm runs load every core themselves and run one at a time, and so does a run of named
-    files or tests (no workers to start for them)."""
+    peers, daemons and timeouts as much as they compute (two workers leave a quarter of two cores idle): one more
+    worker than cores, at most four. The slow swarm runs load every core themselves and run one at a time, and so
+    does a run of named files or tests (no workers to start for them)."""
     if "not slow" not in (config.option.markexpr or "not slow") or any(".py" in a for a in config.args):
         return 0
-    return min(4, max(1, len(os.sched_getaffinity(0))))
+    return min(4, len(os.sched_getaffinity(0)) + 1)
 
 
 @pytest.fixture(scope="session", autouse=True)

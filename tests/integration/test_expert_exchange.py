@@ -101,6 +101,7 @@ def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:
     # The heir holds both kinds: the copy taken last wins, whatever its step (each node counts its own steps),
     # and an heir copy is taken.
     heir.put(EID, 40, snapshot(40.0), final=True)
+    time.sleep(0.01)  # ages travel rounded to the millisecond: copies taken closer than that are not ordered
     owner.put(EID, 30, snapshot(30.0))
     ids["targets"][EID] = (ids["peer"], 30)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
@@ -142,6 +143,7 @@ def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:
 def test_an_heir_serves_the_newer_of_its_copy_and_its_own_final(pair) -> None:
     owner, heir, ids = pair
     heir.put(EID, 3, snapshot(3.0), final=True)  # the heir released EID to the owner
+    time.sleep(0.01)  # ages travel rounded to the millisecond
     owner.put(EID, 10, snapshot(10.0))  # which trained it on
     ids["targets"][EID] = (ids["peer"], 10)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
