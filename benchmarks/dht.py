@@ -1,15 +1,18 @@
-"""DHT benchmark: signed store/get latency for N loopback peers, and failure-detection latency.
+"""DHT benchmark: signed store/get latency for N loopback peers, and the membership of N peers without training.
 
 Compare with hivemind's published numbers (1024 peers: store 14.9 ms, get 6.6 ms). Ours go through
 Parallax's path: Ed25519-signed records under the peer's own subkey, through ``SwarmDHT`` (the pipe to
-hivemind's DHT process included). Failure detection runs at the default timings (heartbeat every
-2 s, TTL 6 s, refresh 0.5 s): a peer is SIGKILLed at a random phase of its heartbeat period and we
-time until every survivor's view drops it, and until every view agrees on the new owners of its
-experts with valid claims; a graceful leave times the deathrattle.
+hivemind's DHT process included). The membership runs at the default timings (heartbeat every 2 s, TTL 6 s, every
+view re-read every 0.5 s), one ``Membership`` per peer in this process, each with its own DHT process and p2pd:
+first its steady load (the members key's read size and storers, the CPU of every peer's DHT process and p2pd, the
+storers' apart, the age of every view), then a peer is SIGKILLed at a random phase of its heartbeat period and we
+time until every survivor's view drops it, and until every view agrees on the new owners of its experts with valid
+claims; a graceful leave times the deathrattle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -20,10 +23,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from parallax.benchmarks.report import write_report
 from parallax.dht.adapter import dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.keys import members_key
+from parallax.dht.keys import claims_key, members_key
 from parallax.dht.membership import Membership
 from parallax.dht.records import owner_subkey
 from parallax.dht.testing import LocalPeer, LocalSwarm, agreed, fixed_identity, wait_until
@@ -91,22 +96,43 @@ def _store(p: LocalPeer, key: str, value: bytes) -> bool:
     return p.dht.store(key, owner_subkey(p.identity.public_key), value, dht_time() + 30, timeout_s=10)
 
 
-def detection(n_peers: int, trials: int, rattles: int, progress: Progress = print) -> dict[str, Any]:
-    """Kill (SIGKILL, no deathrattle) one peer per trial at default timings; time detection everywhere."""
+def detection(n_peers: int, trials: int, rattles: int, progress: Progress = print,
+              window_s: float = 20.0) -> dict[str, Any]:
+    """``n_peers`` peers that only heartbeat, claim and watch (the real membership, each with its own DHT process and
+    p2pd): their steady load over ``window_s``, then one peer SIGKILLed (no deathrattle) per trial and one leaving
+    gracefully per rattle, at the default timings; times until every survivor saw it. A wait that runs out is
+    counted (``timeouts``), not raised: on a crowded machine that is the finding."""
     rng = random.Random(7)
     detect: list[float] = []  # seconds until every peer saw the kill
     reassign: list[float] = []
     rattle: list[float] = []
+    timeouts = 0
     next_id = 0
+    patience = 20.0 + n_peers  # starting a DHT process takes about a second on an idle machine
 
     def add(swarm: LocalSwarm) -> LocalPeer:
         nonlocal next_id
         next_id += 1
-        return swarm.add(2000 + next_id, shards=SHARDS)
+        return swarm.add(2000 + next_id, shards=SHARDS, idle_s=0.0)  # they train nothing: no work is asked for
+
+    def timed(condition: Callable[[], bool], timeout: float) -> float | None:
+        nonlocal timeouts
+        try:
+            return wait_until(condition, timeout=timeout)
+        except TimeoutError:
+            timeouts += 1
+            return None
 
     with LocalSwarm(run_id=RUN, n_layers=SHARDS.n_layers) as swarm:
+        t0 = time.monotonic()
         live = [add(swarm) for _ in range(n_peers)]
-        wait_until(partial(_all_see, live, n_peers), timeout=20)
+        seen = timed(partial(_all_see, live, n_peers), patience)
+        up_s = time.monotonic() - t0
+        progress(f"  {n_peers} membership peers up in {up_s:.1f} s"
+                 f"{'' if seen is not None else ' (not every view had them all)'}")
+        steady = steady_load(live, window_s)
+        progress(f"  steady: view age median {steady['view_age_s']['median']:.2f} s, members key read "
+                 f"{steady['members_read_bytes']} B, on {steady['members_storers']} storers")
         for trial in range(trials + rattles):
             time.sleep(rng.uniform(0.0, 2.0))  # a random phase of the victim's heartbeat period
             victim = live.pop(rng.randrange(1, len(live)))  # never the bootstrap peer
@@ -118,24 +144,74 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
             t = time.monotonic()
             if not graceful:
                 _m(victim).abandon(wait=False)
-            wait_until(partial(_gone_everywhere, live, victim.fp), timeout=15)
-            (rattle if graceful else detect).append(time.monotonic() - t)
-            wait_until(partial(_agreed, live, victim.fp), timeout=15)
-            if not graceful:
+            gone = timed(partial(_gone_everywhere, live, victim.fp), patience)
+            if gone is not None:
+                (rattle if graceful else detect).append(gone)
+            settled = timed(partial(_agreed, live, victim.fp), patience)
+            if not graceful and settled is not None:
                 reassign.append(time.monotonic() - t)
             progress(f"  trial {trial + 1}: {'deathrattle' if graceful else 'kill'} seen by all after "
-                     f"{(rattle if graceful else detect)[-1]:.2f} s")
+                     f"{'-' if gone is None else f'{gone:.2f}'} s, views agreed "
+                     f"{'never' if settled is None else f'after {time.monotonic() - t:.2f} s'}")
             live.append(add(swarm))
-            wait_until(partial(_all_see, live, n_peers), timeout=20)
+            timed(partial(_all_see, live, n_peers), patience)
     return {
         "peers": n_peers,
         "heartbeat_period_s": 2.0,
         "heartbeat_ttl_s": 6.0,
         "refresh_s": 0.5,
+        "up_s": round(up_s, 1),
+        "steady": steady,
         "kill_detected_by_all": _stats(detect),
         "reassigned_and_claimed_in_all_views": _stats(reassign),
         "deathrattle_seen_by_all": _stats(rattle),
+        "timeouts": timeouts,
         "samples_s": {"detect": detect, "reassign": reassign, "deathrattle": rattle},
+    }
+
+
+def _cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` used so far; a gone one counts nothing."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def steady_load(live: Sequence[LocalPeer], window_s: float) -> dict[str, Any]:
+    """What the run's hot keys cost while nothing happens: the size of one read of the members key, which peers
+    store it and the claims keys (hivemind keeps a key on the peers nearest its id), and over ``window_s`` the
+    CPU each peer's DHT process and p2pd used (in cores), the storers' apart, with the age of every view."""
+    members = members_key(RUN)
+    read = live[0].dht.get_dicts([members], latest=True, timeout_s=10) or {}
+    read_bytes = sum(len(v) for v, _ in (read.get(members) or {}).values() if isinstance(v, bytes | bytearray))
+    hot = [members, *(claims_key(RUN, layer) for layer in range(SHARDS.n_layers))]
+    storers = {key: [i for i, p in enumerate(live) if p.dht.local_dict(key)] for key in hot}
+    pids = [p.dht.process_ids for p in live]
+    me = psutil.Process()
+    before, mine, started = [_cpu_s(x) for x in pids], sum(me.cpu_times()[:2]), time.monotonic()
+    ages: list[float] = []
+    while time.monotonic() - started < window_s:
+        now = dht_time()
+        ages += [now - _m(p).view().read_at for p in live]
+        time.sleep(0.5)
+    wall = time.monotonic() - started
+    cores = [(_cpu_s(x) - b) / wall for x, b in zip(pids, before, strict=True)]
+    storing = set().union(*storers.values())
+    ages.sort()
+    return {
+        "window_s": round(wall, 1),
+        "members_read_bytes": read_bytes,
+        "members_storers": len(storers[members]),
+        "claims_storers": sorted({len(v) for k, v in storers.items() if k != members}),
+        "view_age_s": {"median": statistics.median(ages), "p90": ages[int(0.9 * (len(ages) - 1))], "max": ages[-1]},
+        "dht_cores_per_peer_median": statistics.median(cores),
+        "dht_cores_storers_median": statistics.median([cores[i] for i in storing]) if storing else None,
+        "dht_cores_others_median": statistics.median([c for i, c in enumerate(cores) if i not in storing] or [0.0]),
+        "dht_cores_total": sum(cores),
+        "membership_cores": (sum(me.cpu_times()[:2]) - mine) / wall,
     }
 
 
@@ -159,25 +235,34 @@ def _agreed(peers: Sequence[LocalPeer], gone: str) -> bool:
 def run_dht_bench(
     sizes: Sequence[int] = (2, 8, 32),
     ops: int = 100,
-    detect_peers: int = 4,
+    detect_peers: Sequence[int] = (4,),
     trials: int = 5,
     rattles: int = 3,
     progress: Progress = print,
+    window_s: float = 20.0,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
         "hivemind_published": HIVEMIND_PUBLISHED,
         "latency": [],
+        "detection": [],
     }
     for n in sizes:
         progress(f"store/get latency with {n} peers ({ops} ops)")
         t = time.monotonic()
         report["latency"].append(latency(n, ops, progress))
         report["latency"][-1]["wall_s"] = time.monotonic() - t
-    if trials or rattles:
-        progress(f"failure detection with {detect_peers} peers ({trials} kills, {rattles} deathrattles)")
-        report["detection"] = detection(detect_peers, trials, rattles, progress)
+    for n in detect_peers if trials or rattles else ():
+        progress(f"membership of {n} peers: steady load ({window_s:g} s), {trials} kills, {rattles} deathrattles")
+        t = time.monotonic()
+        report["detection"].append(detection(n, trials, rattles, progress, window_s))
+        report["detection"][-1]["wall_s"] = time.monotonic() - t
     return report
+
+
+def _s(stats: dict[str, float], key: str = "median_ms") -> str:
+    return f"{stats[key] / 1000:.2f}" if stats else "-"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -194,16 +279,27 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['get_cached']['median_ms']:.1f} | {r['failures']} |"
         )
     lines.append(f"| {pub['peers']} (hivemind, published) | | {pub['store_ms']} | {pub['get_ms']} | | |")
-    d = report.get("detection")
-    if d:
-        lines += ["", f"Failure detection, {d['peers']} peers, heartbeat {d['heartbeat_period_s']:g} s, "
-                  f"TTL {d['heartbeat_ttl_s']:g} s:", "", "| event | n | median s | max s |", "|---|---|---|---|"]
-        for name, key in (("killed, seen dead by all", "kill_detected_by_all"),
-                          ("killed, experts reassigned + claimed in all views", "reassigned_and_claimed_in_all_views"),
-                          ("deathrattle seen by all", "deathrattle_seen_by_all")):
-            s = d[key]
-            if s:
-                lines.append(f"| {name} | {s['n']} | {s['median_ms'] / 1000:.2f} | {s['max_ms'] / 1000:.2f} |")
+    rows = report.get("detection") or []
+    if rows:
+        d = rows[0]
+        lines += ["", f"Membership without training (heartbeat every {d['heartbeat_period_s']:g} s, TTL "
+                  f"{d['heartbeat_ttl_s']:g} s, every view re-read every {d['refresh_s']:g} s); times in seconds, "
+                  "median / max; CPU in cores over the steady window:", "",
+                  "| peers | up | view age median / p90 | members key read, B | its storers | DHT + p2pd CPU per peer "
+                  "/ on the storers | all memberships' CPU | kill seen by all | kill: experts re-claimed in all "
+                  "views | deathrattle seen by all | waits run out |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for d in rows:
+            st = d["steady"]
+            storers = "-" if st["dht_cores_storers_median"] is None else f"{st['dht_cores_storers_median']:.3f}"
+            events = [d[k] for k in ("kill_detected_by_all", "reassigned_and_claimed_in_all_views",
+                                     "deathrattle_seen_by_all")]
+            lines.append(
+                f"| {d['peers']} | {d['up_s']:.0f} | {st['view_age_s']['median']:.2f} / {st['view_age_s']['p90']:.2f} "
+                f"| {st['members_read_bytes']:,} | {st['members_storers']} | "
+                f"{st['dht_cores_per_peer_median']:.3f} / {storers} | {st['membership_cores']:.2f} | "
+                + " | ".join(f"{_s(e)} / {_s(e, 'max_ms')} ({e.get('n', 0)})" if e else "-" for e in events)
+                + f" | {d['timeouts']} |")
     return "\n".join(lines)
 
 

@@ -180,15 +180,19 @@ def speed(
 def dht(
     sizes: str = typer.Option("2,8,32", "--sizes", help="Comma-separated swarm sizes (peers on loopback)."),
     ops: int = typer.Option(100, "--ops", min=1, help="Store + get operations timed per swarm size."),
-    detect_peers: int = typer.Option(4, "--detect-peers", min=2, help="Peers in the failure-detection swarm."),
-    trials: int = typer.Option(5, "--trials", min=0, help="Kills (no deathrattle) timed; about 8 s each."),
-    rattles: int = typer.Option(3, "--rattles", min=0, help="Graceful leaves (deathrattles) timed."),
+    detect_peers: str = typer.Option("4", "--detect-peers", help="Comma-separated sizes of the membership swarms "
+                                     "(peers that heartbeat, claim and watch; 32 and 64 fit in 24 GiB)."),
+    trials: int = typer.Option(5, "--trials", min=0, help="Kills (no deathrattle) timed per size; about 8 s each."),
+    rattles: int = typer.Option(3, "--rattles", min=0, help="Graceful leaves (deathrattles) timed per size."),
+    window: float = typer.Option(20.0, "--window", min=1.0, help="Seconds of steady load measured per size."),
     json_path: JsonPath = None,
 ) -> None:
-    """DHT store/get latency for N peers (vs hivemind's published numbers) and failure-detection latency."""
+    """DHT store/get latency for N peers (vs hivemind's published numbers), and the membership of N peers without
+    training: its steady load (hot keys, their storers, CPU, view age) and how fast a death is seen."""
     from parallax.benchmarks.dht import markdown, run_dht_bench, write
 
-    report = run_dht_bench(_sizes(sizes), ops, detect_peers, trials, rattles, progress=typer.echo)
+    report = run_dht_bench(_sizes(sizes), ops, _sizes(detect_peers, 2, "--detect-peers"), trials, rattles,
+                           progress=typer.echo, window_s=window)
     write(report, json_path)
     typer.echo(markdown(report))
 

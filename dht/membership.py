@@ -26,6 +26,7 @@ match their signer, are logged and skipped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -295,44 +296,49 @@ class Quorum:
     """Whether this node is on the side of the swarm that owns experts (pure; the caller's clock).
 
     A node cut off from the others sees them all expire at once, as they see it expire: both sides would go on
-    training the other side's experts. Only a side holding more than half of the composers seen alive within
-    ``window_s`` takes over the experts of the missing; a side holding exactly half keeps its own and takes none
-    (an even split trains every expert once); a smaller side owns nothing, until the link heals or the window
-    forgets the missing composers. A composer that left with a deathrattle is forgotten at once, so a graceful
-    leave never takes the quorum away. A smaller side loses its experts only after ``grace_s``: one DHT read
-    that misses live peers' heartbeats must not make a node drop every expert it trains.
+    training the other side's experts. Only a side holding more than half of the most composers alive at one time
+    in its views of the last ``window_s`` takes over the experts of the missing; a side holding exactly half keeps
+    its own and takes none (an even split trains every expert once); a smaller side owns nothing, until the link
+    heals or the window forgets the missing composers. The reference is the largest swarm seen at one time, not
+    every composer seen in the window: under churn, composers that died (no deathrattle) and those that replaced
+    them are never alive together, and counting both would cut a whole healthy swarm off once as many died in a
+    window as it holds. A composer that left with a deathrattle is forgotten at once, so a graceful leave never
+    takes the quorum away. A smaller side loses its experts only after ``grace_s``: one DHT read that misses live
+    peers' heartbeats must not make a node drop every expert it trains.
     """
 
     def __init__(self, window_s: float, grace_s: float) -> None:
         self.window_s, self.grace_s = window_s, grace_s
-        self._seen: dict[str, float] = {}
+        self._alive: collections.deque[tuple[float, frozenset[str]]] = collections.deque()
+        """(last seen, the composers alive then) of every distinct set of live composers within the window."""
         self._short_since: float | None = None
 
     def check(self, alive: Iterable[str], departed: Iterable[str], now: float) -> QuorumState:
-        """Where the composers ``alive`` now (this node among them) stand against those seen recently (HELD
-        while none is alive: this node has not read its own heartbeat yet)."""
-        alive = set(alive)
+        """Where the composers ``alive`` now (this node among them) stand against the most alive at one time
+        recently (HELD while none is alive: this node has not read its own heartbeat yet)."""
+        alive = frozenset(alive)
         if not alive:
             return QuorumState.HELD
-        for fp in alive:
-            self._seen[fp] = now
-        for fp in departed:
-            if fp not in alive:
-                self._seen.pop(fp, None)
-        for fp in [fp for fp, t in self._seen.items() if now - t > self.window_s]:
-            del self._seen[fp]
-        _forget_oldest(self._seen, keep=alive)
-        present = 2 * len(alive)  # every alive composer was just seen
-        if present >= len(self._seen):
+        gone = set(departed) - alive
+        if gone and any(gone & seen for _, seen in self._alive):
+            self._alive = collections.deque((t, seen - gone) for t, seen in self._alive)
+        if self._alive and self._alive[-1][1] == alive:
+            self._alive[-1] = (now, alive)
+        else:
+            self._alive.append((now, alive))
+        while now - self._alive[0][0] > self.window_s:
+            self._alive.popleft()
+        present = 2 * len(alive)
+        if present >= self.seen():
             self._short_since = None
-            return QuorumState.HELD if present > len(self._seen) else QuorumState.DOUBT
+            return QuorumState.HELD if present > self.seen() else QuorumState.DOUBT
         if self._short_since is None:
             self._short_since = now
         return QuorumState.DOUBT if now - self._short_since < self.grace_s else QuorumState.LOST
 
     def seen(self) -> int:
-        """How many composers count in the quorum now."""
-        return len(self._seen)
+        """The most composers alive at one time within the window: what a majority is of."""
+        return max(len(seen) for _, seen in self._alive) if self._alive else 0
 
 
 def _forget_oldest(times: dict[str, float], keep: Iterable[str] = ()) -> None:
@@ -828,8 +834,8 @@ class Membership:
         state = self._quorum.check(alive, view.departed, time.monotonic())
         cut_off, was = state is QuorumState.LOST, self._view.quorum is QuorumState.LOST
         if cut_off and not was:
-            logger.warning("cut off from the swarm: %d of the %d composers seen in the last %.0f s are alive in "
-                           "this node's view; it trains no expert until it sees a majority again (the other side "
+            logger.warning("cut off from the swarm: %d composers are alive in this node's view, of %d alive at once "
+                           "in the last %.0f s; it trains no expert until it sees a majority again (the other side "
                            "of a partition trains them). If the network is down, check the link; if the others "
                            "left, it takes their experts after %.0f s", len(alive), self._quorum.seen(),
                            self.config.quorum_window_s, self.config.quorum_window_s)

@@ -338,6 +338,24 @@ def test_quorum_an_even_split_keeps_its_own_experts_and_a_leaver_is_forgotten():
     assert Quorum(60.0, grace_s=0.0).check((), (), now=0.0) is QuorumState.HELD  # its own heartbeat not read yet
 
 
+def test_quorum_holds_under_churn_where_the_dead_and_their_replacements_outnumber_the_swarm():
+    """Four composers, one killed (no deathrattle) and replaced every 10 s: in a minute ten were seen, never more
+    than five alive at once. The swarm is whole: it keeps its experts. A cut still takes them away."""
+    q = Quorum(60.0, grace_s=3.0)
+    alive = ["a", "b", "c", "d"]
+    assert q.check(alive, (), now=0.0) is QuorumState.HELD
+    for i in range(12):
+        t = 10.0 * (i + 1)
+        alive = [*alive, f"new{i}"]  # the replacement joins while the dead one's heartbeat has not expired yet
+        assert q.check(alive, (), now=t) is QuorumState.HELD
+        alive = alive[1:]  # its heartbeat expired
+        assert q.check(alive, (), now=t + 6.0) is QuorumState.HELD, (t, alive)
+    assert q.seen() == 5
+    me = alive[-1]
+    assert q.check([me], (), now=130.0) is QuorumState.DOUBT
+    assert q.check([me], (), now=134.0) is QuorumState.LOST  # alone of five: cut off
+
+
 def test_relayed_nodes_use_their_static_relays_at_once_and_every_node_caps_what_it_relays():
     from hivemind.p2p import P2P
 
