@@ -190,8 +190,7 @@ def steady_load(live: Sequence[LocalPeer], window_s: float) -> dict[str, Any]:
     hot = [members, *(claims_key(RUN, layer) for layer in range(SHARDS.n_layers))]
     storers = {key: [i for i, p in enumerate(live) if p.dht.local_dict(key)] for key in hot}
     pids = [p.dht.process_ids for p in live]
-    me = psutil.Process()
-    before, mine, started = [_cpu_s(x) for x in pids], sum(me.cpu_times()[:2]), time.monotonic()
+    before, mine, started = [_cpu_s(x) for x in pids], _cpu_s([os.getpid()]), time.monotonic()
     ages: list[float] = []
     while time.monotonic() - started < window_s:
         now = dht_time()
@@ -209,9 +208,10 @@ def steady_load(live: Sequence[LocalPeer], window_s: float) -> dict[str, Any]:
         "view_age_s": {"median": statistics.median(ages), "p90": ages[int(0.9 * (len(ages) - 1))], "max": ages[-1]},
         "dht_cores_per_peer_median": statistics.median(cores),
         "dht_cores_storers_median": statistics.median([cores[i] for i in storing]) if storing else None,
-        "dht_cores_others_median": statistics.median([c for i, c in enumerate(cores) if i not in storing] or [0.0]),
+        "dht_cores_others_median": statistics.median(others) if (others := [c for i, c in enumerate(cores)
+                                                                              if i not in storing]) else None,
         "dht_cores_total": sum(cores),
-        "membership_cores": (sum(me.cpu_times()[:2]) - mine) / wall,
+        "membership_cores": (_cpu_s([os.getpid()]) - mine) / wall,
     }
 
 

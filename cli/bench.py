@@ -181,7 +181,8 @@ def dht(
     sizes: str = typer.Option("2,8,32", "--sizes", help="Comma-separated swarm sizes (peers on loopback)."),
     ops: int = typer.Option(100, "--ops", min=1, help="Store + get operations timed per swarm size."),
     detect_peers: str = typer.Option("4", "--detect-peers", help="Comma-separated sizes of the membership swarms "
-                                     "(peers that heartbeat, claim and watch; 32 and 64 fit in 24 GiB)."),
+                                     "(peers that heartbeat, claim and watch; on 2 cores their DHT processes "
+                                     "saturate at 16)."),
     trials: int = typer.Option(5, "--trials", min=0, help="Kills (no deathrattle) timed per size; about 8 s each."),
     rattles: int = typer.Option(3, "--rattles", min=0, help="Graceful leaves (deathrattles) timed per size."),
     window: float = typer.Option(20.0, "--window", min=1.0, help="Seconds of steady load measured per size."),

@@ -328,10 +328,10 @@ class Quorum:
             self._alive.append((now, alive))
         while now - self._alive[0][0] > self.window_s:
             self._alive.popleft()
-        present = 2 * len(alive)
-        if present >= self.seen():
+        present, most = 2 * len(alive), self.seen()
+        if present >= most:
             self._short_since = None
-            return QuorumState.HELD if present > self.seen() else QuorumState.DOUBT
+            return QuorumState.HELD if present > most else QuorumState.DOUBT
         if self._short_since is None:
             self._short_since = now
         return QuorumState.DOUBT if now - self._short_since < self.grace_s else QuorumState.LOST
