@@ -186,14 +186,20 @@ def dht(
     trials: int = typer.Option(5, "--trials", min=0, help="Kills (no deathrattle) timed per size; about 8 s each."),
     rattles: int = typer.Option(3, "--rattles", min=0, help="Graceful leaves (deathrattles) timed per size."),
     window: float = typer.Option(20.0, "--window", min=1.0, help="Seconds of steady load measured per size."),
+    full_pace: int | None = typer.Option(None, "--full-pace", min=0,
+                                         help="net.membership.full_pace_members of the membership swarms (default: "
+                                         "the nodes' default): past this many live members every node stretches "
+                                         "its periods (on 2 cores, 8 keeps the lookups of every swarm size at most "
+                                         "at what 8 peers at full pace ask of them)."),
     json_path: JsonPath = None,
 ) -> None:
     """DHT store/get latency for N peers (vs hivemind's published numbers), and the membership of N peers without
     training: its steady load (hot keys, their storers, CPU, view age) and how fast a death is seen."""
     from parallax.benchmarks.dht import markdown, run_dht_bench, write
 
+    paced = {} if full_pace is None else {"full_pace_members": full_pace}
     report = run_dht_bench(_sizes(sizes), ops, _sizes(detect_peers, 2, "--detect-peers"), trials, rattles,
-                           progress=typer.echo, window_s=window)
+                           progress=typer.echo, window_s=window, **paced)
     write(report, json_path)
     typer.echo(markdown(report))
 

@@ -126,6 +126,10 @@ class MembershipConfig:
     quorum_window_s: float = 60.0
     """Composers seen alive this recently count in the quorum (``Quorum``): a node whose side of a partition holds
     no majority of them owns nothing. A partition longer than this ends with each side training every expert."""
+    full_pace_members: int = 32
+    """Up to this many live members a node runs the periods above; in a larger swarm it stretches them
+    (``paced``), so that what it reads per second, and the lookups the swarm serves, stay at most those of a swarm
+    of this size. 0: never stretch."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_period_s < self.heartbeat_ttl_s:
@@ -144,6 +148,33 @@ class MembershipConfig:
             raise ValueError(f"need 0 < manifest_period_s < {MANIFEST_TTL_S:.0f}")
         if self.quorum_window_s <= self.heartbeat_ttl_s:
             raise ValueError("quorum_window_s must exceed heartbeat_ttl_s")
+        if self.full_pace_members < 0:
+            raise ValueError("full_pace_members must be >= 0 (0: never stretch the periods)")
+
+    def stretch(self, members: int) -> int:
+        """By how much a node in a swarm of ``members`` live members stretches its periods: 1 up to
+        ``full_pace_members``, else the power of two at or above ``members / full_pace_members``. Powers of two,
+        so that nodes whose views differ by a few members mostly agree, and differ by 2x where they do not: a
+        reader that re-reads at half a writer's pace still reads every heartbeat before it expires."""
+        if self.full_pace_members == 0 or members <= self.full_pace_members:
+            return 1
+        return 1 << math.ceil(math.log2(members / self.full_pace_members))
+
+    def paced(self, members: int) -> MembershipConfig:
+        """The periods a node runs in a swarm of ``members`` live members: every read and heartbeat period, the
+        heartbeat's TTL and the windows counted in heartbeats (stall, quorum) stretched by ``stretch``, the work
+        rule's ``idle_s`` kept (work does not arrive by heartbeat) unless a TTL outgrows it. Every member reads
+        the whole members key once a ``refresh_s``, so at ``n`` members a node reads ``n / refresh_s`` heartbeats
+        a second and the swarm serves ``n / refresh_s`` lookups of it: stretched, each stays between half its figure
+        at ``full_pace_members`` and that figure."""
+        k = self.stretch(members)
+        if k == 1:
+            return self
+        ttl = self.heartbeat_ttl_s * k
+        return dataclasses.replace(
+            self, refresh_s=self.refresh_s * k, heartbeat_period_s=self.heartbeat_period_s * k, heartbeat_ttl_s=ttl,
+            stall_s=self.stall_s * k, quorum_window_s=self.quorum_window_s * k,
+            idle_s=self.idle_s if self.idle_s == 0 or self.idle_s > 2 * ttl else 2 * ttl)
 
     @classmethod
     def loopback(cls) -> MembershipConfig:
@@ -590,6 +621,7 @@ class Membership:
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing another run digest (left out of the view)."""
         self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
+        self._timing = config
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self.ignored: Callable[[str, SwarmView], bool] | None = None
@@ -605,6 +637,12 @@ class Membership:
     def view(self) -> SwarmView:
         """The latest snapshot of the swarm (immutable)."""
         return self._view
+
+    @property
+    def timing(self) -> MembershipConfig:
+        """The periods this node runs now: ``config`` paced to the live members of its last view
+        (``MembershipConfig.paced``)."""
+        return self._timing
 
     def owned(self) -> dict[int, frozenset[int]]:
         """The experts this node owns in its latest view, by layer."""
@@ -649,7 +687,7 @@ class Membership:
         while not self._send_heartbeat():
             if time.monotonic() > deadline:
                 raise DHTError(f"could not publish a heartbeat within {timeout_s:.0f} s; is the swarm reachable?")
-            time.sleep(min(0.5, self.config.refresh_s))
+            time.sleep(min(0.5, self._timing.refresh_s))
         self._refresh()
         self._state = PeerState.ONLINE
         self._threads = [
@@ -675,7 +713,7 @@ class Membership:
         self._claimed = {}
         with self._lock:
             rattle = Deathrattle(peer_id=self.dht.peer_id, step=self._step, reason=reason[:256])
-        ok = self._store(self._members_key, pack_message(rattle), now + self.config.heartbeat_ttl_s, timeout_s)
+        ok = self._store(self._members_key, pack_message(rattle), now + self._timing.heartbeat_ttl_s, timeout_s)
         self._state = PeerState.STOPPED
         logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.presence.run_id,
                     "stored" if ok else "NOT stored")
@@ -687,7 +725,7 @@ class Membership:
         With ``wait=False`` the threads are only told to stop (they may be inside a DHT call for up to
         ``request_timeout_s``).
         """
-        self._stop_thread(self.config.request_timeout_s + 1.0 if wait else 0.0)
+        self._stop_thread(self._timing.request_timeout_s + 1.0 if wait else 0.0)
         self._state = PeerState.STOPPED
 
     # --- the threads ---
@@ -706,7 +744,7 @@ class Membership:
                 tick()
             except Exception:  # the announcer must survive anything a peer or the DHT throws at it
                 logger.exception("membership %s failed; retrying", tick.__name__)
-                self._stop.wait(self.config.refresh_s)
+                self._stop.wait(self._timing.refresh_s)
 
     def _read_tick(self) -> None:
         """The reader: a fresh view, and from it (only) what we own; a change wakes the announcer."""
@@ -724,7 +762,7 @@ class Membership:
                 self._owned = owned
                 self.owned_changed_at = time.monotonic()
                 self._announce_now.set()  # say so now, not at the next period
-        self._stop.wait(self.config.refresh_s)
+        self._stop.wait(self._timing.refresh_s)
 
     def _write_tick(self) -> None:
         """The announcer: the manifest when due (first: a peer that sees our first heartbeat can read it), the
@@ -735,8 +773,8 @@ class Membership:
         if manifest is not None and self._clock() >= self._next_manifest and not self._stop.is_set():
             now = self._clock()
             if self._store(manifest_key(self.presence.run_id), pack_message(manifest), now + MANIFEST_TTL_S,
-                           self.config.request_timeout_s):
-                self._next_manifest = now + self.config.manifest_period_s
+                           self._timing.request_timeout_s):
+                self._next_manifest = now + self._timing.manifest_period_s
         failed = False
         if changed or self._clock() >= self._next_heartbeat:
             failed = not self._send_heartbeat()
@@ -747,7 +785,7 @@ class Membership:
                 self._send_claims(assignment, owned, now)
         due = min(self._next_heartbeat, self._next_claims if self.shards is not None else float("inf"))
         # A failed heartbeat is retried after refresh_s, not at once: a DHT that fails fast must not spin us.
-        wait = self.config.refresh_s if failed else min(self.config.refresh_s, max(0.0, due - self._clock()))
+        wait = self._timing.refresh_s if failed else min(self._timing.refresh_s, max(0.0, due - self._clock()))
         self._announce_now.wait(wait)
 
     def _heartbeat_if_due(self) -> None:
@@ -757,11 +795,13 @@ class Membership:
             self._send_heartbeat()
 
     def _lease_s(self) -> float:
-        return self.shards.lease_s if self.shards else self.config.heartbeat_ttl_s
+        if self.shards is None:
+            return self._timing.heartbeat_ttl_s
+        return self.shards.lease_s * self._timing.heartbeat_ttl_s / self.config.heartbeat_ttl_s
 
     def _send_claims(self, assignment: Assignment | None, owned: Mapping[int, frozenset[int]], now: float) -> None:
         if assignment is None:  # no successful read yet: nothing to claim; the reader wakes us when there is
-            self._next_claims = now + self.config.heartbeat_period_s
+            self._next_claims = now + self._timing.heartbeat_period_s
             return
         peer_ids = {fp: m.heartbeat.peer_id for fp, m in self._view.members.items()}
         claimed: dict[int, frozenset[int]] = {}
@@ -772,13 +812,13 @@ class Membership:
                 lease_s=self._lease_s(), step=self._step, peer_ids=peer_ids,
             )
             if self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(),
-                           self.config.request_timeout_s):
+                           self._timing.request_timeout_s):
                 if claim_set.claims:
                     claimed[layer] = frozenset(c.expert for c in claim_set.claims)
             elif self._claimed.get(layer):
                 claimed[layer] = self._claimed[layer]  # unknown outcome: keep releasing it next time
         self._claimed = claimed
-        self._next_claims = now + self.config.heartbeat_period_s
+        self._next_claims = now + self._timing.heartbeat_period_s
 
     def _send_heartbeat(self) -> bool:
         now = self._clock()
@@ -791,11 +831,11 @@ class Membership:
                 banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
-        ok = self._store(self._members_key, value, now + self.config.heartbeat_ttl_s,
-                         self.config.request_timeout_s)
+        ok = self._store(self._members_key, value, now + self._timing.heartbeat_ttl_s,
+                         self._timing.request_timeout_s)
         if ok:
             self.heartbeats_sent += 1
-            self._next_heartbeat = now + self.config.heartbeat_period_s
+            self._next_heartbeat = now + self._timing.heartbeat_period_s
         else:
             logger.debug("heartbeat store failed; retrying at the next tick")
         return ok
@@ -811,7 +851,7 @@ class Membership:
 
     def _refresh(self) -> bool:
         """Read a new view; False (the previous view kept) when the read failed."""
-        view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self.config.request_timeout_s,
+        view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self._timing.request_timeout_s,
                          clock=self._clock)
         if view is None:
             return False  # keep the previous view; its expirations still age correctly
@@ -824,8 +864,22 @@ class Membership:
             self._name_foreign(unnamed)
         self.foreign = foreign
         merged = merge_views(self._view, view)
+        self._pace(len(merged.alive(merged.read_at)))
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged), quorum=self._check_quorum(merged))
         return True
+
+    def _pace(self, members: int) -> None:
+        timing = self.config.paced(members)
+        if timing == self._timing:
+            return
+        logger.info("%d live members: heartbeat every %.0f s (TTL %.0f s), the swarm re-read every %.1f s "
+                    "(x%d the periods of a swarm of %d or fewer)", members, timing.heartbeat_period_s,
+                    timing.heartbeat_ttl_s, timing.refresh_s, self.config.stretch(members),
+                    self.config.full_pace_members)
+        self._timing = timing
+        with self._lock:
+            self._progress.stall_s, self._progress.idle_s = timing.stall_s, timing.idle_s
+        self._quorum.window_s, self._quorum.grace_s = timing.quorum_window_s, timing.heartbeat_period_s
 
     def _check_quorum(self, view: SwarmView) -> QuorumState:
         if self.presence.role != "composer":
@@ -838,7 +892,7 @@ class Membership:
                            "in the last %.0f s; it trains no expert until it sees a majority again (the other side "
                            "of a partition trains them). If the network is down, check the link; if the others "
                            "left, it takes their experts after %.0f s", len(alive), self._quorum.seen(),
-                           self.config.quorum_window_s, self.config.quorum_window_s)
+                           self._timing.quorum_window_s, self._timing.quorum_window_s)
         elif was and not cut_off:
             logger.warning("back in the swarm's majority: %d composers alive; taking its experts again",
                            len(alive))
@@ -858,7 +912,7 @@ class Membership:
             del self._naming[next(iter(self._naming))]
 
     def _read_manifests(self) -> dict[bytes, tuple[RunManifest, int]]:
-        return read_manifests(self.dht, self.presence.run_id, timeout_s=self.config.request_timeout_s) or {}
+        return read_manifests(self.dht, self.presence.run_id, timeout_s=self._timing.request_timeout_s) or {}
 
     def foreign_difference(self, member: Member, found: Mapping[bytes, tuple[RunManifest, int]] | None = None) -> str:
         """How ``member``'s manifest differs from this node's, as far as the published manifests (``found``, read
@@ -898,8 +952,8 @@ class Membership:
         for fp in stalled - self._view.stalled:
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else
                    f"none of its work (outer contributions, surrogate updates) reached this node for "
-                   f"{self.config.idle_s:.0f} s or more while others' did" if fp in idle else
-                   f"it announced step {live[fp]} for {self.config.stall_s:.0f} s or more while others trained")
+                   f"{self._timing.idle_s:.0f} s or more while others' did" if fp in idle else
+                   f"it announced step {live[fp]} for {self._timing.stall_s:.0f} s or more while others trained")
             logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,
                            view.members[fp].heartbeat.peer_id, why)
         return stalled

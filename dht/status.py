@@ -7,8 +7,9 @@ owner (a peer just died, or the run has no composer for it), one announced by mo
 (one, or ``ownership.replicas`` as ``view.shards`` says) is contested (a handover in flight for a heartbeat
 period, or two nodes disagreeing on the live view).
 
-The heartbeat carries no send time; its record expires ``heartbeat_ttl_s`` after it was sent, so its
-age is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (the default, 6 s).
+A heartbeat's age is not read from its send time (the sender's clock); its record expires ``heartbeat_ttl_s``
+after it was sent, so its age is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (the
+default, 6 s, stretched as the nodes stretch it in a swarm larger than ``full_pace_members``).
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def swarm_status(
     Args:
         view: a view from ``membership.read_view``.
         now: the DHT clock to judge liveness and ages at (default ``view.read_at``).
-        heartbeat_ttl_s: the heartbeat TTL the peers run, to turn expiries into ages (seconds).
+        heartbeat_ttl_s: the heartbeat TTL the peers run in a small swarm, to turn expiries into ages (seconds;
+            stretched by the live peers' number as ``MembershipConfig.paced`` stretches it).
         n_layers, n_experts: the model shape; unknown parts are taken from ``view.shards``, else from
             the largest layer and expert any peer announces.
         replicas: owners per expert (more announcing one is contested); default ``view.shards``'s, else 1.
@@ -194,6 +196,7 @@ def swarm_status(
     """
     now = view.read_at if now is None else now
     alive = view.alive(now)
+    heartbeat_ttl_s *= MembershipConfig().stretch(len(alive))
     peers = []
     for fp, m in alive.items():
         hb = m.heartbeat

@@ -65,6 +65,7 @@ class MembershipTiming(TypedDict, total=False):
     refresh_s: float
     request_timeout_s: float
     idle_s: float
+    full_pace_members: int
 
 
 @dataclass

@@ -117,7 +117,7 @@ class Experts:
                 source=alive[previous].heartbeat.peer_id if previous is not None else None,
                 others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
                         if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
-                started=now, online_since=self.online_at - self.membership.config.heartbeat_ttl_s,
+                started=now, online_since=self.online_at - self.membership.timing.heartbeat_ttl_s,
                 wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
                 has_own_copy=self.exchange.inherits_copy(eid), live_source=live)
             self.handovers[eid] = (handover, None)

@@ -350,7 +350,7 @@ class Node:
         """
         settings = self.config.node
         deadline = time.monotonic() + settings.start_timeout_s
-        settle = 2 * membership.config.refresh_s + 0.5
+        settle = 2 * membership.timing.refresh_s + 0.5
         first_seen_step: dict[str, int] = {}
         while True:
             if self.stop_event.is_set():

@@ -58,7 +58,7 @@ class SwarmViews:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
         expired heartbeats prove nothing and no decision should follow from them."""
         view = self.membership.view()
-        return view if dht_time() - view.read_at <= 2 * self.membership.config.refresh_s + 1.0 else None
+        return view if dht_time() - view.read_at <= 2 * self.membership.timing.refresh_s + 1.0 else None
 
     def owner_key(self, eid: ExpertId) -> bytes | None:
         """The identity key of the expert's owner in the live assignment (who may publish its surrogate)."""

@@ -75,6 +75,29 @@ def test_four_peers_detection_deathrattle_and_reassignment(swarm: LocalSwarm, re
     wait_until(lambda: _agreed_and_claimed(stay, gone=leaver.fp), timeout=max(0.1, 8.0 - (time.monotonic() - left_at)))
 
 
+def test_past_full_pace_three_peers_stretch_their_periods_and_still_see_a_kill(swarm: LocalSwarm):
+    """With ``full_pace_members`` 1, three peers run 4x the periods (the power of two at or above 3 / 1): their
+    heartbeats live 4x the TTL and are sent 4x less often, and a kill is still seen by both others, its experts
+    re-owned in both views."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, full_pace_members=1)
+    peers = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    victim, rest = peers[2], peers[:2]
+    wait_until(lambda: all(p.membership.timing.heartbeat_ttl_s == 6.0 for p in peers), timeout=15)
+    assert all(p.membership.timing.refresh_s == 1.0 for p in peers)
+
+    def stretched_record(p) -> bool:  # a heartbeat of the victim sent at 4x: over 1.5 s of life left when read
+        view = p.membership.view()
+        m = view.members.get(victim.fp)
+        return m is not None and m.expires_at - view.read_at > 2.0
+
+    wait_until(lambda: all(stretched_record(p) for p in rest), timeout=15)
+    wait_until(lambda: _agreed_and_claimed(peers, gone="nobody"), timeout=15)
+    victim.kill()
+    victim.membership.abandon(wait=False)
+    wait_until(lambda: all(victim.fp not in p.membership.view().alive() for p in rest), timeout=15)
+    wait_until(lambda: _agreed_and_claimed(rest, gone=victim.fp), timeout=15)
+
+
 def test_duplicate_identity_is_refused(swarm: LocalSwarm):
     first = swarm.add(0, heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
     twin = swarm.add_dht(fixed_identity(0))  # same Ed25519 key, another process and peer id

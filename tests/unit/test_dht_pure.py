@@ -69,9 +69,30 @@ def test_keys_are_run_namespaced():
         parse_expert_id("expert.1")
 
 
+def test_a_swarm_past_full_pace_stretches_every_period_by_a_power_of_two():
+    config = MembershipConfig()
+    assert [config.stretch(n) for n in (1, 32, 33, 64, 65, 256, 1000)] == [1, 1, 2, 2, 4, 8, 32]
+    assert config.paced(32) is config and MembershipConfig(full_pace_members=0).stretch(10**6) == 1
+    paced = config.paced(1000)
+    assert (paced.refresh_s, paced.heartbeat_period_s, paced.heartbeat_ttl_s) == (16.0, 64.0, 192.0)
+    assert (paced.stall_s, paced.quorum_window_s) == (3840.0, 1920.0)
+    assert paced.idle_s == 384.0 and config.paced(64).idle_s == 300.0  # work's rule only outgrows the TTL
+    assert paced.request_timeout_s == config.request_timeout_s
+    # What a node reads per second (members / refresh_s) stays between half and all of a full-paced swarm's.
+    full = config.full_pace_members / config.refresh_s
+    assert all(full / 2 < n / config.paced(n).refresh_s <= full for n in range(33, 5000))
+    # Views that differ by up to 4x in size: a reader re-reads before any writer's heartbeat expires.
+    for writer in (1, 33, 65, 129, 1000):
+        for reader in range(max(1, writer // 4), writer * 4 + 1):
+            w, r = config.paced(writer), config.paced(reader)
+            assert r.refresh_s < w.heartbeat_ttl_s - w.heartbeat_period_s, (writer, reader)
+
+
 def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="heartbeat_period_s < heartbeat_ttl_s"):
         MembershipConfig(heartbeat_period_s=6, heartbeat_ttl_s=6)
+    with pytest.raises(ValueError, match="full_pace_members"):
+        MembershipConfig(full_pace_members=-1)
     with pytest.raises(ValueError, match="role"):
         Presence(run_id="r", role="boss")
 
