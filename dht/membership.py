@@ -319,6 +319,20 @@ class Progress:
         """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
         return now - self._work.get(fingerprint, -math.inf) >= self.idle_s > 0
 
+    @property
+    def work_began(self) -> bool:
+        """Whether any composer's work has reached this node."""
+        return self._work_began is not None
+
+    def counted(self, composers: Iterable[str], me: str) -> frozenset[str]:
+        """The ``composers`` that count in the quorum: this node (``me``) and those whose work has reached it; all
+        of them before anyone's work has (heartbeats are then all there is to count). Heartbeats are free to sign:
+        identities that only send them, however many, neither cut a node off nor make up its side."""
+        composers = frozenset(composers)
+        if self._work_began is None:
+            return composers
+        return frozenset(fp for fp in composers if fp == me or fp in self._work)
+
 
 _PROGRESS_KEPT = 4096
 
@@ -335,7 +349,9 @@ class Quorum:
     them are never alive together, and counting both would cut a whole healthy swarm off once as many died in a
     window as it holds. A composer that left with a deathrattle is forgotten at once, so a graceful leave never
     takes the quorum away. A smaller side loses its experts only after ``grace_s``: one DHT read that misses live
-    peers' heartbeats must not make a node drop every expert it trains.
+    peers' heartbeats must not make a node drop every expert it trains. What it counts is the caller's choice
+    (``Progress.counted``: composers whose work arrived, so that identities that only sign heartbeats count for
+    nothing).
     """
 
     def __init__(self, window_s: float, grace_s: float) -> None:
@@ -366,6 +382,12 @@ class Quorum:
         if self._short_since is None:
             self._short_since = now
         return QuorumState.DOUBT if now - self._short_since < self.grace_s else QuorumState.LOST
+
+    def restart(self) -> None:
+        """Forget every composer seen: what is counted changed (``Progress.counted``, once work began to arrive),
+        and sets counted before are no reference for the sets counted now."""
+        self._alive.clear()
+        self._short_since = None
 
     def seen(self) -> int:
         """The most composers alive at one time within the window: what a majority is of."""
@@ -624,6 +646,7 @@ class Membership:
         self._timing = config
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
+        self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
         self.ignored: Callable[[str, SwarmView], bool] | None = None
         """(fingerprint, view) -> whether this node ignores that composer (it bans its peer id, or another
         identity proved that peer id its own): an ignored composer owns nothing here."""
@@ -884,11 +907,18 @@ class Membership:
     def _check_quorum(self, view: SwarmView) -> QuorumState:
         if self.presence.role != "composer":
             return QuorumState.HELD
-        alive = [fp for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"]
+        composers = [fp for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"]
+        with self._lock:
+            alive = self._progress.counted(composers, self.fingerprint)
+            counting_work = self._progress.work_began
+        if counting_work and not self._counting_work:
+            self._quorum.restart()
+            self._counting_work = True
         state = self._quorum.check(alive, view.departed, time.monotonic())
         cut_off, was = state is QuorumState.LOST, self._view.quorum is QuorumState.LOST
         if cut_off and not was:
-            logger.warning("cut off from the swarm: %d composers are alive in this node's view, of %d alive at once "
+            logger.warning("cut off from the swarm: %d composers that showed work are alive in this node's view, of "
+                           "%d alive at once "
                            "in the last %.0f s; it trains no expert until it sees a majority again (the other side "
                            "of a partition trains them). If the network is down, check the link; if the others "
                            "left, it takes their experts after %.0f s", len(alive), self._quorum.seen(),

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import DuplicateIdentityError, Membership, PeerState, Presence
+from parallax.dht.membership import DuplicateIdentityError, Membership, PeerState, Presence, QuorumState
 from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
@@ -132,6 +132,35 @@ def test_a_phantom_whose_work_never_arrives_owns_nothing_after_the_grace_period(
     assert phantom.fp in a.membership.view().alive()
     owners = {o for _, _, o, _ in a.membership.view().assignment().items()}
     assert owners == {a.fp, b.fp}
+
+
+def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
+    """Three composers whose work reaches each other; eight fresh identities each sign one heartbeat (12 s TTL) and
+    never another. Counted by heartbeats, once those expire the three are a minority of the eleven alive at once a
+    moment ago and give up their experts within a heartbeat period (0.5 s); the quorum counts composers whose work
+    arrived, so none is cut off."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
+    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    for p in honest:
+        for other in honest:
+            p.membership.worked(other.fp)
+    wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
+    for i in range(8):
+        phantom = swarm.add(100 + i, shards=SHARDS, heartbeat_period_s=4.0, heartbeat_ttl_s=12.0)
+        phantom.membership.abandon(wait=False)
+    phantoms = {p.fp for p in swarm.peers[3:]}
+    wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=30)
+    states = set()
+
+    def phantoms_expired() -> bool:
+        states.update(p.membership.view().quorum for p in honest)
+        return not any(phantoms & set(p.membership.view().alive()) for p in honest)
+
+    wait_until(phantoms_expired, timeout=30, interval=0.05)
+    for _ in range(60):  # 3 s: six grace periods after they expired
+        states |= {p.membership.view().quorum for p in honest}
+        time.sleep(0.05)
+    assert states == {QuorumState.HELD}, states
 
 
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):

@@ -377,6 +377,31 @@ def test_quorum_holds_under_churn_where_the_dead_and_their_replacements_outnumbe
     assert q.check([me], (), now=134.0) is QuorumState.LOST  # alone of five: cut off
 
 
+def test_heartbeats_alone_neither_cut_a_node_off_nor_count_toward_its_side():
+    """Four composers whose work reaches each other; eight identities sign a heartbeat each, once, and train
+    nothing. Counted by heartbeats the four are a third of the most alive at once and cut off; counted by work
+    they keep their experts, and a cut still takes them away."""
+    progress, by_work, by_heartbeat = Progress(stall_s=120.0, idle_s=60.0), Quorum(60.0, 3.0), Quorum(60.0, 3.0)
+    honest, phantoms = ["me", "a", "b", "c"], [f"sybil{i}" for i in range(8)]
+    assert progress.counted(honest + phantoms, "me") == frozenset(honest + phantoms)  # no work yet: heartbeats
+    for fp in ["a", "b", "c"]:
+        progress.worked(fp, now=0.0)
+    assert progress.work_began and progress.counted(honest + phantoms, "me") == frozenset(honest)
+    by_work.check(progress.counted(honest, "me"), (), now=1.0)
+    by_heartbeat.check(honest, (), now=1.0)
+    for t in (2.0, 3.0):  # the phantoms' heartbeats live a TTL
+        assert by_work.check(progress.counted(honest + phantoms, "me"), (), now=t) is QuorumState.HELD
+        by_heartbeat.check(honest + phantoms, (), now=t)
+    for t in (9.0, 13.0):
+        assert by_work.check(progress.counted(honest, "me"), (), now=t) is QuorumState.HELD
+    assert by_heartbeat.check(honest, (), now=9.0) is QuorumState.DOUBT
+    assert by_heartbeat.check(honest, (), now=13.0) is QuorumState.LOST
+    assert by_work.check(progress.counted(["me"], "me"), (), now=20.0) is QuorumState.DOUBT
+    assert by_work.check(progress.counted(["me"], "me"), (), now=24.0) is QuorumState.LOST  # alone of four
+    by_work.restart()
+    assert by_work.seen() == 0 and by_work.check(["me"], (), now=25.0) is QuorumState.HELD
+
+
 def test_relayed_nodes_use_their_static_relays_at_once_and_every_node_caps_what_it_relays():
     from hivemind.p2p import P2P
 
