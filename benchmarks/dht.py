@@ -33,6 +33,7 @@ from parallax.dht.keys import claims_key, members_key
 from parallax.dht.membership import Membership, MembershipConfig
 from parallax.dht.records import owner_subkey
 from parallax.dht.testing import LocalPeer, LocalSwarm, agreed, fixed_identity, wait_until
+from parallax.errors import DHTError
 
 HIVEMIND_PUBLISHED = {"peers": 1024, "store_ms": 14.9, "get_ms": 6.6}
 RUN = "bench"
@@ -112,11 +113,21 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
     timing = MembershipConfig(full_pace_members=full_pace_members).paced(n_peers)
     patience = 20.0 + n_peers + timing.heartbeat_ttl_s  # starting a DHT process takes about a second idle
 
+    failed_starts = 0
+
     def add(swarm: LocalSwarm) -> LocalPeer:
-        nonlocal next_id
-        next_id += 1
-        # They train nothing: no work is asked for.
-        return swarm.add(2000 + next_id, shards=SHARDS, idle_s=0.0, full_pace_members=full_pace_members)
+        """A new peer; one whose first heartbeat the crowded DHT did not take within 30 s is counted and another
+        started in its place (its DHT process stops with the swarm)."""
+        nonlocal next_id, failed_starts
+        while True:
+            next_id += 1
+            try:  # they train nothing: no work is asked for
+                return swarm.add(2000 + next_id, shards=SHARDS, idle_s=0.0, full_pace_members=full_pace_members)
+            except DHTError as e:
+                failed_starts += 1
+                progress(f"  a peer did not start ({e}); starting another")
+                if failed_starts > n_peers:
+                    raise
 
     def timed(condition: Callable[[], bool], timeout: float) -> float | None:
         nonlocal timeouts
@@ -171,6 +182,7 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
         "reassigned_and_claimed_in_all_views": _stats(reassign),
         "deathrattle_seen_by_all": _stats(rattle),
         "timeouts": timeouts,
+        "failed_starts": failed_starts,
         "samples_s": {"detect": detect, "reassign": reassign, "deathrattle": rattle},
     }
 
@@ -246,7 +258,10 @@ def run_dht_bench(
     progress: Progress = print,
     window_s: float = 20.0,
     full_pace_members: int = MembershipConfig().full_pace_members,
+    json_path: str | Path | None = None,
 ) -> dict[str, Any]:
+    """The latency table for each of ``sizes``, then a membership swarm of each of ``detect_peers``; the report
+    (JSON-able) is written to ``json_path`` after each membership swarm."""
     report: dict[str, Any] = {
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
@@ -264,6 +279,7 @@ def run_dht_bench(
         t = time.monotonic()
         report["detection"].append(detection(n, trials, rattles, progress, window_s, full_pace_members))
         report["detection"][-1]["wall_s"] = time.monotonic() - t
+        write(report, json_path)
     return report
 
 
@@ -309,8 +325,13 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {st['members_read_bytes']:,} | {st['members_storers']} | "
                 f"{st['dht_cores_per_peer_median']:.3f} / {storers} | {st['membership_cores']:.2f} | "
                 + " | ".join(f"{_s(e)} / {_s(e, 'max_ms')} ({e.get('n', 0)})" if e else "-" for e in events)
-                + f" | {d['timeouts']} |")
+                + f" | {d['timeouts']}{_failed_starts(d)} |")
     return "\n".join(lines)
+
+
+def _failed_starts(row: dict[str, Any]) -> str:
+    failed = row.get("failed_starts", 0)
+    return f" ({failed} peers did not start)" if failed else ""
 
 
 def write(report: dict[str, Any], json_path: str | Path | None) -> None:

@@ -199,7 +199,7 @@ def dht(
 
     paced = {} if full_pace is None else {"full_pace_members": full_pace}
     report = run_dht_bench(_sizes(sizes), ops, _sizes(detect_peers, 2, "--detect-peers"), trials, rattles,
-                           progress=typer.echo, window_s=window, **paced)
+                           progress=typer.echo, window_s=window, json_path=json_path, **paced)
     write(report, json_path)
     typer.echo(markdown(report))
 
