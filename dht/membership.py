@@ -643,7 +643,7 @@ class Membership:
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing another run digest (left out of the view)."""
         self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
-        self._timing = config
+        self._timing, self._stretch = config, 1
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
@@ -666,6 +666,12 @@ class Membership:
         """The periods this node runs now: ``config`` paced to the live members of its last view
         (``MembershipConfig.paced``)."""
         return self._timing
+
+    @property
+    def stretch(self) -> int:
+        """The factor ``timing`` stretches ``config``'s periods by (1 up to ``full_pace_members``): waits that
+        count on others noticing a change at their next read stretch with it."""
+        return self._stretch
 
     def owned(self) -> dict[int, frozenset[int]]:
         """The experts this node owns in its latest view, by layer."""
@@ -892,14 +898,14 @@ class Membership:
         return True
 
     def _pace(self, members: int) -> None:
-        timing = self.config.paced(members)
-        if timing == self._timing:
+        stretch = self.config.stretch(members)
+        if stretch == self._stretch:
             return
+        timing = self.config.paced(members)
         logger.info("%d live members: heartbeat every %.0f s (TTL %.0f s), the swarm re-read every %.1f s "
                     "(x%d the periods of a swarm of %d or fewer)", members, timing.heartbeat_period_s,
-                    timing.heartbeat_ttl_s, timing.refresh_s, self.config.stretch(members),
-                    self.config.full_pace_members)
-        self._timing = timing
+                    timing.heartbeat_ttl_s, timing.refresh_s, stretch, self.config.full_pace_members)
+        self._timing, self._stretch = timing, stretch
         with self._lock:
             self._progress.stall_s, self._progress.idle_s = timing.stall_s, timing.idle_s
         self._quorum.window_s, self._quorum.grace_s = timing.quorum_window_s, timing.heartbeat_period_s

@@ -142,11 +142,12 @@ class NodeSettings:
     """Steps between snapshots of every owned expert served to its heir: an owner's death loses at most this
     many steps of its experts; each snapshot is weights + AdamW moments (12 bytes per expert parameter)."""
     adopt_wait_s: float = 10.0
-    """How long a new owner waits for the previous owner's final snapshot before taking the best one it has."""
+    """How long a new owner waits for the previous owner's final snapshot before taking the best one it has
+    (stretched with the membership's periods past ``net.membership.full_pace_members``)."""
     handover_window_s: float = 30.0
     """A released expert's final snapshot counts as the hand-over only when released at most this long before
     the adoption began: a releaser serves its final snapshot for minutes, and under churn the expert may have
-    been trained elsewhere since."""
+    been trained elsewhere since (stretched like ``adopt_wait_s``)."""
     leave_timeout_s: float = 30.0
     """Bound on the graceful leave (outer rounds in flight, final snapshots to the heirs)."""
     final_eval: bool = False

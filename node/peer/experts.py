@@ -118,7 +118,9 @@ class Experts:
                 others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
                         if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
                 started=now, online_since=self.online_at - self.membership.timing.heartbeat_ttl_s,
-                wait_s=self.settings.adopt_wait_s, handover_window_s=self.settings.handover_window_s,
+                # A previous owner sees the new assignment at its next read: both bounds stretch with the pace.
+                wait_s=self.settings.adopt_wait_s * self.membership.stretch,
+                handover_window_s=self.settings.handover_window_s * self.membership.stretch,
                 has_own_copy=self.exchange.inherits_copy(eid), live_source=live)
             self.handovers[eid] = (handover, None)
             self._carry_out(eid, handover.start())
