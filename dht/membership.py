@@ -278,7 +278,8 @@ class Progress:
 
     def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
         self.stall_s, self.idle_s = stall_s, idle_s
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._seen: dict[str, tuple[int, float, bool]] = {}
+        """fingerprint -> (its step, since when, whether it moved since this node first saw it)."""
         self._first: dict[str, float] = {}
         self._work: dict[str, float] = {}
         self._work_began: float | None = None  # when the first work of anyone arrived
@@ -296,15 +297,20 @@ class Progress:
             seen = self._seen.get(fp)
             if seen is None and fp in self._work:
                 self._first[fp] = now  # it worked before: coming back (a restart) starts a new grace period
-            if seen is None or seen[0] != step:
-                self._seen[fp] = (step, now)
+            if seen is None:
+                self._seen[fp] = (step, now, False)
+            elif seen[0] != step:
+                self._seen[fp] = (step, now, True)
             # An identity that never worked keeps its first sighting after it leaves: coming back starts none.
             self._first.setdefault(fp, now)
         _forget_oldest(self._first, keep=steps.keys())
         for fp in self._seen.keys() - steps.keys():
             del self._seen[fp]
-        moving = {fp for fp in steps if now - self._seen[fp][1] < self.stall_s}
-        stalled = steps.keys() - moving if moving else set()
+        # Moving is a step that changed: a composer just seen is in its grace period, but it shows no one else
+        # that training goes on (newcomers to a paused swarm must not make everyone stalled).
+        fresh = {fp for fp in steps if now - self._seen[fp][1] < self.stall_s}
+        moving = {fp for fp in fresh if self._seen[fp][2]}
+        stalled = steps.keys() - fresh if moving else set()
         if self.idle_s > 0:
             working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
             if working:

@@ -275,6 +275,15 @@ def test_composers_whose_step_does_not_move_own_nothing_after_the_grace_period()
     assert slow not in view.composers(150.0) and len(view.composers(150.0)) == 1
 
 
+def test_a_newcomer_to_a_swarm_whose_steps_do_not_move_makes_nobody_stalled():
+    """Peers that only heartbeat (a swarm paused, or ``bench dht``'s membership swarms) all announce one step; a
+    replacement just seen is in its grace period, but it does not show that training goes on."""
+    progress = Progress(stall_s=60.0)
+    assert progress.stalled({"a": 0, "b": 0}, now=0.0) == frozenset()
+    assert progress.stalled({"a": 0, "b": 0, "new": 0}, now=100.0) == frozenset()
+    assert progress.stalled({"a": 0, "b": 0, "new": 1}, now=101.0) == {"a", "b"}  # once it trains, they stalled
+
+
 def test_composers_whose_work_never_arrives_own_nothing_after_the_grace_period():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1, "phantom": 1}
