@@ -50,6 +50,19 @@ def test_owner_record_is_valid_and_strips_back():
     assert msgpack.unpackb(v.strip_value(r)) == b"hello"
 
 
+def test_a_record_seen_again_is_not_verified_again_and_a_changed_one_is(monkeypatch):
+    import parallax.dht.records as records
+
+    checks = []
+    real = records.verify
+    monkeypatch.setattr(records, "verify", lambda *a: checks.append(1) or real(*a))
+    r, v = record(), validator()
+    assert v.validate(r) and v.validate(r) and len(checks) == 1  # the same bytes: one Ed25519 check
+    later = dataclasses.replace(r, expiration_time=r.expiration_time + 1)  # the signature covers the expiry
+    assert not v.validate(later) and len(checks) == 2
+    assert not v.validate(record(signer=MALLORY)) and not v.validate(record(signer=MALLORY)) and len(checks) == 4
+
+
 def test_sign_value_signs_only_own_subkey():
     mine = DHTRecord(dht_key_id(KEY), msgpack.packb(owner_subkey(ALICE.public_key)), b"\xc4\x01x", NOW + 6)
     theirs = dataclasses.replace(mine, subkey=msgpack.packb(owner_subkey(MALLORY.public_key)))
