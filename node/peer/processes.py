@@ -78,6 +78,9 @@ def supervise(argv: Sequence[str]) -> int:
     The first two signals are passed on (the node leaves gracefully, then stops at once); a third
     SIGKILLs the child's session. The child learns of our death through ``die_with_parent``. When the
     child did not exit cleanly, what is left of its session (p2pd, hivemind's children) is SIGKILLed.
+    A child that died of a signal ends as a shell reports it: 130 for SIGINT or SIGTERM (a relayed Ctrl+C that
+    came before the child's interpreter set its handlers, as a command stopped while importing exits), else
+    128 + the signal's number.
     """
     child = spawn(argv, stdin=None)
     received = [0]
@@ -99,7 +102,12 @@ def supervise(argv: Sequence[str]) -> int:
             code = stop(child, 30.0)
     if code != 0:
         kill_group(child)
-    return code if code is not None else 1
+    if code is None:
+        return 1
+    if code < 0:
+        sys.stderr.write(f"stopped by signal {-code}\n")
+        return 130 if -code in (signal.SIGINT, signal.SIGTERM) else 128 - code
+    return code
 
 
 def die_with_parent(expected_parent: int, sig: int = signal.SIGTERM) -> None:

@@ -13,7 +13,14 @@ import time
 import pytest
 
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import DuplicateIdentityError, Membership, PeerState, Presence, QuorumState
+from parallax.dht.membership import (
+    DuplicateIdentityError,
+    Membership,
+    MembershipConfig,
+    PeerState,
+    Presence,
+    QuorumState,
+)
 from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
@@ -145,18 +152,22 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
         for other in honest:
             p.membership.worked(other.fp)
     wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
-    for i in range(8):
-        phantom = swarm.add(100 + i, shards=SHARDS, heartbeat_period_s=4.0, heartbeat_ttl_s=12.0)
-        phantom.membership.abandon(wait=False)
-    phantoms = {p.fp for p in swarm.peers[3:]}
-    wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=30)
+    # Their DHT peers first (seconds each on a loaded machine), then the eight heartbeats in a row, within the TTL.
+    sybils = [swarm.add_dht(fixed_identity(100 + i)) for i in range(8)]
+    once = MembershipConfig(heartbeat_period_s=4.0, heartbeat_ttl_s=12.0)
+    for p in sybils:
+        p.membership = Membership(p.dht, p.identity, Presence(run_id=swarm.run_id), once, shards=SHARDS)
+        p.membership.start()
+        p.membership.abandon(wait=False)
+    phantoms = {p.fp for p in sybils}
+    wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=60)
     states = set()
 
     def phantoms_expired() -> bool:
         states.update(p.membership.view().quorum for p in honest)
         return not any(phantoms & set(p.membership.view().alive()) for p in honest)
 
-    wait_until(phantoms_expired, timeout=30, interval=0.05)
+    wait_until(phantoms_expired, timeout=60, interval=0.05)
     for _ in range(60):  # 3 s: six grace periods after they expired
         states |= {p.membership.view().quorum for p in honest}
         time.sleep(0.05)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 
-from parallax.node.peer.processes import ForcedStop, install_signal_handlers
+from parallax.node.peer.processes import ForcedStop, install_signal_handlers, supervise
 
 
 class _Node:
@@ -73,3 +74,12 @@ def test_forked_children_ignore_ctrl_c_and_die_of_sigterm(signum: int, killed: b
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
     finally:
         _restore(previous)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 130), (signal.SIGKILL, 137)])
+def test_a_supervised_child_killed_by_a_signal_ends_with_the_shells_code(signum: int, code: int) -> None:
+    # A Ctrl+C relayed before the child's interpreter set its handlers kills it by the default action: the
+    # supervisor exits 130 like a command stopped while importing, not 256 - 2.
+    die = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "  # Python's own: KeyboardInterrupt
+           f"os.kill(os.getpid(), {int(signum)})")
+    assert supervise([sys.executable, "-c", die]) == code
