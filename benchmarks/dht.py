@@ -110,7 +110,8 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
     rattle: list[float] = []
     timeouts = 0
     next_id = 0
-    timing = MembershipConfig(full_pace_members=full_pace_members).paced(n_peers)
+    base = MembershipConfig(full_pace_members=full_pace_members)
+    timing = base.paced(n_peers)
     patience = 20.0 + n_peers + timing.heartbeat_ttl_s  # starting a DHT process takes about a second idle
 
     failed_starts = 0
@@ -172,7 +173,7 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
     return {
         "peers": n_peers,
         "full_pace_members": full_pace_members,
-        "stretch": MembershipConfig(full_pace_members=full_pace_members).stretch(n_peers),
+        "stretch": base.stretch(n_peers),
         "heartbeat_period_s": timing.heartbeat_period_s,
         "heartbeat_ttl_s": timing.heartbeat_ttl_s,
         "refresh_s": timing.refresh_s,

@@ -830,9 +830,7 @@ class Membership:
             self._send_heartbeat()
 
     def _lease_s(self) -> float:
-        if self.shards is None:
-            return self._timing.heartbeat_ttl_s
-        return self.shards.lease_s * self._timing.heartbeat_ttl_s / self.config.heartbeat_ttl_s
+        return self.shards.lease_s * self._stretch if self.shards else self._timing.heartbeat_ttl_s
 
     def _send_claims(self, assignment: Assignment | None, owned: Mapping[int, frozenset[int]], now: float) -> None:
         if assignment is None:  # no successful read yet: nothing to claim; the reader wakes us when there is
