@@ -31,6 +31,11 @@ class MalformedMessage(RemoteProtocolError):
     """The bytes do not parse, or a field has the wrong type, range or length (truncation included)."""
 
 
+class StalledStream(RemoteProtocolError):
+    """A peer opened its answer and then sent nothing for longer than the reader waits between two messages: it
+    accepted the request and holds the caller (an honest peer answers at once, if only with an empty stream)."""
+
+
 class UnsupportedVersion(RemoteProtocolError):
     """The envelope names a protocol version this node does not speak."""
 

@@ -105,7 +105,8 @@ class OuterConfig:
     (internet: 300 s is ~1 GB of fp16 pseudo-gradient over a 30 Mbit/s uplink; loopback: 20)."""
     next_chunk_timeout_s: float = 30.0
     """A groupmate that sends no chunk for this long is dropped from the all-reduce (the round is then
-    inconsistent and verification discards it)."""
+    inconsistent and verification discards it); in a gathered round, a contributor whose answer holds this long
+    without a chunk is left out of the round and scored."""
     verify_timeout_s: float = 15.0
     """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
     dht_timeout_s: float = 5.0

@@ -53,7 +53,7 @@ from hivemind.proto import runtime_pb2
 
 from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
 from parallax.node.config.net import ExchangeConfig
-from parallax.node.net.network import RateLimiter, rate_limited
+from parallax.node.net.network import RateLimiter, rate_limited, read_answer
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
@@ -446,23 +446,18 @@ class ExpertExchange:
     async def _fetch(self, peer: str, eid: ExpertId) -> tuple[int, bool, float, bytes] | None:
         stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid)))
-        header: tuple[int, bool, float] | None = None
-        buf = bytearray()
-        try:
-            async for msg in stream:
-                if header is None:
-                    header = _header(msg.serialized_info)
-                    continue
-                buf += msg.serialized_info
-                if len(buf) > ExpertSnapshot.MAX_BYTES:
-                    raise RemoteProtocolError("snapshot larger than the message cap")
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-        if header is None:
+        parts = await read_answer(stream, cap=_HEADER_MAX_BYTES + ExpertSnapshot.MAX_BYTES, peer=peer,
+                                  what=f"snapshot of {expert_id(*eid)}")
+        if not parts:
             return None
-        self.bytes_fetched += len(buf)
-        return header[0], header[1], header[2], bytes(buf)
+        step, final, age_s = _header(parts[0])
+        body = b"".join(parts[1:])
+        self.bytes_fetched += len(body)
+        return step, final, age_s, body
+
+
+_HEADER_MAX_BYTES = 32
+"""A snapshot answer's first message, msgpack [step, final, age]: at most 20 bytes."""
 
 
 def _header(data: bytes) -> tuple[int, bool, float]:

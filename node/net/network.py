@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -30,7 +30,7 @@ from parallax.dht.keys import protected_keys, replica_groups
 from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.node.config.peer import PeerConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
-from parallax.protocol.errors import RemoteProtocolError
+from parallax.protocol.errors import OversizedMessage, RemoteProtocolError, StalledStream
 from parallax.protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,42 @@ def rate_limited(servicer: ServicerBase, limiter: RateLimiter) -> Any:
                 return await handler(request, context)
             setattr(wrapper, name, unary)
     return wrapper
+
+
+async def read_answer(stream: AsyncIterator[Any], *, cap: int, peer: str, what: str,
+                      chunk_timeout_s: float | None = None) -> list[bytes]:
+    """The payloads (``serialized_info``) of a peer's answer ``stream``, which is closed after, whatever happens.
+
+    Args:
+        cap: the most bytes the payloads may hold together.
+        peer: the answering peer, named in the errors.
+        what: what the answer is, for the errors ("outer contribution router/7").
+        chunk_timeout_s: the longest wait for each message, the first included (None: no bound of its own;
+            the caller's overall timeout bounds the read).
+
+    Raises:
+        OversizedMessage: more than ``cap`` bytes.
+        StalledStream: no message within ``chunk_timeout_s``.
+    """
+    parts: list[bytes] = []
+    size = 0
+    messages = aiter(stream)
+    try:
+        while True:
+            try:
+                msg = await asyncio.wait_for(anext(messages), chunk_timeout_s)
+            except StopAsyncIteration:
+                return parts
+            except TimeoutError:
+                raise StalledStream(f"{what}: nothing for {chunk_timeout_s:g} s after {len(parts)} message(s)",
+                                    peer=peer) from None
+            size += len(msg.serialized_info)
+            if size > cap:
+                raise OversizedMessage(f"{what} longer than {cap} bytes", peer=peer)
+            parts.append(msg.serialized_info)
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
 
 
 class ServedOnLoop:

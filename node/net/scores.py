@@ -27,12 +27,15 @@ _MAX_PEERS = 4096  # bounded memory: the least suspected are forgotten first
 class Evidence(Enum):
     """What a check found against a peer, and its weight in the peer's score (a ban at ``threshold``, 2.5 by
     default). An outlier can be an honest peer's bad luck and counts 1; a body that contradicts its signed
-    announcement, or an update that would multiply a surrogate, cannot be, and counts 2."""
+    announcement, or an update that would multiply a surrogate, cannot be, and counts 2. A fetch held open with
+    nothing sent counts 0.5: an honest peer answers at once, but a frozen host's daemon still accepts the stream
+    its process will never serve (it is gone within a heartbeat's life)."""
 
     OUTLIER = ("outlier outer contribution", 1.0)
     NON_FINITE = ("non-finite outer contribution", 1.0)
     ZERO_WEIGHT = ("zero weight outer contribution", 1.0)
     FORGED = ("forged or malformed outer contribution", 2.0)
+    STALLED = ("outer contribution fetch accepted and then held", 0.5)
     SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
 
     def __init__(self, reason: str, weight: float) -> None:

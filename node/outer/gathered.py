@@ -61,7 +61,7 @@ from parallax.node.outer.wire import (
     round_tag,
 )
 from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
-from parallax.protocol.errors import MalformedMessage
+from parallax.protocol.errors import MalformedMessage, StalledStream
 
 logger = logging.getLogger(__name__)
 
@@ -281,16 +281,18 @@ class GatheredRounds:
                 error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
-            body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s)
+            body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
+                                     self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
-        except Exception as e:  # a bad body, or a broken stream: that contribution is out, or out for now
+        except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
             bad = isinstance(e, ContributionMismatch | MalformedMessage)
+            stalled = isinstance(e, StalledStream)  # it accepted the fetch and held it: not asked again this round
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
-            if self.scores is not None and bad and not blameless:
-                self.scores.record(peer, Evidence.FORGED)
+            if self.scores is not None and (bad or stalled) and not blameless:
+                self.scores.record(peer, Evidence.STALLED if stalled else Evidence.FORGED)
             with self._lock:
-                if bad:
+                if bad or stalled:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
                     self._retry_at[name] = time.monotonic() + _RETRY_S
@@ -298,7 +300,7 @@ class GatheredRounds:
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
-                           "" if bad else " for now", e)
+                           "" if bad or stalled else " for now", e)
             return False
         found[name] = (tensors, entry.tokens)
         if self.peers.worked is not None:

@@ -28,7 +28,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from parallax.node.net.network import RateLimiter, ServedOnLoop
+from parallax.node.net.network import RateLimiter, ServedOnLoop, read_answer
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, ProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
@@ -144,22 +144,12 @@ class StateExchange(ServedOnLoop):
     async def _fetch(self, peer: str, group: str, shapes: Mapping[str, Sequence[int]]) -> State | None:
         stub = StateServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_state(runtime_pb2.ExpertRequest(uid=group))
-        meta_bytes: bytes | None = None
-        buf = bytearray()
-        cap = state_bytes_cap(shapes)
-        try:
-            async for msg in stream:
-                if meta_bytes is None:
-                    meta_bytes = msg.serialized_info
-                    continue
-                buf += msg.serialized_info
-                if len(buf) > cap:
-                    raise MalformedMessage(f"state of {group} longer than {cap} bytes", peer=peer)
-        finally:
-            await stream.aclose()
-        if meta_bytes is None:
+        parts = await read_answer(stream, cap=_META_MAX_BYTES + state_bytes_cap(shapes), peer=peer,
+                                  what=f"state of {group}")
+        if not parts:
             return None
-        return decode_state(group, meta_bytes, bytes(buf), shapes, peer=peer)
+        meta_bytes, body = parts[0], b"".join(parts[1:])
+        return decode_state(group, meta_bytes, body, shapes, peer=peer)
 
 
 def state_bytes_cap(shapes: Mapping[str, Sequence[int]]) -> int:

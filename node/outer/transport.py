@@ -25,7 +25,6 @@ worker thread and blocks it, bounded by its timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
@@ -41,10 +40,10 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from parallax.node.net.network import ServedOnLoop
+from parallax.node.net.network import ServedOnLoop, read_answer
 from parallax.node.outer.wire import SMALL_TENSOR_NUMEL
 from parallax.protocol.codec import TensorLimits, decode, encode
-from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
+from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -277,14 +276,17 @@ class OuterGather(ServedOnLoop):
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()  # rounds fetch from several threads at once
 
-    def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float) -> bytes:
-        """``peer``'s body for ``entry``'s round, exactly ``entry.size`` bytes hashing to ``entry.digest``.
+    def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float, chunk_timeout_s: float) -> bytes:
+        """``peer``'s body for ``entry``'s round, exactly ``entry.size`` bytes hashing to ``entry.digest``, within
+        ``timeout_s``, each message within ``chunk_timeout_s`` of the one before.
 
         Raises:
-            RemoteProtocolError: not held, too long, or another digest (the peer is named).
+            ContributionMismatch: another size or digest (the peer is named).
+            StalledStream: the peer opened its answer and then held it (the peer is named).
+            RemoteProtocolError: not held.
             TimeoutError, and hivemind's errors on a broken stream.
         """
-        coro = self._fetch(peer, f"{group}/{entry.round_id}", entry.size)
+        coro = self._fetch(peer, f"{group}/{entry.round_id}", entry.size, chunk_timeout_s)
         body = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
         if len(body) != entry.size or body_digest(body) != entry.digest:
             raise ContributionMismatch(f"outer contribution of {len(body)} bytes does not match the announced "
@@ -293,22 +295,19 @@ class OuterGather(ServedOnLoop):
             self.bytes_fetched += len(body)
         return body
 
-    async def _fetch(self, peer: str, uid: str, size: int) -> bytes:
+    async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float) -> bytes:
         stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_contribution(runtime_pb2.ExpertRequest(uid=uid))
-        buf = bytearray()
         try:
-            async for msg in stream:
-                buf += msg.serialized_info
-                if len(buf) > size:
-                    raise ContributionMismatch(f"outer contribution longer than the announced {size} bytes",
-                                               peer=peer)
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-        if not buf:
+            parts = await read_answer(stream, cap=size, peer=peer, what=f"outer contribution {uid}",
+                                      chunk_timeout_s=chunk_timeout_s)
+        except OversizedMessage as e:
+            raise ContributionMismatch(f"outer contribution longer than the announced {size} bytes",
+                                       peer=peer) from e
+        body = b"".join(parts)
+        if not body:
             raise RemoteProtocolError(f"no outer contribution {uid} held", peer=peer)
-        return bytes(buf)
+        return body
 
 
 # ---- which contributions a round merges -------------------------------------------------------------------

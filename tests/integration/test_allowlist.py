@@ -37,7 +37,8 @@ SETS = ["--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}']
 
 
 def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "parallax.cli", *args], capture_output=True, text=True, timeout=60)
+    # Bounded above the commands' own bounds: `swarm status` may start its daemon twice (30 s each) before it reads.
+    done = subprocess.run([sys.executable, "-m", "parallax.cli", *args], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -8,8 +8,10 @@ rounds under a run id of its own and shuts its averagers down in ``finally``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import hivemind
 import pytest
 import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
@@ -25,6 +29,7 @@ from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.transport import (
+    ContributionServicer,
     OuterGather,
     RoundPeers,
     decode_contribution,
@@ -71,20 +76,22 @@ def peers() -> Iterator[list[Peer]]:
 @contextlib.contextmanager
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
                round_peers: RoundPeers | None = None, quorum_waits: Sequence[float] | None = None,
-               ) -> Iterator[list[GroupAverager]]:
+               gathers: Sequence[OuterGather] | None = None) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
     composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
     loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``: each peer's wait instead):
-    these tests are about what is merged."""
+    these tests are about what is merged. ``gathers``: each peer's contribution server and fetcher instead of
+    the module's."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
         averagers = []
-        for p, score, wait in zip(peers, scores or [None] * len(peers), quorum_waits or [15.0] * len(peers),
-                                  strict=True):
+        for p, score, wait, gather in zip(peers, scores or [None] * len(peers),
+                                          quorum_waits or [15.0] * len(peers), gathers or [p.gather for p in peers],
+                                          strict=True):
             config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=wait)
             averagers.append(stack.enter_context(GroupAverager(
-                p.dht, "gather", group, SHAPES, config, p.signer, gather=p.gather, peers=round_peers,
+                p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
         yield averagers
 
@@ -215,6 +222,62 @@ def test_a_peer_that_keeps_attacking_is_banned_and_left_out(peers):
         assert all(s.banned(attacker) for s in scores[1:]) and not scores[0].banned(attacker)
         assert all(attacker not in a.last_report.participants for a in averagers[1:])
         assert all(len(a.last_report.participants) == 3 for a in averagers[1:])
+
+
+class _HeldAnswers(ContributionServicer):
+    """Accepts every contribution fetch and sends nothing for ``hold_s``; counts the fetches."""
+
+    def __init__(self, *args: typing.Any, hold_s: float) -> None:
+        super().__init__(*args)
+        self.hold_s, self.asked = hold_s, 0
+
+    async def rpc_contribution(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        self.asked += 1
+        await asyncio.sleep(self.hold_s)
+        for _ in ():
+            yield runtime_pb2.ExpertInfo()
+
+
+_HeldAnswers.__name__ = ContributionServicer.__name__  # hivemind names the protocol after the servicer's class
+
+
+def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_and_is_scored(peers):
+    """Peer 3 announces its contribution and holds every fetch of it open without sending a byte. Each honest
+    peer asks once, gives up after ``next_chunk_timeout_s`` (not the round's ``allreduce_timeout_s``), does not
+    ask again in that round, merges the three others and scores the holder."""
+    config = OuterSyncConfig.loopback(compression="fp16")
+    holder = peers[3].dht.peer_id
+    gathers: list[OuterGather] = []
+    try:
+        for i, p in enumerate(peers):
+            gather = OuterGather(p.loop.p2p, p.loop.loop, "held")
+            if i == 3:
+                gather.servicer = _HeldAnswers(gather.store, hold_s=2 * config.net.next_chunk_timeout_s)
+            gathers.append(gather.start())
+        scores = [PeerScores() for _ in peers]
+        with _averagers(peers, "held", scores, gathers=gathers) as averagers:
+            deltas = _deltas(4, seed=21)
+            with ThreadPoolExecutor(4) as pool:
+                # The holder's entry is out before the others look for contributions: each of them fetches it.
+                held = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=1)
+                wait_until(lambda: holder in averagers[0].records.read([holder], 2.0), timeout=30)
+                honest = [pool.submit(a.run_round, d, CAP, round_id=1)
+                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
+                results = [f.result(timeout=60) for f in honest]
+                held.result(timeout=60)
+            for a, merged, score in zip(averagers[:3], results, scores[:3], strict=True):
+                report = a.last_report
+                assert report.status is RoundStatus.OK and merged is not None, report
+                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
+                reasons = score.snapshot()[holder]["reasons"]
+                assert reasons == {"outer contribution fetch accepted and then held": 1}, reasons
+                assert not score.banned(holder)
+        assert isinstance(gathers[3].servicer, _HeldAnswers) and gathers[3].servicer.asked == 3
+    finally:
+        for gather in gathers:
+            gather.close()
 
 
 def test_peers_at_different_round_numbers_merge_their_current_contributions(peers):
