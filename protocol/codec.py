@@ -2,10 +2,10 @@
 
 A blob is one msgpack array ``[codec, dtype, shape, params, payload]``:
 
-    codec    one of CODECS: "raw", "fp16", "int8", "int4", "ternary", "lowrank"
+    codec    one of CODECS: "raw", "fp16", "int8", "int4", "ternary", "lowrank", "topk"
     dtype    the dtype of the decoded array (whitelisted; compressed codecs decode to float16/32)
     shape    list of dimensions
-    params   [] for raw/fp16, [chunk] for int8/int4/ternary, [rank] for lowrank
+    params   [] for raw/fp16, [chunk] for int8/int4/ternary, [rank] for lowrank, [chunk, keep, bits] for topk
     payload  little-endian bytes whose exact length follows from codec, dtype, shape and params
 
 Compressed layouts (n elements, c = ceil(n / chunk) chunks, each with a float32 scale):
@@ -16,6 +16,10 @@ Compressed layouts (n elements, c = ceil(n / chunk) chunks, each with a float32 
     ternary  c scales || ceil(n/5) bytes of base-3 trits, 5 a byte (``ternary.py``: TWN quantiser,
              threshold 0.7 * mean|x|, scale = mean of kept |x|), x = scale * trit
     lowrank  (m*r) float32 left || (r*k) float32 right, x = left @ right, m = shape[0], k = prod(shape[1:])
+    topk     c scales || K uint16 positions || ceil(K*bits/8) bytes of codes, low bits first: each chunk keeps
+             its min(keep, chunk's length) entries of largest magnitude (positions within the chunk, strictly
+             increasing), x = scale * (code - (2^bits - 1) / 2) there and 0 elsewhere; K = the entries kept
+             (SparseLoCo's wire: the sender keeps what was not sent, ``ErrorFeedback``)
 
 ``decode`` refuses, with ``BadTensor`` (a ``RemoteProtocolError``): a blob over the size its limits allow
 (before parsing), a codec, dtype, rank or dimension count not allowed, too many elements, a payload
@@ -37,7 +41,7 @@ from parallax.protocol import ternary
 from parallax.protocol.errors import BadTensor, LocalProtocolError, OversizedMessage
 from parallax.protocol.schema import MSGPACK_ERRORS
 
-CODECS = frozenset({"raw", "fp16", "int8", "int4", "ternary", "lowrank"})
+CODECS = frozenset({"raw", "fp16", "int8", "int4", "ternary", "lowrank", "topk"})
 COMPRESSED = CODECS - {"raw"}
 DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(code)
@@ -54,6 +58,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 DEFAULT_CHUNK = 1024
 MAX_CHUNK = 1 << 20
+TOPK_MAX_CHUNK = 1 << 16  # positions within a chunk are uint16
+TOPK_BITS = (2, 4, 8)
 _SCALE = np.dtype("<f4")
 _HEADER_SLACK = 64  # msgpack framing around the payload: codec, dtype, params, length prefixes
 
@@ -134,14 +140,17 @@ def _pack_bits(codes: Array, bits: int, pad: int) -> bytes:
     return out.tobytes()
 
 
-def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHUNK, rank: int = 8) -> bytes:
+def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHUNK, rank: int = 8, keep: int = 64,
+           bits: int = 2) -> bytes:
     """Encode an array as a blob.
 
     Args:
         array: the tensor (numpy, or anything ``np.asarray`` takes). Compressed codecs need floats.
         codec: one of ``CODECS``.
-        chunk: elements per scale for int8/int4/ternary.
+        chunk: elements per scale for int8/int4/ternary/topk.
         rank: rank of the truncated SVD for ``lowrank`` (use ``encode_lowrank`` for your own factors).
+        keep: entries kept per chunk for ``topk``.
+        bits: bits per kept value for ``topk`` (one of ``TOPK_BITS``).
 
     Raises:
         LocalProtocolError: unsupported dtype or codec, non-finite values, values beyond float16.
@@ -174,6 +183,11 @@ def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHU
         return encode_lowrank(left, right, shape=shape, dtype=out_dtype)
     if not 1 <= chunk <= MAX_CHUNK:
         raise LocalProtocolError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
+    if codec == "topk":
+        if not (chunk <= TOPK_MAX_CHUNK and 1 <= keep <= chunk and bits in TOPK_BITS):
+            raise LocalProtocolError(f"topk needs chunk <= {TOPK_MAX_CHUNK}, 1 <= keep <= chunk and bits in "
+                                     f"{TOPK_BITS}; got chunk {chunk}, keep {keep}, bits {bits}")
+        return _pack("topk", out_dtype, shape, [chunk, keep, bits], _encode_topk(flat, chunk, keep, bits))
     if codec == "int8":
         scale, q = _quantize(flat, chunk, 127)
         payload = scale.astype(_SCALE).tobytes() + q.tobytes()
@@ -184,6 +198,37 @@ def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHU
         scale, trits = ternary.quantize(flat, chunk)
         payload = scale.astype(_SCALE).tobytes() + ternary.pack(trits)
     return _pack(codec, out_dtype, shape, [chunk], payload)
+
+
+def _topk_counts(n: int, chunk: int, keep: int) -> Array:
+    """Entries each chunk of ``n`` elements keeps."""
+    c = -(-n // chunk)
+    counts = np.full(c, min(keep, chunk), dtype=np.int64)
+    if c and n % chunk:
+        counts[-1] = min(keep, n % chunk)
+    return counts
+
+
+def _encode_topk(flat: Array, chunk: int, keep: int, bits: int) -> bytes:
+    n, full = flat.size, flat.size // chunk
+    kept = []  # global indices of the entries kept, increasing
+    if full:
+        magnitude = np.abs(flat[: full * chunk].reshape(full, chunk))
+        top = np.sort(np.argpartition(-magnitude, keep - 1, axis=1)[:, :keep], axis=1)
+        kept.append((top + np.arange(full)[:, None] * chunk).reshape(-1))
+    if n > full * chunk:
+        k = min(keep, n - full * chunk)
+        kept.append(np.sort(np.argpartition(-np.abs(flat[full * chunk:]), k - 1)[:k]) + full * chunk)
+    index = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+    chunk_of, values = index // chunk, flat[index]
+    peak = np.zeros(-(-n // chunk), dtype=np.float32)
+    np.maximum.at(peak, chunk_of, np.abs(values))
+    half = ((1 << bits) - 1) / 2
+    scale = (peak / half).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    codes = np.clip(np.rint(values / safe[chunk_of] + half), 0, (1 << bits) - 1).astype(np.uint8)
+    packed = codes.tobytes() if bits == 8 else _pack_bits(codes, bits, pad=0)
+    return scale.astype(_SCALE).tobytes() + (index % chunk).astype("<u2").tobytes() + packed
 
 
 def low_rank_factors(matrix: npt.ArrayLike, rank: int, *, power_iters: int = 2) -> tuple[Array, Array]:
@@ -327,6 +372,8 @@ def decode(
             raise bad("lowrank factors contain NaN or Inf")
         with np.errstate(over="ignore", invalid="ignore"):
             out = (left @ right).astype(DTYPES[dtype])
+    elif codec == "topk":
+        out = _decode_topk(payload, params, n, expect, bad).astype(DTYPES[dtype])
     else:
         if len(params) != 1 or not 1 <= params[0] <= MAX_CHUNK:
             raise bad(f"{codec} takes params [chunk] with chunk in [1, {MAX_CHUNK}]")
@@ -360,9 +407,39 @@ def decode(
     return out
 
 
+def _decode_topk(payload: bytes, params: list[int], n: int, expect: Any, bad: Any) -> Array:
+    """The dense float32 values of a ``topk`` payload (the module docstring's layout), checked."""
+    if len(params) != 3:
+        raise bad("topk takes params [chunk, keep, bits]")
+    chunk, keep, bits = params
+    if not (1 <= chunk <= TOPK_MAX_CHUNK and 1 <= keep <= chunk and bits in TOPK_BITS):
+        raise bad(f"topk params need chunk in [1, {TOPK_MAX_CHUNK}], keep in [1, chunk] and bits in {TOPK_BITS}")
+    counts = _topk_counts(n, chunk, keep)
+    c, total = counts.size, int(counts.sum())
+    expect(4 * c + 2 * total + -(-total * bits // 8))
+    scale = np.frombuffer(payload, dtype=_SCALE, count=c)
+    if not (np.isfinite(scale).all() and (scale >= 0).all()):
+        raise bad("topk scales must be finite and >= 0")
+    positions = np.frombuffer(payload, dtype="<u2", count=total, offset=4 * c).astype(np.int64)
+    chunk_of = np.repeat(np.arange(c), counts)
+    index = chunk_of * chunk + positions
+    # Positions inside their chunk and strictly increasing: no entry twice, none past the tensor's end.
+    if total and not ((positions < chunk).all() and (np.diff(index) > 0).all() and index[-1] < n):
+        raise bad("topk positions must be strictly increasing within each chunk and inside the tensor")
+    packed = np.frombuffer(payload, dtype=np.uint8, offset=4 * c + 2 * total)
+    codes = packed if bits == 8 else _unpack_bits(packed, bits)
+    if (codes[total:] != 0).any():
+        raise bad("topk padding codes are not 0")
+    out = np.zeros(n, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out[index] = scale[chunk_of] * (codes[:total].astype(np.float32) - np.float32(((1 << bits) - 1) / 2))
+    return out
+
+
 __all__ = [
     "CODECS",
     "DTYPES",
+    "TOPK_BITS",
     "FLOAT_DTYPES",
     "TensorLimits",
     "decode",

@@ -9,6 +9,7 @@ Measured error bounds (seeds 0-2, 100,000 elements, chunk 1024), asserted below 
              with error feedback)
     lowrank  ||x - y||_F <= 1.01 x the Eckart-Young optimum sqrt(sum of the tail sigma^2)
              (1.0000 on a low-rank matrix plus noise, 1.0065 on a flat Gaussian spectrum)
+    topk     exactly each chunk's ``keep`` largest entries, each within half a step (max|kept| / (2^bits - 1))
 """
 
 from __future__ import annotations
@@ -211,6 +212,46 @@ def test_fp16_overflow_and_lowrank_nan_factors():
         decode(_lowrank_with(x, bytes(payload)), LIMITS)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 63, 64, 1000])
+def test_topk_keeps_each_chunks_largest_entries_within_half_a_step(n, bits):
+    x = rng(n).standard_normal(n).astype(np.float32)
+    blob = encode(x, "topk", chunk=64, keep=4, bits=bits)
+    y = decode(blob, LIMITS)
+    c, kept = -(-n // 64), sum(min(4, len(x[i:i + 64])) for i in range(0, n, 64))
+    assert len(msgpack.unpackb(blob)[4]) == 4 * c + 2 * kept + -(-kept * bits // 8)
+    for start in range(0, n, 64):
+        part, got = x[start:start + 64], y[start:start + 64]
+        top = np.sort(np.argsort(-np.abs(part))[:4])
+        np.testing.assert_array_equal(np.flatnonzero(got), top)
+        step = np.abs(part[top]).max() / ((1 << bits) - 1)
+        assert np.abs(got[top] - part[top]).max() <= step * (1 + 1e-5)
+
+
+def test_topk_refuses_repeated_or_outside_positions_bad_padding_and_params():
+    x = np.arange(1, 11, dtype=np.float32)  # 10 values, chunks of 8: 2 kept of 8, then 2 of 2
+    payload = msgpack.unpackb(encode(x, "topk", chunk=8, keep=2, bits=2))[4]
+    scales, positions, codes = payload[:8], np.frombuffer(payload[8:16], "<u2"), payload[16:]
+    np.testing.assert_array_equal(positions, [6, 7, 0, 1])
+
+    def with_positions(p: list[int]) -> bytes:
+        return blob_with(x, "topk", params=[8, 2, 2], payload=scales + np.array(p, "<u2").tobytes() + codes)
+
+    for bad in ([6, 6, 0, 1], [7, 6, 0, 1], [6, 8, 0, 1], [6, 7, 0, 2]):  # twice, unsorted, past a chunk, the end
+        with pytest.raises(BadTensor, match="positions"):
+            decode(with_positions(bad), LIMITS)
+    padded = scales + positions.tobytes() + bytes([codes[0] | 0xF0])  # 4 codes of 2 bits: 8 bits, no padding
+    decode(blob_with(x, "topk", params=[8, 2, 2], payload=padded), LIMITS)  # ...so any byte is 4 valid codes
+    short = msgpack.unpackb(encode(x[:9], "topk", chunk=8, keep=2, bits=2))[4]  # 3 codes: 2 bits of padding
+    with pytest.raises(BadTensor, match="padding"):
+        decode(blob_with(x[:9], "topk", params=[8, 2, 2], payload=short[:-1] + bytes([short[-1] | 0xC0])), LIMITS)
+    for params in ([8, 9, 2], [8, 2, 3], [1 << 17, 2, 2], [8, 2]):
+        with pytest.raises(BadTensor, match="topk"):
+            decode(blob_with(x, "topk", params=params, payload=payload), LIMITS)
+    with pytest.raises(LocalProtocolError, match="topk"):
+        encode(x, "topk", chunk=8, keep=9)
+
+
 def test_invalid_packed_codes_are_refused():
     x = np.array([1.0, -1.0, 0.0], np.float32)  # 3 values: padding in the last byte
     tern = bytearray(msgpack.unpackb(encode(x, "ternary"))[4])
@@ -291,7 +332,7 @@ def test_random_bytes_raise_only_remote_errors(data):
     st.sampled_from(sorted(CODECS)),
     st.sampled_from(sorted(DTYPES) + ["bool", ""]),
     st.lists(st.integers(-2, 40), max_size=5),
-    st.lists(st.integers(-2, 2**21), max_size=2),
+    st.lists(st.integers(-2, 2**21), max_size=3),
     st.binary(max_size=600),
 )
 def test_structured_random_blobs_raise_only_remote_errors(codec, dtype, shape, params, payload):
