@@ -523,7 +523,8 @@ class TieredOuterSync:
 
     def sync(self, composer: Composer, group: str, *, round_id: int | None = None) -> RoundReport:
         """One outer round of ``group`` for ``composer``: merge its pseudo-gradient, apply the Nesterov step
-        only when the round completed and verified (never half an update)."""
+        only when the round completed and verified (never half an update). The pseudo-gradient goes as it is:
+        a sparse wire's error feedback is the node's rounds' (``background``)."""
         merged = self.run_round(group, composer.pseudo_gradient(group), composer.tokens_since_merge[group],
                                 round_id=round_id)
         if merged is not None:

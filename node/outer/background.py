@@ -37,7 +37,8 @@ import torch
 
 from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
 from parallax.node.outer.state import StateExchange
-from parallax.node.train.outer import OuterOptimizer
+from parallax.node.outer.transport import error_feedback, keep_unsent
+from parallax.node.train.outer import OuterOptimizer, to_send
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -55,6 +56,7 @@ LIVE = "live"
 class _InFlight:
     round_id: int
     submitted: dict[str, torch.Tensor]
+    pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
     future: concurrent.futures.Future[tuple[dict[str, torch.Tensor] | None, RoundReport | None]]
 
@@ -223,11 +225,11 @@ class BackgroundRounds:
             self._start_reload(group)
             return False
         outer = self.composer.outer[group]
-        delta, submitted = outer.pseudo_gradient(), outer.live_copy()
+        delta, submitted = to_send(outer, error_feedback(self.sync.config.compression)), outer.live_copy()
         tokens = self.composer.tokens_since_merge[group]
         self.composer.tokens_since_merge[group] = 0
         future = self._pool.submit(self._run, group, delta, tokens, round_id)
-        self._in_flight[group] = _InFlight(round_id, submitted, tokens, future)
+        self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future)
         self.counts.submitted += 1
         return True
 
@@ -235,7 +237,8 @@ class BackgroundRounds:
         """A merge among one (no other composer is live): the outer step with this node's own pseudo-gradient, so
         its anchor follows its training and what a joiner downloads is trained. Served like any merged state."""
         outer = self.composer.outer[group]
-        self.composer.apply_outer(group, outer.pseudo_gradient())
+        outer.step_alone()
+        self.composer.tokens_since_merge[group] = 0
         outer.round = round_id
         self.publish_state(group)
         self._start_serving(group)
@@ -258,6 +261,7 @@ class BackgroundRounds:
             assert report is not None
             if merged is not None:
                 outer = self.composer.outer[group]
+                keep_unsent(outer, flight.pending, self.sync.config.compression)
                 outer.step_late(merged, flight.submitted)
                 outer.round = report.round_id if report.round_id is not None else flight.round_id
                 self.counts.applied += 1

@@ -282,7 +282,7 @@ class GatheredRounds:
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
-                                     self.config.net.next_chunk_timeout_s)
+                                     chunk_timeout_s=self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now

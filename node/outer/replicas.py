@@ -40,10 +40,10 @@ from parallax.dht.shards import Assignment, expert_bundles
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundReport
 from parallax.node.outer.records import RoundStatus
-from parallax.node.outer.transport import OuterGather, RoundPeers
+from parallax.node.outer.transport import OuterGather, RoundPeers, error_feedback, keep_unsent
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.composer import Composer, expert_group
-from parallax.node.train.outer import OuterBundle
+from parallax.node.train.outer import OuterBundle, to_send
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class _InFlight:
     experts: tuple[ExpertId, ...]
     bundle: OuterBundle
     submitted: dict[str, torch.Tensor]
+    pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
     future: concurrent.futures.Future[tuple[dict[str, torch.Tensor] | None, RoundReport | None]]
 
@@ -120,7 +121,8 @@ class ReplicaRounds:
         shared = {eid for experts in found.values() for eid in experts}
         for eid in sorted(held - shared):  # no other owner now: a merge among one, as a lone node's
             group = expert_group(eid)
-            self.composer.apply_outer(group, self.composer.pseudo_gradient(group))
+            self.composer.outer[group].step_alone()
+            self.composer.tokens_since_merge[group] = 0
             self.counts.alone += 1
         self._leads = {eid: assignment.owner(*eid) for experts in found.values() for eid in experts}
         started = 0
@@ -129,13 +131,13 @@ class ReplicaRounds:
             if group in self._in_flight or not set(experts) <= held:
                 continue  # still merging, or an expert not taken over yet: this bundle's owners go on without us
             bundle = OuterBundle([self.composer.outer[expert_group(eid)] for eid in experts])
-            delta, submitted = bundle.pseudo_gradient(), bundle.live_copy()
+            delta, submitted = to_send(bundle, error_feedback(self.config.compression)), bundle.live_copy()
             tokens = min(self.composer.tokens_since_merge[expert_group(eid)] for eid in experts)
             for eid in experts:
                 self.composer.tokens_since_merge[expert_group(eid)] = 0
             averager = self._averager(group, owners, experts)
             future = self._pool.submit(self._run, averager, delta, tokens, round_id)
-            self._in_flight[group] = _InFlight(owners, experts, bundle, submitted, tokens, future)
+            self._in_flight[group] = _InFlight(owners, experts, bundle, submitted, delta, tokens, future)
             self.counts.submitted += 1
             started += 1
         self._forget(found)
@@ -158,6 +160,7 @@ class ReplicaRounds:
             same = all(self.composer.outer.get(expert_group(eid)) is part
                        for eid, part in zip(flight.experts, flight.bundle.parts, strict=True))
             if merged is not None and same:
+                keep_unsent(flight.bundle, flight.pending, self.config.compression)
                 flight.bundle.step_late(merged, flight.submitted)
                 self.counts.applied += 1
                 self.last_applied += flight.experts

@@ -41,7 +41,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from parallax.node.net.network import ServedOnLoop, read_answer
-from parallax.node.outer.wire import SMALL_TENSOR_NUMEL
+from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, TOPK
+from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
@@ -49,7 +50,7 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
-_CODEC = {"fp16": "fp16", "uint8": "int8", "none": "raw"}
+_CODEC = {"fp16": "fp16", "uint8": "int8", "topk": "topk", "none": "raw"}
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
 _PAIR_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}@[0-9]{1,18}")  # base58 peer id, "@", round number
@@ -67,8 +68,26 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], compression: str) -> 
     for name, t in delta.items():
         array = t.detach().to(device="cpu", dtype=torch.float32).numpy()
         codec = "raw" if array.size < SMALL_TENSOR_NUMEL else _CODEC[compression]
-        blobs[name] = encode(array, codec)
+        blobs[name] = encode(array, codec, **TOPK) if codec == "topk" else encode(array, codec)
     return msgpack.packb(blobs, use_bin_type=True)
+
+
+def sent_part(delta: Mapping[str, torch.Tensor], compression: str) -> dict[str, torch.Tensor]:
+    """What the peers merge of ``delta`` sent under ``compression`` (encoding is deterministic)."""
+    shapes = {name: tuple(t.shape) for name, t in delta.items()}
+    return decode_contribution(encode_contribution(delta, compression), shapes, peer="this node")
+
+
+def keep_unsent(outer: OuterOptimizer | OuterBundle, pending: Mapping[str, torch.Tensor], compression: str) -> None:
+    """A round merged ``pending`` (``train.outer.to_send``'s) as sent under ``compression``: under a wire with error
+    feedback (``error_feedback``) ``outer`` keeps what was not sent for its next rounds."""
+    if error_feedback(compression):
+        outer.keep_unsent(pending, sent_part(pending, compression))
+
+
+def error_feedback(compression: str) -> bool:
+    """Whether the sender keeps what ``compression`` leaves out (the sparse wire drops most of each round)."""
+    return compression == "topk"
 
 
 def contribution_limit(shapes: Mapping[str, Sequence[int]]) -> int:
@@ -276,9 +295,10 @@ class OuterGather(ServedOnLoop):
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()  # rounds fetch from several threads at once
 
-    def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float, chunk_timeout_s: float) -> bytes:
+    def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float, *,
+              chunk_timeout_s: float | None = None) -> bytes:
         """``peer``'s body for ``entry``'s round, exactly ``entry.size`` bytes hashing to ``entry.digest``, within
-        ``timeout_s``, each message within ``chunk_timeout_s`` of the one before.
+        ``timeout_s``, each message within ``chunk_timeout_s`` of the one before (None: no bound of its own).
 
         Raises:
             ContributionMismatch: another size or digest (the peer is named).
@@ -295,7 +315,7 @@ class OuterGather(ServedOnLoop):
             self.bytes_fetched += len(body)
         return body
 
-    async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float) -> bytes:
+    async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float | None) -> bytes:
         stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         stream = await stub.rpc_contribution(runtime_pb2.ExpertRequest(uid=uid))
         try:

@@ -41,14 +41,14 @@ from parallax.node.model.sketch import Sketch
 from parallax.node.model.surrogate import jacobian_error, relative_error
 from parallax.node.model.transformer import MoETransformer, Ownership, own_all
 from parallax.node.offload.proxy import LocalWorkers
-from parallax.node.outer.transport import decode_contribution, encode_contribution
+from parallax.node.outer.transport import decode_contribution, encode_contribution, error_feedback
 from parallax.node.outer.wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
 from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import shard, val_batches
 from parallax.node.train.merge_rules import merge_groups
-from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule
+from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule, to_send
 from parallax.node.train.robust import robust_merge_groups
 
 RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
@@ -445,18 +445,21 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     if sum(weights) == 0:
         return None
     method, compression = wire.method, wire.compression
-    deltas = [o.pseudo_gradient() for o in outers]
     n = len(outers)
     if wire.aggregation == "gather":
-        shapes = {k: tuple(t.shape) for k, t in deltas[0].items()}
-        bodies = [encode_contribution(d, compression) for d in deltas]
+        pending = [to_send(o, error_feedback(compression)) for o in outers]
+        shapes = {k: tuple(t.shape) for k, t in pending[0].items()}
+        bodies = [encode_contribution(d, compression) for d in pending]
         received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
         merged, _ = robust_merge_groups(received, list(weights), method, eps=wire.rda_eps)
         if merged is None:
             return None
-        for o in outers:
+        for o, p, r in zip(outers, pending, received, strict=True):
+            if error_feedback(compression):
+                o.keep_unsent(p, r)
             o.step(merged)
         return sum(len(b) for b in bodies) * (n - 1)
+    deltas = [o.pseudo_gradient() for o in outers]
     sent = deltas if compression == "none" else [
         {k: wire_roundtrip(t, compression) for k, t in d.items()} for d in deltas]
     merged = merge_groups(sent, list(weights), method=method)

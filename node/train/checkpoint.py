@@ -548,6 +548,8 @@ def _collect(composer: Composer) -> tuple[dict[str, dict[str, torch.Tensor]], di
     for group, oo in composer.outer.items():
         for n, a in oo.anchor.items():
             t["outer"][f"{group}/anchor/{n}"] = _cpu(a)
+        for n, u in oo.unsent.items():  # error feedback under a sparse wire
+            t["outer"][f"{group}/unsent/{n}"] = _cpu(u)
         sgd_tensors, outer[group] = _flatten_optimizer(oo.optimizer.state_dict(), list(oo.anchor))
         t["outer"].update({f"{group}/{k}": v for k, v in sgd_tensors.items()})
 
@@ -605,8 +607,11 @@ def _plan_restore(composer: Composer, meta: Mapping[str, Any],
         _same_tensors(f"outer anchors of {group}", oo.anchor, anchors)
         sgd_t = {k[len(group) + 1:]: v for k, v in t["outer"].items() if k.startswith(f"{group}/state/")}
         sgd = _unflatten_optimizer(oo.optimizer, meta["outer"][group], sgd_t, list(oo.anchor), f"outer {group}")
-        outer_states[group] = {"anchor": anchors, "optimizer": sgd}
-        outer_names |= {f"{group}/anchor/{n}" for n in oo.anchor} | {f"{group}/{k}" for k in sgd_t}
+        unsent = {n: t["outer"][f"{group}/unsent/{n}"] for n in oo.anchor if f"{group}/unsent/{n}" in t["outer"]}
+        _same_tensors(f"outer unsent parts of {group}", {n: oo.anchor[n] for n in unsent}, unsent)
+        outer_states[group] = {"anchor": anchors, "optimizer": sgd, "unsent": unsent}
+        outer_names |= ({f"{group}/anchor/{n}" for n in oo.anchor} | {f"{group}/{k}" for k in sgd_t}
+                        | {f"{group}/unsent/{n}" for n in unsent})
     _no_extras("outer.safetensors", t["outer"], outer_names)
 
     expected_pub = {f"{l}.{e}/{n}": v for (l, e), pub in composer.publishers.items() for n, v in pub.published.items()}

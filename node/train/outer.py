@@ -56,6 +56,9 @@ class OuterOptimizer:
         self.round = 0
         """The outer round whose merge gave the anchor (its number: the step of the round over the group's period); 0
         while the anchor is the initial parameters. Set by whoever applies or loads a merge; checkpoints keep it."""
+        self.unsent: dict[str, torch.Tensor] = {}
+        """Error feedback under a sparse wire: what this node's merged rounds did not send of its pseudo-gradients
+        (CPU float32), added to the next one it sends (``with_unsent``, ``keep_unsent``); checkpoints keep it."""
 
     def _live(self, name: str) -> torch.Tensor:
         return self.params[name].detach().to(device="cpu", dtype=torch.float32)
@@ -108,10 +111,27 @@ class OuterOptimizer:
         """Returns: name -> CPU float32 copy of the live parameters (``step_late``'s ``submitted``)."""
         return {name: self._live(name).clone() for name in self.anchor}
 
+    def with_unsent(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``delta`` (a pseudo-gradient of this group) plus what earlier merged rounds did not send of theirs."""
+        return {name: d + self.unsent[name] if name in self.unsent else d.clone() for name, d in delta.items()}
+
+    def keep_unsent(self, pending: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor]) -> None:
+        """A round merged ``sent`` of ``pending`` (``with_unsent``'s): the rest waits for the next rounds. A round
+        that merged nothing leaves ``unsent`` alone: its pseudo-gradient is still in the next one."""
+        self.unsent = {name: (p - sent[name]).to(device="cpu", dtype=torch.float32) for name, p in pending.items()}
+
+    def step_alone(self) -> None:
+        """A merge among one: the outer step with this node's whole pseudo-gradient and all it had not sent."""
+        pending = self.with_unsent(self.pseudo_gradient())
+        self.unsent = {}
+        self.step(pending)
+
     def state_dict(self) -> dict[str, Any]:
-        """Returns: the anchor (name -> CPU float32 tensor), the SGD state (momentum buffers) and the round."""
+        """Returns: the anchor (name -> CPU float32 tensor), the SGD state (momentum buffers), the round and what
+        was not sent yet."""
         return {"anchor": {n: a.clone() for n, a in self.anchor.items()},
-                "optimizer": self.optimizer.state_dict(), "round": self.round}
+                "optimizer": self.optimizer.state_dict(), "round": self.round,
+                "unsent": {n: u.clone() for n, u in self.unsent.items()}}
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -130,6 +150,10 @@ class OuterOptimizer:
             a.copy_(anchor[name])  # in place: the SGD keeps pointing at the same tensors
         self.optimizer.load_state_dict(state["optimizer"])
         self.round = int(state.get("round", 0))
+        unsent = state.get("unsent") or {}
+        if any(n not in self.anchor or u.shape != self.anchor[n].shape for n, u in unsent.items()):
+            raise ValueError(f"outer state's unsent tensors {sorted(unsent)} do not match this group's")
+        self.unsent = {n: u.to(device="cpu", dtype=torch.float32).clone() for n, u in unsent.items()}
 
     @torch.no_grad()
     def reset_anchor(self, *, reset_momentum: bool = False) -> None:
@@ -167,6 +191,13 @@ class OuterBundle:
     def live_copy(self) -> dict[str, torch.Tensor]:
         return {n: t for p in self.parts for n, t in p.live_copy().items()}
 
+    def with_unsent(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: t for p in self.parts for n, t in p.with_unsent({n: delta[n] for n in p.anchor}).items()}
+
+    def keep_unsent(self, pending: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor]) -> None:
+        for p in self.parts:
+            p.keep_unsent({n: pending[n] for n in p.anchor}, {n: sent[n] for n in p.anchor})
+
     def step(self, merged: Mapping[str, torch.Tensor]) -> None:
         """``OuterOptimizer.step`` of every part with its tensors of ``merged``."""
         self._check(merged)
@@ -182,6 +213,13 @@ class OuterBundle:
     def _check(self, merged: Mapping[str, torch.Tensor]) -> None:
         if set(merged) != set(self.anchor):
             raise ValueError(f"merged tensors {sorted(merged)} != bundle tensors {sorted(self.anchor)}")
+
+
+def to_send(outer: OuterOptimizer | OuterBundle, error_feedback: bool) -> dict[str, torch.Tensor]:
+    """What a round of ``outer``'s group sends: its pseudo-gradient, plus what earlier rounds did not send when the
+    wire keeps the rest (``error_feedback``)."""
+    delta = outer.pseudo_gradient()
+    return outer.with_unsent(delta) if error_feedback else delta
 
 
 class TierSchedule:

@@ -76,12 +76,13 @@ def peers() -> Iterator[list[Peer]]:
 @contextlib.contextmanager
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
                round_peers: RoundPeers | None = None, quorum_waits: Sequence[float] | None = None,
-               gathers: Sequence[OuterGather] | None = None) -> Iterator[list[GroupAverager]]:
+               gathers: Sequence[OuterGather] | None = None, compression: str = "fp16",
+               ) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
     composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
     loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``: each peer's wait instead):
     these tests are about what is merged. ``gathers``: each peer's contribution server and fetcher instead of
-    the module's."""
+    the module's; ``compression``: the wire (fp16)."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
@@ -89,7 +90,7 @@ def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | 
         for p, score, wait, gather in zip(peers, scores or [None] * len(peers),
                                           quorum_waits or [15.0] * len(peers), gathers or [p.gather for p in peers],
                                           strict=True):
-            config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=wait)
+            config = OuterSyncConfig.loopback(compression=compression, matchmaking_timeout_s=wait)
             averagers.append(stack.enter_context(GroupAverager(
                 p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
@@ -114,14 +115,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(peers):
-    with _averagers(peers, "router") as averagers:
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(peers, compression):
+    with _averagers(peers, f"router-{compression}", compression=compression) as averagers:
         deltas, tokens = _deltas(4, seed=0), [CAP, CAP, CAP / 2, CAP]
         results = _run(averagers, deltas, tokens, round_id=7)
-        received = [decode_contribution(encode_contribution(d, "fp16"), SHAPES, peer="p") for d in deltas]
+        received = [decode_contribution(encode_contribution(d, compression), SHAPES, peer="p") for d in deltas]
         order = sorted(range(4), key=lambda i: peers[i].dht.peer_id)  # participants merge in peer-id order
         reference, _ = robust_merge_groups([received[i] for i in order], [tokens[i] for i in order], "rda",
-                                           eps=OuterSyncConfig.of(compression="fp16").rda_eps)
+                                           eps=OuterSyncConfig.of(compression=compression).rda_eps)
         assert reference is not None
         for a, merged in zip(averagers, results, strict=True):
             assert a.last_report.status is RoundStatus.OK, a.last_report

@@ -11,6 +11,7 @@ import torch
 from parallax.errors import NodeError
 from parallax.node.config import train as config
 from parallax.node.config.typed import apply_changes
+from parallax.node.outer.transport import keep_unsent
 from parallax.node.train import checkpoint as ckpt
 from parallax.node.train.checkpoint import (
     CheckpointError,
@@ -26,6 +27,7 @@ from parallax.node.train.checkpoint import (
 )
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.outer import to_send
 
 OWNED = (frozenset({0, 2}), frozenset({1}))
 RUN = "run-test"
@@ -91,6 +93,21 @@ def test_resume_is_exact(train, tmp_path, sketch):
     assert state_hash(restored) == state_hash(original)
     for (name, a), b in zip(original.model.named_parameters(), restored.model.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_resume_keeps_what_a_sparse_wire_has_not_sent(train, tmp_path):
+    original = _composer(train)
+    _advance(original, 3)
+    for outer in original.outer.values():
+        keep_unsent(outer, to_send(outer, error_feedback=True), "topk")
+    assert all(outer.unsent for outer in original.outer.values())
+    save_checkpoint(tmp_path, original, run_id=RUN)
+    restored = _composer(train)
+    load_checkpoint(tmp_path, restored, run_id=RUN)
+    assert state_hash(restored) == state_hash(original)
+    for group, outer in original.outer.items():
+        kept = restored.outer[group].unsent
+        assert kept.keys() == outer.unsent.keys() and all(torch.equal(kept[n], u) for n, u in outer.unsent.items())
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(train, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule
+from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule, to_send
 
 
 def _param(values, dtype=torch.float32):
@@ -143,3 +143,33 @@ def test_a_bundle_steps_as_one_optimizer_over_all_its_parts():
         bundle.step({"a": torch.zeros(3, 4)})
     with pytest.raises(ValueError, match="distinct"):
         OuterBundle([OuterOptimizer({"a": split_params["a"]}), OuterOptimizer({"a": split_params["a"]})])
+
+
+def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_once():
+    """Under the sparse wire the sender keeps what a merged round did not send: over the merged rounds, what was
+    sent plus what is kept is exactly the sum of the pseudo-gradients; a round that merged nothing changes nothing
+    (its pseudo-gradient is still in the next one); a merge among one applies all that is kept."""
+    from parallax.node.outer.transport import keep_unsent, sent_part
+
+    g = torch.Generator().manual_seed(0)
+    w = _param(torch.zeros(8192).tolist())
+    outer = OuterOptimizer({"w": w}, lr=1.0, momentum=0.0)
+    trained, total_delta, total_sent = torch.zeros(8192), torch.zeros(8192), torch.zeros(8192)
+    for merged in (True, False, True, True):
+        step = torch.randn(8192, generator=g)
+        with torch.no_grad():
+            w.add_(step)
+        trained += step
+        pending = to_send(outer, error_feedback=True)
+        if not merged:
+            continue
+        total_delta += outer.pseudo_gradient()["w"]
+        sent = sent_part(pending, "topk")
+        assert 0 < int((sent["w"] != 0).sum()) <= 2 * 64  # two chunks of 4096, 64 kept of each
+        keep_unsent(outer, pending, "topk")
+        total_sent += sent["w"]
+        outer.step(sent)  # the only participant: the merge is what it sent
+    torch.testing.assert_close(total_sent + outer.unsent["w"], total_delta, rtol=0, atol=1e-4)
+    outer.step_alone()
+    assert outer.unsent == {}
+    torch.testing.assert_close(outer.anchor["w"], trained, rtol=0, atol=1e-4)  # all the training, in the end

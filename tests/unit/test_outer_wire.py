@@ -177,7 +177,8 @@ def test_config_defaults_and_validation():
     assert internet.tolerance < OuterSyncConfig.of(compression="uint8").tolerance < 0.5
     for bad in (dict(merge="median"), dict(compression="int8"), dict(min_group_size=1),
                 dict(target_group_size=1), dict(request_timeout_s=20.0),
-                dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0)):
+                dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0),
+                dict(compression="topk", aggregation="allreduce")):
         with pytest.raises(ValueError, match="SyncConfig|net.outer"):
             OuterSyncConfig.of(**bad)
 

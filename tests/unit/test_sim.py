@@ -7,7 +7,8 @@ import torch
 
 from parallax.dht.shards import expert_bundles
 from parallax.node.config import train as config
-from parallax.node.outer.wire import OuterSyncConfig
+from parallax.node.outer.transport import encode_contribution
+from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, OuterSyncConfig
 from parallax.node.sim.simulator import (
     RunSpec,
     assemble,
@@ -46,14 +47,19 @@ def test_shards_are_disjoint_and_cover_every_expert():
         assert sum(len(o) for o in owned) == cfg.model.n_experts
 
 
-def test_publication_mirrors_surrogates_and_merges_equalise_shared_groups(splits):
-    train, _ = splits
-    cfg = _cfg()
+def _three_trained(cfg: config.TrainConfig, train) -> list[Composer]:
+    """Three composers of ``cfg`` on their shards of ``train``, three steps each."""
     shards = ownership_for(cfg, 3)
     composers = [Composer(cfg, shards[i], shard(train, i, 3), sampler_seed=i) for i in range(3)]
     for _ in range(3):
         for c in composers:
             c.train_step()
+    return composers
+
+
+def test_publication_mirrors_surrogates_and_merges_equalise_shared_groups(splits):
+    cfg = _cfg()
+    composers = _three_trained(cfg, splits[0])
     publish(composers, replica_owners(cfg, 3))
     for c in composers:  # every other composer's copy of a surrogate equals what its owner published
         for layer, expert in c.owned_experts():
@@ -70,6 +76,22 @@ def test_publication_mirrors_surrogates_and_merges_equalise_shared_groups(splits
         assert torch.equal(after[0][name], after[1][name]) and torch.equal(after[0][name], after[2][name])
     assert all(c.tokens_since_merge["router"] == 0 for c in composers)
     assert all(c.tokens_since_merge["backbone"] > 0 for c in composers)
+
+
+def test_a_sparse_gathered_round_sends_a_few_percent_and_each_sender_keeps_the_rest(splits):
+    cfg = _cfg()
+    composers = _three_trained(cfg, splits[0])
+    before = [c.outer["backbone"].pseudo_gradient() for c in composers]
+    uint8 = 2 * sum(len(encode_contribution(d, "uint8")) for d in before)  # each body to the 2 others
+    topk = merge_round(composers, "backbone", "rda", "topk", "gather")
+    assert 0 < topk < uint8, (topk, uint8)  # tensors under SMALL_TENSOR_NUMEL go raw either way: most of tiny's
+    big = {n: t for n, t in before[0].items() if t.numel() >= SMALL_TENSOR_NUMEL}
+    assert big and len(encode_contribution(big, "topk")) < len(encode_contribution(big, "uint8")) / 20
+    after = [c.model.group_parameters("backbone") for c in composers]
+    assert all(torch.equal(after[0][n], other[n]) for other in after[1:] for n in after[0])
+    for c, delta in zip(composers, before, strict=True):  # what was not sent waits for the next round
+        unsent = c.outer["backbone"].unsent
+        assert unsent.keys() == delta.keys() and any(float(u.abs().max()) > 0 for u in unsent.values())
 
 
 def test_assembled_model_takes_each_expert_from_its_owner(splits):
