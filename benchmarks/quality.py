@@ -83,6 +83,9 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "replicas_2_muon": ("parallax", {"ownership.replicas": 2, "optim.inner": "muon"}),
     "diloco_muon": ("diloco", {"optim.inner": "muon"}),
     "baseline_muon": ("baseline", {"optim.inner": "muon"}),
+    # the outer rounds' wire: the sparse one with error feedback, and uint8 named (whatever the default)
+    "parallax_topk": ("parallax", {"sync.compression": "topk", "sync.aggregation": "gather"}),
+    "parallax_uint8": ("parallax", {"sync.compression": "uint8", "sync.aggregation": "gather"}),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 
