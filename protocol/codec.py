@@ -149,7 +149,7 @@ def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHU
         codec: one of ``CODECS``.
         chunk: elements per scale for int8/int4/ternary/topk.
         rank: rank of the truncated SVD for ``lowrank`` (use ``encode_lowrank`` for your own factors).
-        keep: entries kept per chunk for ``topk``.
+        keep: entries kept per chunk for ``topk`` (all of a chunk no longer than that).
         bits: bits per kept value for ``topk`` (one of ``TOPK_BITS``).
 
     Raises:
@@ -184,9 +184,10 @@ def encode(array: npt.ArrayLike, codec: str = "raw", *, chunk: int = DEFAULT_CHU
     if not 1 <= chunk <= MAX_CHUNK:
         raise LocalProtocolError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
     if codec == "topk":
-        if not (chunk <= TOPK_MAX_CHUNK and 1 <= keep <= chunk and bits in TOPK_BITS):
-            raise LocalProtocolError(f"topk needs chunk <= {TOPK_MAX_CHUNK}, 1 <= keep <= chunk and bits in "
-                                     f"{TOPK_BITS}; got chunk {chunk}, keep {keep}, bits {bits}")
+        if not (chunk <= TOPK_MAX_CHUNK and keep >= 1 and bits in TOPK_BITS):
+            raise LocalProtocolError(f"topk needs chunk <= {TOPK_MAX_CHUNK}, keep >= 1 and bits in {TOPK_BITS}; got "
+                                     f"chunk {chunk}, keep {keep}, bits {bits}")
+        keep = min(keep, chunk)  # a chunk smaller than keep goes whole
         return _pack("topk", out_dtype, shape, [chunk, keep, bits], _encode_topk(flat, chunk, keep, bits))
     if codec == "int8":
         scale, q = _quantize(flat, chunk, 127)

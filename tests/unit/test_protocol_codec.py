@@ -249,7 +249,8 @@ def test_topk_refuses_repeated_or_outside_positions_bad_padding_and_params():
         with pytest.raises(BadTensor, match="topk"):
             decode(blob_with(x, "topk", params=params, payload=payload), LIMITS)
     with pytest.raises(LocalProtocolError, match="topk"):
-        encode(x, "topk", chunk=8, keep=9)
+        encode(x, "topk", chunk=8, keep=0)
+    assert (decode(encode(x, "topk", chunk=8, keep=9), LIMITS) != 0).all()  # chunks shorter than keep go whole
 
 
 def test_invalid_packed_codes_are_refused():
