@@ -119,7 +119,10 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_sta
             while time.monotonic() < deadline and any(_alive(p) for p in started[i]):
                 time.sleep(0.1)
             took = time.monotonic() - signalled[i]
-            assert code in (0, 130), (delay, code, (tmp_path / str(i) / "out.log").read_text()[-2000:])
+            # 0 or 130 from our handlers; -SIGINT when it came before the interpreter finished importing its own
+            # modules (Python then dies by the signal itself, which a shell reports as 130 too).
+            assert code in (0, 130, -signal.SIGINT), (delay, code,
+                                                      (tmp_path / str(i) / "out.log").read_text()[-2000:])
             assert not [p for p in started[i] if _alive(p)], f"left running after Ctrl+C at {delay} s"
             print(f"{command}: Ctrl+C at {delay} s, everything gone at most {took:.2f} s later (exit {code})")
     finally:
