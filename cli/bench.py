@@ -428,6 +428,21 @@ def protocol(
     typer.echo(markdown(report))
 
 
+@bench_app.command("bytes")
+def bytes_(
+    peers: str = typer.Option("4,64,1000", "--peers", help="Comma-separated swarm sizes."),
+    preset: PresetName = "medium",
+    json_path: JsonPath = None,
+) -> None:
+    """Bytes each peer moves per outer round against the swarm's size: every wire (real encoded sizes of the
+    preset's shared groups) under the gathered and the all-reduced schedule (seconds)."""
+    from parallax.benchmarks.bytes import markdown, run_bytes, write
+
+    report = run_bytes(preset, _sizes(peers, minimum=2, option="--peers"))
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("fuzz")
 def fuzz(
     count: int = typer.Option(100_000, "--count", min=1, help="Random and mutated inputs to feed the decoders."),
