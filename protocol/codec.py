@@ -16,10 +16,10 @@ Compressed layouts (n elements, c = ceil(n / chunk) chunks, each with a float32 
     ternary  c scales || ceil(n/5) bytes of base-3 trits, 5 a byte (``ternary.py``: TWN quantiser,
              threshold 0.7 * mean|x|, scale = mean of kept |x|), x = scale * trit
     lowrank  (m*r) float32 left || (r*k) float32 right, x = left @ right, m = shape[0], k = prod(shape[1:])
-    topk     c scales || K uint16 positions || ceil(K*bits/8) bytes of codes, low bits first: each chunk keeps
-             its min(keep, chunk's length) entries of largest magnitude (positions within the chunk, strictly
-             increasing), x = scale * (code - (2^bits - 1) / 2) there and 0 elsewhere; K = the entries kept
-             (SparseLoCo's wire: the sender keeps what was not sent, ``ErrorFeedback``)
+    topk     c scales || ceil(K*w/8) bytes of positions || ceil(K*bits/8) bytes of codes, every field low bit
+             first, w = bits of (chunk - 1): each chunk keeps its min(keep, chunk's length) entries of largest
+             magnitude (positions within the chunk, strictly increasing), x = scale * (code - (2^bits - 1) / 2)
+             there and 0 elsewhere; K = the entries kept (SparseLoCo's wire: the sender keeps what was not sent)
 
 ``decode`` refuses, with ``BadTensor`` (a ``RemoteProtocolError``): a blob over the size its limits allow
 (before parsing), a codec, dtype, rank or dimension count not allowed, too many elements, a payload
@@ -210,6 +210,17 @@ def _topk_counts(n: int, chunk: int, keep: int) -> Array:
     return counts
 
 
+def _position_bits(chunk: int) -> int:
+    """Bits of a position within a chunk of ``chunk`` entries."""
+    return max(1, (chunk - 1).bit_length())
+
+
+def _pack_wide(values: Array, width: int) -> bytes:
+    """Non-negative integers under 2^width, ``width`` bits each, low bit first, zero-padded to whole bytes."""
+    bits = (values.astype(np.int64)[:, None] >> np.arange(width)) & 1
+    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+
+
 def _encode_topk(flat: Array, chunk: int, keep: int, bits: int) -> bytes:
     n, full = flat.size, flat.size // chunk
     kept = []  # global indices of the entries kept, increasing
@@ -229,7 +240,7 @@ def _encode_topk(flat: Array, chunk: int, keep: int, bits: int) -> bytes:
     safe = np.where(scale > 0, scale, np.float32(1.0))
     codes = np.clip(np.rint(values / safe[chunk_of] + half), 0, (1 << bits) - 1).astype(np.uint8)
     packed = codes.tobytes() if bits == 8 else _pack_bits(codes, bits, pad=0)
-    return scale.astype(_SCALE).tobytes() + (index % chunk).astype("<u2").tobytes() + packed
+    return scale.astype(_SCALE).tobytes() + _pack_wide(index % chunk, _position_bits(chunk)) + packed
 
 
 def low_rank_factors(matrix: npt.ArrayLike, rank: int, *, power_iters: int = 2) -> tuple[Array, Array]:
@@ -416,18 +427,23 @@ def _decode_topk(payload: bytes, params: list[int], n: int, expect: Any, bad: An
     if not (1 <= chunk <= TOPK_MAX_CHUNK and 1 <= keep <= chunk and bits in TOPK_BITS):
         raise bad(f"topk params need chunk in [1, {TOPK_MAX_CHUNK}], keep in [1, chunk] and bits in {TOPK_BITS}")
     counts = _topk_counts(n, chunk, keep)
-    c, total = counts.size, int(counts.sum())
-    expect(4 * c + 2 * total + -(-total * bits // 8))
+    c, total, width = counts.size, int(counts.sum()), _position_bits(chunk)
+    position_bytes = -(-total * width // 8)
+    expect(4 * c + position_bytes + -(-total * bits // 8))
     scale = np.frombuffer(payload, dtype=_SCALE, count=c)
     if not (np.isfinite(scale).all() and (scale >= 0).all()):
         raise bad("topk scales must be finite and >= 0")
-    positions = np.frombuffer(payload, dtype="<u2", count=total, offset=4 * c).astype(np.int64)
+    position_bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8, count=position_bytes, offset=4 * c),
+                                  bitorder="little")
+    if position_bits[total * width:].any():
+        raise bad("topk padding bits of the positions are not 0")
+    positions = position_bits[: total * width].reshape(total, width).astype(np.int64) @ (1 << np.arange(width))
     chunk_of = np.repeat(np.arange(c), counts)
     index = chunk_of * chunk + positions
     # Positions inside their chunk and strictly increasing: no entry twice, none past the tensor's end.
     if total and not ((positions < chunk).all() and (np.diff(index) > 0).all() and index[-1] < n):
         raise bad("topk positions must be strictly increasing within each chunk and inside the tensor")
-    packed = np.frombuffer(payload, dtype=np.uint8, offset=4 * c + 2 * total)
+    packed = np.frombuffer(payload, dtype=np.uint8, offset=4 * c + position_bytes)
     codes = packed if bits == 8 else _unpack_bits(packed, bits)
     if (codes[total:] != 0).any():
         raise bad("topk padding codes are not 0")

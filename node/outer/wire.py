@@ -51,7 +51,7 @@ COMPRESSIONS = ("fp16", "uint8", "topk", "none")
 pseudo-gradient of the small preset, against 0.02% for float16), float32, or (gathered rounds only) ``TOPK``."""
 TOPK = {"chunk": 4096, "keep": 64, "bits": 2}
 """The "topk" wire (``protocol.codec``), SparseLoCo's: of every 4096 entries the 64 largest (1.56%), each at 2 bits
-with a scale per chunk and its position as 2 bytes: 0.036 bytes an entry against uint8's 1. The sender keeps what
+with a scale per chunk and its position in 12 bits: 0.028 bytes an entry against uint8's 1. The sender keeps what
 it did not send and adds it to its next pseudo-gradient (error feedback, ``OuterOptimizer.with_unsent``)."""
 SMALL_TENSOR_NUMEL = 4096
 """Tensors (parts) smaller than this are sent uncompressed under any compression: the norms, biases

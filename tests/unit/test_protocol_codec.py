@@ -219,7 +219,7 @@ def test_topk_keeps_each_chunks_largest_entries_within_half_a_step(n, bits):
     blob = encode(x, "topk", chunk=64, keep=4, bits=bits)
     y = decode(blob, LIMITS)
     c, kept = -(-n // 64), sum(min(4, len(x[i:i + 64])) for i in range(0, n, 64))
-    assert len(msgpack.unpackb(blob)[4]) == 4 * c + 2 * kept + -(-kept * bits // 8)
+    assert len(msgpack.unpackb(blob)[4]) == 4 * c + -(-kept * 6 // 8) + -(-kept * bits // 8)  # 6 bits a position
     for start in range(0, n, 64):
         part, got = x[start:start + 64], y[start:start + 64]
         top = np.sort(np.argsort(-np.abs(part))[:4])
@@ -231,17 +231,28 @@ def test_topk_keeps_each_chunks_largest_entries_within_half_a_step(n, bits):
 def test_topk_refuses_repeated_or_outside_positions_bad_padding_and_params():
     x = np.arange(1, 11, dtype=np.float32)  # 10 values, chunks of 8: 2 kept of 8, then 2 of 2
     payload = msgpack.unpackb(encode(x, "topk", chunk=8, keep=2, bits=2))[4]
-    scales, positions, codes = payload[:8], np.frombuffer(payload[8:16], "<u2"), payload[16:]
-    np.testing.assert_array_equal(positions, [6, 7, 0, 1])
+    # Positions 6, 7, 0, 1 at 3 bits each, low bit first: 011 111 000 100, then 4 bits of padding.
+    scales, positions, codes = payload[:8], payload[8:10], payload[10:]
+    assert positions == bytes([0b00111110, 0b00000010])
 
     def with_positions(p: list[int]) -> bytes:
-        return blob_with(x, "topk", params=[8, 2, 2], payload=scales + np.array(p, "<u2").tobytes() + codes)
+        bits = np.array([(v >> i) & 1 for v in p for i in range(3)], np.uint8)
+        packed = np.packbits(bits, bitorder="little").tobytes()
+        return blob_with(x, "topk", params=[8, 2, 2], payload=scales + packed + codes)
 
-    for bad in ([6, 6, 0, 1], [7, 6, 0, 1], [6, 8, 0, 1], [6, 7, 0, 2]):  # twice, unsorted, past a chunk, the end
+    for bad in ([6, 6, 0, 1], [7, 6, 0, 1], [6, 7, 0, 2]):  # twice, unsorted, past the tensor's end
         with pytest.raises(BadTensor, match="positions"):
             decode(with_positions(bad), LIMITS)
-    padded = scales + positions.tobytes() + bytes([codes[0] | 0xF0])  # 4 codes of 2 bits: 8 bits, no padding
+    wide = np.arange(1, 201, dtype=np.float32)  # chunks of 100 keep their last entry: positions of 7 bits, 99 and 99
+    head, tail = msgpack.unpackb(encode(wide, "topk", chunk=100, keep=1))[4][:8], bytes([0b00000001])
+    past = bytes([0b11100100, 0b00110001])  # 100 (past its chunk), then 99
+    assert msgpack.unpackb(encode(wide, "topk", chunk=100, keep=1))[4][8:10] == bytes([0b11100011, 0b00110001])
+    with pytest.raises(BadTensor, match="positions"):
+        decode(blob_with(wide, "topk", params=[100, 1, 2], payload=head + past + tail), LIMITS)
+    padded = scales + positions + bytes([codes[0] | 0xF0])  # 4 codes of 2 bits: 8 bits, no padding
     decode(blob_with(x, "topk", params=[8, 2, 2], payload=padded), LIMITS)  # ...so any byte is 4 valid codes
+    with pytest.raises(BadTensor, match="padding bits of the positions"):
+        decode(blob_with(x, "topk", params=[8, 2, 2], payload=scales + bytes([positions[0], 0x12]) + codes), LIMITS)
     short = msgpack.unpackb(encode(x[:9], "topk", chunk=8, keep=2, bits=2))[4]  # 3 codes: 2 bits of padding
     with pytest.raises(BadTensor, match="padding"):
         decode(blob_with(x[:9], "topk", params=[8, 2, 2], payload=short[:-1] + bytes([short[-1] | 0xC0])), LIMITS)
