@@ -138,6 +138,22 @@ def _declared_weight(weight: float) -> Callable[[Attacker], None]:
     return patch
 
 
+def _held_fetches(_: Attacker) -> None:
+    """Every fetch of its outer contributions is accepted and held open for an hour, not a byte sent: the rounds of
+    everyone who gathers its contribution wait on it."""
+    from parallax.node.outer.transport import ContributionServicer
+
+    honest = ContributionServicer.rpc_contribution
+
+    @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
+    async def held(self: Any, request: Any, context: Any) -> Any:
+        await asyncio.sleep(3600)
+        for _ in ():
+            yield None
+
+    ContributionServicer.rpc_contribution = held  # type: ignore[method-assign]
+
+
 def _poisoned_state(_: Attacker) -> None:
     """Every group state this node serves to a joiner is its anchor x3."""
     from parallax.node.outer.state import StateExchange
@@ -363,6 +379,7 @@ ATTACKS: dict[str, Attack] = {
     "nan": Attack("NaN pseudo-gradients", _nan_contributions),
     "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
     "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
+    "held-fetches": Attack("accepts every fetch of its outer contributions and sends nothing", _held_fetches),
     "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),
     "surrogate-at-bound": Attack("surrogate deltas that make each copy 3.8x longer, refresh after refresh",
                                  _surrogates_at_the_bound),

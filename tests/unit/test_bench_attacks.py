@@ -43,3 +43,28 @@ def test_the_table_marks_rows_past_the_target():
     text = markdown(report)
     assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 30 (30) | yes | yes (14 s) | 0 | no |" in text
     assert "| clean | no attacker | 1.000 |" in text and "2.0% apart" in text
+
+
+def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_answers(monkeypatch):
+    import asyncio
+    import typing
+
+    import pytest
+    from hivemind.proto import runtime_pb2
+
+    from parallax.node.outer.transport import ContributionServicer, ContributionStore
+
+    monkeypatch.setattr(ContributionServicer, "rpc_contribution", ContributionServicer.rpc_contribution)  # restored
+    assert ATTACKS["held-fetches"].patch is not None
+    ATTACKS["held-fetches"].patch(None)  # type: ignore[arg-type]
+    hints = typing.get_type_hints(ContributionServicer.rpc_contribution)  # what hivemind reads to register it
+    assert hints["request"] is runtime_pb2.ExpertRequest
+    store = ContributionStore(keep=2)
+    store.put("router", 1, b"body")
+    answer = ContributionServicer(store).rpc_contribution(runtime_pb2.ExpertRequest(uid="router/1"), None)
+
+    async def first() -> object:
+        return await asyncio.wait_for(anext(answer), 0.2)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(first())
