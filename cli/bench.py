@@ -443,6 +443,26 @@ def bytes_(
     typer.echo(markdown(report))
 
 
+@bench_app.command("generate")
+def generate_(
+    preset: PresetName = "small",
+    new_tokens: int = typer.Option(256, "--new-tokens", min=1, help="Tokens sampled per timed run."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when torch sees one)."),
+    json_path: JsonPath = None,
+) -> None:
+    """Tokens per second of generation with the key-value cache and without it, side by side."""
+    from parallax.benchmarks.generate import markdown, run_generate, write
+    from parallax.node.train.device import DeviceError, device_of
+
+    try:
+        torch_device = device_of(device)
+        report = run_generate(preset, new_tokens, torch_device)
+    except (ValueError, DeviceError) as e:
+        fail(e)
+    write(report, json_path)
+    typer.echo(markdown(report))
+
+
 @bench_app.command("fuzz")
 def fuzz(
     count: int = typer.Option(100_000, "--count", min=1, help="Random and mutated inputs to feed the decoders."),

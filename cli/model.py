@@ -109,7 +109,7 @@ def generate(
     top_k: int | None = typer.Option(50, "--top-k", min=1, help="Sample among the k most likely tokens."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the sampler (same seed, same text)."),
 ) -> None:
-    """Continue a prompt with an exported model; prints the prompt and the sampled text."""
+    """Continue a prompt with an exported model; prints the prompt, then the sampled text as it comes."""
     from parallax.node.export.folder import ExportError, read_model
     from parallax.node.export.use import generate as sample
 
@@ -117,9 +117,16 @@ def generate(
         exported = read_model(model_dir)
     except (ExportError, OSError) as e:
         fail(e, code=1)
-    out = sample(exported.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 seed=seed, tokenizer=exported.tokenizer)
-    sys.stdout.write(prompt + out.decode("utf-8", errors="replace") + "\n")
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def show(piece: bytes) -> None:  # each piece of text as it is sampled
+        sys.stdout.write(piece.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+
+    sample(exported.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+           seed=seed, tokenizer=exported.tokenizer, on_text=show)
+    sys.stdout.write("\n")
 
 
 def evaluate(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,11 +53,16 @@ def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, b
 
 @torch.no_grad()
 def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None) -> bytes:
-    """Sample ``max_new_tokens`` tokens after ``prompt`` (its last ``seq_len`` tokens are the context) and return
-    them as text (``tokenizer``'s; None: bytes, returned as they are).
+             top_k: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None,
+             use_cache: bool = True, on_text: Callable[[bytes], None] | None = None) -> bytes:
+    """Sample ``max_new_tokens`` tokens after ``prompt`` and return them as text (``tokenizer``'s; None: bytes,
+    returned as they are); ``on_text`` gets each piece of it as it comes.
 
-    ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling.
+    ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling. The context
+    is at most the model's ``seq_len`` tokens. With ``use_cache`` each new token costs one position (the keys and
+    values of the context are kept); once the context fills, it restarts from its last half, so past ``seq_len``
+    tokens the model sees between half a window and a whole one. Without it, every token reruns the last
+    ``seq_len`` tokens (a sliding window): the two give the same tokens while the text fits one window.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -73,18 +79,58 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     model.eval()
     tokenizer = tokenizer or ByteTokenizer()
     tokens = tokenizer.encode(prompt or b"\n").tolist()  # an empty prompt starts a new line
-    out: list[int] = []
+    window = model.cfg.seq_len
+    text = _Text(tokenizer, on_text)
+    cache = model.new_cache() if use_cache else None
+
+    def logits_after(new: list[int]) -> torch.Tensor:
+        return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
+
+    logits = logits_after(tokens[-window:])
     for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-model.cfg.seq_len:]], dtype=torch.long, device=device)
-        logits = model(context).logits[0, -1].float()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+            scaled = logits / temperature
+            if top_k is not None and top_k < scaled.numel():
+                kth = torch.topk(scaled, top_k).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
         tokens.append(nxt)
-        out.append(nxt)
-    return bytes(out) if isinstance(tokenizer, ByteTokenizer) else tokenizer.decode(out).encode()
+        text.add(nxt)
+        if cache is None:
+            logits = logits_after(tokens[-window:])
+        elif cache[0].length >= window:  # the window is full: start again from its last half
+            cache = model.new_cache()
+            logits = logits_after(tokens[-(window // 2):])
+        else:
+            logits = logits_after([nxt])
+    return text.all()
+
+
+class _Text:
+    """The sampled tokens as text, handed out in pieces as they come (a BPE token may end inside a character:
+    a piece is only what decodes for good)."""
+
+    def __init__(self, tokenizer: Tokenizer, on_text: Callable[[bytes], None] | None) -> None:
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.on_text is None:
+            return
+        if isinstance(self.tokenizer, ByteTokenizer):
+            self.on_text(bytes([token]))
+            return
+        # Replacement characters at the end stand for a character whose rest may come with the next token.
+        settled = self.tokenizer.decode(self.tokens).rstrip("\ufffd").encode()
+        if len(settled) > self.sent:
+            self.on_text(settled[self.sent:])
+            self.sent = len(settled)
+
+    def all(self) -> bytes:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return bytes(self.tokens)
+        return self.tokenizer.decode(self.tokens).encode()

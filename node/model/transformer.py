@@ -64,14 +64,37 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x_ND)) * self.w_up(x_ND))
 
 
-def _rotary(x_BHTDh: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021), half-split layout."""
+def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split layout; the first position is ``start``."""
     T, Dh = x_BHTDh.shape[-2], x_BHTDh.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=x_BHTDh.device, dtype=torch.float32) / Dh))
-    angles_TF = torch.outer(torch.arange(T, device=x_BHTDh.device, dtype=torch.float32), inv_freq)
+    positions_T = torch.arange(start, start + T, device=x_BHTDh.device, dtype=torch.float32)
+    angles_TF = torch.outer(positions_T, inv_freq)
     cos, sin = angles_TF.cos().to(x_BHTDh.dtype), angles_TF.sin().to(x_BHTDh.dtype)
     x1, x2 = x_BHTDh[..., : Dh // 2], x_BHTDh[..., Dh // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class KVCache:
+    """One attention layer's keys and values of the positions seen so far (generation: each new token then costs
+    one position, not the whole context)."""
+
+    def __init__(self) -> None:
+        self.k_BHTDh: torch.Tensor | None = None
+        self.v_BHTDh: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k_BHTDh is None else self.k_BHTDh.shape[-2]
+
+    def extend(self, k_BHTDh: torch.Tensor, v_BHTDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' keys and values; returns all of them."""
+        if self.k_BHTDh is None or self.v_BHTDh is None:
+            self.k_BHTDh, self.v_BHTDh = k_BHTDh, v_BHTDh
+        else:
+            self.k_BHTDh = torch.cat([self.k_BHTDh, k_BHTDh], dim=-2)
+            self.v_BHTDh = torch.cat([self.v_BHTDh, v_BHTDh], dim=-2)
+        return self.k_BHTDh, self.v_BHTDh
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,11 +104,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k = _rotary(q, self.rope_base), _rotary(k, self.rope_base)
-        y_BHTDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        start = 0 if cache is None else cache.length
+        q, k = _rotary(q, self.rope_base, start), _rotary(k, self.rope_base, start)
+        if cache is None or start == 0:
+            if cache is not None:
+                cache.extend(k, v)
+            y_BHTDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new positions after cached ones: each sees every cached position and the new ones up to itself
+            k, v = cache.extend(k, v)
+            mask_TS = torch.ones(T, start + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
+            y_BHTDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS)
         return self.proj(y_BHTDh.transpose(1, 2).reshape(B, T, D))
 
 
@@ -336,8 +367,8 @@ class Block(nn.Module):
         self.moe_norm = nn.RMSNorm(cfg.d_model)
         self.moe = MoELayer(cfg, layer, owned, non_owned)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD))
+    def forward(self, x_BTD: torch.Tensor, cache: KVCache | None = None) -> tuple[torch.Tensor, MoEStats]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cache)
         y_BTD, stats = self.moe(self.moe_norm(x_BTD))
         return x_BTD + y_BTD, stats
 
@@ -459,12 +490,17 @@ class MoETransformer(nn.Module):
                     else:
                         yield name, torch.empty(shape)
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *,
+                cache: list[KVCache] | None = None) -> ModelOutput:
+        """Logits of ``idx_BT`` (and the loss against ``targets_BT``); with ``cache`` (``new_cache``), ``idx_BT``
+        continues the positions cached there, whose keys and values it extends."""
         x_BTD = self.tok_emb(idx_BT)
         aux, counts = [], []
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
-            if recompute:
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x_BTD, stats = block(x_BTD, cache[i])
+            elif recompute:
                 x_BTD, stats = torch.utils.checkpoint.checkpoint(
                     block, x_BTD, use_reentrant=False, context_fn=partial(_contexts, cast(Block, block).moe))
             else:
@@ -478,6 +514,10 @@ class MoETransformer(nn.Module):
             ce = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
             loss = ce + self.cfg.aux_loss_weight * aux_loss
         return ModelOutput(logits_BTV, loss, ce, aux_loss, torch.stack(counts))
+
+    def new_cache(self) -> list[KVCache]:
+        """An empty key-value cache for ``forward(..., cache=)``, one per block."""
+        return [KVCache() for _ in self.blocks]
 
     # ---- parameter groups -------------------------------------------------------------------------
 

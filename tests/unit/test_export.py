@@ -139,6 +139,25 @@ def test_generation_is_seeded_greedy_at_temperature_zero_and_of_the_asked_length
     assert len(generate(model, long_prompt, max_new_tokens=3, seed=0)) == 3
 
 
+def test_the_cache_gives_the_logits_and_tokens_of_rerunning_the_context_and_the_text_streams(simulated,
+                                                                                          tmp_path: Path) -> None:
+    root, _ = simulated
+    model = read_model(export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "m")).model.eval()
+    ids = torch.tensor([list(b"ROMEO: the king")])
+    cache = model.new_cache()
+    with torch.no_grad():
+        whole = model(ids).logits
+        first = model(ids[:, :9], cache=cache).logits  # a prefix, then the rest two at a time, then one
+        rest = [model(ids[:, i:j], cache=cache).logits for i, j in ((9, 11), (11, 13), (13, 14), (14, 15))]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), whole, rtol=1e-4, atol=1e-4)
+    fits = model.cfg.seq_len - 8  # prompt and sample within one window: the two ways agree token for token
+    cached = generate(model, b"ROMEO:", max_new_tokens=fits, temperature=0, use_cache=True)
+    assert cached == generate(model, b"ROMEO:", max_new_tokens=fits, temperature=0, use_cache=False)
+    pieces: list[bytes] = []
+    longer = generate(model, b"ROMEO:", max_new_tokens=2 * model.cfg.seq_len, seed=1, on_text=pieces.append)
+    assert len(longer) == 2 * model.cfg.seq_len and b"".join(pieces) == longer  # past the window: it goes on
+
+
 def test_the_commands_export_evaluate_and_generate(simulated, tmp_path: Path) -> None:
     root, assembled = simulated
     done = runner.invoke(app, ["export", "--from-checkpoints", str(root / "composer-0"), "--from-checkpoints",

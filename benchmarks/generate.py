@@ -1,0 +1,45 @@
+"""``parallax bench generate``: tokens per second of ``parallax generate`` with the key-value cache and without it
+(every token rerunning its context), side by side on one model of a preset, greedy, after one untimed warm-up."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from parallax.benchmarks.report import write_report
+from parallax.node.config.train import preset as get_preset
+from parallax.node.export.use import generate
+from parallax.node.model.transformer import MoETransformer
+
+PROMPT = b"ROMEO:"
+
+
+def run_generate(preset: str, new_tokens: int, device: torch.device) -> dict[str, Any]:
+    """A freshly initialised model of ``preset`` (speed does not depend on training) on ``device``."""
+    cfg = get_preset(preset)
+    model = MoETransformer(cfg, seed=0).to(device).eval()
+    rates: dict[str, float] = {}
+    for name, cached in (("cache", True), ("no_cache", False)):
+        generate(model, PROMPT, max_new_tokens=4, temperature=0, use_cache=cached)  # warm-up
+        started = time.perf_counter()
+        generate(model, PROMPT, max_new_tokens=new_tokens, temperature=0, use_cache=cached)
+        rates[name] = new_tokens / (time.perf_counter() - started)
+    return {"preset": preset, "new_tokens": new_tokens, "seq_len": cfg.seq_len, "device": str(device),
+            "threads": torch.get_num_threads(), "tokens_per_s": rates,
+            "cache_speedup": rates["cache"] / rates["no_cache"]}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rates = report["tokens_per_s"]
+    return "\n".join([
+        f"{report['new_tokens']} new tokens, preset {report['preset']} (context {report['seq_len']}), "
+        f"{report['device']}, {report['threads']} threads", "",
+        "| | tokens/s |", "|---|---|",
+        f"| key-value cache | {rates['cache']:.1f} |", f"| context rerun per token | {rates['no_cache']:.1f} |",
+        f"| cache speed-up | {report['cache_speedup']:.2f}x |"])
+
+
+def write(report: dict[str, Any], json_path: Any) -> None:
+    write_report(report, markdown(report), json_path)
