@@ -59,7 +59,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -152,6 +152,14 @@ def _start_keeping_sigint(averager: DecentralizedAverager, timeout_s: float) -> 
     averager.wait_until_ready(timeout_s)
 
 
+class RoundResult(NamedTuple):
+    """One round of a group as the training thread applies it."""
+
+    merged: dict[str, torch.Tensor] | None  # None: skip the outer step (``report`` says why)
+    report: RoundReport
+    sent: dict[str, torch.Tensor] | None  # this node's pseudo-gradient as its peers decode it (gathered rounds)
+
+
 class GroupAverager:
     """The network merge of one shared group of one node.
 
@@ -223,6 +231,13 @@ class GroupAverager:
                             f"{config.net.startup_timeout_s} s: {e!r}") from e
 
     # ---- one round ----
+
+    def round(self, delta: Mapping[str, torch.Tensor], tokens: float, round_id: int) -> RoundResult:
+        """``run_round``, with its report and what it sent (a node's rounds run it in their pool)."""
+        merged = self.run_round(delta, tokens, round_id=round_id)
+        assert self.last_report is not None
+        sent = self._gathered.last_sent if self._gathered is not None else None
+        return RoundResult(merged, self.last_report, sent)
 
     def run_round(
         self, delta: Mapping[str, torch.Tensor], tokens: float, *, round_id: int | None = None,

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallax.node.outer.averager import RoundReport, RoundStatus, TieredOuterSync
+from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus, TieredOuterSync
 from parallax.node.outer.state import StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
 from parallax.node.train.outer import OuterOptimizer, to_send
@@ -58,7 +58,7 @@ class _InFlight:
     submitted: dict[str, torch.Tensor]
     pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
-    future: concurrent.futures.Future[tuple[dict[str, torch.Tensor] | None, RoundReport | None]]
+    future: concurrent.futures.Future[RoundResult]
 
 
 @dataclass
@@ -228,7 +228,7 @@ class BackgroundRounds:
         delta, submitted = to_send(outer, error_feedback(self.sync.config.compression)), outer.live_copy()
         tokens = self.composer.tokens_since_merge[group]
         self.composer.tokens_since_merge[group] = 0
-        future = self._pool.submit(self._run, group, delta, tokens, round_id)
+        future = self._pool.submit(self.sync.groups[group].round, delta, tokens, round_id)
         self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future)
         self.counts.submitted += 1
         return True
@@ -243,25 +243,20 @@ class BackgroundRounds:
         self.publish_state(group)
         self._start_serving(group)
 
-    def _run(self, group: str, delta: dict[str, torch.Tensor], tokens: int,
-             round_id: int) -> tuple[dict[str, torch.Tensor] | None, RoundReport | None]:
-        merged = self.sync.run_round(group, delta, tokens, round_id=round_id)
-        return merged, self.sync.groups[group].last_report
-
     def collect(self) -> list[RoundReport]:
         """Apply every finished round and every finished reload (the seam; never blocks)."""
         done = []
         for group in [g for g, f in self._in_flight.items() if f.future.done()]:
             flight = self._in_flight.pop(group)
             try:
-                merged, report = flight.future.result()
+                merged, report, sent = flight.future.result()
             except Exception as e:  # a bug or a dead averager: count it, skip the round, keep training
                 logger.warning("outer round %s/%d raised %r; skipped", group, flight.round_id, e)
-                merged, report = None, RoundReport(group, RoundStatus.FAILED, flight.round_id, detail=repr(e))
-            assert report is not None
+                merged, report, sent = RoundResult(None, RoundReport(group, RoundStatus.FAILED, flight.round_id,
+                                                                  detail=repr(e)), None)
             if merged is not None:
                 outer = self.composer.outer[group]
-                keep_unsent(outer, flight.pending, self.sync.config.compression)
+                keep_unsent(outer, flight.pending, sent, self.sync.config.compression)
                 outer.step_late(merged, flight.submitted)
                 outer.round = report.round_id if report.round_id is not None else flight.round_id
                 self.counts.applied += 1

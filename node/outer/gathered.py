@@ -105,6 +105,8 @@ class GatheredRounds:
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
         self._lock = threading.Lock()  # _refused, _retry_at, _digests: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
+        self.last_sent: dict[str, torch.Tensor] | None = None
+        """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float) -> dict[str, torch.Tensor] | None:
@@ -119,6 +121,7 @@ class GatheredRounds:
             return None
         body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
         mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
+        self.last_sent = mine
         self.gather.store.put(self.group, n, body)
         self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
         me = pair(self.peer_id, n)

@@ -38,7 +38,7 @@ from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import ExpertId, replica_group
 from parallax.dht.shards import Assignment, expert_bundles
 from parallax.node.net.scores import PeerScores
-from parallax.node.outer.averager import GroupAverager, RoundReport
+from parallax.node.outer.averager import GroupAverager, RoundReport, RoundResult
 from parallax.node.outer.records import RoundStatus
 from parallax.node.outer.transport import OuterGather, RoundPeers, error_feedback, keep_unsent
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
@@ -65,7 +65,7 @@ class _InFlight:
     submitted: dict[str, torch.Tensor]
     pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
-    future: concurrent.futures.Future[tuple[dict[str, torch.Tensor] | None, RoundReport | None]]
+    future: concurrent.futures.Future[RoundResult]
 
 
 @dataclass
@@ -136,7 +136,7 @@ class ReplicaRounds:
             for eid in experts:
                 self.composer.tokens_since_merge[expert_group(eid)] = 0
             averager = self._averager(group, owners, experts)
-            future = self._pool.submit(self._run, averager, delta, tokens, round_id)
+            future = self._pool.submit(averager.round, delta, tokens, round_id)
             self._in_flight[group] = _InFlight(owners, experts, bundle, submitted, delta, tokens, future)
             self.counts.submitted += 1
             started += 1
@@ -150,17 +150,16 @@ class ReplicaRounds:
         for group in [g for g, f in self._in_flight.items() if f.future.done()]:
             flight = self._in_flight.pop(group)
             try:
-                merged, report = flight.future.result()
+                merged, report, sent = flight.future.result()
             except Exception as e:  # a bug: count it, skip the round, keep training
                 logger.warning("replica round %s raised %r; skipped", group, e)
-                merged, report = None, RoundReport(group, RoundStatus.FAILED, detail=repr(e))
-            assert report is not None
+                merged, report, sent = RoundResult(None, RoundReport(group, RoundStatus.FAILED, detail=repr(e)), None)
             held = set(self.composer.replicated_experts())
             # The optimizers the round was taken from, still the composer's (not released or taken over since).
             same = all(self.composer.outer.get(expert_group(eid)) is part
                        for eid, part in zip(flight.experts, flight.bundle.parts, strict=True))
             if merged is not None and same:
-                keep_unsent(flight.bundle, flight.pending, self.config.compression)
+                keep_unsent(flight.bundle, flight.pending, sent, self.config.compression)
                 flight.bundle.step_late(merged, flight.submitted)
                 self.counts.applied += 1
                 self.last_applied += flight.experts
@@ -215,9 +214,3 @@ class ReplicaRounds:
         keep |= {(g, f.experts) for g, f in self._in_flight.items()}
         for key in [k for k in self._averagers if k not in keep]:
             self._averagers.pop(key).shutdown()
-
-    @staticmethod
-    def _run(averager: GroupAverager, delta: dict[str, torch.Tensor], tokens: int,
-             round_id: int) -> tuple[dict[str, torch.Tensor] | None, RoundReport | None]:
-        merged = averager.run_round(delta, tokens, round_id=round_id)
-        return merged, averager.last_report

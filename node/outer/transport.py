@@ -72,17 +72,14 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], compression: str) -> 
     return msgpack.packb(blobs, use_bin_type=True)
 
 
-def sent_part(delta: Mapping[str, torch.Tensor], compression: str) -> dict[str, torch.Tensor]:
-    """What the peers merge of ``delta`` sent under ``compression`` (encoding is deterministic)."""
-    shapes = {name: tuple(t.shape) for name, t in delta.items()}
-    return decode_contribution(encode_contribution(delta, compression), shapes, peer="this node")
-
-
-def keep_unsent(outer: OuterOptimizer | OuterBundle, pending: Mapping[str, torch.Tensor], compression: str) -> None:
-    """A round merged ``pending`` (``train.outer.to_send``'s) as sent under ``compression``: under a wire with error
-    feedback (``error_feedback``) ``outer`` keeps what was not sent for its next rounds."""
+def keep_unsent(outer: OuterOptimizer | OuterBundle, pending: Mapping[str, torch.Tensor],
+                sent: Mapping[str, torch.Tensor] | None, compression: str) -> None:
+    """A round merged ``sent`` (its ``GroupAverager.last_sent``) of ``pending`` (``train.outer.to_send``'s): under a
+    wire with error feedback (``error_feedback``) ``outer`` keeps what was not sent for its next rounds."""
     if error_feedback(compression):
-        outer.keep_unsent(pending, sent_part(pending, compression))
+        if sent is None:
+            raise ValueError("error feedback needs what the round sent (a gathered round's last_sent)")
+        outer.keep_unsent(pending, sent)
 
 
 def error_feedback(compression: str) -> bool:

@@ -129,8 +129,15 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
             assert a.last_report.status is RoundStatus.OK, a.last_report
             assert len(a.last_report.participants) == 4 and a.last_report.agreeing >= 3
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in SHAPES)
-        # The next round numbers itself and works as well.
-        assert all(r is not None for r in _run(averagers, _deltas(4, seed=1), tokens, round_id=8))
+        # The next round numbers itself and works as well, and says what each peer sent as the others decoded it.
+        deltas = _deltas(4, seed=1)
+        with ThreadPoolExecutor(4) as pool:
+            rounds = [f.result(timeout=60) for f in [pool.submit(a.round, d, t, 8)
+                                                     for a, d, t in zip(averagers, deltas, tokens, strict=True)]]
+        for r, d in zip(rounds, deltas, strict=True):
+            assert r.merged is not None and r.report.status is RoundStatus.OK and r.sent is not None
+            decoded = decode_contribution(encode_contribution(d, compression), SHAPES, peer="p")
+            assert all(torch.equal(r.sent[n], decoded[n]) for n in SHAPES)
 
 
 def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):

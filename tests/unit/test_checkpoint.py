@@ -11,7 +11,7 @@ import torch
 from parallax.errors import NodeError
 from parallax.node.config import train as config
 from parallax.node.config.typed import apply_changes
-from parallax.node.outer.transport import keep_unsent
+from parallax.node.outer.transport import decode_contribution, encode_contribution, keep_unsent
 from parallax.node.train import checkpoint as ckpt
 from parallax.node.train.checkpoint import (
     CheckpointError,
@@ -99,7 +99,10 @@ def test_resume_keeps_what_a_sparse_wire_has_not_sent(train, tmp_path):
     original = _composer(train)
     _advance(original, 3)
     for outer in original.outer.values():
-        keep_unsent(outer, to_send(outer, error_feedback=True), "topk")
+        pending = to_send(outer, error_feedback=True)
+        body = encode_contribution(pending, "topk")
+        keep_unsent(outer, pending, decode_contribution(body, {n: t.shape for n, t in pending.items()}, peer="me"),
+                    "topk")
     assert all(outer.unsent for outer in original.outer.values())
     save_checkpoint(tmp_path, original, run_id=RUN)
     restored = _composer(train)

@@ -149,7 +149,7 @@ def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_on
     """Under the sparse wire the sender keeps what a merged round did not send: over the merged rounds, what was
     sent plus what is kept is exactly the sum of the pseudo-gradients; a round that merged nothing changes nothing
     (its pseudo-gradient is still in the next one); a merge among one applies all that is kept."""
-    from parallax.node.outer.transport import keep_unsent, sent_part
+    from parallax.node.outer.transport import decode_contribution, encode_contribution, keep_unsent
 
     g = torch.Generator().manual_seed(0)
     w = _param(torch.zeros(8192).tolist())
@@ -164,9 +164,9 @@ def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_on
         if not merged:
             continue
         total_delta += outer.pseudo_gradient()["w"]
-        sent = sent_part(pending, "topk")
+        sent = decode_contribution(encode_contribution(pending, "topk"), {"w": (8192,)}, peer="this node")
         assert 0 < int((sent["w"] != 0).sum()) <= 2 * 64  # two chunks of 4096, 64 kept of each
-        keep_unsent(outer, pending, "topk")
+        keep_unsent(outer, pending, sent, "topk")
         total_sent += sent["w"]
         outer.step(sent)  # the only participant: the merge is what it sent
     torch.testing.assert_close(total_sent + outer.unsent["w"], total_delta, rtol=0, atol=1e-4)
