@@ -19,6 +19,9 @@ def export(
     out: Path = typer.Option(..., "--out", help="The model folder to create (must not exist, or be empty)."),
     from_checkpoints: list[Path] | None = typer.Option(
         None, "--from-checkpoints", help="A composer's --checkpoint-dir (repeat for each composer of the run)."),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="With --from-checkpoints: each composer's newest checkpoint at or before step N "
+        "instead of its latest (`parallax checkpoints list DIR` lists them)."),
     allow_missing: bool = typer.Option(
         False, "--allow-missing", help="Write experts nobody holds as zeros (named in the model card) instead of "
         "failing."),
@@ -36,6 +39,8 @@ def export(
     loopback: bool = typer.Option(False, "--loopback", help="Listen on 127.0.0.1 (a swarm on this machine)."),
     timeout: float = typer.Option(60.0, "--timeout", min=1.0, help="Seconds for the manifest read, then for the "
                                   "whole fetch of the shared groups and the experts."),
+    license: str | None = typer.Option(
+        None, "--license", help="The licence the model card gives the weights, as an SPDX id (e.g. apache-2.0)."),
     tokenizer_file: Path | None = typer.Option(
         None, "--tokenizer", help="The run's tokenizer.json, for a run with model.tokenizer=bpe (default: the one "
         "beside --manifest)."),
@@ -46,9 +51,12 @@ def export(
     from parallax.cli.entry import Interrupted
     from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
+    from parallax.node.train.checkpoint import checkpoint_at
     from parallax.node.train.tokenizer import BpeTokenizer
     from parallax.node.train.tokenizer import tokenizer_file as tokenizer_file_of
 
+    if step is not None and not from_checkpoints:
+        fail("--step picks checkpoints: give the composers' --from-checkpoints DIR (a live swarm exports its present)")
     if bool(from_checkpoints) == bool(initial_peers):
         fail("say where the model comes from: --from-checkpoints DIR (one per composer), or --initial-peers ADDR "
              "--run-id RUN for a live swarm")
@@ -59,12 +67,14 @@ def export(
             tokenizer_file = tokenizer_file_of(manifest_file)
         tokenizer = BpeTokenizer.load(tokenizer_file) if tokenizer_file is not None else None
         if from_checkpoints:
+            if step is not None:
+                from_checkpoints = [checkpoint_at(root, step) for root in from_checkpoints]
             folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data,
-                                        tokenizer=tokenizer)
+                                        tokenizer=tokenizer, license=license)
         else:
             folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
                                   allow_missing=allow_missing, digest=digest, data=data, timeout=timeout,
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer, license=license)
     except (NodeError, ValueError, OSError) as e:
         fail(e, code=1)
     except (KeyboardInterrupt, Interrupted):
@@ -74,7 +84,7 @@ def export(
 
 def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Path | None,
                  member_cert: Path | None, identity: Path | None, loopback: bool, out: Path, *, allow_missing: bool,
-                 digest: str | None, data: str | None, timeout: float, tokenizer: Any) -> Path:
+                 digest: str | None, data: str | None, timeout: float, tokenizer: Any, license: str | None) -> Path:
     from parallax.node.config.peer import PeerConfig
     from parallax.node.export.live import export_live
     from parallax.protocol.identity import Identity
@@ -86,7 +96,7 @@ def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Pa
                       manifest=manifest_file, member_cert=member_cert, relay="off")
     key = Identity.load_or_create(peer.identity_path("reader"))
     return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, data=data, timeout_s=timeout,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, license=license)
 
 
 def _exported(folder: Path) -> None:

@@ -13,13 +13,18 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch import nn
+    from parallax.node.export.folder import ExportedModel
 
 __version__ = "0.1.0"
 
 
-def load(path: str | os.PathLike[str], device: str = "cpu") -> nn.Module:
-    """The model of a folder written by ``parallax export``, as a torch module in eval mode."""
-    from parallax.node.export.folder import load as load_model
+def load(path: str | os.PathLike[str], device: str = "cpu") -> ExportedModel:
+    """A folder written by ``parallax export``, checked: ``.model`` (the torch module, every expert real, in eval
+    mode), ``.cfg`` (its settings), ``.tokenizer``, ``.config`` (config.json) and ``.generate(prompt)``.
 
-    return load_model(path, device)
+    Raises:
+        parallax.node.export.folder.ExportError: not a model folder, or a corrupt one (the message says what to do).
+    """
+    from parallax.node.export.folder import read_model
+
+    return read_model(path, device)

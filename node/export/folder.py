@@ -99,6 +99,10 @@ class Provenance:
     experts: list[dict[str, Any]] = field(default_factory=list)
     missing: list[ExpertId] = field(default_factory=list)
     val_loss: dict[str, Any] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The run's training settings (``TrainConfig`` as JSON), as the checkpoints or the run's manifest hold them."""
+    license: str | None = None
+    """The licence the exporter gives the weights (an SPDX id), or None when none was given."""
     """The exported model's loss on the run's validation windows, measured at export."""
     exported_unix_s: float = field(default_factory=time.time)
 
@@ -266,7 +270,7 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[st
 def _provenance_json(p: Provenance) -> dict[str, Any]:
     return {"run_id": p.run_id, "nodes": [asdict(n) for n in p.nodes], "shared_from": p.shared_from,
             "experts": p.experts, "missing": [list(m) for m in p.missing], "val_loss": p.val_loss,
-            "exported_unix_s": p.exported_unix_s}
+            "exported_unix_s": p.exported_unix_s, "settings": p.settings, "license": p.license}
 
 
 def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
@@ -276,8 +280,12 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         f"# Parallax MoE model of run `{p.run_id}`", "",
         f"Exported {when}. A decoder-only Mixture-of-Experts transformer trained by Parallax: {cfg.n_layers} "
         f"layers, d_model {cfg.d_model}, {cfg.n_experts} routed experts per layer (top-{cfg.top_k}), context "
-        f"{cfg.seq_len} tokens, byte tokens (vocabulary {cfg.vocab_size}); {parameters:,} parameters.", "",
-        "```python", "import parallax", "model = parallax.load(\"<this folder>\")  # a torch.nn.Module", "```", "",
+        f"{cfg.seq_len} tokens, {'byte tokens' if cfg.tokenizer == 'bytes' else 'a byte-level BPE'} (vocabulary "
+        f"{cfg.vocab_size}); {parameters:,} parameters. Every expert is real: the surrogates the composers trained "
+        "with are no part of it.", "",
+        f"License: {p.license or 'none given (`parallax export --license SPDX-ID` sets one)'}.", "",
+        "```python", "import parallax", "m = parallax.load(\"<this folder>\")  # m.model: the torch.nn.Module",
+        "print(m.generate(\"ROMEO:\", max_new_tokens=100))", "```", "",
         "`parallax generate <this folder> --prompt ...` samples text; `parallax eval <this folder> --data FILE` "
         "measures loss per byte and per token.", "",
     ]
@@ -286,6 +294,7 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         lines += [f"Validation loss at export: **{v['nats_per_token']:.4f} nats per token**, "
                   f"{v['nats_per_byte']:.4f} nats per byte, perplexity {v['perplexity']:.2f} "
                   f"({v['windows']} windows of {cfg.seq_len} tokens from {v['data']}).", ""]
+    lines += _training_lines(p.settings)
     lines += ["## Nodes", "", "| node | step | tokens | training loss (last heartbeat) |", "|---|---:|---:|---:|"]
     for n in p.nodes:
         loss = f"{n.train_loss:.4f}" if n.train_loss is not None and math.isfinite(n.train_loss) else "-"
@@ -309,6 +318,20 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _training_lines(settings: Mapping[str, Any]) -> list[str]:
+    """The card's training section: the settings a reader compares runs by (all of them are in config.json)."""
+    if not settings:
+        return []
+    optim, sync, own = settings.get("optim", {}), settings.get("sync", {}), settings.get("ownership", {})
+    rows = [("schedule", f"{settings.get('steps')} steps of {settings.get('batch_size')} sequences per composer"),
+            ("inner optimizer", f"{optim.get('inner')}, lr {optim.get('lr')}, warm-up {optim.get('warmup_steps')}"),
+            ("outer rounds", f"every {sync.get('periods')} steps, {sync.get('merge')} merge, {sync.get('compression')} "
+                             f"wire, {sync.get('aggregation')}"),
+            ("owners per expert", str(own.get("replicas"))), ("seed", str(settings.get("seed")))]
+    return (["## Training", "", "| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+            + ["", "Every setting is in `config.json` (`provenance.settings`).", ""])
+
+
 @dataclass(frozen=True)
 class ExportedModel:
     """A loaded model folder."""
@@ -325,6 +348,15 @@ class ExportedModel:
     @property
     def eval_windows(self) -> dict[str, Any]:
         return dict(self.config.get("eval", {}))
+
+    def generate(self, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int | None = 50,
+                 seed: int | None = None) -> str:
+        """``prompt`` and the text the model continues it with (``node.export.use.generate``)."""
+        from parallax.node.export.use import generate
+
+        text = generate(self.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, seed=seed, tokenizer=self.tokenizer)
+        return prompt + text.decode("utf-8", errors="replace")
 
 
 def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> ExportedModel:
@@ -407,7 +439,8 @@ def _read_tokenizer(folder: Path, table: object, cfg: ModelConfig) -> Tokenizer:
 
 
 def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], where: str) -> MoETransformer:
-    """The model with every expert real and ``tensors`` (every non-surrogate parameter) in it, in eval mode.
+    """The model with every expert real and ``tensors`` (every non-surrogate parameter) in it, without surrogates,
+    in eval mode.
 
     Raises:
         ExportError: a name missing or extra, or a shape that does not fit ``cfg``.
@@ -431,9 +464,7 @@ def build_model(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], where: st
     with torch.no_grad():
         for n in wanted:
             params[n].copy_(tensors[n])
+    model.drop_surrogates()
     return model.eval()
 
 
-def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> MoETransformer:
-    """The model of an exported folder, as a torch module in eval mode (``parallax.load``)."""
-    return read_model(path, device).model

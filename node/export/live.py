@@ -48,6 +48,7 @@ from parallax.node.outer.background import live_uid
 from parallax.node.outer.state import StateExchange
 from parallax.node.peer.runner import model_shapes
 from parallax.node.peer.views import SwarmViews
+from parallax.node.train.checkpoint import config_json
 from parallax.node.train.tokenizer import Tokenizer
 from parallax.protocol.identity import Identity
 from parallax.protocol.manifest import RunManifest
@@ -92,7 +93,7 @@ def _train_config(manifest: RunManifest) -> TrainConfig:
 
 def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
                 digest: str | None = None, data: str | None = None, timeout_s: float = 60.0,
-                tokenizer: Tokenizer | None = None) -> Path:
+                tokenizer: Tokenizer | None = None, license: str | None = None) -> Path:
     """Assemble the model of a live run and write it to ``out``.
 
     Args:
@@ -103,6 +104,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         data: the corpus of the card's validation loss (None: the built-in corpus).
         timeout_s: bounds the manifest read, and then the whole fetch of the groups and the experts.
         tokenizer: the run's (None: bytes); a BPE run's is required, and must be the one its manifest names.
+        license: the licence the model card and config.json give the weights (an SPDX id).
 
     Raises:
         ExportError: unreachable swarm, no composers, or what could not be fetched.
@@ -141,7 +143,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         deadline = time.monotonic() + timeout_s
         shared, nodes = _shared_groups(membership, states, shapes.groups, deadline)
         experts = _experts(membership, exchange, cfg, deadline, allow_missing)
-    provenance = Provenance(run_id=peer.run_id, nodes=[
+    provenance = Provenance(run_id=peer.run_id, settings=config_json(cfg), license=license, nodes=[
         NodeSummary(holder=fp, step=step, tokens=step * cfg.tokens_per_step, train_loss=loss)
         for fp, (step, loss) in sorted(nodes.items())])
     state = assemble(cfg.model, [shared], experts, allow_missing=allow_missing, provenance=provenance)

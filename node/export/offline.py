@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
                        allow_missing: bool = False, data: str | os.PathLike[str] | None = None,
-                       val_fraction: float = 0.05, tokenizer: Tokenizer | None = None) -> Path:
+                       val_fraction: float = 0.05, tokenizer: Tokenizer | None = None,
+                       license: str | None = None) -> Path:
     """Assemble the model from composers' checkpoints and write it to ``out``.
 
     Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, each
@@ -45,6 +46,7 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
         data: the corpus for the card's validation loss (None: the built-in corpus).
         val_fraction: the held-out tail of ``data``, as in training.
         tokenizer: the run's (None: bytes); a BPE run's is required (its file is copied into the model).
+        license: the licence the model card and config.json give the weights (an SPDX id).
 
     Raises:
         ExportError: no folders, folders of different runs or model shapes, unreadable checkpoints, missing
@@ -93,7 +95,7 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
     assert config is not None
     train = train_config_from(config, f"checkpoint {folders[0]}")
     cfg = train.model
-    provenance = Provenance(run_id=next(iter(run_ids.values())), nodes=nodes)
+    provenance = Provenance(run_id=next(iter(run_ids.values())), nodes=nodes, settings=config, license=license)
     state = assemble(cfg, shared, experts, allow_missing=allow_missing, provenance=provenance)
     batch_size, eval_batches = train.batch_size, train.eval_batches
     windows = {"batch_size": batch_size, "eval_batches": eval_batches, "val_fraction": val_fraction}

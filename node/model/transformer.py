@@ -541,6 +541,20 @@ class MoETransformer(nn.Module):
     def surrogate_parameters(self, layer: int, expert: int) -> dict[str, nn.Parameter]:
         return dict(self.moe_layer(layer).surrogates[expert].named_parameters())
 
+    def drop_surrogates(self) -> None:
+        """Make this a model with every expert real and nothing else, as an export holds it: the surrogates (the
+        composers' stand-ins, never selected once every expert is real) are removed.
+
+        Raises:
+            ValueError: a layer lacks some of its real experts (they would have no stand-in).
+        """
+        for layer in self.moe_layers():
+            if len(layer.experts) != layer.n_experts:
+                raise ValueError(f"layer {layer.layer} holds {len(layer.experts)} of its {layer.n_experts} experts: "
+                                 "its surrogates stand in for the others")
+            layer.surrogates = nn.ModuleList()
+            layer.non_owned = "drop"
+
     def set_kernel(self, kernel: str) -> None:
         """Run every MoE layer's experts with ``kernel`` (one of ``KERNELS``)."""
         if kernel not in KERNELS:

@@ -154,7 +154,7 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
             files[fname] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         body = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "run_id": run_id, "step": composer.step,
-            "saved_unix_s": time.time(), "config": _config_json(composer.cfg),
+            "saved_unix_s": time.time(), "config": config_json(composer.cfg),
             "versions": sorted([int(l), int(e), int(v)] for (l, e), v in (versions or {}).items()),
             "files": files, "state": meta,
         }
@@ -227,6 +227,22 @@ def _step_of(folder: Path) -> int:
     m = _STEP_DIR.match(folder.name)
     assert m is not None, folder
     return int(m.group(1))
+
+
+def checkpoint_at(root: str | os.PathLike[str], step: int) -> Path:
+    """The newest ``step-N`` folder under ``root`` with N <= ``step`` (nodes checkpoint at their own steps: the
+    state each held at ``step``, as far as its checkpoints say).
+
+    Raises:
+        CheckpointError: ``root`` holds no checkpoint at or before ``step`` (the message lists what it holds).
+    """
+    found = list_checkpoints(root)
+    before = [f for f in found if _step_of(f) <= step]
+    if not before:
+        held = ", ".join(str(_step_of(f)) for f in found[:10]) or "none"
+        raise CheckpointError(f"{root} holds no checkpoint at or before step {step} (steps held: {held}); "
+                              "`parallax checkpoints list DIR` lists them")
+    return before[-1]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -505,8 +521,8 @@ def config_differences(saved: Mapping[str, Any], cfg: TrainConfig) -> list[str]:
     ``RUN_ONLY_FIELDS`` and ``MACHINE_SECTIONS`` are ignored. A setting the checkpoint lacks (one added to
     ``TrainConfig`` after it was written) counts as its default, what training did before the setting existed.
     """
-    a, b = _flatten(saved), _flatten(_config_json(cfg))
-    defaults = _flatten(_config_json(TrainConfig()))
+    a, b = _flatten(saved), _flatten(config_json(cfg))
+    defaults = _flatten(config_json(TrainConfig()))
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):
@@ -782,7 +798,7 @@ def _ownership_json(owned: Ownership) -> list[list[int]]:
     return [sorted(int(e) for e in layer) for layer in owned]
 
 
-def _config_json(cfg: TrainConfig) -> dict[str, Any]:
+def config_json(cfg: TrainConfig) -> dict[str, Any]:
     """The config as JSON values (tuples become lists), as stored in the manifest."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 

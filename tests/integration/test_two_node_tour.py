@@ -97,7 +97,7 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
         assert len(card["experts"]) == 8 and not card["missing"]
         assert {e["holder"] for e in card["experts"]} == fingerprints  # each from one of the two owners
         assert all(e["origin"] == "owner" and e["step"] >= 10 for e in card["experts"])
-        assert parallax.load(tmp_path / "live-model") is not None
+        assert parallax.load(tmp_path / "live-model").model is not None
         # The reader owned nothing and was never counted: both composers still see two peers and keep training.
         step = max(n.step for n in (first, second))
         wait_until(lambda: all(n.step >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2

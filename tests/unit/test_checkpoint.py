@@ -16,6 +16,7 @@ from parallax.node.train import checkpoint as ckpt
 from parallax.node.train.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
+    checkpoint_at,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -363,3 +364,15 @@ def test_each_groups_outer_round_is_kept_and_says_whether_it_was_ever_merged(tra
     (path / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
     with pytest.raises(CheckpointError, match="malformed outer rounds"):
         read_weights(tmp_path)
+
+
+def test_the_checkpoint_at_a_step_is_the_newest_at_or_before_it(tmp_path):
+    for step in (10, 20, 30):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "manifest.json").write_text("{}")
+    (tmp_path / "step-25").mkdir()  # no manifest: a save that never finished
+    assert checkpoint_at(tmp_path, 20) == tmp_path / "step-20"
+    assert checkpoint_at(tmp_path, 29) == tmp_path / "step-20"
+    assert checkpoint_at(tmp_path, 10**9) == tmp_path / "step-30"
+    with pytest.raises(CheckpointError, match=r"no checkpoint at or before step 9 \(steps held: 10, 20, 30\)"):
+        checkpoint_at(tmp_path, 9)

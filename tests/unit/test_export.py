@@ -56,8 +56,12 @@ def test_the_export_of_a_runs_checkpoints_evaluates_to_its_assembled_model(simul
     assert len(config["provenance"]["experts"]) == 2 * 4 and not config["provenance"]["missing"]
     holders = {e["holder"] for e in config["provenance"]["experts"]}
     assert holders == {str(root / "composer-0"), str(root / "composer-1")}
-    model = parallax.load(out)
-    assert isinstance(model, torch.nn.Module) and not model.training
+    loaded = parallax.load(out)  # the library's entry: the module, its settings, its tokenizer, generate
+    assert isinstance(loaded.model, torch.nn.Module) and not loaded.model.training
+    assert loaded.cfg.n_experts == 4 and loaded.tokenizer.kind == "bytes"
+    assert not [n for n, _ in loaded.model.named_parameters() if "surrogate" in n]  # no part of an exported model
+    text = loaded.generate("ROMEO:", max_new_tokens=12, seed=0)
+    assert text.startswith("ROMEO:") and text == loaded.generate("ROMEO:", max_new_tokens=12, seed=0)
     card = (out / "README.md").read_text()
     assert "run `sim`" in card and "nats per byte" in card and "8 from a composer's checkpoint" in card
 
@@ -174,6 +178,26 @@ def test_the_commands_export_evaluate_and_generate(simulated, tmp_path: Path) ->
     assert done.exit_code == 1 and "--allow-missing" in done.output
     done = runner.invoke(app, ["eval", str(tmp_path / "nothing")])
     assert done.exit_code == 1 and "parallax export" in done.output
+
+
+def test_an_export_at_a_step_names_it_with_the_runs_settings_and_licence(simulated, tmp_path: Path) -> None:
+    root, _ = simulated
+    roots = ["--from-checkpoints", str(root / "composer-0"), "--from-checkpoints", str(root / "composer-1")]
+    done = runner.invoke(app, ["export", *roots, "--step", "20", "--license", "apache-2.0", "--out",
+                               str(tmp_path / "m")])
+    assert done.exit_code == 0, done.output
+    config = json.loads((tmp_path / "m" / CONFIG).read_text())["provenance"]
+    assert {n["step"] for n in config["nodes"]} == {20} and config["license"] == "apache-2.0"
+    assert config["settings"]["steps"] == 20 and config["settings"]["batch_size"] == 4
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "License: apache-2.0." in card and "| schedule | 20 steps of 4 sequences per composer |" in card
+    assert "m.generate(" in card
+    done = runner.invoke(app, ["export", *roots, "--step", "19", "--out", str(tmp_path / "early")])
+    assert done.exit_code == 1 and "no checkpoint at or before step 19" in done.output, done.output
+    assert not (tmp_path / "early").exists()
+    done = runner.invoke(app, ["export", "--step", "20", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--out",
+                               str(tmp_path / "live")])
+    assert done.exit_code == 2 and "--from-checkpoints" in done.output
 
 
 def test_a_stopped_simulation_is_a_complete_shorter_run_that_exports(tmp_path: Path) -> None:
