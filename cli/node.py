@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import signal
@@ -43,6 +44,7 @@ from parallax.cli.options import (
     setting_flags,
     supervise_or_continue,
 )
+from parallax.cli.progress import logs_through
 
 node_app = typer.Typer(help="Run a composer peer.", no_args_is_help=True, rich_markup_mode=None)
 logger = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ def _status_table(status: Any) -> Table:
     upcoming = " ".join(f"{g} in {n}" for g, n in status.next_round.items()) or "-"
     for key, value in (
         ("step", f"{status.step} ({status.trained} this session)"), ("schedule", status.schedule or "-"),
+        ("time left", _duration(status.time_left_s)),
         ("loss", loss),
         ("tokens/s", f"{status.tokens_per_s:,.0f}"), ("live composers", str(status.live_peers)),
         ("owned experts", str(status.owned)),
@@ -189,10 +192,12 @@ def join(
 
     previous: dict[int, Any] = {}
     node = None
+    logs = contextlib.ExitStack()
     try:
         node = Node(config, on_status=show)
         previous = install_signal_handlers(node)
         if live is not None:
+            logs.enter_context(logs_through(console))
             live.start()
         status = node.run()
     except (ParallaxError, ValueError, OSError) as e:  # bad key file, data, checkpoint, unreachable swarm
@@ -206,10 +211,21 @@ def join(
     finally:
         if live is not None:
             live.stop()
+        logs.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
     console.print(f"left the swarm at step {status.step} after {status.trained} steps "
                   f"(loss {status.loss if status.loss is not None else float('nan'):.4f})")
+
+
+def _duration(seconds: float | None) -> str:
+    """``seconds`` for people: "about 2 h 05 min", "about 3 min", "under a minute"; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    minutes = round(seconds / 60)
+    if minutes < 1:
+        return "under a minute"
+    return f"about {minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"about {minutes} min"
 
 
 def _clear(live: Live | None) -> None:

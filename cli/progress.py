@@ -1,10 +1,15 @@
-"""Rich progress for simulator runs (shared by ``parallax sim`` and ``parallax bench quality``)."""
+"""Rich progress for simulator runs (shared by ``parallax sim`` and ``parallax bench quality``), and log lines
+that live displays survive."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -15,7 +20,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from parallax.node.sim.simulator import ProgressFn
+if TYPE_CHECKING:
+    from parallax.node.sim.simulator import ProgressFn
 
 
 @contextmanager
@@ -35,3 +41,25 @@ def run_progress(total_steps: int, *, enabled: bool = True) -> Iterator[Progress
             bar.update(tasks[name], completed=step, loss=f"{loss:.3f}")
 
         yield update
+
+
+@contextmanager
+def logs_through(console: Console) -> Iterator[None]:
+    """While a live display (a table, progress bars) holds ``console``'s terminal, log records go through
+    ``console`` (printed above the display) instead of the root logger's stream handlers, which write to the
+    terminal behind the display's back: their lines would be drawn over it and leave stale copies of it behind.
+    File handlers and others stay as they are."""
+    root = logging.getLogger()
+    taken = [h for h in root.handlers if type(h) is logging.StreamHandler]
+    handler = RichHandler(console=console, show_path=False, markup=False, log_time_format="%H:%M:%S")
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setLevel(min((h.level for h in taken), default=logging.NOTSET))
+    for h in taken:
+        root.removeHandler(h)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        for h in taken:
+            root.addHandler(h)

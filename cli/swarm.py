@@ -234,21 +234,24 @@ def local(
         None, "--steps", min=1, help="Inner steps per node, then all leave (default: until Ctrl+C)."),
     preset: str = typer.Option("tiny", "--preset", help="Model preset: tiny (seconds) or small (CPU benchmark)."),
     workdir: Path = typer.Option(Path("parallax-local"), "--workdir",
-                                 help="Folder for keys, logs, metrics and checkpoints of the swarm."),
+                                 help="Folder for the swarm's runs: each run gets a sub-folder of its own (keys, "
+                                 "logs, metrics, checkpoints and the trained model)."),
     run_id: str = typer.Option("local", "--run-id", help="Run id of the local swarm."),
     set_: list[str] = typer.Option([], "--set", help="TrainConfig override PATH=VALUE for every node."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1, help="Stop everything after this many seconds."),
     checkpoint_every: int | None = typer.Option(
-        None, "--checkpoint-every", min=1, help="Each node checkpoints every N steps (and when it leaves) into "
-        "WORKDIR/node-<i>/checkpoints, for `parallax export --from-checkpoints`."),
+        None, "--checkpoint-every", min=1, help="Each node checkpoints every N steps (default: the run's "
+        "node.checkpoint_every) and when it leaves, into RUN/node-<i>/checkpoints."),
 ) -> None:
-    """Start a bootstrap peer and N composer processes on loopback; one live table; stop all cleanly."""
+    """Start a bootstrap peer and N composer processes on loopback; one live table; stop all cleanly; export the
+    model the nodes leave into RUN/model."""
     import signal
     import threading
     import time
 
     from rich.live import Live
 
+    from parallax.cli.progress import logs_through
     from parallax.errors import ParallaxError
     from parallax.node.peer.local_swarm import LocalSwarm, final_counters, read_metrics
 
@@ -260,14 +263,18 @@ def local(
     stop = threading.Event()
     previous = {sg: signal.signal(sg, lambda *_: stop.set()) for sg in (signal.SIGINT, signal.SIGTERM)}
     console = Console()
-    swarm = LocalSwarm(workdir, run_id=run_id, node_args=args)
+    folder = new_run_folder(workdir, run_id)
+    checkpoints = [folder / f"node-{i}" / "checkpoints" for i in range(nodes)]
+    swarm = LocalSwarm(folder, run_id=run_id, node_args=args)
     try:
+        console.print(f"run folder: {folder}")
         console.print(f"bootstrap peer: {swarm.start_bootstrap()}")
         for i in range(nodes):
-            swarm.add_node(*(["--checkpoint-dir", str(workdir / f"node-{i}" / "checkpoints"), "--checkpoint-every",
-                              str(checkpoint_every)] if checkpoint_every else []))
+            swarm.add_node("--checkpoint-dir", str(checkpoints[i]),
+                           *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else []))
         deadline = time.monotonic() + timeout
-        with Live(_local_table(swarm, final_counters, read_metrics), console=console, refresh_per_second=2) as live:
+        with logs_through(console), Live(_local_table(swarm, final_counters, read_metrics), console=console,
+                                         refresh_per_second=2) as live:
             while not stop.is_set() and time.monotonic() < deadline and any(n.alive for n in swarm.nodes):
                 live.update(_local_table(swarm, final_counters, read_metrics))
                 stop.wait(0.5)
@@ -282,14 +289,63 @@ def local(
         for sg, handler in previous.items():
             signal.signal(sg, handler)
     console.print(_local_table(swarm, final_counters, read_metrics, title="summary"))
-    console.print(f"logs and metrics: {workdir}")
-    if checkpoint_every and not failed:
-        dirs = " ".join(f"--from-checkpoints {workdir / f'node-{i}' / 'checkpoints'}" for i in range(nodes))
-        console.print(f"next: parallax export {dirs} --out {workdir / 'model'}", soft_wrap=True)
+    console.print(f"logs and metrics: {folder}")
+    model = _export_local(console, checkpoints, folder / "model", preset, set_)
+    console.print("next:")
+    if model is not None:
+        console.print(f"  parallax generate {model} --prompt 'ROMEO:'", soft_wrap=True)
+        console.print(f"  parallax eval {model}", soft_wrap=True)
+    metrics = " ".join(str(n.metrics) for n in swarm.nodes)
+    console.print(f"  parallax report {metrics} --out {folder / 'report'}", soft_wrap=True)
     for n in failed:
         console.print(f"[red]node {n.index} exited with code {n.process.returncode}[/red]: see {n.log}")
     if failed:
         raise typer.Exit(1)
+
+
+def new_run_folder(workdir: Path, run_id: str) -> Path:
+    """A folder of its own for one local run under ``workdir``: ``RUN_ID-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... when
+    two runs start in the same second), so a second run in the same folder keeps the first one's files."""
+    import time
+
+    stamp = f"{run_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        folder = workdir / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"{workdir} holds a thousand runs started in this second")
+
+
+def _export_local(console: Console, checkpoints: Sequence[Path], out: Path, preset: str,
+                  sets: Sequence[str]) -> Path | None:
+    """The model the local swarm's nodes left in their checkpoints (each expert from its newest holder), or None
+    (said why) when they left none or not all of it."""
+    from parallax.errors import NodeError
+    from parallax.node.config.peer import NodeConfig
+    from parallax.node.config.resolve import node_defaults, resolve
+    from parallax.node.export.offline import export_checkpoints
+    from parallax.node.train.data import load_corpus
+    from parallax.node.train.tokenizer import make_tokenizer
+
+    written = [c for c in checkpoints if c.is_dir() and any(c.iterdir())]
+    if not written:
+        console.print("[yellow]model not exported: no node wrote a checkpoint (none trained a step)[/yellow]")
+        return None
+    try:
+        model_cfg = resolve(NodeConfig, node_defaults, flags={"preset": preset}, sets=sets,
+                            default_preset="tiny").train.model
+        # Nodes without a manifest train the run's BPE on the corpus alike; the export trains the same one.
+        tokenizer = make_tokenizer(model_cfg, load_corpus(None)) if model_cfg.tokenizer == "bpe" else None
+        model = export_checkpoints(written, out, tokenizer=tokenizer)
+    except (NodeError, ValueError, OSError) as e:
+        console.print(f"[yellow]model not exported: {e}[/yellow]")
+        return None
+    console.print(f"model: {model} (weights, config, a model card)")
+    return model
 
 
 def _local_table(

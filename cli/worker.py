@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import Annotated, Any
 
@@ -37,6 +38,7 @@ from parallax.cli.options import (
     setting_flags,
     supervise_or_continue,
 )
+from parallax.cli.progress import logs_through
 
 worker_app = typer.Typer(help="Run an offload worker.", no_args_is_help=True, rich_markup_mode=None)
 
@@ -97,10 +99,12 @@ def join(
     console = Console(stderr=True)
     live = None if quiet else Live(console=console, refresh_per_second=2, transient=False)
     previous: dict[int, object] = {}
+    logs = contextlib.ExitStack()
     try:
         worker = Worker(config, on_status=(lambda s: live.update(_status_table(s))) if live is not None else None)
         previous = install_signal_handlers(worker)
         if live is not None:
+            logs.enter_context(logs_through(console))
             live.start()
         worker.run()
     except (ParallaxError, ValueError, OSError) as e:
@@ -111,6 +115,7 @@ def join(
     finally:
         if live is not None:
             live.stop()
+        logs.close()
         for s, handler in previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
     console.print(f"worker left ({worker.servicer.updates} updates answered)")

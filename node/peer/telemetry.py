@@ -43,6 +43,9 @@ class NodeStatus:
     """Where the node stands in the run's learning-rate schedule (the run's ``steps``, fixed by its manifest)."""
     loss: float | None = None
     tokens_per_s: float = 0.0
+    time_left_s: float | None = None
+    """Seconds until this node's ``--steps`` end (without them, the run's schedule) at its recent pace; None
+    before a pace is known or past the end."""
     live_peers: int = 0
     view_age_s: float = 0.0
     """Seconds since this node last read the swarm's members (grows while its DHT reads fail)."""

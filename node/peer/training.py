@@ -309,6 +309,9 @@ class Training:
         s.next_round = next_round_in(dict(self.schedule.periods), self.composer.step)
         optim, steps, position = self.config.train.optim, self.config.train.steps, self.composer.schedule_step
         s.schedule = schedule_position(position, steps, optim.min_lr_ratio)
+        left = steps - position if self.config.node.steps is None else self.config.node.steps - s.trained
+        pace = s.tokens_per_s / self.config.train.tokens_per_step  # steps per second
+        s.time_left_s = left / pace if pace > 0 and left > 0 else None
         if position >= steps and not self._past_schedule:
             self._past_schedule = True
             logger.warning("the run's learning-rate schedule ended at step %d (its steps setting, in its manifest): "

@@ -1,6 +1,7 @@
 """``parallax swarm local`` as a user runs it: real processes on loopback. Its summary shows the counters the
 nodes wrote to their metrics files, the rounds and snapshots of their leave included; a node that fails makes
-the command fail, naming it."""
+the command fail, naming it; each run keeps a folder of its own and leaves its model there, with next commands
+that work as printed."""
 
 from __future__ import annotations
 
@@ -24,13 +25,20 @@ def _swarm_local(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str
                           timeout=240)
 
 
+def _run_folder(done: subprocess.CompletedProcess[str]) -> Path:
+    found = re.search(r"^run folder: (\S+)$", done.stdout, re.M)
+    assert found is not None, done.stdout[-3000:]
+    return Path(found.group(1))
+
+
 def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
     done = _swarm_local(tmp_path, "--steps", "25", "--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}')
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = _run_folder(done)
     lines = done.stdout.splitlines()
     summary = "\n".join(lines[max(i for i, line in enumerate(lines) if line.strip() == "summary"):])
     for i in range(2):
-        last = final_counters(read_metrics(tmp_path / f"node-{i}" / "metrics.jsonl"))
+        last = final_counters(read_metrics(run / f"node-{i}" / "metrics.jsonl"))
         assert last is not None and last["kind"] == "left", last  # the leave's counters, not the last step's
         cells = r"\s+exit 0\s+(\d+)\s+(\S+)\s+(\d+)\s+v(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s*$"
         row = re.search(rf"^\s*{i}{cells}", summary, re.M)
@@ -54,6 +62,27 @@ def test_nodes_of_an_open_run_train_the_same_bpe_and_train_together(tmp_path: Pa
     done = _swarm_local(tmp_path, "--steps", "10", "--set", "model.tokenizer=bpe", "--set", "model.vocab_size=1024")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for i in range(2):
-        records = read_metrics(tmp_path / f"node-{i}" / "metrics.jsonl")
+        records = read_metrics(_run_folder(done) / f"node-{i}" / "metrics.jsonl")
         steps = [r for r in records if "step" in r and "peers" in r]
         assert steps and steps[-1]["step"] == 10 and any(r["peers"] == 2 for r in steps), steps[-3:]
+
+
+def test_two_runs_in_one_folder_keep_their_files_and_each_leaves_a_model_its_next_lines_use(tmp_path: Path) -> None:
+    runs = []
+    periods = 'sync.periods={"router": 5, "latent": 5, "backbone": 5}'
+    for _ in range(2):
+        done = _swarm_local(tmp_path, "--steps", "10", "--set", periods)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs.append((_run_folder(done), done.stdout))
+    assert runs[0][0] != runs[1][0] and {r.parent for r, _ in runs} == {tmp_path}
+    for run, stdout in runs:
+        for i in range(2):
+            last = final_counters(read_metrics(run / f"node-{i}" / "metrics.jsonl"))
+            assert last is not None and last["step"] == 10, last
+        assert (run / "model" / "config.json").is_file() and (run / "model" / "README.md").is_file()
+        said = " ".join(stdout.split())
+        assert f"parallax generate {run / 'model'} --prompt 'ROMEO:'" in said, stdout[-2000:]
+    # The last run's generate line, as printed (a short continuation).
+    generate = subprocess.run([sys.executable, "-m", "parallax.cli", "generate", str(runs[1][0] / "model"), "--prompt",
+                               "ROMEO:", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert generate.returncode == 0 and generate.stdout.startswith("ROMEO:"), generate.stdout + generate.stderr

@@ -126,3 +126,18 @@ def test_every_flag_of_a_join_names_a_setting_of_its_command(command, root) -> N
         for name in parents:
             section = field_types(section)[name]
         assert leaf in field_types(section), path
+
+
+def test_the_live_table_says_the_target_step_and_the_time_left() -> None:
+    from rich.console import Console
+
+    from parallax.cli.node import _duration, _status_table
+    from parallax.node.peer.telemetry import NodeStatus
+
+    assert [_duration(s) for s in (None, 20, 180, 7_500)] == ["-", "under a minute", "about 3 min",
+                                                              "about 2 h 05 min"]
+    status = NodeStatus(fingerprint="ab12", step=120, trained=20, schedule="step 120 of 500 (24%)", time_left_s=190)
+    console = Console(width=100, record=True)
+    console.print(_status_table(status))
+    text = console.export_text()
+    assert "step 120 of 500 (24%)" in text and "about 3 min" in text
