@@ -9,6 +9,7 @@ environment (``WANDB_MODE=offline`` keeps a run on disk, ``wandb sync`` uploads 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,11 +51,14 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run per node, grouped by the run id."""
+    """One W&B run per node, grouped by the run id. Its W&B id follows from the run id and the node's name (its
+    identity), so a node resumed from its checkpoints goes on logging into the same W&B run."""
 
     def __init__(self, project: str, name: str, group: str, config: Mapping[str, Any]) -> None:
         self.wandb = _module("wandb", "wandb")
-        self.run = self.wandb.init(project=project, name=name, group=group, config=dict(config))
+        self.id = wandb_run_id(group, name)
+        self.run = self.wandb.init(project=project, name=name, group=group, config=dict(config), id=self.id,
+                                   resume="allow")
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log(dict(values), step=step)
@@ -62,6 +66,12 @@ class WandbSink:
     def close(self) -> None:
         self.run.finish()
         self.wandb.teardown()  # its service process ends now, not in an exit hook racing the node's own shutdown
+
+
+def wandb_run_id(run_id: str, name: str) -> str:
+    """The W&B id of node ``name``'s run in training run ``run_id``: the same on every start of that node, and made
+    only of the characters W&B ids allow."""
+    return hashlib.sha256(f"{run_id}\0{name}".encode()).hexdigest()[:32]
 
 
 def open_sinks(specs: Sequence[str], *, name: str, run_id: str, config: Mapping[str, Any]) -> list[Sink]:

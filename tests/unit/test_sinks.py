@@ -8,7 +8,7 @@ import pytest
 
 from parallax.errors import NodeError
 from parallax.node.peer import sinks
-from parallax.node.peer.sinks import TensorBoardSink, WandbSink, open_sinks, parse_sink, scalars
+from parallax.node.peer.sinks import TensorBoardSink, WandbSink, open_sinks, parse_sink, scalars, wandb_run_id
 from parallax.node.peer.telemetry import Telemetry
 
 
@@ -59,6 +59,23 @@ def test_an_offline_wandb_run_holds_the_logged_numbers(tmp_path: Path, monkeypat
     assert len(runs) == 1
     data = runs[0].read_bytes()
     assert b"loss" in data and b"tokens_per_s" in data and b"node-a" in data
+
+
+def test_a_resumed_node_logs_into_the_same_wandb_run(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ids = []
+    for step in (1, 2):  # the node, then the same node resumed
+        sink = WandbSink("parallax-test", "node-a", "run-1", {"lr": 0.001})
+        sink.log(step, {"loss": 3.0 / step})
+        sink.close()
+        ids.append(sink.id)
+    other = wandb_run_id("run-1", "node-b")
+    assert ids[0] == ids[1] != other and ids[0] != wandb_run_id("run-2", "node-a")
+    runs = sorted(tmp_path.glob("wandb/offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{ids[0]}") for r in runs), runs
 
 
 def test_scalars_keep_the_numbers_only() -> None:
