@@ -4,6 +4,7 @@ that live displays survive."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -24,15 +25,26 @@ if TYPE_CHECKING:
     from parallax.node.sim.simulator import ProgressFn
 
 
+LINES_PER_RUN = 20
+"""Plain progress lines per run where there is no terminal to draw bars on (a log file, a pipe)."""
+
+
 @contextmanager
-def run_progress(total_steps: int, *, enabled: bool = True) -> Iterator[ProgressFn | None]:
-    """Yield a progress callback that draws one bar per run (loss shown), or None when disabled."""
+def run_progress(total_steps: int, *, enabled: bool = True,
+                 console: Console | None = None) -> Iterator[ProgressFn | None]:
+    """Yield a progress callback that draws one bar per run (loss shown) on a terminal, or writes a plain line
+    every ``total_steps / LINES_PER_RUN`` steps elsewhere (a log file shows the run as it goes, not only at its
+    end); None when disabled."""
     if not enabled:
         yield None
         return
+    console = console or Console()
+    if not console.is_terminal:
+        yield _plain_lines(console, total_steps)
+        return
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=False) as bar:
+    with Progress(*columns, transient=False, console=console) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(name: str, step: int, loss: float) -> None:
@@ -41,6 +53,24 @@ def run_progress(total_steps: int, *, enabled: bool = True) -> Iterator[Progress
             bar.update(tasks[name], completed=step, loss=f"{loss:.3f}")
 
         yield update
+
+
+def _plain_lines(console: Console, total_steps: int) -> ProgressFn:
+    every = max(1, total_steps // LINES_PER_RUN)
+    started: dict[str, float] = {}
+
+    def update(name: str, step: int, loss: float) -> None:
+        now = time.monotonic()
+        began = started.setdefault(name, now)
+        if step % every and step != total_steps:
+            return
+        pace = step / (now - began) if now > began else 0.0
+        left = f", about {(total_steps - step) / pace / 60:.0f} min left" if pace > 0 and step < total_steps else ""
+        console.print(f"{name}: step {step} of {total_steps}, loss {loss:.3f}, {now - began:.0f} s{left}",
+                      highlight=False, soft_wrap=True)
+        console.file.flush()
+
+    return update
 
 
 @contextmanager

@@ -55,3 +55,19 @@ def test_without_routing_the_terminal_shows_stale_copies_of_the_table() -> None:
     # What the routing prevents: the same lines, written to the terminal behind the display's back.
     screen = _screen_after(route=False)
     assert sum("the node" in line for line in screen) > 1, "\n".join(screen)
+
+
+def test_without_a_terminal_progress_is_plain_lines_as_the_run_goes() -> None:
+    from parallax.cli.progress import LINES_PER_RUN, run_progress
+
+    out = io.StringIO()
+    console = Console(file=out, width=200)  # a log file: no terminal
+    with run_progress(100, console=console) as update:
+        assert update is not None
+        for step in range(1, 101):
+            update("parallax", step, 3.0 - step / 100)
+            if step == 50:
+                assert "parallax: step 50 of 100, loss 2.500" in out.getvalue()  # written as it goes
+    lines = out.getvalue().splitlines()
+    assert len(lines) == LINES_PER_RUN and lines[-1].startswith("parallax: step 100 of 100, loss 2.000")
+    assert "\x1b" not in out.getvalue()  # no control sequences in a file
