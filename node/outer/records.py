@@ -29,16 +29,38 @@ POLL_S = 0.05
 
 
 class RoundStatus(StrEnum):
+    """How one outer round ended for this node (``meaning`` says it for people: logs, ``parallax report``)."""
+
     OK = "ok"
-    BAD_INPUT = "bad_input"  # our own pseudo-gradient was not finite: we did not join
-    BUSY = "busy"  # the buffers are still held by an earlier, abandoned round
-    NO_GROUP = "no_group"  # nobody else came within matchmaking_timeout_s
-    FAILED = "failed"  # the all-reduce raised (a groupmate vanished, a timeout inside hivemind)
-    TIMEOUT = "timeout"  # the round outlived round_budget_s and was cancelled
-    NO_TOKENS = "no_tokens"  # no participant processed any token: nothing to merge
-    DIVERGED = "diverged"  # our result disagrees with the majority: reload the group from peers
-    UNVERIFIED = "unverified"  # too few fingerprints arrived to form a majority: reload the group from peers
-    SUPERSEDED = "superseded"  # gathered: our set's other senders merged theirs elsewhere: nobody applies ours
+    BAD_INPUT = "bad_input"
+    BUSY = "busy"
+    NO_GROUP = "no_group"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    NO_TOKENS = "no_tokens"
+    DIVERGED = "diverged"
+    UNVERIFIED = "unverified"
+    SUPERSEDED = "superseded"
+
+    @property
+    def meaning(self) -> str:
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    RoundStatus.OK: "merged, and a majority of the participants got the same result: applied",
+    RoundStatus.BAD_INPUT: "this node's own pseudo-gradient was not finite: it did not take part",
+    RoundStatus.BUSY: "an earlier round of the group still held its buffers: skipped",
+    RoundStatus.NO_GROUP: "too few other composers had a contribution ready within the matchmaking wait (a quorum "
+                          "of the live ones): nothing merged, the pseudo-gradient goes into the next round",
+    RoundStatus.FAILED: "the exchange broke off (a participant vanished or timed out): nothing applied",
+    RoundStatus.TIMEOUT: "the round outlived its time budget and was cancelled",
+    RoundStatus.NO_TOKENS: "no participant had trained a token since the last merge: nothing to merge",
+    RoundStatus.DIVERGED: "this node's result disagreed with the majority's: not applied, the group reloaded from "
+                          "peers",
+    RoundStatus.UNVERIFIED: "too few results arrived to form a majority: not applied, the group reloaded from peers",
+    RoundStatus.SUPERSEDED: "the other senders of this node's set merged theirs in another set: not applied",
+}
 
 
 @dataclass(frozen=True)

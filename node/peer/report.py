@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallax.node.outer.records import RoundStatus
 from parallax.node.peer.local_swarm import read_metrics
 
 
@@ -99,6 +100,19 @@ def baseline_curve(path: Path) -> tuple[list[tuple[int, float]], int]:
         raise ValueError(f"{path} is not a `parallax bench quality --json` file with a baseline run ({e!r})") from None
 
 
+SMOOTHING = 20
+"""Step lines in the throughput plot's moving average."""
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def report_run(paths: Sequence[Path], out: Path, baseline: Path | None = None) -> Path:
     """Plots (``loss.png``, ``throughput.png``, ``rounds.png``) and ``report.md`` in ``out``; returns the markdown.
 
@@ -134,14 +148,13 @@ def report_run(paths: Sequence[Path], out: Path, baseline: Path | None = None) -
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4))
     for n in nodes:
-        ax_t.plot(n.steps, n.tokens_per_s, linewidth=0.8, label=n.name)
-        per_step = [(s, (b1 - b0) / max(1, s - s0)) for (s0, b0), (s, b1) in
-                    zip(zip(n.steps, n.traffic, strict=True), zip(n.steps[1:], n.traffic[1:], strict=True),
-                        strict=False)]
-        if per_step:
-            ax_b.plot(*zip(*per_step, strict=True), linewidth=0.8, label=n.name)
-    ax_t.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    ax_b.set(xlabel="step", ylabel="bytes per step (sent + received)", title="traffic")
+        raw = ax_t.plot(n.steps, n.tokens_per_s, linewidth=0.5, alpha=0.3)[0]
+        ax_t.plot(n.steps, moving_average(n.tokens_per_s, SMOOTHING), linewidth=1.2, color=raw.get_color(),
+                  label=n.name)
+        ax_b.plot(n.steps, [b / 1e6 for b in n.traffic], linewidth=1.0, label=n.name)
+    ax_t.set(xlabel="step", ylabel=f"tokens/s (faint: as logged; line: mean of {SMOOTHING} step lines)",
+             title="throughput")
+    ax_b.set(xlabel="step", ylabel="MB sent + received, cumulative", title="traffic")
     for a in (ax_t, ax_b):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
@@ -188,7 +201,17 @@ def summary(nodes: Sequence[NodeReport], base: Sequence[tuple[int, float]] = ())
     for n in nodes:
         for (group, status), c in n.rounds.items():
             rounds.setdefault(group, Counter())[status] += c
+    if any(n.val_loss is None for n in nodes):
+        lines += ["", "val loss `-`: the node left without evaluating its model on the validation split (`node join "
+                      "--final-eval` does; `parallax export` then `parallax eval` measure the whole model)."]
     if rounds:
         lines += ["", "Outer rounds, all nodes: " + "; ".join(
             f"{g}: " + ", ".join(f"{s} {c}" for s, c in sorted(st.items())) for g, st in sorted(rounds.items()))]
+        seen = sorted({s for st in rounds.values() for s in st})
+        lines += ["", "| outcome | what it means |", "|---|---|"]
+        lines += [f"| {s} | {RoundStatus(s).meaning if s in _STATUSES else 'not an outcome this Parallax writes'} |"
+                  for s in seen]
     return "\n".join(lines) + "\n"
+
+
+_STATUSES = {s.value for s in RoundStatus}

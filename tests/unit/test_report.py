@@ -47,6 +47,23 @@ def test_a_report_reads_every_figure_from_the_files(tmp_path: Path) -> None:
     assert "| node-0 | 50 | 3.5450 | 2.5000 | 1,026 | 1,000 | 2 | 1 | 1 / 0 |" in md, md
     assert "| node-1 | 40 |" in md and "3.1000 after 20,000 tokens" in md
     assert "backbone: timeout 1; router: ok 3" in md
+    assert "| timeout | the round outlived its time budget and was cancelled |" in md  # each outcome explained
+    assert "| ok | merged, and a majority" in md and "| no_group |" not in md  # only those that happened
+    assert "val loss `-`" not in md  # both nodes evaluated
+
+
+def test_moving_averages_and_why_a_val_loss_is_missing(tmp_path: Path) -> None:
+    from parallax.node.peer.report import moving_average, summary
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0, 4.0], 10) == [2.0, 3.0]
+    path = _metrics(tmp_path / "node-0" / "metrics.jsonl", steps=5, loss0=4.0, bytes_per_step=10,
+                    rounds=[("router", "no_group")])
+    node = read_node(path)
+    node.val_loss = None  # a node that left without --final-eval
+    md = summary([node])
+    assert "val loss `-`: the node left without evaluating" in md and "--final-eval" in md
+    assert "| no_group | too few other composers" in md
 
 
 def test_a_file_that_is_not_a_nodes_metrics_is_named(tmp_path: Path) -> None:
