@@ -4,7 +4,13 @@ that run a peer replace these handlers with their own (``node.peer.processes.ins
 
 While the command's modules import, a signal ends the process at once (``os._exit``): nothing has started yet,
 and an exception raised in the middle of an import can leave a half-imported module behind (numpy's lazy
-submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130)."""
+submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130).
+
+Python runs a signal handler only between bytecodes, so a command inside one long native call (a matrix product
+of a large model's step on the CPU: tens of seconds) would not see Ctrl+C or SIGTERM until it returns. A
+watchdog thread hears the signal at once (``signal.set_wakeup_fd``); if the handler has not run ``STUCK_S``
+seconds later, it ends the process itself (exit 130, one line saying why). It stands down for commands that
+installed handlers of their own (a peer's graceful leave takes its time)."""
 
 from __future__ import annotations
 
@@ -14,17 +20,48 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
+
+STUCK_S = 5.0
+"""Seconds a signal may wait for its handler before the watchdog ends the process."""
 
 
 class Interrupted(BaseException):
     """A signal to a command that installed no handlers of its own (a BaseException: click lets it through)."""
 
 
+_handled = threading.Event()
+
+
 def _interrupt(signum: int, _frame: Any) -> None:
+    _handled.set()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_DFL)  # a second signal ends the process even if stuck in native code
     raise Interrupted(signum)
+
+
+def guard_signals() -> None:
+    """Ctrl+C and SIGTERM raise ``Interrupted`` in the main thread, and end the process within ``STUCK_S`` seconds
+    when the main thread is inside a native call that does not return (the module docstring)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _interrupt)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read,), name="parallax-signal-watchdog", daemon=True).start()
+
+
+def _watch(read: int) -> None:
+    while True:
+        for signum in os.read(read, 64):
+            if signal.getsignal(signum) is not _interrupt:
+                continue  # not ours to act on: the command handles its signals itself, or it is another one
+            if not _handled.wait(STUCK_S):
+                os.write(2, f"stopped by signal {signum} inside a computation that does not return to Python; "
+                            "ended without waiting for it\n".encode())
+                os._exit(130)
+            return
 
 
 def _while_importing(signum: int, _frame: Any) -> None:
@@ -37,8 +74,7 @@ def run() -> None:
         signal.signal(s, _while_importing)
     from parallax.cli.main import app
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _interrupt)
+    guard_signals()
     try:
         app()
     except Interrupted as e:

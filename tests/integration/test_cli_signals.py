@@ -1,0 +1,83 @@
+"""Ctrl+C and SIGTERM end a command that is inside one long native call (a large matrix product), within seconds,
+with one line saying why; a command whose main thread is in Python code is interrupted as before and given all
+the time its cleanup takes. Real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+STUCK = """
+import os, sys, threading, time
+import numpy as np
+from parallax.cli.entry import Interrupted, guard_signals
+
+def announce(main):  # says "computing" once the main thread is a second of CPU into the product
+    while sys._current_frames()[main].f_code.co_name != "product":
+        time.sleep(0.01)
+    start = os.times().user
+    while os.times().user < start + 1.0:
+        time.sleep(0.01)
+    print("computing", flush=True)
+
+def product(a):
+    return a @ a  # one native call of tens of seconds on one thread (2 TFLOP)
+
+guard_signals()
+a = np.ones((10_000, 10_000), dtype=np.float32)
+threading.Thread(target=announce, args=(threading.get_ident(),), daemon=True).start()
+try:
+    product(a)
+    print("returned", flush=True)
+except Interrupted:
+    print("interrupted after it returned", flush=True)
+"""
+
+CLEANUP = """
+import time
+from parallax.cli.entry import STUCK_S, Interrupted, guard_signals
+guard_signals()
+try:
+    print("waiting", flush=True)
+    time.sleep(600)
+except Interrupted:
+    time.sleep(STUCK_S + 2)  # a cleanup longer than the watchdog's wait: it must not be cut short
+    print("cleaned up", flush=True)
+"""
+
+
+def _start(program: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_a_command_stuck_in_a_native_call(signum: int) -> None:
+    process = _start(STUCK)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "computing\n"
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130, (out, err)
+    assert "inside a computation that does not return to Python" in err and "returned" not in out, (out, err)
+
+
+def test_a_command_in_python_code_gets_its_cleanup() -> None:
+    process = _start(CLEANUP)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "waiting\n"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0 and out == "cleaned up\n", (out, err)
+
