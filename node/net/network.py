@@ -195,6 +195,15 @@ class ServedOnLoop:
                 self.servicer.remove_p2p_handlers(self.p2p, namespace=self.namespace), self.loop).result(timeout_s)
 
 
+async def _end_tasks() -> None:
+    """Cancel every other task of the running loop and wait for them, then close its async generators."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
 class NetworkLoop:
     """An asyncio loop in a daemon thread and a replica of ``dht``'s P2P daemon handle (``p2p``).
 
@@ -220,9 +229,11 @@ class NetworkLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def close(self, *first: Coroutine[Any, Any, Any], timeout_s: float = 10.0) -> None:
-        """Run ``first`` (e.g. removing handlers), shut the P2P replica down, stop the loop; each step bounded,
-        failures logged (shutting down must not raise)."""
-        steps = [*first, *([self.p2p.shutdown()] if self.p2p is not None else [])]
+        """Run ``first`` (e.g. removing handlers), shut the P2P replica down, end the tasks still running (streams
+        being answered or read: cancelled, their ``finally`` blocks run here, not whenever the garbage collector
+        finds them in another thread), stop the loop; each step bounded, failures logged (shutting down must not
+        raise)."""
+        steps = [*first, *([self.p2p.shutdown()] if self.p2p is not None else []), _end_tasks()]
         for coro in steps:
             try:
                 self.run(coro, timeout_s)

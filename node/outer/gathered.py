@@ -6,7 +6,11 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 1. publish this node's contribution (its entry: round, sha256, size, tokens) and serve its body;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
-   merged this node's contribution in;
+   merged this node's contribution in. Fetches run in the background: once the wait is over and a quorum is
+   held, fetches still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at
+   all has arrived by then unless it is large or slow), then the round goes on without them (a slow sender
+   delays no round past that, where it used to hold each up to ``allreduce_timeout_s``); they end on their own
+   bounds, and what they bring is not merged;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
@@ -23,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -68,7 +72,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GatheredRounds"]
 
 _REFUSED_KEPT = 256
-_FETCHES_AT_ONCE = 8
+_FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
 _RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
@@ -105,6 +109,7 @@ class GatheredRounds:
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
         self._lock = threading.Lock()  # _refused, _retry_at, _digests: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
+        self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.last_sent: dict[str, torch.Tensor] | None = None
         """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
 
@@ -249,7 +254,8 @@ class GatheredRounds:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
         ``min_matchmaking_time_s`` for every one to have one (and on, up to ``matchmaking_timeout_s``, while fewer
         than a quorum have); or, when others already merged ours with theirs, their set. Returns the
-        contributions to merge (sorted pairs), or None when no quorum could be had."""
+        contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still in flight when
+        it returns are left to end on their own bounds; ``found`` no longer changes."""
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
@@ -258,24 +264,33 @@ class GatheredRounds:
             quorum = self._quorum()
             taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
                               .items() if len(members) >= quorum})
-            if taken is not None and self._fetch_set(taken, found, time.monotonic(), entries):
-                return taken
+            if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
+                                                     entries):
+                return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
             current = open_contributions(entries)
-            self._fetch_all(current.items(), found)
+            wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
+            flights = self._flights.start(wanted)
+            self._flights.take(flights, found, POLL_S)
             expected = self._working()
             have = {split_pair(name)[0] for name in current if name in found}
-            if expected <= have or (time.monotonic() >= wait_until and len(have) + 1 >= quorum):
+            now = time.monotonic()
+            # Past the wait with a quorum: fetches still running get one message's bound more (a small body has
+            # arrived or stalled by then), then the round goes on without them.
+            waiting = any(not f.done() for f in flights.values()) and now < wait_until + cfg.net.next_chunk_timeout_s
+            if expected <= have or (now >= wait_until and len(have) + 1 >= quorum and not waiting):
                 return tuple(sorted({me} | {name for name in current if name in found}))
             if time.monotonic() >= give_up:
                 return None
-            time.sleep(POLL_S)
 
-    def _fetch(self, name: str, entry: RoundEntry, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> bool:
-        """Fetch contribution ``name`` (announced by ``entry``) into ``found``, once; False when it is unusable."""
-        if name in found:
-            return True
-        if name in self._refused or time.monotonic() < self._retry_at.get(name, 0.0):
-            return False
+    def _may_ask(self, name: str) -> bool:
+        """Whether contribution ``name`` may be fetched now: not refused this round, not waiting to be asked again."""
+        with self._lock:
+            return name not in self._refused and time.monotonic() >= self._retry_at.get(name, 0.0)
+
+    def _fetch(self, name: str, entry: RoundEntry) -> Fetched | None:
+        """Fetch contribution ``name`` (announced by ``entry``): its tensors and tokens, or None when unusable."""
+        if not self._may_ask(name):
+            return None
         peer = split_pair(name)[0]
         try:
             if entry.size > self._body_cap:
@@ -304,11 +319,10 @@ class GatheredRounds:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
                            "" if bad or stalled else " for now", e)
-            return False
-        found[name] = (tensors, entry.tokens)
+            return None
         if self.peers.worked is not None:
             self.peers.worked(peer)
-        return True
+        return tensors, entry.tokens
 
     def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse a body ``peer`` already sent for another round: two rounds of training never give the same
@@ -332,7 +346,8 @@ class GatheredRounds:
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
         """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
-        fetch failed for now (a deadline already past: one try); True when all are held."""
+        fetch failed for now, waiting for those in flight until then (the fetches go on after it); True when all
+        are held."""
         while True:
             missing = [name for name in names if name not in found]
             if not missing:
@@ -344,22 +359,56 @@ class GatheredRounds:
             announced = [(name, entry_of(entries, name)) for name in missing]
             if any(entry is None for _, entry in announced):
                 return False
-            if all(self._fetch_all([(n, e) for n, e in announced if e is not None], found)):
+            flights = self._flights.start([(n, e) for n, e in announced if e is not None and self._may_ask(n)])
+            self._flights.take(flights, found, max(POLL_S, deadline - time.monotonic()), every=True)
+            if all(name in found for name in names):
                 return True
             if time.monotonic() >= deadline:
                 return False
             retry = min((self._retry_at.get(name, 0.0) for name in missing if name not in found), default=0.0)
             time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
 
-    def _fetch_all(self, named: Iterable[tuple[str, RoundEntry]],
-                   found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> list[bool]:
-        """``_fetch`` each of ``named`` at once (a slow peer delays the round by its own fetch, not by the sum)."""
-        todo = [(name, entry) for name, entry in named if name not in found]
-        if len(todo) <= 1:
-            return [self._fetch(name, entry, found) for name, entry in todo]
-        with ThreadPoolExecutor(min(len(todo), _FETCHES_AT_ONCE), thread_name_prefix=f"gather-{self.group}") as pool:
-            return list(pool.map(lambda item: self._fetch(item[0], item[1], found), todo))
 
+Fetched = tuple[dict[str, torch.Tensor], float]
+"""A usable contribution: its tensors and its sender's tokens."""
+
+
+class _Flights:
+    """A node's fetches of one group's contributions, each running at most once at a time (a round that went on
+    without one still in flight, and a later phase or round that wants the same contribution, share it); they
+    end on their own bounds. Its pool's size bounds the fetches at once."""
+
+    def __init__(self, fetch: Callable[[str, RoundEntry], Fetched | None], name: str) -> None:
+        self._fetch = fetch
+        self._pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=name)
+        self._running: dict[str, Future[Fetched | None]] = {}
+        self._lock = threading.Lock()
+
+    def start(self, named: Iterable[tuple[str, RoundEntry]]) -> dict[str, Future[Fetched | None]]:
+        """The fetch of each of ``named``: the one in flight, or one started now."""
+        out = {}
+        with self._lock:
+            for name, entry in named:
+                flight = self._running.get(name)
+                if flight is None or flight.done():
+                    flight = self._running[name] = self._pool.submit(self._fetch, name, entry)
+                out[name] = flight
+            for name in [n for n, f in self._running.items() if f.done() and n not in out]:
+                del self._running[name]
+        return out
+
+    @staticmethod
+    def take(flights: Mapping[str, Future[Fetched | None]], found: dict[str, Fetched], timeout_s: float,
+             every: bool = False) -> None:
+        """Wait up to ``timeout_s`` for one of ``flights`` to end (``every``: for all of them), then put those that
+        ended usable into ``found``; the others go on."""
+        if flights:
+            wait(list(flights.values()), timeout=timeout_s, return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
+        else:
+            time.sleep(timeout_s)
+        for name, flight in flights.items():
+            if flight.done() and (got := flight.result()) is not None:
+                found[name] = got
 
 def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:
     """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""

@@ -77,12 +77,12 @@ def peers() -> Iterator[list[Peer]]:
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
                round_peers: RoundPeers | None = None, quorum_waits: Sequence[float] | None = None,
                gathers: Sequence[OuterGather] | None = None, compression: str = "fp16",
-               ) -> Iterator[list[GroupAverager]]:
+               timings: dict[str, float] | None = None) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
     composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
     loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``: each peer's wait instead):
     these tests are about what is merged. ``gathers``: each peer's contribution server and fetcher instead of
-    the module's; ``compression``: the wire (fp16)."""
+    the module's; ``compression``: the wire (fp16); ``timings``: other loopback timings (``net.outer``)."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     with contextlib.ExitStack() as stack:
@@ -90,7 +90,7 @@ def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | 
         for p, score, wait, gather in zip(peers, scores or [None] * len(peers),
                                           quorum_waits or [15.0] * len(peers), gathers or [p.gather for p in peers],
                                           strict=True):
-            config = OuterSyncConfig.loopback(compression=compression, matchmaking_timeout_s=wait)
+            config = OuterSyncConfig.loopback(compression=compression, matchmaking_timeout_s=wait, **(timings or {}))
             averagers.append(stack.enter_context(GroupAverager(
                 p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
@@ -254,8 +254,9 @@ _HeldAnswers.__name__ = ContributionServicer.__name__  # hivemind names the prot
 
 def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_and_is_scored(peers):
     """Peer 3 announces its contribution and holds every fetch of it open without sending a byte. Each honest
-    peer asks once, gives up after ``next_chunk_timeout_s`` (not the round's ``allreduce_timeout_s``), does not
-    ask again in that round, merges the three others and scores the holder."""
+    peer asks once, merges the three others without waiting for that fetch, gives it up after
+    ``next_chunk_timeout_s`` (not the round's ``allreduce_timeout_s``), does not ask again and scores the
+    holder."""
     config = OuterSyncConfig.loopback(compression="fp16")
     holder = peers[3].dht.peer_id
     gathers: list[OuterGather] = []
@@ -280,10 +281,73 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
                 report = a.last_report
                 assert report.status is RoundStatus.OK and merged is not None, report
                 assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
+                wait_until(lambda score=score: holder in score.snapshot(), timeout=30)  # the fetch's own bound
                 reasons = score.snapshot()[holder]["reasons"]
                 assert reasons == {"outer contribution fetch accepted and then held": 1}, reasons
                 assert not score.banned(holder)
         assert isinstance(gathers[3].servicer, _HeldAnswers) and gathers[3].servicer.asked == 3
+    finally:
+        for gather in gathers:
+            gather.close()
+
+
+class _SlowAnswers(ContributionServicer):
+    """Sends each contribution in ``pieces`` messages, ``every_s`` apart (each within the receiver's bound on one
+    message: slow, not stalled); records when each answer ends, sent whole or cut off by its reader."""
+
+    def __init__(self, *args: typing.Any, pieces: int, every_s: float) -> None:
+        super().__init__(*args)
+        self.pieces, self.every_s = pieces, every_s
+        self.started, self.ended = 0, threading.Event()
+
+    async def rpc_contribution(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        group, _, n = request.uid.rpartition("/")
+        body = self._store.get(group, int(n)) or b""
+        size = -(-len(body) // self.pieces)
+        self.started += 1
+        try:
+            for start in range(0, len(body), size):
+                await asyncio.sleep(self.every_s)
+                yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + size])
+        finally:
+            self.ended.set()
+
+
+_SlowAnswers.__name__ = ContributionServicer.__name__
+
+
+def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
+    """Peer 3 sends its contribution slowly: every message within the bound on one message, the whole in longer
+    than the bound on a fetch. The three others merge among themselves once their wait is over and each holds a
+    quorum, while their fetches of peer 3's body are still running (they are abandoned, not awaited)."""
+    timings = {"allreduce_timeout_s": 60.0}
+    config = OuterSyncConfig.loopback(compression="fp16", **timings)
+    gathers: list[OuterGather] = []
+    try:
+        for i, p in enumerate(peers):
+            gather = OuterGather(p.loop.p2p, p.loop.loop, "slow")
+            if i == 3:  # 30 messages 2.5 s apart: 75 s in all
+                gather.servicer = slow = _SlowAnswers(gather.store, pieces=30,
+                                                      every_s=config.net.next_chunk_timeout_s / 2)
+            gathers.append(gather.start())
+        with _averagers(peers, "slow", gathers=gathers, timings=timings) as averagers:
+            deltas = _deltas(4, seed=23)
+            with ThreadPoolExecutor(4) as pool:
+                late = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=1)
+                wait_until(lambda: peers[3].dht.peer_id in averagers[0].records.read([peers[3].dht.peer_id], 2.0),
+                           timeout=30)
+                honest = [pool.submit(a.run_round, d, CAP, round_id=1)
+                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
+                results = [f.result(timeout=60) for f in honest]
+                still_sending = not slow.ended.is_set()
+                late.result(timeout=90)
+            assert slow.started >= 1 and still_sending, "the rounds waited for the slow contribution"
+            for a, merged in zip(averagers[:3], results, strict=True):
+                report = a.last_report
+                assert report.status is RoundStatus.OK and merged is not None, report
+                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
     finally:
         for gather in gathers:
             gather.close()
