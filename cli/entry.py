@@ -49,7 +49,15 @@ def guard_signals() -> None:
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    # A forked child (hivemind's DHT process) would otherwise write its own signals into this pipe, and the
+    # watchdog would end this process for a signal it never received.
+    os.register_at_fork(after_in_child=_no_wakeup_fd)
     threading.Thread(target=_watch, args=(read,), name="parallax-signal-watchdog", daemon=True).start()
+
+
+def _no_wakeup_fd() -> None:
+    with contextlib.suppress(ValueError):  # not the main thread: Python then has no wakeup fd to reset
+        signal.set_wakeup_fd(-1)
 
 
 def _watch(read: int) -> None:

@@ -81,3 +81,34 @@ def test_a_command_in_python_code_gets_its_cleanup() -> None:
         process.wait()
     assert process.returncode == 0 and out == "cleaned up\n", (out, err)
 
+
+
+FORKED = """
+import multiprocessing, os, signal, time
+from parallax.cli.entry import STUCK_S, guard_signals
+
+def child(ready):
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # a Python handler: the signal passes through Python
+    ready.set()
+    time.sleep(600)
+
+guard_signals()
+ready = multiprocessing.get_context("fork").Event()
+process = multiprocessing.get_context("fork").Process(target=child, args=(ready,))
+process.start()
+ready.wait(60)
+process.terminate()  # SIGTERM to the child only
+process.join(60)
+time.sleep(STUCK_S + 2)  # longer than the watchdog waits: it must not take the child's signal for ours
+print("alive", flush=True)
+"""
+
+
+def test_a_signal_to_a_forked_child_does_not_end_the_parent() -> None:
+    process = _start(FORKED)
+    try:
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0 and out == "alive\n", (out, err)
