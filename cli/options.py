@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import time
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -174,6 +175,21 @@ def run_manifest(path: Path | None, run_id: str | None) -> tuple[Any, str | None
     if run_id is not None and run_id != manifest.run_id:
         raise ManifestError(f"--run-id {run_id} but manifest {path} is run {manifest.run_id}'s: leave out --run-id")
     return manifest, manifest.run_id
+
+
+def new_run_folder(workdir: Path, run_id: str) -> Path:
+    """A folder of its own for one local run under ``workdir``: ``RUN_ID-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... when
+    two runs start in the same second), so a second run in the same folder keeps the first one's files."""
+    stamp = f"{run_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        folder = workdir / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"{workdir} holds a thousand runs started in this second")
 
 
 def fail(message: object, code: int = 2) -> NoReturn:

@@ -14,7 +14,6 @@ import logging
 import math
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from parallax.cli.options import RunOptions, fail, with_run_options
+from parallax.cli.options import RunOptions, fail, new_run_folder, with_run_options
 from parallax.cli.progress import run_progress
 from parallax.node.sim.simulator import RUN_KINDS, RunResult, RunSpec, run
-from parallax.node.train.data import load_corpus
+from parallax.node.train.data import CorpusInfo, load_corpus
 from parallax.node.train.tokenizer import make_tokenizer, tokenized_splits
 
 
@@ -63,15 +62,15 @@ def sim(
         fail(e)
     train, val = splits.train, splits.val
     console = Console()
-    folder = out / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = new_run_folder(out, kind) if export else None
     m = cfg.model
     console.print(f"{kind}: {opts.composers} composer(s) of a {m.n_layers}-layer MoE (d_model {m.d_model}, "
                   f"{m.n_experts} experts, top-{m.top_k}), {cfg.steps} steps of {cfg.batch_size} x {m.seq_len} "
                   f"{'byte tokens' if tok.kind == 'bytes' else f'tokens (BPE of {tok.vocab_size})'} each. Ctrl+C "
                   "stops after the current step with the result so far.")
     with stop_on_signal(console) as stop, run_progress(cfg.steps, enabled=not opts.quiet) as progress:
-        result = run(spec, train, val, progress=progress, checkpoint_dir=folder / "checkpoints" if export else None,
-                     should_stop=stop.is_set)
+        result = run(spec, train, val, progress=progress, checkpoint_dir=folder / "checkpoints" if folder else None,
+                     should_stop=stop.is_set, data=CorpusInfo.of(opts.data, corpus))
         baseline = None
         if reference and kind != "baseline" and not stop.is_set():
             same = RunSpec(name="baseline", kind="baseline", cfg=cfg, composers=opts.composers)
@@ -80,7 +79,7 @@ def sim(
     _print_result(console, kind, result, baseline, cfg.steps, opts.data, splits.val_bytes_per_token,
                   cfg.model.vocab_size)
     model = None
-    if export:
+    if folder is not None:
         try:
             model = export_checkpoints(sorted((folder / "checkpoints").iterdir()), folder / "model", data=opts.data,
                                        tokenizer=tok)

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from parallax.cli.options import ManifestFile, run_manifest
+from parallax.cli.options import ManifestFile, new_run_folder, run_manifest
 
 if TYPE_CHECKING:
     from parallax.dht.status import SwarmStatus
@@ -301,23 +301,6 @@ def local(
         console.print(f"[red]node {n.index} exited with code {n.process.returncode}[/red]: see {n.log}")
     if failed:
         raise typer.Exit(1)
-
-
-def new_run_folder(workdir: Path, run_id: str) -> Path:
-    """A folder of its own for one local run under ``workdir``: ``RUN_ID-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... when
-    two runs start in the same second), so a second run in the same folder keeps the first one's files."""
-    import time
-
-    stamp = f"{run_id}-{time.strftime('%Y%m%d-%H%M%S')}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        folder = workdir / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            folder.mkdir()
-        except FileExistsError:
-            continue
-        return folder
-    raise FileExistsError(f"{workdir} holds a thousand runs started in this second")
 
 
 def _export_local(console: Console, checkpoints: Sequence[Path], out: Path, preset: str,

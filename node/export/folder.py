@@ -36,6 +36,7 @@ from parallax.errors import NodeError
 from parallax.node.config.train import ModelConfig, TrainConfig
 from parallax.node.config.typed import ConfigError, apply_changes, table_changes
 from parallax.node.model.transformer import MoETransformer, group_of, own_all
+from parallax.node.train.data import CorpusInfo
 from parallax.node.train.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, TokenizerError
 
 FORMAT = "parallax-model"
@@ -89,6 +90,8 @@ class NodeSummary:
     """Its own view's validation loss, when known (a checkpoint does not hold one)."""
     train_loss: float | None = None
     """The training loss its last heartbeat announced (a live export)."""
+    data: CorpusInfo | None = None
+    """What it trained on, when known (its checkpoint names it; a heartbeat does not)."""
 
 
 @dataclass
@@ -99,11 +102,11 @@ class Provenance:
     experts: list[dict[str, Any]] = field(default_factory=list)
     missing: list[ExpertId] = field(default_factory=list)
     val_loss: dict[str, Any] | None = None
+    """The exported model's loss on the run's validation windows, measured at export."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The run's training settings (``TrainConfig`` as JSON), as the checkpoints or the run's manifest hold them."""
     license: str | None = None
     """The licence the exporter gives the weights (an SPDX id), or None when none was given."""
-    """The exported model's loss on the run's validation windows, measured at export."""
     exported_unix_s: float = field(default_factory=time.time)
 
 
@@ -295,6 +298,7 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
                   f"{v['nats_per_byte']:.4f} nats per byte, perplexity {v['perplexity']:.2f} "
                   f"({v['windows']} windows of {cfg.seq_len} tokens from {v['data']}).", ""]
     lines += _training_lines(p.settings)
+    lines += _data_lines(p.nodes)
     lines += ["## Nodes", "", "| node | step | tokens | training loss (last heartbeat) |", "|---|---:|---:|---:|"]
     for n in p.nodes:
         loss = f"{n.train_loss:.4f}" if n.train_loss is not None and math.isfinite(n.train_loss) else "-"
@@ -316,6 +320,21 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         lines += ["", f"**{len(p.missing)} expert(s) were held by nobody and are zeros** (they contribute nothing "
                       f"where the router picks them): {', '.join(f'{l}.{e}' for l, e in p.missing)}."]
     return "\n".join(lines) + "\n"
+
+
+def _data_lines(nodes: Sequence[NodeSummary]) -> list[str]:
+    """The card's data section: each corpus the nodes trained on, with its digest and how many trained on it."""
+    corpora = collections.Counter(n.data for n in nodes if n.data is not None)
+    unknown = sum(1 for n in nodes if n.data is None)
+    lines = ["## Training data", ""]
+    if corpora:
+        lines += ["| corpus | sha256 | bytes | nodes |", "|---|---|---:|---:|"]
+        lines += [f"| {c.name} | `{c.sha256}` | {c.size:,} | {n} |" for c, n in corpora.most_common()]
+        lines.append("")
+    if unknown:
+        lines += [f"{unknown} node(s) did not name their data (a live export reads heartbeats, which do not; "
+                  "an export from checkpoints names it).", ""]
+    return lines
 
 
 def _training_lines(settings: Mapping[str, Any]) -> list[str]:

@@ -80,7 +80,7 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
         run_ids[holder] = info.run_id
         models[holder] = json.dumps(info.config.get("model"), sort_keys=True)
         config = config or info.config
-        nodes.append(NodeSummary(holder=holder, step=info.step, tokens=info.tokens_seen))
+        nodes.append(NodeSummary(holder=holder, step=info.step, tokens=info.tokens_seen, data=info.data))
         shared.append(Copy(own_shared, holder, "checkpoint", info.step, info.saved_unix_s, groups))
         for layer, owned in enumerate(info.owned):
             for expert in owned:

@@ -471,6 +471,8 @@ class GroupAverager:
         if self._closed:
             return
         self._closed = True
+        if self._gathered is not None:
+            self._gathered.close()
         averager = getattr(self, "_averager", None)
         if averager is not None and averager.is_alive():
             try:

@@ -178,6 +178,10 @@ class GatheredRounds:
                                              f"{answered} fingerprints found", **common)
         return None
 
+    def close(self) -> None:
+        """Drop the fetches not started yet; those running end on their own bounds."""
+        self._flights.close()
+
     def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
                common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """The robust merge of the ``participants``' contributions (in sorted order, as on every peer); notes the
@@ -396,6 +400,9 @@ class _Flights:
             for name in [n for n, f in self._running.items() if f.done() and n not in out]:
                 del self._running[name]
         return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def take(flights: Mapping[str, Future[Fetched | None]], found: dict[str, Fetched], timeout_s: float,

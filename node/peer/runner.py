@@ -68,7 +68,7 @@ from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
 from parallax.node.train.checkpoint import load_checkpoint, read_info, sound_checkpoint, state_hash
 from parallax.node.train.composer import Composer
-from parallax.node.train.data import load_corpus, val_batches
+from parallax.node.train.data import CorpusInfo, load_corpus, val_batches
 from parallax.node.train.device import device_of
 from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, run_tokenizer, tokenized_splits
 from parallax.protocol.identity import Identity
@@ -129,6 +129,7 @@ class Node:
         self._observer: Observer | None = None
         self._tokenizer: Tokenizer = ByteTokenizer()
         """The run's (``node.train.tokenizer``), known once the corpus is read."""
+        self._corpus: CorpusInfo | None = None
         self._started = self._online_at = time.monotonic()
 
     @property
@@ -178,6 +179,7 @@ class Node:
             telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
                                          config=json.loads(run_settings(cfg)))
         corpus = load_corpus(c.node.data)
+        self._corpus = CorpusInfo.of(c.node.data, corpus)
         self._tokenizer = run_tokenizer(cfg.model, corpus, c.peer.manifest)
         splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
         train_tokens, val = splits.train, splits.val
@@ -241,7 +243,7 @@ class Node:
                         experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=held_out,
                         started=self._started,
                         outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
-                                               net.gather.bytes_fetched), replicas=replicas)
+                                               net.gather.bytes_fetched), replicas=replicas, data=self._corpus)
 
     def _checkpoint(self) -> Path | None:
         """The checkpoint ``--resume`` names: with ``latest``, the newest sound one of ``--checkpoint-dir`` (those

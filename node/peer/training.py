@@ -31,6 +31,7 @@ from parallax.node.peer.telemetry import Telemetry
 from parallax.node.peer.views import SwarmViews
 from parallax.node.train.checkpoint import save_checkpoint, state_hash
 from parallax.node.train.composer import Composer, schedule_position
+from parallax.node.train.data import CorpusInfo
 from parallax.node.train.outer import TierSchedule
 from parallax.protocol.messages import MAX_SUSPECTS
 
@@ -49,7 +50,7 @@ class Training:
                  stop_event: threading.Event, *, offload: OffloadSession | None, scores: PeerScores | None = None,
                  val: list[tuple[torch.Tensor, torch.Tensor]], started: float,
                  outer_traffic: Callable[[], tuple[int, int]] = lambda: (0, 0),
-                 replicas: ReplicaRounds | None = None) -> None:
+                 replicas: ReplicaRounds | None = None, data: CorpusInfo | None = None) -> None:
         self.config, self.composer, self.dht, self.membership, self.views = config, composer, dht, membership, views
         self.gossip, self.exchange, self.sync, self.rounds = gossip, exchange, sync, rounds
         self.experts, self.gate, self.telemetry, self.stop_event = experts, gate, telemetry, stop_event
@@ -59,6 +60,8 @@ class Training:
         self.replicas = replicas
         """The outer rounds among the owners of replicated experts (``ownership.replicas`` > 1), on the backbone's
         cadence."""
+        self.data = data
+        """What this node trains on (its checkpoints name it)."""
         self.schedule = TierSchedule(config.train.sync.periods)
         self.scores = scores
         self._applied: set[tuple[int, int]] = set()  # experts whose surrogate came from an owner (not at init)
@@ -270,7 +273,7 @@ class Training:
         assert settings.checkpoint_dir is not None
         path = save_checkpoint(settings.checkpoint_dir, self.composer, run_id=self.config.peer.run_id,
                                keep_last=settings.keep_checkpoints,
-                               versions=self.gossip.versions())
+                               versions=self.gossip.versions(), data=self.data)
         self.telemetry.event("checkpoint", step=self.composer.step, path=str(path),
                              state_hash=state_hash(self.composer))
 

@@ -46,7 +46,7 @@ from parallax.node.outer.wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
 from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate, expert_group
-from parallax.node.train.data import shard, val_batches
+from parallax.node.train.data import CorpusInfo, shard, val_batches
 from parallax.node.train.merge_rules import merge_groups
 from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule, to_send
 from parallax.node.train.robust import robust_merge_groups
@@ -158,7 +158,7 @@ def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterBundle
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
         device: torch.device | str = "cpu", checkpoint_dir: Path | None = None,
-        should_stop: Callable[[], bool] | None = None) -> RunResult:
+        should_stop: Callable[[], bool] | None = None, data: CorpusInfo | None = None) -> RunResult:
     """Train one run to completion and evaluate it.
 
     Args:
@@ -169,6 +169,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         device: where the models live.
         checkpoint_dir: when given, each composer's final checkpoint goes to ``checkpoint_dir/composer-<i>`` (what
             ``parallax export --from-checkpoints`` reads), in run ``sim``.
+        data: the corpus ``train`` and ``val`` come from, named in those checkpoints.
         should_stop: polled after every step; True makes that step the last (the final merges and evaluation
             still run, so a stopped run is a complete, shorter one).
     """
@@ -262,7 +263,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
 
     if checkpoint_dir is not None:
         for i, c in enumerate(composers):
-            save_checkpoint(checkpoint_dir / f"composer-{i}", c, run_id="sim", keep_last=1)
+            save_checkpoint(checkpoint_dir / f"composer-{i}", c, run_id="sim", keep_last=1, data=data)
     composer_losses = [c.evaluate(batches) for c in composers]
     assembled = composer_losses[0] if len(composers) == 1 else evaluate(assemble(composers, cfg), batches)
     tokens = sum(c.tokens_seen for c in composers)

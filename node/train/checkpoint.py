@@ -59,6 +59,7 @@ from parallax.errors import NodeError
 from parallax.node.config.train import TrainConfig
 from parallax.node.model.surrogate import ActivationBuffer
 from parallax.node.model.transformer import Ownership, group_of
+from parallax.node.train.data import CorpusInfo
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -114,12 +115,15 @@ class CheckpointInfo:
     """When the checkpoint was written (the writer's clock)."""
     tokens_seen: int
     """Training tokens the composer had processed."""
+    data: CorpusInfo | None = None
+    """What it trained on, where its writer said."""
 
 
 # ---- saving ---------------------------------------------------------------------------------------
 
 def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id: str,
-                    versions: Mapping[ExpertId, int] | None = None, keep_last: int = 3) -> Path:
+                    versions: Mapping[ExpertId, int] | None = None, keep_last: int = 3,
+                    data: CorpusInfo | None = None) -> Path:
     """Write ``root/step-<composer.step>/`` atomically, point ``root/latest`` at it, prune old ones.
 
     Args:
@@ -128,6 +132,7 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
         run_id: the run this composer trains in (refused on load into another run).
         versions: (layer, expert) -> surrogate version the node has applied (returned by the load).
         keep_last: complete checkpoints kept, newest by step; the one just written is always kept.
+        data: the corpus the composer trains on (the model card names it).
 
     Returns:
         The folder of the new checkpoint.
@@ -149,15 +154,17 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
     try:
         files = {}
         for fname in FILES:
-            data = safetensors.torch.save(tensors[fname])
-            _write_file(tmp / f"{fname}.safetensors", data)
-            files[fname] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            blob = safetensors.torch.save(tensors[fname])
+            _write_file(tmp / f"{fname}.safetensors", blob)
+            files[fname] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
         body = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "run_id": run_id, "step": composer.step,
             "saved_unix_s": time.time(), "config": config_json(composer.cfg),
             "versions": sorted([int(l), int(e), int(v)] for (l, e), v in (versions or {}).items()),
             "files": files, "state": meta,
         }
+        if data is not None:
+            body["data"] = dataclasses.asdict(data)
         _write_file(tmp / MANIFEST, _manifest_bytes(body))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (after a resume): move the old one aside first
@@ -275,7 +282,7 @@ def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
             owned=tuple(frozenset(int(e) for e in layer) for layer in body["state"]["owned"]),
             versions={(int(l), int(e)): int(v) for l, e, v in body["versions"]},
             config=body["config"], saved_unix_s=float(body["saved_unix_s"]),
-            tokens_seen=int(body["state"]["counters"]["tokens_seen"]),
+            tokens_seen=int(body["state"]["counters"]["tokens_seen"]), data=CorpusInfo.from_json(body.get("data")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e

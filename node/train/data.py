@@ -11,8 +11,10 @@ Shape legend: B batch, T sequence length (tokens per window), N tokens in a spli
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,34 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> bytes:
         found = f"{len(files)} file(s), all empty or unreadable" if files else "nothing"
         raise ValueError(f"no corpus text: looked for {what} and found {found}; {_HOW_TO}")
     return b"\n".join(chunks)
+
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    """What a composer trained on, as checkpoints and model cards name it."""
+
+    name: str
+    """The built-in corpus's name, or the last part of the ``--data`` given (no folders: a card is public)."""
+    sha256: str
+    """Of the corpus bytes ``load_corpus`` returned (several files joined)."""
+    size: int
+    """Its length in bytes."""
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str] | None, corpus: bytes) -> CorpusInfo:
+        name = f"{DEFAULT_CORPUS.stem} (built-in)" if path is None else os.path.basename(
+            os.fspath(path).rstrip("/")) or os.fspath(path)
+        return cls(name, hashlib.sha256(corpus).hexdigest(), len(corpus))
+
+    @classmethod
+    def from_json(cls, obj: object) -> CorpusInfo | None:
+        """None for anything that is not one (a checkpoint written without it, or damaged)."""
+        if not isinstance(obj, dict):
+            return None
+        name, digest, size = obj.get("name"), obj.get("sha256"), obj.get("size")
+        if not (isinstance(name, str) and isinstance(digest, str) and type(size) is int):
+            return None
+        return cls(name, digest, size)
 
 
 def split_corpus(

@@ -6,6 +6,7 @@ the simulator's assembled model's validation loss on the same windows.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from parallax.node.export.folder import (
 from parallax.node.export.offline import export_checkpoints
 from parallax.node.export.use import evaluate_on, generate
 from parallax.node.sim.simulator import RunSpec, run
-from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.data import CorpusInfo, load_corpus, split_corpus
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -39,8 +40,10 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     """A 2-composer tiny run of 20 steps with its checkpoints, and its assembled model's val loss."""
     root = tmp_path_factory.mktemp("sim")
     cfg = train_config("tiny", steps=20, batch_size=4)
-    train, val = split_corpus(load_corpus(None))
-    result = run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=2), train, val, checkpoint_dir=root)
+    corpus = load_corpus(None)
+    train, val = split_corpus(corpus)
+    result = run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=2), train, val, checkpoint_dir=root,
+                 data=CorpusInfo.of(None, corpus))
     return root, result.assembled_val_loss
 
 
@@ -192,6 +195,9 @@ def test_an_export_at_a_step_names_it_with_the_runs_settings_and_licence(simulat
     card = (tmp_path / "m" / "README.md").read_text()
     assert "License: apache-2.0." in card and "| schedule | 20 steps of 4 sequences per composer |" in card
     assert "m.generate(" in card
+    digest = hashlib.sha256(load_corpus(None)).hexdigest()
+    assert f"| tinyshakespeare (built-in) | `{digest}` |" in card and "| 2 |" in card  # both nodes trained on it
+    assert all(n["data"]["sha256"] == digest for n in config["nodes"])
     done = runner.invoke(app, ["export", *roots, "--step", "19", "--out", str(tmp_path / "early")])
     assert done.exit_code == 1 and "no checkpoint at or before step 19" in done.output, done.output
     assert not (tmp_path / "early").exists()
@@ -209,6 +215,7 @@ def test_a_stopped_simulation_is_a_complete_shorter_run_that_exports(tmp_path: P
     assert result.steps == 7 and result.tokens == 2 * 7 * 4 * cfg.model.seq_len
     out = export_checkpoints([tmp_path / "composer-0", tmp_path / "composer-1"], tmp_path / "model")
     assert json.loads((out / CONFIG).read_text())["provenance"]["nodes"][0]["step"] == 7
+    assert "2 node(s) did not name their data" in (out / "README.md").read_text()  # run without ``data``
 
 
 def test_the_first_run_prints_the_loss_beside_the_baseline_exports_and_says_what_next(tmp_path: Path) -> None:
