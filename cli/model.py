@@ -10,7 +10,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from parallax.cli.options import Data, ManifestFile, MemberCertFile, fail, run_manifest
+from parallax.cli.options import Data, ManifestFile, MemberCertFile, RunCreator, RunDigest, fail, run_manifest
 
 ModelDir = typer.Argument(..., help="An exported model folder (`parallax export --out`).")
 
@@ -32,8 +32,8 @@ def export(
     run_id: str | None = typer.Option(None, "--run-id", help="The run to export from the live swarm."),
     manifest_file: ManifestFile = None,
     member_cert: MemberCertFile = None,
-    digest: str | None = typer.Option(None, "--digest", help="The run digest to take when the run's composers "
-                                      "publish several manifests."),
+    digest: RunDigest = None,
+    creator: RunCreator = None,
     identity: Path | None = typer.Option(
         None, "--identity", help="Key file the exporter signs its heartbeats with (default ~/.parallax/reader.key)."),
     loopback: bool = typer.Option(False, "--loopback", help="Listen on 127.0.0.1 (a swarm on this machine)."),
@@ -73,7 +73,8 @@ def export(
                                         tokenizer=tokenizer, license=license)
         else:
             folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
-                                  allow_missing=allow_missing, digest=digest, data=data, timeout=timeout,
+                                  allow_missing=allow_missing, digest=digest, creator=creator, data=data,
+                                  timeout=timeout,
                                   tokenizer=tokenizer, license=license)
     except (NodeError, ValueError, OSError) as e:
         fail(e, code=1)
@@ -84,7 +85,8 @@ def export(
 
 def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Path | None,
                  member_cert: Path | None, identity: Path | None, loopback: bool, out: Path, *, allow_missing: bool,
-                 digest: str | None, data: str | None, timeout: float, tokenizer: Any, license: str | None) -> Path:
+                 digest: str | None, creator: str | None, data: str | None, timeout: float, tokenizer: Any,
+                 license: str | None) -> Path:
     from parallax.node.config.peer import PeerConfig
     from parallax.node.export.live import export_live
     from parallax.protocol.identity import Identity
@@ -95,7 +97,8 @@ def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Pa
     peer = PeerConfig(run_id=run_id, identity=identity, initial_peers=tuple(initial_peers), loopback=loopback,
                       manifest=manifest_file, member_cert=member_cert, relay="off")
     key = Identity.load_or_create(peer.identity_path("reader"))
-    return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, data=data, timeout_s=timeout,
+    return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, creator=creator, data=data,
+                       timeout_s=timeout,
                        tokenizer=tokenizer, license=license)
 
 

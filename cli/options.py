@@ -83,6 +83,14 @@ ManifestFile = Annotated[
         "settings and id. Default: sign one of this peer's own settings (an open run)."),
     Setting("peer.manifest"),
 ]
+RunDigest = Annotated[
+    str | None, typer.Option("--digest", help="The run digest to take when the run has several manifests (ask the "
+                             "run's host; `parallax run show` prints a manifest's)."),
+]
+RunCreator = Annotated[
+    str | None, typer.Option("--creator", help="The fingerprint of an allowlist run's creator: only its manifests "
+                             "count (ask the run's host; any key can publish a manifest under a run's id)."),
+]
 MemberCertFile = Annotated[
     Path | None, typer.Option("--member-cert", help="This peer's member certificate for an allowlist run "
                               "(`parallax run admit`)."),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from parallax.cli.options import ConfigFile, Data, Preset, Sets, fail
+from parallax.cli.options import ConfigFile, Data, Preset, RunCreator, RunDigest, Sets, fail
 
 run_app = typer.Typer(help="Run manifests: the settings every peer of a run shares, signed by its creator.",
                       no_args_is_help=True, rich_markup_mode=None)
@@ -117,49 +117,35 @@ def fetch(
     run_id: str = typer.Option(..., "--run-id", help="The run."),
     initial_peers: list[str] = typer.Option(..., "--initial-peers", help="Multiaddr of a live peer (repeatable)."),
     out: Path = typer.Option(..., "--out", help="Where to write the manifest."),
-    digest: str | None = typer.Option(None, "--digest", help="The run digest to take when the run's composers "
-                                      "publish several (ask the run's operators which)."),
-    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds for the DHT read."),
+    digest: RunDigest = None,
+    creator: RunCreator = None,
+    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds for each DHT read."),
 ) -> None:
-    """Download the manifest a live run's composers publish (its creator's signature checked)."""
-    from parallax.dht.adapter import DHTConfig, SwarmDHT
-    from parallax.dht.keys import check_run_id, manifest_key
-    from parallax.dht.manifests import read_manifests
-    from parallax.dht.records import Ed25519RecordValidator
+    """Download the manifest a live run's working composers announce (its creator's signature checked), and say
+    which it took and which it left out."""
+    from parallax.dht.keys import check_run_id
+    from parallax.dht.manifests import ManifestChoiceError
     from parallax.errors import DHTError
+    from parallax.node.net.admission import fetch_manifest
     from parallax.protocol import manifest as manifests
 
     try:
         check_run_id(run_id)
-        config = DHTConfig(initial_peers=tuple(initial_peers), client_mode=True, start_attempts=2)
     except ValueError as e:
         fail(e)
-    dht = None
-    try:
-        dht = SwarmDHT.start(config, [Ed25519RecordValidator(None, protected_keys=[manifest_key(run_id)])])
-        found = read_manifests(dht, run_id, timeout_s=timeout)
-    except DHTError as e:
-        fail(f"the swarm is unreachable: {e}", 1)
-    finally:
-        if dht is not None:
-            dht.shutdown()
-    if not found:
-        fail(f"no composer of run {run_id!r} publishes a manifest (or the read timed out): check --run-id and "
-             "--initial-peers", 1)
-    if digest is not None:
-        found = {d: m for d, m in found.items() if d.hex() == digest.lower()}
-        if not found:
-            fail(f"no composer of run {run_id!r} publishes digest {digest}", 1)
-    if len(found) > 1:
-        listed = "; ".join(f"{d.hex()} ({n} composer(s))" for d, (_m, n) in
-                           sorted(found.items(), key=lambda item: -item[1][1]))
-        fail(f"run {run_id!r} has composers of {len(found)} manifests: {listed}. Choose one with --digest", 1)
-    manifest, publishers = next(iter(found.values()))
     if out.exists():
         fail(f"{out} exists: choose another --out")
+    try:
+        manifest, choice = fetch_manifest(run_id, initial_peers, digest=digest, creator=creator, timeout_s=timeout)
+    except DHTError as e:
+        fail(f"the swarm is unreachable: {e}", 1)
+    except ManifestChoiceError as e:
+        fail(f"run {run_id!r}: {e}", 1)
+    except ValueError as e:  # a malformed --initial-peers
+        fail(e)
     manifests.save(manifest, out)
-    typer.echo(f"wrote {out}: run {run_id}, digest {manifest.digest_hex}, published by {publishers} composer(s); "
-               f"join with: parallax node join --manifest {out} --initial-peers {' '.join(initial_peers)}")
+    typer.echo(f"wrote {out}: run {run_id}, {choice}")
+    typer.echo(f"join with: parallax node join --manifest {out} --initial-peers {' '.join(initial_peers)}")
 
 
 def _creator_path(identity: Path | None) -> Path:

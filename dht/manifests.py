@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.keys import manifest_key
@@ -48,6 +50,73 @@ def read_manifests(dht: SwarmDHT, run_id: str, *, timeout_s: float) -> dict[byte
         seen = out.get(manifest.digest)
         out[manifest.digest] = (seen[0] if seen else manifest, (seen[1] if seen else 0) + 1)
     return out
+
+
+class ManifestChoiceError(ValueError):
+    """No manifest of the run, or several that nothing tells apart (the message lists them)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """One manifest of a run as a newcomer sees it."""
+
+    manifest: RunManifest
+    publishers: int
+    """Keys that publish it under the run's manifest key (any key can: it counts for nothing)."""
+    working: int
+    """Live composers whose signed heartbeat announces it and that have trained (step > 0)."""
+
+    @property
+    def creator(self) -> str | None:
+        """An allowlist run's creator (part of its digest); None for an open run, whose digest any key signs."""
+        return fingerprint(self.manifest.creator) if self.manifest.admission == "allowlist" else None
+
+    def describe(self) -> str:
+        terms = f"allowlist of creator {self.creator}" if self.creator else "open"
+        return (f"{self.manifest.digest_hex} ({terms}; announced by {self.working} working composer(s), published "
+                f"by {self.publishers} key(s))")
+
+
+def choose_manifest(published: Mapping[bytes, Published], *, digest: str | None = None,
+                    creator: str | None = None) -> tuple[RunManifest, str]:
+    """The manifest a newcomer to a live run takes, and a line that names the choice.
+
+    Any key can publish a manifest under a run's id, so how many publish one says nothing; what counts is how many
+    of the run's live composers train by it (``working``). ``digest`` or ``creator`` (an allowlist run's creator's
+    fingerprint) narrow the choice first: a newcomer who got either from the run's host cannot be misled by
+    manifests that others publish under the run's id.
+    One manifest is taken when it is the only one left, or when more working composers announce it than any
+    other; otherwise the choice is refused.
+
+    Raises:
+        ManifestChoiceError: none left, or several with as many working composers (the message lists them and
+            says how to choose).
+    """
+    if not published:
+        raise ManifestChoiceError("no composer of the run publishes a manifest, or none answered in time: check "
+                                  "--run-id and --initial-peers, or raise --timeout")
+    left = dict(published)
+    if digest is not None:
+        left = {d: p for d, p in left.items() if d.hex() == digest.lower()}
+    if creator is not None:
+        left = {d: p for d, p in left.items() if p.creator == creator}
+    narrowed = " of that digest" * (digest is not None) + " of that creator" * (creator is not None)
+    if not left:
+        raise ManifestChoiceError(f"no manifest{narrowed} is published in the run")
+    ranked = sorted(left.values(), key=lambda p: (-p.working, p.manifest.digest_hex))
+    best, others = ranked[0], ranked[1:]
+    if others and best.working <= others[0].working:
+        tied = [p for p in ranked if p.working == best.working]
+        raise ManifestChoiceError(
+            f"{len(tied)} manifests{narrowed} are announced by as many working composers: "
+            + "; ".join(p.describe() for p in tied)
+            + ". Ask the run's host for its digest or creator and pass --digest or --creator")
+    line = f"took {best.describe()}"
+    if not best.working:
+        line += "; no live composer announces it yet"
+    if others:
+        line += "; left out: " + "; ".join(p.describe() for p in others)
+    return best.manifest, line
 
 
 def settings_difference(mine: str, theirs: str, limit: int = 6) -> str:
@@ -91,4 +160,5 @@ def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
     return out
 
 
-__all__ = ["manifest_difference", "read_manifests", "settings_difference"]
+__all__ = ["ManifestChoiceError", "Published", "choose_manifest", "manifest_difference", "read_manifests",
+           "settings_difference"]

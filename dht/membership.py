@@ -431,6 +431,16 @@ def split_by_run(view: SwarmView, digest: bytes) -> tuple[SwarmView, dict[str, M
     return dataclasses.replace(view, members=members), foreign
 
 
+def working_by_run(view: SwarmView, now: float) -> dict[bytes, int]:
+    """Run digest -> how many composers alive at ``now`` announce it and have trained a step (what a newcomer
+    tells a run's manifests apart by: ``manifests.choose_manifest``)."""
+    counts: dict[bytes, int] = {}
+    for m in view.alive(now).values():
+        if m.heartbeat.role == "composer" and m.heartbeat.step > 0:
+            counts[m.heartbeat.run] = counts.get(m.heartbeat.run, 0) + 1
+    return counts
+
+
 def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
     """``new``, keeping every record of ``previous`` that is later than what ``new`` has for its signer and
     has not expired at ``new.read_at``.

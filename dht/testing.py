@@ -20,6 +20,7 @@ from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Membership, MembershipConfig, Presence, SwarmView
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.protocol.identity import Identity
+from parallax.protocol.manifest import RunManifest
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05,
@@ -111,11 +112,13 @@ class LocalSwarm:
         shards: ShardConfig | None = None,
         capacity: float = 1.0,
         role: str = "composer",
+        manifest: RunManifest | None = None,
         **timing: Unpack[MembershipTiming],
     ) -> LocalPeer:
-        """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE)."""
+        """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE), training by
+        ``manifest`` when given."""
         peer = self.add_dht(fixed_identity(i))
-        presence = Presence(run_id=self.run_id, capacity=capacity, role=role)
+        presence = Presence(run_id=self.run_id, capacity=capacity, role=role, manifest=manifest)
         peer.membership = Membership(peer.dht, peer.identity, presence, MembershipConfig(**timing), shards=shards)
         peer.membership.start()
         return peer

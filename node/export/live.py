@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
-from parallax.dht.keys import ExpertId, manifest_key
-from parallax.dht.manifests import read_manifests
+from parallax.dht.keys import ExpertId
+from parallax.dht.manifests import ManifestChoiceError
 from parallax.dht.membership import Membership, Presence
-from parallax.dht.records import Ed25519RecordValidator
 from parallax.errors import DHTError
 from parallax.node.config.peer import PeerConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig
@@ -41,9 +39,9 @@ from parallax.node.export.folder import (
     write_model,
 )
 from parallax.node.export.use import evaluate_on
-from parallax.node.net.admission import peer_admission, peer_manifest
+from parallax.node.net.admission import fetch_manifest, peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange, Snapshot
-from parallax.node.net.network import NetworkLoop, parse_initial_peers, run_replica_groups, start_dht
+from parallax.node.net.network import NetworkLoop, run_replica_groups, start_dht
 from parallax.node.outer.background import live_uid
 from parallax.node.outer.state import StateExchange
 from parallax.node.peer.runner import model_shapes
@@ -58,29 +56,14 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 
 
-def fetch_manifest(peer: PeerConfig, digest: str | None, timeout_s: float) -> RunManifest:
-    """The manifest a live run's composers publish (``--digest`` picks one when they publish several).
-
-    Raises:
-        ExportError: unreachable, no manifest, or several without ``digest``.
-    """
-    config = DHTConfig(initial_peers=tuple(parse_initial_peers(peer.initial_peers)), client_mode=True,
-                       start_attempts=2)
-    dht = SwarmDHT.start(config, [Ed25519RecordValidator(None, protected_keys=[manifest_key(peer.run_id)])])
+def _fetched(peer: PeerConfig, digest: str | None, creator: str | None, timeout_s: float) -> RunManifest:
     try:
-        found = read_manifests(dht, peer.run_id, timeout_s=timeout_s) or {}
-    finally:
-        dht.shutdown()
-    if digest is not None:
-        found = {d: m for d, m in found.items() if d.hex() == digest.lower()}
-    if not found:
-        raise ExportError(f"no composer of run {peer.run_id!r} publishes a manifest{' of that digest' * bool(digest)}:"
-                          " check --run-id and --initial-peers, or give the run's --manifest")
-    if len(found) > 1:
-        listed = "; ".join(f"{d.hex()} ({n} composer(s))" for d, (_m, n) in found.items())
-        raise ExportError(f"run {peer.run_id!r} has composers of {len(found)} manifests: {listed}; choose one "
-                          "with --digest")
-    return next(iter(found.values()))[0]
+        manifest, choice = fetch_manifest(peer.run_id, peer.initial_peers, digest=digest, creator=creator,
+                                          timeout_s=timeout_s)
+    except ManifestChoiceError as e:
+        raise ExportError(f"run {peer.run_id!r}: {e}") from None
+    log.info("run manifest: %s", choice)
+    return manifest
 
 
 def _train_config(manifest: RunManifest) -> TrainConfig:
@@ -92,7 +75,8 @@ def _train_config(manifest: RunManifest) -> TrainConfig:
 
 
 def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
-                digest: str | None = None, data: str | None = None, timeout_s: float = 60.0,
+                digest: str | None = None, creator: str | None = None, data: str | None = None,
+                timeout_s: float = 60.0,
                 tokenizer: Tokenizer | None = None, license: str | None = None) -> Path:
     """Assemble the model of a live run and write it to ``out``.
 
@@ -100,7 +84,8 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         peer: the run, the initial peers, this exporter's addresses, manifest and member certificate.
         identity: the key the exporter's heartbeats are signed with.
         allow_missing: write experts no live owner served as zeros instead of failing.
-        digest: which manifest to take when the run's composers publish several (without ``peer.manifest``).
+        digest: which manifest to take when the run has several (without ``peer.manifest``).
+        creator: the fingerprint of the run's creator, which narrows the manifests alike.
         data: the corpus of the card's validation loss (None: the built-in corpus).
         timeout_s: bounds the manifest read, and then the whole fetch of the groups and the experts.
         tokenizer: the run's (None: bytes); a BPE run's is required, and must be the one its manifest names.
@@ -113,8 +98,8 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         raise ExportError("a live export needs --initial-peers (a peer of the run), or use --from-checkpoints")
     with contextlib.ExitStack() as stack:
         try:
-            manifest = peer_manifest(peer, identity, None) if peer.manifest else fetch_manifest(peer, digest,
-                                                                                                  timeout_s)
+            manifest = peer_manifest(peer, identity, None) if peer.manifest else _fetched(peer, digest, creator,
+                                                                                           timeout_s)
             assert manifest is not None
             cfg = _train_config(manifest)
             tokenizer = run_tokenizer_for(cfg.model, tokenizer, manifest.tokenizer)

@@ -10,9 +10,13 @@ refused by every honest peer without one, so it is told what to do instead of wa
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from parallax.dht.manifests import settings_difference
-from parallax.dht.records import Admission
+from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time, parse_initial_peers
+from parallax.dht.keys import manifest_key, members_key
+from parallax.dht.manifests import Published, choose_manifest, read_manifests, settings_difference
+from parallax.dht.membership import read_live_view, working_by_run
+from parallax.dht.records import Admission, Ed25519RecordValidator
 from parallax.errors import NodeError
 from parallax.node.config.peer import PeerConfig
 from parallax.protocol.identity import Identity
@@ -78,3 +82,28 @@ def peer_admission(peer: PeerConfig, identity: Identity, manifest: RunManifest |
 
 
 __all__ = ["peer_admission", "peer_manifest"]
+
+
+def fetch_manifest(run_id: str, initial_peers: Sequence[str], *, digest: str | None = None,
+                   creator: str | None = None, timeout_s: float) -> tuple[RunManifest, str]:
+    """The manifest a newcomer to live run ``run_id`` takes (``manifests.choose_manifest``: the one its working
+    composers announce, narrowed by ``digest`` or ``creator``), and a line naming the choice. A client-mode DHT
+    node reads the run's manifests and heartbeats once (the heartbeats for up to ``timeout_s`` while none is
+    alive), then stops.
+
+    Raises:
+        DHTError: the swarm is unreachable.
+        ManifestChoiceError: no manifest, none read in time, or several that nothing tells apart.
+    """
+    config = DHTConfig(initial_peers=tuple(parse_initial_peers(initial_peers)), client_mode=True,
+                       start_attempts=2)
+    dht = SwarmDHT.start(config, [Ed25519RecordValidator(None, protected_keys=[manifest_key(run_id),
+                                                                               members_key(run_id)])])
+    try:
+        found = read_manifests(dht, run_id, timeout_s=timeout_s) or {}
+        view = read_live_view(dht, run_id, timeout_s=timeout_s, wait_s=timeout_s) if found else None
+    finally:
+        dht.shutdown()
+    working = working_by_run(view, dht_time()) if view is not None else {}
+    published = {d: Published(m, n, working.get(d, 0)) for d, (m, n) in found.items()}
+    return choose_manifest(published, digest=digest, creator=creator)

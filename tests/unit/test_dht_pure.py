@@ -9,7 +9,13 @@ import pytest
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
-from parallax.dht.manifests import manifest_difference, settings_difference
+from parallax.dht.manifests import (
+    ManifestChoiceError,
+    Published,
+    choose_manifest,
+    manifest_difference,
+    settings_difference,
+)
 from parallax.dht.membership import (
     Member,
     MembershipConfig,
@@ -245,6 +251,35 @@ def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
     assert settings_difference(mine, run_settings(TrainConfig(seed=1))) == "seed = 0 here, 1 there"
     # What each composer may choose alone does not split the run.
     assert run_settings(TrainConfig(eval_every=7)) == mine
+
+
+def test_a_newcomer_takes_the_manifest_working_composers_announce_not_the_one_most_keys_publish():
+    mine = run_settings(TrainConfig())
+    keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
+    run = manifests.create(keys[0], "r", mine, admission="allowlist")
+    forged = manifests.create(keys[1], "r", mine, admission="allowlist")  # the same settings, another creator
+    other = manifests.create(keys[2], "r", run_settings(TrainConfig(seed=1)))
+    published = {run.digest: Published(run, publishers=2, working=2),
+                 forged.digest: Published(forged, publishers=5, working=0)}
+    took, line = choose_manifest(published)
+    assert took is run and line.startswith(f"took {run.digest_hex} (allowlist of creator {keys[0].fingerprint}")
+    assert f"left out: {forged.digest_hex}" in line and "published by 5 key(s)" in line
+    # As many working composers on both sides: refused, each listed, until the newcomer names one.
+    published[forged.digest] = Published(forged, publishers=5, working=2)
+    with pytest.raises(ManifestChoiceError, match="2 manifests are announced by as many working composers") as e:
+        choose_manifest(published)
+    assert run.digest_hex in str(e.value) and forged.digest_hex in str(e.value) and "--creator" in str(e.value)
+    assert choose_manifest(published, creator=keys[0].fingerprint)[0] is run
+    assert choose_manifest(published, digest=forged.digest_hex.upper())[0] is forged
+    # An open run has no creator to pin (any key signs its digest): only --digest narrows it.
+    published[other.digest] = Published(other, publishers=1, working=9)
+    assert choose_manifest(published)[0] is other
+    with pytest.raises(ManifestChoiceError, match="no manifest of that creator"):
+        choose_manifest({other.digest: published[other.digest]}, creator=keys[2].fingerprint)
+    only, said = choose_manifest({forged.digest: Published(forged, publishers=1, working=0)})
+    assert only is forged and "no live composer announces it yet" in said
+    with pytest.raises(ManifestChoiceError, match="check --run-id and --initial-peers"):
+        choose_manifest({})
 
 
 def _composer(i: int, capacity: float = 1.0, step: int = 0) -> tuple[str, Member]:
