@@ -81,9 +81,6 @@ def peer_admission(peer: PeerConfig, identity: Identity, manifest: RunManifest |
     return Admission(manifest.creator, manifest.digest, cert.wire_form())
 
 
-__all__ = ["peer_admission", "peer_manifest"]
-
-
 def fetch_manifest(run_id: str, initial_peers: Sequence[str], *, digest: str | None = None,
                    creator: str | None = None, timeout_s: float) -> tuple[RunManifest, str]:
     """The manifest a newcomer to live run ``run_id`` takes (``manifests.choose_manifest``: the one its working
@@ -107,3 +104,6 @@ def fetch_manifest(run_id: str, initial_peers: Sequence[str], *, digest: str | N
     working = working_by_run(view, dht_time()) if view is not None else {}
     published = {d: Published(m, n, working.get(d, 0)) for d, (m, n) in found.items()}
     return choose_manifest(published, digest=digest, creator=creator)
+
+
+__all__ = ["fetch_manifest", "peer_admission", "peer_manifest"]
