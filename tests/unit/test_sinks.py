@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,9 @@ def test_a_resumed_node_logs_into_the_same_wandb_run(tmp_path: Path, monkeypatch
     other = wandb_run_id("run-1", "node-b")
     assert ids[0] == ids[1] != other and ids[0] != wandb_run_id("run-2", "node-a")
     runs = sorted(tmp_path.glob("wandb/offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{ids[0]}") for r in runs), runs
+    # Each run's folder is offline-run-<when>-<run id>; wandb appends -1, -2... to a second one in the same second.
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{ids[0]}(-\d+)?", r.name)
+                                  for r in runs), runs
 
 
 def test_scalars_keep_the_numbers_only() -> None:
