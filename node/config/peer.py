@@ -152,6 +152,10 @@ class NodeSettings:
     """Bound on the graceful leave (outer rounds in flight, final snapshots to the heirs)."""
     final_eval: bool = False
     """Evaluate this node's own view on the validation split when it leaves (metrics event final_eval)."""
+    train_nice: int = 10
+    """How much lower (Linux nice steps, 0-19) the training thread runs than the node's network threads, its DHT
+    process and p2pd, from its first step on: on a crowded CPU the bulk compute yields to heartbeats, rounds and
+    snapshots (and to the user's own programs), never the other way round. 0: the same priority."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -160,6 +164,8 @@ class NodeSettings:
         for name in ("checkpoint_every", "keep_checkpoints", "snapshot_every", "min_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"node.{name} must be >= 1")
+        if not 0 <= self.train_nice <= 19:
+            raise ValueError(f"node.train_nice must be 0-19 nice steps, got {self.train_nice}")
         for name in ("start_timeout_s", "adopt_wait_s", "handover_window_s", "leave_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"node.{name} must be > 0 seconds")

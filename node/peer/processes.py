@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
@@ -172,14 +173,31 @@ def python_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "parallax.cli", *args]
 
 
+def lower_thread_priority(steps: int) -> None:
+    """Run the calling thread ``steps`` nice steps lower (Linux, where a thread has a nice value of its own; the
+    threads it starts later inherit it). Elsewhere, or where the system refuses, it says so and runs on as is."""
+    if steps <= 0:
+        return
+    if not sys.platform.startswith("linux"):
+        logger.debug("training runs at the node's priority: per-thread priorities need Linux")
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+    except OSError as e:
+        logger.warning("training runs at the node's priority: lowering it was refused (%s)", e)
+
+
 __all__ = [
     "ForcedStop",
     "die_with_parent",
     "install_signal_handlers",
     "kill_group",
+    "lower_thread_priority",
     "python_cli",
     "send",
     "spawn",
     "stop",
     "supervise",
 ]
+

@@ -26,6 +26,7 @@ from parallax.node.outer.background import BackgroundRounds, next_round_in
 from parallax.node.outer.replicas import ReplicaRounds
 from parallax.node.outer.wire import payload_bytes
 from parallax.node.peer.experts import Experts
+from parallax.node.peer.processes import lower_thread_priority
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import Telemetry
 from parallax.node.peer.views import SwarmViews
@@ -78,6 +79,7 @@ class Training:
         self.telemetry.phase("training")
         self.experts.shard_event()
         self.dht.forbidden_thread = threading.get_ident()  # counts any DHT call from this loop (none expected)
+        lower_thread_priority(settings.train_nice)  # the DHT process and p2pd were forked at the node's priority
         trained, tokens_window, window_started = 0, 0, time.monotonic()
         # The training thread's time at the network seam, its only contact with the network; refits are
         # counted apart: distilling the surrogates is training compute that happens to be scheduled there.

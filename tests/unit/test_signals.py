@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
 
-from parallax.node.peer.processes import ForcedStop, install_signal_handlers, supervise
+from parallax.node.peer.processes import ForcedStop, install_signal_handlers, lower_thread_priority, supervise
 
 
 class _Node:
@@ -83,3 +84,21 @@ def test_a_supervised_child_killed_by_a_signal_ends_with_the_shells_code(signum:
     die = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "  # Python's own: KeyboardInterrupt
            f"os.kill(os.getpid(), {int(signum)})")
     assert supervise([sys.executable, "-c", die]) == code
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_training_runs_at_a_lower_priority_than_the_threads_already_running() -> None:
+    seen: dict[str, int] = {}
+
+    def trainer() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_thread_priority(3)
+        seen["trainer"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    me = threading.get_native_id()
+    mine = os.getpriority(os.PRIO_PROCESS, me)
+    t = threading.Thread(target=trainer)
+    t.start()
+    t.join()
+    assert seen["trainer"] == min(3, 19 - mine) and os.getpriority(os.PRIO_PROCESS, me) == mine
