@@ -129,7 +129,6 @@ class Node:
         self._observer: Observer | None = None
         self._tokenizer: Tokenizer = ByteTokenizer()
         """The run's (``node.train.tokenizer``), known once the corpus is read."""
-        self._corpus: CorpusInfo | None = None
         self._started = self._online_at = time.monotonic()
 
     @property
@@ -179,7 +178,6 @@ class Node:
             telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
                                          config=json.loads(run_settings(cfg)))
         corpus = load_corpus(c.node.data)
-        self._corpus = CorpusInfo.of(c.node.data, corpus)
         self._tokenizer = run_tokenizer(cfg.model, corpus, c.peer.manifest)
         splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
         train_tokens, val = splits.train, splits.val
@@ -243,7 +241,8 @@ class Node:
                         experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=held_out,
                         started=self._started,
                         outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
-                                               net.gather.bytes_fetched), replicas=replicas, data=self._corpus)
+                                               net.gather.bytes_fetched), replicas=replicas,
+                        data=CorpusInfo.of(c.node.data, corpus))
 
     def _checkpoint(self) -> Path | None:
         """The checkpoint ``--resume`` names: with ``latest``, the newest sound one of ``--checkpoint-dir`` (those
