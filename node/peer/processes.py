@@ -111,16 +111,27 @@ def supervise(argv: Sequence[str]) -> int:
     return code
 
 
-def die_with_parent(expected_parent: int, sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send us ``sig`` when our parent (a ``supervise`` process) dies, so a supervisor killed
-    the hard way still gets us to leave gracefully. Elsewhere (no prctl) a no-op.
+def die_with_parent(expected_parent: int) -> None:
+    """Leave gracefully when our parent (a ``supervise`` process) dies, however it died: Linux then sends us SIGHUP
+    (``PR_SET_PDEATHSIG``), which this turns into one SIGTERM to ourselves, the signal of a graceful leave. Linux sends
+    it each time the parent's thread we hang from exits and we pass to another of its threads, so the death of a
+    supervisor with several threads delivers it more than once: only the first counts (a second SIGTERM would stop
+    the node without its graceful leave). Processes forked from us ignore it. Elsewhere (no prctl) a no-op.
 
     Raises:
         ProcessLookupError: the parent died before we could ask (we were re-parented already).
     """
     if sys.platform.startswith("linux"):
+        owner, heard = os.getpid(), [False]
+
+        def parent_gone(_signum: int, _frame: Any) -> None:
+            if os.getpid() == owner and not heard[0]:
+                heard[0] = True
+                os.kill(owner, signal.SIGTERM)
+
+        signal.signal(signal.SIGHUP, parent_gone)
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP))
     if os.getppid() != expected_parent:
         raise ProcessLookupError(f"the supervising process {expected_parent} is gone")
 

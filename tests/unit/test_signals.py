@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from parallax.node.peer.processes import ForcedStop, install_signal_handlers, lower_thread_priority, supervise
+from parallax.node.peer.processes import (
+    ForcedStop,
+    install_signal_handlers,
+    lower_thread_priority,
+    supervise,
+)
 
 
 class _Node:
@@ -84,6 +92,54 @@ def test_a_supervised_child_killed_by_a_signal_ends_with_the_shells_code(signum:
     die = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "  # Python's own: KeyboardInterrupt
            f"os.kill(os.getpid(), {int(signum)})")
     assert supervise([sys.executable, "-c", die]) == code
+
+
+_CHILD = """
+import os, signal, sys, time
+from parallax.node.peer.processes import die_with_parent
+terms = []
+signal.signal(signal.SIGTERM, lambda *_: terms.append(time.monotonic()))
+die_with_parent(int(sys.argv[1]))
+print(os.getpid(), flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and not (terms and time.monotonic() > terms[0] + 2):
+    time.sleep(0.05)
+open(sys.argv[2], "w").write(str(len(terms)))
+"""
+
+_SUPERVISOR = """
+import subprocess, sys, threading, time
+for _ in range(8):  # threads of its own, as a supervisor's watchdog: each one the child may pass to as they exit
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+import os
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2]], stdout=subprocess.PIPE)
+print(child.stdout.readline().decode().strip(), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_supervisor_with_threads_killed_the_hard_way_asks_its_child_to_leave_once(tmp_path: Path) -> None:
+    # Linux signals the child each time the supervisor's thread it hangs from exits: a second SIGTERM would make the
+    # node skip its graceful leave.
+    counted = tmp_path / "terms"
+    supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, _CHILD, str(counted)], stdout=subprocess.PIPE)
+    child = 0
+    try:
+        child = int(supervisor.stdout.readline() or 0)  # type: ignore[union-attr]
+        assert child, "the child did not start"
+        supervisor.kill()
+        supervisor.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not counted.exists():
+            time.sleep(0.1)
+        assert counted.read_text() == "1"
+    finally:
+        supervisor.kill()
+        supervisor.wait(10)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
