@@ -6,7 +6,6 @@ from typing import Any
 
 import typer
 
-from parallax.benchmarks.quality import DEFAULT_RUNS
 from parallax.cli.options import JsonPath, PresetName, RunOptions, Sets, fail, with_run_options
 
 bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a markdown table.",
@@ -17,13 +16,15 @@ bench_app = typer.Typer(help="Benchmarks: each writes JSON (--json) and prints a
 @with_run_options
 def quality(
     opts: RunOptions,
-    runs: str = typer.Option(",".join(DEFAULT_RUNS), "--runs",
-                             help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py)."),
+    runs: str = typer.Option("", "--runs", show_default=False,
+                             help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py; "
+                                  "default: RUNS, every run but the levers)."),
 ) -> None:
     """Parallax vs a synchronous MoE and a DiLoCo reference at equal tokens (about 25 min on 2 cores)."""
+    # Imported here, like every command's work: `parallax node join` should not import the simulator to start.
     from parallax.benchmarks import quality as bench
 
-    _run_set(bench, bench.run_quality, opts, runs)
+    _run_set(bench, bench.run_quality, opts, runs or ",".join(bench.DEFAULT_RUNS))
 
 
 @bench_app.command("offload")

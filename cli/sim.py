@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -24,9 +24,10 @@ from rich.table import Table
 
 from parallax.cli.options import RunOptions, fail, new_run_folder, with_run_options
 from parallax.cli.progress import run_progress
-from parallax.node.sim.simulator import RUN_KINDS, RunResult, RunSpec, run
-from parallax.node.train.data import CorpusInfo, load_corpus
-from parallax.node.train.tokenizer import make_tokenizer, tokenized_splits
+from parallax.node.sim import RUN_KINDS
+
+if TYPE_CHECKING:
+    from parallax.node.sim.simulator import RunResult
 
 
 @with_run_options
@@ -48,6 +49,9 @@ def sim(
     and export the model. Preset tiny unless told otherwise."""
     from parallax.errors import NodeError
     from parallax.node.export.offline import export_checkpoints
+    from parallax.node.sim.simulator import RunSpec, run
+    from parallax.node.train.data import CorpusInfo, load_corpus
+    from parallax.node.train.tokenizer import make_tokenizer, tokenized_splits
 
     if tokenizer is not None:  # before the user's own --set, which may still change it
         opts = dataclasses.replace(opts, sets=[f"model.tokenizer={tokenizer}", *(opts.sets or [])])

@@ -44,6 +44,7 @@ from parallax.node.offload.proxy import LocalWorkers
 from parallax.node.outer.transport import decode_contribution, encode_contribution, error_feedback
 from parallax.node.outer.wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
+from parallax.node.sim import RUN_KINDS
 from parallax.node.train.checkpoint import save_checkpoint
 from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import CorpusInfo, shard, val_batches
@@ -51,7 +52,6 @@ from parallax.node.train.merge_rules import merge_groups
 from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule, to_send
 from parallax.node.train.robust import robust_merge_groups
 
-RUN_KINDS = ("baseline", "diloco", "parallax", "offload")
 SHARDED = ("parallax", "offload")
 
 ProgressFn = Callable[[str, int, float], None]
