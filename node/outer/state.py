@@ -221,8 +221,11 @@ def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, S
     anchors = {p: torch.cat([t.reshape(-1) for t in states[p][1][:n]]) for p in peers}
     if len(peers) == 2:
         a, b = (anchors[p] for p in peers)
-        if float((a - b).norm()) > PAIR_AGREEMENT * 0.5 * float(a.norm() + b.norm()):
-            logger.warning("the two sources of the state of %s disagree (%s): none taken", group, ", ".join(peers))
+        apart = float((a - b).norm()) / max(0.5 * float(a.norm() + b.norm()), 1e-30)
+        if apart > PAIR_AGREEMENT:
+            logger.warning("the two sources of the state of %s disagree (%s: %.0f%% of their norm apart, rounds %s; "
+                           "at most %.0f%% agree): none taken", group, ", ".join(peers), 100 * apart,
+                           "/".join(str(states[p][0].get("round")) for p in peers), 100 * PAIR_AGREEMENT)
             return None
         return states[peers[0]]  # either: they agree (a self-declared round number must not choose)
     median = torch.stack([anchors[p] for p in peers]).median(dim=0).values
