@@ -2,7 +2,8 @@
 
 hivemind's averager hands its state out by each peer's self-declared priority, so a peer that declares the
 highest one serves every joiner and every peer that reloads, whatever it serves. Here the state comes from
-several live composers at once (up to ``SOURCES``, chosen at random): each answer is decoded with the
+several live composers at once (up to ``SOURCES``, chosen at random; one that does not answer, as a peer that
+just left, is replaced by another): each answer is decoded with the
 group's names and shapes and checked finite, and the one taken is the nearest to the coordinate-wise median of
 the sources' anchors (``choose_state``): one liar among three is outvoted. A node with a single live peer takes
 its state and says so.
@@ -116,30 +117,57 @@ class StateExchange(ServedOnLoop):
 
     def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float) -> State | None:
         """The group's state as at least two sources agree on it (or the only source's); None when nobody served
-        one that checks out. Blocks the calling thread (not the loop) for at most ``timeout_s``."""
+        one that checks out. Sources are drawn at random from the live composers; one that fails is replaced by
+        another (``_fetch_all``). Blocks the calling thread (not the loop) for at most ``timeout_s``."""
         candidates = [p for p in self.peers() if p != self.own_peer_id]
         random.shuffle(candidates)
-        sources = candidates[:SOURCES]
-        if not sources:
+        if not candidates:
             return None
-        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, sources, shapes, timeout_s), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, candidates, shapes, timeout_s), self.loop)
         try:
-            states = future.result(timeout_s + 2)
+            states, asked = future.result(timeout_s + 2)
         except Exception as e:
             logger.info("downloading the state of %s failed: %r", group, e)
             return None
-        return choose_state(group, states, shapes, asked=len(sources))
+        return choose_state(group, states, shapes, asked=asked)
 
-    async def _fetch_all(self, group: str, sources: list[str], shapes: Mapping[str, Sequence[int]],
-                         timeout_s: float) -> dict[str, State]:
+    async def _fetch_all(self, group: str, candidates: Sequence[str], shapes: Mapping[str, Sequence[int]],
+                         timeout_s: float) -> tuple[dict[str, State], int]:
+        """The states of up to ``SOURCES`` of ``candidates``, asked in order, ``SOURCES`` at once: one that does not
+        answer with a usable state (a peer that just left, one that serves none) is replaced by the next candidate
+        while time is left, so that a view with departed peers in it still yields three sources to compare.
+        Returns the states and how many candidates were asked."""
+        deadline = self.loop.time() + timeout_s
+        queue = iter(candidates)
+        pending: set[asyncio.Task[tuple[str, State | None]]] = set()
+        asked = 0
+
         async def one(peer: str) -> tuple[str, State | None]:
             try:
-                return peer, await asyncio.wait_for(self._fetch(peer, group, shapes), timeout_s)
+                return peer, await asyncio.wait_for(self._fetch(peer, group, shapes), deadline - self.loop.time())
             except Exception as e:  # unreachable, slow or malformed: that source does not count
                 logger.info("no usable state of %s from peer %s: %r", group, peer, e)
                 return peer, None
-        results = await asyncio.gather(*(one(p) for p in sources))
-        return {peer: state for peer, state in results if state is not None}
+
+        def ask_next() -> None:
+            nonlocal asked
+            peer = next(queue, None)
+            if peer is not None and self.loop.time() < deadline:
+                asked += 1
+                pending.add(asyncio.ensure_future(one(peer)))
+
+        for _ in range(SOURCES):
+            ask_next()
+        states: dict[str, State] = {}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                peer, state = task.result()
+                if state is not None:
+                    states[peer] = state
+                elif len(states) + len(pending) < SOURCES:
+                    ask_next()
+        return states, asked
 
     async def _fetch(self, peer: str, group: str, shapes: Mapping[str, Sequence[int]]) -> State | None:
         stub = StateServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)

@@ -70,3 +70,17 @@ def test_two_sources_that_disagree_prove_nothing_and_close_ones_are_taken() -> N
         other.serve("router", lambda: _state(1.05, round_id=5))  # an honest peer a round further
         got = joiner.download("router", SHAPES, timeout_s=20)
         assert got is not None and got[0]["round"] in (4, 5)
+
+
+def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted() -> None:
+    # Under churn the view still lists peers that just left: here two peers serve no state at all. Each draw of
+    # three sources that holds one of them asks another composer in its place, so the joiner always compares three
+    # answers and the honest pair outvotes the liar (three sources drawn once would often leave one honest answer
+    # beside the liar's: no two that agree, nothing taken).
+    with _swarm(6) as (joiner, honest_a, honest_b, liar, _silent, _gone):
+        honest_a.serve("router", lambda: _state(1.0))
+        honest_b.serve("router", lambda: _state(1.0))
+        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        for _ in range(6):
+            got = joiner.download("router", SHAPES, timeout_s=20)
+            assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
