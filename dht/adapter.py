@@ -113,6 +113,35 @@ def quiet_orphaned_requests() -> None:
             target.addFilter(OrphanedRequests())
 
 
+_forking_dht = threading.Event()
+"""Set while hivemind forks this node's DHT process (``SwarmDHT.start``): the fork handler below watches the parent."""
+ORPHAN_POLL_S = 1.0
+
+
+def _watch_parent_after_fork() -> None:
+    """In the DHT process just forked: a thread that ends this process and its p2pd once the node that forked it is
+    gone, however it went (a SIGKILL of the node's process alone leaves no one else to stop them)."""
+    if not _forking_dht.is_set():
+        return
+    _forking_dht.clear()  # not for the processes this one starts (p2pd)
+    parent = os.getppid()
+    threading.Thread(target=_end_with_parent, args=(parent,), name="parallax-orphan-watch", daemon=True).start()
+
+
+def _end_with_parent(parent: int) -> None:
+    import psutil  # the DHT process only
+
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_S)
+    for child in psutil.Process().children(recursive=True):  # p2pd
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(1)
+
+
+os.register_at_fork(after_in_child=_watch_parent_after_fork)
+
+
 def start_shared_memory_manager() -> None:
     """Start torch's shared-memory manager (``torch_shm_manager``) with SIGINT and SIGTERM blocked, so that a
     Ctrl+C or SIGTERM sent to the process group cannot end it.
@@ -275,6 +304,15 @@ def p2pd_flags(flags: dict[str, object]) -> Any:
         P2P.DHT_MODE_MAPPING = saved
 
 
+@contextlib.contextmanager
+def _forking(flag: threading.Event) -> Any:
+    flag.set()
+    try:
+        yield
+    finally:
+        flag.clear()
+
+
 def _relay_options(config: DHTConfig) -> tuple[dict[str, object], dict[str, object]]:
     """hivemind keyword arguments and extra p2pd flags for ``config``'s relays."""
     if not config.relays:
@@ -406,7 +444,7 @@ class SwarmDHT:
         for attempt in range(1, attempts + 1):
             try:
                 relaying, flags = _relay_options(config)
-                with p2pd_flags(flags):  # the DHT process is forked inside, with the flags
+                with p2pd_flags(flags), _forking(_forking_dht):  # the DHT process is forked inside, with the flags
                     dht = DHT(
                         initial_peers=list(config.initial_peers) or None,
                         start=True,

@@ -134,3 +134,32 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_sta
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_node_killed_alone_takes_its_dht_process_and_p2pd_along(tmp_path: Path) -> None:
+    # Without a supervisor (a process manager that signals by pid), a SIGKILL of the node's own process leaves no
+    # one to stop what it started: its DHT process notices it is gone and ends itself and p2pd.
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "parallax.cli", "node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise",
+           "--identity", str(tmp_path / "k"), "--metrics", str(metrics)]
+    with (tmp_path / "out.log").open("wb") as out:
+        node = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(e["kind"] == "step" for e in _events(metrics)):
+            assert node.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.2)
+        started = _sessions_of(str(tmp_path))
+        assert len(started) >= 3, started  # the node, its DHT process, p2pd
+        node.kill()
+        node.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
+            time.sleep(0.2)
+        assert not [p for p in started if _alive(p)], _sessions_of(str(tmp_path))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
