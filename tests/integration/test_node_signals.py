@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -45,22 +46,37 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _join_and_train(folder: Path, *flags: str, steps: int) -> subprocess.Popen[bytes]:
+    """``node join`` on loopback in a session of its own (output in ``out.log``, metrics in ``m.jsonl``), returned
+    once it trained ``steps`` steps (at most 120 s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "parallax.cli", "node", "join", "--cpu", "--quiet", "--loopback", *flags,
+           "--identity", str(folder / "k"), "--metrics", str(folder / "m.jsonl")]
+    with (folder / "out.log").open("wb") as out:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and sum(e["kind"] == "step" for e in _events(folder / "m.jsonl")) < steps:
+        assert proc.poll() is None, (folder / "out.log").read_text()[-3000:]
+        time.sleep(0.2)
+    return proc
+
+
+def _until_gone(pids: Collection[int], timeout_s: float, interval_s: float = 0.2) -> list[int]:
+    """Wait (bounded) until none of ``pids`` runs; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(interval_s)
+    return [p for p in pids if _alive(p)]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["ctrl-c to the group", "supervisor SIGKILLed"])
 def test_node_leaves_gracefully_and_leaves_nothing_behind(tmp_path: Path, how: str) -> None:
     metrics = tmp_path / "m.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "parallax.cli", "node", "join", "--cpu", "--quiet", "--loopback",
-           "--identity", str(tmp_path / "k"), "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ck")]
-    with (tmp_path / "out.log").open("wb") as out:
-        supervisor = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env)
     started: dict[int, int] = {}
+    supervisor = _join_and_train(tmp_path, "--checkpoint-dir", str(tmp_path / "ck"), steps=3)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and sum(e["kind"] == "step" for e in _events(metrics)) < 3:
-            assert supervisor.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
-            time.sleep(0.2)
         started = _sessions_of(str(tmp_path))
         assert len(set(started.values())) == 2, started  # the supervisor's session and the node's own
         if how == "ctrl-c to the group":
@@ -69,10 +85,7 @@ def test_node_leaves_gracefully_and_leaves_nothing_behind(tmp_path: Path, how: s
         else:
             supervisor.kill()
             supervisor.wait(10)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(_alive(p) for p in started):
-            time.sleep(0.2)
-        assert not [p for p in started if _alive(p)]
+        assert not _until_gone(started, 60)
         left = [e for e in _events(metrics) if e["kind"] == "left"]
         assert left and left[-1]["deathrattle"] is True
         assert any(e["kind"] == "checkpoint" and e["step"] == left[-1]["step"] for e in _events(metrics))
@@ -115,16 +128,14 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_sta
             signalled.append(time.monotonic())
         for i, (proc, delay) in enumerate(zip(procs, delays, strict=True)):
             code = proc.wait(30)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and any(_alive(p) for p in started[i]):
-                time.sleep(0.1)
+            left = _until_gone(started[i], 30, interval_s=0.1)
             took = time.monotonic() - signalled[i]
             # 0 or 130 from our handlers. Before they exist, CPython's own: it dies by the signal itself (-SIGINT,
             # a shell's 130), or, interrupted while it imports its site module, exits 1 with a fatal error.
             said = (tmp_path / str(i) / "out.log").read_text()
             in_python_init = code == 1 and "Fatal Python error: init_import_site" in said
             assert code in (0, 130, -signal.SIGINT) or in_python_init, (delay, code, said[-2000:])
-            assert not [p for p in started[i] if _alive(p)], f"left running after Ctrl+C at {delay} s"
+            assert not left, f"left running after Ctrl+C at {delay} s"
             print(f"{command}: Ctrl+C at {delay} s, everything gone at most {took:.2f} s later (exit {code})")
     finally:
         for proc, sessions in zip(procs, started, strict=False):
@@ -140,26 +151,13 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_sta
 def test_a_node_killed_alone_takes_its_dht_process_and_p2pd_along(tmp_path: Path) -> None:
     # Without a supervisor (a process manager that signals by pid), a SIGKILL of the node's own process leaves no
     # one to stop what it started: its DHT process notices it is gone and ends itself and p2pd.
-    metrics = tmp_path / "m.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "parallax.cli", "node", "join", "--cpu", "--quiet", "--loopback", "--no-supervise",
-           "--identity", str(tmp_path / "k"), "--metrics", str(metrics)]
-    with (tmp_path / "out.log").open("wb") as out:
-        node = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+    node = _join_and_train(tmp_path, "--no-supervise", steps=1)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(e["kind"] == "step" for e in _events(metrics)):
-            assert node.poll() is None, (tmp_path / "out.log").read_text()[-3000:]
-            time.sleep(0.2)
         started = _sessions_of(str(tmp_path))
         assert len(started) >= 3, started  # the node, its DHT process, p2pd
         node.kill()
         node.wait(10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in started):
-            time.sleep(0.2)
-        assert not [p for p in started if _alive(p)], _sessions_of(str(tmp_path))
+        assert not _until_gone(started, 30), _sessions_of(str(tmp_path))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.pid, signal.SIGKILL)

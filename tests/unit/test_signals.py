@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parallax.node.peer.processes import (
-    ForcedStop,
-    install_signal_handlers,
-    lower_thread_priority,
-    supervise,
-)
+from parallax.node.peer.processes import ForcedStop, install_signal_handlers, lower_thread_priority, supervise
 
 
 class _Node:
