@@ -18,21 +18,22 @@ def quality(
     opts: RunOptions,
     runs: str = typer.Option("", "--runs", show_default=False,
                              help="Comma-separated runs: the defaults and/or named levers (benchmarks/quality.py; "
-                                  "default: RUNS, every run but the levers)."),
+                                  "default: its DEFAULT_RUNS, every run but the levers)."),
 ) -> None:
     """Parallax vs a synchronous MoE and a DiLoCo reference at equal tokens (about 25 min on 2 cores)."""
     # Imported here, like every command's work: `parallax node join` should not import the simulator to start.
     from parallax.benchmarks import quality as bench
 
-    _run_set(bench, bench.run_quality, opts, runs or ",".join(bench.DEFAULT_RUNS))
+    _run_set(bench, bench.run_quality, opts, runs)
 
 
 @bench_app.command("offload")
 @with_run_options
 def offload(
     opts: RunOptions,
-    runs: str = typer.Option("direct,offload", "--runs",
-                             help="Comma-separated runs: direct, offload and its variations (benchmarks/offload.py)."),
+    runs: str = typer.Option("", "--runs", show_default=False,
+                             help="Comma-separated runs: direct, offload and its variations (benchmarks/offload.py; "
+                                  "default: its DEFAULT_RUNS)."),
 ) -> None:
     """Worker offload in process vs direct ownership at equal tokens; counted composer FLOPs vs the analytic
     ratio; bytes per sketch and result; onboarding bytes (small preset, 300 steps: about 4 min a run on 1 core)."""
@@ -42,11 +43,12 @@ def offload(
 
 
 def _run_set(bench: Any, run: Any, opts: RunOptions, runs: str) -> None:
-    """A set of in-process runs of one benchmark module: ``run`` it, then its ``write`` and ``markdown``."""
+    """A set of in-process runs of one benchmark module (``runs``, or its ``DEFAULT_RUNS`` when empty): ``run`` it,
+    then its ``write`` and ``markdown``."""
     from parallax.cli.progress import run_progress
 
     cfg = opts.train_config()
-    names = [r.strip() for r in runs.split(",") if r.strip()]
+    names = [r.strip() for r in runs.split(",") if r.strip()] or list(bench.DEFAULT_RUNS)
     try:
         with run_progress(cfg.steps, enabled=not opts.quiet) as progress:
             report = run(cfg, opts.composers, opts.data, runs=names, progress=progress)
