@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 from rich.console import Console
 
 from parallax.cli.options import Data, ManifestFile, MemberCertFile, RunCreator, RunDigest, fail, run_manifest
+
+if TYPE_CHECKING:
+    from parallax.node.export.folder import Form
 
 ModelDir = typer.Argument(..., help="An exported model folder (`parallax export --out`).")
 
@@ -44,6 +47,10 @@ def export(
     tokenizer_file: Path | None = typer.Option(
         None, "--tokenizer", help="The run's tokenizer.json, for a run with model.tokenizer=bpe (default: the one "
         "beside --manifest)."),
+    form: Literal["parallax", "hf"] = typer.Option(
+        "parallax", "--format", help="parallax: the folder parallax generate, eval and load read; hf: a standard "
+        "Hugging Face transformers checkpoint (Mixtral or Qwen2-MoE) with its tokenizer, for transformers, lm-eval, "
+        "vLLM."),
 ) -> None:
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
     a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups
@@ -70,12 +77,11 @@ def export(
             if step is not None:
                 from_checkpoints = [checkpoint_at(root, step) for root in from_checkpoints]
             folder = export_checkpoints(from_checkpoints, out, allow_missing=allow_missing, data=data,
-                                        tokenizer=tokenizer, license=license)
+                                        tokenizer=tokenizer, license=license, form=form)
         else:
             folder = _export_live(initial_peers or [], run_id, manifest_file, member_cert, identity, loopback, out,
                                   allow_missing=allow_missing, digest=digest, creator=creator, data=data,
-                                  timeout=timeout,
-                                  tokenizer=tokenizer, license=license)
+                                  timeout=timeout, tokenizer=tokenizer, license=license, form=form)
     except (NodeError, ValueError, OSError) as e:
         fail(e, code=1)
     except (KeyboardInterrupt, Interrupted):
@@ -86,7 +92,7 @@ def export(
 def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Path | None,
                  member_cert: Path | None, identity: Path | None, loopback: bool, out: Path, *, allow_missing: bool,
                  digest: str | None, creator: str | None, data: str | None, timeout: float, tokenizer: Any,
-                 license: str | None) -> Path:
+                 license: str | None, form: Form) -> Path:
     from parallax.node.config.peer import PeerConfig
     from parallax.node.export.live import export_live
     from parallax.protocol.identity import Identity
@@ -98,12 +104,12 @@ def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Pa
                       manifest=manifest_file, member_cert=member_cert, relay="off")
     key = Identity.load_or_create(peer.identity_path("reader"))
     return export_live(peer, key, out, allow_missing=allow_missing, digest=digest, creator=creator, data=data,
-                       timeout_s=timeout,
-                       tokenizer=tokenizer, license=license)
+                       timeout_s=timeout, tokenizer=tokenizer, license=license, form=form)
 
 
 def _exported(folder: Path) -> None:
-    config = json.loads((folder / "config.json").read_text())
+    hf = (folder / "parallax.json").is_file()
+    config = json.loads((folder / ("parallax.json" if hf else "config.json")).read_text())
     p = config["provenance"]
     said = f"exported {len(p['experts'])} experts from {len(p['nodes'])} node(s) of run {p['run_id']} to {folder}"
     if p.get("val_loss"):
@@ -111,7 +117,11 @@ def _exported(folder: Path) -> None:
     if p["missing"]:
         said += f"; {len(p['missing'])} missing expert(s) written as zeros"
     typer.echo(said)
-    typer.echo(f"next: parallax generate {folder} --prompt 'ROMEO:'")
+    if hf:
+        typer.echo(f"next: python -c \"from transformers import pipeline; print(pipeline('text-generation', "
+                   f"'{folder}')('ROMEO:', max_new_tokens=100)[0]['generated_text'])\"")
+    else:
+        typer.echo(f"next: parallax generate {folder} --prompt 'ROMEO:'")
 
 
 def generate(

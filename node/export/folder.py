@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import safetensors.torch
 import torch
@@ -35,6 +35,7 @@ from parallax.dht.keys import ExpertId
 from parallax.errors import NodeError
 from parallax.node.config.train import ModelConfig, TrainConfig
 from parallax.node.config.typed import ConfigError, apply_changes, table_changes
+from parallax.node.export import hf
 from parallax.node.model.transformer import MoETransformer, group_of, own_all
 from parallax.node.train.data import CorpusInfo
 from parallax.node.train.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, TokenizerError
@@ -49,7 +50,13 @@ ORIGINS = {"owner": "from their trainer's periodic snapshot", "final": "from a l
            "checkpoint": "from a composer's checkpoint"}
 
 TOKENIZER = "tokenizer.json"
-"""Raw bytes are the tokens: nothing to download or store beside the weights."""
+"""A BPE run's tokenizer file (a byte run needs none: raw bytes are the tokens)."""
+
+HF_DESCRIPTION = "parallax.json"
+"""In the Hugging Face form, what config.json holds in Parallax's: settings, tokenizer, windows, provenance."""
+
+Form = Literal["parallax", "hf"]
+"""The layout of an exported folder: Parallax's own, or a standard Hugging Face transformers checkpoint."""
 
 
 S = TypeVar("S", ModelConfig, TrainConfig)
@@ -220,7 +227,8 @@ def settings_from(cls: type[S], table: Mapping[str, Any], where: str) -> S:
 
 
 def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[str, torch.Tensor],
-                provenance: Provenance, *, eval_windows: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> Path:
+                provenance: Provenance, *, eval_windows: Mapping[str, Any], tokenizer: Tokenizer | None = None,
+                form: Form = "parallax") -> Path:
     """Write the model folder ``out`` (which must not exist, or be empty) atomically.
 
     Args:
@@ -230,6 +238,8 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[st
         provenance: for config.json and the model card.
         eval_windows: batch_size, eval_batches and val_fraction of the run, the defaults of ``parallax eval``.
         tokenizer: how text becomes tokens (None: bytes); a BPE's file is written beside the weights.
+        form: "parallax" (the layout above, read by ``read_model``) or "hf" (``node.export.hf``: a standard
+            transformers checkpoint, with Parallax's description of the model in parallax.json).
 
     Raises:
         ExportError: ``out`` is taken, or the tokenizer is not the one ``cfg`` names.
@@ -248,18 +258,24 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, state: Mapping[st
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        data = safetensors.torch.save(dict(state), metadata={"format": FORMAT})
-        (tmp / WEIGHTS).write_bytes(data)
-        if isinstance(tokenizer, BpeTokenizer):
-            tokenizer.save(tmp / TOKENIZER)
+        if form == "hf":
+            data = hf.write_hf_files(tmp, cfg, state, tokenizer)
+        else:
+            data = safetensors.torch.save(dict(state), metadata={"format": FORMAT})
+            (tmp / WEIGHTS).write_bytes(data)
+            if isinstance(tokenizer, BpeTokenizer):
+                tokenizer.save(tmp / TOKENIZER)
         body = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "model": asdict(cfg), "tokenizer": table,
             "eval": dict(eval_windows),
             "files": {WEIGHTS: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
             "provenance": _provenance_json(provenance),
         }
-        (tmp / CONFIG).write_text(json.dumps(body, indent=1) + "\n")
-        (tmp / CARD).write_text(model_card(cfg, provenance, parameters=sum(t.numel() for t in state.values())))
+        if form == "hf":
+            body |= {"form": "hf", "architecture": hf.architecture(cfg)}
+        (tmp / (HF_DESCRIPTION if form == "hf" else CONFIG)).write_text(json.dumps(body, indent=1) + "\n")
+        card = model_card(cfg, provenance, parameters=sum(t.numel() for t in state.values()), form=form)
+        (tmp / CARD).write_text(card)
         if out.exists():
             out.rmdir()
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,10 +292,13 @@ def _provenance_json(p: Provenance) -> dict[str, Any]:
             "exported_unix_s": p.exported_unix_s, "settings": p.settings, "license": p.license}
 
 
-def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
-    """The README.md of an exported model."""
+def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int, form: Form = "parallax") -> str:
+    """The README.md of an exported model (of the Hugging Face form: with the Hub's metadata header and how that
+    form differs)."""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(p.exported_unix_s))
-    lines = [
+    lines = ["---", "library_name: transformers", *([f"license: {p.license}"] if p.license else []),
+             "tags: [mixture-of-experts, parallax]", "---", ""] if form == "hf" else []
+    lines += [
         f"# Parallax MoE model of run `{p.run_id}`", "",
         f"Exported {when}. A decoder-only Mixture-of-Experts transformer trained by Parallax: {cfg.n_layers} "
         f"layers, d_model {cfg.d_model}, {cfg.n_experts} routed experts per layer (top-{cfg.top_k}), context "
@@ -287,11 +306,15 @@ def model_card(cfg: ModelConfig, p: Provenance, *, parameters: int) -> str:
         f"{cfg.vocab_size}); {parameters:,} parameters. Every expert is real: the surrogates the composers trained "
         "with are no part of it.", "",
         f"License: {p.license or 'none given (`parallax export --license SPDX-ID` sets one)'}.", "",
-        "```python", "import parallax", "m = parallax.load(\"<this folder>\")  # m.model: the torch.nn.Module",
-        "print(m.generate(\"ROMEO:\", max_new_tokens=100))", "```", "",
-        "`parallax generate <this folder> --prompt ...` samples text; `parallax eval <this folder> --data FILE` "
-        "measures loss per byte and per token.", "",
     ]
+    if form == "hf":
+        lines += hf.card_section(cfg)
+    else:
+        lines += ["```python", "import parallax",
+                  "m = parallax.load(\"<this folder>\")  # m.model: the torch.nn.Module",
+                  "print(m.generate(\"ROMEO:\", max_new_tokens=100))", "```", "",
+                  "`parallax generate <this folder> --prompt ...` samples text; `parallax eval <this folder> --data "
+                  "FILE` measures loss per byte and per token.", ""]
     if p.val_loss is not None:
         v = p.val_loss
         lines += [f"Validation loss at export: **{v['nats_per_token']:.4f} nats per token**, "
@@ -385,6 +408,10 @@ def read_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
         ExportError: not a model folder, another format version, a corrupt or mismatched file.
     """
     folder = Path(path)
+    if (folder / HF_DESCRIPTION).is_file():
+        raise ExportError(f"{folder} is the Hugging Face form of a Parallax model: load it with transformers "
+                          "(AutoModelForCausalLM.from_pretrained), or export Parallax's own form (no --format hf) "
+                          "for parallax generate, eval and load")
     if not (folder / CONFIG).is_file():
         raise ExportError(f"{folder} is not an exported Parallax model (no {CONFIG}); make one with parallax export")
     try:

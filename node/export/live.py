@@ -29,6 +29,7 @@ from parallax.node.config.train import SHARED_GROUPS, TrainConfig
 from parallax.node.export.folder import (
     Copy,
     ExportError,
+    Form,
     NodeSummary,
     Provenance,
     assemble,
@@ -77,7 +78,7 @@ def _train_config(manifest: RunManifest) -> TrainConfig:
 def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_missing: bool = False,
                 digest: str | None = None, creator: str | None = None, data: str | None = None,
                 timeout_s: float = 60.0,
-                tokenizer: Tokenizer | None = None, license: str | None = None) -> Path:
+                tokenizer: Tokenizer | None = None, license: str | None = None, form: Form = "parallax") -> Path:
     """Assemble the model of a live run and write it to ``out``.
 
     Args:
@@ -90,6 +91,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
         timeout_s: bounds the manifest read, and then the whole fetch of the groups and the experts.
         tokenizer: the run's (None: bytes); a BPE run's is required, and must be the one its manifest names.
         license: the licence the model card and config.json give the weights (an SPDX id).
+        form: the folder's layout (``folder.write_model``).
 
     Raises:
         ExportError: unreachable swarm, no composers, or what could not be fetched.
@@ -139,7 +141,7 @@ def export_live(peer: PeerConfig, identity: Identity, out: str | Path, *, allow_
                                           tokenizer=tokenizer).as_dict()
     except ValueError as e:
         log.warning("the model card gets no validation loss: %s", e)
-    return write_model(out, cfg.model, state, provenance, eval_windows=windows, tokenizer=tokenizer)
+    return write_model(out, cfg.model, state, provenance, eval_windows=windows, tokenizer=tokenizer, form=form)
 
 
 def _leave(membership: Membership) -> None:

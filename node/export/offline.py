@@ -13,6 +13,7 @@ from parallax.dht.keys import ExpertId
 from parallax.node.export.folder import (
     Copy,
     ExportError,
+    Form,
     NodeSummary,
     Provenance,
     assemble,
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
                        allow_missing: bool = False, data: str | os.PathLike[str] | None = None,
                        val_fraction: float = 0.05, tokenizer: Tokenizer | None = None,
-                       license: str | None = None) -> Path:
+                       license: str | None = None, form: Form = "parallax") -> Path:
     """Assemble the model from composers' checkpoints and write it to ``out``.
 
     Each expert comes from the newest checkpoint that holds it; the shared groups from the newest checkpoint, each
@@ -47,6 +48,7 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
         val_fraction: the held-out tail of ``data``, as in training.
         tokenizer: the run's (None: bytes); a BPE run's is required (its file is copied into the model).
         license: the licence the model card and config.json give the weights (an SPDX id).
+        form: the folder's layout (``folder.write_model``).
 
     Raises:
         ExportError: no folders, folders of different runs or model shapes, unreadable checkpoints, missing
@@ -106,4 +108,4 @@ def export_checkpoints(folders: Sequence[str | os.PathLike[str]], out: str | os.
                                           val_fraction=val_fraction, tokenizer=tokenizer).as_dict()
     except ValueError as e:
         log.warning("the model card gets no validation loss: %s", e)
-    return write_model(out, cfg, state, provenance, eval_windows=windows, tokenizer=tokenizer)
+    return write_model(out, cfg, state, provenance, eval_windows=windows, tokenizer=tokenizer, form=form)
