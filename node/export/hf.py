@@ -170,8 +170,11 @@ def write_hf_files(folder: Path, cfg: ModelConfig, state: Mapping[str, torch.Ten
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
     text = tokenizer.text if isinstance(tokenizer, BpeTokenizer) else byte_tokenizer_json()
     (folder / "tokenizer.json").write_text(text)
+    # Tools that batch (lm-eval) or score a text's first token want an end-of-text and a padding token; neither
+    # vocabulary has one, so both name the NUL byte, which text does not hold (docs/decisions.md).
+    nul = _bytes_to_unicode()[0]
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
-              "clean_up_tokenization_spaces": False}
+              "clean_up_tokenization_spaces": False, "eos_token": nul, "pad_token": nul}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return data
 
@@ -195,7 +198,9 @@ def card_section(cfg: ModelConfig) -> list[str]:
         "tokenizer = AutoTokenizer.from_pretrained(\"<this folder>\")",
         "ids = tokenizer(\"ROMEO:\", return_tensors=\"pt\").input_ids",
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=100)[0]))", "```", "",
-        "`lm_eval --model hf --model_args pretrained=<this folder> --tasks ...` evaluates it.", "",
+        "`lm_eval --model hf --model_args pretrained=<this folder> --tasks hellaswag,arc_easy` evaluates it. Neither "
+        "vocabulary has special tokens: the tokenizer names the NUL byte, which no text holds, as its end-of-text "
+        "and padding token for the tools that need one.", "",
         "The same function as the Parallax model, in another form: " + "; ".join(changes) + ". The surrogates the "
         "composers trained with are no part of it, and the load-balancing loss weight is the config's "
         "`router_aux_loss_coef`. `parallax.json` holds Parallax's own description of the model (settings, "

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from parallax.node.train.data import CorpusInfo, load_corpus, split_corpus
 from parallax.node.train.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
 
 runner = CliRunner(env={"COLUMNS": "200"})
+LM_EVAL_TASK = Path(__file__).parents[1] / "data" / "lm_eval"
 WINDOWS = {"batch_size": 2, "eval_batches": 1, "val_fraction": 0.05}
 
 
@@ -141,3 +145,26 @@ def test_the_byte_tokenizers_file_is_the_byte_tokenizer() -> None:
     assert tok.get_vocab_size() == 256
     text = "".join(chr(c) for c in range(1, 0x2FF)) + "\U0001F600"
     assert tok.encode(text).ids == ByteTokenizer().encode(text.encode()).tolist()
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_the_hf_form_on_a_local_task_as_parallaxs_model_does(tmp_path: Path) -> None:
+    """lm-eval's own command over the task shipped with the tests (no download): each line's log-likelihood, as
+    lm-eval computes it through transformers (the line after the end-of-text token), is Parallax's."""
+    native, hf = _both_forms(PRESETS["tiny"], tmp_path)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={hf}",
+                           "--include_path", ".", "--tasks", "parallax_lines", "--device", "cpu", "--batch_size", "4",
+                           "--output_path", str(tmp_path / "out"), "--log_samples"],
+                          cwd=LM_EVAL_TASK, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_parallax_lines_*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert len(samples) == len((LM_EVAL_TASK / "lines.jsonl").read_text().splitlines()) == 24
+    ours = read_model(native).model
+    for sample in samples:
+        tokens = list(sample["doc"]["text"].encode())
+        with torch.no_grad():
+            logits = ours(torch.tensor([[0, *tokens[:-1]]])).logits[0]
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens].sum().item()
+        assert float(sample["resps"][0][0]) == pytest.approx(expected, abs=1e-3)
