@@ -417,7 +417,8 @@ class TrainConfig:
     eval_batches: int = 16
     """Validation batches (fixed windows) per evaluation."""
     eval_every: int = 100
-    """Steps between mid-run validations recorded in the run's history (0 = only at the end)."""
+    """Steps between evaluations on the validation windows: the simulator's history, a node's ``eval`` metrics events,
+    val loss in its status and trackers (0 = only at the end: the simulator's, a node's with ``--final-eval``)."""
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.steps <= 0 or self.eval_batches <= 0:

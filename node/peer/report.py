@@ -34,7 +34,13 @@ class NodeReport:
     """(group, status) -> outer rounds."""
     adoptions: int = 0
     releases: int = 0
-    val_loss: float | None = None
+    evals: list[tuple[int, int, float]] = field(default_factory=list)
+    """(step, tokens, validation loss) of each evaluation of the node's own view (periodic and final)."""
+
+    @property
+    def val_loss(self) -> float | None:
+        """The last evaluation's validation loss."""
+        return self.evals[-1][2] if self.evals else None
 
     @property
     def final_loss(self) -> float | None:
@@ -71,8 +77,8 @@ def read_node(path: Path) -> NodeReport:
             report.adoptions += 1
         elif kind == "released":
             report.releases += 1
-        elif kind == "final_eval" and isinstance(r.get("val_loss"), int | float):
-            report.val_loss = float(r["val_loss"])
+        elif kind in ("eval", "final_eval") and isinstance(r.get("val_loss"), int | float):
+            report.evals.append((int(_number(r, "step")), int(_number(r, "tokens")), float(r["val_loss"])))
     if not report.steps:
         raise ValueError(f"{path} holds no step line: is it a node's --metrics file?")
     return report
@@ -132,9 +138,10 @@ def report_run(paths: Sequence[Path], out: Path, baseline: Path | None = None) -
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for n in nodes:
         x = n.tokens if any(n.tokens) else n.steps
-        ax.plot(x, n.losses, linewidth=0.8, label=f"{n.name} (training)")
-        if n.val_loss is not None:
-            ax.scatter([x[-1]], [n.val_loss], marker="o", zorder=3)
+        line, = ax.plot(x, n.losses, linewidth=0.8, label=f"{n.name} (training)")
+        if n.evals:
+            ax.plot([e[1] if any(n.tokens) else e[0] for e in n.evals], [e[2] for e in n.evals], marker="o",
+                    markersize=3, color=line.get_color(), linestyle=":", label=f"{n.name} (validation)")
     if base:
         ax.plot([t / composers for t, _ in base], [v for _, v in base], color="black", linestyle="--",
                 label=f"synchronous baseline, validation (tokens per composer of {composers})")
@@ -202,8 +209,9 @@ def summary(nodes: Sequence[NodeReport], base: Sequence[tuple[int, float]] = ())
         for (group, status), c in n.rounds.items():
             rounds.setdefault(group, Counter())[status] += c
     if any(n.val_loss is None for n in nodes):
-        lines += ["", "val loss `-`: the node left without evaluating its model on the validation split (`node join "
-                      "--final-eval` does; `parallax export` then `parallax eval` measure the whole model)."]
+        lines += ["", "val loss `-`: the node never evaluated its model on the validation split (it does every "
+                      "`eval_every` steps, 100 unless `--set eval_every=N` says otherwise, and when it leaves with "
+                      "`--final-eval`; `parallax export` then `parallax eval` measure the whole model)."]
     if rounds:
         lines += ["", "Outer rounds, all nodes: " + "; ".join(
             f"{g}: " + ", ".join(f"{s} {c}" for s, c in sorted(st.items())) for g, st in sorted(rounds.items()))]

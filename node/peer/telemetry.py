@@ -124,7 +124,7 @@ class Telemetry:
         line = {"t": round(dht_time(), 3), "kind": kind, **fields}
         if kind == "round":
             self.status.recent_rounds = [*self.status.recent_rounds[-(RECENT_ROUNDS - 1):], line]
-        if kind == "final_eval":
+        if kind in ("eval", "final_eval"):
             self._to_sinks(int(fields.get("step", 0)), {"val_loss": float(fields["val_loss"])})
         self._write(line)
 

@@ -110,6 +110,9 @@ class Training:
                                 **({} if self.offload is None else self.offload.metrics()))
             if settings.checkpoint_dir is not None and composer.step % settings.checkpoint_every == 0:
                 self.checkpoint()
+            every = self.config.train.eval_every
+            if every and composer.step % every == 0:
+                self.evaluate("eval")
         self.seam()  # apply what arrived during the last step before leaving
         self.dht.forbidden_thread = None
         self.telemetry.event("step_path", dht_calls=self.dht.forbidden_calls, steps=trained,
@@ -260,15 +263,20 @@ class Training:
         if settings.checkpoint_dir is not None:
             self.checkpoint()
         if settings.final_eval:
-            self.telemetry.status.val_loss = val_loss = composer.evaluate(self.val)
-            self.telemetry.event("final_eval", step=composer.step, val_loss=round(val_loss, 5),
-                                 tokens=composer.tokens_seen)
+            self.evaluate("final_eval")
         rattle = self.membership.leave("leaving after training" if not self.stop_event.is_set()
                                        else "stopped by the user")
         self._refresh_status()  # the rounds and snapshots of the leave count too
         self.telemetry.event("left", step=composer.step, seconds=round(time.monotonic() - started, 3),
                              deathrattle=rattle, dht_by_kind=self.dht.calls.kinds(),
                              **self.telemetry.counters())
+
+    def evaluate(self, kind: str) -> None:
+        """This node's own view on the validation windows: the status's val loss and a metrics event ``kind``
+        ("eval" every ``train.eval_every`` steps, "final_eval" when leaving)."""
+        composer = self.composer
+        self.telemetry.status.val_loss = val_loss = composer.evaluate(self.val)
+        self.telemetry.event(kind, step=composer.step, val_loss=round(val_loss, 5), tokens=composer.tokens_seen)
 
     def checkpoint(self) -> None:
         settings = self.config.node

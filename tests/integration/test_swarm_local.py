@@ -1,5 +1,6 @@
 """``parallax swarm local`` as a user runs it: real processes on loopback. Its summary shows the counters the
-nodes wrote to their metrics files, the rounds and snapshots of their leave included; a node that fails makes
+nodes wrote to their metrics files, the rounds and snapshots of their leave included; nodes evaluate their model
+every ``eval_every`` steps; a node that fails makes
 the command fail, naming it; each run keeps a folder of its own and leaves its model there, with next commands
 that work as printed."""
 
@@ -32,7 +33,8 @@ def _run_folder(done: subprocess.CompletedProcess[str]) -> Path:
 
 
 def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
-    done = _swarm_local(tmp_path, "--steps", "25", "--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}')
+    done = _swarm_local(tmp_path, "--steps", "25", "--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}',
+                        "--set", "eval_every=10")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = _run_folder(done)
     lines = done.stdout.splitlines()
@@ -49,6 +51,8 @@ def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
         assert int(rounds) == sum(last["rounds_ok"].values()) > 0
         assert sent == f"{last['bytes_sent'] / 1e6:.2f}" and received == f"{last['bytes_received'] / 1e6:.2f}"
         assert last["outer_bytes"] > 0
+        evals = [r for r in read_metrics(run / f"node-{i}" / "metrics.jsonl") if r.get("kind") == "eval"]
+        assert [e["step"] for e in evals] == [10, 20] and all(0 < e["val_loss"] < 6 for e in evals), evals
         finals.append(last)
     # Outer-round traffic is counted as sent: every outer byte one node fetched the other served, so the pair sent at
     # least half their outer traffic (one node alone may fetch far more than it serves: a joiner's state download).

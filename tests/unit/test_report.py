@@ -22,7 +22,8 @@ def _metrics(path: Path, *, steps: int, loss0: float, bytes_per_step: int, round
                       "tokens_per_s": 1000.0 + s, "bytes_sent": s * bytes_per_step, "bytes_received": 0})
     lines += [{"t": 200.0, "kind": "round", "group": g, "status": st} for g, st in rounds]
     lines += [{"t": 201.0, "kind": "adopted", "layer": 0, "expert": 1},
-              {"t": 202.0, "kind": "final_eval", "step": steps, "val_loss": 2.5}]
+              {"t": 201.5, "kind": "eval", "step": steps // 2, "tokens": steps * 128, "val_loss": 3.0},
+              {"t": 202.0, "kind": "final_eval", "step": steps, "tokens": steps * 256, "val_loss": 2.5}]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"half a line")  # a line being written
     return path
 
@@ -38,6 +39,7 @@ def test_a_report_reads_every_figure_from_the_files(tmp_path: Path) -> None:
     assert node.name == "node-0" and node.steps[-1] == 50 and node.bytes_per_step == pytest.approx(1000)
     assert node.final_loss == pytest.approx(statistics_mean([4.0 - s / 100 for s in range(41, 51)]))
     assert node.rounds[("backbone", "timeout")] == 1 and node.adoptions == 1 and node.val_loss == 2.5
+    assert node.evals == [(25, 50 * 128, 3.0), (50, 50 * 256, 2.5)]  # the periodic evaluation and the final one
 
     done = runner.invoke(app, ["report", str(a), str(b), "--out", str(tmp_path / "report"), "--baseline", str(bench)])
     assert done.exit_code == 0, done.output
@@ -60,9 +62,9 @@ def test_moving_averages_and_why_a_val_loss_is_missing(tmp_path: Path) -> None:
     path = _metrics(tmp_path / "node-0" / "metrics.jsonl", steps=5, loss0=4.0, bytes_per_step=10,
                     rounds=[("router", "no_group")])
     node = read_node(path)
-    node.val_loss = None  # a node that left without --final-eval
+    node.evals = []  # a node that evaluated neither every eval_every steps nor when it left
     md = summary([node])
-    assert "val loss `-`: the node left without evaluating" in md and "--final-eval" in md
+    assert "val loss `-`: the node never evaluated" in md and "eval_every" in md and "--final-eval" in md
     assert "| no_group | too few other composers" in md
 
 
