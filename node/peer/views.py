@@ -148,12 +148,15 @@ class SwarmViews:
 
     def heirs_of(self, experts: list[ExpertId]) -> dict[ExpertId, str]:
         """expert -> its heir's fingerprint, for those of ``experts`` whose heir keeps a snapshot of them (with
-        replicas, the heir is a co-owner training a live copy: it pulls none)."""
-        assignment = self.membership.view().assignment()
+        replicas, the heir is a co-owner training a live copy: it pulls none). An heir whose heartbeat says it is
+        leaving pulls nothing more (it trains no more steps), so it is no heir to wait for."""
+        view = self.membership.view()
+        assignment = view.assignment()
         if assignment is None:
             return {}
-        return {eid: heir for eid in experts
-                if (heir := assignment.heir(*eid)) is not None and heir not in assignment.owners_of(*eid)}
+        leaving = {fp for fp, m in view.alive().items() if m.heartbeat.versions.get(LEAVING)}
+        return {eid: heir for eid in experts if (heir := assignment.heir(*eid)) is not None
+                and heir not in assignment.owners_of(*eid) and heir not in leaving}
 
     def live_workers(self) -> dict[str, float] | None:
         """Offload workers in the view that run this node's worker settings: libp2p peer id -> capacity. A

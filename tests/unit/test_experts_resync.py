@@ -120,3 +120,32 @@ def test_a_leaving_owner_stops_waiting_for_an_heir_that_left_first():
                       fingerprint="me", online_at=0.0, owners={EID: ("me",)}, clock=lambda: float(next(ticks)))
     experts.push_final_snapshots(deadline=1000.0)
     assert next(ticks) < 10 and updates and updates[0]["step"] == me.step  # it announced its last step, then left
+
+
+
+def test_an_heir_that_announces_it_is_leaving_is_no_heir_to_wait_for():
+    """Nodes stopped together: two leaving owners, each the other's heir, would each wait out the leave bound for
+    a pull the other, no longer training, never makes. An heir whose heartbeat says it is leaving is left out."""
+    from parallax.dht.claims import ShardConfig
+    from parallax.dht.membership import Member, SwarmView
+    from parallax.node.peer.views import LEAVING, SwarmViews
+    from parallax.protocol.identity import Identity
+    from parallax.protocol.messages import Heartbeat
+
+    def member(seed: bytes, leaving: bool) -> Member:
+        ident = Identity.from_seed(seed * 32)
+        hb = Heartbeat(peer_id="12D3KooW" + seed.decode() * 44, addresses=("/ip4/127.0.0.1/tcp/1",),
+                       role="composer", capacity=1.0, shards=(), step=10,
+                       versions={LEAVING: 1} if leaving else {})
+        return Member(ident.fingerprint, ident.public_key, hb, expires_at=1e12)
+
+    for leaving in (False, True):
+        me, heir = member(b"a", False), member(b"b", leaving)
+        view = SwarmView(run_id="r", read_at=100.0, members={me.fingerprint: me, heir.fingerprint: heir},
+                         shards=ShardConfig(n_layers=1, n_experts=4))
+        assignment = view.assignment()
+        assert assignment is not None
+        mine = [(0, e) for e in range(4) if assignment.owner(0, e) == me.fingerprint]
+        views = SwarmViews(SimpleNamespace(view=lambda v=view: v), me.fingerprint, 10,  # type: ignore[arg-type]
+                           lambda *_a, **_k: None)
+        assert mine and views.heirs_of(mine) == ({} if leaving else {e: heir.fingerprint for e in mine})
