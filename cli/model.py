@@ -130,6 +130,9 @@ def generate(
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", min=0, help="Tokens to sample."),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 picks the most likely token."),
     top_k: int | None = typer.Option(50, "--top-k", min=1, help="Sample among the k most likely tokens."),
+    top_p: float | None = typer.Option(
+        None, "--top-p", min=0.0, max=1.0, help="Sample among the fewest most likely tokens whose probabilities add "
+        "up to p (nucleus sampling), after --top-k."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the sampler (same seed, same text)."),
 ) -> None:
     """Continue a prompt with an exported model; prints the prompt, then the sampled text as it comes."""
@@ -147,8 +150,11 @@ def generate(
         sys.stdout.write(piece.decode("utf-8", errors="replace"))
         sys.stdout.flush()
 
-    sample(exported.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-           seed=seed, tokenizer=exported.tokenizer, on_text=show)
+    try:
+        sample(exported.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+               top_p=top_p, seed=seed, tokenizer=exported.tokenizer, on_text=show)
+    except ValueError as e:
+        fail(e, code=2)
     sys.stdout.write("\n")
 
 

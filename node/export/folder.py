@@ -392,12 +392,12 @@ class ExportedModel:
         return dict(self.config.get("eval", {}))
 
     def generate(self, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int | None = 50,
-                 seed: int | None = None) -> str:
+                 top_p: float | None = None, seed: int | None = None) -> str:
         """``prompt`` and the text the model continues it with (``node.export.use.generate``)."""
         from parallax.node.export.use import generate
 
         text = generate(self.model, prompt.encode(), max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, seed=seed, tokenizer=self.tokenizer)
+                        top_k=top_k, top_p=top_p, seed=seed, tokenizer=self.tokenizer)
         return prompt + text.decode("utf-8", errors="replace")
 
 

@@ -53,12 +53,15 @@ def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, b
 
 @torch.no_grad()
 def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int | None = None, tokenizer: Tokenizer | None = None,
-             use_cache: bool = True, on_text: Callable[[bytes], None] | None = None) -> bytes:
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             tokenizer: Tokenizer | None = None, use_cache: bool = True,
+             on_text: Callable[[bytes], None] | None = None) -> bytes:
     """Sample ``max_new_tokens`` tokens after ``prompt`` and return them as text (``tokenizer``'s; None: bytes,
     returned as they are); ``on_text`` gets each piece of it as it comes.
 
-    ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling. The context
+    ``temperature`` 0 picks the most likely token; ``top_k`` keeps the k most likely before sampling, ``top_p`` the
+    fewest most likely whose probabilities (after ``top_k`` and the temperature) add up to p (nucleus sampling,
+    Holtzman et al. 2020: the most likely token always stays). The context
     is at most the model's ``seq_len`` tokens. With ``use_cache`` each new token costs one position (the keys and
     values of the context are kept); once the context fills, it restarts from its last half, so past ``seq_len``
     tokens the model sees between half a window and a whole one. Without it, every token reruns the last
@@ -70,6 +73,8 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if seed is not None:
@@ -95,7 +100,10 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
             if top_k is not None and top_k < scaled.numel():
                 kth = torch.topk(scaled, top_k).values[-1]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator))
+            probs = torch.softmax(scaled, dim=-1)
+            if top_p is not None and top_p < 1:
+                probs = nucleus(probs, top_p)
+            nxt = int(torch.multinomial(probs, 1, generator=generator))
         tokens.append(nxt)
         text.add(nxt)
         if cache is None:
@@ -106,6 +114,14 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
         else:
             logits = logits_after([nxt])
     return text.all()
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [V] with every token but the fewest most likely whose probabilities add up to ``top_p`` set to 0
+    (not renormalised: ``torch.multinomial`` takes weights)."""
+    sorted_p, order = probs.sort(descending=True)
+    outside = sorted_p.cumsum(0) - sorted_p >= top_p  # the mass of the more likely tokens already reaches p
+    return probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
 
 
 class _Text:

@@ -146,6 +146,22 @@ def test_generation_is_seeded_greedy_at_temperature_zero_and_of_the_asked_length
     assert len(generate(model, long_prompt, max_new_tokens=3, seed=0)) == 3
 
 
+def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_p(simulated, tmp_path: Path) -> None:
+    from parallax.node.export.use import nucleus
+
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    assert torch.equal(nucleus(probs, 0.7), torch.tensor([0.0, 0.5, 0.0, 0.3]))
+    assert torch.equal(nucleus(probs, 0.5), torch.tensor([0.0, 0.5, 0.0, 0.0]))  # the most likely alone reaches p
+    assert torch.equal(nucleus(probs, 0.01), torch.tensor([0.0, 0.5, 0.0, 0.0]))  # and always stays
+    assert torch.equal(nucleus(probs, 0.96), probs)
+    root, _ = simulated
+    model = read_model(export_checkpoints([root / "composer-0", root / "composer-1"], tmp_path / "m")).model
+    greedy = generate(model, b"ROMEO:", max_new_tokens=30, temperature=0.0)
+    assert generate(model, b"ROMEO:", max_new_tokens=30, temperature=1.0, top_p=1e-6, seed=5) == greedy
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, b"ROMEO:", max_new_tokens=1, top_p=0.0)
+
+
 def test_the_cache_gives_the_logits_and_tokens_of_rerunning_the_context_and_the_text_streams(simulated,
                                                                                           tmp_path: Path) -> None:
     root, _ = simulated
