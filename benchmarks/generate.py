@@ -1,8 +1,10 @@
 """``parallax bench generate``: tokens per second of ``parallax generate`` with the key-value cache and without it
-(every token rerunning its context), side by side on one model of a preset, greedy, after one untimed warm-up."""
+(every token rerunning its context), side by side on one model of a preset, greedy, after one untimed warm-up;
+the two ways alternate ``REPEATS`` times and each gives its median (a shared machine's pace drifts within a run)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -14,20 +16,25 @@ from parallax.node.export.use import generate
 from parallax.node.model.transformer import MoETransformer
 
 PROMPT = b"ROMEO:"
+REPEATS = 5
 
 
 def run_generate(preset: str, new_tokens: int, device: torch.device) -> dict[str, Any]:
     """A freshly initialised model of ``preset`` (speed does not depend on training) on ``device``."""
     cfg = get_preset(preset)
     model = MoETransformer(cfg, seed=0).to(device).eval()
-    rates: dict[str, float] = {}
-    for name, cached in (("cache", True), ("no_cache", False)):
+    ways = {"cache": True, "no_cache": False}
+    for cached in ways.values():
         generate(model, PROMPT, max_new_tokens=4, temperature=0, use_cache=cached)  # warm-up
-        started = time.perf_counter()
-        generate(model, PROMPT, max_new_tokens=new_tokens, temperature=0, use_cache=cached)
-        rates[name] = new_tokens / (time.perf_counter() - started)
+    runs: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(REPEATS):
+        for name, cached in ways.items():
+            started = time.perf_counter()
+            generate(model, PROMPT, max_new_tokens=new_tokens, temperature=0, use_cache=cached)
+            runs[name].append(new_tokens / (time.perf_counter() - started))
+    rates = {name: statistics.median(r) for name, r in runs.items()}
     return {"preset": preset, "new_tokens": new_tokens, "seq_len": cfg.seq_len, "device": str(device),
-            "threads": torch.get_num_threads(), "tokens_per_s": rates,
+            "threads": torch.get_num_threads(), "tokens_per_s": rates, "runs": runs,
             "cache_speedup": rates["cache"] / rates["no_cache"]}
 
 
@@ -35,7 +42,8 @@ def markdown(report: dict[str, Any]) -> str:
     rates = report["tokens_per_s"]
     return "\n".join([
         f"{report['new_tokens']} new tokens, preset {report['preset']} (context {report['seq_len']}), "
-        f"{report['device']}, {report['threads']} threads", "",
+        f"{report['device']}, {report['threads']} threads; medians of {len(report['runs']['cache'])} alternating runs",
+        "",
         "| | tokens/s |", "|---|---|",
         f"| key-value cache | {rates['cache']:.1f} |", f"| context rerun per token | {rates['no_cache']:.1f} |",
         f"| cache speed-up | {report['cache_speedup']:.2f}x |"])

@@ -15,6 +15,7 @@ Shape legend (torchtitan style):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -67,12 +68,21 @@ class SwiGLU(nn.Module):
 def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021), half-split layout; the first position is ``start``."""
     T, Dh = x_BHTDh.shape[-2], x_BHTDh.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=x_BHTDh.device, dtype=torch.float32) / Dh))
-    positions_T = torch.arange(start, start + T, device=x_BHTDh.device, dtype=torch.float32)
-    angles_TF = torch.outer(positions_T, inv_freq)
-    cos, sin = angles_TF.cos().to(x_BHTDh.dtype), angles_TF.sin().to(x_BHTDh.dtype)
+    cos_PF, sin_PF = _rotary_table(base, Dh, 1 << max(start + T - 1, 1).bit_length(), x_BHTDh.device,
+                                   x_BHTDh.dtype)
+    cos, sin = cos_PF[start:start + T], sin_PF[start:start + T]
     x1, x2 = x_BHTDh[..., : Dh // 2], x_BHTDh[..., Dh // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _rotary_table(base: float, Dh: int, positions: int, device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, Dh / 2] of the rotary angles of positions 0..positions - 1, computed once per shape
+    (a token generated with the cache would otherwise pay a table's worth of work for its one position)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=device, dtype=torch.float32) / Dh))
+    angles_PF = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq)
+    return angles_PF.cos().to(dtype), angles_PF.sin().to(dtype)
 
 
 class KVCache:
@@ -270,6 +280,16 @@ class MoELayer(nn.Module):
             out_TL = out_TL.index_add(0, token_idx_N, y_NL * gate_N1)
         return out_TL
 
+    def _mix_one(self, h_1L: torch.Tensor, topk_ids_1K: torch.Tensor, gates_1K: torch.Tensor) -> torch.Tensor:
+        """One token in evaluation (generation with a key-value cache): its K experts called one after another, no
+        sort and no grouping, whose bookkeeping costs more than the experts at this size."""
+        out_1L = torch.zeros_like(h_1L)
+        for k, e in enumerate(topk_ids_1K[0].tolist()):
+            y_1L = self._expert_output(e, h_1L)
+            if y_1L is not None:
+                out_1L = out_1L + y_1L * gates_1K[0, k].to(y_1L.dtype)
+        return out_1L
+
     def _kind(self, e: int) -> int:
         if e in self.owned:
             return _OFFLOADED if e in self.offloaded else _TRAINED
@@ -351,6 +371,8 @@ class MoELayer(nn.Module):
         h_TL = self.latent_down(x_TD) if self.latent_down is not None else x_TD
         if self.kernel == "reference":
             out_TL = self._mix_per_expert(h_TL, topk_ids_TK, gates_TK)
+        elif B * T == 1 and not self.training and self.recorder is None:
+            out_TL = self._mix_one(h_TL, topk_ids_TK, gates_TK)
         else:
             out_TL = self._mix_sorted(h_TL, topk_ids_TK, gates_TK, tokens_per_expert_E)
         y_TD = self.latent_up(out_TL) if self.latent_up is not None else out_TL
