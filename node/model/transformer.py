@@ -68,8 +68,9 @@ class SwiGLU(nn.Module):
 def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2021), half-split layout; the first position is ``start``."""
     T, Dh = x_BHTDh.shape[-2], x_BHTDh.shape[-1]
-    cos_PF, sin_PF = _rotary_table(base, Dh, 1 << max(start + T - 1, 1).bit_length(), x_BHTDh.device,
-                                   x_BHTDh.dtype)
+    # A compiled graph computes the table itself (it holds no Python cache; torch.compile warns of one).
+    table = _rotary_table.__wrapped__ if torch.compiler.is_compiling() else _rotary_table
+    cos_PF, sin_PF = table(base, Dh, 1 << max(start + T - 1, 1).bit_length(), x_BHTDh.device, x_BHTDh.dtype)
     cos, sin = cos_PF[start:start + T], sin_PF[start:start + T]
     x1, x2 = x_BHTDh[..., : Dh // 2], x_BHTDh[..., Dh // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
