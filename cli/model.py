@@ -49,8 +49,8 @@ def export(
         "beside --manifest)."),
     form: Literal["parallax", "hf"] = typer.Option(
         "parallax", "--format", help="parallax: the folder parallax generate, eval and load read; hf: a standard "
-        "Hugging Face transformers checkpoint (Mixtral or Qwen2-MoE) with its tokenizer, for transformers, lm-eval, "
-        "vLLM."),
+        "Hugging Face transformers checkpoint (Mixtral or Qwen2-MoE) with its tokenizer, for transformers and the "
+        "tools built on it (lm-eval)."),
 ) -> None:
     """Assemble the trained model of a run (every expert real) into one folder: model.safetensors, config.json,
     a model card. From checkpoint folders, or from a live swarm (each expert from its owner, the shared groups

@@ -1,6 +1,7 @@
 """The Hugging Face form of an exported model: a folder ``transformers.AutoModelForCausalLM`` loads as a standard
-architecture, with no modeling code of its own, so that the tools built on transformers (lm-eval, vLLM,
-llama.cpp's converter) read it as they read any Mixtral or Qwen-MoE checkpoint.
+architecture, with no modeling code of its own, so that the tools built on transformers (lm-eval) read it as they
+read any Mixtral or Qwen-MoE checkpoint, and those that support the two architectures (vLLM, llama.cpp's
+converter) have what they need: neither of those two is run here (docs/decisions.md says what may stop them).
 
 Parallax's model maps exactly onto one of two standard decoders (docs/decisions.md, "The Hugging Face form"):
 
@@ -20,8 +21,8 @@ The mapping changes no function, only the form of the weights:
 - the RMSNorm epsilon is float32's machine epsilon, the one ``torch.nn.RMSNorm`` uses by default;
 - the surrogates are not part of the model (nothing selects them once every expert is real).
 
-Weights are named as the architectures' published checkpoints name them (one tensor per expert), the names
-transformers, vLLM and llama.cpp all read.
+Weights are named as the architectures' published checkpoints name them (one tensor per expert): the names
+transformers loads (version 5 fuses the experts as it loads them) and the converters of those checkpoints expect.
 """
 
 from __future__ import annotations
