@@ -108,8 +108,10 @@ def _export_live(initial_peers: list[str], run_id: str | None, manifest_file: Pa
 
 
 def _exported(folder: Path) -> None:
-    hf = (folder / "parallax.json").is_file()
-    config = json.loads((folder / ("parallax.json" if hf else "config.json")).read_text())
+    from parallax.node.export.folder import CONFIG, HF_DESCRIPTION
+
+    hf = (folder / HF_DESCRIPTION).is_file()
+    config = json.loads((folder / (HF_DESCRIPTION if hf else CONFIG)).read_text())
     p = config["provenance"]
     said = f"exported {len(p['experts'])} experts from {len(p['nodes'])} node(s) of run {p['run_id']} to {folder}"
     if p.get("val_loss"):

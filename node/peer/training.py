@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 
@@ -271,7 +272,7 @@ class Training:
                              deathrattle=rattle, dht_by_kind=self.dht.calls.kinds(),
                              **self.telemetry.counters())
 
-    def evaluate(self, kind: str) -> None:
+    def evaluate(self, kind: Literal["eval", "final_eval"]) -> None:
         """This node's own view on the validation windows: the status's val loss and a metrics event ``kind``
         ("eval" every ``train.eval_every`` steps, "final_eval" when leaving)."""
         composer = self.composer
