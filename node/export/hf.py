@@ -102,7 +102,7 @@ def hf_tensors(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str,
                      w_down: _fold(state[f"{expert}.w_down.weight"], left=up)}
             out |= {f"{theirs}.{moe}.experts.{e}.{name}.weight": t for name, t in parts.items()}
         if arch == "Qwen2MoeForCausalLM":
-            out |= _qwen_shared(cfg, state, ours, f"{theirs}.mlp")
+            out |= _qwen_extras(cfg, state, ours, theirs)
     return {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in out.items()}
 
 
@@ -116,19 +116,19 @@ def _fold(w: torch.Tensor, *, left: torch.Tensor | None = None, right: torch.Ten
     return out.float()
 
 
-def _qwen_shared(cfg: ModelConfig, state: Mapping[str, torch.Tensor], ours: str,
+def _qwen_extras(cfg: ModelConfig, state: Mapping[str, torch.Tensor], ours: str,
                  theirs: str) -> dict[str, torch.Tensor]:
-    """Qwen2-MoE's attention biases (zeros), shared expert and its gate (module docstring)."""
-    D = cfg.d_model
-    out = {f"{theirs.removesuffix('.mlp')}.self_attn.{p}_proj.bias": torch.zeros(D) for p in "qkv"}
-    out[f"{theirs}.shared_expert_gate.weight"] = torch.zeros(1, D)  # sigmoid(0) = 1/2 for every token
+    """One Qwen2-MoE layer's (``theirs``) attention biases (zeros), shared expert and its gate (module docstring)."""
+    D, mlp = cfg.d_model, f"{theirs}.mlp"
+    out = {f"{theirs}.self_attn.{p}_proj.bias": torch.zeros(D) for p in "qkv"}
+    out[f"{mlp}.shared_expert_gate.weight"] = torch.zeros(1, D)  # sigmoid(0) = 1/2 for every token
     if cfg.d_shared:
         shared = f"{ours}.moe.shared"
-        out |= {f"{theirs}.shared_expert.gate_proj.weight": state[f"{shared}.w_gate.weight"],
-                f"{theirs}.shared_expert.up_proj.weight": state[f"{shared}.w_up.weight"],
-                f"{theirs}.shared_expert.down_proj.weight": state[f"{shared}.w_down.weight"] * 2}
+        out |= {f"{mlp}.shared_expert.gate_proj.weight": state[f"{shared}.w_gate.weight"],
+                f"{mlp}.shared_expert.up_proj.weight": state[f"{shared}.w_up.weight"],
+                f"{mlp}.shared_expert.down_proj.weight": state[f"{shared}.w_down.weight"] * 2}
     else:
-        out |= {f"{theirs}.shared_expert.{p}.weight": torch.zeros(shape) for p, shape
+        out |= {f"{mlp}.shared_expert.{p}.weight": torch.zeros(shape) for p, shape
                 in (("gate_proj", (1, D)), ("up_proj", (1, D)), ("down_proj", (D, 1)))}
     return out
 
