@@ -51,7 +51,7 @@ def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, b
                       data=str(data) if data is not None else "the built-in corpus")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              tokenizer: Tokenizer | None = None, use_cache: bool = True,

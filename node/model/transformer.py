@@ -80,10 +80,12 @@ def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
 def _rotary_table(base: float, Dh: int, positions: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [positions, Dh / 2] of the rotary angles of positions 0..positions - 1, computed once per shape
-    (a token generated with the cache would otherwise pay a table's worth of work for its one position)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=device, dtype=torch.float32) / Dh))
-    angles_PF = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq)
-    return angles_PF.cos().to(dtype), angles_PF.sin().to(dtype)
+    (a token generated with the cache would otherwise pay a table's worth of work for its one position). Plain
+    tensors even when first asked for under ``torch.inference_mode`` (generation): training uses them too."""
+    with torch.inference_mode(False), torch.no_grad():
+        inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=device, dtype=torch.float32) / Dh))
+        angles_PF = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq)
+        return angles_PF.cos().to(dtype), angles_PF.sin().to(dtype)
 
 
 class KVCache:
@@ -117,17 +119,19 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, D = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        qkv_3BHTDh = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         start = 0 if cache is None else cache.length
-        q, k = _rotary(q, self.rope_base, start), _rotary(k, self.rope_base, start)
+        q, k = _rotary(qkv_3BHTDh[:2], self.rope_base, start)  # queries and keys rotated together
+        v = qkv_3BHTDh[2]
         if cache is None or start == 0:
             if cache is not None:
                 cache.extend(k, v)
             y_BHTDh = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # new positions after cached ones: each sees every cached position and the new ones up to itself
             k, v = cache.extend(k, v)
-            mask_TS = torch.ones(T, start + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
-            y_BHTDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS)
+            mask_TS = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool,
+                                                     device=x_BTD.device).tril(diagonal=start)
+            y_BHTDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS)  # one new position sees them all
         return self.proj(y_BHTDh.transpose(1, 2).reshape(B, T, D))
 
 

@@ -168,3 +168,17 @@ def test_config_validation_says_what_to_change():
     with pytest.raises(ValueError, match="unknown preset"):
         preset("huge")
     assert own_all(TINY) == tuple(frozenset(range(4)) for _ in range(TINY.n_layers))
+
+
+def test_rotary_angles_first_computed_for_generation_still_train() -> None:
+    """The rotary table is computed once per shape; generation (under ``torch.inference_mode``) may be the first to
+    ask for it, and training then uses the same table."""
+    from parallax.node.model.transformer import _rotary, _rotary_table
+
+    _rotary_table.cache_clear()
+    with torch.inference_mode():
+        first = _rotary(torch.randn(1, 2, 5, 8), 500.0)
+    x = torch.randn(1, 2, 5, 8, requires_grad=True)
+    again = _rotary(x, 500.0)
+    again.sum().backward()
+    assert x.grad is not None and not first.requires_grad
