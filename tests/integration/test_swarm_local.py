@@ -19,11 +19,11 @@ from parallax.node.peer.local_swarm import final_counters, read_metrics
 pytestmark = pytest.mark.timeout(300)
 
 
-def _swarm_local(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _swarm_local(tmp_path: Path, *extra: str, nodes: int = 2) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "parallax.cli", "swarm", "local", "--nodes", "2", "--workdir",
-                           str(tmp_path), "--run-id", "tour", *extra], capture_output=True, text=True, env=env,
-                          timeout=240)
+    return subprocess.run([sys.executable, "-m", "parallax.cli", "swarm", "local", "--nodes", str(nodes),
+                           "--workdir", str(tmp_path), "--run-id", "tour", *extra], capture_output=True, text=True,
+                          env=env, timeout=240)
 
 
 def _run_folder(done: subprocess.CompletedProcess[str]) -> Path:
@@ -79,15 +79,14 @@ def test_nodes_of_an_open_run_train_the_same_bpe_and_train_together(tmp_path: Pa
 def test_two_runs_in_one_folder_keep_their_files_and_each_leaves_a_model_its_next_lines_use(tmp_path: Path) -> None:
     runs = []
     periods = 'sync.periods={"router": 5, "latent": 5, "backbone": 5}'
-    for _ in range(2):
-        done = _swarm_local(tmp_path, "--steps", "10", "--set", periods)
+    for _ in range(2):  # one node each: what is checked is the runs' folders, not their swarms
+        done = _swarm_local(tmp_path, "--steps", "10", "--set", periods, nodes=1)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         runs.append((_run_folder(done), done.stdout))
     assert runs[0][0] != runs[1][0] and {r.parent for r, _ in runs} == {tmp_path}
     for run, stdout in runs:
-        for i in range(2):
-            last = final_counters(read_metrics(run / f"node-{i}" / "metrics.jsonl"))
-            assert last is not None and last["step"] == 10, last
+        last = final_counters(read_metrics(run / "node-0" / "metrics.jsonl"))
+        assert last is not None and last["step"] == 10, last
         assert (run / "model" / "config.json").is_file() and (run / "model" / "README.md").is_file()
         said = " ".join(stdout.split())
         assert f"parallax generate {run / 'model'} --prompt 'ROMEO:'" in said, stdout[-2000:]
