@@ -12,7 +12,10 @@ the honest composers' JSONL metrics and logs:
   it starts late (its start-up takes half a minute on two busy cores) and ends training alone;
 - ``attacker_experts``: experts no honest composer owned four fifths into the run (the attacker's fair share is
   a quarter);
-- outer rounds OK per honest composer (median), against the clean runs';
+- outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
+- ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
+  training, during which an honest composer owned the expert (availability: an attacker that takes experts or
+  makes honest composers give theirs up lowers it);
 - ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
 - ``crashed``: an honest composer exited with an error or did not evaluate.
@@ -33,6 +36,7 @@ from parallax.benchmarks.attacker import ATTACKS
 from parallax.benchmarks.report import write_report
 from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
+from parallax.node.peer.timeline import owned_fraction
 
 CLEAN = ("clean", "clean-2", "clean-3")
 HONEST = (0, 1, 3)
@@ -80,9 +84,9 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     for run in runs:
         ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
-        rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner,
-                     "rounds_ok_clean": statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs
-                     else None,
+        rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
+        rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
+                     "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
             "clean_val_loss": clean, "clean_joiner_val_loss": clean_joiner,
@@ -176,6 +180,7 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
         "val_loss": statistics.mean(losses) if len(losses) == len(FROM_THE_START) else None, "val_losses": losses,
         "joiner_val_loss": evals[JOINER][-1]["val_loss"] if evals[JOINER] else None,
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
+        "honest_owned_fraction": _honest_owned(records, honest, total),
         "rounds_ok": statistics.median(rounds_ok),
         "attacker_named": named, "attacker_banned": bool(bans),
         "banned_after_s": round(min(r["t"] for r in bans) - attacker_spawned, 1) if bans else None,
@@ -208,6 +213,15 @@ def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[Nod
     return total - len(owned)
 
 
+def _honest_owned(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> float | None:
+    """``honest_owned_fraction`` (module docstring): the window of ``_attacker_experts``, whole."""
+    ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
+    starts = [r["t"] for n in honest for r in records[n.index] if r.get("kind") == "first_step"]
+    if not ends or not starts:
+        return None
+    return owned_fraction([records[n.index] for n in honest], total, min(starts), min(ends))
+
+
 def markdown(report: dict[str, Any]) -> str:
     spread = report["clean_spread"]
     lines = [
@@ -220,8 +234,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['target']}.",
         "",
         "| run | what the attacker does | honest val loss / clean | joiner's / clean | experts the attacker held "
-        "| rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| honest-owned expert-time | rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
@@ -230,8 +244,9 @@ def markdown(report: dict[str, Any]) -> str:
         joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
+        owned = "-" if r.get("honest_owned_fraction") is None else f"{100 * r['honest_owned_fraction']:.0f}%"
         lines.append(f"| {r['name']} | {r['description']} | {ratio} | {joiner} | {_opt(r['attacker_experts'])} | "
-                     f"{r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
+                     f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
     return "\n".join(lines)
 

@@ -60,3 +60,22 @@ def longest_double_ownership(nodes: Sequence[Sequence[dict[str, Any]]], start: f
                 if both > longest[0]:
                     longest = (both, eid)
     return longest
+
+
+def owned_fraction(nodes: Sequence[Sequence[dict[str, Any]]], total: int, start: float, end: float) -> float | None:
+    """The share of expert-time within [``start``, ``end``] during which at least one of ``nodes`` (their metrics
+    records) owned the expert, over ``total`` experts (None for an empty window)."""
+    if end <= start or total <= 0:
+        return None
+    covered: dict[ExpertId, list[Interval]] = {}
+    for records in nodes:
+        for eid, spans in ownership(records).items():
+            covered.setdefault(eid, []).extend((max(a, start), min(b, end)) for a, b in spans if b > start and a < end)
+    held = 0.0
+    for spans in covered.values():
+        reach = start
+        for a, b in sorted(spans):  # the union of the intervals, measured once
+            if b > reach:
+                held += b - max(a, reach)
+                reach = b
+    return held / (total * (end - start))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from parallax.benchmarks.attacker import ATTACKS
-from parallax.benchmarks.attacks import _attacker_experts, markdown
+from parallax.benchmarks.attacks import _attacker_experts, _honest_owned, markdown
 from parallax.node.peer.local_swarm import NodeProcess
 
 
@@ -28,10 +30,14 @@ def test_experts_the_attacker_held_are_those_no_honest_composer_owned_four_fifth
     # The cut is at 80 s: the departure churn at 95 s does not count; 5 of 8 owned by honest composers.
     assert _attacker_experts(records, honest, total=8) == 3
     assert _attacker_experts({0: [], 1: [], 3: []}, honest, total=8) is None
+    # Over the whole window 0-100 s, of 8 experts: 0.0 and 1.0 for 94 s each, 0.1 for 49 s; 1.1 and 0.2 for none
+    # (a node's ownership ends with its last record: composer 1's at 50 s, composer 3's at 60 s).
+    assert _honest_owned(records, honest, total=8) == pytest.approx((94 + 94 + 49) / 800)
 
 
 def test_the_table_marks_rows_past_the_target():
-    row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "rounds_ok": 30, "rounds_ok_clean": 30,
+    row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "honest_owned_fraction": 0.75, "rounds_ok": 30,
+           "rounds_ok_clean": 30,
            "attacker_named": False, "attacker_banned": False, "banned_after_s": None, "surrogates_refused": 0,
            "crashed": False, "within_target": True}
     report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
@@ -41,7 +47,7 @@ def test_the_table_marks_rows_past_the_target():
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "attacker_named": True}]}
     text = markdown(report)
-    assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 30 (30) | yes | yes (14 s) | 0 | no |" in text
+    assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |" in text
     assert "| clean | no attacker | 1.000 |" in text and "2.0% apart" in text
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallax.node.peer.netlab import rate_bytes_per_s
-from parallax.node.peer.timeline import events, longest_double_ownership, ownership, shard_at
+from parallax.node.peer.timeline import events, longest_double_ownership, owned_fraction, ownership, shard_at
 
 
 def _shard(t: float, *experts: tuple[int, int]) -> dict:
@@ -33,3 +33,12 @@ def test_tc_rates_in_bytes_per_second():
     assert rate_bytes_per_s("20mbit") == 2.5e6 and rate_bytes_per_s("800kbit") == 1e5
     with pytest.raises(ValueError, match="rate"):
         rate_bytes_per_s("20 Mbit")
+
+
+def test_owned_fraction_counts_each_experts_time_once_however_many_own_it():
+    a = [{"t": 0.0, "kind": "shard", "experts": [[0, 0]]}, {"t": 10.0, "kind": "shard", "experts": []}]
+    b = [{"t": 5.0, "kind": "shard", "experts": [[0, 0], [0, 1]]}, {"t": 20.0, "kind": "step"}]
+    # Expert 0.0: 0-10 and 5-20 overlap, 20 s once; expert 0.1: 5-20, 15 s; window 0-20 of 2 experts.
+    assert owned_fraction([a, b], total=2, start=0.0, end=20.0) == (20 + 15) / 40
+    assert owned_fraction([a, b], total=2, start=8.0, end=12.0) == (4 + 4) / 8  # clipped to the window
+    assert owned_fraction([a, b], total=2, start=5.0, end=5.0) is None
