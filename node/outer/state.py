@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = 3
 """Composers asked at once for a group's state."""
+_RETRY_S = 0.5
+"""How long a source whose request failed in transit is left before it is asked once more."""
 PAIR_AGREEMENT = 0.5
 """Of two sources, the anchors must differ by at most this fraction of their norm: honest composers' anchors
 differ by the rounds each took part in (a few percent), a poisoned one by far more."""
@@ -135,25 +137,39 @@ class StateExchange(ServedOnLoop):
                          timeout_s: float) -> tuple[dict[str, State], int]:
         """The states of up to ``SOURCES`` of ``candidates``, asked in order, ``SOURCES`` at once: one that does not
         answer with a usable state (a peer that just left, one that serves none) is replaced by the next candidate
-        while time is left, so that a view with departed peers in it still yields three sources to compare.
-        Returns the states and how many candidates were asked."""
+        while time is left, so that a view with departed peers in it still yields three sources to compare. A source
+        whose request failed in transit (a stream reset or a dial that failed on a loaded host; not one whose bytes
+        were refused, nor one that answered it serves nothing) is asked once more after the others, while time is
+        left. Returns the states and how many candidates were asked."""
         deadline = self.loop.time() + timeout_s
         queue = iter(candidates)
+        again: list[str] = []  # failed in transit, to be asked once more
+        retried: set[str] = set()
         pending: set[asyncio.Task[tuple[str, State | None]]] = set()
         asked = 0
 
         async def one(peer: str) -> tuple[str, State | None]:
+            if peer in retried:
+                await asyncio.sleep(_RETRY_S)
             try:
                 return peer, await asyncio.wait_for(self._fetch(peer, group, shapes), deadline - self.loop.time())
-            except Exception as e:  # unreachable, slow or malformed: that source does not count
+            except ProtocolError as e:  # its bytes were refused: evidence, not luck
                 logger.info("no usable state of %s from peer %s: %r", group, peer, e)
-                return peer, None
+            except Exception as e:  # unreachable or slow this time
+                logger.info("no state of %s from peer %s this time: %r", group, peer, e)
+                if peer not in retried:
+                    again.append(peer)
+            return peer, None
 
         def ask_next() -> None:
             nonlocal asked
             peer = next(queue, None)
-            if peer is not None and self.loop.time() < deadline:
+            if peer is None and again:
+                peer = again.pop(0)
+                retried.add(peer)
+            elif peer is not None:
                 asked += 1
+            if peer is not None and self.loop.time() < deadline:
                 pending.add(asyncio.ensure_future(one(peer)))
 
         for _ in range(SOURCES):

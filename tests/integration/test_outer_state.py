@@ -4,6 +4,7 @@ it: a peer serving a poisoned anchor (or one of another shape) is outvoted. Real
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -72,11 +73,12 @@ def test_two_sources_that_disagree_prove_nothing_and_close_ones_are_taken() -> N
         assert got is not None and got[0]["round"] in (4, 5)
 
 
-def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted() -> None:
+def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted(caplog) -> None:
     # Under churn the view still lists peers that just left: here two peers serve no state at all. Each draw of
     # three sources that holds one of them asks another composer in its place, so the joiner always compares three
     # answers and the honest pair outvotes the liar (three sources drawn once would often leave one honest answer
     # beside the liar's: no two that agree, nothing taken).
+    caplog.set_level(logging.INFO, logger="parallax.node.outer.state")  # a failure then says why each source failed
     with _swarm(6) as (joiner, honest_a, honest_b, liar, _silent, _gone):
         honest_a.serve("router", lambda: _state(1.0))
         honest_b.serve("router", lambda: _state(1.0))
@@ -84,3 +86,22 @@ def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted() -
         for _ in range(6):
             got = joiner.download("router", SHAPES, timeout_s=20)
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
+
+
+def test_a_source_whose_request_failed_in_transit_is_asked_once_more() -> None:
+    """An honest source whose answer broke off (here its handler fails once) is asked again after the others: one
+    unlucky stream must not leave the liar's state beside a single honest one, with nobody to outvote it."""
+    calls = []
+
+    def once_broken() -> tuple[dict, list[torch.Tensor]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("the stream broke off")
+        return _state(1.0)
+
+    with _swarm(4) as (joiner, honest_a, honest_b, liar):
+        honest_a.serve("router", lambda: _state(1.0))
+        honest_b.serve("router", once_broken)
+        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        got = joiner.download("router", SHAPES, timeout_s=20)
+        assert got is not None and got[0]["round"] == 4 and len(calls) == 2
