@@ -164,13 +164,16 @@ class StateExchange(ServedOnLoop):
         def ask_next() -> None:
             nonlocal asked
             peer = next(queue, None)
-            if peer is None and again:
+            retry = peer is None and bool(again)
+            if retry:
                 peer = again.pop(0)
+            if peer is None or self.loop.time() >= deadline:
+                return
+            if retry:
                 retried.add(peer)
-            elif peer is not None:
+            else:
                 asked += 1
-            if peer is not None and self.loop.time() < deadline:
-                pending.add(asyncio.ensure_future(one(peer)))
+            pending.add(asyncio.ensure_future(one(peer)))
 
         for _ in range(SOURCES):
             ask_next()
