@@ -200,11 +200,11 @@ def _peer_id(records: list[dict[str, Any]]) -> str:
 def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> int | None:
     """Experts no honest composer owned four fifths of the way from the first honest step to the first composer's
     end of training (late enough for the defences to act, before departures move experts around)."""
-    ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
-    starts = [r["t"] for n in honest for r in records[n.index] if r.get("kind") == "first_step"]
-    if not ends or not starts:
+    window = _window(records, honest)
+    if window is None:
         return None
-    cut = min(starts) + 0.8 * (min(ends) - min(starts))
+    start, end = window
+    cut = start + 0.8 * (end - start)
     owned: set[tuple[int, int]] = set()
     for n in honest:
         shards = [r for r in records[n.index] if r.get("kind") == "shard" and r["t"] <= cut]
@@ -214,12 +214,16 @@ def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[Nod
 
 
 def _honest_owned(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> float | None:
-    """``honest_owned_fraction`` (module docstring): the window of ``_attacker_experts``, whole."""
+    """``honest_owned_fraction`` (module docstring), over the whole ``_window``."""
+    window = _window(records, honest)
+    return None if window is None else owned_fraction([records[n.index] for n in honest], total, *window)
+
+
+def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess]) -> tuple[float, float] | None:
+    """From the first honest step to the first composer's end of training (None before either)."""
     ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
     starts = [r["t"] for n in honest for r in records[n.index] if r.get("kind") == "first_step"]
-    if not ends or not starts:
-        return None
-    return owned_fraction([records[n.index] for n in honest], total, min(starts), min(ends))
+    return (min(starts), min(ends)) if ends and starts else None
 
 
 def markdown(report: dict[str, Any]) -> str:
