@@ -232,15 +232,24 @@ class LocalSwarm:
         """Ask one node to leave (SIGINT) and wait; returns its exit code."""
         return stop(self.nodes[index].process, timeout_s)
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop every node (SIGINT, then SIGTERM, then SIGKILL of the group), then the bootstrap peer."""
-        everyone = self.nodes + self.workers
-        for n in everyone:
+    def stop_nodes(self, indices: Sequence[int] | None = None, timeout_s: float = 60.0) -> list[int | None]:
+        """Ask several nodes (default: every node) to leave at once, as a Ctrl+C of ``swarm local`` does, and wait
+        for them all; returns their exit codes in the order asked. Leaving together, none waits for the others'
+        hand-over (an heir that announces it is leaving is no heir)."""
+        chosen = [self.nodes[i] for i in (range(len(self.nodes)) if indices is None else indices)]
+        return self._stop_together(chosen, timeout_s)
+
+    def _stop_together(self, chosen: Sequence[NodeProcess], timeout_s: float) -> list[int | None]:
+        for n in chosen:
             if n.alive:
                 send(n.process, signal.SIGINT)
         deadline = time.monotonic() + timeout_s
-        for n in everyone:
-            stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False)
+        return [stop(n.process, max(1.0, deadline - time.monotonic()), interrupt=False) for n in chosen]
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop every node (SIGINT, then SIGTERM, then SIGKILL of the group), then the bootstrap peer."""
+        everyone = self.nodes + self.workers
+        self._stop_together(everyone, timeout_s)
         if self.bootstrap is not None:
             stop(self.bootstrap, 15.0)
         for p in [n.process for n in everyone] + ([self.bootstrap] if self.bootstrap else []):

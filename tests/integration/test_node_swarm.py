@@ -19,7 +19,7 @@ from parallax.node.peer.timeline import events, shard_at
 pytestmark = pytest.mark.timeout(420)
 
 PERIODS = '{"router": 5, "latent": 10, "backbone": 10}'
-NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5",
+NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
              "--snapshot-every", "10"]
 ALL_EXPERTS = {(layer, e) for layer in range(2) for e in range(4)}  # tiny: 2 layers x 4 experts
 
@@ -59,8 +59,8 @@ def test_three_nodes_train_and_a_fourth_joins_mid_run(tmp_path: Path) -> None:
 
         wait_until(refitted_and_handed_over, timeout=180, explain=swarm.describe)
         assert swarm.stop_node(3) == 0, f"the joiner did not leave cleanly; see {joiner.log}"
-        for i in range(3):
-            assert swarm.stop_node(i) == 0, f"node {i} did not leave cleanly; see {swarm.nodes[i].log}"
+        codes = swarm.stop_nodes(range(3))
+        assert codes == [0] * 3, f"exit codes {codes}; see {[str(n.log) for n in swarm.nodes]}"
         records = swarm.metrics()
         first_steps = [events(r, "first_step")[0]["t"] for r in records]
 
@@ -139,7 +139,7 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
         took_over = dht_time()
         # the survivors go on: more steps and at least one more outer round each, then they leave cleanly
         wait_until(lambda: all(_rounds_since(swarm.nodes[i], took_over) for i in range(3)), timeout=120)
-        codes = [swarm.stop_node(i) for i in range(3)]
+        codes = swarm.stop_nodes(range(3))
         assert codes == [0, 0, 0], f"exit codes {codes}"
         records = swarm.metrics()[:3]
         adoptions = [a for r in records for a in events(r, "adopted") if a["t"] > killed_at]

@@ -98,8 +98,7 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
         assert "Traceback" not in log.read_text()
         watcher = None
         # Ctrl+C (SIGINT) is a graceful leave for a node: it prints no traceback, its DHT process's neither.
-        for index in range(2):
-            assert swarm.stop_node(index) == 0
+        assert swarm.stop_nodes() == [0, 0]
         for node in (watched, other):
             assert "Traceback" not in node.log.read_text(), node.log.read_text()[-4000:]
         # --log-to: TensorBoard got every step line of the watched node, in a folder named by its fingerprint. Its

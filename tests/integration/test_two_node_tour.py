@@ -102,7 +102,7 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
         step = max(n.step for n in (first, second))
         wait_until(lambda: all(n.step >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2
                                for n in (first, second)), timeout=120, explain=swarm.describe)
-        codes = [swarm.stop_node(i) for i in range(2)]
+        codes = swarm.stop_nodes()
         assert codes == [0, 0], swarm.describe()
         own = statistics.median(events(read_metrics(n.metrics), "final_eval")[-1]["val_loss"] for n in (first, second))
         # The nodes train on while the live export runs (thousands of tiny steps on an idle machine): its model is

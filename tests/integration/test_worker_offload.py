@@ -17,7 +17,7 @@ from parallax.node.peer.processes import kill_group
 pytestmark = pytest.mark.timeout(420)
 
 PERIODS = '{"router": 5, "latent": 10, "backbone": 10}'
-NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=5",
+NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
              "--set", "offload.enabled=true", "--snapshot-every", "10"]
 
 
