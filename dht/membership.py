@@ -341,6 +341,8 @@ class Progress:
 
 
 _PROGRESS_KEPT = 4096
+_FLOOD_NAMED_AT = 8
+"""Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
 
 
 class Quorum:
@@ -663,6 +665,10 @@ class Membership:
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
+        self.without_work = 0
+        """Live composers in the last view whose work has not reached this node while others' has
+        (``_pacing_members``)."""
+        self._named_without_work = 0
         self.ignored: Callable[[str, SwarmView], bool] | None = None
         """(fingerprint, view) -> whether this node ignores that composer (it bans its peer id, or another
         identity proved that peer id its own): an ignored composer owns nothing here."""
@@ -907,9 +913,30 @@ class Membership:
             self._name_foreign(unnamed)
         self.foreign = foreign
         merged = merge_views(self._view, view)
-        self._pace(len(merged.alive(merged.read_at)))
+        self._pace(self._pacing_members(merged))
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged), quorum=self._check_quorum(merged))
         return True
+
+    def _pacing_members(self, view: SwarmView) -> int:
+        """How many members set this node's pace (``MembershipConfig.paced``): the composers that count in the
+        quorum (``Progress.counted``: those whose work reached this node, once anyone's has) and at most as many
+        workers and bootstrap peers. Heartbeats are free to sign: identities that only send them, however many,
+        must not stretch every honest node's periods (a death seen 16x later under a flood of a few hundred).
+        Such identities are named in the log once their number doubles."""
+        alive = view.alive(view.read_at)
+        composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
+        with self._lock:
+            counted = len(self._progress.counted(composers, self.fingerprint))
+        self.without_work = len(composers) - counted
+        if self.without_work >= max(2 * self._named_without_work, _FLOOD_NAMED_AT):
+            self._named_without_work = self.without_work
+            logger.warning("%d composers heartbeat in this node's view without any of their work reaching it (%d "
+                           "whose work did): fresh identities, or a flood of them. They set no pace and count in no "
+                           "quorum (net.membership.idle_s leaves them out of the assignment)", self.without_work,
+                           counted)
+        elif self.without_work < self._named_without_work // 2:
+            self._named_without_work = self.without_work
+        return counted + min(len(alive) - len(composers), counted)
 
     def _pace(self, members: int) -> None:
         stretch = self.config.stretch(members)

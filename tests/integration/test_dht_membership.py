@@ -8,11 +8,16 @@ agreed by every view, within 8 s.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
+import msgpack
 import pytest
+from hivemind.dht.validation import DHTRecord
 
+from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
+from parallax.dht.keys import members_key
 from parallax.dht.membership import (
     DuplicateIdentityError,
     Membership,
@@ -20,8 +25,12 @@ from parallax.dht.membership import (
     PeerState,
     Presence,
     QuorumState,
+    heartbeat_value,
 )
+from parallax.dht.records import Ed25519RecordValidator, owner_subkey
 from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
+from parallax.protocol.identity import Identity
+from parallax.protocol.messages import Heartbeat
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
 
@@ -172,6 +181,53 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
         states |= {p.membership.view().quorum for p in honest}
         time.sleep(0.05)
     assert states == {QuorumState.HELD}, states
+
+
+class _ManyKeys(Ed25519RecordValidator):
+    """An attacker's DHT peer: it signs each record with the key its subkey names, so it can write a validly
+    signed heartbeat for any number of fresh identities."""
+
+    def __init__(self, identities: list[Identity]) -> None:
+        super().__init__(identities[0])
+        self._keys = {msgpack.packb(owner_subkey(i.public_key), use_bin_type=True): i for i in identities}
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        self._identity, self._own_subkey_bytes = self._keys[record.subkey], record.subkey
+        return super().sign_value(record)
+
+
+def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is_named(
+        swarm: LocalSwarm, caplog: pytest.LogCaptureFixture):
+    """Three composers whose work reaches each other and a peer writing 100 signed heartbeats from fresh keys: past
+    ``full_pace_members`` (8) every honest node would stretch its periods 16x (the power of two at or above 103 / 8)
+    and see a death 16x later. Only members whose work arrived set the pace: the three keep their periods, their
+    views stay fresh, and the flood is named."""
+    timing = dict(full_pace_members=8)
+    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    for p in honest:
+        for other in honest:
+            p.membership.worked(other.fp)
+    wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
+    fresh = [Identity.from_seed((1000 + i).to_bytes(4, "big") * 8) for i in range(100)]
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(fresh)])
+    try:
+        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
+                                         shards=(), step=0, sent=dht_time()))
+        flood = {i.fingerprint for i in fresh}
+        with caplog.at_level(logging.WARNING, logger="parallax.dht.membership"):
+            stored = sum(flooder.store(members_key(swarm.run_id), owner_subkey(i.public_key), beat, dht_time() + 120,
+                                       timeout_s=10) for i in fresh)
+            assert stored == len(fresh)
+            wait_until(lambda: all(flood <= set(p.membership.view().alive()) for p in honest), timeout=30)
+            for p in honest:  # a read or two later: still at the pace of three, reading every refresh_s
+                before = p.membership.view().read_at
+                wait_until(lambda p=p, before=before: p.membership.view().read_at > before + 1.0, timeout=10)
+                assert p.membership.stretch == 1 and p.membership.without_work == len(fresh)
+                assert dht_time() - p.membership.view().read_at < 3 * p.membership.timing.refresh_s + 1.0
+        assert any("composers heartbeat in this node's view without any of their work reaching it" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        flooder.shutdown()
 
 
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
