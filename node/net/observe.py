@@ -58,6 +58,8 @@ NODE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("parallax_val_loss", "Validation loss of the last evaluation (nats per token).", "gauge", "val_loss"),
     ("parallax_tokens_per_second", "Training tokens per second over the last window.", "gauge", "tokens_per_s"),
     ("parallax_live_composers", "Live composers in this node's view, itself included.", "gauge", "live_peers"),
+    ("parallax_composers_without_work", "Live composers in this node's view whose work never reached it (a flood of "
+     "identities, or joiners in their first round).", "gauge", "without_work"),
     ("parallax_view_age_seconds", "Seconds since this node last read the swarm's members.", "gauge", "view_age_s"),
     ("parallax_owned_experts", "Routed experts this node owns and trains.", "gauge", "owned"),
     ("parallax_surrogates_held", "Surrogates of other owners' experts this node follows.", "gauge", "surrogates_held"),

@@ -47,6 +47,9 @@ class NodeStatus:
     """Seconds until this node's ``--steps`` end (without them, the run's schedule) at its recent pace; None
     before a pace is known or past the end."""
     live_peers: int = 0
+    without_work: int = 0
+    """Live composers in this node's view none of whose work has reached it while others' has: joiners in their
+    first round, or a flood of identities that only sign heartbeats (``Membership.without_work``)."""
     view_age_s: float = 0.0
     """Seconds since this node last read the swarm's members (grows while its DHT reads fail)."""
     owned: int = 0

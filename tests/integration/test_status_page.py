@@ -75,6 +75,7 @@ def test_a_nodes_status_page_and_the_runs_page_show_the_swarm(tmp_path: Path, re
         # /metrics reads the same counters as the metrics file: the step it shows is one the file has passed.
         families = {f.name: f for f in text_string_to_metric_families(_get(url + "metrics").decode())}
         assert families["parallax_live_composers"].samples[0].value == 2
+        assert families["parallax_composers_without_work"].samples[0].value == 0  # both nodes' work arrived
         step = families["parallax_step"].samples[0].value
         assert 5 <= step <= latest(read_metrics(watched.metrics))["step"]
         assert families["parallax_owned_experts"].samples[0].value == doc["node"]["owned"]
