@@ -90,24 +90,30 @@ def _rotary_table(base: float, Dh: int, positions: int, device: torch.device,
 
 class KVCache:
     """One attention layer's keys and values of the positions seen so far (generation: each new token then costs
-    one position, not the whole context)."""
+    one position, not the whole context). Held in buffers of ``capacity`` positions, written in place (a new token
+    copies no earlier one); a longer sequence doubles them."""
 
-    def __init__(self) -> None:
-        self.k_BHTDh: torch.Tensor | None = None
-        self.v_BHTDh: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k_BHTDh is None else self.k_BHTDh.shape[-2]
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self._k_BHCDh: torch.Tensor | None = None
+        self._v_BHCDh: torch.Tensor | None = None
 
     def extend(self, k_BHTDh: torch.Tensor, v_BHTDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions' keys and values; returns all of them."""
-        if self.k_BHTDh is None or self.v_BHTDh is None:
-            self.k_BHTDh, self.v_BHTDh = k_BHTDh, v_BHTDh
-        else:
-            self.k_BHTDh = torch.cat([self.k_BHTDh, k_BHTDh], dim=-2)
-            self.v_BHTDh = torch.cat([self.v_BHTDh, v_BHTDh], dim=-2)
-        return self.k_BHTDh, self.v_BHTDh
+        end = self.length + k_BHTDh.shape[-2]
+        if self._k_BHCDh is None or self._v_BHCDh is None or end > self._k_BHCDh.shape[-2]:
+            size = max(end, self.capacity, 2 * (0 if self._k_BHCDh is None else self._k_BHCDh.shape[-2]))
+            shape = (*k_BHTDh.shape[:-2], size, k_BHTDh.shape[-1])
+            k_BHCDh, v_BHCDh = k_BHTDh.new_empty(shape), v_BHTDh.new_empty(shape)
+            if self._k_BHCDh is not None and self._v_BHCDh is not None:
+                k_BHCDh[..., :self.length, :] = self._k_BHCDh[..., :self.length, :]
+                v_BHCDh[..., :self.length, :] = self._v_BHCDh[..., :self.length, :]
+            self._k_BHCDh, self._v_BHCDh = k_BHCDh, v_BHCDh
+        self._k_BHCDh[..., self.length:end, :] = k_BHTDh
+        self._v_BHCDh[..., self.length:end, :] = v_BHTDh
+        self.length = end
+        return self._k_BHCDh[..., :end, :], self._v_BHCDh[..., :end, :]
 
 
 class CausalSelfAttention(nn.Module):
@@ -289,10 +295,10 @@ class MoELayer(nn.Module):
         """One token in evaluation (generation with a key-value cache): its K experts called one after another, no
         sort and no grouping, whose bookkeeping costs more than the experts at this size."""
         out_1L = torch.zeros_like(h_1L)
-        for k, e in enumerate(topk_ids_1K[0].tolist()):
+        for e, gate in zip(topk_ids_1K[0].tolist(), gates_1K[0].tolist(), strict=True):
             y_1L = self._expert_output(e, h_1L)
             if y_1L is not None:
-                out_1L = out_1L + y_1L * gates_1K[0, k].to(y_1L.dtype)
+                out_1L = out_1L + y_1L * gate
         return out_1L
 
     def _kind(self, e: int) -> int:
@@ -543,8 +549,8 @@ class MoETransformer(nn.Module):
         return ModelOutput(logits_BTV, loss, ce, aux_loss, torch.stack(counts))
 
     def new_cache(self) -> list[KVCache]:
-        """An empty key-value cache for ``forward(..., cache=)``, one per block."""
-        return [KVCache() for _ in self.blocks]
+        """An empty key-value cache for ``forward(..., cache=)``, one per block, sized to the model's window."""
+        return [KVCache(self.cfg.seq_len) for _ in self.blocks]
 
     # ---- parameter groups -------------------------------------------------------------------------
 

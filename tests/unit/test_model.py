@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parallax.node.config.train import GROUPS, ModelConfig, preset
-from parallax.node.model.transformer import MoELayer, MoETransformer, group_of, own_all
+from parallax.node.model.transformer import KVCache, MoELayer, MoETransformer, group_of, own_all
 
 TINY = preset("tiny")
 
@@ -182,3 +182,11 @@ def test_rotary_angles_first_computed_for_generation_still_train() -> None:
     again = _rotary(x, 500.0)
     again.sum().backward()
     assert x.grad is not None and not first.requires_grad
+
+
+def test_a_key_value_cache_grows_past_its_capacity_and_returns_every_position_in_order():
+    k_BHTDh, v_BHTDh = torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
+    cache = KVCache(capacity=2)
+    for i, j in ((0, 1), (1, 4), (4, 5), (5, 7)):  # within the buffer, past it (doubled), past it again
+        k, v = cache.extend(k_BHTDh[..., i:j, :], v_BHTDh[..., i:j, :])
+        assert cache.length == j and torch.equal(k, k_BHTDh[..., :j, :]) and torch.equal(v, v_BHTDh[..., :j, :])
