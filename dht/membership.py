@@ -913,21 +913,24 @@ class Membership:
             self._name_foreign(unnamed)
         self.foreign = foreign
         merged = merge_views(self._view, view)
-        self._pace(self._pacing_members(merged))
-        self._view = dataclasses.replace(merged, stalled=self._stalled(merged), quorum=self._check_quorum(merged))
+        alive = merged.alive(merged.read_at)
+        composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
+        with self._lock:
+            counted = self._progress.counted(composers, self.fingerprint)
+            work_began = self._progress.work_began
+        self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
+        self._view = dataclasses.replace(merged, stalled=self._stalled(merged),
+                                         quorum=self._check_quorum(merged, counted, work_began))
         return True
 
-    def _pacing_members(self, view: SwarmView) -> int:
+    def _pacing_members(self, alive: int, composers: int, counted: int) -> int:
         """How many members set this node's pace (``MembershipConfig.paced``): the composers that count in the
         quorum (``Progress.counted``: those whose work reached this node, once anyone's has) and at most as many
         workers and bootstrap peers. Heartbeats are free to sign: identities that only send them, however many,
         must not stretch every honest node's periods (a death seen 16x later under a flood of a few hundred).
-        Such identities are named in the log once their number doubles."""
-        alive = view.alive(view.read_at)
-        composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
-        with self._lock:
-            counted = len(self._progress.counted(composers, self.fingerprint))
-        self.without_work = len(composers) - counted
+        Such identities are named in the log once their number doubles. ``alive``: the live members, ``composers``
+        of them composers, ``counted`` of those counted."""
+        self.without_work = composers - counted
         if self.without_work >= max(2 * self._named_without_work, _FLOOD_NAMED_AT):
             self._named_without_work = self.without_work
             logger.warning("%d composers heartbeat in this node's view without any of their work reaching it (%d "
@@ -936,7 +939,7 @@ class Membership:
                            counted)
         elif self.without_work < self._named_without_work // 2:
             self._named_without_work = self.without_work
-        return counted + min(len(alive) - len(composers), counted)
+        return counted + min(alive - composers, counted)
 
     def _pace(self, members: int) -> None:
         stretch = self.config.stretch(members)
@@ -951,13 +954,11 @@ class Membership:
             self._progress.stall_s, self._progress.idle_s = timing.stall_s, timing.idle_s
         self._quorum.window_s, self._quorum.grace_s = timing.quorum_window_s, timing.heartbeat_period_s
 
-    def _check_quorum(self, view: SwarmView) -> QuorumState:
+    def _check_quorum(self, view: SwarmView, alive: frozenset[str], counting_work: bool) -> QuorumState:
+        """Where this node's side stands, from the live composers that count (``alive``: ``Progress.counted``) and
+        whether they are counted by work (``counting_work``)."""
         if self.presence.role != "composer":
             return QuorumState.HELD
-        composers = [fp for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"]
-        with self._lock:
-            alive = self._progress.counted(composers, self.fingerprint)
-            counting_work = self._progress.work_began
         if counting_work and not self._counting_work:
             self._quorum.restart()
             self._counting_work = True
