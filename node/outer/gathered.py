@@ -8,9 +8,10 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
    merged this node's contribution in. Fetches run in the background: once the wait is over and a quorum is
    held, fetches still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at
-   all has arrived by then unless it is large or slow), then the round goes on without them (a slow sender
-   delays no round past that, where it used to hold each up to ``allreduce_timeout_s``); they end on their own
-   bounds, and what they bring is not merged;
+   all has arrived by then unless it is large or slow), then the round goes on without them; they end on their
+   own bounds, and what they bring is not merged. A peer that accepted a fetch and held it is waited for by no
+   round until a fetch of its contribution arrives again (it is still asked each round): it costs a round at
+   most one bounded fetch, not one per round until it is banned;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
@@ -107,7 +108,8 @@ class GatheredRounds:
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
         self._retry_at: dict[str, float] = {}  # contributions a fetch of failed for now -> when to ask again
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
-        self._lock = threading.Lock()  # _refused, _retry_at, _digests: contributions are fetched in parallel
+        self._held: dict[str, None] = {}  # peers that held a fetch and sent nothing usable since (insertion order)
+        self._lock = threading.Lock()  # _refused, _retry_at, _digests, _held: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.last_sent: dict[str, torch.Tensor] | None = None
@@ -233,10 +235,11 @@ class GatheredRounds:
         return self.scores is not None and self.scores.banned(peer)
 
     def _quorum(self) -> int:
-        """The fewest contributions a round merges: a majority of the working composers (this one included), and
-        at least ``min_group_size``. When the working set shrinks to a pair, the robust merge holds the longer of
-        the two to twice the shorter (``train.robust``): no outlier can be told, but a liar is bounded."""
-        return max(self.config.net.min_group_size, (len(self._working()) + 1) // 2 + 1)
+        """The fewest contributions a round merges: a majority of the working composers (this one included) but
+        those that held a fetch (``_expected``), and at least ``min_group_size``. When the working set shrinks to a
+        pair, the robust merge holds the longer of the two to twice the shorter (``train.robust``): no outlier can
+        be told, but a liar is bounded."""
+        return max(self.config.net.min_group_size, (len(self._expected()) + 1) // 2 + 1)
 
     def _acceptable(self, peer: str) -> bool:
         """A peer whose contribution may be merged: a live composer this node does not ban."""
@@ -250,6 +253,16 @@ class GatheredRounds:
         """Those of ``_live`` that show work: a round waits for them."""
         live = self._live()
         return live if self.peers.working is None else live & set(self.peers.working())
+
+    def _expected(self) -> set[str]:
+        """Those of ``_working`` a round waits for and counts its quorum over: all but the peers that held a fetch
+        and have sent nothing usable since (however many identities hold, they stall no round and make up no
+        quorum)."""
+        return self._working() - self._held_peers()
+
+    def _held_peers(self) -> set[str]:
+        with self._lock:
+            return set(self._held)
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
@@ -275,12 +288,14 @@ class GatheredRounds:
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
             flights = self._flights.start(wanted)
             self._flights.take(flights, found, POLL_S)
-            expected = self._working()
+            expected = self._expected()
             have = {split_pair(name)[0] for name in current if name in found}
             now = time.monotonic()
             # Past the wait with a quorum: fetches still running get one message's bound more (a small body has
-            # arrived or stalled by then), then the round goes on without them.
-            waiting = any(not f.done() for f in flights.values()) and now < wait_until + cfg.net.next_chunk_timeout_s
+            # arrived or stalled by then), then the round goes on without them; a peer that held a fetch gets none.
+            held = self._held_peers()
+            waiting = now < wait_until + cfg.net.next_chunk_timeout_s and any(
+                not f.done() and split_pair(name)[0] not in held for name, f in flights.items())
             if expected <= have or (now >= wait_until and len(have) + 1 >= quorum and not waiting):
                 return tuple(sorted({me} | {name for name in current if name in found}))
             if time.monotonic() >= give_up:
@@ -318,12 +333,16 @@ class GatheredRounds:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
                     self._retry_at[name] = time.monotonic() + _RETRY_S
-                for kept in (self._refused, self._retry_at):
+                if stalled:
+                    self._held[peer] = None
+                for kept in (self._refused, self._retry_at, self._held):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
                            "" if bad or stalled else " for now", e)
             return None
+        with self._lock:
+            self._held.pop(peer, None)
         if self.peers.worked is not None:
             self.peers.worked(peer)
         return tensors, entry.tokens
