@@ -290,15 +290,20 @@ class GatheredRounds:
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
             flights = self._flights.start(wanted)
             self._flights.take(flights, found, POLL_S)
-            expected = self._expected()
+            held, working = self._held_peers(), self._working()
+            expected = working - held
             have = {split_pair(name)[0] for name in current if name in found}
             now = time.monotonic()
             # Past the wait with a quorum: fetches still running get one message's bound more (a small body has
             # arrived or stalled by then), then the round goes on without them; a peer that held a fetch gets none.
-            held = self._held_peers()
             waiting = now < wait_until + cfg.net.next_chunk_timeout_s and any(
                 not f.done() and split_pair(name)[0] not in held for name, f in flights.items())
-            if expected <= have or (now >= wait_until and len(have) + 1 >= quorum and not waiting):
+            # Everyone expected is here: go on at once. Not when all that are expected held a fetch: then the round
+            # waits for a quorum as below, its contribution on offer (ending at once, every round, would withdraw
+            # it before such a peer could fetch it, and two peers that each held one fetch of the other's under
+            # load would never merge again).
+            if (expected <= have and (expected or not working & held)) or (
+                    now >= wait_until and len(have) + 1 >= quorum and not waiting):
                 return tuple(sorted({me} | {name for name in current if name in found}))
             if time.monotonic() >= give_up:
                 return None

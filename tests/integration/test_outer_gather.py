@@ -316,6 +316,53 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
             gather.close()
 
 
+class _HeldOnce(_HeldAnswers):
+    """Holds the first fetch (``hold_s``), then answers every later one after a second (a busy host: well within
+    the bound on one message, longer than a round's poll)."""
+
+    async def rpc_contribution(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        if self.asked == 0:
+            async for message in super().rpc_contribution(request, context):
+                yield message
+            return
+        self.asked += 1
+        await asyncio.sleep(1.0)
+        async for message in ContributionServicer.rpc_contribution(self, request, context):
+            yield message
+
+
+_HeldOnce.__name__ = ContributionServicer.__name__
+
+
+def test_two_peers_merge_again_after_one_fetch_was_held(peers):
+    """Of two peers, one holds the other's first fetch (a host busy for a moment): the other, which then waits for
+    no one in particular, still waits for a quorum with its contribution on offer, so the next round merges the
+    two of them (were it to end such rounds at once, each withdrawing its contribution before the held peer could
+    fetch it, the pair would never merge again)."""
+    config = OuterSyncConfig.loopback(compression="fp16")
+    pair = peers[:2]
+    gathers: list[OuterGather] = []
+    try:
+        for i, p in enumerate(pair):
+            gather = OuterGather(p.loop.p2p, p.loop.loop, "held-once")
+            if i == 1:
+                gather.servicer = _HeldOnce(gather.store, hold_s=2 * config.net.next_chunk_timeout_s)
+            gathers.append(gather.start())
+        ids = [p.dht.peer_id for p in pair]
+        with _averagers(pair, "held-once", gathers=gathers, round_peers=RoundPeers(lambda: ids)) as averagers:
+            first = _run(averagers, _deltas(2, seed=31), [CAP] * 2, round_id=1)
+            assert first[0] is None, averagers[0].last_report  # the held fetch: no quorum of two
+            assert isinstance(gathers[1].servicer, _HeldOnce) and gathers[1].servicer.asked >= 1
+            second = _run(averagers, _deltas(2, seed=32), [CAP] * 2, round_id=2)
+            for a, merged in zip(averagers, second, strict=True):
+                assert merged is not None and len(a.last_report.participants) == 2, a.last_report
+    finally:
+        for gather in gathers:
+            gather.close()
+
+
 class _SlowAnswers(ContributionServicer):
     """Sends each contribution in ``pieces`` messages, ``every_s`` apart (each within the receiver's bound on one
     message: slow, not stalled); records when each answer ends, sent whole or cut off by its reader."""
