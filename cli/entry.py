@@ -82,8 +82,8 @@ def run() -> None:
         signal.signal(s, _while_importing)
     from parallax.cli.main import app
 
-    guard_signals()
     try:
+        guard_signals()  # inside: a signal right after its handler is installed is a clean 130 too
         app()
     except Interrupted as e:
         sys.stderr.write(f"stopped by signal {e.args[0]}\n")
