@@ -260,8 +260,9 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
     """Peer 3 announces its contribution and holds every fetch of it open without sending a byte. Each honest
     peer asks once, merges the three others without waiting for that fetch, gives it up after
     ``next_chunk_timeout_s`` (not the round's ``allreduce_timeout_s``), does not ask again and scores the
-    holder. In the next round the holder is asked again, but no round waits for it: each honest round ends before
-    that fetch is given up (its second piece of evidence comes after)."""
+    holder. In the next round the holder is asked again, but it counts in no quorum: two of the three honest peers
+    merge between themselves (a majority of the two honest others and themselves), where counting the holder
+    they would need three and end with no group."""
     config = OuterSyncConfig.loopback(compression="fp16")
     holder = peers[3].dht.peer_id
     gathers: list[OuterGather] = []
@@ -293,23 +294,20 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
             assert isinstance(gathers[3].servicer, _HeldAnswers) and gathers[3].servicer.asked == 3
 
             deltas = _deltas(4, seed=22)
-            with ThreadPoolExecutor(4) as pool:
+            with ThreadPoolExecutor(3) as pool:  # peer 2 sits this round out
                 held = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=2)
                 wait_until(lambda: 2 in decode_entries(averagers[0].records.read([holder], 2.0).get(holder, b"")),
                            timeout=30)
-                honest = [pool.submit(a.run_round, d, CAP, round_id=2)
-                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
-                results = [f.result(timeout=60) for f in honest]
-                evidence_at_end = [score.snapshot()[holder]["reasons"] for score in scores[:3]]
+                pair = [pool.submit(a.run_round, d, CAP, round_id=2)
+                        for a, d in zip(averagers[:2], deltas[:2], strict=True)]
+                results = [f.result(timeout=60) for f in pair]
                 held.result(timeout=60)
-            for a, merged in zip(averagers[:3], results, strict=True):
+            for a, merged in zip(averagers[:2], results, strict=True):
                 report = a.last_report
                 assert report.status is RoundStatus.OK and merged is not None, report
-                assert holder not in report.participants, report
-            wait_until(lambda: gathers[3].servicer.asked == 6, timeout=30)  # each honest peer asks again
-            assert all(r == {"outer contribution fetch accepted and then held": 1} for r in evidence_at_end), \
-                f"a round waited for the held fetch: {evidence_at_end}"
-            for score in scores[:3]:
+                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:2]), report
+            wait_until(lambda: gathers[3].servicer.asked == 5, timeout=30)  # asked again: it may have recovered
+            for score in scores[:2]:  # held again: evidence again
                 wait_until(lambda score=score: sum(score.snapshot()[holder]["reasons"].values()) == 2, timeout=30)
     finally:
         for gather in gathers:
