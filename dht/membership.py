@@ -265,21 +265,15 @@ class SwarmView:
 class Progress:
     """Which composers show work (pure; the caller's clock).
 
-    Three rules, each leaving a composer out of the shard assignment while it holds:
+    Two rules, each leaving a composer out of the shard assignment while it holds:
 
     - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
     - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
       fetched and decoded, a surrogate update applied: ``worked``) while another's did, ``idle_s`` after this
       node first saw it and after anyone's work first arrived. Steps are self-declared: an identity that only
-      sends heartbeats can make its step move, but it cannot make its work arrive;
-    - *fresh* (when ``idle_s`` > 0): this node first saw it after anyone's work had reached this node, and
-      none of its work has arrived. Fresh keys earn nothing until they show work: however many a stranger
-      signs, none of them owns an expert, where with the idle rule's grace each would for ``idle_s``. One that
-      worked before and comes back (a restart, a partition healed) has the idle rule's grace again, as it
-      counts itself at once. A joiner knows it is fresh to the others from their heartbeats
-      (``Heartbeat.counts_work``) and takes nothing until a round merged its contribution (``Membership``).
+      sends heartbeats can make its step move, but it cannot make its work arrive.
 
-    No rule names anybody while nobody shows what it looks for (a swarm starting up, or paused).
+    Neither rule names anybody while nobody shows what it looks for (a swarm starting up, or paused).
     """
 
     def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
@@ -325,20 +319,7 @@ class Progress:
                 began = self._work_began if self._work_began is not None else now
                 stalled |= {fp for fp in steps.keys() - working
                             if now - max(self._first.get(fp, now), began) >= self.idle_s}
-            if self._work_began is not None:
-                stalled |= {fp for fp in steps if self.fresh(fp)}
         return frozenset(stalled)
-
-    def fresh(self, fingerprint: str) -> bool:
-        """Whether this node first saw ``fingerprint`` after anyone's work had reached it, and none of its work
-        has arrived (the *fresh* rule)."""
-        first = self._first.get(fingerprint)
-        return (self._work_began is not None and first is not None and first > self._work_began
-                and fingerprint not in self._work)
-
-    def has_worked(self, fingerprint: str) -> bool:
-        """Whether any work of ``fingerprint`` has reached this node."""
-        return fingerprint in self._work
 
     def idle(self, fingerprint: str, now: float) -> bool:
         """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
@@ -684,10 +665,6 @@ class Membership:
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
-        self._joined_counting: bool | None = None
-        """Whether the other composers this node first saw counted work (``Heartbeat.counts_work``): it is then
-        fresh to them (``Progress``) and owns nothing in its own view either until a round merged its contribution
-        (its work reached them); None until it sees another composer."""
         self.without_work = 0
         """Live composers in the last view whose work has not reached this node while others' has
         (``_pacing_members``)."""
@@ -900,7 +877,7 @@ class Membership:
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.presence.role,
                 capacity=self.presence.capacity, shards=shards, step=self._step, versions=dict(self._versions),
                 loss=self._loss, run=self.presence.run_digest, suspects=dict(self._suspects),
-                banned=self._banned, sent=now, counts_work=self._progress.work_began,
+                banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
         ok = self._store(self._members_key, value, now + self._timing.heartbeat_ttl_s,
@@ -1047,40 +1024,17 @@ class Membership:
         now = time.monotonic()
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}
-            fresh = {fp for fp in stalled if self._progress.fresh(fp)}
             idle = {fp for fp in stalled if self._progress.idle(fp, now)}
-            shown = self._progress.has_worked(self.fingerprint)
         ignored = {fp for fp in live if fp != self.fingerprint and self._ignores(fp, view)}
         stalled |= ignored
-        if self._fresh_to_others(view, live.keys()) and not shown and live.keys() - stalled - {self.fingerprint}:
-            stalled |= {self.fingerprint}  # (while others that show work are left to own the experts)
-        for fp in stalled - self._view.stalled - {self.fingerprint}:
-            peer = view.members[fp].heartbeat.peer_id
-            if fp in fresh and fp not in ignored:  # a joiner, or one of a flood (named by its count)
-                logger.info("composer %s (peer %s) owns nothing here until its work reaches this node: it "
-                            "appeared after others' work had", fp, peer)
-                continue
+        for fp in stalled - self._view.stalled:
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else
                    f"none of its work (outer contributions, surrogate updates) reached this node for "
                    f"{self._timing.idle_s:.0f} s or more while others' did" if fp in idle else
                    f"it announced step {live[fp]} for {self._timing.stall_s:.0f} s or more while others trained")
-            logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp, peer, why)
+            logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,
+                           view.members[fp].heartbeat.peer_id, why)
         return stalled
-
-    def _fresh_to_others(self, view: SwarmView, composers: Iterable[str]) -> bool:
-        """Whether the other composers counted work when this composer first saw them (fixed then): they hold
-        it fresh (``Progress``) until its work reaches them, so it takes nothing either until a round merged its
-        contribution; a node that saw nobody count work is one of the swarm's first and takes its share at once."""
-        if self._timing.idle_s == 0:  # the work rules are off (and the others run the same settings)
-            return False
-        if self._joined_counting is None and self.presence.role == "composer":
-            others = [view.members[fp].heartbeat for fp in composers if fp != self.fingerprint]
-            if others:
-                self._joined_counting = any(hb.counts_work for hb in others)
-                if self._joined_counting:
-                    logger.info("joined a swarm whose composers count work: this node takes experts once an outer "
-                                "round merged its contribution (its work reached the others)")
-        return bool(self._joined_counting)
 
     def _check_duplicate(self) -> None:
         now = self._clock()

@@ -125,10 +125,6 @@ class Heartbeat(Message):
         banned: those of them it ignores now.
         sent: when it was sent, by the sender's clock (seconds since the epoch): a reader estimates how far the
             clocks disagree (``parallax doctor``); 0 when unknown.
-        counts_work: whether others' work (outer contributions, surrogate updates) has reached the sender: from
-            then on it gives experts only to composers whose work reached it, so a composer that first appears
-            to it after that owns nothing until it has shown work (``dht.membership.Progress``); a joiner reads
-            it to know whether to take experts at once.
     """
 
     KIND: ClassVar[str] = "heartbeat"
@@ -146,7 +142,6 @@ class Heartbeat(Message):
     suspects: Mapping[str, float] = wire(Map(_PEER_ID, Float(0.0, 1e9), max_len=MAX_SUSPECTS), default=None)
     banned: tuple[str, ...] = wire(Seq(_PEER_ID, max_len=MAX_SUSPECTS), default=())
     sent: float = wire(Float(0.0, 1e11), default=0.0)
-    counts_work: bool = wire(Bool(), default=False)
 
     def __post_init__(self) -> None:
         for name in ("versions", "suspects"):

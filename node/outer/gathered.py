@@ -163,8 +163,6 @@ class GatheredRounds:
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
-                if self.peers.worked is not None:  # the others merged this node's contribution: its work reached them
-                    self.peers.worked(self.peer_id)
                 self.report(RoundStatus.OK, started, **common)
                 return merged
             if status is RoundStatus.SUPERSEDED:

@@ -143,8 +143,7 @@ class RoundPeers:
     """Those that show work (``dht.membership.Progress``): a round waits for them and counts its quorum over
     them, so identities that never contribute cannot stall it (None: every live composer)."""
     worked: Callable[[str], None] | None = None
-    """Told of every contribution fetched and decoded, evidence of its sender's work, and of this node's own peer
-    id after each round that merged its contribution with others' (its work reached them)."""
+    """Told of every contribution fetched and decoded: evidence of its sender's work."""
 
 
 

@@ -196,12 +196,12 @@ class _ManyKeys(Ed25519RecordValidator):
         return super().sign_value(record)
 
 
-def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_owns_no_expert_and_is_named(
+def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is_named(
         swarm: LocalSwarm, caplog: pytest.LogCaptureFixture):
     """Three composers whose work reaches each other and a peer writing 100 signed heartbeats from fresh keys: past
     ``full_pace_members`` (8) every honest node would stretch its periods 16x (the power of two at or above 103 / 8)
     and see a death 16x later. Only members whose work arrived set the pace: the three keep their periods, their
-    views stay fresh, the flood is named, and no fresh key owns an expert (none of their work arrived)."""
+    views stay fresh, and the flood is named."""
     timing = dict(full_pace_members=8)
     honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
     for p in honest:
@@ -224,42 +224,10 @@ def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_owns_n
                 wait_until(lambda p=p, before=before: p.membership.view().read_at > before + 1.0, timeout=10)
                 assert p.membership.stretch == 1 and p.membership.without_work == len(fresh)
                 assert dht_time() - p.membership.view().read_at < 3 * p.membership.timing.refresh_s + 1.0
-                view = p.membership.view()
-                assert flood <= view.stalled and set(view.assignment().peers) == {q.fp for q in honest}
         assert any("composers heartbeat in this node's view without any of their work reaching it" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         flooder.shutdown()
-
-
-def test_a_composer_that_joins_after_work_began_owns_nothing_anywhere_until_its_work_reached_the_others(
-        swarm: LocalSwarm):
-    """Three composers whose work reaches each other announce that they count work; a fourth that joins then is
-    fresh to them and, reading that, holds itself out too: no view gives it an expert (no expert with two owners
-    meanwhile). Once its work reached the others (its contribution fetched there, a round merged here) every
-    view gives it its share."""
-    honest = [swarm.add(i, shards=SHARDS) for i in range(3)]
-    for p in honest:
-        for other in honest:
-            p.membership.worked(other.fp)
-    wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
-    wait_until(lambda: all(m.heartbeat.counts_work for p in honest for m in p.membership.view().alive().values()),
-               timeout=10)
-    joiner = swarm.add(3, shards=SHARDS)
-    everyone = [*honest, joiner]
-    wait_until(lambda: all(joiner.fp in p.membership.view().alive() for p in everyone), timeout=10)
-    before = joiner.membership.view().read_at
-    wait_until(lambda: joiner.membership.view().read_at > before, timeout=10)
-    for p in everyone:
-        view = p.membership.view()
-        assert joiner.fp in view.stalled and set(view.assignment().peers) == {q.fp for q in honest}, p.fp
-    assert joiner.membership.owned() == {} or not any(joiner.membership.owned().values())
-    for p in honest:
-        p.membership.worked(joiner.fp)  # its contribution fetched and decoded there
-    joiner.membership.worked(joiner.fp)  # a round merged it here
-    wait_until(lambda: all(set(p.membership.view().assignment().peers) == {q.fp for q in everyone}
-                           for p in everyone), timeout=10)
-    wait_until(lambda: any(joiner.membership.owned().values()), timeout=10)
 
 
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):

@@ -328,7 +328,7 @@ def test_composers_whose_work_never_arrives_own_nothing_after_the_grace_period()
     progress.worked("a", 88.0)
     assert progress.stalled(steps, now=89.0) == frozenset()  # within the grace period everyone counts
     assert progress.stalled(steps, now=91.0) == {"phantom"}  # a heartbeat's step is not work
-    assert progress.stalled({**steps, "late": 1}, now=92.0) == {"phantom", "late"}  # a newcomer: no work yet
+    assert progress.stalled({**steps, "late": 1}, now=92.0) == {"phantom"}  # a newcomer has its own grace
     progress.worked("phantom", 93.0)
     progress.worked("a", 93.0)
     assert progress.stalled(steps, now=95.0) == frozenset()  # its work arrived: it counts again
@@ -346,25 +346,6 @@ def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins()
     assert progress.stalled(steps, now=501.0) == frozenset()  # the first contribution fetched idles no one
     progress.worked("a", 560.0)
     assert progress.stalled(steps, now=561.0) == {"b"}
-
-
-def test_fresh_keys_earn_nothing_until_their_work_arrives_and_those_seen_before_work_began_keep_their_grace():
-    progress = Progress(stall_s=1e9, idle_s=60.0)
-    founders = {"a": 1, "b": 1, "slow": 1}
-    assert progress.stalled(founders, now=0.0) == frozenset()
-    progress.worked("a", 10.0)  # work began here
-    flood = {f"fresh-{i}": 1 for i in range(100)}
-    assert progress.stalled({**founders, **flood}, now=11.0) == set(flood)  # no grace for any of them
-    progress.worked("fresh-7", 20.0)
-    assert progress.stalled({**founders, **flood}, now=21.0) == set(flood) - {"fresh-7"}  # its work arrived
-    progress.worked("b", 30.0)
-    progress.stalled(founders, now=31.0)  # the flood's heartbeats expire
-    progress.worked("a", 40.0)
-    assert progress.stalled({**founders, "fresh-7": 2, "fresh-8": 1}, now=41.0) == {"fresh-8"}  # fresh-7 worked
-    progress.worked("a", 65.0)
-    progress.worked("b", 65.0)
-    assert progress.stalled(founders, now=69.0) == frozenset()  # "slow" has a grace (from work's start)...
-    assert progress.stalled(founders, now=71.0) == {"slow"}  # ...of idle_s
 
 
 def test_leaving_and_coming_back_starts_no_new_grace_period():
