@@ -10,8 +10,8 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    held, fetches still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at
    all has arrived by then unless it is large or slow), then the round goes on without them; they end on their
    own bounds, and what they bring is not merged. A peer that accepted a fetch and held it is waited for by no
-   round until a fetch of its contribution arrives again (it is still asked each round): it costs a round at
-   most one bounded fetch, not one per round until it is banned;
+   round and counted in no quorum until a fetch of its contribution arrives again (it is still asked each
+   round): it costs a node one bounded fetch per group, not one per round until it is banned;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
