@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.transport import (
     ContributionServicer,
+    ContributionStore,
     OuterGather,
     RoundPeers,
     decode_contribution,
@@ -95,6 +97,24 @@ def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | 
                 p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=round_peers,
                 weight_cap=CAP, scores=score)))
         yield averagers
+
+
+@contextlib.contextmanager
+def _gathers(peers: Sequence[Peer], name: str, one: int,
+             servicer: Callable[[ContributionStore], ContributionServicer]) -> Iterator[list[OuterGather]]:
+    """A contribution server and fetcher of its own per peer, named ``name``, peer ``one``'s answering with
+    ``servicer(store)``; closed on leaving."""
+    gathers: list[OuterGather] = []
+    try:
+        for i, p in enumerate(peers):
+            gather = OuterGather(p.loop.p2p, p.loop.loop, name)
+            if i == one:
+                gather.servicer = servicer(gather.store)
+            gathers.append(gather.start())
+        yield gathers
+    finally:
+        for gather in gathers:
+            gather.close()
 
 
 def _deltas(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -265,13 +285,8 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
     they would need three and end with no group."""
     config = OuterSyncConfig.loopback(compression="fp16")
     holder = peers[3].dht.peer_id
-    gathers: list[OuterGather] = []
-    try:
-        for i, p in enumerate(peers):
-            gather = OuterGather(p.loop.p2p, p.loop.loop, "held")
-            if i == 3:
-                gather.servicer = _HeldAnswers(gather.store, hold_s=2 * config.net.next_chunk_timeout_s)
-            gathers.append(gather.start())
+    hold_s = 2 * config.net.next_chunk_timeout_s
+    with _gathers(peers, "held", 3, lambda store: _HeldAnswers(store, hold_s=hold_s)) as gathers:
         scores = [PeerScores() for _ in peers]
         with _averagers(peers, "held", scores, gathers=gathers) as averagers:
             deltas = _deltas(4, seed=21)
@@ -309,9 +324,6 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
             wait_until(lambda: gathers[3].servicer.asked == 5, timeout=30)  # asked again: it may have recovered
             for score in scores[:2]:  # held again: evidence again
                 wait_until(lambda score=score: sum(score.snapshot()[holder]["reasons"].values()) == 2, timeout=30)
-    finally:
-        for gather in gathers:
-            gather.close()
 
 
 class _HeldOnce(_HeldAnswers):
@@ -341,13 +353,8 @@ def test_two_peers_merge_again_after_one_fetch_was_held(peers):
     fetch it, the pair would never merge again)."""
     config = OuterSyncConfig.loopback(compression="fp16")
     pair = peers[:2]
-    gathers: list[OuterGather] = []
-    try:
-        for i, p in enumerate(pair):
-            gather = OuterGather(p.loop.p2p, p.loop.loop, "held-once")
-            if i == 1:
-                gather.servicer = _HeldOnce(gather.store, hold_s=2 * config.net.next_chunk_timeout_s)
-            gathers.append(gather.start())
+    hold_s = 2 * config.net.next_chunk_timeout_s
+    with _gathers(pair, "held-once", 1, lambda store: _HeldOnce(store, hold_s=hold_s)) as gathers:
         ids = [p.dht.peer_id for p in pair]
         with _averagers(pair, "held-once", gathers=gathers, round_peers=RoundPeers(lambda: ids)) as averagers:
             first = _run(averagers, _deltas(2, seed=31), [CAP] * 2, round_id=1)
@@ -356,9 +363,6 @@ def test_two_peers_merge_again_after_one_fetch_was_held(peers):
             second = _run(averagers, _deltas(2, seed=32), [CAP] * 2, round_id=2)
             for a, merged in zip(averagers, second, strict=True):
                 assert merged is not None and len(a.last_report.participants) == 2, a.last_report
-    finally:
-        for gather in gathers:
-            gather.close()
 
 
 class _SlowAnswers(ContributionServicer):
@@ -394,14 +398,11 @@ def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
     quorum, while their fetches of peer 3's body are still running (they are abandoned, not awaited)."""
     timings = {"allreduce_timeout_s": 60.0}
     config = OuterSyncConfig.loopback(compression="fp16", **timings)
-    gathers: list[OuterGather] = []
-    try:
-        for i, p in enumerate(peers):
-            gather = OuterGather(p.loop.p2p, p.loop.loop, "slow")
-            if i == 3:  # 30 messages 2.5 s apart: 75 s in all
-                gather.servicer = slow = _SlowAnswers(gather.store, pieces=30,
-                                                      every_s=config.net.next_chunk_timeout_s / 2)
-            gathers.append(gather.start())
+    # 30 messages 2.5 s apart: 75 s in all
+    answers = functools.partial(_SlowAnswers, pieces=30, every_s=config.net.next_chunk_timeout_s / 2)
+    with _gathers(peers, "slow", 3, answers) as gathers:
+        slow = gathers[3].servicer
+        assert isinstance(slow, _SlowAnswers)
         with _averagers(peers, "slow", gathers=gathers, timings=timings) as averagers:
             deltas = _deltas(4, seed=23)
             with ThreadPoolExecutor(4) as pool:
@@ -418,9 +419,6 @@ def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
                 report = a.last_report
                 assert report.status is RoundStatus.OK and merged is not None, report
                 assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
-    finally:
-        for gather in gathers:
-            gather.close()
 
 
 def test_peers_at_different_round_numbers_merge_their_current_contributions(peers):
