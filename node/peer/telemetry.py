@@ -143,14 +143,16 @@ class Telemetry:
                 "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok, "tokens_per_s": round(s.tokens_per_s, 1)}
 
     def step(self, **fields: Any) -> None:
-        """One metrics line per step: ``fields`` and the status's counters."""
+        """One metrics line per step: ``fields`` and the status's counters. Then the status (its step and loss
+        just set) goes to the listener and the observer: a status page shows the step the metrics file has just
+        reached, never one it has not."""
         if self.observer is not None and fields.get("loss") is not None:
             self.observer.own_point(int(fields.get("step", 0)), float(fields["loss"]))
-        if self._file is None and not self.sinks:
-            return
-        line = {"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()}
-        self._to_sinks(int(fields.get("step", 0)), scalars(line))
-        self._write(line)
+        if self._file is not None or self.sinks:
+            line = {"t": round(dht_time(), 3), "kind": "step", **fields, **self.counters()}
+            self._to_sinks(int(fields.get("step", 0)), scalars(line))
+            self._write(line)
+        self.publish()
 
     def _to_sinks(self, step: int, values: dict[str, float]) -> None:
         """Log to the trackers; one that fails is named once and dropped (training goes on)."""

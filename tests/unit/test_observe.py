@@ -132,3 +132,20 @@ def test_status_serves_a_thinned_curve_with_its_newest_point() -> None:
         observer.own_point(step, 1.0)
     own = observer.document()["history"]["own"]
     assert len(own) <= 1001 and own[0][0] == 1 and own[-1][0] == 3000
+
+
+def test_a_nodes_page_shows_each_step_once_its_metrics_line_is_written(tmp_path) -> None:
+    from parallax.node.peer.telemetry import Telemetry
+
+    metrics = tmp_path / "metrics.jsonl"
+    telemetry = Telemetry(metrics, None)
+    telemetry.observer = Observer(lambda: None, "demo")
+    try:
+        for step in (1, 2, 3):
+            telemetry.status.step, telemetry.status.loss = step, 3.0 - step / 10
+            telemetry.step(step=step, loss=telemetry.status.loss)
+            written = json.loads(metrics.read_text().splitlines()[-1])["step"]
+            node = telemetry.observer.document()["node"]
+            assert node["step"] == written == step and node["loss"] == pytest.approx(3.0 - step / 10)
+    finally:
+        telemetry.close()
