@@ -1,25 +1,32 @@
 """The README's two-node tour as a newcomer walks it: one node trains alone, a second joins it, both train on, the
-model is exported from the live pair and from their checkpoints. Real ``node join`` processes on loopback.
+model is exported from the live pair and from their checkpoints, and the live export generates and is evaluated.
+Real ``node join`` processes on loopback.
 
 What a join must never cost: the first node's progress. A lone composer's anchor follows its training (it merges
 among one), so the state the second node downloads is trained; neither node's loss after the join's first rounds
-is worse than the first node's before it by more than the run-to-run noise; and an export holds what was trained.
+is worse than the first node's before it by more than the run-to-run noise; and an export holds what was trained:
+the export from the checkpoints the nodes wrote at the steps of the snapshots the live export took holds the same
+expert tensors, and both score as the nodes did at those steps.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 import parallax
 from parallax.dht.adapter import dht_time
 from parallax.dht.testing import wait_until
-from parallax.node.export.folder import CONFIG
+from parallax.node.export.folder import CONFIG, WEIGHTS, read_model
+from parallax.node.export.use import evaluate_on
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.peer.timeline import events
 from parallax.protocol.identity import Identity
@@ -28,8 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 RUN = "tour"
 PERIODS = '{"router": 5, "latent": 10, "backbone": 20}'
-NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--snapshot-every", "10", "--steps", "100000",
-             "--final-eval"]
+# A snapshot and a checkpoint every 10 steps, all kept: each expert's snapshot in the live export has a checkpoint
+# of the same step.
+NODE_ARGS = ["--preset", "tiny", "--set", f"sync.periods={PERIODS}", "--snapshot-every", "10", "--checkpoint-every",
+             "10", "--set", "node.keep_checkpoints=100000", "--steps", "100000"]
 ALONE_STEPS = 200
 WINDOW = 30
 NOISE_NATS = 0.25
@@ -54,9 +63,13 @@ def _backbone_rounds(node: NodeProcess, after: float) -> list[dict]:
             if r["group"] == "backbone" and r["status"] == "ok" and r["t"] > after and r["participants"] == 2]
 
 
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "parallax.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def _export(args: list[str], out: Path) -> tuple[float, dict]:
-    done = subprocess.run([sys.executable, "-m", "parallax.cli", "export", *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    done = _cli("export", *args, "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     card = json.loads((out / CONFIG).read_text())["provenance"]
     return card["val_loss"]["nats_per_token"], card
@@ -97,26 +110,59 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
         assert len(card["experts"]) == 8 and not card["missing"]
         assert {e["holder"] for e in card["experts"]} == fingerprints  # each from one of the two owners
         assert all(e["origin"] == "owner" and e["step"] >= 10 for e in card["experts"])
-        assert parallax.load(tmp_path / "live-model").model is not None
         # The reader owned nothing and was never counted: both composers still see two peers and keep training.
         step = max(n.step for n in (first, second))
         wait_until(lambda: all(n.step >= step + 3 and latest(read_metrics(n.metrics))["peers"] == 2
                                for n in (first, second)), timeout=120, explain=swarm.describe)
+        # Each node's checkpoint at the step of the first snapshot the live export took from it.
+        keys = [Identity.load(tmp_path / f"node-{i}" / "node.key").fingerprint for i in range(2)]
+        index = {key: i for i, key in enumerate(keys)}
+        ckpt_steps: dict[int, int] = {}
+        for e in card["experts"]:
+            ckpt_steps.setdefault(index[e["holder"]], e["step"])
+        folders = [tmp_path / f"ckpt-{i}" / f"step-{s:09d}" for i, s in sorted(ckpt_steps.items())]
+        wait_until(lambda: all((f / "manifest.json").exists() for f in folders), timeout=60)
+        # The checkpoints are written: the nodes leave, and the export from them has the machine to itself.
         codes = swarm.stop_nodes()
         assert codes == [0, 0], swarm.describe()
-        own = statistics.median(events(read_metrics(n.metrics), "final_eval")[-1]["val_loss"] for n in (first, second))
-        # The nodes train on while the live export runs (thousands of tiny steps on an idle machine): its model is
-        # the nodes' as of the steps its card names, so it is held to their own loss there, the mean training loss
-        # of the window before (the tiny model's training and validation losses agree within 1% at these steps).
+        from_checkpoints, checkpoint_card = _export([a for f in folders for a in ("--from-checkpoints", str(f))],
+                                                    tmp_path / "checkpoint-model")
+        assert not checkpoint_card["missing"], checkpoint_card
+        a = safetensors.torch.load_file(tmp_path / "live-model" / WEIGHTS)
+        b = safetensors.torch.load_file(tmp_path / "checkpoint-model" / WEIGHTS)
+        compared = 0
+        for e in card["experts"]:
+            if e["step"] != ckpt_steps[index[e["holder"]]]:
+                continue  # that owner's next snapshot: its checkpoint is another folder
+            prefix = f"blocks.{e['layer']}.moe.experts.{e['expert']}."
+            names = [n for n in a if n.startswith(prefix)]
+            assert names and all(torch.equal(a[n], b[n]) for n in names), (e, folders)
+            compared += 1
+        assert compared >= 2  # at least one expert of each node
+        # The nodes train on while the live export runs (thousands of tiny steps on an idle machine): each export
+        # is the nodes' model as of the steps its card names, so it is held to their own loss there, the mean
+        # training loss of the window before (the tiny model's training and validation losses agree within 1% at
+        # these steps).
         steps_at = {n["holder"]: n["step"] for n in card["nodes"]}
-        keys = [Identity.load(tmp_path / f"node-{i}" / "node.key").fingerprint for i in range(2)]
         then = statistics.mean(_loss_before(node, steps_at[key])
                                for node, key in zip((first, second), keys, strict=True))
-        from_checkpoints, _ = _export(["--from-checkpoints", str(tmp_path / "ckpt-0"), "--from-checkpoints",
-                                       str(tmp_path / "ckpt-1")], tmp_path / "checkpoint-model")
+        then_checkpoints = statistics.mean(_loss_before(node, ckpt_steps[i]) for i, node in enumerate((first, second)))
         print(f"val loss: the live export {live:.4f} against the nodes' {then:.4f} at its steps; the export from "
-              f"checkpoints {from_checkpoints:.4f} against the nodes' own at the end {own:.4f}")
-        assert abs(live / then - 1) < 0.05 and abs(from_checkpoints / own - 1) < 0.05
+              f"checkpoints {from_checkpoints:.4f} against the nodes' {then_checkpoints:.4f} at theirs")
+        assert abs(live / then - 1) < 0.05 and abs(from_checkpoints / then_checkpoints - 1) < 0.05
+        # The model in the live export generates text, and ``parallax eval`` gives its in-process evaluation.
+        done = _cli("generate", str(tmp_path / "live-model"), "--prompt", "ROMEO:", "--max-new-tokens", "40",
+                    "--seed", "1")
+        assert done.returncode == 0 and done.stdout.startswith("ROMEO:") and len(done.stdout.strip()) > len("ROMEO:")
+        done = _cli("eval", str(tmp_path / "live-model"), "--json")
+        assert done.returncode == 0, done.stderr
+        measured = json.loads(done.stdout)["nats_per_token"]
+        assert parallax.load(tmp_path / "live-model").model is not None
+        exported = read_model(tmp_path / "live-model")
+        windows = exported.eval_windows
+        in_process = evaluate_on(exported.model, None, batch_size=windows["batch_size"],
+                                 eval_batches=windows["eval_batches"]).nats_per_token
+        assert math.isfinite(measured) and measured == pytest.approx(in_process, rel=1e-6)
     finally:
         swarm.close()
 
