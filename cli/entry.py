@@ -4,7 +4,9 @@ that run a peer replace these handlers with their own (``node.peer.processes.ins
 
 While the command's modules import, a signal ends the process at once (``os._exit``): nothing has started yet,
 and an exception raised in the middle of an import can leave a half-imported module behind (numpy's lazy
-submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130).
+submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130). Once the command runs, a
+module it imports late may still be interrupted inside a C extension, which turns ``Interrupted`` into an error of
+its own: after a signal, any error ends the command as the signal does.
 
 Python runs a signal handler only between bytecodes, so a command inside one long native call (a matrix product
 of a large model's step on the CPU: tens of seconds) would not see Ctrl+C or SIGTERM until it returns. A
@@ -32,9 +34,12 @@ class Interrupted(BaseException):
 
 
 _handled = threading.Event()
+_signals: list[int] = []
+"""The signals ``_interrupt`` raised ``Interrupted`` for."""
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
+    _signals.append(signum)
     _handled.set()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_DFL)  # a second signal ends the process even if stuck in native code
@@ -90,6 +95,13 @@ def run() -> None:
         _exit(130)
     except SystemExit as e:
         _exit(e.code)
+    except Exception:
+        # ``Interrupted`` raised inside a C extension's import comes out as another error (numpy turns it into
+        # "ImportError: numpy._core.multiarray failed to import"): after a signal, any error is the signal's.
+        if not _signals:
+            raise
+        sys.stderr.write(f"stopped by signal {_signals[0]}\n")
+        _exit(130)
     _exit(0)
 
 

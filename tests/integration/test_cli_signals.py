@@ -112,3 +112,35 @@ def test_a_signal_to_a_forked_child_does_not_end_the_parent() -> None:
         process.kill()
         process.wait()
     assert process.returncode == 0 and out == "alive\n", (out, err)
+
+
+INTERRUPTED_IMPORT = """
+import os, signal, sys, time
+import typer
+import parallax.cli.main
+from parallax.cli.entry import run
+
+app = typer.Typer()
+
+@app.command()
+def start() -> None:  # a command interrupted inside a C extension's import, which turns the signal into its own error
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+    except BaseException:
+        raise ImportError("numpy._core.multiarray failed to import") from None
+
+parallax.cli.main.app = app
+sys.argv = ["parallax"]
+run()
+"""
+
+
+def test_an_error_that_a_signal_caused_ends_the_command_as_the_signal_does() -> None:
+    process = _start(INTERRUPTED_IMPORT)
+    try:
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130 and err == "stopped by signal 2\n", (out, err)
