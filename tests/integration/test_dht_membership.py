@@ -8,12 +8,14 @@ agreed by every view, within 8 s.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 
 import msgpack
 import pytest
 from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
@@ -21,7 +23,6 @@ from parallax.dht.keys import members_key
 from parallax.dht.membership import (
     DuplicateIdentityError,
     Membership,
-    MembershipConfig,
     PeerState,
     Presence,
     QuorumState,
@@ -161,26 +162,32 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
         for other in honest:
             p.membership.worked(other.fp)
     wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
-    # Their DHT peers first (seconds each on a loaded machine), then the eight heartbeats in a row, within the TTL.
-    sybils = [swarm.add_dht(fixed_identity(100 + i)) for i in range(8)]
-    once = MembershipConfig(heartbeat_period_s=4.0, heartbeat_ttl_s=12.0)
-    for p in sybils:
-        p.membership = Membership(p.dht, p.identity, Presence(run_id=swarm.run_id), once, shards=SHARDS)
-        p.membership.start()
-        p.membership.abandon(wait=False)
-    phantoms = {p.fp for p in sybils}
-    wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=60)
-    states = set()
+    # One DHT peer writes the eight heartbeats in a row, within the TTL, each signed by its identity and naming a
+    # peer id of its own.
+    sybils = [fixed_identity(100 + i) for i in range(8)]
+    writer = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(sybils)])
+    try:
+        for i, sybil in enumerate(sybils):
+            peer_id = PeerID(b"\x12\x20" + hashlib.sha256(sybil.public_key).digest())  # a sha2-256 multihash
+            beat = Heartbeat(peer_id=peer_id.to_base58(), addresses=(), role="composer", capacity=1.0, shards=(),
+                             step=0, sent=dht_time())
+            assert writer.store(members_key(swarm.run_id), owner_subkey(sybil.public_key), heartbeat_value(beat),
+                                dht_time() + 12.0, timeout_s=10), f"heartbeat {i} was not stored"
+        phantoms = {i.fingerprint for i in sybils}
+        wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=60)
+        states = set()
 
-    def phantoms_expired() -> bool:
-        states.update(p.membership.view().quorum for p in honest)
-        return not any(phantoms & set(p.membership.view().alive()) for p in honest)
+        def phantoms_expired() -> bool:
+            states.update(p.membership.view().quorum for p in honest)
+            return not any(phantoms & set(p.membership.view().alive()) for p in honest)
 
-    wait_until(phantoms_expired, timeout=60, interval=0.05)
-    for _ in range(60):  # 3 s: six grace periods after they expired
-        states |= {p.membership.view().quorum for p in honest}
-        time.sleep(0.05)
-    assert states == {QuorumState.HELD}, states
+        wait_until(phantoms_expired, timeout=60, interval=0.05)
+        for _ in range(60):  # 3 s: six grace periods after they expired
+            states |= {p.membership.view().quorum for p in honest}
+            time.sleep(0.05)
+        assert states == {QuorumState.HELD}, states
+    finally:
+        writer.shutdown()
 
 
 class _ManyKeys(Ed25519RecordValidator):
