@@ -167,12 +167,12 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
     sybils = [fixed_identity(100 + i) for i in range(8)]
     writer = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(sybils)])
     try:
-        for i, sybil in enumerate(sybils):
+        beats = {}
+        for sybil in sybils:
             peer_id = PeerID(b"\x12\x20" + hashlib.sha256(sybil.public_key).digest())  # a sha2-256 multihash
-            beat = Heartbeat(peer_id=peer_id.to_base58(), addresses=(), role="composer", capacity=1.0, shards=(),
-                             step=0, sent=dht_time())
-            assert writer.store(members_key(swarm.run_id), owner_subkey(sybil.public_key), heartbeat_value(beat),
-                                dht_time() + 12.0, timeout_s=10), f"heartbeat {i} was not stored"
+            beats[sybil] = heartbeat_value(Heartbeat(peer_id=peer_id.to_base58(), addresses=(), role="composer",
+                                                     capacity=1.0, shards=(), step=0, sent=dht_time()))
+        _write(writer, swarm.run_id, beats, ttl_s=12.0)
         phantoms = {i.fingerprint for i in sybils}
         wait_until(lambda: all(phantoms <= set(p.membership.view().alive()) for p in honest), timeout=60)
         states = set()
@@ -203,6 +203,16 @@ class _ManyKeys(Ed25519RecordValidator):
         return super().sign_value(record)
 
 
+def _write(writer: SwarmDHT, run_id: str, beats: dict[Identity, bytes], *, ttl_s: float) -> None:
+    """Store each identity's heartbeat in the run's members key, as an attacker would: a store that timed out (a
+    loaded machine) is tried again."""
+    pending = list(beats)
+    for _ in range(3):
+        pending = [i for i in pending if not writer.store(members_key(run_id), owner_subkey(i.public_key), beats[i],
+                                                          dht_time() + ttl_s, timeout_s=10)]
+    assert not pending, f"{len(pending)} of {len(beats)} heartbeats were not stored"
+
+
 def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is_named(
         swarm: LocalSwarm, caplog: pytest.LogCaptureFixture):
     """Three composers whose work reaches each other and a peer writing 100 signed heartbeats from fresh keys: past
@@ -222,9 +232,7 @@ def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is
                                          shards=(), step=0, sent=dht_time()))
         flood = {i.fingerprint for i in fresh}
         with caplog.at_level(logging.WARNING, logger="parallax.dht.membership"):
-            stored = sum(flooder.store(members_key(swarm.run_id), owner_subkey(i.public_key), beat, dht_time() + 120,
-                                       timeout_s=10) for i in fresh)
-            assert stored == len(fresh)
+            _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
             wait_until(lambda: all(flood <= set(p.membership.view().alive()) for p in honest), timeout=30)
             for p in honest:  # a read or two later: still at the pace of three, reading every refresh_s
                 before = p.membership.view().read_at

@@ -19,9 +19,9 @@ from parallax.node.peer.local_swarm import final_counters, read_metrics
 pytestmark = pytest.mark.timeout(300)
 
 
-def _swarm_local(tmp_path: Path, *extra: str, nodes: int = 2) -> subprocess.CompletedProcess[str]:
+def _swarm_local(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "parallax.cli", "swarm", "local", "--nodes", str(nodes),
+    return subprocess.run([sys.executable, "-m", "parallax.cli", "swarm", "local", "--nodes", "2",
                            "--workdir", str(tmp_path), "--run-id", "tour", *extra], capture_output=True, text=True,
                           env=env, timeout=240)
 
@@ -32,11 +32,9 @@ def _run_folder(done: subprocess.CompletedProcess[str]) -> Path:
     return Path(found.group(1))
 
 
-def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
-    done = _swarm_local(tmp_path, "--steps", "25", "--set", 'sync.periods={"router": 5, "latent": 10, "backbone": 10}',
-                        "--set", "eval_every=10")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = _run_folder(done)
+def _summary_shows_the_nodes_own_counters(done: subprocess.CompletedProcess[str], run: Path, steps: int) -> None:
+    """The summary's row of each node holds the counters of its leave (its metrics file's last line), and the
+    nodes evaluated every 10 steps."""
     lines = done.stdout.splitlines()
     summary = "\n".join(lines[max(i for i, line in enumerate(lines) if line.strip() == "summary"):])
     finals = []
@@ -47,16 +45,45 @@ def test_the_summary_shows_the_nodes_own_counters(tmp_path: Path) -> None:
         row = re.search(rf"^\s*{i}{cells}", summary, re.M)
         assert row is not None, summary
         step, loss, owned, _version, rounds, sent, received = row.groups()
-        assert int(step) == last["step"] == 25
+        assert int(step) == last["step"] == steps
         assert int(rounds) == sum(last["rounds_ok"].values()) > 0
         assert sent == f"{last['bytes_sent'] / 1e6:.2f}" and received == f"{last['bytes_received'] / 1e6:.2f}"
         assert last["outer_bytes"] > 0
         evals = [r for r in read_metrics(run / f"node-{i}" / "metrics.jsonl") if r.get("kind") == "eval"]
-        assert [e["step"] for e in evals] == [10, 20] and all(0 < e["val_loss"] < 6 for e in evals), evals
+        assert [e["step"] for e in evals] == list(range(10, steps + 1, 10)), evals
+        assert all(0 < e["val_loss"] < 6 for e in evals), evals
         finals.append(last)
     # Outer-round traffic is counted as sent: every outer byte one node fetched the other served, so the pair sent at
     # least half their outer traffic (one node alone may fetch far more than it serves: a joiner's state download).
     assert sum(f["bytes_sent"] for f in finals) >= sum(f["outer_bytes"] for f in finals) / 2
+
+
+def test_two_runs_in_one_folder_keep_their_files_show_their_counters_and_each_leaves_a_model(tmp_path: Path) -> None:
+    """Two runs of two nodes in one folder: the first with the default tokenizer and an evaluation every 10 steps,
+    the second an open run of the BPE tokenizer, which each node trains on its corpus (the same corpus gives the
+    same digest, hence one run of two nodes training together)."""
+    periods = 'sync.periods={"router": 5, "latent": 10, "backbone": 10}'
+    runs = [(25, ("--set", "eval_every=10")), (10, ("--set", "model.tokenizer=bpe", "--set", "model.vocab_size=1024"))]
+    done = [_swarm_local(tmp_path, "--steps", str(steps), "--set", periods, *extra) for steps, extra in runs]
+    for d in done:
+        assert d.returncode == 0, d.stdout[-3000:] + d.stderr[-3000:]
+    folders = [_run_folder(d) for d in done]
+    assert folders[0] != folders[1] and {f.parent for f in folders} == {tmp_path}
+    for folder, d, (steps, _) in zip(folders, done, runs, strict=True):
+        for i in range(2):
+            records = read_metrics(folder / f"node-{i}" / "metrics.jsonl")
+            last = final_counters(records)
+            assert last is not None and last["step"] == steps, last
+            assert any(r.get("peers") == 2 for r in records if r.get("kind") == "step"), records[-3:]
+        assert (folder / "model" / "config.json").is_file() and (folder / "model" / "README.md").is_file()
+        said = " ".join(d.stdout.split())
+        assert f"parallax generate {folder / 'model'} --prompt 'ROMEO:'" in said, d.stdout[-2000:]
+    _summary_shows_the_nodes_own_counters(done[0], folders[0], 25)
+    # The BPE run's generate line, as printed (a short continuation).
+    generate = subprocess.run([sys.executable, "-m", "parallax.cli", "generate", str(folders[1] / "model"),
+                               "--prompt", "ROMEO:", "--max-new-tokens", "8"], capture_output=True, text=True,
+                              timeout=120)
+    assert generate.returncode == 0 and generate.stdout.startswith("ROMEO:"), generate.stdout + generate.stderr
 
 
 def test_a_node_that_fails_makes_the_command_fail_and_is_named(tmp_path: Path) -> None:
@@ -64,33 +91,3 @@ def test_a_node_that_fails_makes_the_command_fail_and_is_named(tmp_path: Path) -
     assert done.returncode == 1
     said = " ".join(done.stdout.split())
     assert "node 0 exited with code" in said and "node 1 exited with code" in said, said[-2000:]
-
-
-def test_nodes_of_an_open_run_train_the_same_bpe_and_train_together(tmp_path: Path) -> None:
-    # No manifest: each node trains the BPE on its corpus; the same corpus gives the same digest, hence one run.
-    done = _swarm_local(tmp_path, "--steps", "10", "--set", "model.tokenizer=bpe", "--set", "model.vocab_size=1024")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for i in range(2):
-        records = read_metrics(_run_folder(done) / f"node-{i}" / "metrics.jsonl")
-        steps = [r for r in records if "step" in r and "peers" in r]
-        assert steps and steps[-1]["step"] == 10 and any(r["peers"] == 2 for r in steps), steps[-3:]
-
-
-def test_two_runs_in_one_folder_keep_their_files_and_each_leaves_a_model_its_next_lines_use(tmp_path: Path) -> None:
-    runs = []
-    periods = 'sync.periods={"router": 5, "latent": 5, "backbone": 5}'
-    for _ in range(2):  # one node each: what is checked is the runs' folders, not their swarms
-        done = _swarm_local(tmp_path, "--steps", "10", "--set", periods, nodes=1)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs.append((_run_folder(done), done.stdout))
-    assert runs[0][0] != runs[1][0] and {r.parent for r, _ in runs} == {tmp_path}
-    for run, stdout in runs:
-        last = final_counters(read_metrics(run / "node-0" / "metrics.jsonl"))
-        assert last is not None and last["step"] == 10, last
-        assert (run / "model" / "config.json").is_file() and (run / "model" / "README.md").is_file()
-        said = " ".join(stdout.split())
-        assert f"parallax generate {run / 'model'} --prompt 'ROMEO:'" in said, stdout[-2000:]
-    # The last run's generate line, as printed (a short continuation).
-    generate = subprocess.run([sys.executable, "-m", "parallax.cli", "generate", str(runs[1][0] / "model"), "--prompt",
-                               "ROMEO:", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
-    assert generate.returncode == 0 and generate.stdout.startswith("ROMEO:"), generate.stdout + generate.stderr
