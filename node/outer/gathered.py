@@ -242,8 +242,11 @@ class GatheredRounds:
         return max(self.config.net.min_group_size, (len(self._expected()) + 1) // 2 + 1)
 
     def _acceptable(self, peer: str) -> bool:
-        """A peer whose contribution may be merged: a live composer this node does not ban."""
-        return peer in self._live()
+        """A peer whose contribution may be merged in a set that others merged: a live composer this node does not
+        ban and that did not hold a fetch (``_held``). Taking such a set means fetching every body in it, and a held
+        peer's is the one most likely to stall: a holder that merged everyone's contributions with its own would
+        otherwise draw every honest peer into waiting out a fetch of it each round."""
+        return peer in self._live() and peer not in self._held_peers()
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
@@ -279,7 +282,7 @@ class GatheredRounds:
         while True:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
             quorum = self._quorum()
-            taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._live().__contains__)
+            taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._acceptable)
                               .items() if len(members) >= quorum})
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
