@@ -241,12 +241,16 @@ class GatheredRounds:
         be told, but a liar is bounded."""
         return max(self.config.net.min_group_size, (len(self._expected()) + 1) // 2 + 1)
 
+    def _adoptable(self) -> set[str]:
+        """The peers whose contributions may be merged in a set that others merged: the live composers this node
+        does not ban but those that held a fetch (``_held``). Taking such a set means fetching every body in it, and
+        a held peer's is the one most likely to stall: a holder that merged everyone's contributions with its own
+        would otherwise draw every honest peer into waiting out a fetch of it each round."""
+        return self._live() - self._held_peers()
+
     def _acceptable(self, peer: str) -> bool:
-        """A peer whose contribution may be merged in a set that others merged: a live composer this node does not
-        ban and that did not hold a fetch (``_held``). Taking such a set means fetching every body in it, and a held
-        peer's is the one most likely to stall: a holder that merged everyone's contributions with its own would
-        otherwise draw every honest peer into waiting out a fetch of it each round."""
-        return peer in self._live() and peer not in self._held_peers()
+        """Whether ``peer`` is one of ``_adoptable`` now."""
+        return peer in self._adoptable()
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
@@ -282,8 +286,8 @@ class GatheredRounds:
         while True:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
             quorum = self._quorum()
-            taken = best_set({members: votes for members, votes in merged_sets(entries, me, self._acceptable)
-                              .items() if len(members) >= quorum})
+            sets = merged_sets(entries, me, self._adoptable().__contains__)  # the adoptable peers read once a pass
+            taken = best_set({members: votes for members, votes in sets.items() if len(members) >= quorum})
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound

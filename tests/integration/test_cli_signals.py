@@ -104,14 +104,20 @@ print("alive", flush=True)
 """
 
 
-def test_a_signal_to_a_forked_child_does_not_end_the_parent() -> None:
-    process = _start(FORKED)
+def _run(program: str, timeout_s: float) -> tuple[int, str, str]:
+    """Run ``program`` to its end: its exit status, stdout and stderr (killed if it outlives ``timeout_s``)."""
+    process = _start(program)
     try:
-        out, err = process.communicate(timeout=120)
+        out, err = process.communicate(timeout=timeout_s)
     finally:
         process.kill()
         process.wait()
-    assert process.returncode == 0 and out == "alive\n", (out, err)
+    return process.returncode, out, err
+
+
+def test_a_signal_to_a_forked_child_does_not_end_the_parent() -> None:
+    code, out, err = _run(FORKED, 120)
+    assert code == 0 and out == "alive\n", (out, err)
 
 
 INTERRUPTED_IMPORT = """
@@ -137,10 +143,5 @@ run()
 
 
 def test_an_error_that_a_signal_caused_ends_the_command_as_the_signal_does() -> None:
-    process = _start(INTERRUPTED_IMPORT)
-    try:
-        out, err = process.communicate(timeout=60)
-    finally:
-        process.kill()
-        process.wait()
-    assert process.returncode == 130 and err == "stopped by signal 2\n", (out, err)
+    code, out, err = _run(INTERRUPTED_IMPORT, 60)
+    assert code == 130 and err == "stopped by signal 2\n", (out, err)
