@@ -3,7 +3,7 @@ swarm's size, for every wire and transport.
 
 A contribution's size is measured, not estimated: a pseudo-gradient of the preset's shared groups (the model built
 on torch's meta device for its shapes, then a random tensor of each shape) goes through the gathered round's own
-encoder (``transport.encode_contribution``). Under fp16, uint8 and topk the size follows from the shapes alone
+encoder (``transport.encode_contribution``). Under every wire the size follows from the shapes alone
 (fixed layouts), so a random pseudo-gradient gives a trained one's size. The schedules:
 
 - gather (``sync.aggregation = "gather"``): each peer serves its body to the n - 1 others and fetches theirs,
@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from parallax.benchmarks.report import write_report
-from parallax.node.config.train import SHARED_GROUPS, SyncConfig, preset
+from parallax.node.config.train import SHARED_GROUPS, Compression, SyncConfig, preset
 from parallax.node.model.transformer import MoETransformer, own_all
 from parallax.node.outer.transport import encode_contribution
 from parallax.node.outer.wire import OuterSyncConfig, payload_bytes
 
-WIRES = ("fp16", "uint8", "topk")
+WIRES = ("fp16", "uint8", "int4", "topk")
+ALLREDUCE_WIRE: Compression = "uint8"
+"""The all-reduce's row: the smallest wire hivemind's codecs have."""
 
 
 def group_shapes(preset_name: str) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -51,13 +53,13 @@ def run_bytes(preset_name: str, peers: Sequence[int]) -> dict[str, Any]:
     groups = group_shapes(preset_name)
     default = SyncConfig()
     bodies = {g: {w: body_bytes(s, w) for w in WIRES} for g, s in groups.items()}
-    allreduce = {g: payload_bytes(s, OuterSyncConfig(sync=dataclasses.replace(default, aggregation="allreduce")))
-                 for g, s in groups.items()}
+    reduced = dataclasses.replace(default, aggregation="allreduce", compression=ALLREDUCE_WIRE)
+    allreduce = {g: payload_bytes(s, OuterSyncConfig(sync=reduced)) for g, s in groups.items()}
     transports: dict[str, dict[str, int]] = {}
     for n in peers:
         for w in WIRES:
             transports.setdefault(f"gather_{w}", {})[str(n)] = (n - 1) * sum(b[w] for b in bodies.values())
-        transports.setdefault(f"allreduce_{default.compression}", {})[str(n)] = round(
+        transports.setdefault(f"allreduce_{ALLREDUCE_WIRE}", {})[str(n)] = round(
             2 * (n - 1) / n * sum(allreduce.values()))
     default_name = f"{default.aggregation}_{default.compression}"
     return {

@@ -86,6 +86,7 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # the outer rounds' wire: the sparse one with error feedback, and uint8 named (whatever the default)
     "parallax_topk": ("parallax", {"sync.compression": "topk", "sync.aggregation": "gather"}),
     "parallax_uint8": ("parallax", {"sync.compression": "uint8", "sync.aggregation": "gather"}),
+    "parallax_int4": ("parallax", {"sync.compression": "int4", "sync.aggregation": "gather"}),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 MergeName = Literal["rda", "mean"]
 """The merge rules (``node.train.merge_rules.MERGE_RULES``, held equal to this by a test)."""
-Compression = Literal["fp16", "uint8", "topk", "none"]
+Compression = Literal["fp16", "uint8", "int4", "topk", "none"]
 Aggregation = Literal["gather", "allreduce"]
 DeltaDtype = Literal["float16", "float32"]
 NonOwned = Literal["surrogate", "drop", "frozen_copy"]
@@ -164,9 +164,10 @@ class SyncConfig:
     """Inner steps between merges of each shared group, H_G."""
     merge: MergeName = "rda"
     """How pseudo-gradients are merged: "rda" (radial-directional) or "mean"."""
-    compression: Compression = "uint8"
-    """Wire format of the outer merge: "fp16", "uint8" (8 bits an entry), "topk" (each 4096 entries' 64 largest at
-    2 bits, the rest kept by the sender for its next rounds: gathered rounds only) or "none"; tensors under 4096
+    compression: Compression = "int4"
+    """Wire format of the outer merge: "fp16", "uint8" (8 bits an entry), "int4" (4 bits an entry, a scale per 1024,
+    the rounding error kept by the sender for its next rounds), "topk" (each 4096 entries' 64 largest at 2 bits,
+    the rest kept by the sender) or "none"; "int4" and "topk" are for gathered rounds only. Tensors under 4096
     entries always go uncompressed. The in-process simulator applies the same rounding."""
     aggregation: Aggregation = "gather"
     """How the composers merge: "gather" (each fetches every pseudo-gradient and merges them itself, robust to
@@ -181,9 +182,9 @@ class SyncConfig:
         if self.compression not in get_args(Compression):
             raise ValueError(f"SyncConfig.compression must be one of {get_args(Compression)}, got "
                              f"{self.compression!r}")
-        if self.compression == "topk" and self.aggregation != "gather":
-            raise ValueError("SyncConfig.compression 'topk' needs aggregation 'gather' (hivemind's all-reduce has no "
-                             "sparse codec): set sync.aggregation=gather or another compression")
+        if self.compression in ("int4", "topk") and self.aggregation != "gather":
+            raise ValueError(f"SyncConfig.compression {self.compression!r} needs aggregation 'gather' (hivemind's "
+                             "all-reduce has no such codec): set sync.aggregation=gather or another compression")
         if self.aggregation not in get_args(Aggregation):
             raise ValueError(f"SyncConfig.aggregation must be 'gather' or 'allreduce', got {self.aggregation!r}")
         if self.merge not in get_args(MergeName):

@@ -50,7 +50,7 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
-_CODEC = {"fp16": "fp16", "uint8": "int8", "topk": "topk", "none": "raw"}
+_CODEC = {"fp16": "fp16", "uint8": "int8", "int4": "int4", "topk": "topk", "none": "raw"}
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
 _PAIR_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}@[0-9]{1,18}")  # base58 peer id, "@", round number
@@ -83,8 +83,9 @@ def keep_unsent(outer: OuterOptimizer | OuterBundle, pending: Mapping[str, torch
 
 
 def error_feedback(compression: str) -> bool:
-    """Whether the sender keeps what ``compression`` leaves out (the sparse wire drops most of each round)."""
-    return compression == "topk"
+    """Whether the sender keeps what ``compression`` leaves out: the sparse wire drops most of each round, the 4-bit
+    one rounds each entry to one of 15 levels of its chunk's largest."""
+    return compression in ("int4", "topk")
 
 
 def contribution_limit(shapes: Mapping[str, Sequence[int]]) -> int:

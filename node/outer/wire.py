@@ -8,7 +8,7 @@ can be tested byte for byte and shared with the in-process simulator:
   the merged group is rebuilt from their means;
 - compression: hivemind's codec for each buffer ("fp16", "uint8" or none; small tensors always go
   uncompressed), ``wire_roundtrip`` to apply the same rounding in one process, ``payload_bytes``; a gathered
-  round's "topk" (``TOPK``) has no all-reduce codec;
+  round's "int4" and "topk" (``TOPK``) have no all-reduce codec;
 - fingerprints: a ~260-byte summary of a merged result that peers compare within the compression's
   tolerance, the round tag that binds it to one round, the majority vote, and the record that carries a
   node's latest few (``encode_round_record``): it lives under the group's protected rounds key
@@ -45,10 +45,11 @@ from parallax.node.train.merge_rules import merge_rule
 from parallax.node.train.rda import DIRECTION_EPS
 from parallax.protocol.identity import Identity
 
-COMPRESSIONS = ("fp16", "uint8", "topk", "none")
+COMPRESSIONS = ("fp16", "uint8", "int4", "topk", "none")
 """Wire formats of an outer round: float16, hivemind's uniform 8-bit quantisation (256 buckets over
 6 standard deviations, each decoded to its bucket's mean; about 3.5% relative error on a backbone
-pseudo-gradient of the small preset, against 0.02% for float16), float32, or (gathered rounds only) ``TOPK``."""
+pseudo-gradient of the small preset, against 0.02% for float16), float32, or (gathered rounds only, the sender
+keeping what the wire left out) ``protocol.codec``'s "int4" or ``TOPK``."""
 TOPK = {"chunk": 4096, "keep": 64, "bits": 2}
 """The "topk" wire (``protocol.codec``), SparseLoCo's: of every 4096 entries the 64 largest (1.56%), each at 2 bits
 with a scale per chunk and its position in 12 bits: 0.028 bytes an entry against uint8's 1. The sender keeps what
@@ -56,8 +57,8 @@ it did not send and adds it to its next pseudo-gradient (error feedback, ``Outer
 SMALL_TENSOR_NUMEL = 4096
 """Tensors (parts) smaller than this are sent uncompressed under any compression: the norms, biases
 and norm-layer weights cost nothing and keep full precision."""
-_TOLERANCE = {"fp16": 2e-2, "uint8": 0.15, "topk": 2e-2, "none": 1e-5}
-_RDA_EPS = {"fp16": 0.05, "uint8": 0.1, "topk": 0.1, "none": DIRECTION_EPS}
+_TOLERANCE = {"fp16": 2e-2, "uint8": 0.15, "int4": 2e-2, "topk": 2e-2, "none": 1e-5}
+_RDA_EPS = {"fp16": 0.05, "uint8": 0.1, "int4": 0.1, "topk": 0.1, "none": DIRECTION_EPS}
 _CODEBOOK_BYTES = 8 + 256 * 4  # uint8: codebook length + one float32 per bucket, per tensor part
 MIN_WEIGHT = 1e-3
 """Averaging weight of a peer that processed no tokens: hivemind's all-zero weights give NaN (trap 12)."""
@@ -139,8 +140,8 @@ def wire_compression(name: str) -> CompressionBase:
     """hivemind's codec for an outer all-reduce under compression ``name`` (one of ``COMPRESSIONS``)."""
     if name not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {name!r}")
-    if name == "topk":
-        raise ValueError("the topk wire is for gathered rounds: hivemind's all-reduce has no sparse codec")
+    if name in ("int4", "topk"):
+        raise ValueError(f"the {name} wire is for gathered rounds: hivemind's all-reduce has no such codec")
     if name == "none":
         return NoCompression()
     big = Float16Compression() if name == "fp16" else Uniform8BitQuantization()

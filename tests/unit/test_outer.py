@@ -145,10 +145,11 @@ def test_a_bundle_steps_as_one_optimizer_over_all_its_parts():
         OuterBundle([OuterOptimizer({"a": split_params["a"]}), OuterOptimizer({"a": split_params["a"]})])
 
 
-def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_once():
-    """Under the sparse wire the sender keeps what a merged round did not send: over the merged rounds, what was
-    sent plus what is kept is exactly the sum of the pseudo-gradients; a round that merged nothing changes nothing
-    (its pseudo-gradient is still in the next one); a merge among one applies all that is kept."""
+@pytest.mark.parametrize("compression", ["topk", "int4"])
+def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_once(compression):
+    """Under the sparse and the 4-bit wires the sender keeps what a merged round did not send: over the merged
+    rounds, what was sent plus what is kept is exactly the sum of the pseudo-gradients; a round that merged nothing
+    changes nothing (its pseudo-gradient is still in the next one); a merge among one applies all that is kept."""
     from parallax.node.outer.transport import decode_contribution, encode_contribution, keep_unsent
 
     g = torch.Generator().manual_seed(0)
@@ -164,9 +165,13 @@ def test_error_feedback_sends_everything_in_the_end_and_a_failed_round_counts_on
         if not merged:
             continue
         total_delta += outer.pseudo_gradient()["w"]
-        sent = decode_contribution(encode_contribution(pending, "topk"), {"w": (8192,)}, peer="this node")
-        assert 0 < int((sent["w"] != 0).sum()) <= 2 * 64  # two chunks of 4096, 64 kept of each
-        keep_unsent(outer, pending, sent, "topk")
+        sent = decode_contribution(encode_contribution(pending, compression), {"w": (8192,)}, peer="this node")
+        if compression == "topk":
+            assert 0 < int((sent["w"] != 0).sum()) <= 2 * 64  # two chunks of 4096, 64 kept of each
+        else:  # every entry, rounded to within half of one of 7 steps up to its chunk's (1024) largest
+            error, largest = (sent["w"] - pending["w"]).abs().view(-1, 1024), pending["w"].abs().view(-1, 1024)
+            assert (error > 0).any() and (error <= largest.amax(1, keepdim=True) / 14 * 1.001).all()
+        keep_unsent(outer, pending, sent, compression)
         total_sent += sent["w"]
         outer.step(sent)  # the only participant: the merge is what it sent
     torch.testing.assert_close(total_sent + outer.unsent["w"], total_delta, rtol=0, atol=1e-4)
