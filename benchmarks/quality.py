@@ -87,6 +87,9 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "parallax_topk": ("parallax", {"sync.compression": "topk", "sync.aggregation": "gather"}),
     "parallax_uint8": ("parallax", {"sync.compression": "uint8", "sync.aggregation": "gather"}),
     "parallax_int4": ("parallax", {"sync.compression": "int4", "sync.aggregation": "gather"}),
+    # outer rounds among groups of at most 4 or 8 composers, drawn anew each round (bytes bounded by the group)
+    "groups_of_4": ("parallax", {"sim.outer_group_size": 4}),
+    "groups_of_8": ("parallax", {"sim.outer_group_size": 8}),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 

@@ -268,10 +268,16 @@ class SimConfig:
     """Steps between a sketch and the composer applying its worker's answer. 0 = the same step (a networked
     composer that waits for its workers, ``offload.wait_s``); 1+ = a composer that does not wait, on a round trip
     of that many steps."""
+    outer_group_size: int = 0
+    """Each outer round merges among groups of at most this many composers, drawn anew each round (the Moshpit
+    schedule: a peer's bytes bounded by the group, not the swarm); 0 = every composer in one group, as the
+    networked rounds do."""
 
     def __post_init__(self) -> None:
         if self.dense_steps < 0 or self.offload_delay < 0:
             raise ValueError("sim.dense_steps and sim.offload_delay must be >= 0 steps")
+        if self.outer_group_size < 0 or self.outer_group_size == 1:
+            raise ValueError("sim.outer_group_size must be 0 (every composer) or at least 2")
 
 
 ResultCodec = Literal["ternary", "lowrank", "fp16"]

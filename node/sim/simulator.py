@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,7 +245,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
-                                             cfg.sync.aggregation)
+                                             cfg.sync.aggregation, groups_of=cfg.sim.outer_group_size,
+                                             seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()))
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
@@ -411,19 +413,34 @@ def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
 
 
 def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none",
-                aggregation: str = "allreduce") -> int:
+                aggregation: str = "allreduce", *, groups_of: int = 0, seed: int = 0) -> int:
     """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere
-    (``merge_outer``). Returns the bytes all composers together send."""
+    (``merge_outer``); with ``groups_of``, within each of ``round_groups``' groups (drawn from ``seed``).
+    Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
     wire = OuterSyncConfig.of(merge=method, compression=compression, aggregation=aggregation)
-    sent = merge_outer([c.outer[group] for c in composers], [float(c.tokens_since_merge[group]) for c in composers],
-                       wire)
-    if sent is None:
-        return 0
-    for c in composers:
-        c.tokens_since_merge[group] = 0
-    return sent
+    total = 0
+    for members in round_groups(len(composers), groups_of, seed):
+        merging = [composers[i] for i in members]
+        sent = merge_outer([c.outer[group] for c in merging], [float(c.tokens_since_merge[group]) for c in merging],
+                           wire)
+        if sent is None:
+            continue
+        for c in merging:
+            c.tokens_since_merge[group] = 0
+        total += sent
+    return total
+
+
+def round_groups(n: int, groups_of: int, seed: int) -> list[list[int]]:
+    """``n`` composers in a random order cut into the fewest groups of at most ``groups_of`` (sizes within one of
+    each other); one group of all when ``groups_of`` is 0 or at least ``n``."""
+    if groups_of == 0 or groups_of >= n:
+        return [list(range(n))]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    count = -(-n // groups_of)
+    return [order[i::count] for i in range(count)]
 
 
 def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],

@@ -18,6 +18,7 @@ from parallax.node.sim.simulator import (
     ownership_for,
     publish,
     replica_owners,
+    round_groups,
     run,
 )
 from parallax.node.train.composer import Composer, evaluate
@@ -76,6 +77,30 @@ def test_publication_mirrors_surrogates_and_merges_equalise_shared_groups(splits
         assert torch.equal(after[0][name], after[1][name]) and torch.equal(after[0][name], after[2][name])
     assert all(c.tokens_since_merge["router"] == 0 for c in composers)
     assert all(c.tokens_since_merge["backbone"] > 0 for c in composers)
+
+
+def test_round_groups_cover_every_composer_once_in_groups_of_at_most_the_bound_and_change_each_round():
+    assert round_groups(5, 0, seed=1) == round_groups(5, 8, seed=1) == [[0, 1, 2, 3, 4]]
+    for n, bound in ((16, 4), (10, 4), (7, 2), (3, 2)):
+        groups = round_groups(n, bound, seed=7)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        assert len(groups) == -(-n // bound) and all(len(g) <= bound for g in groups)
+        assert max(map(len, groups)) - min(map(len, groups)) <= 1
+    assert round_groups(16, 4, seed=7) == round_groups(16, 4, seed=7) != round_groups(16, 4, seed=8)
+    with pytest.raises(ValueError, match="outer_group_size"):
+        config.SimConfig(outer_group_size=1)
+
+
+def test_a_round_in_groups_equalises_each_group_and_leaves_the_groups_apart(splits):
+    cfg = _cfg()
+    composers = _three_trained(cfg, splits[0])
+    pair, alone = round_groups(3, 2, seed=3)
+    merge_round(composers, "router", "rda", groups_of=2, seed=3)
+    after = [c.model.group_parameters("router") for c in composers]
+    name = "blocks.0.moe.router.weight"
+    assert torch.equal(after[pair[0]][name], after[pair[1]][name])
+    assert not torch.equal(after[pair[0]][name], after[alone[0]][name])
+    assert all(c.tokens_since_merge["router"] == 0 for c in composers)  # the one alone applied its own
 
 
 def test_a_sparse_gathered_round_sends_a_few_percent_and_each_sender_keeps_the_rest(splits):
