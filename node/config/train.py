@@ -19,6 +19,9 @@ from typing import Any, Literal, get_args
 MergeName = Literal["rda", "mean"]
 """The merge rules (``node.train.merge_rules.MERGE_RULES``, held equal to this by a test)."""
 Compression = Literal["fp16", "uint8", "int4", "topk", "none"]
+GATHERED_WIRES: tuple[Compression, ...] = ("int4", "topk")
+"""Wires only gathered rounds carry (hivemind's all-reduce has no such codec); each sender keeps what they leave out
+of its pseudo-gradient and adds it to its next one (error feedback)."""
 Aggregation = Literal["gather", "allreduce"]
 DeltaDtype = Literal["float16", "float32"]
 NonOwned = Literal["surrogate", "drop", "frozen_copy"]
@@ -182,7 +185,7 @@ class SyncConfig:
         if self.compression not in get_args(Compression):
             raise ValueError(f"SyncConfig.compression must be one of {get_args(Compression)}, got "
                              f"{self.compression!r}")
-        if self.compression in ("int4", "topk") and self.aggregation != "gather":
+        if self.compression in GATHERED_WIRES and self.aggregation != "gather":
             raise ValueError(f"SyncConfig.compression {self.compression!r} needs aggregation 'gather' (hivemind's "
                              "all-reduce has no such codec): set sync.aggregation=gather or another compression")
         if self.aggregation not in get_args(Aggregation):

@@ -40,6 +40,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from parallax.node.config.train import GATHERED_WIRES
 from parallax.node.net.network import ServedOnLoop, read_answer
 from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, TOPK
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
@@ -85,7 +86,7 @@ def keep_unsent(outer: OuterOptimizer | OuterBundle, pending: Mapping[str, torch
 def error_feedback(compression: str) -> bool:
     """Whether the sender keeps what ``compression`` leaves out: the sparse wire drops most of each round, the 4-bit
     one rounds each entry to one of 15 levels of its chunk's largest."""
-    return compression in ("int4", "topk")
+    return compression in GATHERED_WIRES
 
 
 def contribution_limit(shapes: Mapping[str, Sequence[int]]) -> int:

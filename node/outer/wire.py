@@ -40,7 +40,7 @@ from hivemind.compression import (
 )
 
 from parallax.node.config.net import OuterConfig
-from parallax.node.config.train import SyncConfig
+from parallax.node.config.train import GATHERED_WIRES, SyncConfig
 from parallax.node.train.merge_rules import merge_rule
 from parallax.node.train.rda import DIRECTION_EPS
 from parallax.protocol.identity import Identity
@@ -140,7 +140,7 @@ def wire_compression(name: str) -> CompressionBase:
     """hivemind's codec for an outer all-reduce under compression ``name`` (one of ``COMPRESSIONS``)."""
     if name not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {name!r}")
-    if name in ("int4", "topk"):
+    if name in GATHERED_WIRES:
         raise ValueError(f"the {name} wire is for gathered rounds: hivemind's all-reduce has no such codec")
     if name == "none":
         return NoCompression()
