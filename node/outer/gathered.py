@@ -157,8 +157,7 @@ class GatheredRounds:
                                               participants=participants))
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
-                other_set=functools.partial(_better_set, mine=me, current=participants, acceptable=self._acceptable,
-                                            quorum=self._quorum()),
+                other_set=functools.partial(self._better_set, mine=me, current=participants, quorum=self._quorum()),
                 readers=self._live, moved_on=functools.partial(_moved_on, tag=tag))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
@@ -248,9 +247,11 @@ class GatheredRounds:
         would otherwise draw every honest peer into waiting out a fetch of it each round."""
         return self._live() - self._held_peers()
 
-    def _acceptable(self, peer: str) -> bool:
-        """Whether ``peer`` is one of ``_adoptable`` now."""
-        return peer in self._adoptable()
+    def _better_set(self, entries: Mapping[str, Mapping[int, RoundEntry]], *, mine: str, current: tuple[str, ...],
+                    quorum: int) -> tuple[str, ...] | None:
+        """``_better_set`` of ``current`` among the peers ``_adoptable`` now (read once a poll, not once per member
+        of every merged set)."""
+        return _better_set(entries, mine, current, self._adoptable().__contains__, quorum)
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
