@@ -29,7 +29,7 @@ import psutil
 from parallax.benchmarks.report import write_report
 from parallax.dht.adapter import dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.keys import claims_key, members_key
+from parallax.dht.keys import claims_key, members_key, members_keys
 from parallax.dht.membership import Membership, MembershipConfig
 from parallax.dht.records import owner_subkey
 from parallax.dht.testing import LocalPeer, LocalSwarm, agreed, fixed_identity, wait_until
@@ -199,14 +199,22 @@ def _cpu_s(pids: Sequence[int]) -> float:
 
 
 def steady_load(live: Sequence[LocalPeer], window_s: float) -> dict[str, Any]:
-    """What the run's hot keys cost while nothing happens: the size of one read of the members key, which peers
-    store it and the claims keys (hivemind keeps a key on the peers nearest its id), and over ``window_s`` the
-    CPU each peer's DHT process and p2pd used (in cores), the storers' apart, with the age of every view."""
-    members = members_key(RUN)
-    read = live[0].dht.get_dicts([members], latest=True, timeout_s=10) or {}
-    read_bytes = sum(len(v) for v, _ in (read.get(members) or {}).values() if isinstance(v, bytes | bytearray))
-    hot = [members, *(claims_key(RUN, layer) for layer in range(SHARDS.n_layers))]
-    storers = {key: [i for i, p in enumerate(live) if p.dht.local_dict(key)] for key in hot}
+    """What the run's hot keys cost while nothing happens: the size of one read of the members key (the parts of the
+    level the peers read, and the whole key at level 0, which only joiners and tools read past ``full_pace_members``),
+    which peers store them and the claims keys (hivemind keeps a key on the peers nearest its id), the most members
+    bytes one peer stores of the level read (what a read of its part takes from it), and over ``window_s`` the CPU
+    each peer's DHT process and p2pd used (in cores), the storers' apart, with the age of every view."""
+    level = statistics.median_low([_m(p).level for p in live])
+    whole, parts = members_key(RUN), members_keys(RUN, level)
+    read = live[0].dht.get_dicts(sorted({whole, *parts}), latest=True, timeout_s=10) or {}
+
+    def size(items: dict[Any, tuple[Any, float]] | None) -> int:
+        return sum(len(v) for v, _ in (items or {}).values() if isinstance(v, bytes | bytearray))
+
+    claims = [claims_key(RUN, layer) for layer in range(SHARDS.n_layers)]
+    stored = {key: {i: size(p.dht.local_dict(key)) for i, p in enumerate(live)} for key in {whole, *parts, *claims}}
+    storers = {key: [i for i, n in held.items() if n] for key, held in stored.items()}
+    held_of_level = [sum(stored[key][i] for key in parts) for i in range(len(live))]
     pids = [p.dht.process_ids for p in live]
     before, mine, started = [_cpu_s(x) for x in pids], _cpu_s([os.getpid()]), time.monotonic()
     ages: list[float] = []
@@ -220,9 +228,17 @@ def steady_load(live: Sequence[LocalPeer], window_s: float) -> dict[str, Any]:
     ages.sort()
     return {
         "window_s": round(wall, 1),
-        "members_read_bytes": read_bytes,
-        "members_storers": len(storers[members]),
-        "claims_storers": sorted({len(v) for k, v in storers.items() if k != members}),
+        "members_level": level,
+        "members_parts": len(parts),
+        "members_read_bytes": sum(size(read.get(key)) for key in parts),
+        "members_part_bytes_max": max(size(read.get(key)) for key in parts),
+        "members_whole_bytes": size(read.get(whole)),
+        "members_storers": len(set().union(*(storers[key] for key in parts))),
+        "members_storers_per_part": sorted({len(storers[key]) for key in parts}),
+        "members_whole_storers": len(storers[whole]),
+        "members_held_by_one_peer_max_bytes": max(held_of_level),
+        "members_held_by_one_peer_whole_bytes": max(stored[whole].values()),
+        "claims_storers": sorted({len(storers[key]) for key in claims}),
         "view_age_s": {"median": statistics.median(ages), "p90": ages[int(0.9 * (len(ages) - 1))], "max": ages[-1]},
         "dht_cores_per_peer_median": statistics.median(cores),
         "dht_cores_storers_median": statistics.median([cores[i] for i in storing]) if storing else None,
@@ -311,10 +327,11 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{d['refresh_s'] / k:g} s; 'periods' is the factor the nodes stretched them by past "
                   "`full_pace_members` live members); times in seconds, median / max; CPU in cores over the steady "
                   "window:", "",
-                  "| peers | periods | up | view age median / p90 | members key read, B | its storers | DHT + p2pd CPU "
-                  "per peer / on the storers | all memberships' CPU | kill seen by all | kill: experts re-claimed in "
-                  "all views | deathrattle seen by all | waits run out |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| peers | periods | up | view age median / p90 | members key read in parts, B (largest part) "
+                  "| storers of the parts (of the whole key) | members bytes one peer holds, most: of the parts read "
+                  "(of the whole key) | DHT + p2pd CPU per peer / on the storers | all memberships' CPU | kill seen "
+                  "by all | kill: experts re-claimed in all views | deathrattle seen by all | waits run out |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for d in rows:
             st = d["steady"]
             storers = "-" if st["dht_cores_storers_median"] is None else f"{st['dht_cores_storers_median']:.3f}"
@@ -323,11 +340,24 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {d['peers']} | x{d.get('stretch', 1)} | {d['up_s']:.0f} | {st['view_age_s']['median']:.2f} / "
                 f"{st['view_age_s']['p90']:.2f} "
-                f"| {st['members_read_bytes']:,} | {st['members_storers']} | "
+                f"| {_members_read(st)} | {st['members_storers']} ({st.get('members_whole_storers', '-')}) | "
+                f"{_members_held(st)} | "
                 f"{st['dht_cores_per_peer_median']:.3f} / {storers} | {st['membership_cores']:.2f} | "
                 + " | ".join(f"{_s(e)} / {_s(e, 'max_ms')} ({e.get('n', 0)})" if e else "-" for e in events)
                 + f" | {d['timeouts']}{_failed_starts(d)} |")
     return "\n".join(lines)
+
+
+def _members_read(steady: dict[str, Any]) -> str:
+    parts = steady.get("members_parts", 1)
+    read = f"{steady['members_read_bytes']:,}"
+    return read if parts == 1 else f"{parts} x: {read} ({steady['members_part_bytes_max']:,})"
+
+
+def _members_held(steady: dict[str, Any]) -> str:
+    if "members_held_by_one_peer_max_bytes" not in steady:
+        return "-"
+    return f"{steady['members_held_by_one_peer_max_bytes']:,} ({steady['members_held_by_one_peer_whole_bytes']:,})"
 
 
 def _failed_starts(row: dict[str, Any]) -> str:

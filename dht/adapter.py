@@ -324,6 +324,12 @@ def _relay_options(config: DHTConfig) -> tuple[dict[str, object], dict[str, obje
 
 
 # Module-level so that hivemind can run it inside its forked DHT process (HIVEMIND.md trap 10).
+async def _store_many(_dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, value: bytes,
+                      expiration_time: float) -> dict[str, bool]:
+    found = await node.store_many(keys, [value] * len(keys), expiration_time, subkeys=[subkey] * len(keys))
+    return {key: bool(found.get((key, subkey))) for key in keys}
+
+
 async def _get_many(_dht: DHT, node: DHTNode, keys: list[str], latest: bool) -> dict[str, Any]:
     found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
     return {k: found.get(k) for k in keys}
@@ -539,6 +545,26 @@ class SwarmDHT:
         except Exception as e:
             logger.debug("DHT store of %s failed: %s", key, e)
             return False
+
+    def store_many(
+        self, keys: Sequence[str], subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float
+    ) -> dict[str, bool]:
+        """``store`` of one value under ``subkey`` of several keys in one traversal (each signed for its own key);
+        for each key whether a peer accepted it (all False on timeout or failure)."""
+        self._check_thread("store")
+        for key in keys:
+            self.calls.stored(key, len(key) + len(subkey) + len(value))
+        coro = partial(_store_many, keys=list(keys), subkey=subkey, value=value, expiration_time=expiration_time)
+        with self._send_lock:
+            future = self._dht.run_coroutine(coro, return_future=True)
+        try:
+            return dict(future.result(timeout=timeout_s))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.debug("DHT store of %d keys timed out after %.1f s", len(keys), timeout_s)
+        except Exception as e:
+            logger.debug("DHT store of %d keys failed: %s", len(keys), e)
+        return dict.fromkeys(keys, False)
 
     def get_dicts(
         self, keys: Sequence[str], *, latest: bool, timeout_s: float

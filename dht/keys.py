@@ -5,6 +5,9 @@ reading each other's records:
 
     {run_id}/manifest             subkey per composer: the run manifest it trains by (``protocol.manifest``)
     {run_id}/members              subkey per node: its signed Heartbeat, or its Deathrattle
+    {run_id}/members/{L}/{i}      the same records split into 2**L parts by identity (``member_part``): in a
+                                  large swarm each node reads the parts of one level, so each part's storers
+                                  serve N readers a part of the swarm's records, not all of them
     {run_id}/claims/{layer}       subkey per claimant: its signed claims/releases for that layer
     {run_id}/surrogates/{layer}   subkey per node: the surrogate versions it announces (as owner) and
                                   the payloads it serves (``dht.surrogates.SurrogateRecord``)
@@ -46,9 +49,44 @@ def manifest_key(run_id: str) -> str:
     return f"{check_run_id(run_id)}/manifest"
 
 
-def members_key(run_id: str) -> str:
-    """The key under which every node of the run keeps its heartbeat (one subkey per node)."""
-    return f"{check_run_id(run_id)}/members"
+MEMBER_LEVELS = 8
+"""The deepest split of the members key: 2**8 parts, about 32 heartbeats each at 8,192 members."""
+
+
+def members_key(run_id: str, level: int = 0, part: int = 0) -> str:
+    """The key under which every node of the run keeps its heartbeat (one subkey per node): the whole swarm's at
+    ``level`` 0, else part ``part`` of the ``2**level`` parts (the nodes whose ``member_part`` at that level it is).
+
+    Raises:
+        ValueError: a level outside 0..``MEMBER_LEVELS`` or a part outside 0..2**level - 1.
+    """
+    if not 0 <= level <= MEMBER_LEVELS or not 0 <= part < 1 << level:
+        raise ValueError(f"members part {part} of level {level}: the level must be 0..{MEMBER_LEVELS} and the part "
+                         f"0..2**level - 1")
+    return f"{check_run_id(run_id)}/members" if level == 0 else f"{check_run_id(run_id)}/members/{level}/{part}"
+
+
+def members_keys(run_id: str, level: int) -> list[str]:
+    """Every part of the members key at ``level``, in part order (one key at level 0)."""
+    return [members_key(run_id, level, part) for part in range(1 << level)]
+
+
+_B32 = "abcdefghijklmnopqrstuvwxyz234567"
+
+
+def member_part(fingerprint: str, level: int) -> int:
+    """The part of the members key at ``level`` that holds the node of ``fingerprint``: the first ``level`` bits
+    of the hash its fingerprint spells (``protocol.identity.fingerprint``, base32), so parts are even and a node
+    cannot choose its part without choosing its key."""
+    if not 0 <= level <= MEMBER_LEVELS:
+        raise ValueError(f"level must be 0..{MEMBER_LEVELS}, got {level}")
+    bits = 0
+    for ch in fingerprint[:2]:  # 10 bits: MEMBER_LEVELS or more
+        index = _B32.find(ch)
+        if index < 0:
+            raise ValueError(f"{fingerprint!r} is not a fingerprint (lower-case base32)")
+        bits = bits << 5 | index
+    return bits >> (10 - level)
 
 
 def claims_key(run_id: str, layer: int) -> str:
@@ -98,9 +136,11 @@ def replica_groups(n_layers: int, n_experts: int) -> list[str]:
 
 
 def protected_keys(run_id: str, n_layers: int, groups: Sequence[str] = ()) -> list[str]:
-    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``): manifests, members,
-    claims and surrogates of ``n_layers`` layers, and the round fingerprints of the shared ``groups``."""
-    return ([manifest_key(run_id), members_key(run_id)] + [claims_key(run_id, layer) for layer in range(n_layers)]
+    """Every key of a run whose entries must be signed (``records.Ed25519RecordValidator``): manifests, members
+    (every part of every level), claims and surrogates of ``n_layers`` layers, and the round fingerprints of the
+    shared ``groups``."""
+    return ([manifest_key(run_id)] + [key for level in range(MEMBER_LEVELS + 1) for key in members_keys(run_id, level)]
+            + [claims_key(run_id, layer) for layer in range(n_layers)]
             + [surrogates_key(run_id, layer) for layer in range(n_layers)]
             + [outer_rounds_key(run_id, group) for group in groups])
 

@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
-from parallax.dht.keys import check_run_id, claims_key, manifest_key, members_key
+from parallax.dht.keys import (
+    MEMBER_LEVELS,
+    check_run_id,
+    claims_key,
+    manifest_key,
+    member_part,
+    members_key,
+    members_keys,
+)
 from parallax.dht.manifests import manifest_difference, read_manifests
 from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import Assignment, assign_experts
@@ -164,9 +172,10 @@ class MembershipConfig:
         """The periods a node runs in a swarm of ``members`` live members: every read and heartbeat period, the
         heartbeat's TTL and the windows counted in heartbeats (stall, quorum) stretched by ``stretch``, the work
         rule's ``idle_s`` kept (work does not arrive by heartbeat) unless a TTL outgrows it. Every member reads
-        the whole members key once a ``refresh_s``, so at ``n`` members a node reads ``n / refresh_s`` heartbeats
-        a second and the swarm serves ``n / refresh_s`` lookups of it: stretched, each stays between half its figure
-        at ``full_pace_members`` and that figure."""
+        every heartbeat once a ``refresh_s`` (the members key's parts at ``level``), so at ``n`` members a node reads
+        ``n / refresh_s`` heartbeats a second and each part's storers serve ``n / refresh_s`` lookups of a part of
+        at most ``full_pace_members`` heartbeats: stretched, each stays between half its figure at
+        ``full_pace_members`` and that figure."""
         k = self.stretch(members)
         if k == 1:
             return self
@@ -175,6 +184,19 @@ class MembershipConfig:
             self, refresh_s=self.refresh_s * k, heartbeat_period_s=self.heartbeat_period_s * k, heartbeat_ttl_s=ttl,
             stall_s=self.stall_s * k, quorum_window_s=self.quorum_window_s * k,
             idle_s=self.idle_s if self.idle_s == 0 or self.idle_s > 2 * ttl else 2 * ttl)
+
+    def level(self, members: int) -> int:
+        """The level of the members key a node of a swarm of ``members`` live members reads (``keys.members_key``):
+        as many parts as ``stretch``, so that each part holds at most ``full_pace_members`` heartbeats and its
+        storers serve what the whole key's did in a swarm of that size (capped at ``keys.MEMBER_LEVELS``)."""
+        return min(MEMBER_LEVELS, self.stretch(members).bit_length() - 1)
+
+    def write_levels(self, members: int) -> frozenset[int]:
+        """The levels a node of a swarm of ``members`` live members writes its heartbeat to: level 0, whole, which
+        joiners and tools read (nobody else does past ``full_pace_members``); its own level; and the level of a
+        node that counts 1.5x more or fewer members, so that readers whose views lag or lead its own still find it
+        (in a swarm of up to two thirds of ``full_pace_members``: level 0 alone)."""
+        return frozenset({0, self.level(members), self.level(int(members / 1.5)), self.level(math.ceil(1.5 * members))})
 
     @classmethod
     def loopback(cls) -> MembershipConfig:
@@ -536,11 +558,13 @@ def read_view(
     shards: ShardConfig | None = None,
     timeout_s: float,
     clock: Callable[[], float] = dht_time,
+    level: int = 0,
 ) -> SwarmView | None:
     """Read the run's members (and, with ``shards``, its claims) once and parse them into a view.
 
-    One ``get(latest=True)`` of ``members_key(run_id)`` plus one claims key per layer. Used by the
-    reader thread every refresh and by tools that only look (``parallax swarm status``).
+    One ``get(latest=True)`` of the members key's parts at ``level`` (the whole key at level 0: every node writes
+    its heartbeat there) plus one claims key per layer. Used by the reader thread every refresh and by tools
+    that only look (``parallax swarm status``).
 
     Args:
         dht: a started node (a client-mode one is enough).
@@ -548,23 +572,33 @@ def read_view(
         shards: the model shape; ``None`` reads no claims (the view's ``assignment()`` is then ``None``).
         timeout_s: give up the DHT read after this many seconds.
         clock: the DHT clock, stamped on the view as ``read_at``.
+        level: which split of the members key to read (``MembershipConfig.level``); a record found in a part
+            that is not its signer's (``keys.member_part``) is skipped.
 
     Returns:
         The view, or ``None`` when the read failed or timed out (keep the previous view, if any).
         Bad records from peers are logged and skipped.
     """
-    key = members_key(run_id)
+    parts = members_keys(run_id, level)
     claim_keys = [claims_key(run_id, layer) for layer in range(shards.n_layers)] if shards else []
-    read = dht.get_dicts([key, *claim_keys], latest=True, timeout_s=timeout_s)
+    read = dht.get_dicts([*parts, *claim_keys], latest=True, timeout_s=timeout_s)
     if read is None:
         return None
-    members, departed = parse_members(read[key])
-    claims = parse_claims({layer: read[k] for layer, k in enumerate(claim_keys)})
+    raw: dict[object, tuple[object, float]] = {}
     record_expiry: dict[str, float] = {}
-    for subkey, (_value, expiration) in read[key].items():
-        public_key = subkey_owner(subkey)
-        if public_key is not None:
-            record_expiry[fingerprint(public_key)] = expiration
+    for part, key in enumerate(parts):
+        for subkey, record in read[key].items():
+            public_key = subkey_owner(subkey)
+            if public_key is None:
+                continue
+            fp = fingerprint(public_key)
+            if level and member_part(fp, level) != part:
+                logger.debug("skipping %s's members record in part %d of level %d: not its part", fp, part, level)
+                continue
+            raw[subkey] = record
+            record_expiry[fp] = record[1]
+    members, departed = parse_members(raw)
+    claims = parse_claims({layer: read[k] for layer, k in enumerate(claim_keys)})
     return SwarmView(
         run_id=run_id, read_at=clock(), members=members, departed=departed, claim_records=claims,
         shards=shards, record_expiry=record_expiry,
@@ -631,7 +665,6 @@ class Membership:
         self.fingerprint = identity.fingerprint
         self._clock = clock
         self._subkey = owner_subkey(identity.public_key)
-        self._members_key = members_key(presence.run_id)
         self._claim_keys = [claims_key(presence.run_id, layer) for layer in range(shards.n_layers)] if shards else []
         relayed = dht.relayed_maddrs()[:RELAYED_KEPT]  # after the direct ones: how peers reach a node behind NAT
         direct = dht.visible_maddrs()[: max(1, config.max_addresses - len(relayed))]
@@ -648,6 +681,12 @@ class Membership:
         self._suspects: dict[str, float] = {}
         self._banned: tuple[str, ...] = ()
         self._last_expiry: dict[str, float] = {}
+        self._members_expiry = 0.0
+        """The expiration of our last members record, every part alike: each next one is later."""
+        self._level = 0
+        self._write_levels = frozenset({0})
+        self._written: dict[int, float] = {}
+        """Level -> the expiration of our last heartbeat there: where a deathrattle must go."""
         self._next_heartbeat = 0.0
         self._next_manifest = 0.0
         self._next_claims = 0.0
@@ -694,6 +733,12 @@ class Membership:
         """The factor ``timing`` stretches ``config``'s periods by (1 up to ``full_pace_members``): waits that
         count on others noticing a change at their next read stretch with it."""
         return self._stretch
+
+    @property
+    def level(self) -> int:
+        """The split of the members key this node reads (``MembershipConfig.level``): 0 up to
+        ``full_pace_members``."""
+        return self._level
 
     def owned(self) -> dict[int, frozenset[int]]:
         """The experts this node owns in its latest view, by layer."""
@@ -764,7 +809,8 @@ class Membership:
         self._claimed = {}
         with self._lock:
             rattle = Deathrattle(peer_id=self.dht.peer_id, step=self._step, reason=reason[:256])
-        ok = self._store(self._members_key, pack_message(rattle), now + self._timing.heartbeat_ttl_s, timeout_s)
+        levels = {0} | {level for level, expiry in self._written.items() if expiry > now}
+        ok = self._store_member(pack_message(rattle), levels, now + self._timing.heartbeat_ttl_s, timeout_s)
         self._state = PeerState.STOPPED
         logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.presence.run_id,
                     "stored" if ok else "NOT stored")
@@ -880,8 +926,8 @@ class Membership:
                 banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
-        ok = self._store(self._members_key, value, now + self._timing.heartbeat_ttl_s,
-                         self._timing.request_timeout_s)
+        ok = self._store_member(value, self._write_levels, now + self._timing.heartbeat_ttl_s,
+                                self._timing.request_timeout_s)
         if ok:
             self.heartbeats_sent += 1
             self._next_heartbeat = now + self._timing.heartbeat_period_s
@@ -898,15 +944,28 @@ class Membership:
         self._last_expiry[key] = expiration  # even on failure: a half-done store may have landed
         return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)
 
+    def _store_member(self, value: bytes, levels: Iterable[int], expiration: float, timeout_s: float) -> bool:
+        """Store our members record (heartbeat or deathrattle) in our part of each of ``levels``; True when every
+        store was accepted."""
+        if self._stop.is_set() and threading.current_thread() in self._threads:
+            return False  # as ``_store``: never re-announce us after the deathrattle
+        expiration = self._members_expiry = max(expiration, self._members_expiry + _MIN_EXPIRY_STEP_S)
+        keys = {level: members_key(self.presence.run_id, level, member_part(self.fingerprint, level))
+                for level in sorted(levels)}
+        for level in keys:  # even on failure: a half-done store may have landed
+            self._written[level] = expiration
+        stored = self.dht.store_many(list(keys.values()), self._subkey, value, expiration, timeout_s=timeout_s)
+        return all(stored.values())
+
     def _refresh(self) -> bool:
         """Read a new view; False (the previous view kept) when the read failed."""
         view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self._timing.request_timeout_s,
-                         clock=self._clock)
+                         clock=self._clock, level=self._level)
         if view is None:
             return False  # keep the previous view; its expirations still age correctly
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
-            self._last_expiry[self._members_key] = max(self._last_expiry.get(self._members_key, 0.0), mine)
+            self._members_expiry = max(self._members_expiry, mine)
         view, foreign = split_by_run(view, self.presence.run_digest)
         unnamed = {fp: m for fp, m in foreign.items() if self._naming.get(fp, 0) < _NAMING_TRIES}
         if unnamed:
@@ -942,13 +1001,15 @@ class Membership:
         return counted + min(alive - composers, counted)
 
     def _pace(self, members: int) -> None:
+        self._write_levels = self.config.write_levels(members)
+        self._level = self.config.level(members)
         stretch = self.config.stretch(members)
         if stretch == self._stretch:
             return
         timing = self.config.paced(members)
-        logger.info("%d live members: heartbeat every %.0f s (TTL %.0f s), the swarm re-read every %.1f s "
-                    "(x%d the periods of a swarm of %d or fewer)", members, timing.heartbeat_period_s,
-                    timing.heartbeat_ttl_s, timing.refresh_s, stretch, self.config.full_pace_members)
+        logger.info("%d live members: heartbeat every %.0f s (TTL %.0f s), the swarm re-read every %.1f s in %d "
+                    "part(s) (x%d the periods of a swarm of %d or fewer)", members, timing.heartbeat_period_s,
+                    timing.heartbeat_ttl_s, timing.refresh_s, 1 << self._level, stretch, self.config.full_pace_members)
         self._timing, self._stretch = timing, stretch
         with self._lock:
             self._progress.stall_s, self._progress.idle_s = timing.stall_s, timing.idle_s

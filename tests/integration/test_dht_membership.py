@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.keys import members_key
+from parallax.dht.keys import member_part, members_key, members_keys
 from parallax.dht.membership import (
     DuplicateIdentityError,
     Membership,
@@ -27,10 +27,11 @@ from parallax.dht.membership import (
     Presence,
     QuorumState,
     heartbeat_value,
+    read_view,
 )
-from parallax.dht.records import Ed25519RecordValidator, owner_subkey
+from parallax.dht.records import Ed25519RecordValidator, owner_subkey, subkey_owner
 from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
-from parallax.protocol.identity import Identity
+from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Heartbeat
 
 SHARDS = ShardConfig(n_layers=2, n_experts=8)
@@ -113,6 +114,56 @@ def test_past_full_pace_three_peers_stretch_their_periods_and_still_see_a_kill(s
     victim.membership.abandon(wait=False)
     wait_until(lambda: all(victim.fp not in p.membership.view().alive() for p in rest), timeout=15)
     wait_until(lambda: _agreed_and_claimed(rest, gone=victim.fp), timeout=15)
+
+
+def test_past_full_pace_heartbeats_live_in_the_members_keys_parts_and_a_record_out_of_its_part_is_skipped(
+        swarm: LocalSwarm):
+    """With ``full_pace_members`` 1, three peers stretch 4x and read the members key in 4 parts (level 2): each
+    heartbeat is in its signer's part and in the whole key (level 0, what joiners and tools read); a signed
+    heartbeat written into another identity's part is skipped by a reader of the parts; a leave is seen there."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, full_pace_members=1)
+    peers = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    fps = {p.fp for p in peers}
+    wait_until(lambda: all(p.membership.level == 2 and set(p.membership.view().alive()) == fps for p in peers),
+               timeout=15)
+    reader = peers[0].dht
+    found: dict[str, dict[object, tuple[object, float]]] = {}
+
+    def every_part_holds_its_own() -> bool:
+        read = reader.get_dicts([members_key(swarm.run_id), *members_keys(swarm.run_id, 2)], latest=True,
+                                timeout_s=5)
+        if read is None:
+            return False
+        found.update(read)
+        whole = {fingerprint_of(sub) for sub in read[members_key(swarm.run_id)]}
+        parts = {p.fp: [part for part in range(4)
+                        if p.fp in {fingerprint_of(sub) for sub in read[members_key(swarm.run_id, 2, part)]}]
+                 for p in peers}
+        return fps <= whole and parts == {fp: [member_part(fp, 2)] for fp in fps}
+
+    wait_until(every_part_holds_its_own, timeout=15)
+    # An identity signs a heartbeat into a part that is not its own: stored (validly signed), never read.
+    stray = fixed_identity(50)
+    wrong = (member_part(stray.fingerprint, 2) + 1) % 4
+    writer = swarm.add_dht(stray)
+    beat = heartbeat_value(Heartbeat(peer_id=str(writer.dht.peer_id), addresses=(), role="composer", capacity=1.0,
+                                     shards=(), step=0, sent=dht_time()))
+    assert writer.dht.store(members_key(swarm.run_id, 2, wrong), owner_subkey(stray.public_key), beat,
+                            dht_time() + 30, timeout_s=10)
+    raw = reader.get_dicts([members_key(swarm.run_id, 2, wrong)], latest=True, timeout_s=5)
+    assert raw is not None and stray.fingerprint in {fingerprint_of(sub) for sub in raw[members_key(swarm.run_id,
+                                                                                                       2, wrong)]}
+    view = read_view(reader, swarm.run_id, timeout_s=5, level=2)
+    assert view is not None and set(view.alive()) == fps
+    # A leave is seen by the others through the parts they read.
+    leaver, rest = peers[2], peers[:2]
+    assert leaver.membership.leave("done")
+    wait_until(lambda: all(leaver.fp in p.membership.view().departed for p in rest), timeout=10)
+
+
+def fingerprint_of(subkey: object) -> str | None:
+    public_key = subkey_owner(subkey)
+    return None if public_key is None else fingerprint(public_key)
 
 
 def test_duplicate_identity_is_refused(swarm: LocalSwarm):

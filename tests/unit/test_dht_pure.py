@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 
 import pytest
 
 from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
-from parallax.dht.keys import claims_key, expert_id, members_key, parse_expert_id, protected_keys
+from parallax.dht.keys import (
+    MEMBER_LEVELS,
+    claims_key,
+    expert_id,
+    member_part,
+    members_key,
+    members_keys,
+    parse_expert_id,
+    protected_keys,
+)
 from parallax.dht.manifests import (
     ManifestChoiceError,
     Published,
@@ -65,14 +76,42 @@ def test_join_line_and_identity_path(tmp_path):
 
 def test_keys_are_run_namespaced():
     assert members_key("r1") == "r1/members" and claims_key("r1", 3) == "r1/claims/3"
-    assert protected_keys("r1", 2, ["router"]) == ["r1/manifest", "r1/members", "r1/claims/0", "r1/claims/1",
-                                                   "r1/surrogates/0", "r1/surrogates/1", "r1/outer/router/rounds"]
+    keys = protected_keys("r1", 2, ["router"])
+    parts = [f"r1/members/{level}/{part}" for level in range(1, MEMBER_LEVELS + 1) for part in range(1 << level)]
+    assert keys == ["r1/manifest", "r1/members", *parts, "r1/claims/0", "r1/claims/1", "r1/surrogates/0",
+                    "r1/surrogates/1", "r1/outer/router/rounds"]
     assert parse_expert_id(expert_id(3, 7)) == (3, 7)
     for bad in ["", "a/b", "-x", "x" * 65]:
         with pytest.raises(ValueError, match="run id"):
             members_key(bad)
     with pytest.raises(ValueError):
         parse_expert_id("expert.1")
+
+
+def test_the_members_keys_parts_split_identities_evenly_by_the_prefix_of_their_fingerprint():
+    assert members_keys("r1", 0) == ["r1/members"] and members_key("r1", 3, 5) == "r1/members/3/5"
+    assert len(members_keys("r1", 2)) == 4
+    for level, part in [(-1, 0), (MEMBER_LEVELS + 1, 0), (2, 4), (2, -1)]:
+        with pytest.raises(ValueError, match="members part"):
+            members_key("r1", level, part)
+    fps = [Identity.generate().fingerprint for _ in range(2000)]
+    for fp in fps[:50]:  # a part at one level is the half of its part one level up
+        assert member_part(fp, 0) == 0
+        assert all(member_part(fp, level + 1) >> 1 == member_part(fp, level) for level in range(MEMBER_LEVELS))
+    counts = collections.Counter(member_part(fp, 3) for fp in fps)
+    assert sorted(counts) == list(range(8)) and max(counts.values()) < 2 * min(counts.values())
+    with pytest.raises(ValueError, match="fingerprint"):
+        member_part("AB!", 2)
+
+
+def test_a_node_writes_its_heartbeat_where_every_reader_within_one_and_a_half_times_its_count_reads():
+    config = MembershipConfig()
+    assert [config.level(n) for n in (1, 32, 33, 64, 65, 1000, 10**6)] == [0, 0, 1, 1, 2, 5, MEMBER_LEVELS]
+    assert config.write_levels(21) == {0} and config.write_levels(22) == {0, 1}  # 22 x 1.5 reads in 2 parts
+    assert config.write_levels(1000) == {0, 5, 6} and MembershipConfig(full_pace_members=0).write_levels(10**6) == {0}
+    for writer in range(1, 3000, 7):
+        for reader in range(math.ceil(writer / 1.5), int(writer * 1.5) + 1):
+            assert config.level(reader) in config.write_levels(writer), (writer, reader)
 
 
 def test_a_swarm_past_full_pace_stretches_every_period_by_a_power_of_two():
