@@ -118,7 +118,7 @@ def detection(n_peers: int, trials: int, rattles: int, progress: Progress = prin
 
     def add(swarm: LocalSwarm) -> LocalPeer:
         """A new peer; one whose first heartbeat the crowded DHT did not take within 30 s is counted and another
-        started in its place (its DHT process stops with the swarm)."""
+        started in its place (``LocalSwarm.add`` stops the failed one's DHT process and p2pd)."""
         nonlocal next_id, failed_starts
         while True:
             next_id += 1

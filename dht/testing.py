@@ -1,7 +1,7 @@
 """Local swarms of real DHT peers on loopback, for tests and benchmarks (hivemind's ``launch_dht_instances``).
 
-Every peer binds port 0 on 127.0.0.1; later peers bootstrap from the first. ``LocalSwarm.close()``
-shuts every peer down (p2p daemons included); use it in ``finally`` or as a context manager.
+Every peer binds port 0 on 127.0.0.1; later peers bootstrap from the first, the middle and the last.
+``LocalSwarm.close()`` shuts every peer down (p2p daemons included); use it in ``finally`` or as a context manager.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class LocalPeer:
     identity: Identity
     dht: SwarmDHT
     membership: Membership | None = None
+    killed: bool = False
 
     @property
     def fp(self) -> str:
@@ -81,6 +82,7 @@ class LocalPeer:
 
     def kill(self) -> None:
         """SIGKILL this peer's DHT process and p2p daemon: a crash, no deathrattle."""
+        self.killed = True
         for pid in self.dht.process_ids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -96,8 +98,12 @@ class LocalSwarm:
         self.peers: list[LocalPeer] = []
 
     def add_dht(self, identity: Identity, **config: object) -> LocalPeer:
-        """Start a DHT peer (no membership), bootstrapping from the first peer."""
-        initial = tuple(self.peers[0].dht.visible_maddrs()) if self.peers else ()
+        """Start a DHT peer (no membership), bootstrapping from the first, the middle and the last peer not killed
+        (one that answers is enough: in a swarm of dozens on one machine a single bootstrap peer stops answering
+        pings)."""
+        up = [p for p in self.peers if not p.killed]
+        sources = {id(p): p for p in (up[:1] + up[len(up) // 2:][:1] + up[-1:])}
+        initial = tuple(a for p in sources.values() for a in p.dht.visible_maddrs()[:1])
         protected = protected_keys(self.run_id, self.n_layers, self.groups)
         validator = Ed25519RecordValidator(identity, protected_keys=protected)
         dht = SwarmDHT.start(DHTConfig(initial_peers=initial, **config), [validator])  # type: ignore[arg-type]
@@ -119,8 +125,14 @@ class LocalSwarm:
         ``manifest`` when given."""
         peer = self.add_dht(fixed_identity(i))
         presence = Presence(run_id=self.run_id, capacity=capacity, role=role, manifest=manifest)
-        peer.membership = Membership(peer.dht, peer.identity, presence, MembershipConfig(**timing), shards=shards)
-        peer.membership.start()
+        try:
+            peer.membership = Membership(peer.dht, peer.identity, presence, MembershipConfig(**timing),
+                                         shards=shards)
+            peer.membership.start()
+        except BaseException:  # a peer that did not come online leaves no DHT process or p2pd behind
+            self.peers.remove(peer)
+            peer.dht.shutdown()
+            raise
         return peer
 
     def close(self) -> None:
