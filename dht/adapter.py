@@ -643,6 +643,11 @@ class SwarmDHT:
             pids += [c.pid for c in psutil.Process(self._dht.pid).children(recursive=True)]
         return pids
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown`` ran (the DHT process and p2pd are stopped or stopping)."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Stop the DHT process and its p2p daemon. Safe to call twice."""
         if self._closed:

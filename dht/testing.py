@@ -75,6 +75,8 @@ class LocalPeer:
     dht: SwarmDHT
     membership: Membership | None = None
     killed: bool = False
+    maddr: str = ""
+    """The address others bootstrap from, read once at start (asking a frozen or dead peer would block)."""
 
     @property
     def fp(self) -> str:
@@ -98,16 +100,16 @@ class LocalSwarm:
         self.peers: list[LocalPeer] = []
 
     def add_dht(self, identity: Identity, **config: object) -> LocalPeer:
-        """Start a DHT peer (no membership), bootstrapping from the first, the middle and the last peer not killed
+        """Start a DHT peer (no membership), bootstrapping from the first, the middle and the last peer still up
         (one that answers is enough: in a swarm of dozens on one machine a single bootstrap peer stops answering
         pings)."""
-        up = [p for p in self.peers if not p.killed]
+        up = [p for p in self.peers if not p.killed and not p.dht.closed]
         sources = {id(p): p for p in (up[:1] + up[len(up) // 2:][:1] + up[-1:])}
-        initial = tuple(a for p in sources.values() for a in p.dht.visible_maddrs()[:1])
+        initial = tuple(p.maddr for p in sources.values())
         protected = protected_keys(self.run_id, self.n_layers, self.groups)
         validator = Ed25519RecordValidator(identity, protected_keys=protected)
         dht = SwarmDHT.start(DHTConfig(initial_peers=initial, **config), [validator])  # type: ignore[arg-type]
-        peer = LocalPeer(identity, dht)
+        peer = LocalPeer(identity, dht, maddr=dht.visible_maddrs()[0])
         self.peers.append(peer)
         return peer
 
