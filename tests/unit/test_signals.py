@@ -99,7 +99,9 @@ print(os.getpid(), flush=True)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline and not (terms and time.monotonic() > terms[0] + 2):
     time.sleep(0.05)
-open(sys.argv[2], "w").write(str(len(terms)))
+with open(sys.argv[2] + ".part", "w") as out:  # renamed once written: the test reads a whole count, never ''
+    out.write(str(len(terms)))
+os.replace(sys.argv[2] + ".part", sys.argv[2])
 """
 
 _SUPERVISOR = """
