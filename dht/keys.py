@@ -24,6 +24,8 @@ Subkeys are not named here: they carry the signer's public key (``records.owner_
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Sequence
 
@@ -71,22 +73,17 @@ def members_keys(run_id: str, level: int) -> list[str]:
     return [members_key(run_id, level, part) for part in range(1 << level)]
 
 
-_B32 = "abcdefghijklmnopqrstuvwxyz234567"
-
-
 def member_part(fingerprint: str, level: int) -> int:
     """The part of the members key at ``level`` that holds the node of ``fingerprint``: the first ``level`` bits
     of the hash its fingerprint spells (``protocol.identity.fingerprint``, base32), so parts are even and a node
     cannot choose its part without choosing its key."""
     if not 0 <= level <= MEMBER_LEVELS:
         raise ValueError(f"level must be 0..{MEMBER_LEVELS}, got {level}")
-    bits = 0
-    for ch in fingerprint[:2]:  # 10 bits: MEMBER_LEVELS or more
-        index = _B32.find(ch)
-        if index < 0:
-            raise ValueError(f"{fingerprint!r} is not a fingerprint (lower-case base32)")
-        bits = bits << 5 | index
-    return bits >> (10 - level)
+    try:  # 8 base32 characters are 5 bytes; the first 2 hold MEMBER_LEVELS bits and more
+        head = base64.b32decode(fingerprint[:8].upper())[:2]
+    except binascii.Error:
+        raise ValueError(f"{fingerprint!r} is not a fingerprint (base32)") from None
+    return int.from_bytes(head, "big") >> (16 - level)
 
 
 def claims_key(run_id: str, layer: int) -> str:

@@ -104,8 +104,7 @@ class LocalSwarm:
         (one that answers is enough: in a swarm of dozens on one machine a single bootstrap peer stops answering
         pings)."""
         up = [p for p in self.peers if not p.killed and not p.dht.closed]
-        sources = {id(p): p for p in (up[:1] + up[len(up) // 2:][:1] + up[-1:])}
-        initial = tuple(p.maddr for p in sources.values())
+        initial = tuple(up[i].maddr for i in sorted({0, len(up) // 2, len(up) - 1})) if up else ()
         protected = protected_keys(self.run_id, self.n_layers, self.groups)
         validator = Ed25519RecordValidator(identity, protected_keys=protected)
         dht = SwarmDHT.start(DHTConfig(initial_peers=initial, **config), [validator])  # type: ignore[arg-type]
