@@ -37,6 +37,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from parallax.errors import DHTError
+from parallax.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +451,8 @@ class SwarmDHT:
         for attempt in range(1, attempts + 1):
             try:
                 relaying, flags = _relay_options(config)
-                with p2pd_flags(flags), _forking(_forking_dht):  # the DHT process is forked inside, with the flags
+                # The DHT process is forked inside, with the flags; a signal meanwhile is handled once it is forked.
+                with p2pd_flags(flags), _forking(_forking_dht), signals_deferred():
                     dht = DHT(
                         initial_peers=list(config.initial_peers) or None,
                         start=True,

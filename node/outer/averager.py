@@ -46,7 +46,7 @@ loop meets it at one seam) for at most ``OuterSyncConfig.round_budget_s``. With
 ``aggregation = "allreduce"`` each averager is a hivemind child process forked at construction (gathered
 rounds start none); it shares the buffers with us through shared
 memory, guarded by its lock. Construct in the main thread when you can: hivemind's averager sets
-SIGINT to "ignore" around its fork (trap 4); we restore the previous handler at once.
+SIGINT to "ignore" around its fork (trap 4): we fork it ourselves with signals deferred (``parallax.signals``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import concurrent.futures
 import contextlib
 import logging
 import math
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +85,7 @@ from parallax.node.outer.wire import (
     round_fingerprint,
     round_tag,
 )
+from parallax.signals import signals_deferred
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -124,31 +124,22 @@ class ParallaxOuterAverager(DecentralizedAverager):
 
 
 def _start_keeping_sigint(averager: DecentralizedAverager, timeout_s: float) -> None:
-    """Fork the averager with a SIGINT handler that only remembers (so Ctrl+C to the group does not kill the
-    child), then restore our handler and hand it a SIGINT that came meanwhile: none is lost.
+    """Fork the averager with Ctrl+C and SIGTERM deferred (``parallax.signals``): the child ignores Ctrl+C to the
+    group, and a signal that came during the fork reaches our handler afterwards: none is lost.
 
     hivemind's ``run_in_background`` sets SIGINT to ignore and never restores it (trap 4), which would swallow a
-    Ctrl+C sent during the fork. ``signal`` works only in the main thread; elsewhere the child simply inherits
-    our handler.
+    Ctrl+C sent during the fork: the averager is started without it.
     """
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main else None
-    received: list[int] = []
-    if in_main:
-        signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
     # The child's main thread inherits this thread's OpenMP team without its threads: once this process has run a
     # parallel torch op (any training step), a parallel op there (a uint8 quantization) would wait forever. Forked
     # with one intra-op thread, the child never enters OpenMP, and calls nothing to get there.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        averager.start()
+        with signals_deferred():
+            averager.start()
     finally:
         torch.set_num_threads(threads)
-        if in_main:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-            if received:
-                signal.raise_signal(signal.SIGINT)  # our own handler decides now
     averager.wait_until_ready(timeout_s)
 
 
