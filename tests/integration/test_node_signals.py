@@ -127,7 +127,11 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_process_and_everything_it_sta
             os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl+C: the whole foreground group
             signalled.append(time.monotonic())
         for i, (proc, delay) in enumerate(zip(procs, delays, strict=True)):
-            code = proc.wait(30)
+            try:
+                code = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running 30 s after Ctrl+C at {delay} s: "
+                            f"{(tmp_path / str(i) / 'out.log').read_text()[-3000:]}")
             left = _until_gone(started[i], 30, interval_s=0.1)
             took = time.monotonic() - signalled[i]
             # 0 or 130 from our handlers. Before they exist, CPython's own: it dies by the signal itself (-SIGINT,
