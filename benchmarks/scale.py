@@ -98,7 +98,10 @@ def _members_read(initial_peers: str, run_id: str, layers: int) -> tuple[int, in
     dht = SwarmDHT.start(DHTConfig(initial_peers=(initial_peers,), client_mode=True), [validator])
     try:
         found = dht.get_dicts([members_key(run_id)], latest=True, timeout_s=10)
-        return None if found is None else (dht.calls.bytes_read, len(found[members_key(run_id)]))
+        if found is None:
+            return None
+        heartbeats = found[members_key(run_id)]
+        return sum(len(value) for value, _ in heartbeats.values() if isinstance(value, bytes)), len(heartbeats)
     finally:
         dht.shutdown()
 

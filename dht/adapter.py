@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -336,6 +336,21 @@ async def _get_many(_dht: DHT, node: DHTNode, keys: list[str], latest: bool) -> 
     return {k: found.get(k) for k in keys}
 
 
+def _dicts(found: Mapping[str, Any], keys: Sequence[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    """``_get_many``'s answer as ``{key: {subkey: (value, expiration_time)}}``, ``{}`` for a key not found."""
+    out: dict[str, dict[Any, tuple[Any, float]]] = {}
+    for key in keys:
+        value = getattr(found.get(key), "value", None)
+        items: dict[Any, tuple[Any, float]] = {}
+        if isinstance(value, dict):
+            for subkey, item in value.items():
+                v, exp = getattr(item, "value", None), getattr(item, "expiration_time", None)
+                if isinstance(exp, float):
+                    items[subkey] = (v, exp)
+        out[key] = items
+    return out
+
+
 async def _local_dict(_dht: DHT, node: DHTNode, key: str) -> dict[Any, tuple[Any, float]]:
     found = node.protocol.storage.get(DHTID.generate(source=key))
     if found is None or not hasattr(found.value, "items"):
@@ -380,6 +395,8 @@ class DHTCalls:
     """Keys read (a read of several keys counts each)."""
     bytes_stored: int = 0
     bytes_read: int = 0
+    joined: int = 0
+    """Reads that waited for the same keys' read already running instead of sending another."""
     by_kind: dict[str, int] = field(default_factory=dict)
     """Stores and key reads by the kind of key (its second path component: members, claims, outer, ...)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -396,6 +413,10 @@ class DHTCalls:
             self.bytes_read += size
             for key in keys:
                 self._count(key)
+
+    def join(self) -> None:
+        with self._lock:
+            self.joined += 1
 
     def kinds(self) -> dict[str, int]:
         """A copy of ``by_kind`` (other threads may be adding to it)."""
@@ -428,6 +449,9 @@ class SwarmDHT:
         self.calls = DHTCalls()
         """What this node's own stores and reads asked of the DHT (what grows with the swarm: a read of the run's
         members key returns every live heartbeat)."""
+        self._reads: dict[tuple[tuple[str, ...], bool], Any] = {}
+        """Reads running in the DHT process, by their keys (``get_dicts``)."""
+        self._reads_lock = threading.Lock()
 
     @classmethod
     def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = (),
@@ -575,34 +599,47 @@ class SwarmDHT:
 
         Records that failed validation never get here (hivemind drops them). Returns ``None`` on
         timeout or failure, so callers keep their previous view rather than seeing everyone vanish.
+
+        A read that times out goes on in the DHT process (hivemind cannot stop it): a later read of the same keys
+        waits for that one instead of sending another. On a loaded host where a read takes longer than its timeout,
+        readers that ask again every period would otherwise each add a read to the DHT process's queue, every read
+        would take longer still, and none would ever finish in time: a node would see nobody for as long as the
+        load lasts. With one read of given keys at a time, it sees the swarm as of that read, late but true.
         """
-        coro = partial(_get_many, keys=list(keys), latest=latest)
         self._check_thread("get")
-        with self._send_lock:
-            future = self._dht.run_coroutine(coro, return_future=True)
+        future = self._shared_read(tuple(keys), latest)
         try:
             found = future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            logger.debug("DHT get of %d keys timed out after %.1f s", len(keys), timeout_s)
+            logger.debug("DHT get of %d keys timed out after %.1f s; the next read of them waits for it", len(keys),
+                         timeout_s)
             return None
         except Exception as e:
             logger.debug("DHT get failed: %s", e)
             return None
-        out: dict[str, dict[Any, tuple[Any, float]]] = {}
-        for key in keys:
-            entry = found.get(key)
-            value = getattr(entry, "value", None)
-            items: dict[Any, tuple[Any, float]] = {}
-            if isinstance(value, dict):
-                for subkey, item in value.items():
-                    v, exp = getattr(item, "value", None), getattr(item, "expiration_time", None)
-                    if isinstance(exp, float):
-                        items[subkey] = (v, exp)
-            out[key] = items
-        self.calls.read(keys, sum(len(v) for items in out.values() for v, _ in items.values()
-                                  if isinstance(v, bytes | bytearray)))
-        return out
+        return _dicts(found, keys)
+
+    def _shared_read(self, keys: tuple[str, ...], latest: bool) -> Any:
+        """The read of ``keys`` running in the DHT process, started if none is; the calls count each read once."""
+        with self._reads_lock:
+            future = self._reads.get((keys, latest))
+            if future is not None:
+                self.calls.join()
+                return future
+            with self._send_lock:
+                future = self._dht.run_coroutine(partial(_get_many, keys=list(keys), latest=latest), return_future=True)
+            self._reads[keys, latest] = future
+        future.add_done_callback(partial(self._read_done, keys, latest))
+        return future
+
+    def _read_done(self, keys: tuple[str, ...], latest: bool, future: Any) -> None:
+        with self._reads_lock:
+            if self._reads.get((keys, latest)) is future:
+                del self._reads[keys, latest]
+        if not future.cancelled() and future.exception() is None:
+            found = _dicts(future.result(), keys)
+            self.calls.read(keys, sum(len(v) for items in found.values() for v, _ in items.values()
+                                      if isinstance(v, bytes | bytearray)))
 
     def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:
         """What this node itself stores under ``key`` (no network): ``{subkey: (value, expiration)}``.

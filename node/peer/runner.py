@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.dht.adapter import SwarmDHT
+from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
 from parallax.dht.membership import Membership, PeerState, Presence
 from parallax.errors import NodeError
@@ -372,10 +372,23 @@ class Node:
                 return owned, running
             if time.monotonic() > deadline:
                 raise NodeError(f"not in the swarm's shard assignment within {settings.start_timeout_s:.0f} s "
-                                f"({peers} live composers seen, {settings.min_peers} wanted); check --initial-peers "
-                                "and --run-id")
+                                f"({peers} live composers seen, {settings.min_peers} wanted{_staleness(membership)}); "
+                                "check --initial-peers and --run-id")
             self.telemetry.phase(f"waiting for peers ({peers}/{settings.min_peers})")
             self.stop_event.wait(0.1)
+
+def _staleness(membership: Membership) -> str:
+    """What a start-up error adds when this node's view of the members is old: it counted what it last read."""
+    read_at, timing = membership.view().read_at, membership.timing
+    if read_at <= 0:
+        return (f"; no read of the members answered within {timing.request_timeout_s:g} s: the peers are "
+                "unreachable, or this host is too loaded to serve its DHT process")
+    age = dht_time() - read_at
+    if age <= timing.heartbeat_ttl_s:
+        return ""
+    return (f"; the last read of the members that answered is {age:.0f} s old, later ones took longer than "
+            f"{timing.request_timeout_s:g} s: this host may be too loaded to serve its DHT process")
+
 
 def _other_settings(run_id: str, membership: Membership) -> str:
     """Why this node cannot join: every live composer of the run trains by another manifest than it."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
+import signal
+import threading
 import time
 
 import msgpack
@@ -316,3 +319,27 @@ def test_a_peers_dht_calls_are_counted_with_the_bytes_of_their_records(swarm: Lo
     # A signed heartbeat is over 64 bytes (its signature alone), and every read of the view returns three.
     assert calls.bytes_read - read >= 3 * 64 * (calls.reads - reads) // (1 + SHARDS.n_layers)
     assert calls.bytes_stored > 64 * calls.stores
+
+
+def test_a_read_that_timed_out_goes_on_and_the_next_read_of_its_keys_waits_for_it(swarm: LocalSwarm):
+    # A host too loaded to answer within the timeout: the DHT process stopped (SIGSTOP) while readers ask again.
+    a, b = (swarm.add(i, shards=SHARDS) for i in range(2))
+    wait_until(lambda: len(a.membership.view().alive()) == 2, timeout=10)
+    a.membership.abandon()  # its reader would join the reads below
+    keys = [members_key(swarm.run_id)]
+    calls = a.dht.calls
+    reads, joined = calls.reads, calls.joined
+    os.kill(a.dht.process_ids[0], signal.SIGSTOP)
+    try:
+        assert all(a.dht.get_dicts(keys, latest=True, timeout_s=0.2) is None for _ in range(3))
+        assert calls.joined - joined == 2  # one read sent, two callers waiting on it
+        late: list[object] = []
+        waiting = threading.Thread(target=lambda: late.append(a.dht.get_dicts(keys, latest=True, timeout_s=30)))
+        waiting.start()
+        wait_until(lambda: calls.joined - joined == 3, timeout=5)
+    finally:
+        os.kill(a.dht.process_ids[0], signal.SIGCONT)
+    waiting.join(30)
+    assert late and {fingerprint(subkey_owner(s)) for s in late[0][keys[0]]} == {a.fp, b.fp}  # type: ignore[index]
+    wait_until(lambda: calls.reads == reads + 1, timeout=10)  # the one read, counted once
+    assert not a.dht._reads
