@@ -622,13 +622,16 @@ class SwarmDHT:
     def _shared_read(self, keys: tuple[str, ...], latest: bool) -> Any:
         """The read of ``keys`` running in the DHT process, started if none is; the calls count each read once."""
         with self._reads_lock:
-            future = self._reads.get((keys, latest))
-            if future is not None:
-                self.calls.join()
-                return future
-            with self._send_lock:
-                future = self._dht.run_coroutine(partial(_get_many, keys=list(keys), latest=latest), return_future=True)
-            self._reads[keys, latest] = future
+            running = self._reads.get((keys, latest))
+        if running is not None:
+            self.calls.join()
+            return running
+        # Sent outside ``_reads_lock``: a send can block while the DHT process is busy, and the thread that hands
+        # us its answers takes that lock (``_read_done``). Two callers may then both send; the first is shared.
+        with self._send_lock:
+            future = self._dht.run_coroutine(partial(_get_many, keys=list(keys), latest=latest), return_future=True)
+        with self._reads_lock:
+            self._reads.setdefault((keys, latest), future)
         future.add_done_callback(partial(self._read_done, keys, latest))
         return future
 

@@ -9,9 +9,11 @@ Each node runs one ``Membership`` with explicit states:
     LEAVING  -> releases its claims and publishes a signed Deathrattle, so others react at once
     STOPPED  -> nothing more is sent
 
-A heartbeat record expires ``heartbeat_ttl_s`` after it is sent (default 2 s period, 6 s TTL), so a
-node killed without a deathrattle drops out of every view within ``heartbeat_ttl_s``; liveness is
-judged against each record's expiration at the moment it is asked, not at the last refresh.
+A heartbeat record expires ``heartbeat_ttl_s`` after it is stored (default 2 s period, 6 s TTL): its expiration
+adds how long the node's heartbeats take to land (``Membership.store_lag_s``, at most a TTL), so a node on a slow
+link or a loaded host stays in the views while it heartbeats. A node killed without a deathrattle drops out of
+every view within ``heartbeat_ttl_s`` plus that lag; liveness is judged against each record's expiration at the
+moment it is asked, not at the last refresh.
 
 Reads and writes run in two threads because on a loaded host each DHT call may take a second or more
 (four nodes and their averagers on two cores). In one loop, a tick of a read, a heartbeat and a claim
@@ -683,6 +685,9 @@ class Membership:
         self._last_expiry: dict[str, float] = {}
         self._members_expiry = 0.0
         """The expiration of our last members record, every part alike: each next one is later."""
+        self.store_lag_s = 0.0
+        """How long our heartbeats take to land (the last store's time, decaying by half a store when faster, at
+        most a TTL): each heartbeat lives that much longer, so it lives its TTL once stored."""
         self._level = 0
         self._write_levels = frozenset({0})
         self._written: dict[int, float] = {}
@@ -926,8 +931,9 @@ class Membership:
                 banned=self._banned, sent=now,
             )
         value = heartbeat_value(hb)
-        ok = self._store_member(value, self._write_levels, now + self._timing.heartbeat_ttl_s,
-                                self._timing.request_timeout_s)
+        ttl, started = self._timing.heartbeat_ttl_s, time.monotonic()
+        ok = self._store_member(value, self._write_levels, now + ttl + self.store_lag_s, self._timing.request_timeout_s)
+        self.store_lag_s = min(ttl, max(time.monotonic() - started, self.store_lag_s / 2))
         if ok:
             self.heartbeats_sent += 1
             self._next_heartbeat = now + self._timing.heartbeat_period_s

@@ -343,3 +343,25 @@ def test_a_read_that_timed_out_goes_on_and_the_next_read_of_its_keys_waits_for_i
     assert late and {fingerprint(subkey_owner(s)) for s in late[0][keys[0]]} == {a.fp, b.fp}  # type: ignore[index]
     wait_until(lambda: calls.reads == reads + 1, timeout=10)  # the one read, counted once
     assert not a.dht._reads
+
+
+def test_a_heartbeat_that_takes_long_to_land_lives_its_ttl_once_stored(swarm: LocalSwarm):
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=3.0, refresh_s=0.25)
+    slow, reader = (swarm.add(i, **timing) for i in range(2))
+    wait_until(lambda: slow.fp in reader.membership.view().alive(), timeout=10)
+    os.kill(slow.dht.process_ids[0], signal.SIGSTOP)  # a loaded host: its stores take 1.5 s more
+    try:
+        time.sleep(1.5)  # the input: how long the DHT process does not answer
+    finally:
+        os.kill(slow.dht.process_ids[0], signal.SIGCONT)
+
+    def lived() -> float:
+        view = reader.membership.view()
+        member = view.members.get(slow.fp)
+        return view.record_expiry.get(slow.fp, 0.0) - member.heartbeat.sent if member else 0.0
+
+    wait_until(lambda: lived() > 3.0 + 1.0, timeout=10, explain=lambda: f"lived {lived():.2f} s")
+    assert slow.membership.store_lag_s <= 3.0
+    # Once stores are fast again, the lag decays and heartbeats live their TTL again.
+    wait_until(lambda: slow.membership.store_lag_s < 0.5 and lived() < 3.0 + 0.5, timeout=15,
+               explain=lambda: f"lag {slow.membership.store_lag_s:.2f} s, lived {lived():.2f} s")
