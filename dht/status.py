@@ -8,8 +8,9 @@ owner (a peer just died, or the run has no composer for it), one announced by mo
 period, or two nodes disagreeing on the live view).
 
 A heartbeat's age is not read from its send time (the sender's clock); its record expires ``heartbeat_ttl_s``
-after it was sent, so its age is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (the
-default, 6 s, stretched as the nodes stretch it in a swarm larger than ``full_pace_members``).
+after it was stored (its sending time plus the sender's store lag, ``Membership.store_lag_s``), so its age since
+it landed is ``heartbeat_ttl_s - (expiry - now)``, exact when the peers run that TTL (the default, 6 s,
+stretched as the nodes stretch it in a swarm larger than ``full_pace_members``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class PeerStatus:
     loss: float | None
     experts: Mapping[int, tuple[int, ...]]  # layer -> sorted experts it announces as owned
     versions: Mapping[str, int]
-    heartbeat_age_s: float  # seconds since the heartbeat was sent (assuming the TTL, see the module doc)
+    heartbeat_age_s: float  # seconds since the heartbeat landed (assuming the TTL, see the module doc)
     expires_in_s: float  # seconds until the heartbeat record expires: dead after that without a new one
     addresses: tuple[str, ...]
     suspects: Mapping[str, float] = dataclasses.field(default_factory=dict)  # peer id -> its score here
