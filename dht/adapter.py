@@ -336,6 +336,17 @@ async def _get_many(_dht: DHT, node: DHTNode, keys: list[str], latest: bool) -> 
     return {k: found.get(k) for k in keys}
 
 
+def _ends_by(future: Any, deadline: float) -> bool:
+    """Wait for ``future`` until ``deadline`` (monotonic); whether it ended, however."""
+    try:
+        future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        return bool(future.done())  # a call that failed with a timeout of its own ended too
+    except Exception:  # it failed: it ended all the same
+        pass
+    return True
+
+
 def _dicts(found: Mapping[str, Any], keys: Sequence[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
     """``_get_many``'s answer as ``{key: {subkey: (value, expiration_time)}}``, ``{}`` for a key not found."""
     out: dict[str, dict[Any, tuple[Any, float]]] = {}
@@ -449,9 +460,10 @@ class SwarmDHT:
         self.calls = DHTCalls()
         """What this node's own stores and reads asked of the DHT (what grows with the swarm: a read of the run's
         members key returns every live heartbeat)."""
-        self._reads: dict[tuple[tuple[str, ...], bool], Any] = {}
-        """Reads running in the DHT process, by their keys (``get_dicts``)."""
-        self._reads_lock = threading.Lock()
+        self._running: dict[tuple[object, ...], Any] = {}
+        """Reads and stores running in the DHT process: ("read", keys, latest) or ("store", keys, subkey) -> the
+        future of the one sent first (``get_dicts``, ``store_many``)."""
+        self._running_lock = threading.Lock()
 
     @classmethod
     def start(cls, config: DHTConfig, validators: Sequence[RecordValidatorBase] = (),
@@ -551,43 +563,46 @@ class SwarmDHT:
             logger.warning("DHT %s called from the training thread: network I/O on the step path", what)
 
     def store(
-        self, key: str, subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float
+        self, key: str, subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float, force: bool = False
     ) -> bool:
         """Store ``value`` under ``key``/``subkey`` until ``expiration_time`` (signed by the validators).
 
-        Returns False when no peer accepted it (a newer record is there, validation refused it, or
-        the call timed out); never raises for network trouble.
+        Returns False when no peer accepted it (a newer record is there, validation refused it, the call timed
+        out, or the previous store of ``key``/``subkey`` was still running: ``store_many``); never raises for
+        network trouble.
         """
-        self._check_thread("store")
-        self.calls.stored(key, len(key) + len(subkey) + len(value))
-        with self._send_lock:
-            future = self._dht.store(key, value, expiration_time, subkey=subkey, return_future=True)
-        try:
-            return bool(future.result(timeout=timeout_s))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            logger.debug("DHT store of %s timed out after %.1f s", key, timeout_s)
-            return False
-        except Exception as e:
-            logger.debug("DHT store of %s failed: %s", key, e)
-            return False
+        return self.store_many([key], subkey, value, expiration_time, timeout_s=timeout_s, force=force)[key]
 
     def store_many(
-        self, keys: Sequence[str], subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float
+        self, keys: Sequence[str], subkey: bytes, value: bytes, expiration_time: float, *, timeout_s: float,
+        force: bool = False,
     ) -> dict[str, bool]:
         """``store`` of one value under ``subkey`` of several keys in one traversal (each signed for its own key);
-        for each key whether a peer accepted it (all False on timeout or failure)."""
+        for each key whether a peer accepted it (all False on timeout or failure).
+
+        A store that times out goes on in the DHT process, as a read does (``get_dicts``). The next store under the
+        same keys and subkey waits for it, within its own ``timeout_s``, and is sent only once it ended: a node that
+        stores every period on a host too loaded to answer in time would otherwise queue stores none of which ends
+        in time. What it stores replaces the earlier value, so nothing is lost; with ``force`` it is sent at once
+        anyway (a deathrattle, a release: the last word must go out).
+        """
         self._check_thread("store")
+        deadline = time.monotonic() + timeout_s
+        slot = ("store", tuple(keys), subkey)
+        if not force:
+            with self._running_lock:
+                earlier = self._running.get(slot)
+            if earlier is not None and not _ends_by(earlier, deadline):
+                logger.debug("DHT store of %d keys not sent: the previous one is still running", len(keys))
+                return dict.fromkeys(keys, False)
         for key in keys:
             self.calls.stored(key, len(key) + len(subkey) + len(value))
         coro = partial(_store_many, keys=list(keys), subkey=subkey, value=value, expiration_time=expiration_time)
-        with self._send_lock:
-            future = self._dht.run_coroutine(coro, return_future=True)
+        future = self._send(slot, coro)
         try:
-            return dict(future.result(timeout=timeout_s))
+            return dict(future.result(timeout=max(0.0, deadline - time.monotonic())))
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            logger.debug("DHT store of %d keys timed out after %.1f s", len(keys), timeout_s)
+            logger.debug("DHT store of %d keys timed out after %.1f s; it goes on", len(keys), timeout_s)
         except Exception as e:
             logger.debug("DHT store of %d keys failed: %s", len(keys), e)
         return dict.fromkeys(keys, False)
@@ -621,28 +636,37 @@ class SwarmDHT:
 
     def _shared_read(self, keys: tuple[str, ...], latest: bool) -> Any:
         """The read of ``keys`` running in the DHT process, started if none is; the calls count each read once."""
-        with self._reads_lock:
-            running = self._reads.get((keys, latest))
+        slot = ("read", keys, latest)
+        with self._running_lock:
+            running = self._running.get(slot)
         if running is not None:
             self.calls.join()
             return running
-        # Sent outside ``_reads_lock``: a send can block while the DHT process is busy, and the thread that hands
-        # us its answers takes that lock (``_read_done``). Two callers may then both send; the first is shared.
-        with self._send_lock:
-            future = self._dht.run_coroutine(partial(_get_many, keys=list(keys), latest=latest), return_future=True)
-        with self._reads_lock:
-            self._reads.setdefault((keys, latest), future)
-        future.add_done_callback(partial(self._read_done, keys, latest))
+        future = self._send(slot, partial(_get_many, keys=list(keys), latest=latest))
+        future.add_done_callback(partial(self._count_read, keys))
         return future
 
-    def _read_done(self, keys: tuple[str, ...], latest: bool, future: Any) -> None:
-        with self._reads_lock:
-            if self._reads.get((keys, latest)) is future:
-                del self._reads[keys, latest]
+    def _count_read(self, keys: tuple[str, ...], future: Any) -> None:
         if not future.cancelled() and future.exception() is None:
             found = _dicts(future.result(), keys)
             self.calls.read(keys, sum(len(v) for items in found.values() for v, _ in items.values()
                                       if isinstance(v, bytes | bytearray)))
+
+    def _send(self, slot: tuple[object, ...], coro: Callable[..., Any]) -> Any:
+        """Run ``coro`` in the DHT process; its future is ``slot``'s running call until it ends (unless another
+        call took the slot first). Sent outside ``_running_lock``: a send can block while the DHT process is busy,
+        and the thread that hands us its answers takes that lock (``_ended``)."""
+        with self._send_lock:
+            future = self._dht.run_coroutine(coro, return_future=True)
+        with self._running_lock:
+            self._running.setdefault(slot, future)
+        future.add_done_callback(partial(self._ended, slot))
+        return future
+
+    def _ended(self, slot: tuple[object, ...], future: Any) -> None:
+        with self._running_lock:
+            if self._running.get(slot) is future:
+                del self._running[slot]
 
     def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:
         """What this node itself stores under ``key`` (no network): ``{subkey: (value, expiration)}``.

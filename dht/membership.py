@@ -810,12 +810,13 @@ class Membership:
         now = self._clock()
         for layer, claim_set in release_all(self._claimed, self._view.assignment(now), self.fingerprint,
                                             step=self._step).items():
-            self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(), timeout_s)
+            self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(), timeout_s, force=True)
         self._claimed = {}
         with self._lock:
             rattle = Deathrattle(peer_id=self.dht.peer_id, step=self._step, reason=reason[:256])
         levels = {0} | {level for level, expiry in self._written.items() if expiry > now}
-        ok = self._store_member(pack_message(rattle), levels, now + self._timing.heartbeat_ttl_s, timeout_s)
+        ok = self._store_member(pack_message(rattle), levels, now + self._timing.heartbeat_ttl_s, timeout_s,
+                                force=True)
         self._state = PeerState.STOPPED
         logger.info("%s left run %s (deathrattle %s)", self.fingerprint, self.presence.run_id,
                     "stored" if ok else "NOT stored")
@@ -941,18 +942,19 @@ class Membership:
             logger.debug("heartbeat store failed; retrying at the next tick")
         return ok
 
-    def _store(self, key: str, value: bytes, expiration: float, timeout_s: float) -> bool:
+    def _store(self, key: str, value: bytes, expiration: float, timeout_s: float, *, force: bool = False) -> bool:
         if self._stop.is_set() and threading.current_thread() in self._threads:
             # An announcer that was stuck in a DHT call past leave()'s join must not re-announce us after the
             # deathrattle (whose expiration, bumped past any store begun earlier, wins over those).
             return False
         expiration = max(expiration, self._last_expiry.get(key, 0.0) + _MIN_EXPIRY_STEP_S)
         self._last_expiry[key] = expiration  # even on failure: a half-done store may have landed
-        return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s)
+        return self.dht.store(key, self._subkey, value, expiration, timeout_s=timeout_s, force=force)
 
-    def _store_member(self, value: bytes, levels: Iterable[int], expiration: float, timeout_s: float) -> bool:
+    def _store_member(self, value: bytes, levels: Iterable[int], expiration: float, timeout_s: float, *,
+                      force: bool = False) -> bool:
         """Store our members record (heartbeat or deathrattle) in our part of each of ``levels``; True when every
-        store was accepted."""
+        store was accepted. ``force``: sent even while the previous store is still running (``SwarmDHT.store_many``)."""
         if self._stop.is_set() and threading.current_thread() in self._threads:
             return False  # as ``_store``: never re-announce us after the deathrattle
         expiration = self._members_expiry = max(expiration, self._members_expiry + _MIN_EXPIRY_STEP_S)
@@ -960,7 +962,8 @@ class Membership:
                 for level in sorted(levels)}
         for level in keys:  # even on failure: a half-done store may have landed
             self._written[level] = expiration
-        stored = self.dht.store_many(list(keys.values()), self._subkey, value, expiration, timeout_s=timeout_s)
+        stored = self.dht.store_many(list(keys.values()), self._subkey, value, expiration, timeout_s=timeout_s,
+                                     force=force)
         return all(stored.values())
 
     def _refresh(self) -> bool:

@@ -344,7 +344,7 @@ def test_a_read_that_timed_out_goes_on_and_the_next_read_of_its_keys_waits_for_i
     waiting.join(30)
     assert late and {fingerprint(subkey_owner(s)) for s in late[0][keys[0]]} == {a.fp, b.fp}  # type: ignore[index]
     wait_until(lambda: calls.reads == reads + 1, timeout=10)  # the one read, counted once
-    assert not a.dht._reads
+    assert not a.dht._running
 
 
 def test_a_heartbeat_that_takes_long_to_land_lives_its_ttl_once_stored(swarm: LocalSwarm):
@@ -367,3 +367,24 @@ def test_a_heartbeat_that_takes_long_to_land_lives_its_ttl_once_stored(swarm: Lo
     # Once stores are fast again, the lag decays and heartbeats live their TTL again.
     wait_until(lambda: slow.membership.store_lag_s < 0.5 and lived() < 3.0 + 0.5, timeout=15,
                explain=lambda: f"lag {slow.membership.store_lag_s:.2f} s, lived {lived():.2f} s")
+
+
+def test_a_store_waits_for_the_previous_one_of_its_record_and_a_forced_one_goes_at_once(swarm: LocalSwarm):
+    a, b = (swarm.add(i, shards=SHARDS) for i in range(2))
+    a.membership.abandon()
+    key, subkey = members_key(swarm.run_id) + "/test", owner_subkey(a.identity.public_key)
+    calls = a.dht.calls
+    os.kill(a.dht.process_ids[0], signal.SIGSTOP)  # a host too loaded to answer in time
+    try:
+        stores = calls.stores
+        assert not a.dht.store(key, subkey, b"first", dht_time() + 30, timeout_s=0.2)
+        assert calls.stores == stores + 1  # sent, still running in the DHT process
+        assert not a.dht.store(key, subkey, b"second", dht_time() + 31, timeout_s=0.2)
+        assert calls.stores == stores + 1  # not sent: the first has not ended
+        assert not a.dht.store(key, subkey, b"last word", dht_time() + 32, timeout_s=0.2, force=True)
+        assert calls.stores == stores + 2  # a forced one goes at once
+    finally:
+        os.kill(a.dht.process_ids[0], signal.SIGCONT)
+    assert a.dht.store(key, subkey, b"third", dht_time() + 33, timeout_s=10)  # sent once the first ended
+    assert calls.stores == stores + 3
+    wait_until(lambda: not a.dht._running, timeout=10)
