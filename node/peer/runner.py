@@ -377,6 +377,7 @@ class Node:
             self.telemetry.phase(f"waiting for peers ({peers}/{settings.min_peers})")
             self.stop_event.wait(0.1)
 
+
 def _staleness(membership: Membership) -> str:
     """What a start-up error adds when this node's view of the members is old: it counted what it last read."""
     read_at, timing = membership.view().read_at, membership.timing
