@@ -38,14 +38,15 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-    _previous = {}
-    for s in HELD:
-        before = signal.signal(s, lambda signum, _frame: received.append(signum))
-        _previous[s] = signal.SIG_DFL if before is None else before  # None: a handler not set from Python
+    previous: dict[int, Any] = {}
     try:
+        for s in HELD:  # a signal before both are in place meets the handler it replaces, as before the block
+            before = signal.signal(s, lambda signum, _frame: received.append(signum))
+            previous[s] = signal.SIG_DFL if before is None else before  # None: a handler not set from Python
+        _previous = previous
         yield
     finally:
-        previous, _previous = _previous, None
+        _previous = None
         for held, handler in previous.items():
             signal.signal(held, handler)
         for signum in received:
