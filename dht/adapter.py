@@ -331,9 +331,11 @@ async def _store_many(_dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, 
     return {key: bool(found.get((key, subkey))) for key in keys}
 
 
-async def _get_many(_dht: DHT, node: DHTNode, keys: list[str], latest: bool) -> dict[str, Any]:
+async def _get_many(
+    _dht: DHT, node: DHTNode, keys: list[str], latest: bool
+) -> dict[str, dict[Any, tuple[Any, float]]]:
     found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
-    return {k: found.get(k) for k in keys}
+    return _dicts(found, keys)
 
 
 def _ends_by(future: Any, deadline: float) -> bool:
@@ -348,7 +350,7 @@ def _ends_by(future: Any, deadline: float) -> bool:
 
 
 def _dicts(found: Mapping[str, Any], keys: Sequence[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
-    """``_get_many``'s answer as ``{key: {subkey: (value, expiration_time)}}``, ``{}`` for a key not found."""
+    """hivemind's answer to a read as ``{key: {subkey: (value, expiration_time)}}``, ``{}`` for a key not found."""
     out: dict[str, dict[Any, tuple[Any, float]]] = {}
     for key in keys:
         value = getattr(found.get(key), "value", None)
@@ -613,7 +615,8 @@ class SwarmDHT:
         """Read dictionary values: ``{key: {subkey: (value, expiration_time)}}`` (missing keys -> ``{}``).
 
         Records that failed validation never get here (hivemind drops them). Returns ``None`` on
-        timeout or failure, so callers keep their previous view rather than seeing everyone vanish.
+        timeout or failure, so callers keep their previous view rather than seeing everyone vanish. The answer may
+        be shared with other callers of the same read: read it, do not modify it.
 
         A read that times out goes on in the DHT process (hivemind cannot stop it): a later read of the same keys
         waits for that one instead of sending another. On a loaded host where a read takes longer than its timeout,
@@ -632,7 +635,7 @@ class SwarmDHT:
         except Exception as e:
             logger.debug("DHT get failed: %s", e)
             return None
-        return _dicts(found, keys)
+        return dict(found)
 
     def _shared_read(self, keys: tuple[str, ...], latest: bool) -> Any:
         """The read of ``keys`` running in the DHT process, started if none is; the calls count each read once."""
@@ -648,8 +651,7 @@ class SwarmDHT:
 
     def _count_read(self, keys: tuple[str, ...], future: Any) -> None:
         if not future.cancelled() and future.exception() is None:
-            found = _dicts(future.result(), keys)
-            self.calls.read(keys, sum(len(v) for items in found.values() for v, _ in items.values()
+            self.calls.read(keys, sum(len(v) for items in future.result().values() for v, _ in items.values()
                                       if isinstance(v, bytes | bytearray)))
 
     def _send(self, slot: tuple[object, ...], coro: Callable[..., Any]) -> Any:

@@ -123,7 +123,7 @@ class ParallaxOuterAverager(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
-def _start_keeping_sigint(averager: DecentralizedAverager, timeout_s: float) -> None:
+def _start_with_signals_deferred(averager: DecentralizedAverager, timeout_s: float) -> None:
     """Fork the averager with Ctrl+C and SIGTERM deferred (``parallax.signals``): the child ignores Ctrl+C to the
     group, and a signal that came during the fork reaches our handler afterwards: none is lost.
 
@@ -213,7 +213,7 @@ class GroupAverager:
             shutdown_timeout=config.net.shutdown_timeout_s,
         )
         try:
-            _start_keeping_sigint(self._averager, config.net.startup_timeout_s)
+            _start_with_signals_deferred(self._averager, config.net.startup_timeout_s)
         except BaseException as e:  # a signal during the start too: the process just forked must not outlive us
             self.shutdown()
             if not isinstance(e, Exception):
