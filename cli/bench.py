@@ -230,16 +230,11 @@ def scale(
     """Local swarms of the tiny preset at each size, a joiner and a kill in each, side by side with the in-process
     run: traffic per round and per step, DHT load, the members key's size, join and death seen by all, rounds
     completed, start-up, peak memory, final loss."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.scale import markdown, run_scale_bench
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every node it started
-
     size_list = _sizes(sizes, minimum=2)
-    signal.signal(signal.SIGTERM, interrupt)
     report = run_scale_bench(size_list, steps, batch_size, Path(workdir) if workdir else None, progress=typer.echo,
                              json_path=json_path)
     typer.echo(markdown(report))
@@ -261,16 +256,11 @@ def churn(
     """A swarm of the tiny preset under constant churn (Ctrl+C, SIGKILL and frozen hosts, each replaced at once)
     against the same swarm without churn at the same step: steps lost per departure, hand-over times, rounds
     completed, final and exported loss, peak memory, processes left behind."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.churn import markdown, run_churn_bench
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every node it started
-
     replica_list = _sizes(replicas, minimum=1, option="--replicas")
-    signal.signal(signal.SIGTERM, interrupt)
     report = run_churn_bench(composers=composers, minutes=minutes, lifetime_s=lifetime, replicas=replica_list,
                              seed=seed, workdir=Path(workdir) if workdir else None, progress=typer.echo,
                              json_path=json_path)
@@ -290,15 +280,10 @@ def swarm(
     """A local process swarm side by side with the in-process run: step-path I/O, traffic vs DDP, outer-round
     time vs the bandwidth bound, join-to-first-step, final loss (a few minutes on 2 cores). ``--set`` applies to
     the nodes and the in-process reference alike."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.swarm import markdown, run_swarm_bench, write
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: the swarm's ``finally`` stops every node it started
-
-    signal.signal(signal.SIGTERM, interrupt)
     _check_swarm_sets(preset, changes)
     report = run_swarm_bench(nodes=nodes, steps=steps, preset=preset, join_at=join_at, changes=changes,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo)
@@ -336,15 +321,10 @@ def offload_swarm(
     ratio, bytes per sketch and result on the wire, onboarding bytes and seconds, fall-back after a worker's
     death (small preset, 200 steps: about 10 min on 2 cores). ``--set`` applies to every composer of both
     swarms and to the workers."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.offload_swarm import OWN_OPTIONS, markdown, run_offload_swarm_bench, write
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
-
-    signal.signal(signal.SIGTERM, interrupt)
     _check_swarm_sets(preset, changes, OWN_OPTIONS)
     report = run_offload_swarm_bench(nodes=nodes, workers=workers, steps=steps, preset=preset, kill_at=kill_at,
                                      changes=changes, workdir=Path(workdir) if workdir else None,
@@ -364,15 +344,10 @@ def attacks(
     """A local swarm of 4 composers run clean, then once per attack with one of them hostile: the honest
     composers' val loss against the clean runs', experts the attacker held, rounds, bans, crashes (tiny preset:
     about 25 min on 2 cores)."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.attacks import markdown, run_attacks, write
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: each swarm's ``finally`` stops every process it started
-
-    signal.signal(signal.SIGTERM, interrupt)
     try:
         report = run_attacks(attacks=[a.strip() for a in runs.split(",") if a.strip()] or None, preset=preset,
                              steps=steps, workdir=Path(workdir) if workdir else None, progress=typer.echo)
@@ -396,16 +371,11 @@ def wan(
     time against the all-reduce bound, the training thread's time at the network seam, gossip and snapshot
     bytes, time to re-own a cut-off host's experts, val loss against loopback (root and network namespaces;
     small preset: about 20 min on 2 cores)."""
-    import signal
     from pathlib import Path
 
     from parallax.benchmarks.wan import markdown, run_wan_bench, write
     from parallax.node.peer.netlab import NetLabError
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM too: each swarm's and lab's ``finally`` stops what it started
-
-    signal.signal(signal.SIGTERM, interrupt)
     try:
         report = run_wan_bench(rates=tuple(r.strip() for r in rates.split(",") if r.strip()), nodes=nodes,
                                steps=steps, preset=preset, workdir=Path(workdir) if workdir else None,

@@ -4,15 +4,18 @@ that run a peer replace these handlers with their own (``node.peer.processes.ins
 
 While the command's modules import, a signal ends the process at once (``os._exit``): nothing has started yet,
 and an exception raised in the middle of an import can leave a half-imported module behind (numpy's lazy
-submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130). Once the command runs, a
-module it imports late may still be interrupted inside a C extension, which turns ``Interrupted`` into an error of
-its own: after a signal, any error ends the command as the signal does.
+submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130). Once the command runs, the
+modules it imports late (torch and hivemind, inside the command) are imported whole: a signal that lands inside
+such an import raises ``Interrupted`` once the import has ended (``parallax.signals.after_imports``: raised inside,
+it may be swallowed, or abort the process from a C++ frame). Should an error stand in for it all the same, after a
+signal any error ends the command as the signal does.
 
 Python runs a signal handler only between bytecodes, so a command inside one long native call (a matrix product
 of a large model's step on the CPU: tens of seconds) would not see Ctrl+C or SIGTERM until it returns. A
 watchdog thread hears the signal at once (``signal.set_wakeup_fd``); if the handler has not run ``STUCK_S``
-seconds later, it ends the process itself (exit 130, one line saying why). It stands down for commands that
-installed handlers of their own (a peer's graceful leave takes its time)."""
+seconds later (or ``IMPORT_S`` while it waits for an import), it ends the process itself (exit 130, one line
+saying why). It stands down for commands that installed handlers of their own (a peer's graceful leave takes its
+time)."""
 
 from __future__ import annotations
 
@@ -23,10 +26,16 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
+
+from parallax.signals import after_imports, waiting_for_import
 
 STUCK_S = 5.0
 """Seconds a signal may wait for its handler before the watchdog ends the process."""
+IMPORT_S = 60.0
+"""Seconds a signal may wait for an import to end (``after_imports``): on a loaded machine, importing torch takes
+several seconds; an import that is still running after this is taken for stuck."""
 
 
 class Interrupted(BaseException):
@@ -38,12 +47,15 @@ _signals: list[int] = []
 """The signals ``_interrupt`` raised ``Interrupted`` for."""
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
+def _raise_interrupted(signum: int, _frame: Any) -> None:
     _signals.append(signum)
     _handled.set()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_DFL)  # a second signal ends the process even if stuck in native code
     raise Interrupted(signum)
+
+
+_interrupt = after_imports(_raise_interrupted)
 
 
 def guard_signals() -> None:
@@ -70,10 +82,12 @@ def _watch(read: int) -> None:
         for signum in os.read(read, 64):
             if signal.getsignal(signum) is not _interrupt:
                 continue  # not ours to act on: the command handles its signals itself, or it is another one
-            if not _handled.wait(STUCK_S):
-                os.write(2, f"stopped by signal {signum} inside a computation that does not return to Python; "
-                            "ended without waiting for it\n".encode())
-                os._exit(130)
+            give_up = time.monotonic() + IMPORT_S
+            while not _handled.wait(STUCK_S):
+                if not waiting_for_import() or time.monotonic() > give_up:
+                    os.write(2, f"stopped by signal {signum} inside a computation or an import that does not "
+                                "return; ended without waiting for it\n".encode())
+                    os._exit(130)
             return
 
 

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
+from parallax.signals import after_imports
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -176,7 +178,8 @@ def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
             raise ForcedStop(f"signal {signum} during start-up: stopping")
         raise ForcedStop(f"signal {signum} received twice: stopping without the graceful leave")
 
-    return {s: signal.signal(s, handler) for s in signals}
+    # A stop raised inside an import could be swallowed there, or abort the process from a C++ frame.
+    return {s: signal.signal(s, after_imports(handler)) for s in signals}
 
 
 def python_cli(*args: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -203,3 +204,73 @@ def test_a_ctrl_c_during_a_fork_stops_the_start_up_and_the_child_ignores_it(defe
         assert (stopped, others_log) == ("True", "True"), out.stderr
     else:  # the failure signals_deferred exists for, shown so that this test can tell the two apart
         assert stopped == "False" and "Exception ignored" in out.stderr, out.stderr
+
+
+class _Stop(BaseException):
+    pass
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+# A module whose code meets a signal and swallows what its handler raises, as CPython's compiling a module's source
+# or a library's ``except ImportError`` around a C extension can.
+_SWALLOWS = """
+import signal
+swallowed = []
+for _ in range({signals}):
+    try:
+        signal.raise_signal(signal.SIGUSR1)  # the handler runs before this returns
+    except BaseException as e:
+        swallowed.append(e)
+finished = True
+"""
+
+
+@pytest.mark.parametrize("after_imports", [True, False])
+def test_a_signal_inside_an_import_reaches_its_handler_once_the_import_has_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after_imports: bool) -> None:
+    from parallax import signals
+
+    name = f"swallows_{after_imports}"
+    (tmp_path / f"{name}.py").write_text(_SWALLOWS.format(signals=1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGUSR1, signals.after_imports(_raise_stop) if after_imports else _raise_stop)
+    stopped = False
+    try:
+        try:
+            importlib.import_module(name)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the handler runs in this thread, between bytecodes
+                time.sleep(0.01)
+        except _Stop:
+            stopped = True
+        module = sys.modules[name]
+        assert module.finished
+        if after_imports:
+            assert stopped and module.swallowed == []
+        else:  # the failure after_imports exists for, shown so that this test can tell the two apart
+            assert not stopped and len(module.swallowed) == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        sys.modules.pop(name, None)
+
+
+def test_a_second_signal_while_one_waits_for_its_import_is_handled_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from parallax import signals
+
+    (tmp_path / "swallows_two.py").write_text(_SWALLOWS.format(signals=2))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGUSR1, signals.after_imports(_raise_stop))
+    try:
+        with pytest.raises(_Stop):  # the first, handed over again once the import has ended
+            importlib.import_module("swallows_two")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(sys.modules["swallows_two"].swallowed) == 1  # the second: whoever presses twice means it
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        sys.modules.pop("swallows_two", None)
