@@ -37,6 +37,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from parallax.errors import DHTError
+from parallax.files import create_whole
 from parallax.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
@@ -484,6 +485,11 @@ class SwarmDHT:
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
         quiet_orphaned_requests()
         start_shared_memory_manager()
+        if config.identity_path is not None and not config.identity_path.exists():
+            # hivemind would write it in place inside the DHT process: a stop meanwhile left a truncated key that
+            # the next start's p2pd refuses. Written here whole, hivemind finds it and uses it.
+            with contextlib.suppress(FileExistsError):  # another process's start wrote it meanwhile
+                create_whole(config.identity_path, lambda tmp: P2P.generate_identity(str(tmp)))
         last: BaseException | None = None
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):

@@ -20,6 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from parallax.files import create_whole
 from parallax.protocol.errors import BadSignature, KeyFileError
 
 PUBLIC_KEY_BYTES = 32
@@ -149,19 +150,23 @@ class Identity:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the key as unencrypted PKCS#8 PEM, readable by its owner only (mode 0600).
 
-        Refuses to overwrite an existing file, so a typo cannot destroy a node's identity.
+        Refuses to overwrite an existing file, so a typo cannot destroy a node's identity. The file appears whole
+        or not at all: a stop in the middle leaves no empty key file behind.
         """
         path = Path(path)
-        if path.exists():
-            raise KeyFileError(f"{path} already exists; choose another path or delete it first")
         path.parent.mkdir(parents=True, exist_ok=True)
         pem = self.private_key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
-        return path
+
+        def write(tmp: Path) -> None:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(pem)
+
+        try:
+            return create_whole(path, write)
+        except FileExistsError:
+            raise KeyFileError(f"{path} already exists; choose another path or delete it first") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Identity:
@@ -180,6 +185,9 @@ class Identity:
                 f"{path} is accessible by other users (mode {mode:o}); "
                 f"run `chmod 600 {path}` if you trust it, or create a new key"
             )
+        if path.stat().st_size == 0:
+            raise KeyFileError(f"{path} is empty: not a key; delete it, and a new key is created at the next start "
+                               "(a new identity), or restore the key from a copy")
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError) as e:
@@ -193,5 +201,10 @@ class Identity:
         """Load the key at ``path``, creating it first if there is none (``node join --identity``)."""
         path = Path(path)
         if not path.exists():
-            cls.generate().save(path)
+            try:
+                cls.generate().save(path)
+            except KeyFileError:
+                if not path.exists():
+                    raise
+                # another process created it meanwhile: that key is the one
         return cls.load(path)

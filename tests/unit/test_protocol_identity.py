@@ -49,6 +49,27 @@ def test_save_refuses_to_overwrite(tmp_path):
         Identity.generate().save(path)
 
 
+def test_a_save_stopped_midway_leaves_no_key_file_and_the_next_start_creates_one(tmp_path, monkeypatch):
+    path = tmp_path / "node.key"
+
+    def stopped(*_args):
+        raise KeyboardInterrupt  # a Ctrl+C while the key is written
+
+    monkeypatch.setattr(os, "fsync", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        Identity.load_or_create(path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert Identity.load_or_create(path).public_key == Identity.load(path).public_key
+
+
+def test_an_empty_key_file_is_named_with_what_to_do(tmp_path):
+    path = tmp_path / "node.key"
+    path.touch(mode=0o600)
+    with pytest.raises(KeyFileError, match="is empty.*delete it"):
+        Identity.load_or_create(path)
+
+
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660])
 def test_load_refuses_a_key_others_can_access(tmp_path, mode):
     path = tmp_path / "node.key"
