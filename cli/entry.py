@@ -6,9 +6,10 @@ While the command's modules import, a signal ends the process at once (``os._exi
 and an exception raised in the middle of an import can leave a half-imported module behind (numpy's lazy
 submodules then recurse until a ``RecursionError``, exit 1, instead of the clean 130). Once the command runs, the
 modules it imports late (torch and hivemind, inside the command) are imported whole: a signal that lands inside
-such an import raises ``Interrupted`` once the import has ended (``parallax.signals.after_imports``: raised inside,
-it may be swallowed, or abort the process from a C++ frame). Should an error stand in for it all the same, after a
-signal any error ends the command as the signal does.
+such an import raises ``Interrupted`` once the import has ended (``parallax.signals.raising_safely``: raised inside,
+it may be swallowed, or abort the process from a C++ frame), and one that Python drops where it cannot pass it on
+is raised again. Should an error stand in for it all the same, after a signal any error ends the command as the
+signal does.
 
 Python runs a signal handler only between bytecodes, so a command inside one long native call (a matrix product
 of a large model's step on the CPU: tens of seconds) would not see Ctrl+C or SIGTERM until it returns. A
@@ -29,13 +30,13 @@ import threading
 import time
 from typing import Any
 
-from parallax.signals import after_imports, waiting_for_import
+from parallax.signals import raising_safely, waiting_for_import
 
 STUCK_S = 5.0
 """Seconds a signal may wait for its handler before the watchdog ends the process."""
 IMPORT_S = 60.0
-"""Seconds a signal may wait for an import to end (``after_imports``): on a loaded machine, importing torch takes
-several seconds; an import that is still running after this is taken for stuck."""
+"""Seconds a signal may wait for an import to end (``raising_safely``): on a loaded machine, importing torch
+takes several seconds; an import that is still running after this is taken for stuck."""
 
 
 class Interrupted(BaseException):
@@ -55,12 +56,15 @@ def _raise_interrupted(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
 
-_interrupt = after_imports(_raise_interrupted)
+_interrupt: Any = None
+"""``_raise_interrupted``, made safe to raise (``guard_signals``)."""
 
 
 def guard_signals() -> None:
     """Ctrl+C and SIGTERM raise ``Interrupted`` in the main thread, and end the process within ``STUCK_S`` seconds
     when the main thread is inside a native call that does not return (the module docstring)."""
+    global _interrupt
+    _interrupt = raising_safely(_raise_interrupted)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _interrupt)
     read, write = os.pipe()

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
-from parallax.signals import after_imports
+from parallax.signals import raising_safely
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def install_signal_handlers(node: Stoppable) -> dict[int, Any]:
         raise ForcedStop(f"signal {signum} received twice: stopping without the graceful leave")
 
     # A stop raised inside an import could be swallowed there, or abort the process from a C++ frame.
-    return {s: signal.signal(s, after_imports(handler)) for s in signals}
+    return {s: signal.signal(s, raising_safely(handler)) for s in signals}
 
 
 def python_cli(*args: str) -> list[str]:
