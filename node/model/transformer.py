@@ -62,30 +62,37 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(d_hidden, d_in, bias=False)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x_ND)) * self.w_up(x_ND))
+        # The weights straight to F.linear, not through the Linear modules' calls: a token generated with the cache
+        # calls K experts a layer, and each module call costs more than a one-row product.
+        gate_NH = F.linear(x_ND, self.w_gate.weight)
+        return F.linear(F.silu(gate_NH) * F.linear(x_ND, self.w_up.weight), self.w_down.weight)
 
 
 def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021), half-split layout; the first position is ``start``."""
+    """Rotary position embedding (Su et al. 2021), half-split layout; the first position is ``start``.
+
+    With x = (x1, x2) and the angles' (cos, sin): (x1 cos - x2 sin, x1 sin + x2 cos) = x (cos, cos) + (x2, x1)
+    (-sin, sin), each product and sum as in the first form: three operations instead of ten (generation pays
+    each of them per token and layer)."""
     T, Dh = x_BHTDh.shape[-2], x_BHTDh.shape[-1]
     # A compiled graph computes the table itself (it holds no Python cache; torch.compile warns of one).
     table = _rotary_table.__wrapped__ if torch.compiler.is_compiling() else _rotary_table
-    cos_PF, sin_PF = table(base, Dh, 1 << max(start + T - 1, 1).bit_length(), x_BHTDh.device, x_BHTDh.dtype)
-    cos, sin = cos_PF[start:start + T], sin_PF[start:start + T]
-    x1, x2 = x_BHTDh[..., : Dh // 2], x_BHTDh[..., Dh // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    cos_PD, signed_sin_PD = table(base, Dh, 1 << max(start + T - 1, 1).bit_length(), x_BHTDh.device, x_BHTDh.dtype)
+    swapped = x_BHTDh.roll(Dh // 2, dims=-1)
+    return torch.addcmul(x_BHTDh * cos_PD[start:start + T], swapped, signed_sin_PD[start:start + T])
 
 
 @functools.lru_cache(maxsize=32)
 def _rotary_table(base: float, Dh: int, positions: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, Dh / 2] of the rotary angles of positions 0..positions - 1, computed once per shape
-    (a token generated with the cache would otherwise pay a table's worth of work for its one position). Plain
-    tensors even when first asked for under ``torch.inference_mode`` (generation): training uses them too."""
+    """(cos, cos) and (-sin, sin) [positions, Dh] of the rotary angles of positions 0..positions - 1, computed once
+    per shape (a token generated with the cache would otherwise pay a table's worth of work for its one position).
+    Plain tensors even when first asked for under ``torch.inference_mode`` (generation): training uses them too."""
     with torch.inference_mode(False), torch.no_grad():
         inv_freq = 1.0 / (base ** (torch.arange(0, Dh, 2, device=device, dtype=torch.float32) / Dh))
         angles_PF = torch.outer(torch.arange(positions, device=device, dtype=torch.float32), inv_freq)
-        return angles_PF.cos().to(dtype), angles_PF.sin().to(dtype)
+        cos_PF, sin_PF = angles_PF.cos().to(dtype), angles_PF.sin().to(dtype)
+        return torch.cat([cos_PF, cos_PF], dim=-1), torch.cat([-sin_PF, sin_PF], dim=-1)
 
 
 class KVCache:
@@ -125,7 +132,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, D = x_BTD.shape
-        qkv_3BHTDh = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        # F.linear, not the module's call: see SwiGLU.
+        qkv_BT3HDh = F.linear(x_BTD, self.qkv.weight).view(B, T, 3, self.n_heads, D // self.n_heads)
+        qkv_3BHTDh = qkv_BT3HDh.permute(2, 0, 3, 1, 4)
         start = 0 if cache is None else cache.length
         q, k = _rotary(qkv_3BHTDh[:2], self.rope_base, start)  # queries and keys rotated together
         v = qkv_3BHTDh[2]
@@ -138,15 +147,16 @@ class CausalSelfAttention(nn.Module):
             mask_TS = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool,
                                                      device=x_BTD.device).tril(diagonal=start)
             y_BHTDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS)  # one new position sees them all
-        return self.proj(y_BHTDh.transpose(1, 2).reshape(B, T, D))
+        return F.linear(y_BHTDh.transpose(1, 2).reshape(B, T, D), self.proj.weight)
 
 
 @dataclass
 class MoEStats:
     """What one MoE layer reports besides its output."""
 
-    aux_loss: torch.Tensor
-    """Load-balancing loss E * sum_e f_e * P_e over all E experts (Switch Transformer)."""
+    aux_loss: torch.Tensor | None
+    """Load-balancing loss E * sum_e f_e * P_e over all E experts (Switch Transformer); None for one token in
+    evaluation (generation), where nothing trains on it."""
     tokens_per_expert: torch.Tensor
     """int64 [E]: selections per expert in this forward."""
 
@@ -291,15 +301,29 @@ class MoELayer(nn.Module):
             out_TL = out_TL.index_add(0, token_idx_N, y_NL * gate_N1)
         return out_TL
 
-    def _mix_one(self, h_1L: torch.Tensor, topk_ids_1K: torch.Tensor, gates_1K: torch.Tensor) -> torch.Tensor:
-        """One token in evaluation (generation with a key-value cache): its K experts called one after another, no
-        sort and no grouping, whose bookkeeping costs more than the experts at this size."""
-        out_1L = torch.zeros_like(h_1L)
-        for e, gate in zip(topk_ids_1K[0].tolist(), gates_1K[0].tolist(), strict=True):
+    def _forward_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        """One token in evaluation (generation with a key-value cache), in as few operations as the layer allows
+        (each costs microseconds whatever its size): the gates from the top K logits (a softmax over them is the
+        renormalised top K of the softmax over all), the K experts called one after another (no sort, no
+        grouping), and no load-balancing loss, which nothing trains on here."""
+        logits_1E = F.linear(x_1D, self.router.weight).float()
+        if self.renormalize:
+            top_1K, ids_1K = logits_1E.topk(self.top_k, dim=-1)
+            gates_1K = top_1K.softmax(dim=-1)
+        else:
+            gates_1K, ids_1K = logits_1E.softmax(dim=-1).topk(self.top_k, dim=-1)
+        h_1L = self.latent_down(x_1D) if self.latent_down is not None else x_1D
+        out_1L: torch.Tensor | None = None
+        for e, gate in zip(ids_1K[0].tolist(), gates_1K[0].tolist(), strict=True):
             y_1L = self._expert_output(e, h_1L)
             if y_1L is not None:
-                out_1L = out_1L + y_1L * gate
-        return out_1L
+                out_1L = y_1L * gate if out_1L is None else out_1L.add_(y_1L, alpha=gate)
+        if out_1L is None:  # every selection dropped
+            out_1L = torch.zeros_like(h_1L)
+        y_1D = self.latent_up(out_1L) if self.latent_up is not None else out_1L
+        if self.shared is not None:
+            y_1D = y_1D + self.shared(x_1D)
+        return y_1D, MoEStats(None, torch.bincount(ids_1K[0], minlength=self.n_experts))
 
     def _kind(self, e: int) -> int:
         if e in self.owned:
@@ -371,6 +395,9 @@ class MoELayer(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
+        if B * T == 1 and not self.training and self.recorder is None and self.kernel != "reference":
+            y_1D, stats = self._forward_one(x_TD)
+            return y_1D.view(B, T, D), stats
         probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
         topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
         gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK
@@ -382,8 +409,6 @@ class MoELayer(nn.Module):
         h_TL = self.latent_down(x_TD) if self.latent_down is not None else x_TD
         if self.kernel == "reference":
             out_TL = self._mix_per_expert(h_TL, topk_ids_TK, gates_TK)
-        elif B * T == 1 and not self.training and self.recorder is None:
-            out_TL = self._mix_one(h_TL, topk_ids_TK, gates_TK)
         else:
             out_TL = self._mix_sorted(h_TL, topk_ids_TK, gates_TK, tokens_per_expert_E)
         y_TD = self.latent_up(out_TL) if self.latent_up is not None else out_TL
@@ -414,8 +439,8 @@ class ModelOutput:
     """Cross-entropy + aux_loss_weight x mean load-balancing loss; None without targets."""
     ce_loss: torch.Tensor | None
     """Cross-entropy alone, nats per token (per byte with the byte vocabulary)."""
-    aux_loss: torch.Tensor
-    """Mean load-balancing loss over the MoE layers."""
+    aux_loss: torch.Tensor | None
+    """Mean load-balancing loss over the MoE layers; None for one token in evaluation (generation)."""
     tokens_per_expert: torch.Tensor
     """int64 [n_layers, E]"""
 
@@ -528,7 +553,8 @@ class MoETransformer(nn.Module):
         """Logits of ``idx_BT`` (and the loss against ``targets_BT``); with ``cache`` (``new_cache``), ``idx_BT``
         continues the positions cached there, whose keys and values it extends."""
         x_BTD = self.tok_emb(idx_BT)
-        aux, counts = [], []
+        aux: list[torch.Tensor | None] = []
+        counts: list[torch.Tensor] = []
         recompute = self.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if cache is not None:
@@ -541,11 +567,12 @@ class MoETransformer(nn.Module):
             aux.append(stats.aux_loss)
             counts.append(stats.tokens_per_expert)
         logits_BTV = self.head(self.norm_f(x_BTD))
-        aux_loss = torch.stack(aux).mean()
+        known = [a for a in aux if a is not None]
+        aux_loss = torch.stack(known).mean() if len(known) == len(aux) else None
         loss = ce = None
         if targets_BT is not None:
             ce = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
-            loss = ce + self.cfg.aux_loss_weight * aux_loss
+            loss = ce if aux_loss is None else ce + self.cfg.aux_loss_weight * aux_loss
         return ModelOutput(logits_BTV, loss, ce, aux_loss, torch.stack(counts))
 
     def new_cache(self) -> list[KVCache]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,6 +31,22 @@ def test_surrogates_get_no_gradient_and_add_none_to_their_inputs():
     assert router_grad is not None and router_grad.abs().sum() > 0, "gates of surrogate selections must learn"
     # latent_down feeds only the experts' inputs: a gradient there would have come through a surrogate.
     assert layer.latent_down.weight.grad is None, "surrogates must not backpropagate into their input"
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("non_owned", ["surrogate", "drop"])
+def test_one_token_in_evaluation_gets_the_output_it_gets_among_others(renormalize, non_owned):
+    # The generation path (gates from the top logits, experts one after another, no balance loss) against the
+    # general one on the same token inside a batch; half the experts owned, the rest stood in for or dropped.
+    cfg = dataclasses.replace(TINY, renormalize_gates=renormalize)
+    layer = _layer(owned={0, 1}, non_owned=non_owned, cfg=cfg).eval()
+    x = torch.randn(1, 5, cfg.d_model)
+    with torch.no_grad():
+        among, _ = layer(x)
+        for t in range(5):
+            alone, stats = layer(x[:, t:t + 1])
+            torch.testing.assert_close(alone[0, 0], among[0, t], rtol=1e-4, atol=1e-5)  # summed in another order
+            assert stats.aux_loss is None and int(stats.tokens_per_expert.sum()) == cfg.top_k
 
 
 @pytest.mark.parametrize("non_owned", ["surrogate", "frozen_copy"])
