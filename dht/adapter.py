@@ -485,11 +485,15 @@ class SwarmDHT:
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
         quiet_orphaned_requests()
         start_shared_memory_manager()
+        created: dict[str, Any] = {}
         if config.identity_path is not None and not config.identity_path.exists():
             # hivemind would write it in place inside the DHT process: a stop meanwhile left a truncated key that
-            # the next start's p2pd refuses. Written here whole, hivemind finds it and uses it.
+            # the next start's p2pd refuses. Written here whole, hivemind finds it and uses it; as for one it had
+            # just made itself, it skips asking the swarm whether the identity is taken (a second p2pd, and a
+            # lookup of a peer nobody knows: seconds to minutes of start-up).
             with contextlib.suppress(FileExistsError):  # another process's start wrote it meanwhile
                 create_whole(config.identity_path, lambda tmp: P2P.generate_identity(str(tmp)))
+                created["check_if_identity_free"] = False
         last: BaseException | None = None
         attempts = config.start_attempts if config.initial_peers else 1
         for attempt in range(1, attempts + 1):
@@ -510,6 +514,7 @@ class SwarmDHT:
                         wait_timeout=config.request_timeout_s,
                         cache_refresh_before_expiry=0,  # our records live seconds; refreshing them is waste
                         **relaying,
+                        **created,
                         **config.extra,
                     )
                 try:
