@@ -436,7 +436,8 @@ class ModelOutput:
     logits: torch.Tensor
     """[B, T, V]"""
     loss: torch.Tensor | None
-    """Cross-entropy + aux_loss_weight x mean load-balancing loss; None without targets."""
+    """Cross-entropy + aux_loss_weight x mean load-balancing loss (the cross-entropy alone where ``aux_loss`` is
+    None); None without targets."""
     ce_loss: torch.Tensor | None
     """Cross-entropy alone, nats per token (per byte with the byte vocabulary)."""
     aux_loss: torch.Tensor | None
