@@ -21,19 +21,22 @@ def create_whole(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync(tmp)
         os.link(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    if os.name == "posix":  # the new name itself survives a crash
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync(path.parent)  # the new name itself survives a crash
     return path
+
+
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush a file, or a folder's names, to the disk. A folder's on POSIX only: Windows cannot open one to sync
+    it, and journals its renames anyway."""
+    if os.name != "posix" and os.path.isdir(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

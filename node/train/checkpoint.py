@@ -56,6 +56,7 @@ import torch
 
 from parallax.dht.keys import ExpertId
 from parallax.errors import NodeError
+from parallax.files import fsync
 from parallax.node.config.train import TrainConfig
 from parallax.node.model.surrogate import ActivationBuffer
 from parallax.node.model.transformer import Ownership, group_of
@@ -166,7 +167,7 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
         if data is not None:
             body["data"] = dataclasses.asdict(data)
         _write_file(tmp / MANIFEST, _manifest_bytes(body))
-        _fsync_dir(tmp)
+        fsync(tmp)
         if final.exists():  # the same step saved again (after a resume): move the old one aside first
             aside = root / f"{_TMP_PREFIX}replaced-{name}-{secrets.token_hex(4)}"
             os.rename(final, aside)
@@ -174,13 +175,13 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _write_file(root / f"{LATEST}.tmp", f"{name}\n".encode())
     os.replace(root / f"{LATEST}.tmp", root / LATEST)
-    _fsync_dir(root)
+    fsync(root)
     _prune(root, keep_last, keep=final)
     log.info("saved checkpoint %s (state %s)", final, _hash(tensors, meta)[:16])
     return final
@@ -192,16 +193,6 @@ def _write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return  # Windows cannot open a directory to fsync it; its renames are journaled anyway
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_stale(root: Path) -> None:
