@@ -320,10 +320,12 @@ class MoELayer(nn.Module):
                 out_1L = y_1L * gate if out_1L is None else out_1L.add_(y_1L, alpha=gate)
         if out_1L is None:  # every selection dropped
             out_1L = torch.zeros_like(h_1L)
-        y_1D = self.latent_up(out_1L) if self.latent_up is not None else out_1L
-        if self.shared is not None:
-            y_1D = y_1D + self.shared(x_1D)
-        return y_1D, MoEStats(None, torch.bincount(ids_1K[0], minlength=self.n_experts))
+        return self._output(out_1L, x_1D), MoEStats(None, torch.bincount(ids_1K[0], minlength=self.n_experts))
+
+    def _output(self, mixed_TL: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the experts' gated mixture: back from the latent width, plus the shared expert."""
+        y_TD = self.latent_up(mixed_TL) if self.latent_up is not None else mixed_TL
+        return y_TD if self.shared is None else y_TD + self.shared(x_TD)
 
     def _kind(self, e: int) -> int:
         if e in self.owned:
@@ -411,10 +413,7 @@ class MoELayer(nn.Module):
             out_TL = self._mix_per_expert(h_TL, topk_ids_TK, gates_TK)
         else:
             out_TL = self._mix_sorted(h_TL, topk_ids_TK, gates_TK, tokens_per_expert_E)
-        y_TD = self.latent_up(out_TL) if self.latent_up is not None else out_TL
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
-        return y_TD.view(B, T, D), MoEStats(aux_loss, tokens_per_expert_E)
+        return self._output(out_TL, x_TD).view(B, T, D), MoEStats(aux_loss, tokens_per_expert_E)
 
 
 class Block(nn.Module):
