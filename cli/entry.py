@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from parallax.signals import raising_safely, waiting_for_import
+from parallax.signals import Handler, raising_safely, waiting_for_import
 
 STUCK_S = 5.0
 """Seconds a signal may wait for its handler before the watchdog ends the process."""
@@ -56,7 +56,7 @@ def _raise_interrupted(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
 
-_interrupt: Any = None
+_interrupt: Handler | None = None
 """``_raise_interrupted``, made safe to raise (``guard_signals``)."""
 
 
