@@ -6,7 +6,9 @@ contribution whose body did not match its signed announcement or did not decode,
 multiply the surrogate. Each piece adds its weight to the sender's score, which halves every ``half_life_s``;
 a peer whose score reaches ``threshold`` is banned for ``ban_s``: this node leaves it out of its rounds
 (``GroupAverager``) and says so in its log, naming it. Bans are local: every node judges for itself, so a
-liar cannot get an honest peer banned by others by accusing it.
+liar cannot get an honest peer banned by others by accusing it. What peers share is proof, never accusation:
+two contributions a peer signed for one round (``outer.witness``) are checked by each node against the peer's
+own key before it bans.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ class Evidence(Enum):
     default). An outlier can be an honest peer's bad luck and counts 1; a body that contradicts its signed
     announcement, or an update that would multiply a surrogate, cannot be, and counts 2. A fetch held open with
     nothing sent counts 0.5: an honest peer answers at once, but a frozen host's daemon still accepts the stream
-    its process will never serve (it is gone within a heartbeat's life)."""
+    its process will never serve (it is gone within a heartbeat's life); so does a round claimed again from a new
+    session (a restart from a checkpoint, once in a while; a new session for each fetcher, from a liar). A
+    ``proof`` (two claims its sender signed for one round, ``outer.witness``) bans at once, whatever the score:
+    anyone can check it, so it is shared, and every peer that checks it bans the same sender."""
 
     OUTLIER = ("outlier outer contribution", 1.0)
     NON_FINITE = ("non-finite outer contribution", 1.0)
@@ -37,9 +42,11 @@ class Evidence(Enum):
     FORGED = ("forged or malformed outer contribution", 2.0)
     STALLED = ("outer contribution fetch accepted and then held", 0.5)
     SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
+    RESTARTED = ("a round claimed again from a new session", 0.5)
+    EQUIVOCATION = ("two signed contributions for one round", 2.5, True)
 
-    def __init__(self, reason: str, weight: float) -> None:
-        self.reason, self.weight = reason, weight
+    def __init__(self, reason: str, weight: float, proof: bool = False) -> None:
+        self.reason, self.weight, self.proof = reason, weight, proof
 
 
 @dataclass
@@ -79,7 +86,7 @@ class PeerScores:
             rec.score = self._decayed(rec, now) + evidence.weight
             rec.at = now
             rec.reasons[evidence.reason] = rec.reasons.get(evidence.reason, 0) + 1
-            starts = rec.score >= self.threshold
+            starts = rec.score >= self.threshold or evidence.proof
             was_banned = rec.banned_until > now
             if starts:
                 rec.banned_until = now + self.ban_s

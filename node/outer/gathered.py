@@ -49,7 +49,7 @@ from parallax.node.outer.transport import (
     decode_contribution,
     decode_entries,
     encode_contribution,
-    encode_entries,
+    encode_record,
     entry_of,
     latest_entries,
     merged_sets,
@@ -65,8 +65,9 @@ from parallax.node.outer.wire import (
     fingerprint,
     round_tag,
 )
+from parallax.node.outer.witness import Witness, new_session, sign
 from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
-from parallax.protocol.errors import MalformedMessage, StalledStream
+from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, StalledStream
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,12 @@ class GatheredRounds:
         self._lock = threading.Lock()  # _refused, _retry_at, _digests, _held: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
+        self.session = new_session()
+        signer = records.signer
+        self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
+                               scores)
+        """The claims this node saw its peers sign, and the proofs of equivocation it holds (``witness``)."""
+        records.on_read = self._read
         self.last_sent: dict[str, torch.Tensor] | None = None
         """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
 
@@ -130,7 +137,10 @@ class GatheredRounds:
         mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
         self.last_sent = mine
         self.gather.store.put(self.group, n, body)
-        self._publish(RoundEntry(n, body_digest(body), len(body), float(tokens)))
+        entry = RoundEntry(n, body_digest(body), len(body), float(tokens), session=self.session)
+        if self.records.signer is not None:
+            entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
+        self._publish(entry)
         me = pair(self.peer_id, n)
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
@@ -219,16 +229,23 @@ class GatheredRounds:
 
     def _publish(self, entry: RoundEntry) -> None:
         """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds, fewer when large
-        participant lists would not fit a DHT record) and store it."""
+        participant lists would not fit a DHT record) with the proofs of equivocation it shares, and store it."""
         self._entries[entry.round_id] = entry
         for old in sorted(self._entries)[:-ROUNDS_KEPT]:
             del self._entries[old]
-        value = encode_entries([self._entries[k] for k in sorted(self._entries)])
+        proofs = self.witness.shared()
+        value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
         while len(value) > ROUND_RECORD_MAX_BYTES and len(self._entries) > 1:
             del self._entries[min(self._entries)]
-            value = encode_entries([self._entries[k] for k in sorted(self._entries)])
+            value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
         if not self.records.store(value):
             logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
+
+    def _read(self, records: Mapping[str, bytes]) -> None:
+        """Show the witness what a poll read (in the round's thread); a proof it holds that this node's record does
+        not show yet goes out with the record at once."""
+        if self.witness.read(records) and self._entries:
+            self._publish(self._entries[max(self._entries)])
 
     def _banned(self, peer: str) -> bool:
         return self.scores is not None and self.scores.banned(peer)
@@ -325,6 +342,10 @@ class GatheredRounds:
             return None
         peer = split_pair(name)[0]
         try:
+            if not self.witness.signed(peer, entry):
+                if self.records.signer is not None and self.records.signer.public_key_of(peer) is None:
+                    raise RemoteProtocolError("no key known for the sender yet", peer=peer)
+                raise ContributionMismatch("outer contribution claim not signed by its sender's key", peer=peer)
             if entry.size > self._body_cap:
                 # Fetched by nobody. In a replicated experts' round, an owner whose view gave the round's key to a
                 # larger bundle for a moment announces a larger body: other tensors, not a lie.

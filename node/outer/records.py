@@ -112,7 +112,9 @@ class RoundRecords:
     def __init__(self, dht: SwarmDHT, run_id: str, group: str, config: OuterSyncConfig,
                  signer: FingerprintSigner | None) -> None:
         self.key = outer_rounds_key(run_id, group)
-        self.group, self.config, self.signer = group, config, signer
+        self.run_id, self.group, self.config, self.signer = run_id, group, config, signer
+        self.on_read: Callable[[Mapping[str, bytes]], None] | None = None
+        """Shown every read's records (a gathered round's ``witness.Witness``)."""
         self.peer_id = dht.peer_id
         self._dht = dht
         self._own_subkey = owner_subkey(signer.identity.public_key) if signer is not None else self.peer_id.encode()
@@ -131,6 +133,8 @@ class RoundRecords:
             subkey = self.subkey_of(peer)
             if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
                 out[peer] = records[subkey][0]
+        if self.on_read is not None:
+            self.on_read(out)
         return out
 
     def subkey_of(self, peer: str) -> bytes | None:

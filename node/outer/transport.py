@@ -25,6 +25,7 @@ worker thread and blocks it, bounded by its timeout.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -46,6 +47,7 @@ from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, TOPK
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
+from parallax.protocol.identity import SIGNATURE_BYTES
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,13 @@ class RoundPeers:
 @dataclass(frozen=True)
 class RoundEntry:
     """One round in a peer's rounds record: its contribution (digest, size, declared tokens), then, once
-    merged, its fingerprint (``wire.encode_fingerprint``, tagged) and the participants it merged."""
+    merged, its fingerprint (``wire.encode_fingerprint``, tagged) and the participants it merged.
+
+    The contribution's part (``claim``) is signed on its own by the sender (``signature``, over the run, the group
+    and the claim): a statement any peer can show to others. ``session`` names the sender's round-taking instance
+    (microseconds since the epoch when it started): within one session an honest sender claims one contribution
+    per round, so two different signed claims of one round and session prove it equivocated
+    (``witness.Equivocation``)."""
 
     round_id: int
     digest: bytes
@@ -160,49 +168,84 @@ class RoundEntry:
     tokens: float
     fingerprint: bytes = b""
     participants: tuple[str, ...] = ()
+    session: int = 0
+    signature: bytes = b""
 
     def to_wire(self) -> list[object]:
-        return [self.round_id, self.digest, self.size, self.tokens, self.fingerprint, list(self.participants)]
+        return [*self.claim_to_wire(), self.fingerprint, list(self.participants)]
+
+    def claim_to_wire(self) -> list[object]:
+        """The signed part: round, digest, size, tokens, session and the signature."""
+        return [self.round_id, self.digest, self.size, self.tokens, self.session, self.signature]
+
+    def claim(self) -> tuple[int, bytes, int, float, int]:
+        """What the signature covers besides the run and the group."""
+        return self.round_id, self.digest, self.size, self.tokens, self.session
 
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
         """None for anything malformed (a peer's record is data, not trusted)."""
+        if not (isinstance(obj, list) and len(obj) == 8):
+            return None
+        claim = cls.claim_from_wire(obj[:6])
+        fp, who = obj[6:]
+        if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(who, list)
+                                 and len(who) <= _MAX_PARTICIPANTS
+                                 and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)):
+            return None
+        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who))
+
+    @classmethod
+    def claim_from_wire(cls, obj: object) -> RoundEntry | None:
+        """An entry holding only a claim (``claim_to_wire``); None for anything malformed."""
         if not (isinstance(obj, list) and len(obj) == 6):
             return None
-        n, digest, size, tokens, fp, who = obj
+        n, digest, size, tokens, session, signature = obj
         if not (type(n) is int and 0 <= n < 2**62 and isinstance(digest, bytes) and len(digest) == 32
-                and type(size) is int and 0 < size < 2**40 and isinstance(tokens, (int, float))
-                and isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(who, list)
-                and len(who) <= _MAX_PARTICIPANTS
-                and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)):
+                and type(size) is int and 0 < size < 2**40 and isinstance(tokens, float) and math.isfinite(tokens)
+                and type(session) is int and 0 <= session < 2**62
+                and isinstance(signature, bytes) and len(signature) <= SIGNATURE_BYTES):
             return None
-        return cls(n, digest, size, float(tokens), fp, tuple(who))
+        return cls(n, digest, size, tokens, session=session, signature=signature)
 
 
 ROUND_RECORD_MAX_BYTES = 5 * 1024
 
 
-def encode_entries(entries: Sequence[RoundEntry]) -> bytes:
-    return msgpack.packb([e.to_wire() for e in entries], use_bin_type=True)
+def encode_record(entries: Sequence[RoundEntry], proofs: Sequence[list[object]] = ()) -> bytes:
+    """A peer's rounds record of a gathered group: its entries, and the proofs of equivocation it shares
+    (``witness.Equivocation.to_wire``)."""
+    return msgpack.packb([[e.to_wire() for e in entries], list(proofs)], use_bin_type=True)
 
 
-def decode_entries(record: object) -> dict[int, RoundEntry]:
-    """round -> entry of one peer's record; {} for anything malformed."""
+def _unpack_record(record: object) -> tuple[list[object], list[object]] | None:
     if not isinstance(record, bytes) or len(record) > ROUND_RECORD_MAX_BYTES:
-        return {}
+        return None
     try:
         raw = msgpack.unpackb(record, raw=False, max_bin_len=1024, max_str_len=_MAX_PEER_ID_CHARS,
                               max_array_len=_MAX_PARTICIPANTS, max_map_len=0)
     except MSGPACK_ERRORS:
-        return {}
-    if not isinstance(raw, list):
-        return {}
+        return None
+    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], list) and isinstance(raw[1], list)):
+        return None
+    return raw[0], raw[1]
+
+
+def decode_entries(record: object) -> dict[int, RoundEntry]:
+    """round -> entry of one peer's record; {} for anything malformed."""
+    raw = _unpack_record(record)
     out = {}
-    for item in raw:
+    for item in raw[0] if raw is not None else ():
         entry = RoundEntry.from_wire(item)
         if entry is not None:
             out[entry.round_id] = entry
     return out
+
+
+def record_proofs(record: object) -> list[object]:
+    """The proofs of equivocation one peer's record shares, undecoded (``witness.Equivocation.from_wire``)."""
+    raw = _unpack_record(record)
+    return [] if raw is None else raw[1]
 
 
 # ---- serving and fetching bodies ----------------------------------------------------------------------

@@ -33,12 +33,15 @@ from parallax.node.outer.transport import (
     ContributionServicer,
     ContributionStore,
     OuterGather,
+    RoundEntry,
     RoundPeers,
+    body_digest,
     decode_contribution,
     decode_entries,
     encode_contribution,
 )
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
+from parallax.node.outer.witness import sign
 from parallax.node.train.robust import robust_merge_groups
 
 pytestmark = pytest.mark.timeout(90)
@@ -419,6 +422,74 @@ def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
                 report = a.last_report
                 assert report.status is RoundStatus.OK and merged is not None, report
                 assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
+
+
+class _Equivocating(ContributionServicer):
+    """Serves each round's body once, then hands ``switch`` the round (group, number) to sign another body for."""
+
+    def __init__(self, *args: typing.Any, switch: Callable[[str, int], None]) -> None:
+        super().__init__(*args)
+        self.switch, self._switched = switch, set()
+
+    async def rpc_contribution(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        async for part in super().rpc_contribution(request, context):
+            yield part
+        group, _, n = request.uid.rpartition("/")
+        if (group, n) not in self._switched:
+            self._switched.add((group, n))
+            asyncio.get_running_loop().run_in_executor(None, self.switch, group, int(n))
+
+
+_Equivocating.__name__ = ContributionServicer.__name__
+
+
+@pytest.mark.timeout(240)
+def test_an_equivocating_peer_is_banned_by_every_honest_peer_and_the_others_merge_without_it(peers):
+    """Peer 0 serves each round's body once, then signs a claim of another body for the same round (its session
+    unchanged) and serves that: every fetch passes its own digest check, and the honest peers would merge different
+    bodies. Peers 1 and 2 take part in its rounds and read both claims: each holds proof, bans peer 0 and shows the
+    proof in its rounds record. Peer 3 sits those rounds out and never sees two claims: it bans peer 0 on the
+    proof it reads in the others' records, checked against peer 0's key, and the honest three merge among
+    themselves."""
+    liar = peers[0].dht.peer_id
+    holder: list[GroupAverager] = []
+    gathers: list[OuterGather] = []
+
+    def switch(group: str, n: int) -> None:
+        gathered = holder[0]._gathered
+        assert gathered is not None
+        entry = gathered._entries[n]
+        body = gathers[0].store.get(group, n)
+        assert body is not None
+        other = encode_contribution({name: 1.5 * t for name, t in decode_contribution(body, SHAPES, peer=liar).items()},
+                                    "fp16")
+        gathers[0].store.put(group, n, other)
+        claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
+        gathered._publish(sign(peers[0].signer.identity, "gather", group, claim))
+
+    scores = [PeerScores() for _ in peers]
+    reason = "two signed contributions for one round"
+    with _gathers(peers, "equivocate", 0, lambda store: _Equivocating(store, switch=switch)) as made:
+        gathers.extend(made)
+        with _averagers(peers, "equivocate", scores, gathers=made) as averagers:
+            holder.append(averagers[0])
+            for n in range(1, 4):
+                _run(averagers[:3], _deltas(3, seed=40 + n), [CAP] * 3, round_id=n)
+                if scores[1].banned(liar) and scores[2].banned(liar):
+                    break
+            for score in scores[1:3]:
+                assert score.banned(liar) and reason in score.snapshot()[liar]["reasons"], score.snapshot()
+            assert liar not in scores[3].snapshot()
+            honest = sorted(p.dht.peer_id for p in peers[1:])
+            for attempt in range(3):  # a round may still be lost to a view of the ban that came late
+                results = _run(averagers[1:], _deltas(3, seed=50 + attempt), [CAP] * 3, round_id=10 + attempt)
+                if all(r is not None for r in results):
+                    break
+            assert scores[3].banned(liar) and reason in scores[3].snapshot()[liar]["reasons"], scores[3].snapshot()
+            for a, merged in zip(averagers[1:], results, strict=True):
+                assert merged is not None and sorted(a.last_report.participants) == honest, a.last_report
 
 
 def test_peers_at_different_round_numbers_merge_their_current_contributions(peers):

@@ -4,7 +4,7 @@ records as data, no network)."""
 from __future__ import annotations
 
 from parallax.node.outer.gathered import _better_set, _moved_on
-from parallax.node.outer.transport import WITHDRAWN, RoundEntry, decode_entries, encode_entries, pair
+from parallax.node.outer.transport import WITHDRAWN, RoundEntry, decode_entries, encode_record, pair
 from parallax.node.outer.wire import encode_fingerprint, round_tag
 
 PEERS = ("A", "B", "C", "D")
@@ -54,7 +54,7 @@ def test_a_sender_has_moved_on_only_once_its_vote_on_that_contribution_is_final(
     fp = (1.0, 2.0, 3.0, 4.0)
 
     def record(*entries: RoundEntry) -> dict[int, RoundEntry]:  # as the sender's record reads back
-        return decode_entries(encode_entries(list(entries)))
+        return decode_entries(encode_record(list(entries)))
 
     def merged(n: int, tag: bytes) -> RoundEntry:
         return RoundEntry(n, bytes(32), 100, 1.0, fingerprint=encode_fingerprint(fp, tag), participants=("x@1",))
