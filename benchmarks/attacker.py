@@ -154,6 +154,55 @@ def _held_fetches(_: Attacker) -> None:
     ContributionServicer.rpc_contribution = held  # type: ignore[method-assign]
 
 
+def _equivocation(_: Attacker) -> None:
+    """After the first fetch of each round's contribution, signs a claim of another body for the same round (the
+    body x1.5, its session unchanged) and serves that one: every fetcher's digest check passes, on a body of its
+    own."""
+    from parallax.node.outer.gathered import GatheredRounds
+    from parallax.node.outer.transport import (
+        ContributionServicer,
+        RoundEntry,
+        body_digest,
+        decode_contribution,
+        encode_contribution,
+    )
+    from parallax.node.outer.witness import sign
+
+    rounds: dict[str, Any] = {}
+    switched: set[tuple[str, str]] = set()
+    honest_init, honest_serve = GatheredRounds.__init__, ContributionServicer.rpc_contribution
+
+    @functools.wraps(honest_init)
+    def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
+        honest_init(self, records, *args, **kwargs)
+        rounds[records.group] = self
+
+    def switch(group: str, n: int) -> None:
+        gathered = rounds.get(group)
+        if gathered is None or gathered.records.signer is None or n not in gathered._entries:
+            return
+        entry, body = gathered._entries[n], gathered.gather.store.get(group, n)
+        if body is None:
+            return
+        tensors = decode_contribution(body, gathered.shapes, peer=gathered.peer_id)
+        other = encode_contribution({name: 1.5 * t for name, t in tensors.items()}, gathered.config.compression)
+        gathered.gather.store.put(group, n, other)
+        claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
+        gathered._publish(sign(gathered.records.signer.identity, gathered.records.run_id, group, claim))
+
+    @functools.wraps(honest_serve)  # hivemind reads the handler's types through __wrapped__
+    async def equivocating(self: Any, request: Any, context: Any) -> Any:
+        async for part in honest_serve(self, request, context):
+            yield part
+        group, _, n = request.uid.rpartition("/")
+        if n.isdigit() and (group, n) not in switched:
+            switched.add((group, n))
+            asyncio.get_running_loop().run_in_executor(None, switch, group, int(n))
+
+    GatheredRounds.__init__ = init  # type: ignore[method-assign]
+    ContributionServicer.rpc_contribution = equivocating  # type: ignore[method-assign]
+
+
 def _poisoned_state(_: Attacker) -> None:
     """Every group state this node serves to a joiner is its anchor x3."""
     from parallax.node.outer.state import StateExchange
@@ -380,6 +429,8 @@ ATTACKS: dict[str, Attack] = {
     "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
     "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
     "held-fetches": Attack("accepts every fetch of its outer contributions and sends nothing", _held_fetches),
+    "equivocation": Attack("signs a second, different contribution for each round after its first fetch",
+                           _equivocation),
     "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),
     "surrogate-at-bound": Attack("surrogate deltas that make each copy 3.8x longer, refresh after refresh",
                                  _surrogates_at_the_bound),
