@@ -18,7 +18,10 @@ the honest composers' JSONL metrics and logs:
   makes honest composers give theirs up lowers it);
 - ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
-- ``crashed``: an honest composer exited with an error or did not evaluate.
+- ``crashed``: an honest composer exited with an error or did not evaluate;
+- ``honest_bans``: bans of honest peers (every composer is honest in a clean run; in an attack run, any peer id
+  the attacker does not speak with), each with the banning composer and the reasons; ``false_bans`` sums them
+  over the clean runs (target 0: statistical evidence alone must not ban an honest peer).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 from parallax.node.peer.timeline import owned_fraction
 
-CLEAN = ("clean", "clean-2", "clean-3")
+CLEAN_RUNS = 3
 HONEST = (0, 1, 3)
 FROM_THE_START = (0, 1)
 JOINER = 3
@@ -52,13 +55,22 @@ two seconds; identities that train nothing lose their experts 10 s after they ap
 runs of hours, 60 s on loopback)."""
 
 
+def clean_names(runs: int) -> list[str]:
+    """The names of ``runs`` clean runs: clean, clean-2, clean-3, ..."""
+    return ["clean", *(f"clean-{i}" for i in range(2, runs + 1))][:runs]
+
+
+def is_clean(name: str) -> bool:
+    return name == "clean" or (name.startswith("clean-") and name[6:].isdigit())
+
+
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
-                workdir: Path | None = None, progress: Any = print, clean_runs: int = len(CLEAN)) -> dict[str, Any]:
-    """Run the clean runs (the first ``clean_runs`` of ``CLEAN``: their spread is the noise a ratio is judged
-    against; with none, no ratio) and one run per attack (module docstring); returns the report (JSON-able)."""
-    if not 0 <= clean_runs <= len(CLEAN):
-        raise ValueError(f"clean_runs must be in 0..{len(CLEAN)}, got {clean_runs}")
-    clean_names = CLEAN[:clean_runs]
+                workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS) -> dict[str, Any]:
+    """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false
+    positives; with none, no ratio) and one run per attack (module docstring); returns the report (JSON-able)."""
+    if clean_runs < 0:
+        raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
+    clean = clean_names(clean_runs)
     names = list(ATTACKS) if attacks is None else attacks
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
@@ -73,27 +85,28 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
-    for name in [*clean_names, *names]:
+    for name in [*clean, *names]:
         progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
         run = _run(name, workdir / name, keys, args, steps=steps, join_at=join_at, total=total)
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
-    clean, clean_joiner = (_mean([r[key] for r in runs[:clean_runs]]) for key in ("val_loss", "joiner_val_loss"))
+    clean_loss, clean_joiner = (_mean([r[key] for r in runs[:clean_runs]]) for key in ("val_loss", "joiner_val_loss"))
     rows = []
     for run in runs:
-        ratio = run["val_loss"] / clean if run["val_loss"] and clean else None
+        ratio = run["val_loss"] / clean_loss if run["val_loss"] and clean_loss else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
-            "clean_val_loss": clean, "clean_joiner_val_loss": clean_joiner,
+            "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
+            "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
             "composers": 4, "target": TARGET, "wall_s": time.monotonic() - started,
-            "clean": [r for r in rows if r["name"] in clean_names],
-            "attacks": [r for r in rows if r["name"] not in clean_names],
+            "clean": [r for r in rows if r["name"] in clean],
+            "attacks": [r for r in rows if r["name"] not in clean],
             "workdir": str(workdir)}
 
 
@@ -121,7 +134,7 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], *, steps: int, jo
     try:
         swarm.start_bootstrap()
         for i in range(3):
-            if i == ATTACKER and name not in CLEAN:
+            if i == ATTACKER and not is_clean(name):
                 swarm.add_node("--min-peers", "2", launcher=(
                     "-m", "parallax.benchmarks.attacker", name, str(ids_path)))
             else:
@@ -165,8 +178,13 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
     losses = [evals[i][-1]["val_loss"] for i in FROM_THE_START if evals[i]]
     crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
     ids = json.loads(ids_path.read_text()) if ids_path.exists() else {"peer_ids": [], "fingerprints": []}
-    if name in CLEAN:  # the same measures for the honest composer 2
+    every_ban = [(n.index, r) for n in nodes for r in records[n.index] if r.get("kind") == "banned"]
+    if is_clean(name):  # the same measures for the honest composer 2, and every ban is of an honest peer
+        honest_bans = [{"by": i, "peer": r.get("peer"), "reasons": r.get("reasons")} for i, r in every_ban]
         ids = {"peer_ids": [_peer_id(records[ATTACKER])], "fingerprints": []}
+    else:
+        honest_bans = [{"by": i, "peer": r.get("peer"), "reasons": r.get("reasons")} for i, r in every_ban
+                       if i in HONEST and r.get("peer") not in ids["peer_ids"]]
     bans = [r for n in honest for r in records[n.index]
             if r.get("kind") == "banned" and r.get("peer") in ids["peer_ids"]]
     words = [w for w in (*ids["peer_ids"], *ids["fingerprints"]) if w]
@@ -176,7 +194,7 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
     rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
                  for n in honest]
     return {
-        "name": name, "description": "no attacker" if name in CLEAN else ATTACKS[name].description,
+        "name": name, "description": "no attacker" if is_clean(name) else ATTACKS[name].description,
         "val_loss": statistics.mean(losses) if len(losses) == len(FROM_THE_START) else None, "val_losses": losses,
         "joiner_val_loss": evals[JOINER][-1]["val_loss"] if evals[JOINER] else None,
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
@@ -185,6 +203,7 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
         "attacker_named": named, "attacker_banned": bool(bans),
         "banned_after_s": round(min(r["t"] for r in bans) - attacker_spawned, 1) if bans else None,
         "banned_by": sorted({i for i, rs in records.items() for r in rs if r in bans}),
+        "honest_bans": honest_bans,
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
@@ -235,7 +254,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"the two honest composers that train from the start, against the clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "
         f"(the clean runs end {'-' if spread is None else f'{100 * spread:.1f}%'} apart); target <= "
-        f"{report['target']}.",
+        f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in {len(report['clean'])} clean "
+        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs.",
         "",
         "| run | what the attacker does | honest val loss / clean | joiner's / clean | experts the attacker held "
         "| honest-owned expert-time | rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
@@ -243,7 +263,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for r in [*report["clean"], *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
-        if r["name"] not in CLEAN and not r["within_target"]:
+        if not is_clean(r["name"]) and not r["within_target"]:
             ratio = f"**{ratio}**"
         joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"

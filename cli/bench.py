@@ -335,7 +335,11 @@ def offload_swarm(
 
 @bench_app.command("attacks")
 def attacks(
-    runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all; benchmarks/attacker.py)."),
+    runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all; benchmarks/attacker.py; "
+                                                   "none: the clean runs only)."),
+    clean_runs: int = typer.Option(3, "--clean-runs", min=0, help="Runs without an attacker: the noise a ratio is "
+                                                                 "judged against, and the count of honest peers "
+                                                                 "banned."),
     preset: PresetName = "tiny",
     steps: int = typer.Option(500, "--steps", min=50, help="Inner steps per composer."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
@@ -349,8 +353,9 @@ def attacks(
     from parallax.benchmarks.attacks import markdown, run_attacks, write
 
     try:
-        report = run_attacks(attacks=[a.strip() for a in runs.split(",") if a.strip()] or None, preset=preset,
-                             steps=steps, workdir=Path(workdir) if workdir else None, progress=typer.echo)
+        names = [a.strip() for a in runs.split(",") if a.strip()]
+        report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
+                             workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     write(report, json_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallax.benchmarks.attacker import ATTACKS
-from parallax.benchmarks.attacks import _attacker_experts, _honest_owned, markdown
+from parallax.benchmarks.attacks import _attacker_experts, _honest_owned, clean_names, is_clean, markdown
 from parallax.node.peer.local_swarm import NodeProcess
 
 
@@ -46,9 +46,18 @@ def test_the_table_marks_rows_past_the_target():
               "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "attacker_named": True}]}
+    report["false_bans"] = 1
+    report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
     assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |" in text
     assert "| clean | no attacker | 1.000 |" in text and "2.0% apart" in text
+    assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
+
+
+def test_clean_runs_are_named_in_order_and_told_from_attacks():
+    assert clean_names(0) == [] and clean_names(3) == ["clean", "clean-2", "clean-3"] and len(clean_names(20)) == 20
+    assert all(is_clean(n) for n in clean_names(20))
+    assert not any(is_clean(n) for n in (*ATTACKS, "clean-", "clean-x", "cleaner"))
 
 
 def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_answers(monkeypatch):
