@@ -44,7 +44,14 @@ from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.keys import members_key, protected_keys
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.train import SHARED_GROUPS
-from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, final_counters, latest, read_metrics
+from parallax.node.peer.local_swarm import (
+    LocalSwarm,
+    NodeProcess,
+    composer_bytes,
+    final_counters,
+    latest,
+    read_metrics,
+)
 from parallax.node.peer.timeline import events
 
 PERIODS = {"router": 25, "latent": 50, "backbone": 100}  # the tiny preset's own
@@ -179,14 +186,13 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         n_steps = len(events(r, "step"))
         first = events(r, "first_step")
         alive_s = (r[-1]["t"] - first[0]["t"]) if first and r else None
-        outer, gossip, snap = (final.get(k, 0) for k in ("outer_bytes", "gossip_bytes", "snapshot_bytes"))
+        outer = final.get("outer_bytes", 0)
         per_node.append({
             "node": i, "joiner": i == joiner.index, "exit_code": codes[i], "steps": n_steps,
             "val_loss": (e[-1]["val_loss"] if (e := events(r, "final_eval")) else None),
             "rounds": len(rounds), "rounds_ok": len(ok),
             "outer_bytes_per_round": outer / len(ok) if ok else None,
-            "training_bytes_per_step": (gossip + outer) / n_steps if n_steps else None,
-            "snapshot_bytes_per_step": snap / n_steps if n_steps else None,
+            **composer_bytes(r),
             "dht_requests_per_s": final.get("dht_requests", 0) / alive_s if alive_s else None,
             "dht_bytes_per_s": final.get("dht_bytes", 0) / alive_s if alive_s else None,
             "dht_requests_by_kind_per_s": {k: v / alive_s for k, v in final.get("dht_by_kind", {}).items()}
@@ -211,8 +217,8 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     return {
         "composers": size, "steps": steps, "wall_s": round(wall_s, 1), "exit_codes": codes,
         "bytes_per_round_per_peer": med("outer_bytes_per_round"),
-        "training_bytes_per_step": med("training_bytes_per_step"),
-        "snapshot_bytes_per_step": med("snapshot_bytes_per_step"),
+        "train_bytes_per_step": med("train_bytes_per_step"),
+        "durability_bytes_per_step": med("durability_bytes_per_step"),
         "dht_requests_per_peer_s": med("dht_requests_per_s"),
         "dht_bytes_per_peer_s": med("dht_bytes_per_s"),
         "dht_requests_by_kind_per_peer_s": {k: statistics.median(n["dht_requests_by_kind_per_s"].get(k, 0.0)
@@ -265,8 +271,8 @@ def run_scale_bench(sizes: list[int], steps: int = 1000, batch_size: int = 32, w
 
 ROWS = [
     ("outer bytes per round per peer", "bytes_per_round_per_peer", "{:,.0f}"),
-    ("training bytes per composer-step", "training_bytes_per_step", "{:,.0f}"),
-    ("snapshot bytes per composer-step", "snapshot_bytes_per_step", "{:,.0f}"),
+    ("training bytes per composer-step", "train_bytes_per_step", "{:,.0f}"),
+    ("durability bytes per composer-step", "durability_bytes_per_step", "{:,.0f}"),
     ("DHT requests per peer per s", "dht_requests_per_peer_s", "{:.1f}"),
     ("DHT record bytes per peer per s", "dht_bytes_per_peer_s", "{:,.0f}"),
     ("one read of the members key, bytes (signatures stripped)", "members_read_bytes", "{:,.0f}"),

@@ -31,7 +31,7 @@ from typing import Any
 from parallax.benchmarks.report import write_report
 from parallax.benchmarks.swarm import _group_bytes, _loss, _sec
 from parallax.dht.adapter import dht_time
-from parallax.node.peer.local_swarm import LocalSwarm, latest
+from parallax.node.peer.local_swarm import LocalSwarm, composer_bytes, latest
 from parallax.node.peer.netlab import Host, NetLab, NetLabError, check_rate, rate_bytes_per_s, unavailable
 from parallax.node.peer.timeline import events, longest_double_ownership, shard_at
 
@@ -83,7 +83,8 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
         bandwidth = rate_bytes_per_s(rate)
         run["rounds"] = {g: _round_time(run["allreduce_s"][g], nodes, size, bandwidth) for g, size in sizes.items()}
         run["gossip_link_s_per_step"] = run["gossip_bytes_per_step"] / bandwidth
-        run["snapshot_link_s_per_step"] = run["snapshot_bytes_per_step"] / bandwidth
+        run["train_link_s_per_step"] = (run["train_bytes_per_step"] or 0.0) / bandwidth
+        run["durability_link_s_per_step"] = (run["durability_bytes_per_step"] or 0.0) / bandwidth
     largest = max(sizes, key=sizes.__getitem__)
     return {
         "preset": preset, "nodes": nodes, "steps": steps, "periods": json.loads(periods),
@@ -127,6 +128,7 @@ def _train(workdir: Path, args: list[str], nodes: int, steps: int, hosts: list[H
     finals = [latest(r) or {} for r in records]
     trained = [max(p["steps"], 1) for p in paths]
     losses = [e[-1]["val_loss"] for r in records if (e := events(r, "final_eval"))]
+    bytes_of = [composer_bytes(r) for r in records]
     return {
         "wall_s": wall_s, "exit_codes": codes,
         "val_loss": statistics.median(losses) if losses else None,
@@ -141,9 +143,13 @@ def _train(workdir: Path, args: list[str], nodes: int, steps: int, hosts: list[H
         "step_path_dht_calls": sum(p["dht_calls"] for p in paths),
         "gossip_bytes_per_step": statistics.median(f.get("gossip_bytes", 0) / n
                                                    for f, n in zip(finals, trained, strict=True)),
-        "snapshot_bytes_per_step": statistics.median(f.get("snapshot_bytes", 0) / n
-                                                     for f, n in zip(finals, trained, strict=True)),
+        **{key: statistics.median(values) if (values := [v for b in bytes_of if (v := b[key]) is not None]) else None
+           for key in ("train_bytes_per_step", "durability_bytes_per_step")},
     }
+
+
+def _bytes(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} B"
 
 
 def _round_time(times: list[float], nodes: int, size: int, bandwidth: float) -> dict[str, Any]:
@@ -230,10 +236,14 @@ def markdown(report: dict[str, Any]) -> str:
             [f"{runs['loopback']['gossip_bytes_per_step']:,.0f} B"]
             + [f"{runs[r]['gossip_bytes_per_step']:,.0f} B ({_sec(runs[r]['gossip_link_s_per_step'])} of link)"
                for r in rates]) + " |",
-        "| expert snapshots per composer-step | " + " | ".join(
-            [f"{runs['loopback']['snapshot_bytes_per_step']:,.0f} B"]
-            + [f"{runs[r]['snapshot_bytes_per_step']:,.0f} B ({_sec(runs[r]['snapshot_link_s_per_step'])} of link)"
+        "| training bytes per composer-step (outer rounds, gossip, offload) | " + " | ".join(
+            [_bytes(runs["loopback"]["train_bytes_per_step"])]
+            + [f"{_bytes(runs[r]['train_bytes_per_step'])} ({_sec(runs[r]['train_link_s_per_step'])} of link)"
                for r in rates]) + " |",
+        "| durability bytes per composer-step (expert snapshots to heirs) | " + " | ".join(
+            [_bytes(runs["loopback"]["durability_bytes_per_step"])]
+            + [f"{_bytes(runs[r]['durability_bytes_per_step'])} ({_sec(runs[r]['durability_link_s_per_step'])} of "
+               "link)" for r in rates]) + " |",
         "| failed outer rounds (all nodes) | " + " | ".join(str(runs[r]["rounds_failed"])
                                                           for r in ["loopback", *rates]) + " |",
         "| final val loss (median node; ratio to loopback) | " + " | ".join(

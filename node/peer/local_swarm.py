@@ -88,6 +88,17 @@ def final_counters(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
+def composer_bytes(records: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """One node's bytes per step it trained, from its metrics: training (outer rounds in and out, surrogate gossip,
+    offloaded work) and durability (expert snapshots to its heirs) apart; None before its first step."""
+    final = final_counters(records) or {}
+    steps = sum(1 for r in records if r.get("kind") == "step")
+    if not steps:
+        return {"train_bytes_per_step": None, "durability_bytes_per_step": None}
+    train = sum(final.get(k, 0) for k in ("outer_bytes", "gossip_bytes", "offload_bytes"))
+    return {"train_bytes_per_step": train / steps, "durability_bytes_per_step": final.get("snapshot_bytes", 0) / steps}
+
+
 class LocalSwarm:
     """Start and stop a local swarm (module docstring).
 
