@@ -165,6 +165,7 @@ def _equivocation(_: Attacker) -> None:
         body_digest,
         decode_contribution,
         encode_contribution,
+        encode_record,
     )
     from parallax.node.outer.witness import sign
 
@@ -188,7 +189,10 @@ def _equivocation(_: Attacker) -> None:
         other = encode_contribution({name: 1.5 * t for name, t in tensors.items()}, gathered.config.compression)
         gathered.gather.store.put(group, n, other)
         claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
-        gathered._publish(sign(gathered.records.signer.identity, gathered.records.run_id, group, claim))
+        # The round's entry replaced in place (its thread publishes it again later), and the record stored now.
+        gathered._entries[n] = sign(gathered.records.signer.identity, gathered.records.run_id, group, claim)
+        entries = dict(gathered._entries)
+        gathered.records.store(encode_record([entries[k] for k in sorted(entries)]))
 
     @functools.wraps(honest_serve)  # hivemind reads the handler's types through __wrapped__
     async def equivocating(self: Any, request: Any, context: Any) -> Any:

@@ -31,8 +31,8 @@ class Evidence(Enum):
     default). An outlier can be an honest peer's bad luck and counts 1; a body that contradicts its signed
     announcement, or an update that would multiply a surrogate, cannot be, and counts 2. A fetch held open with
     nothing sent counts 0.5: an honest peer answers at once, but a frozen host's daemon still accepts the stream
-    its process will never serve (it is gone within a heartbeat's life); so does a round claimed again from a new
-    session (a restart from a checkpoint, once in a while; a new session for each fetcher, from a liar). A
+    its process will never serve (it is gone within a heartbeat's life); so does a round claimed in two sessions, once
+    per pair (a restart from a checkpoint, once in a while; a new session for each fetcher, from a liar). A
     ``proof`` (two claims its sender signed for one round, ``outer.witness``) bans at once, whatever the score:
     anyone can check it, so it is shared, and every peer that checks it bans the same sender."""
 
@@ -42,7 +42,7 @@ class Evidence(Enum):
     FORGED = ("forged or malformed outer contribution", 2.0)
     STALLED = ("outer contribution fetch accepted and then held", 0.5)
     SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
-    RESTARTED = ("a round claimed again from a new session", 0.5)
+    RESTARTED = ("a round claimed again in another session", 0.5)
     EQUIVOCATION = ("two signed contributions for one round", 2.5, True)
 
     def __init__(self, reason: str, weight: float, proof: bool = False) -> None:

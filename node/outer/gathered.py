@@ -3,7 +3,8 @@
 The transport and the pure parts are in ``transport``; this is the round itself, run by
 ``averager.GroupAverager`` in its round thread:
 
-1. publish this node's contribution (its entry: round, sha256, size, tokens) and serve its body;
+1. publish this node's contribution (its entry: round, sha256, size, tokens and session, signed as a claim anyone can
+   check: ``witness``) and serve its body;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
    merged this node's contribution in. Fetches run in the background: once the wait is over and a quorum is
@@ -346,6 +347,9 @@ class GatheredRounds:
                 if self.records.signer is not None and self.records.signer.public_key_of(peer) is None:
                     raise RemoteProtocolError("no key known for the sender yet", peer=peer)
                 raise ContributionMismatch("outer contribution claim not signed by its sender's key", peer=peer)
+            if not self.witness.current(peer, entry):
+                raise RemoteProtocolError("outer contribution claimed in an earlier session than one seen of its "
+                                          "sender (a stale copy)", peer=peer)
             if entry.size > self._body_cap:
                 # Fetched by nobody. In a replicated experts' round, an owner whose view gave the round's key to a
                 # larger bundle for a moment announces a larger body: other tensors, not a lie.
@@ -375,6 +379,7 @@ class GatheredRounds:
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
                            "" if bad or stalled else " for now", e)
             return None
+        self.witness.fetched(peer, entry)
         with self._lock:
             self._held.pop(peer, None)
         if self.peers.worked is not None:

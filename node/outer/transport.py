@@ -56,7 +56,8 @@ CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 _CODEC = {"fp16": "fp16", "uint8": "int8", "int4": "int4", "topk": "topk", "none": "raw"}
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
-_PAIR_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}@[0-9]{1,18}")  # base58 peer id, "@", round number
+PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer id
+_PAIR_RE = re.compile(PEER_ID_RE.pattern + r"@[0-9]{1,18}")  # a peer id, "@", its round number
 WITHDRAWN = b"withdrawn"
 """The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
 

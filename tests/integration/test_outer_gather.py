@@ -39,6 +39,7 @@ from parallax.node.outer.transport import (
     decode_contribution,
     decode_entries,
     encode_contribution,
+    encode_record,
 )
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.outer.witness import sign
@@ -467,7 +468,9 @@ def test_an_equivocating_peer_is_banned_by_every_honest_peer_and_the_others_merg
                                     "fp16")
         gathers[0].store.put(group, n, other)
         claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
-        gathered._publish(sign(peers[0].signer.identity, "gather", group, claim))
+        gathered._entries[n] = sign(peers[0].signer.identity, "gather", group, claim)  # in place: beside its round
+        entries = dict(gathered._entries)
+        gathered.records.store(encode_record([entries[k] for k in sorted(entries)]))
 
     scores = [PeerScores() for _ in peers]
     reason = "two signed contributions for one round"

@@ -53,12 +53,47 @@ def test_a_claim_seen_again_a_later_session_or_a_stale_copy_is_no_proof() -> Non
     merged = dataclasses.replace(first, fingerprint=b"fp", participants=(f"{LIAR}@3",))
     assert not witness.read({LIAR: _record(first)}) and not witness.read({LIAR: _record(merged)})
     assert LIAR not in scores.snapshot()
-    # A restart from a checkpoint claims the round again in a new session: weak evidence, once per session.
-    restarted = _claim(LIAR, 3, 2, session=8)
-    assert not witness.read({LIAR: _record(restarted)}) and not witness.read({LIAR: _record(restarted)})
+    # A restart from a checkpoint claims rounds again in a new session: weak evidence, once per pair of sessions
+    # however many rounds it claims again.
+    assert not witness.read({LIAR: _record(_claim(LIAR, 2, 1, session=7))})
+    restarted = [_claim(LIAR, 2, 2, session=8), _claim(LIAR, 3, 2, session=8)]
+    assert not witness.read({LIAR: _record(*restarted)}) and not witness.read({LIAR: _record(*restarted)})
     assert scores.snapshot()[LIAR]["reasons"] == {Evidence.RESTARTED.reason: 1} and not scores.banned(LIAR)
-    assert not witness.read({LIAR: _record(first)})  # a stale copy of the earlier session
+    # A stale copy of the earlier session: no more evidence, and not fetched.
+    assert not witness.read({LIAR: _record(first)})
+    assert scores.snapshot()[LIAR]["reasons"] == {Evidence.RESTARTED.reason: 1}
+    assert not witness.current(LIAR, first) and witness.current(LIAR, restarted[1])
     assert not scores.banned(LIAR) and witness.shared() == []
+
+
+def test_a_sender_that_starts_a_session_for_each_round_it_splits_is_banned() -> None:
+    scores = PeerScores()
+    witness = _witness(scores)
+    for n in range(6):  # two sessions a round: six restarts in quick succession (five decay just under the ban)
+        witness.read({LIAR: _record(_claim(LIAR, n, 1, session=10 * n))})
+        witness.read({LIAR: _record(_claim(LIAR, n, 2, session=10 * n + 1))})
+    assert scores.banned(LIAR) and scores.snapshot()[LIAR]["reasons"] == {Evidence.RESTARTED.reason: 6}
+
+
+def test_a_fetched_claim_outlives_claims_of_made_up_rounds_and_is_proof_against_a_second_one() -> None:
+    scores = PeerScores()
+    witness = _witness(scores)
+    fetched = _claim(LIAR, 3, 1)
+    witness.read({LIAR: _record(fetched)})
+    witness.fetched(LIAR, fetched)
+    for n in range(1000, 1400, 4):  # made-up rounds, four a record
+        witness.read({LIAR: _record(*(_claim(LIAR, k, 9) for k in range(n, n + 4)))})
+    assert witness.read({LIAR: _record(_claim(LIAR, 3, 2))}) and scores.banned(LIAR)
+
+
+def test_a_proof_against_a_peer_of_unknown_key_is_checked_once_its_key_is_known() -> None:
+    keys: dict[str, bytes] = {}
+    scores = PeerScores()
+    witness = Witness(RUN, GROUP, keys.get, scores)
+    record = encode_record([], [Equivocation(LIAR, _claim(LIAR, 3, 1), _claim(LIAR, 3, 2)).to_wire()])
+    assert not witness.read({ACCUSER: record}) and not scores.banned(LIAR)
+    keys[LIAR] = KEYS[LIAR].public_key
+    assert witness.read({ACCUSER: record}) and scores.banned(LIAR)
 
 
 @pytest.mark.parametrize("forgery", ["another key", "other rounds", "other sessions", "same claim", "other group",
@@ -97,6 +132,8 @@ def test_claims_are_signed_for_their_run_group_and_content() -> None:
     assert witness.signed(LIAR, claim) and witness.signed(LIAR, claim)  # the second from the cache
     assert not witness.signed(OTHER, claim) and not witness.signed("12D3KooWStranger", claim)
     assert Witness(RUN, GROUP, None, None).signed(LIAR, dataclasses.replace(claim, signature=b""))  # unchecked mode
+    forged = dataclasses.replace(claim, signature=bytes(64))
+    assert not witness.signed(LIAR, forged) and not witness.signed(LIAR, forged)  # a failed check is kept too
 
 
 def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> None:
@@ -110,6 +147,9 @@ def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> 
         assert isinstance(decode_entries(junk), dict) and isinstance(record_proofs(junk), list)
         assert Witness(RUN, GROUP, lambda _p: KEYS[LIAR].public_key, PeerScores()).read({LIAR: junk}) is False
     assert Equivocation.from_wire([LIAR, [1], [2]]) is None and Equivocation.from_wire("x") is None
+    wire = proof.to_wire()
+    for peer in ("", "not a peer id!", "0OIl", "x" * 101, 5):
+        assert Equivocation.from_wire([peer, *wire[1:]]) is None
 
 
 def test_sessions_only_increase_within_a_process() -> None:
