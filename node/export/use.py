@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -55,7 +56,7 @@ def evaluate_on(model: MoETransformer, data: str | os.PathLike[str] | None, *, b
 def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              tokenizer: Tokenizer | None = None, use_cache: bool = True,
-             on_text: Callable[[bytes], None] | None = None) -> bytes:
+             on_text: Callable[[bytes], None] | None = None, token_threads: int | None = 1) -> bytes:
     """Sample ``max_new_tokens`` tokens after ``prompt`` and return them as text (``tokenizer``'s; None: bytes,
     returned as they are); ``on_text`` gets each piece of it as it comes.
 
@@ -66,6 +67,9 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     values of the context are kept); once the context fills, it restarts from its last half, so past ``seq_len``
     tokens the model sees between half a window and a whole one. Without it, every token reruns the last
     ``seq_len`` tokens (a sliding window): the two give the same tokens while the text fits one window.
+    ``token_threads``: torch's threads for each cached token on a CPU (None: the process's setting). One by default:
+    a cached token's products have one row, nothing to split, and a second thread only waits for the first (on a
+    busy machine a token took three times as long on two: docs/benchmarks.md, "Generation").
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -89,7 +93,9 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     cache = model.new_cache() if use_cache else None
 
     def logits_after(new: list[int]) -> torch.Tensor:
-        return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
+        one = len(new) == 1 and device.type == "cpu" and token_threads is not None
+        with threads(token_threads) if one and token_threads is not None else contextlib.nullcontext():
+            return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
 
     logits = logits_after(tokens[-window:])
     for _ in range(max_new_tokens):
@@ -114,6 +120,17 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
         else:
             logits = logits_after([nxt])
     return text.all()
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's CPU operations on ``count`` threads inside, the process's setting again after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -146,6 +146,31 @@ def test_generation_is_seeded_greedy_at_temperature_zero_and_of_the_asked_length
     assert len(generate(model, long_prompt, max_new_tokens=3, seed=0)) == 3
 
 
+def test_cached_tokens_run_on_one_thread_and_the_process_keeps_its_setting(monkeypatch) -> None:
+    from parallax.node.config.train import preset
+    from parallax.node.export.use import threads as torch_threads
+    from parallax.node.model.transformer import MoETransformer
+
+    threads = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
+    model = MoETransformer(preset("tiny"), seed=0)
+    seen: list[tuple[int, int]] = []  # (positions, threads) of each forward
+    forward = model.forward
+
+    def watched(idx, *args, **kwargs):
+        seen.append((idx.shape[1], torch.get_num_threads()))
+        return forward(idx, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", watched)
+    generate(model, b"ROMEO:", max_new_tokens=4, temperature=0)
+    assert seen == [(6, threads)] + [(1, 1)] * 4 and torch.get_num_threads() == threads
+    seen.clear()
+    generate(model, b"ROMEO:", max_new_tokens=2, temperature=0, token_threads=None)  # the process's setting
+    assert seen == [(6, threads)] * 1 + [(1, threads)] * 2
+
+
 def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_p(simulated, tmp_path: Path) -> None:
     from parallax.node.export.use import nucleus
 
