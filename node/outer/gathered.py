@@ -4,7 +4,7 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 ``averager.GroupAverager`` in its round thread:
 
 1. publish this node's contribution (its entry: round, sha256, size, tokens and session, signed as a claim anyone can
-   check: ``witness``) and serve its body;
+   check: ``witness``) and serve its body; a round this identity's earlier process claimed is skipped;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
    merged this node's contribution in. Fetches run in the background: once the wait is over and a quorum is
@@ -115,6 +115,7 @@ class GatheredRounds:
         self._body_cap = contribution_limit(shapes)
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.session = new_session()
+        self._floor: int | None = None  # ``_claimed_before``
         signer = records.signer
         self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
                                scores)
@@ -133,6 +134,10 @@ class GatheredRounds:
         cfg = self.config
         if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
             self.report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
+            return None
+        if n <= self._claimed_before():
+            self.report(RoundStatus.CLAIMED_BEFORE, started, round_id=n,
+                        detail=f"rounds up to {self._claimed_before()} were claimed before this process")
             return None
         body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
         mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
@@ -193,6 +198,16 @@ class GatheredRounds:
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
         self._flights.close()
+
+    def _claimed_before(self) -> int:
+        """The last round this node's identity claimed in an earlier session, by its own record in the DHT (read once,
+        at the first round; -1 for none). Claiming such a round again would be a second, different claim of it: the
+        others may have merged the first under the same name, or take the two for an equivocation's halves."""
+        if self._floor is None:
+            own = self.records.read_own(self.config.net.dht_timeout_s)
+            earlier = [n for n, e in decode_entries(own).items() if e.session != self.session]
+            self._floor = max(earlier, default=-1)
+        return self._floor
 
     def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
                common: dict[str, Any]) -> dict[str, torch.Tensor] | None:

@@ -41,6 +41,7 @@ class RoundStatus(StrEnum):
     DIVERGED = "diverged"
     UNVERIFIED = "unverified"
     SUPERSEDED = "superseded"
+    CLAIMED_BEFORE = "claimed_before"
 
     @property
     def meaning(self) -> str:
@@ -60,6 +61,8 @@ _MEANINGS = {
                           "peers",
     RoundStatus.UNVERIFIED: "too few results arrived to form a majority: not applied, the group reloaded from peers",
     RoundStatus.SUPERSEDED: "the other senders of this node's set merged theirs in another set: not applied",
+    RoundStatus.CLAIMED_BEFORE: "this node's earlier process already claimed a contribution for this round (a restart "
+                                "from an earlier checkpoint): skipped, the pseudo-gradient goes into the next round",
 }
 
 
@@ -136,6 +139,13 @@ class RoundRecords:
         if self.on_read is not None:
             self.on_read(out)
         return out
+
+    def read_own(self, timeout_s: float) -> bytes | None:
+        """This node's own record as the DHT holds it (one its earlier process left, until it expires); None when
+        there is none or the read failed."""
+        found = self._dht.get_dicts([self.key], latest=True, timeout_s=max(0.1, timeout_s))
+        held = (found or {}).get(self.key, {}).get(self._own_subkey)
+        return held[0] if held is not None and isinstance(held[0], bytes) else None
 
     def subkey_of(self, peer: str) -> bytes | None:
         """The subkey ``peer`` keeps its fingerprints under: its signing key's (None: no key known for it)."""
