@@ -69,7 +69,7 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     ``seq_len`` tokens (a sliding window): the two give the same tokens while the text fits one window.
     ``token_threads``: torch's threads for each cached token on a CPU (None: the process's setting). One by default:
     a cached token's products have one row, nothing to split, and a second thread only waits for the first (on a
-    busy machine a token took three times as long on two: docs/benchmarks.md, "Generation").
+    busy machine a token took 2.8 times as long on two: docs/benchmarks.md, "Generation").
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -79,6 +79,8 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if token_threads is not None and token_threads < 1:
+        raise ValueError(f"token_threads must be >= 1 (or None: the process's setting), got {token_threads}")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if seed is not None:
@@ -93,8 +95,8 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     cache = model.new_cache() if use_cache else None
 
     def logits_after(new: list[int]) -> torch.Tensor:
-        one = len(new) == 1 and device.type == "cpu" and token_threads is not None
-        with threads(token_threads) if one and token_threads is not None else contextlib.nullcontext():
+        count = token_threads if len(new) == 1 and device.type == "cpu" else None
+        with threads(count) if count is not None else contextlib.nullcontext():
             return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
 
     logits = logits_after(tokens[-window:])

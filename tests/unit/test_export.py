@@ -169,6 +169,8 @@ def test_cached_tokens_run_on_one_thread_and_the_process_keeps_its_setting(monke
     seen.clear()
     generate(model, b"ROMEO:", max_new_tokens=2, temperature=0, token_threads=None)  # the process's setting
     assert seen == [(6, threads)] * 1 + [(1, threads)] * 2
+    with pytest.raises(ValueError, match="token_threads"):
+        generate(model, b"ROMEO:", max_new_tokens=1, token_threads=0)
 
 
 def test_top_p_keeps_the_fewest_most_likely_tokens_that_reach_p(simulated, tmp_path: Path) -> None:
