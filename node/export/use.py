@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from parallax.node.model.transformer import MoETransformer
 from parallax.node.train.composer import evaluate
 from parallax.node.train.data import load_corpus, val_batches
+from parallax.node.train.device import threads
 from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, tokenized_splits
 
 
@@ -122,17 +123,6 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
         else:
             logits = logits_after([nxt])
     return text.all()
-
-
-@contextlib.contextmanager
-def threads(count: int) -> Iterator[None]:
-    """torch's CPU operations on ``count`` threads inside, the process's setting again after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

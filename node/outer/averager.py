@@ -85,6 +85,7 @@ from parallax.node.outer.wire import (
     round_fingerprint,
     round_tag,
 )
+from parallax.node.train.device import threads
 from parallax.signals import signals_deferred
 
 if TYPE_CHECKING:
@@ -133,13 +134,8 @@ def _start_with_signals_deferred(averager: DecentralizedAverager, timeout_s: flo
     # The child's main thread inherits this thread's OpenMP team without its threads: once this process has run a
     # parallel torch op (any training step), a parallel op there (a uint8 quantization) would wait forever. Forked
     # with one intra-op thread, the child never enters OpenMP, and calls nothing to get there.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with signals_deferred():
-            averager.start()
-    finally:
-        torch.set_num_threads(threads)
+    with threads(1), signals_deferred():
+        averager.start()
     averager.wait_until_ready(timeout_s)
 
 

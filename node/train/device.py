@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -127,3 +128,14 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's CPU operations on ``count`` intra-op threads inside, the process's setting again after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

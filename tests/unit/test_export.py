@@ -148,8 +148,8 @@ def test_generation_is_seeded_greedy_at_temperature_zero_and_of_the_asked_length
 
 def test_cached_tokens_run_on_one_thread_and_the_process_keeps_its_setting(monkeypatch) -> None:
     from parallax.node.config.train import preset
-    from parallax.node.export.use import threads as torch_threads
     from parallax.node.model.transformer import MoETransformer
+    from parallax.node.train.device import threads as torch_threads
 
     threads = torch.get_num_threads()
     with torch_threads(1):
