@@ -178,13 +178,14 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
     losses = [evals[i][-1]["val_loss"] for i in FROM_THE_START if evals[i]]
     crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
     ids = json.loads(ids_path.read_text()) if ids_path.exists() else {"peer_ids": [], "fingerprints": []}
-    every_ban = [(n.index, r) for n in nodes for r in records[n.index] if r.get("kind") == "banned"]
-    if is_clean(name):  # the same measures for the honest composer 2, and every ban is of an honest peer
-        honest_bans = [{"by": i, "peer": r.get("peer"), "reasons": r.get("reasons")} for i, r in every_ban]
+    clean = is_clean(name)
+    # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id the attacker
+    # does not speak with.
+    honest_bans = [{"by": n.index, "peer": r.get("peer"), "reasons": r.get("reasons")}
+                   for n in nodes for r in records[n.index] if r.get("kind") == "banned"
+                   and (clean or (n.index in HONEST and r.get("peer") not in ids["peer_ids"]))]
+    if clean:  # the same measures for the honest composer 2
         ids = {"peer_ids": [_peer_id(records[ATTACKER])], "fingerprints": []}
-    else:
-        honest_bans = [{"by": i, "peer": r.get("peer"), "reasons": r.get("reasons")} for i, r in every_ban
-                       if i in HONEST and r.get("peer") not in ids["peer_ids"]]
     bans = [r for n in honest for r in records[n.index]
             if r.get("kind") == "banned" and r.get("peer") in ids["peer_ids"]]
     words = [w for w in (*ids["peer_ids"], *ids["fingerprints"]) if w]
