@@ -8,8 +8,9 @@ same preset. Reported, from the nodes' JSONL metrics:
 - DHT calls from the training thread while it trained (the step path): must be 0 (``SwarmDHT`` counts
   calls from the thread the node marks as its training loop);
 - bytes per composer-step, sent and received, as the nodes count them: training (outer rounds, surrogate
-  gossip, offloaded work) and durability (expert snapshots to heirs, the final ones at leaving included) apart,
-  against a DDP ring all-reduce of the same model's fp32 gradients, 2 x 2 (n-1)/n x 4 x parameters per step
+  gossip, offloaded work), durability (expert snapshots to heirs, the final ones at leaving included) and
+  hand-overs (the experts the joiner takes over: a cost of the join, not of the steps) apart, against a DDP ring
+  all-reduce of the same model's fp32 gradients, 2 x 2 (n-1)/n x 4 x parameters per step
   (each node sends 2 (n-1)/n of them and receives as much);
 - outer-round time (hivemind's matchmaking + all-reduce, median per group) against the bandwidth bound
   2 (n-1)/n x S_G / B, with B the loopback bandwidth measured in the same run;
@@ -179,10 +180,14 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     losses = [n["val_loss"] for n in per_node if n["val_loss"] is not None and not n["joiner"]]
     training = [n["train_bytes_per_step"] for n in per_node if n["train_bytes_per_step"]]
     durability = [n["durability_bytes_per_step"] for n in per_node if n["durability_bytes_per_step"] is not None]
-    totals = [n["train_bytes_per_step"] + n["durability_bytes_per_step"] for n in per_node
-              if n["train_bytes_per_step"] is not None and n["durability_bytes_per_step"] is not None]
+    handover = [n["handover_bytes_per_step"] for n in per_node if n["handover_bytes_per_step"] is not None]
+    counted = [n for n in per_node
+               if n["train_bytes_per_step"] is not None and n["durability_bytes_per_step"] is not None]
+    totals = [n["train_bytes_per_step"] + n["durability_bytes_per_step"] for n in counted]
+    alls = [n["train_bytes_per_step"] + n["durability_bytes_per_step"] + n["handover_bytes_per_step"] for n in counted]
     train_median = statistics.median(training) if training else None
     total_median = statistics.median(totals) if totals else None
+    all_median = statistics.median(alls) if alls else None
     return {
         "nodes": nodes, "steps": steps, "preset": preset, "changes": changes, "join_at": join_at,
         "periods": json.loads(periods),
@@ -190,9 +195,12 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
         "loopback_bytes_per_s": bandwidth,
         "train_bytes_per_step": train_median,
         "durability_bytes_per_step": statistics.median(durability) if durability else None,
+        "handover_bytes_per_step": statistics.median(handover) if handover else None,
         "total_bytes_per_step": total_median,
+        "all_bytes_per_step": all_median,
         "ddp_over_train": ddp_per_step / train_median if train_median else None,
         "ddp_over_total": ddp_per_step / total_median if total_median else None,
+        "ddp_over_all": ddp_per_step / all_median if all_median else None,
         "step_path_dht_calls": sum(n["step_path_dht_calls"] or 0 for n in per_node),
         "traffic": {"ddp_allreduce_bytes_per_step": ddp_per_step, "model_parameters": params,
                     "snapshot_every": snapshot_every},
@@ -262,6 +270,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"{_num(r['durability_bytes_per_step'])} | |",
         f"| bytes per composer-step, training + durability (median node) | "
         f"{_num(r['total_bytes_per_step'])} | {_ratio(r['ddp_over_total'])} less than DDP (target >= 1000x) |",
+        f"| bytes per composer-step for hand-overs (the joiner's experts, exact) | "
+        f"{_num(r['handover_bytes_per_step'])} | |",
+        f"| bytes per composer-step, all of the above (median node) | "
+        f"{_num(r['all_bytes_per_step'])} | {_ratio(r['ddp_over_all'])} less than DDP |",
     ]
     for group, r in report["outer_round_time"].items():
         lines.append(f"| outer round {group} (median of {r['rounds']}) | {_sec(r['median_s'])} | bound "

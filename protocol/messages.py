@@ -268,6 +268,30 @@ class ExpertSnapshot(_TensorMessage):
 
 @register
 @dataclass(frozen=True, slots=True)
+class ExpertSnapshotLinks(_TensorMessage):
+    """An owner's copy of one expert for its heir, as a chain (``node.net.snapshot_chain``): either the links that
+    take the heir's copy from version ``base`` to ``version`` (ternary weight changes "link.<i>.<name>"), or a
+    keyframe (``base == version``: the weights as the chain holds them, raw), with the second moments factored
+    ("v.rows.<name>", "v.cols.<name>") and "adam.step". ``digest``: sha256 of the rebuilt weights."""
+
+    KIND: ClassVar[str] = "expert_snapshot_links"
+    MAX_BYTES: ClassVar[int] = 256 * MiB
+    TENSOR_LIMITS: ClassVar[TensorLimits] = TensorLimits(
+        max_elements=64 * 2**20, codecs=frozenset({"raw", "ternary"})
+    )
+
+    layer: int = wire(_LAYER)
+    expert: int = wire(_EXPERT)
+    step: int = wire(_COUNT)
+    chain: int = wire(Int(1))
+    base: int = wire(_COUNT)
+    version: int = wire(_COUNT)
+    digest: bytes = wire(_DIGEST)
+    tensors: Mapping[str, bytes] = wire(_tensors(256 * MiB))
+
+
+@register
+@dataclass(frozen=True, slots=True)
 class OuterRound(Message):
     """What a peer merged in one outer round of a shared group; peers compare ``fingerprint`` to verify."""
 

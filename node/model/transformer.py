@@ -47,6 +47,37 @@ non-owned stand-in, or an offloaded owned expert);
 returns the output to use (a leaf whose gradient it hooks: see ``sketch.SketchRecorder``)."""
 
 
+INIT_STD = 0.02
+"""GPT-2's initialisation: weights ~ N(0, 0.02), residual projections scaled by 1 / sqrt(2 n_layers)."""
+
+InitPlan = tuple[tuple[str, tuple[int, ...], float], ...]
+"""``MoETransformer.init_plan``: (name, shape, standard deviation) of each draw, in order."""
+
+
+def initial_draws(plan: InitPlan, seed: int) -> Iterator[torch.Tensor]:
+    """The initial value of each entry of ``plan``, in order, from one generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, shape, std in plan:
+        yield torch.randn(shape, generator=gen) * std
+
+
+def expert_prefix(layer: int, expert: int) -> str:
+    """The parameter name prefix of expert (layer, expert) in ``MoETransformer``."""
+    return f"blocks.{layer}.moe.experts.{expert}."
+
+
+def initial_weights(plan: InitPlan, seed: int, prefix: str) -> dict[str, torch.Tensor]:
+    """The initial values of the weights named ``prefix``... in ``plan`` (one expert's: ``expert_prefix``), by the
+    rest of their names: ``plan`` is replayed up to them, one tensor of memory at a time. Pure: any thread."""
+    out: dict[str, torch.Tensor] = {}
+    for (name, _, _), value in zip(plan, initial_draws(plan, seed), strict=True):
+        if name.startswith(prefix):
+            out[name[len(prefix):]] = value
+        elif out:
+            break  # an expert's weights are drawn one after another: the rest is not needed
+    return out
+
+
 def own_all(cfg: ModelConfig) -> Ownership:
     """Every expert real: the synchronous baseline and the DiLoCo reference."""
     return tuple(frozenset(range(cfg.n_experts)) for _ in range(cfg.n_layers))
@@ -483,15 +514,20 @@ class MoETransformer(nn.Module):
 
     def _init_draws(self, seed: int) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, parameter or throwaway, initial value) in canonical order; 1-D weights (RMSNorm gains,
-        which stay 1) draw nothing and are skipped. The one source of the initial values, so that
-        ``initial_expert_weights`` replays exactly what ``_init_weights`` drew."""
-        gen = torch.Generator().manual_seed(seed)
-        std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self._canonical_parameters():
-            if p.dim() == 1:
-                continue
-            scale = resid_std if name.endswith(("proj.weight", "w_down.weight", "latent_up.weight")) else std
-            yield name, p, torch.randn(p.shape, generator=gen) * scale
+        which stay 1) draw nothing and are skipped. The values come from ``initial_draws`` over ``init_plan``,
+        the one source of them, so that ``initial_expert_weights`` replays exactly what ``_init_weights`` drew."""
+        drawn = [(name, p) for name, p in self._canonical_parameters() if p.dim() > 1]
+        for (name, p), value in zip(drawn, initial_draws(self.init_plan(), seed), strict=True):
+            yield name, p, value
+
+    def init_plan(self) -> InitPlan:
+        """What the initialisation draws, in canonical order: (name, shape, standard deviation) of every weight
+        with more than one dimension. Plain data: ``initial_weights(plan, seed, prefix)`` replays it on any
+        thread without touching the model."""
+        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        return tuple((name, tuple(p.shape),
+                      resid_std if name.endswith(("proj.weight", "w_down.weight", "latent_up.weight")) else INIT_STD)
+                     for name, p in self._canonical_parameters() if p.dim() > 1)
 
     def initial_expert_weights(self, layer: int, expert: int, seed: int) -> dict[str, torch.Tensor]:
         """The weights expert (layer, expert) had at initialisation with ``seed``, held here or not.
@@ -514,14 +550,7 @@ class MoETransformer(nn.Module):
         if not (0 <= layer < self.cfg.n_layers and 0 <= expert < self.cfg.n_experts):
             raise ValueError(f"no expert ({layer}, {expert}): layers 0..{self.cfg.n_layers - 1}, "
                              f"experts 0..{self.cfg.n_experts - 1}")
-        prefix = f"blocks.{layer}.moe.experts.{expert}."
-        out: dict[str, torch.Tensor] = {}
-        for name, _, value in self._init_draws(seed):
-            if name.startswith(prefix):
-                out[name[len(prefix):]] = value
-            elif out:
-                break  # an expert's weights are drawn one after another: the rest is not needed
-        return out
+        return initial_weights(self.init_plan(), seed, expert_prefix(layer, expert))
 
     def _canonical_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters in a fixed order that includes every expert of the model, held or not.
@@ -542,7 +571,7 @@ class MoETransformer(nn.Module):
                 shapes = {"w_gate": (cfg.d_expert, cfg.d_latent), "w_up": (cfg.d_expert, cfg.d_latent),
                           "w_down": (cfg.d_latent, cfg.d_expert)}
                 for part, shape in shapes.items():
-                    name = f"blocks.{i}.moe.experts.{e}.{part}.weight"
+                    name = f"{expert_prefix(i, e)}{part}.weight"
                     if held is not None:
                         yield name, getattr(held, part).weight
                     else:

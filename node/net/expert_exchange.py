@@ -38,12 +38,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
 import time
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgpack
 import numpy as np
@@ -54,11 +55,12 @@ from hivemind.proto import runtime_pb2
 from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
 from parallax.node.config.net import ExchangeConfig
 from parallax.node.net.network import RateLimiter, rate_limited, read_answer
+from parallax.node.net.snapshot_chain import MAX_NORM, Chain, ChainMismatch, HeirCopy, rebuild
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
 from parallax.protocol.identity import Identity
-from parallax.protocol.messages import ExpertSnapshot
+from parallax.protocol.messages import ExpertSnapshot, ExpertSnapshotLinks
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -69,7 +71,6 @@ CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 SNAPSHOT_WINDOW_S = 3600.0
 """How old a snapshot's signature may be: a periodic one is replaced every ``snapshot_every`` steps and a final
 one served ``keep_s``; a slow owner's can be minutes old. Older copies cannot harm: steps order them."""
-MAX_NORM = 1e6  # per tensor: far above any trained expert or Adam moment, far below an overflow
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,17 +191,44 @@ class SnapshotStore:
             self._bodies.pop(eid, None)
 
 
-class ExpertServicer(ServicerBase):
-    """Streams a held snapshot: request ``uid`` = expert id; the first message is msgpack [step, final, age
-    in seconds], the rest the body in chunks; an empty stream means "not held here" (also to a peer that is not
-    a live composer of the run: an expert's weights and optimizer state are for the run's composers only).
-    Do not rename (protocol id)."""
+HeirAsk = tuple[int, int, bool]
+"""An heir's request: (chain, version) of the copy it holds ((0, 0): none), and whether it can draw the expert's
+initialisation (``snapshot_chain``)."""
+Served = tuple[int, bool, bytes, float, bool]
+"""(step, final, sealed body, age in seconds, links: the body is an ``ExpertSnapshotLinks``)."""
 
-    def __init__(self, held: Callable[[ExpertId], tuple[int, bool, bytes, float] | None],
+
+def heir_ask(metadata: bytes) -> HeirAsk | None:
+    """A request's metadata: empty (None: the exact snapshot), or msgpack [chain, version, init].
+
+    Raises:
+        RemoteProtocolError: anything else.
+    """
+    if not metadata:
+        return None
+    try:
+        obj = msgpack.unpackb(metadata, raw=False, max_array_len=3, max_str_len=0, max_bin_len=0, max_map_len=0,
+                              max_ext_len=0)
+    except MSGPACK_ERRORS:
+        raise RemoteProtocolError("undecodable snapshot request") from None
+    if not (isinstance(obj, list) and len(obj) == 3 and all(type(x) is int and 0 <= x < 2**63 for x in obj[:2])
+            and type(obj[2]) is bool):
+        raise RemoteProtocolError("snapshot request metadata is not [chain, version, init]")
+    return obj[0], obj[1], obj[2]
+
+
+class ExpertServicer(ServicerBase):
+    """Streams a held snapshot: request ``uid`` = expert id, ``metadata`` empty for the exact snapshot or an heir's
+    ``HeirAsk``; the first message is msgpack [step, final, age in seconds, links], the rest the body in chunks; an
+    empty stream means "not held here" (also to a peer that is not a live composer of the run: an expert's weights
+    and optimizer state are for the run's composers only). Do not rename (protocol id)."""
+
+    def __init__(self, held: Callable[[ExpertId, HeirAsk | None], Served | None],
                  may_fetch: Callable[[str], bool] = lambda _peer: True) -> None:
-        self._held = held  # expert -> (step, final, sealed body, age in seconds) served, or None
+        self._held = held  # (expert, heir's ask or None) -> what is served, or None
         self._may_fetch = may_fetch
         self.bytes_served = 0
+        self.bytes_served_heirs = 0  # of which to heirs (durability, as against hand-overs and exports)
         self.refused_peers = 0
         self.served_steps: dict[ExpertId, int] = {}  # expert -> newest snapshot step served
 
@@ -209,7 +237,8 @@ class ExpertServicer(ServicerBase):
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
         try:
             eid = parse_expert_id(request.uid)
-        except ValueError as e:
+            ask = heir_ask(request.metadata)
+        except (ValueError, ProtocolError) as e:
             logger.debug("bad snapshot request from %s: %s", context.remote_id, e)
             return
         peer = str(context.remote_id)
@@ -218,14 +247,16 @@ class ExpertServicer(ServicerBase):
             logger.info("refused a snapshot of %s to peer %s: not a live composer of this run, or banned here",
                         request.uid[:40], peer)
             return
-        held = self._held(eid)
+        held = self._held(eid, ask)
         if held is None:
             return
-        step, final, body, age_s = held
-        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final, round(age_s, 3)]))
+        step, final, body, age_s, links = held
+        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final, round(age_s, 3), links]))
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start : start + CHUNK_BYTES])
         self.bytes_served += len(body)
+        if ask is not None:
+            self.bytes_served_heirs += len(body)
         self.served_steps[eid] = max(step, self.served_steps.get(eid, -1))
 
 
@@ -253,6 +284,10 @@ class ExpertExchange:
         may_fetch: peer id -> whether this node serves it snapshots (a live composer of the run it does not ban);
             called on the loop thread, so thread-safe and cheap.
         keep_s: how long released experts' final snapshots stay served.
+        initial_weights: expert -> its seeded initial weights (a pure function: it runs on a worker thread); heirs
+            rebuild chains that start there. None: heirs ask for keyframes instead.
+        chains: keep a chain (``snapshot_chain``) of each owned expert for its heir; False where heirs pull nothing
+            (replicated experts: the heir is a co-owner).
     """
 
     def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, run_id: str, expert_shapes: Shapes, *,
@@ -261,7 +296,9 @@ class ExpertExchange:
                  heir_targets: Callable[[], Mapping[ExpertId, tuple[str, int] | None] | None],
                  snapshot_every: int = 10,
                  may_fetch: Callable[[str], bool] = lambda _peer: True, config: ExchangeConfig | None = None,
-                 keep_s: float = 120.0) -> None:
+                 keep_s: float = 120.0,
+                 initial_weights: Callable[[ExpertId], Mapping[str, torch.Tensor]] | None = None,
+                 chains: bool = True) -> None:
         self.p2p, self.loop, self.key_of = p2p, loop, key_of
         self.namespace = f"parallax.{run_id}.experts"
         self.sealer, self.opener = Sealer(identity, run_id), snapshot_opener(run_id)
@@ -272,9 +309,15 @@ class ExpertExchange:
         self.config = config if config is not None else ExchangeConfig()
         self.store = SnapshotStore(keep_s)
         self.servicer = ExpertServicer(self.served, may_fetch)
+        self.initial_weights, self.chains = initial_weights, chains
         self.bytes_fetched = 0
+        self.bytes_fetched_heir = 0  # of which pulled as an heir (durability)
         self.refused = 0
         self._heirs: dict[ExpertId, Snapshot] = {}
+        self._positions: dict[ExpertId, HeirCopy] = {}  # where each heir copy stands on its owner's chain
+        self._keyframes_only: set[ExpertId] = set()  # a chain from the initialisation did not rebuild here
+        self._chains: dict[ExpertId, Chain] = {}  # owned experts' chains (training thread writes, loop reads)
+        self._answers: dict[ExpertId, tuple[tuple[int, int, int], bytes]] = {}  # the last sealed chain answer
         self._former: dict[ExpertId, float] = {}  # heir copies of experts no longer inherited: since when
         self._sealed: dict[ExpertId, tuple[float, bytes]] = {}  # heir copy (by ``taken_at``) sealed by this node
         self._lock = threading.Lock()
@@ -304,10 +347,30 @@ class ExpertExchange:
     # --- the training thread's side ---
 
     def put(self, eid: ExpertId, step: int, tensors: Mapping[str, torch.Tensor], *, final: bool = False) -> int:
-        """Serve this snapshot of an owned (or, ``final``, just released) expert; returns its size in bytes."""
+        """Serve this snapshot of an owned (or, ``final``, just released) expert; returns its size in bytes. A
+        periodic one also takes the expert's chain a link further (its heir pulls that link); a final one ends it."""
         body = self.sealer.seal(encode_snapshot(eid[0], eid[1], step, tensors))
+        chain = None
+        if self.chains and not final:
+            held = self._chains.get(eid)
+            taken = time.monotonic()
+            chain = (Chain.start(step, tensors, tuple(self.expert_shapes), taken=taken) if held is None
+                     else held.advance(step, tensors, taken=taken))
+        with self._lock:
+            if chain is None:
+                self._chains.pop(eid, None)
+            else:
+                self._chains[eid] = chain
         self.store.put(eid, step, body, final=final)
         return len(body)
+
+    def unchained(self, owned: Iterable[ExpertId]) -> list[ExpertId]:
+        """Those of ``owned`` without a chain yet: their first snapshot starts one (from the initialisation when
+        it comes before their first step, so that heirs need no keyframe)."""
+        if not self.chains:
+            return []
+        with self._lock:
+            return sorted(set(owned) - set(self._chains))
 
     def heir_copy(self, eid: ExpertId) -> Snapshot | None:
         """The latest snapshot pulled as the heir of ``eid`` (None if none)."""
@@ -324,6 +387,7 @@ class ExpertExchange:
         with self._lock:
             self._former.pop(eid, None)
             self._sealed.pop(eid, None)
+            self._positions.pop(eid, None)
             return self._heirs.pop(eid, None)
 
     def inherits_copy(self, eid: ExpertId) -> bool:
@@ -363,28 +427,44 @@ class ExpertExchange:
                 if now - self._former.setdefault(eid, now) > self.store.keep_s:
                     del self._heirs[eid], self._former[eid]
                     self._sealed.pop(eid, None)
+                    self._positions.pop(eid, None)
 
-    def served(self, eid: ExpertId) -> tuple[int, bool, bytes, float] | None:
-        """What this node serves of ``eid`` (step, final, sealed body, age in seconds): its periodic snapshot when
-        it owns ``eid``, else the newer of its final snapshot and its heir copy, or None. Called on the loop
-        thread; an heir copy is sealed once per copy pulled."""
+    def served(self, eid: ExpertId, ask: HeirAsk | None = None) -> Served | None:
+        """What this node serves of ``eid``: to its heir (``ask``) the links of its chain from the copy the heir
+        holds; else its periodic snapshot when it owns ``eid``, else the newer of its final snapshot and its heir
+        copy, or None. Called on the loop thread; each answer is sealed once."""
         own = self.store.get(eid)
         if own is not None and not own[1]:
-            return own
+            with self._lock:
+                chain = self._chains.get(eid)
+            if ask is not None and chain is not None:
+                return chain.step, False, self._chain_answer(eid, chain, ask), time.monotonic() - chain.taken, True
+            return (*own, False)
         with self._lock:
             heir = self._heirs.get(eid)
             sealed = self._sealed.get(eid)
         if heir is None:
-            return own
+            return None if own is None else (*own, False)
         age_s = time.monotonic() - heir.taken_at
         if own is not None and own[3] <= age_s:
-            return own
+            return (*own, False)
         if sealed is None or sealed[0] != heir.taken_at:
             sealed = heir.taken_at, self.sealer.seal(encode_snapshot(eid[0], eid[1], heir.step, heir.tensors))
             with self._lock:
                 if self._heirs.get(eid) is heir:
                     self._sealed[eid] = sealed
-        return heir.step, False, sealed[1], age_s
+        return heir.step, False, sealed[1], age_s, False
+
+    def _chain_answer(self, eid: ExpertId, chain: Chain, ask: HeirAsk) -> bytes:
+        held = None if ask[0] == 0 else (ask[0], ask[1])
+        msg = chain.answer(held, eid[0], eid[1], init=ask[2])
+        key = (chain.chain, chain.version, msg.base)
+        cached = self._answers.get(eid)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        body = self.sealer.seal(msg)
+        self._answers[eid] = key, body
+        return body
 
     def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | None]:
         """Ask ``peer`` for its snapshot of ``eid``; the future gives None when it holds none or fails."""
@@ -406,7 +486,7 @@ class ExpertExchange:
                 stale = [(eid, owner) for eid, (owner, owner_step) in sorted(targets.items())
                          if (held := self.heir_copy(eid)) is None or owner_step - held.step >= self.snapshot_every]
                 # Concurrently: one slow or vanished owner must not hold back the other copies.
-                found = await asyncio.gather(*(self._fetch_checked(owner, eid) for eid, owner in stale))
+                found = await asyncio.gather(*(self._pull(owner, eid) for eid, owner in stale))
                 with self._lock:
                     for (eid, _), snap in zip(stale, found, strict=True):
                         if snap is not None and eid in targets:
@@ -417,17 +497,65 @@ class ExpertExchange:
                 logger.exception("heir snapshot poll failed; retrying")
             await asyncio.sleep(self.config.poll_s)
 
-    async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
+    async def _pull(self, peer: str, eid: ExpertId) -> Snapshot | None:
+        """As the heir of ``eid``: the owner's chain from the copy held here (or its final snapshot, when it left)."""
+        with self._lock:
+            held = self._positions.get(eid)
+        init = self.initial_weights is not None and eid not in self._keyframes_only
+        ask = msgpack.packb([0, 0, init] if held is None else [held.chain, held.version, init])
+        got = await self._fetch_or_none(peer, eid, ask)
+        if got is None:
+            return None
+        step, final, age_s, body, links = got
+        if not links:
+            snap = self._checked(peer, eid, step, final, age_s, body)
+            if snap is not None:
+                with self._lock:
+                    self._positions.pop(eid, None)
+            return snap
+        signer = self.key_of(peer)
+        if signer is None:
+            return None
+        initial = None if not init or self.initial_weights is None else functools.partial(self.initial_weights, eid)
         try:
-            got = await asyncio.wait_for(self._fetch(peer, eid), self.config.timeout_s)
+            msg = self.opener.open(body, ExpertSnapshotLinks, check_replay=False, signer=signer).message
+            if (msg.layer, msg.expert) != eid or msg.step != step:
+                raise RemoteProtocolError(f"asked for expert {eid} at step {step}, got links of "
+                                          f"{(msg.layer, msg.expert)} at step {msg.step}")
+            try:
+                position, tensors = await asyncio.to_thread(rebuild, msg, self.expert_shapes, held, initial, peer=peer)
+            except ChainMismatch as e:
+                logger.warning("expert %s: dropped this heir's place on the chain of %s (%s); asking for a keyframe",
+                               eid, peer, e)
+                with self._lock:
+                    self._positions.pop(eid, None)
+                    if held is None:  # the initialisation drawn here is not the one the owner started from
+                        self._keyframes_only.add(eid)
+                return None
+        except ProtocolError as e:
+            self.refused += 1
+            logger.warning("refused the snapshot links of expert %s from %s: %s", eid, peer, e)
+            return None
+        with self._lock:
+            self._positions[eid] = position
+        return Snapshot(eid[0], eid[1], step, False, tensors, age_s=age_s, taken_at=time.monotonic() - age_s)
+
+    async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
+        got = await self._fetch_or_none(peer, eid)
+        return None if got is None else self._checked(peer, eid, *got[:4])
+
+    async def _fetch_or_none(self, peer: str, eid: ExpertId,
+                             ask: bytes = b"") -> tuple[int, bool, float, bytes, bool] | None:
+        try:
+            return await asyncio.wait_for(self._fetch(peer, eid, ask), self.config.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # peer gone, stream broken, timeout
             logger.debug("snapshot of %s from %s failed: %r", eid, peer, e)
             return None
-        if got is None:
-            return None
-        step, final, age_s, body = got
+
+    def _checked(self, peer: str, eid: ExpertId, step: int, final: bool, age_s: float, body: bytes) -> Snapshot | None:
+        """An exact snapshot's body opened and checked, or None (logged)."""
         signer = self.key_of(peer)
         if signer is None:  # it left our view meanwhile (or never was in it): nothing to check it against
             logger.debug("snapshot of %s from %s: the membership names no key for that peer", eid, peer)
@@ -443,30 +571,32 @@ class ExpertExchange:
             return None
         return dataclasses.replace(snap, age_s=age_s, taken_at=time.monotonic() - age_s)
 
-    async def _fetch(self, peer: str, eid: ExpertId) -> tuple[int, bool, float, bytes] | None:
+    async def _fetch(self, peer: str, eid: ExpertId, ask: bytes = b"") -> tuple[int, bool, float, bytes, bool] | None:
         stub = ExpertServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-        stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid)))
+        stream = await stub.rpc_snapshot(runtime_pb2.ExpertRequest(uid=expert_id(*eid), metadata=ask))
         parts = await read_answer(stream, cap=_HEADER_MAX_BYTES + ExpertSnapshot.MAX_BYTES, peer=peer,
                                   what=f"snapshot of {expert_id(*eid)}")
         if not parts:
             return None
-        step, final, age_s = _header(parts[0])
+        step, final, age_s, links = _header(parts[0])
         body = b"".join(parts[1:])
         self.bytes_fetched += len(body)
-        return step, final, age_s, body
+        if ask:
+            self.bytes_fetched_heir += len(body)
+        return step, final, age_s, body, links
 
 
 _HEADER_MAX_BYTES = 32
-"""A snapshot answer's first message, msgpack [step, final, age]: at most 20 bytes."""
+"""A snapshot answer's first message, msgpack [step, final, age, links]: at most 21 bytes."""
 
 
-def _header(data: bytes) -> tuple[int, bool, float]:
+def _header(data: bytes) -> tuple[int, bool, float, bool]:
     try:
-        obj = msgpack.unpackb(data, raw=False, max_array_len=3, max_str_len=0, max_bin_len=0, max_map_len=0,
+        obj = msgpack.unpackb(data, raw=False, max_array_len=4, max_str_len=0, max_bin_len=0, max_map_len=0,
                               max_ext_len=0)
     except MSGPACK_ERRORS:
         raise RemoteProtocolError("undecodable snapshot header") from None
-    if not (isinstance(obj, list) and len(obj) == 3 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0
-            and type(obj[2]) in (int, float) and math.isfinite(obj[2]) and obj[2] >= 0):
-        raise RemoteProtocolError("snapshot header is not [step >= 0, final, age >= 0]")
-    return obj[0], obj[1], float(obj[2])
+    if not (isinstance(obj, list) and len(obj) == 4 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0
+            and type(obj[2]) in (int, float) and math.isfinite(obj[2]) and obj[2] >= 0 and type(obj[3]) is bool):
+        raise RemoteProtocolError("snapshot header is not [step >= 0, final, age >= 0, links]")
+    return obj[0], obj[1], float(obj[2]), obj[3]

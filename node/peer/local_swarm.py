@@ -90,13 +90,15 @@ def final_counters(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def composer_bytes(records: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """One node's bytes per step it trained, from its metrics: training (outer rounds in and out, surrogate gossip,
-    offloaded work) and durability (expert snapshots to its heirs) apart; None before its first step."""
+    offloaded work), durability (expert snapshots to and from heirs) and hand-overs (experts taken over by a new
+    owner: a cost of joins, not of steps) apart; None before its first step."""
     final = final_counters(records) or {}
     steps = sum(1 for r in records if r.get("kind") == "step")
     if not steps:
-        return {"train_bytes_per_step": None, "durability_bytes_per_step": None}
+        return {"train_bytes_per_step": None, "durability_bytes_per_step": None, "handover_bytes_per_step": None}
     train = sum(final.get(k, 0) for k in ("outer_bytes", "gossip_bytes", "offload_bytes"))
-    return {"train_bytes_per_step": train / steps, "durability_bytes_per_step": final.get("snapshot_bytes", 0) / steps}
+    return {"train_bytes_per_step": train / steps, "durability_bytes_per_step": final.get("snapshot_bytes", 0) / steps,
+            "handover_bytes_per_step": final.get("handover_bytes", 0) / steps}
 
 
 class LocalSwarm:

@@ -41,7 +41,14 @@ from parallax.dht.membership import Membership, PeerState, Presence
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
-from parallax.node.model.transformer import MoETransformer, Ownership, SwiGLU
+from parallax.node.model.transformer import (
+    InitPlan,
+    MoETransformer,
+    Ownership,
+    SwiGLU,
+    expert_prefix,
+    initial_weights,
+)
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import SurrogateGossip
@@ -308,8 +315,9 @@ class Node:
         exchange = ExpertExchange(loop.p2p, loop.loop, c.peer.run_id, shapes.expert, identity=self.identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
-                                  may_fetch=views.may_fetch,
-                                  config=c.net.exchange).start()
+                                  may_fetch=views.may_fetch, config=c.net.exchange,
+                                  initial_weights=lambda e: initial_weights(shapes.init, cfg.seed, expert_prefix(*e)),
+                                  chains=cfg.ownership.replicas == 1).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
         stack.callback(gather.close)
@@ -426,6 +434,8 @@ class ModelShapes:
     """group -> tensors of each shared group a composer merges, in its anchors' order."""
     surrogate: dict[str, tuple[int, ...]]
     expert: dict[str, tuple[int, ...]]
+    init: InitPlan
+    """What the initialisation draws (``MoETransformer.init_plan``): any expert's initial weights, on any thread."""
 
 
 def model_shapes(cfg: TrainConfig) -> ModelShapes:
@@ -435,7 +445,7 @@ def model_shapes(cfg: TrainConfig) -> ModelShapes:
               for g in SHARED_GROUPS if model.group_parameters(g)}
     surrogate = {n: tuple(p.shape) for n, p in model.surrogate_parameters(0, 0).items()}
     expert = {n: tuple(p.shape) for n, p in SwiGLU(cfg.model.d_latent, cfg.model.d_expert).named_parameters()}
-    return ModelShapes(groups, surrogate, expert)
+    return ModelShapes(groups, surrogate, expert, model.init_plan())
 
 
 __all__ = ["Node", "NodeStatus", "model_shapes"]

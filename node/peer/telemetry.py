@@ -60,7 +60,9 @@ class NodeStatus:
     gossip_bytes: int = 0
     """Surrogate payloads fetched + served."""
     snapshot_bytes: int = 0
-    """Expert snapshots fetched + served (heir copies, hand-overs)."""
+    """Expert snapshots to and from heirs, fetched + served: what durability costs."""
+    handover_bytes: int = 0
+    """Other expert snapshots fetched + served: hand-overs to a new owner, copies for a co-owner or an export."""
     outer_bytes: int = 0
     """Outer-round contributions and group states fetched + served."""
     dht_requests: int = 0
@@ -138,7 +140,8 @@ class Telemetry:
         return {"peers": s.live_peers, "view_age_s": round(s.view_age_s, 2), "owned": s.owned,
                 "surrogates_held": s.surrogates_held, "surrogate_version_max": s.surrogate_version_max,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "gossip_bytes": s.gossip_bytes,
-                "snapshot_bytes": s.snapshot_bytes, "outer_bytes": s.outer_bytes, "offload_bytes": s.offload_bytes,
+                "snapshot_bytes": s.snapshot_bytes, "handover_bytes": s.handover_bytes, "outer_bytes": s.outer_bytes,
+                "offload_bytes": s.offload_bytes,
                 "dht_requests": s.dht_requests, "dht_bytes": s.dht_bytes,
                 "heir_copies": s.heir_copies, "rounds_ok": s.rounds_ok, "tokens_per_s": round(s.tokens_per_s, 1)}
 

@@ -178,6 +178,9 @@ class Training:
             if step % self.config.node.snapshot_every == 0:
                 self.experts.serve_snapshots()
                 rounds.publish_live()
+        unchained = self.exchange.unchained(composer.owned_experts())
+        if unchained:  # an expert's first snapshot starts its heir's chain (before its first step: at the init)
+            self.experts.serve_snapshots(experts=unchained)
         run_step = self.views.run_step()
         if run_step is not None:  # a composer slower than the others trains at their point of the schedule
             composer.follow_schedule(run_step)
@@ -310,7 +313,8 @@ class Training:
         s.bytes_sent = st.bytes_served + snap_out + outer_out + off_out
         s.gossip_bytes = st.bytes_fetched + st.bytes_served
         s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())]
-        s.snapshot_bytes = snap_in + snap_out
+        s.snapshot_bytes = self.exchange.bytes_fetched_heir + self.exchange.servicer.bytes_served_heirs
+        s.handover_bytes = snap_in + snap_out - s.snapshot_bytes
         s.outer_bytes = outer_in + outer_out
         s.offload_bytes = off_in + off_out
         calls = self.dht.calls

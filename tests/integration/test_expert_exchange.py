@@ -22,6 +22,10 @@ EID = (1, 2)
 KEEP_S = 8.0  # how long a released expert's final snapshot, and a former heir's copy, stay served
 
 
+INIT = {n: torch.randn(s, generator=torch.Generator().manual_seed(5)) for n, s in SHAPES.items()}
+"""The expert's seeded initialisation, as every peer draws it."""
+
+
 def snapshot(step: float) -> dict[str, torch.Tensor]:
     out = {n: torch.full(s, step) for n, s in SHAPES.items()}
     out.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
@@ -50,7 +54,8 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
                 exchanges.append(ExpertExchange(p2p, loop, "xchg", SHAPES, identity=fixed_identity(i), key_of=keys.get,
                                                 heir_targets=heir_targets,
                                                 config=ExchangeConfig(poll_s=0.2, timeout_s=5.0),
-                                                may_fetch=allowed.__contains__, keep_s=KEEP_S).start())
+                                                may_fetch=allowed.__contains__, keep_s=KEEP_S,
+                                                initial_weights=lambda _eid: INIT).start())
             yield exchanges[0], exchanges[1], {"peer": owner.dht.peer_id, "targets": targets, "allowed": allowed,
                                                "heir": heir.dht.peer_id}
         finally:
@@ -186,3 +191,38 @@ def test_a_snapshot_counts_only_when_signed_by_the_peer_asked(pair) -> None:
     key_of, heir.key_of = heir.key_of, {}.get  # the owner left the heir's view: nothing to check against
     assert heir.fetch(targets["peer"], EID).result(10) is None and heir.refused == 3  # dropped, not "refused"
     heir.key_of = key_of
+
+
+def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
+    owner, heir, ids = pair
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: t.clone() for n, t in INIT.items()}
+    owner.put(EID, 0, dict(weights))  # before its first step: the chain starts at the initialisation
+    ids["targets"][EID] = (ids["peer"], 0)
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
+    assert owner.servicer.bytes_served_heirs < 1024  # no weights sent: the heir drew the initialisation itself
+    exact = links = 0
+    for step in range(10, 60, 10):
+        for t in weights.values():
+            t.add_(torch.randn(t.shape, generator=gen) * 0.1)
+        tensors = {**weights, "adam.step": torch.tensor(float(step), dtype=torch.float64)}
+        tensors.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
+        tensors.update({f"adam.exp_avg_sq.{n}": torch.full(s, 1e-4) for n, s in SHAPES.items()})
+        exact = owner.put(EID, step, tensors)
+        served = owner.servicer.bytes_served_heirs
+        ids["targets"][EID] = (ids["peer"], step)
+        wait_until(lambda step=step: heir.heir_copy(EID) is not None and heir.heir_copy(EID).step == step, timeout=15)
+        links = owner.servicer.bytes_served_heirs - served
+    # A link against the whole snapshot: with tensors this small the envelope weighs most (per parameter:
+    # test_snapshot_chain.py); and the heir's traffic is counted as the heir's, on both sides.
+    assert links < exact and heir.bytes_fetched_heir == owner.servicer.bytes_served_heirs > 0
+    chain = owner._chains[EID]
+    owner.close()  # the owner dies
+    copy = heir.take_heir_copy(EID)
+    assert copy is not None and copy.step == 50 and not copy.final
+    for n in SHAPES:
+        assert torch.equal(copy.tensors[n], torch.from_numpy(chain.ref[n]))  # the owner's chain, bit for bit
+        # within the codec's tolerance: one link's ternary rounding, never more than the link itself
+        assert float((copy.tensors[n] - weights[n]).norm()) < 0.1 * float(weights[n].norm())
+    assert float(copy.tensors["adam.step"]) == 50.0
+    assert torch.allclose(copy.tensors["adam.exp_avg_sq.w_up.weight"], torch.full((6, 4), 1e-4))
