@@ -8,10 +8,10 @@ same preset. Reported, from the nodes' JSONL metrics:
 - DHT calls from the training thread while it trained (the step path): must be 0 (``SwarmDHT`` counts
   calls from the thread the node marks as its training loop);
 - bytes per composer-step, sent and received, as the nodes count them: training (outer rounds, surrogate
-  gossip, offloaded work), durability (expert snapshots to heirs, the final ones at leaving included) and
-  hand-overs (the experts the joiner takes over: a cost of the join, not of the steps) apart, against a DDP ring
-  all-reduce of the same model's fp32 gradients, 2 x 2 (n-1)/n x 4 x parameters per step
-  (each node sends 2 (n-1)/n of them and receives as much);
+  gossip, offloaded work), durability (heirs' copies of experts: chains of ternary links) and hand-overs (exact
+  experts: those the joiner takes over and those heirs take at the nodes' leave, a cost of joins and leaves, not of
+  steps) apart, against a DDP ring all-reduce of the same model's fp32 gradients, 2 x 2 (n-1)/n x 4 x parameters
+  per step (each node sends 2 (n-1)/n of them and receives as much);
 - outer-round time (hivemind's matchmaking + all-reduce, median per group) against the bandwidth bound
   2 (n-1)/n x S_G / B, with B the loopback bandwidth measured in the same run;
 - start to first step of the joiner (from the node's start, imports excluded, and from the spawn);
@@ -266,11 +266,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{_num(r['train_bytes_per_step'])} | DDP all-reduce, sent and received, "
         f"{_num(t['ddp_allreduce_bytes_per_step'])}: "
         f"{_ratio(r['ddp_over_train'])} less |",
-        f"| bytes per composer-step for durability (expert snapshots to heirs every {t['snapshot_every']} steps) | "
+        f"| bytes per composer-step for durability (heirs' copies, a link every {t['snapshot_every']} steps) | "
         f"{_num(r['durability_bytes_per_step'])} | |",
         f"| bytes per composer-step, training + durability (median node) | "
         f"{_num(r['total_bytes_per_step'])} | {_ratio(r['ddp_over_total'])} less than DDP (target >= 1000x) |",
-        f"| bytes per composer-step for hand-overs (the joiner's experts, exact) | "
+        f"| bytes per composer-step for hand-overs (exact: the joiner's experts, the heirs' at the leave) | "
         f"{_num(r['handover_bytes_per_step'])} | |",
         f"| bytes per composer-step, all of the above (median node) | "
         f"{_num(r['all_bytes_per_step'])} | {_ratio(r['ddp_over_all'])} less than DDP |",

@@ -228,7 +228,7 @@ class ExpertServicer(ServicerBase):
         self._held = held  # (expert, heir's ask or None) -> what is served, or None
         self._may_fetch = may_fetch
         self.bytes_served = 0
-        self.bytes_served_heirs = 0  # of which to heirs (durability, as against hand-overs and exports)
+        self.chain_bytes_served = 0  # of which chains' links and keyframes (durability; the rest are exact copies)
         self.refused_peers = 0
         self.served_steps: dict[ExpertId, int] = {}  # expert -> newest snapshot step served
 
@@ -255,8 +255,8 @@ class ExpertServicer(ServicerBase):
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start : start + CHUNK_BYTES])
         self.bytes_served += len(body)
-        if ask is not None:
-            self.bytes_served_heirs += len(body)
+        if links:
+            self.chain_bytes_served += len(body)
         self.served_steps[eid] = max(step, self.served_steps.get(eid, -1))
 
 
@@ -311,7 +311,7 @@ class ExpertExchange:
         self.servicer = ExpertServicer(self.served, may_fetch)
         self.initial_weights, self.chains = initial_weights, chains
         self.bytes_fetched = 0
-        self.bytes_fetched_heir = 0  # of which pulled as an heir (durability)
+        self.chain_bytes_fetched = 0  # of which chains' links and keyframes (durability)
         self.refused = 0
         self._heirs: dict[ExpertId, Snapshot] = {}
         self._positions: dict[ExpertId, HeirCopy] = {}  # where each heir copy stands on its owner's chain
@@ -482,9 +482,11 @@ class ExpertExchange:
                 wanted = dict(found_targets)
                 self.forget_heir_copies(set(wanted))
                 targets = {eid: t for eid, t in wanted.items() if t is not None}
-                # Fetch when the owner has passed the step of our copy by a snapshot period.
+                # Fetch when the owner has passed the step of our copy by a snapshot period (a leaving owner's
+                # step comes a period ahead: its final copy, once pulled, is the last).
                 stale = [(eid, owner) for eid, (owner, owner_step) in sorted(targets.items())
-                         if (held := self.heir_copy(eid)) is None or owner_step - held.step >= self.snapshot_every]
+                         if (held := self.heir_copy(eid)) is None
+                         or owner_step - held.step >= self.snapshot_every + (self.snapshot_every if held.final else 0)]
                 # Concurrently: one slow or vanished owner must not hold back the other copies.
                 found = await asyncio.gather(*(self._pull(owner, eid) for eid, owner in stale))
                 with self._lock:
@@ -581,8 +583,8 @@ class ExpertExchange:
         step, final, age_s, links = _header(parts[0])
         body = b"".join(parts[1:])
         self.bytes_fetched += len(body)
-        if ask:
-            self.bytes_fetched_heir += len(body)
+        if links:
+            self.chain_bytes_fetched += len(body)
         return step, final, age_s, body, links
 
 

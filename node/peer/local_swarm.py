@@ -90,8 +90,8 @@ def final_counters(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def composer_bytes(records: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """One node's bytes per step it trained, from its metrics: training (outer rounds in and out, surrogate gossip,
-    offloaded work), durability (expert snapshots to and from heirs) and hand-overs (experts taken over by a new
-    owner: a cost of joins, not of steps) apart; None before its first step."""
+    offloaded work), durability (heirs' copies of experts) and hand-overs (exact experts for a new owner, at a join
+    or a leave: a cost of those, not of steps) apart; None before its first step."""
     final = final_counters(records) or {}
     steps = sum(1 for r in records if r.get("kind") == "step")
     if not steps:

@@ -60,9 +60,10 @@ class NodeStatus:
     gossip_bytes: int = 0
     """Surrogate payloads fetched + served."""
     snapshot_bytes: int = 0
-    """Expert snapshots to and from heirs, fetched + served: what durability costs."""
+    """Heirs' copies of experts (chains' links and keyframes), fetched + served: what durability costs a step."""
     handover_bytes: int = 0
-    """Other expert snapshots fetched + served: hand-overs to a new owner, copies for a co-owner or an export."""
+    """Exact expert snapshots fetched + served: hand-overs to a new owner or at a leave, copies for a co-owner or an
+    export (a cost of joins and leaves, not of steps)."""
     outer_bytes: int = 0
     """Outer-round contributions and group states fetched + served."""
     dht_requests: int = 0

@@ -313,7 +313,7 @@ class Training:
         s.bytes_sent = st.bytes_served + snap_out + outer_out + off_out
         s.gossip_bytes = st.bytes_fetched + st.bytes_served
         s.heir_copies = [list(eid) for eid in sorted(self.exchange.heir_copies())]
-        s.snapshot_bytes = self.exchange.bytes_fetched_heir + self.exchange.servicer.bytes_served_heirs
+        s.snapshot_bytes = self.exchange.chain_bytes_fetched + self.exchange.servicer.chain_bytes_served
         s.handover_bytes = snap_in + snap_out - s.snapshot_bytes
         s.outer_bytes = outer_in + outer_out
         s.offload_bytes = off_in + off_out

@@ -200,7 +200,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     owner.put(EID, 0, dict(weights))  # before its first step: the chain starts at the initialisation
     ids["targets"][EID] = (ids["peer"], 0)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
-    assert owner.servicer.bytes_served_heirs < 1024  # no weights sent: the heir drew the initialisation itself
+    assert owner.servicer.chain_bytes_served < 1024  # no weights sent: the heir drew the initialisation itself
     exact = links = 0
     for step in range(10, 60, 10):
         for t in weights.values():
@@ -209,13 +209,13 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
         tensors.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
         tensors.update({f"adam.exp_avg_sq.{n}": torch.full(s, 1e-4) for n, s in SHAPES.items()})
         exact = owner.put(EID, step, tensors)
-        served = owner.servicer.bytes_served_heirs
+        served = owner.servicer.chain_bytes_served
         ids["targets"][EID] = (ids["peer"], step)
         wait_until(lambda step=step: heir.heir_copy(EID) is not None and heir.heir_copy(EID).step == step, timeout=15)
-        links = owner.servicer.bytes_served_heirs - served
+        links = owner.servicer.chain_bytes_served - served
     # A link against the whole snapshot: with tensors this small the envelope weighs most (per parameter:
     # test_snapshot_chain.py); and the heir's traffic is counted as the heir's, on both sides.
-    assert links < exact and heir.bytes_fetched_heir == owner.servicer.bytes_served_heirs > 0
+    assert links < exact and heir.chain_bytes_fetched == owner.servicer.chain_bytes_served > 0
     chain = owner._chains[EID]
     owner.close()  # the owner dies
     copy = heir.take_heir_copy(EID)
