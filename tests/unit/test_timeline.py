@@ -45,13 +45,17 @@ def test_owned_fraction_counts_each_experts_time_once_however_many_own_it():
     assert owned_fraction([a, b], total=2, start=5.0, end=5.0) is None
 
 
-def test_a_nodes_bytes_per_step_keep_training_and_durability_apart():
+def test_a_nodes_bytes_per_step_keep_training_durability_and_hand_overs_apart():
     records = [{"kind": "step", "step": 1, "outer_bytes": 0, "gossip_bytes": 0, "snapshot_bytes": 0},
                {"kind": "round", "status": "ok", "bytes_est": 10**9},  # an estimate: the counters are what moved
                {"kind": "step", "step": 2, "outer_bytes": 600, "gossip_bytes": 200, "offload_bytes": 200,
-                "snapshot_bytes": 3000}]
-    assert composer_bytes(records) == {"train_bytes_per_step": 500.0, "durability_bytes_per_step": 1500.0}
+                "snapshot_bytes": 3000, "handover_bytes": 100}]
+    assert composer_bytes(records) == {"train_bytes_per_step": 500.0, "durability_bytes_per_step": 1500.0,
+                                       "handover_bytes_per_step": 50.0}
     # A node that left: its last counters are those of its ``left`` event (the leave's snapshots included).
-    left = [*records, {"kind": "left", "rounds_ok": 1, "outer_bytes": 600, "gossip_bytes": 200, "snapshot_bytes": 5000}]
-    assert composer_bytes(left) == {"train_bytes_per_step": 400.0, "durability_bytes_per_step": 2500.0}
-    assert composer_bytes([]) == {"train_bytes_per_step": None, "durability_bytes_per_step": None}
+    left = [*records, {"kind": "left", "rounds_ok": 1, "outer_bytes": 600, "gossip_bytes": 200, "snapshot_bytes": 5000,
+                       "handover_bytes": 7000}]
+    assert composer_bytes(left) == {"train_bytes_per_step": 400.0, "durability_bytes_per_step": 2500.0,
+                                    "handover_bytes_per_step": 3500.0}
+    assert composer_bytes([]) == {"train_bytes_per_step": None, "durability_bytes_per_step": None,
+                                  "handover_bytes_per_step": None}
