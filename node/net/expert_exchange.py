@@ -10,7 +10,9 @@ node serves, from a thread-safe ``SnapshotStore``:
 - the *heir copy* it holds of an expert it does not own, when that is newer than its own final one.
 
 and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir*
-of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. When the
+of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. The heir asks with
+the place of its copy on the owner's chain (``snapshot_chain``): the owner answers with ternary links from there
+(an ``ExpertSnapshotLinks``), or a keyframe; a leaving owner answers with its exact final snapshot. When the
 owner dies, the heir already holds its expert and loses at most the steps since that snapshot. A node that is
 no longer an expert's heir (a joiner took that role in its view) keeps its copy ``keep_s`` longer and serves it:
 under churn the new heir may not have pulled a copy yet (the owner's view may not have it), may leave before it
@@ -318,6 +320,7 @@ class ExpertExchange:
         self._keyframes_only: set[ExpertId] = set()  # a chain from the initialisation did not rebuild here
         self._chains: dict[ExpertId, Chain] = {}  # owned experts' chains (training thread writes, loop reads)
         self._answers: dict[ExpertId, tuple[tuple[int, int, int], bytes]] = {}  # the last sealed chain answer
+        self._pulling = True
         self._former: dict[ExpertId, float] = {}  # heir copies of experts no longer inherited: since when
         self._sealed: dict[ExpertId, tuple[float, bytes]] = {}  # heir copy (by ``taken_at``) sealed by this node
         self._lock = threading.Lock()
@@ -363,6 +366,10 @@ class ExpertExchange:
                 self._chains[eid] = chain
         self.store.put(eid, step, body, final=final)
         return len(body)
+
+    def stop_pulling(self) -> None:
+        """Pull no more heir copies (this node is leaving: it takes nothing over); those held are still served."""
+        self._pulling = False
 
     def unchained(self, owned: Iterable[ExpertId]) -> list[ExpertId]:
         """Those of ``owned`` without a chain yet: their first snapshot starts one (from the initialisation when
@@ -475,8 +482,8 @@ class ExpertExchange:
     async def _heir_loop(self) -> None:
         while True:
             try:
-                found_targets = self.heir_targets()
-                if found_targets is None:  # no fresh view of the swarm: keep every copy, fetch nothing
+                found_targets = self.heir_targets() if self._pulling else None
+                if found_targets is None:  # no fresh view of the swarm, or leaving: keep every copy, fetch nothing
                     await asyncio.sleep(self.config.poll_s)
                     continue
                 wanted = dict(found_targets)

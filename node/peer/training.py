@@ -255,6 +255,7 @@ class Training:
         composer, settings = self.composer, self.config.node
         self.telemetry.phase("leaving")
         started = time.monotonic()
+        self.exchange.stop_pulling()  # what this node inherits is for whoever stays
         if self.views.composers() > 1:  # alone, a round in flight can only time out
             for report in self.rounds.wait(timeout_s=min(settings.leave_timeout_s, 20.0)):
                 self._round_event(report)  # the last rounds count in the metrics too
