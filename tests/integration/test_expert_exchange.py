@@ -208,6 +208,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
         tensors = {**weights, "adam.step": torch.tensor(float(step), dtype=torch.float64)}
         tensors.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
         tensors.update({f"adam.exp_avg_sq.{n}": torch.full(s, 1e-4) for n, s in SHAPES.items()})
+        before = {n: torch.from_numpy(a.copy()) for n, a in owner._chains[EID].ref.items()}  # the heir's copy
         exact = owner.put(EID, step, tensors)
         served = owner.servicer.chain_bytes_served
         ids["targets"][EID] = (ids["peer"], step)
@@ -222,7 +223,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     assert copy is not None and copy.step == 50 and not copy.final
     for n in SHAPES:
         assert torch.equal(copy.tensors[n], torch.from_numpy(chain.ref[n]))  # the owner's chain, bit for bit
-        # within the codec's tolerance: one link's ternary rounding, never more than the link itself
-        assert float((copy.tensors[n] - weights[n]).norm()) < 0.1 * float(weights[n].norm())
+        # within the codec's tolerance: one link's ternary rounding, less than the link it rounded
+        assert float((copy.tensors[n] - weights[n]).norm()) < float((before[n] - weights[n]).norm())
     assert float(copy.tensors["adam.step"]) == 50.0
     assert torch.allclose(copy.tensors["adam.exp_avg_sq.w_up.weight"], torch.full((6, 4), 1e-4))
