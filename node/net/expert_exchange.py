@@ -89,6 +89,8 @@ class Snapshot:
     taken_at: float = 0.0
     """When the holder took it, on this node's monotonic clock (received less ``age_s``): copies from different
     nodes are ordered by this, never by their steps (each node counts its own)."""
+    source: str = ""
+    """The peer it came from (an heir's copies)."""
 
 
 # --- the message, both ways (pure) ----------------------------------------------------------------
@@ -253,13 +255,15 @@ class ExpertServicer(ServicerBase):
         if held is None:
             return
         step, final, body, age_s, links = held
-        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb([step, final, round(age_s, 3), links]))
+        header = [step, final, round(age_s, 3)] + ([links] if ask is not None else [])  # a plain ask: 3 fields
+        yield runtime_pb2.ExpertInfo(serialized_info=msgpack.packb(header))
         for start in range(0, len(body), CHUNK_BYTES):
             yield runtime_pb2.ExpertInfo(serialized_info=body[start : start + CHUNK_BYTES])
         self.bytes_served += len(body)
         if links:
             self.chain_bytes_served += len(body)
-        self.served_steps[eid] = max(step, self.served_steps.get(eid, -1))
+        else:  # a leaving owner waits for its exact copies to be served, not for links
+            self.served_steps[eid] = max(step, self.served_steps.get(eid, -1))
 
 
 # --- the node's side ------------------------------------------------------------------------------
@@ -319,7 +323,9 @@ class ExpertExchange:
         self._positions: dict[ExpertId, HeirCopy] = {}  # where each heir copy stands on its owner's chain
         self._keyframes_only: set[ExpertId] = set()  # a chain from the initialisation did not rebuild here
         self._chains: dict[ExpertId, Chain] = {}  # owned experts' chains (training thread writes, loop reads)
-        self._answers: dict[ExpertId, tuple[tuple[int, int, int], bytes]] = {}  # the last sealed chain answer
+        # Sealed chain answers of each expert's latest version, by the base they start from (-1: a keyframe).
+        self._answers: dict[ExpertId, tuple[tuple[int, int], dict[int, bytes]]] = {}
+        self._epochs: dict[ExpertId, int] = {}  # bumped when the training thread takes an heir copy
         self._pulling = True
         self._former: dict[ExpertId, float] = {}  # heir copies of experts no longer inherited: since when
         self._sealed: dict[ExpertId, tuple[float, bytes]] = {}  # heir copy (by ``taken_at``) sealed by this node
@@ -362,6 +368,7 @@ class ExpertExchange:
         with self._lock:
             if chain is None:
                 self._chains.pop(eid, None)
+                self._answers.pop(eid, None)
             else:
                 self._chains[eid] = chain
         self.store.put(eid, step, body, final=final)
@@ -395,6 +402,7 @@ class ExpertExchange:
             self._former.pop(eid, None)
             self._sealed.pop(eid, None)
             self._positions.pop(eid, None)
+            self._epochs[eid] = self._epochs.get(eid, 0) + 1  # a pull in flight stores nothing now
             return self._heirs.pop(eid, None)
 
     def inherits_copy(self, eid: ExpertId) -> bool:
@@ -463,14 +471,20 @@ class ExpertExchange:
         return heir.step, False, sealed[1], age_s, False
 
     def _chain_answer(self, eid: ExpertId, chain: Chain, ask: HeirAsk) -> bytes:
-        held = None if ask[0] == 0 else (ask[0], ask[1])
-        msg = chain.answer(held, eid[0], eid[1], init=ask[2])
-        key = (chain.chain, chain.version, msg.base)
-        cached = self._answers.get(eid)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        body = self.sealer.seal(msg)
-        self._answers[eid] = key, body
+        """The sealed answer to ``ask``; each kind (a keyframe, the links from each base) is encoded and sealed once
+        per version, whoever asks how often."""
+        base = chain.base_for(None if ask[0] == 0 else (ask[0], ask[1]), init=ask[2])
+        key = -1 if base is None else base
+        with self._lock:
+            version, bodies = self._answers.get(eid, (None, {}))
+            if version != (chain.chain, chain.version):
+                bodies = {}
+                self._answers[eid] = (chain.chain, chain.version), bodies
+            body = bodies.get(key)
+        if body is None:
+            body = self.sealer.seal(chain.answer(base, eid[0], eid[1]))
+            with self._lock:
+                bodies[key] = body
         return body
 
     def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | None]:
@@ -490,24 +504,35 @@ class ExpertExchange:
                 self.forget_heir_copies(set(wanted))
                 targets = {eid: t for eid, t in wanted.items() if t is not None}
                 # Fetch when the owner has passed the step of our copy by a snapshot period (a leaving owner's
-                # step comes a period ahead: its final copy, once pulled, is the last).
+                # step comes a period ahead: its final copy, once pulled from it, is the last).
                 stale = [(eid, owner) for eid, (owner, owner_step) in sorted(targets.items())
-                         if (held := self.heir_copy(eid)) is None
-                         or owner_step - held.step >= self.snapshot_every + (self.snapshot_every if held.final else 0)]
+                         if (held := self.heir_copy(eid)) is None or owner_step - held.step >= self.snapshot_every
+                         + (self.snapshot_every if held.final and held.source == owner else 0)]
                 # Concurrently: one slow or vanished owner must not hold back the other copies.
-                found = await asyncio.gather(*(self._pull(owner, eid) for eid, owner in stale))
                 with self._lock:
-                    for (eid, _), snap in zip(stale, found, strict=True):
-                        if snap is not None and eid in targets:
+                    epochs = {eid: self._epochs.get(eid, 0) for eid, _ in stale}
+                found = await asyncio.gather(*(self._pull(owner, eid) for eid, owner in stale),
+                                             return_exceptions=True)
+                with self._lock:
+                    for (eid, owner), got in zip(stale, found, strict=True):
+                        if isinstance(got, BaseException):
+                            logger.warning("heir copy of %s from %s failed: %r", eid, owner, got)
+                        elif got is not None and eid in targets and self._epochs.get(eid, 0) == epochs[eid]:
+                            snap, position = got
                             self._heirs[eid] = snap
+                            if position is None:
+                                self._positions.pop(eid, None)
+                            else:
+                                self._positions[eid] = position
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad view or a dying daemon must not end the heir loop
                 logger.exception("heir snapshot poll failed; retrying")
             await asyncio.sleep(self.config.poll_s)
 
-    async def _pull(self, peer: str, eid: ExpertId) -> Snapshot | None:
-        """As the heir of ``eid``: the owner's chain from the copy held here (or its final snapshot, when it left)."""
+    async def _pull(self, peer: str, eid: ExpertId) -> tuple[Snapshot, HeirCopy | None] | None:
+        """As the heir of ``eid``: the owner's chain from the copy held here (or its final snapshot, when it left),
+        with the copy's new place on the chain (None: an exact copy, on no chain)."""
         with self._lock:
             held = self._positions.get(eid)
         init = self.initial_weights is not None and eid not in self._keyframes_only
@@ -518,10 +543,7 @@ class ExpertExchange:
         step, final, age_s, body, links = got
         if not links:
             snap = self._checked(peer, eid, step, final, age_s, body)
-            if snap is not None:
-                with self._lock:
-                    self._positions.pop(eid, None)
-            return snap
+            return None if snap is None else (dataclasses.replace(snap, source=peer), None)
         signer = self.key_of(peer)
         if signer is None:
             return None
@@ -538,16 +560,15 @@ class ExpertExchange:
                                eid, peer, e)
                 with self._lock:
                     self._positions.pop(eid, None)
-                    if held is None:  # the initialisation drawn here is not the one the owner started from
+                    if e.from_init:  # the initialisation drawn here is not the one the owner started from
                         self._keyframes_only.add(eid)
                 return None
         except ProtocolError as e:
             self.refused += 1
             logger.warning("refused the snapshot links of expert %s from %s: %s", eid, peer, e)
             return None
-        with self._lock:
-            self._positions[eid] = position
-        return Snapshot(eid[0], eid[1], step, False, tensors, age_s=age_s, taken_at=time.monotonic() - age_s)
+        return Snapshot(eid[0], eid[1], step, False, tensors, age_s=age_s, taken_at=time.monotonic() - age_s,
+                        source=peer), position
 
     async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
         got = await self._fetch_or_none(peer, eid)
@@ -596,7 +617,7 @@ class ExpertExchange:
 
 
 _HEADER_MAX_BYTES = 32
-"""A snapshot answer's first message, msgpack [step, final, age, links]: at most 21 bytes."""
+"""A snapshot answer's first message, msgpack [step, final, age] and, to an heir's ask, links: at most 21 bytes."""
 
 
 def _header(data: bytes) -> tuple[int, bool, float, bool]:
@@ -605,7 +626,8 @@ def _header(data: bytes) -> tuple[int, bool, float, bool]:
                               max_ext_len=0)
     except MSGPACK_ERRORS:
         raise RemoteProtocolError("undecodable snapshot header") from None
-    if not (isinstance(obj, list) and len(obj) == 4 and type(obj[0]) is int and type(obj[1]) is bool and obj[0] >= 0
-            and type(obj[2]) in (int, float) and math.isfinite(obj[2]) and obj[2] >= 0 and type(obj[3]) is bool):
-        raise RemoteProtocolError("snapshot header is not [step >= 0, final, age >= 0, links]")
-    return obj[0], obj[1], float(obj[2]), obj[3]
+    if not (isinstance(obj, list) and len(obj) in (3, 4) and type(obj[0]) is int and type(obj[1]) is bool
+            and obj[0] >= 0 and type(obj[2]) in (int, float) and math.isfinite(obj[2]) and obj[2] >= 0
+            and (len(obj) == 3 or type(obj[3]) is bool)):
+        raise RemoteProtocolError("snapshot header is not [step >= 0, final, age >= 0] or [..., links]")
+    return obj[0], obj[1], float(obj[2]), len(obj) == 4 and obj[3]

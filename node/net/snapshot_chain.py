@@ -54,7 +54,9 @@ Array = npt.NDArray[np.float32]
 
 class ChainMismatch(RemoteProtocolError):
     """Links that do not apply to the copy this heir holds, or a rebuilt copy whose digest differs: drop the copy and
-    ask for a keyframe."""
+    ask for a keyframe. ``from_init``: the links started at the initialisation this heir drew."""
+
+    from_init: bool = False
 
 
 def weights_digest(ref: Mapping[str, Array]) -> bytes:
@@ -131,15 +133,17 @@ class Chain:
         return Chain(self.chain, self.version + 1, step, taken, self.from_init, ref, weights_digest(ref),
                      (*self.links, link)[-KEPT_LINKS:], _state(tensors, tuple(self.ref)))
 
-    def answer(self, held: tuple[int, int] | None, layer: int, expert: int, *,
-               init: bool = True) -> ExpertSnapshotLinks:
-        """What to send an heir that holds version ``held[1]`` of chain ``held[0]`` (None: no copy; ``init``: it
-        can draw the initialisation): the links from there, else a keyframe."""
-        base: int | None = None
+    def base_for(self, held: tuple[int, int] | None, *, init: bool = True) -> int | None:
+        """The version the links to an heir that holds version ``held[1]`` of chain ``held[0]`` start from (None: no
+        copy; ``init``: it can draw the initialisation), or None for a keyframe."""
         if held is None:
-            base = 0 if init and self.from_init and self.first_base == 0 else None
-        elif held[0] == self.chain and self.first_base <= held[1] <= self.version:
-            base = held[1]
+            return 0 if init and self.from_init and self.first_base == 0 else None
+        if held[0] == self.chain and self.first_base <= held[1] <= self.version:
+            return held[1]
+        return None
+
+    def answer(self, base: int | None, layer: int, expert: int) -> ExpertSnapshotLinks:
+        """The links from version ``base`` (``base_for``), or a keyframe (None)."""
         if base is None:
             tensors = {name: encode(array) for name, array in self.ref.items()}
             base = self.version
@@ -181,12 +185,14 @@ def rebuild(msg: ExpertSnapshotLinks, shapes: Mapping[str, tuple[int, ...]], hel
     """
     names = tuple(shapes)
     count = msg.version - msg.base
+    if not 0 <= count <= KEPT_LINKS:
+        raise RemoteProtocolError(f"expert snapshot links of {(msg.layer, msg.expert)}: versions {msg.base} to "
+                                  f"{msg.version}, more than the {KEPT_LINKS} links an owner keeps")
     keyframe = count == 0 and set(names) <= set(msg.tensors)
     expected = set(names) if keyframe else {f"{_LINK}{i}.{n}" for i in range(count) for n in names}
     state_names = {ADAM_STEP} | {f"{p}{n}" for p in (_ROWS, _COLS) for n in names}
     got = set(msg.tensors)
-    if not (0 <= count <= KEPT_LINKS) or expected - got or got - expected - state_names or (
-            got & state_names and state_names - got):
+    if expected - got or got - expected - state_names or (got & state_names and state_names - got):
         raise RemoteProtocolError(f"expert snapshot links of {(msg.layer, msg.expert)}: versions {msg.base} to "
                                   f"{msg.version} with tensors {sorted(got)[:12]}")
     biggest = max(int(np.prod(s)) for s in shapes.values())
@@ -197,11 +203,13 @@ def rebuild(msg: ExpertSnapshotLinks, shapes: Mapping[str, tuple[int, ...]], hel
         want = _expected_shape(name, shapes)
         if tuple(array.shape) != want:
             raise RemoteProtocolError(f"expert snapshot links: {name} has shape {array.shape}, expected {want}")
+    from_init = False
     if keyframe:
         ref = {n: arrays[n].astype(np.float32) for n in names}
     elif held is not None and held.chain == msg.chain and held.version == msg.base:
         ref = dict(held.ref)
     elif msg.base == 0 and initial is not None:
+        from_init = True
         ref = {n: _array(t) for n, t in initial().items()}
     else:
         raise ChainMismatch(f"links of chain {msg.chain} from version {msg.base}, but this heir holds "
@@ -210,8 +218,10 @@ def rebuild(msg: ExpertSnapshotLinks, shapes: Mapping[str, tuple[int, ...]], hel
         for n in names:
             ref[n] = ref[n] + arrays[f"{_LINK}{i}.{n}"]
     if weights_digest(ref) != msg.digest:
-        raise ChainMismatch(f"expert {(msg.layer, msg.expert)} rebuilt at version {msg.version} of chain {msg.chain} "
-                            "does not match the owner's digest", peer=peer)
+        mismatch = ChainMismatch(f"expert {(msg.layer, msg.expert)} rebuilt at version {msg.version} of chain "
+                                 f"{msg.chain} does not match the owner's digest", peer=peer)
+        mismatch.from_init = from_init
+        raise mismatch
     for n, array in ref.items():
         if not np.isfinite(array).all() or float(np.linalg.norm(array)) > MAX_NORM:
             raise RemoteProtocolError(f"expert snapshot links: {n} rebuilt is not finite or past the norm bound")
@@ -224,8 +234,11 @@ def rebuild(msg: ExpertSnapshotLinks, shapes: Mapping[str, tuple[int, ...]], hel
             rows, cols = arrays[f"{_ROWS}{n}"], arrays[f"{_COLS}{n}"]
             if float(rows.min()) < 0 or float(cols.min()) < 0:
                 raise RemoteProtocolError(f"expert snapshot links: a negative second moment of {n}")
+            v = factored_second_moment(rows, cols, shapes[n])
+            if not np.isfinite(v).all() or float(np.linalg.norm(v)) > MAX_NORM:
+                raise RemoteProtocolError(f"expert snapshot links: the second moment of {n} is past the norm bound")
             tensors[f"adam.exp_avg.{n}"] = torch.zeros(shapes[n])
-            tensors[f"adam.exp_avg_sq.{n}"] = torch.from_numpy(factored_second_moment(rows, cols, shapes[n]))
+            tensors[f"adam.exp_avg_sq.{n}"] = torch.from_numpy(v)
         tensors[ADAM_STEP] = torch.tensor(step)
     return HeirCopy(msg.chain, msg.version, ref), tensors
 

@@ -217,6 +217,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     # A link against the whole snapshot: with tensors this small the envelope weighs most (per parameter:
     # test_snapshot_chain.py); and the heir's traffic is counted as the heir's, on both sides.
     assert links < exact and heir.chain_bytes_fetched == owner.servicer.chain_bytes_served > 0
+    assert EID not in owner.servicer.served_steps  # links: a leaving owner still waits for its exact final copy
     chain = owner._chains[EID]
     owner.close()  # the owner dies
     copy = heir.take_heir_copy(EID)
@@ -227,3 +228,18 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
         assert float((copy.tensors[n] - weights[n]).norm()) < float((before[n] - weights[n]).norm())
     assert float(copy.tensors["adam.step"]) == 50.0
     assert torch.allclose(copy.tensors["adam.exp_avg_sq.w_up.weight"], torch.full((6, 4), 1e-4))
+
+
+def test_each_kind_of_chain_answer_is_its_own(pair) -> None:
+    owner, _, _ = pair
+    owner.put(EID, 0, dict(INIT))
+    owner.put(EID, 10, {n: t + 1.0 for n, t in INIT.items()})
+    chain = owner._chains[EID]
+    up_to_date = owner.served(EID, (chain.chain, chain.version, True))
+    keyframe = owner.served(EID, (0, 0, False))  # no copy, and no initialisation to draw: a keyframe
+    links = owner.served(EID, (0, 0, True))  # no copy: the links from the initialisation
+    assert up_to_date is not None and keyframe is not None and links is not None
+    assert len({up_to_date[2], keyframe[2], links[2]}) == 3 and all(a[4] for a in (up_to_date, keyframe, links))
+    assert owner.served(EID, (0, 0, False))[2] is keyframe[2]  # sealed once per version  # type: ignore[index]
+    exact = owner.served(EID)
+    assert exact is not None and not exact[4]

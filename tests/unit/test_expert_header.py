@@ -1,5 +1,5 @@
-"""The snapshot stream's header [step, final, age in seconds, links] and an heir's ask [chain, version, init],
-strictly typed."""
+"""The snapshot stream's header [step, final, age in seconds] (and, to an heir's ask, links) and an heir's ask
+[chain, version, init], strictly typed."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from parallax.protocol.errors import RemoteProtocolError
 def test_header_round_trip() -> None:
     assert _header(msgpack.packb([12, True, 3.5, False])) == (12, True, 3.5, False)
     assert _header(msgpack.packb([0, False, 0, True])) == (0, False, 0.0, True)
+    assert _header(msgpack.packb([7, False, 1.5])) == (7, False, 1.5, False)  # to a plain ask: an exact snapshot
 
 
 @pytest.mark.parametrize("bad", [
-    b"", b"\xc1", msgpack.packb([1, True]), msgpack.packb([1, True, 0.0]), msgpack.packb([-1, True, 0.0, False]),
+    b"", b"\xc1", msgpack.packb([1, True]), msgpack.packb([-1, True, 0.0, False]),
     msgpack.packb([1, 1, 0.0, False]), msgpack.packb([1, True, -0.5, False]),
     msgpack.packb([1, True, float("nan"), False]), msgpack.packb([1, True, float("inf"), False]),
     msgpack.packb([1, True, "0", False]), msgpack.packb([1, True, 0.0, 4]), msgpack.packb([1, True, 0.0, False, 1]),

@@ -57,7 +57,7 @@ def _norm(a: dict[str, torch.Tensor] | dict[str, np.ndarray], b: dict[str, torch
 
 
 def _pull(chain: Chain, held: HeirCopy | None, owner: Owner, *, init: bool = True):
-    msg = chain.answer(None if held is None else (held.chain, held.version), *EID, init=init)
+    msg = chain.answer(chain.base_for(None if held is None else (held.chain, held.version), init=init), *EID)
     msg = ExpertSnapshotLinks.decode(msg.encode())  # as it crosses the wire
     return msg, rebuild(msg, SHAPES, held, (lambda: owner.init) if init else None)
 
@@ -168,7 +168,7 @@ def _linked() -> tuple[Owner, HeirCopy, Chain]:
 
 def test_links_that_do_not_rebuild_the_signed_copy_are_a_mismatch() -> None:
     owner, held, chain = _linked()
-    msg = chain.answer((held.chain, held.version), *EID)
+    msg = chain.answer(chain.base_for((held.chain, held.version)), *EID)
     with pytest.raises(ChainMismatch):  # another digest
         rebuild(dataclasses.replace(msg, digest=bytes(32)), SHAPES, held, None)
     with pytest.raises(ChainMismatch):  # links for a copy this heir does not hold
@@ -203,13 +203,29 @@ def _bad(tensors: dict[str, bytes], name: str) -> dict[str, bytes]:
 @pytest.mark.parametrize("name", ["unknown", "half a state", "missing link", "shape", "negative", "step", "nan"])
 def test_bad_answers_are_refused(name: str) -> None:
     _, held, chain = _linked()
-    msg = chain.answer((held.chain, held.version), *EID)
+    msg = chain.answer(chain.base_for((held.chain, held.version)), *EID)
     with pytest.raises(RemoteProtocolError):
         rebuild(dataclasses.replace(msg, tensors=_bad(dict(msg.tensors), name)), SHAPES, held, None)
 
 
-def test_more_links_than_kept_are_refused() -> None:
+@pytest.mark.parametrize("links", [KEPT_LINKS + 1, 2**62])
+def test_more_links_than_kept_are_refused_before_anything_is_built(links: int) -> None:
     _, held, chain = _linked()
-    msg = chain.answer((held.chain, held.version), *EID)
-    with pytest.raises(RemoteProtocolError):
-        rebuild(dataclasses.replace(msg, version=msg.base + KEPT_LINKS + 1), SHAPES, held, None)
+    msg = chain.answer(chain.base_for((held.chain, held.version)), *EID)
+    with pytest.raises(RemoteProtocolError, match="more than"):
+        rebuild(dataclasses.replace(msg, version=msg.base + links, tensors={}), SHAPES, held, None)
+
+
+def test_only_links_from_an_initialisation_drawn_here_blame_the_initialisation() -> None:
+    owner = Owner()
+    chain = Chain.start(0, owner.snapshot(), NAMES, taken=0.0)
+    msg = chain.answer(chain.base_for(None), *EID)
+    other = {n: t + 1.0 for n, t in owner.init.items()}  # another generator's draws
+    with pytest.raises(ChainMismatch) as drawn:
+        rebuild(msg, SHAPES, None, lambda: other)
+    assert drawn.value.from_init
+    _, held, linked = _linked()
+    with pytest.raises(ChainMismatch) as held_copy:
+        rebuild(dataclasses.replace(linked.answer(linked.base_for((held.chain, held.version)), *EID),
+                                    digest=bytes(32)), SHAPES, held, None)
+    assert not held_copy.value.from_init
