@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -66,16 +67,37 @@ def expert_prefix(layer: int, expert: int) -> str:
     return f"blocks.{layer}.moe.experts.{expert}."
 
 
-def initial_weights(plan: InitPlan, seed: int, prefix: str) -> dict[str, torch.Tensor]:
-    """The initial values of the weights named ``prefix``... in ``plan`` (one expert's: ``expert_prefix``), by the
-    rest of their names: ``plan`` is replayed up to them, one tensor of memory at a time. Pure: any thread."""
-    out: dict[str, torch.Tensor] = {}
-    for (name, _, _), value in zip(plan, initial_draws(plan, seed), strict=True):
-        if name.startswith(prefix):
-            out[name[len(prefix):]] = value
-        elif out:
-            break  # an expert's weights are drawn one after another: the rest is not needed
-    return out
+class InitialWeights:
+    """The initial values of any weights of ``plan`` drawn with ``seed``, as ``initial_draws`` draws them, without
+    replaying the draws more than once: the generator's state where each entry of ``plan`` starts is kept (about
+    5 KB an entry), so a later call draws only its own tensors. Touches no model; thread-safe."""
+
+    def __init__(self, plan: InitPlan, seed: int) -> None:
+        self.plan, self.seed = plan, seed
+        self._starts: list[torch.Tensor] = []  # the generator's state before entry i
+        self._lock = threading.Lock()
+
+    def __call__(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The weights named ``prefix``... (one expert's: ``expert_prefix``), by the rest of their names."""
+        wanted = [i for i, (name, _, _) in enumerate(self.plan) if name.startswith(prefix)]
+        out: dict[str, torch.Tensor] = {}
+        if not wanted:
+            return out
+        with self._lock:
+            gen = torch.Generator()
+            if not self._starts:
+                self._starts.append(gen.manual_seed(self.seed).get_state())
+            i = min(wanted[0], len(self._starts) - 1)
+            gen.set_state(self._starts[i])
+            while i <= wanted[-1]:
+                name, shape, std = self.plan[i]
+                value = torch.randn(shape, generator=gen)
+                if name.startswith(prefix):
+                    out[name[len(prefix):]] = value * std
+                i += 1
+                if i == len(self._starts):
+                    self._starts.append(gen.get_state())
+        return out
 
 
 def own_all(cfg: ModelConfig) -> Ownership:
@@ -522,7 +544,7 @@ class MoETransformer(nn.Module):
 
     def init_plan(self) -> InitPlan:
         """What the initialisation draws, in canonical order: (name, shape, standard deviation) of every weight
-        with more than one dimension. Plain data: ``initial_weights(plan, seed, prefix)`` replays it on any
+        with more than one dimension. Plain data: ``InitialWeights(plan, seed)`` replays it on any
         thread without touching the model."""
         resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
         return tuple((name, tuple(p.shape),
@@ -550,7 +572,7 @@ class MoETransformer(nn.Module):
         if not (0 <= layer < self.cfg.n_layers and 0 <= expert < self.cfg.n_experts):
             raise ValueError(f"no expert ({layer}, {expert}): layers 0..{self.cfg.n_layers - 1}, "
                              f"experts 0..{self.cfg.n_experts - 1}")
-        return initial_weights(self.init_plan(), seed, expert_prefix(layer, expert))
+        return InitialWeights(self.init_plan(), seed)(expert_prefix(layer, expert))
 
     def _canonical_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters in a fixed order that includes every expert of the model, held or not.

@@ -42,12 +42,12 @@ from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
 from parallax.node.model.transformer import (
+    InitialWeights,
     InitPlan,
     MoETransformer,
     Ownership,
     SwiGLU,
     expert_prefix,
-    initial_weights,
 )
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.node.net.expert_exchange import ExpertExchange
@@ -312,11 +312,12 @@ class Node:
                                  n_layers=cfg.model.n_layers, shapes=shapes.surrogate, owner_of=views.owner_key,
                                  start_versions=versions, loop=loop.loop).start()
         stack.callback(gossip.close)
+        initial = InitialWeights(shapes.init, cfg.seed)  # heirs draw the experts' initial weights on worker threads
         exchange = ExpertExchange(loop.p2p, loop.loop, c.peer.run_id, shapes.expert, identity=self.identity,
                                   key_of=views.public_key_of, surrogate_shapes=shapes.surrogate,
                                   heir_targets=views.heir_targets, snapshot_every=c.node.snapshot_every,
                                   may_fetch=views.may_fetch, config=c.net.exchange,
-                                  initial_weights=lambda e: initial_weights(shapes.init, cfg.seed, expert_prefix(*e)),
+                                  initial_weights=lambda e: initial(expert_prefix(*e)),
                                   chains=cfg.ownership.replicas == 1).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()

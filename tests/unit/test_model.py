@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from parallax.node.config.train import GROUPS, ModelConfig, preset
-from parallax.node.model.transformer import KVCache, MoELayer, MoETransformer, group_of, own_all
+from parallax.node.model.transformer import (
+    InitialWeights,
+    KVCache,
+    MoELayer,
+    MoETransformer,
+    expert_prefix,
+    group_of,
+    own_all,
+)
 
 TINY = preset("tiny")
 
@@ -208,3 +216,17 @@ def test_a_key_value_cache_grows_past_its_capacity_and_returns_every_position_in
     for i, j in ((0, 1), (1, 4), (4, 5), (5, 7)):  # within the buffer, past it (doubled), past it again
         k, v = cache.extend(k_BHTDh[..., i:j, :], v_BHTDh[..., i:j, :])
         assert cache.length == j and torch.equal(k, k_BHTDh[..., :j, :]) and torch.equal(v, v_BHTDh[..., :j, :])
+
+
+def test_any_experts_initial_weights_are_drawn_alike_in_any_order_without_a_model() -> None:
+    cfg = preset("tiny")
+    held = MoETransformer(cfg, tuple(frozenset({0, 3}) for _ in range(cfg.n_layers)), seed=11)
+    # The plan of a composer that holds no expert: an heir's, drawing on a worker thread.
+    initial = InitialWeights(MoETransformer(cfg, tuple(frozenset() for _ in range(cfg.n_layers)), seed=11).init_plan(),
+                             11)
+    for layer, expert in [(1, 3), (0, 0), (1, 0), (0, 3), (1, 3)]:  # forwards, back, and again
+        drawn = initial(expert_prefix(layer, expert))
+        params = held.expert_parameters(layer, expert)
+        assert set(drawn) == set(params) and all(torch.equal(drawn[n], p.detach()) for n, p in params.items())
+        assert all(torch.equal(drawn[n], v) for n, v in held.initial_expert_weights(layer, expert, 11).items())
+    assert initial("no such prefix.") == {}
