@@ -223,9 +223,9 @@ def heir_ask(metadata: bytes) -> HeirAsk | None:
 
 class ExpertServicer(ServicerBase):
     """Streams a held snapshot: request ``uid`` = expert id, ``metadata`` empty for the exact snapshot or an heir's
-    ``HeirAsk``; the first message is msgpack [step, final, age in seconds, links], the rest the body in chunks; an
-    empty stream means "not held here" (also to a peer that is not a live composer of the run: an expert's weights
-    and optimizer state are for the run's composers only). Do not rename (protocol id)."""
+    ``HeirAsk``; the first message is msgpack [step, final, age in seconds] (and links, to an heir's ask), the rest the
+    body in chunks; an empty stream means "not held here" (also to a peer that is not a live composer of the run: an
+    expert's weights and optimizer state are for the run's composers only). Do not rename (protocol id)."""
 
     def __init__(self, held: Callable[[ExpertId, HeirAsk | None], Served | None],
                  may_fetch: Callable[[str], bool] = lambda _peer: True) -> None:
@@ -327,6 +327,9 @@ class ExpertExchange:
         self._answers: dict[ExpertId, tuple[tuple[int, int], dict[int, bytes]]] = {}
         self._epochs: dict[ExpertId, int] = {}  # bumped when the training thread takes an heir copy
         self._pulling = True
+        # Links are encoded off the training thread, one expert after another in the order they were put.
+        self._chain_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parallax-chains")
+        self._chained: set[ExpertId] = set()  # experts whose chain exists or is on its way (training thread)
         self._former: dict[ExpertId, float] = {}  # heir copies of experts no longer inherited: since when
         self._sealed: dict[ExpertId, tuple[float, bytes]] = {}  # heir copy (by ``taken_at``) sealed by this node
         self._lock = threading.Lock()
@@ -337,6 +340,7 @@ class ExpertExchange:
         return self
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self._chain_worker.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(Exception):  # the loop or the daemon may already be gone
             asyncio.run_coroutine_threadsafe(self._teardown(), self.loop).result(timeout_s)
 
@@ -357,22 +361,32 @@ class ExpertExchange:
 
     def put(self, eid: ExpertId, step: int, tensors: Mapping[str, torch.Tensor], *, final: bool = False) -> int:
         """Serve this snapshot of an owned (or, ``final``, just released) expert; returns its size in bytes. A
-        periodic one also takes the expert's chain a link further (its heir pulls that link); a final one ends it."""
+        periodic one also takes the expert's chain a link further (its heir pulls that link, once the chain worker
+        has made it), a final one ends the chain. ``tensors`` must not change afterwards (``Experts.snapshot``
+        makes fresh copies)."""
         body = self.sealer.seal(encode_snapshot(eid[0], eid[1], step, tensors))
-        chain = None
-        if self.chains and not final:
+        if self.chains:
+            (self._chained.discard if final else self._chained.add)(eid)
+            self._chain_worker.submit(self._link, eid, step, tensors, final, time.monotonic())
+        self.store.put(eid, step, body, final=final)
+        return len(body)
+
+    def _link(self, eid: ExpertId, step: int, tensors: Mapping[str, torch.Tensor], final: bool, taken: float) -> None:
+        """On the chain worker: take the chain of ``eid`` a link further from ``tensors``, or end it."""
+        with self._lock:
             held = self._chains.get(eid)
-            taken = time.monotonic()
-            chain = (Chain.start(step, tensors, tuple(self.expert_shapes), taken=taken) if held is None
-                     else held.advance(step, tensors, taken=taken))
+        try:
+            chain = (None if final else Chain.start(step, tensors, tuple(self.expert_shapes), taken=taken)
+                     if held is None else held.advance(step, tensors, taken=taken))
+        except Exception:  # our own tensors: a bug; the heirs' copies restart from the next snapshot's keyframe
+            logger.exception("expert %s: its heirs' chain did not advance; it starts again at the next snapshot", eid)
+            chain = None
         with self._lock:
             if chain is None:
                 self._chains.pop(eid, None)
                 self._answers.pop(eid, None)
             else:
                 self._chains[eid] = chain
-        self.store.put(eid, step, body, final=final)
-        return len(body)
 
     def stop_pulling(self) -> None:
         """Pull no more heir copies (this node is leaving: it takes nothing over); those held are still served."""
@@ -381,10 +395,7 @@ class ExpertExchange:
     def unchained(self, owned: Iterable[ExpertId]) -> list[ExpertId]:
         """Those of ``owned`` without a chain yet: their first snapshot starts one (from the initialisation when
         it comes before their first step, so that heirs need no keyframe)."""
-        if not self.chains:
-            return []
-        with self._lock:
-            return sorted(set(owned) - set(self._chains))
+        return sorted(set(owned) - self._chained) if self.chains else []
 
     def heir_copy(self, eid: ExpertId) -> Snapshot | None:
         """The latest snapshot pulled as the heir of ``eid`` (None if none)."""

@@ -197,7 +197,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     owner, heir, ids = pair
     gen = torch.Generator().manual_seed(0)
     weights = {n: t.clone() for n, t in INIT.items()}
-    owner.put(EID, 0, dict(weights))  # before its first step: the chain starts at the initialisation
+    owner.put(EID, 0, {n: t.clone() for n, t in weights.items()})  # before its first step: the chain starts at the init
     ids["targets"][EID] = (ids["peer"], 0)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
     assert owner.servicer.chain_bytes_served < 1024  # no weights sent: the heir drew the initialisation itself
@@ -205,10 +205,12 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     for step in range(10, 60, 10):
         for t in weights.values():
             t.add_(torch.randn(t.shape, generator=gen) * 0.1)
-        tensors = {**weights, "adam.step": torch.tensor(float(step), dtype=torch.float64)}
+        tensors = {n: t.clone() for n, t in weights.items()}
+        tensors["adam.step"] = torch.tensor(float(step), dtype=torch.float64)
         tensors.update({f"adam.exp_avg.{n}": torch.zeros(s) for n, s in SHAPES.items()})
         tensors.update({f"adam.exp_avg_sq.{n}": torch.full(s, 1e-4) for n, s in SHAPES.items()})
-        before = {n: torch.from_numpy(a.copy()) for n, a in owner._chains[EID].ref.items()}  # the heir's copy
+        wait_until(lambda step=step: _chain(owner).step == step - 10, timeout=15)  # the chain worker's last link
+        before = {n: torch.from_numpy(a.copy()) for n, a in _chain(owner).ref.items()}  # the heir's copy
         exact = owner.put(EID, step, tensors)
         served = owner.servicer.chain_bytes_served
         ids["targets"][EID] = (ids["peer"], step)
@@ -218,7 +220,7 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     # test_snapshot_chain.py); and the heir's traffic is counted as the heir's, on both sides.
     assert links < exact and heir.chain_bytes_fetched == owner.servicer.chain_bytes_served > 0
     assert EID not in owner.servicer.served_steps  # links: a leaving owner still waits for its exact final copy
-    chain = owner._chains[EID]
+    chain = _chain(owner)
     owner.close()  # the owner dies
     copy = heir.take_heir_copy(EID)
     assert copy is not None and copy.step == 50 and not copy.final
@@ -234,7 +236,8 @@ def test_each_kind_of_chain_answer_is_its_own(pair) -> None:
     owner, _, _ = pair
     owner.put(EID, 0, dict(INIT))
     owner.put(EID, 10, {n: t + 1.0 for n, t in INIT.items()})
-    chain = owner._chains[EID]
+    wait_until(lambda: _chain(owner).version == 1, timeout=15)
+    chain = _chain(owner)
     up_to_date = owner.served(EID, (chain.chain, chain.version, True))
     keyframe = owner.served(EID, (0, 0, False))  # no copy, and no initialisation to draw: a keyframe
     links = owner.served(EID, (0, 0, True))  # no copy: the links from the initialisation
@@ -243,3 +246,9 @@ def test_each_kind_of_chain_answer_is_its_own(pair) -> None:
     assert owner.served(EID, (0, 0, False))[2] is keyframe[2]  # sealed once per version  # type: ignore[index]
     exact = owner.served(EID)
     assert exact is not None and not exact[4]
+
+
+def _chain(exchange: ExpertExchange):
+    """The chain ``exchange`` keeps of EID, once its chain worker made one."""
+    wait_until(lambda: EID in exchange._chains, timeout=15)
+    return exchange._chains[EID]
