@@ -461,11 +461,13 @@ class ExpertExchange:
         copy, or None. Called on the loop thread; each answer is sealed once."""
         own = self.store.get(eid)
         if own is not None and not own[1]:
+            if ask is None or not self.chains:
+                return (*own, False)
             with self._lock:
                 chain = self._chains.get(eid)
-            if ask is not None and chain is not None:
-                return chain.step, False, self._chain_answer(eid, chain, ask), time.monotonic() - chain.taken, True
-            return (*own, False)
+            if chain is None:  # its first link is still being made: the heir asks again at its next poll
+                return None
+            return chain.step, False, self._chain_answer(eid, chain, ask), time.monotonic() - chain.taken, True
         with self._lock:
             heir = self._heirs.get(eid)
             sealed = self._sealed.get(eid)
