@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -96,8 +95,7 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     cache = model.new_cache() if use_cache else None
 
     def logits_after(new: list[int]) -> torch.Tensor:
-        count = token_threads if len(new) == 1 and device.type == "cpu" else None
-        with threads(count) if count is not None else contextlib.nullcontext():
+        with threads(token_threads if len(new) == 1 and device.type == "cpu" else None):
             return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
 
     logits = logits_after(tokens[-window:])

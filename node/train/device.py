@@ -131,8 +131,12 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 
 @contextlib.contextmanager
-def threads(count: int) -> Iterator[None]:
-    """torch's CPU operations on ``count`` intra-op threads inside, the process's setting again after."""
+def threads(count: int | None) -> Iterator[None]:
+    """torch's CPU operations on ``count`` intra-op threads inside, the process's setting again after (None: the
+    process's setting throughout)."""
+    if count is None:
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
