@@ -95,8 +95,10 @@ def generate(model: MoETransformer, prompt: bytes, *, max_new_tokens: int, tempe
     cache = model.new_cache() if use_cache else None
 
     def logits_after(new: list[int]) -> torch.Tensor:
-        with threads(token_threads if len(new) == 1 and device.type == "cpu" else None):
-            return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
+        if cache is not None and len(new) == 1:
+            with threads(token_threads if device.type == "cpu" else None):
+                return model.decode(new[0], cache).float()
+        return model(torch.tensor([new], dtype=torch.long, device=device), cache=cache).logits[0, -1].float()
 
     logits = logits_after(tokens[-window:])
     for _ in range(max_new_tokens):

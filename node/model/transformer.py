@@ -115,10 +115,10 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(d_hidden, d_in, bias=False)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        # The weights straight to F.linear, not through the Linear modules' calls: a token generated with the cache
+        # The weights straight to a product, not through the Linear modules' calls: a token generated with the cache
         # calls K experts a layer, and each module call costs more than a one-row product.
-        gate_NH = F.linear(x_ND, self.w_gate.weight)
-        return F.linear(F.silu(gate_NH) * F.linear(x_ND, self.w_up.weight), self.w_down.weight)
+        gate_NH = torch.mm(x_ND, self.w_gate.weight.t())
+        return torch.mm(F.silu(gate_NH) * torch.mm(x_ND, self.w_up.weight.t()), self.w_down.weight.t())
 
 
 def _rotary(x_BHTDh: torch.Tensor, base: float, start: int = 0) -> torch.Tensor:
@@ -201,6 +201,17 @@ class CausalSelfAttention(nn.Module):
                                                      device=x_BTD.device).tril(diagonal=start)
             y_BHTDh = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS)  # one new position sees them all
         return F.linear(y_BHTDh.transpose(1, 2).reshape(B, T, D), self.proj.weight)
+
+    def decode(self, x_1D: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new position after those in ``cache`` (generation), in as few operations as attention allows: its
+        query, key and value from one product, rotated at its position, against every cached key."""
+        D = x_1D.shape[-1]
+        Dh = D // self.n_heads
+        qkv_3H1Dh = torch.mm(x_1D, self.qkv.weight.t()).view(3, self.n_heads, 1, Dh)
+        qk_2H1Dh = _rotary(qkv_3H1Dh[:2], self.rope_base, cache.length)
+        k_1HSDh, v_1HSDh = cache.extend(qk_2H1Dh[1:], qkv_3H1Dh[2:])
+        y_1H1Dh = F.scaled_dot_product_attention(qk_2H1Dh[:1], k_1HSDh, v_1HSDh)
+        return torch.mm(y_1H1Dh.view(1, D), self.proj.weight.t())
 
 
 @dataclass
@@ -354,12 +365,18 @@ class MoELayer(nn.Module):
             out_TL = out_TL.index_add(0, token_idx_N, y_NL * gate_N1)
         return out_TL
 
-    def _forward_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        """One token in evaluation (generation with a key-value cache), in as few operations as the layer allows
-        (each costs microseconds whatever its size): the gates from the top K logits (a softmax over them is the
-        renormalised top K of the softmax over all), the K experts called one after another (no sort, no
-        grouping), and no load-balancing loss, which nothing trains on here."""
-        logits_1E = F.linear(x_1D, self.router.weight).float()
+    def decode(self, x_1D: torch.Tensor) -> torch.Tensor:
+        """The layer's output for one token in evaluation (generation with a key-value cache)."""
+        return self._route_one(x_1D)[0]
+
+    def _route_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """One token in evaluation, in as few operations as the layer allows (each costs microseconds whatever its
+        size): the gates from the top K logits (a softmax over them is the renormalised top K of the softmax over
+        all), the K experts called one after another (no sort, no grouping), and no load-balancing loss, which
+        nothing trains on here. Returns the output and the experts chosen."""
+        if self.training:
+            raise RuntimeError("the one-token path is for evaluation: call .eval() first")
+        logits_1E = torch.mm(x_1D, self.router.weight.t()).float()
         if self.renormalize:
             top_1K, ids_1K = logits_1E.topk(self.top_k, dim=-1)
             gates_1K = top_1K.softmax(dim=-1)
@@ -367,13 +384,14 @@ class MoELayer(nn.Module):
             gates_1K, ids_1K = logits_1E.softmax(dim=-1).topk(self.top_k, dim=-1)
         h_1L = self.latent_down(x_1D) if self.latent_down is not None else x_1D
         out_1L: torch.Tensor | None = None
-        for e, gate in zip(ids_1K[0].tolist(), gates_1K[0].tolist(), strict=True):
+        chosen = ids_1K[0].tolist()
+        for e, gate in zip(chosen, gates_1K[0].tolist(), strict=True):
             y_1L = self._expert_output(e, h_1L)
             if y_1L is not None:
                 out_1L = y_1L * gate if out_1L is None else out_1L.add_(y_1L, alpha=gate)
         if out_1L is None:  # every selection dropped
             out_1L = torch.zeros_like(h_1L)
-        return self._output(out_1L, x_1D), MoEStats(None, torch.bincount(ids_1K[0], minlength=self.n_experts))
+        return self._output(out_1L, x_1D), chosen
 
     def _output(self, mixed_TL: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
         """The layer's output from the experts' gated mixture: back from the latent width, plus the shared expert."""
@@ -451,8 +469,9 @@ class MoELayer(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         if B * T == 1 and not self.training and self.recorder is None and self.kernel != "reference":
-            y_1D, stats = self._forward_one(x_TD)
-            return y_1D.view(B, T, D), stats
+            y_1D, chosen = self._route_one(x_TD)
+            tokens_per_expert_E = torch.bincount(torch.tensor(chosen, device=x_TD.device), minlength=self.n_experts)
+            return y_1D.view(B, T, D), MoEStats(None, tokens_per_expert_E)
         probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
         topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
         gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK
@@ -481,6 +500,11 @@ class Block(nn.Module):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cache)
         y_BTD, stats = self.moe(self.moe_norm(x_BTD))
         return x_BTD + y_BTD, stats
+
+    def decode(self, x_1D: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``forward`` of one token after those in ``cache``, in evaluation (``MoETransformer.decode``)."""
+        x_1D = x_1D + self.attn.decode(self.attn_norm(x_1D), cache)
+        return x_1D + self.moe.decode(self.moe_norm(x_1D))
 
 
 @dataclass
@@ -625,6 +649,16 @@ class MoETransformer(nn.Module):
             ce = F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1))
             loss = ce if aux_loss is None else ce + self.cfg.aux_loss_weight * aux_loss
         return ModelOutput(logits_BTV, loss, ce, aux_loss, torch.stack(counts))
+
+    def decode(self, token: int, cache: list[KVCache]) -> torch.Tensor:
+        """The next-token logits [V] after ``token``, which continues the positions in ``cache`` (``new_cache``),
+        in evaluation: what ``forward`` gives for one position with that cache (``logits[0, -1]``), without the
+        module calls, batch shapes and statistics that cost a one-row forward more than its products (generation
+        pays them each token)."""
+        x_1D = self.tok_emb.weight[token].unsqueeze(0)
+        for block, layer_cache in zip(self.blocks, cache, strict=True):
+            x_1D = cast(Block, block).decode(x_1D, layer_cache)
+        return torch.mm(self.norm_f(x_1D), self.head.weight.t())[0]
 
     def new_cache(self) -> list[KVCache]:
         """An empty key-value cache for ``forward(..., cache=)``, one per block, sized to the model's window."""

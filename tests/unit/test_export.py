@@ -156,14 +156,19 @@ def test_cached_tokens_run_on_one_thread_and_the_process_keeps_its_setting(monke
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
     model = MoETransformer(preset("tiny"), seed=0)
-    seen: list[tuple[int, int]] = []  # (positions, threads) of each forward
-    forward = model.forward
+    seen: list[tuple[int, int]] = []  # (positions, threads) of each forward and each decoded token
+    forward, decode = model.forward, model.decode
 
     def watched(idx, *args, **kwargs):
         seen.append((idx.shape[1], torch.get_num_threads()))
         return forward(idx, *args, **kwargs)
 
+    def watched_token(token, cache):
+        seen.append((1, torch.get_num_threads()))
+        return decode(token, cache)
+
     monkeypatch.setattr(model, "forward", watched)
+    monkeypatch.setattr(model, "decode", watched_token)
     generate(model, b"ROMEO:", max_new_tokens=4, temperature=0)
     assert seen == [(6, threads)] + [(1, 1)] * 4 and torch.get_num_threads() == threads
     seen.clear()

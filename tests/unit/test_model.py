@@ -210,6 +210,27 @@ def test_rotary_angles_first_computed_for_generation_still_train() -> None:
     assert x.grad is not None and not first.requires_grad
 
 
+@pytest.mark.parametrize("non_owned", ["surrogate", "drop", "frozen_copy"])
+def test_decoding_a_token_gives_the_logits_of_the_whole_context_at_its_position(non_owned):
+    # Half the experts held in every layer, the rest stood in for, dropped or held as copies; the tiny preset has a
+    # latent interface and a shared expert.
+    torch.manual_seed(3)
+    half = tuple(frozenset({0, 1}) for _ in range(TINY.n_layers))
+    model = MoETransformer(TINY, half, non_owned=non_owned, seed=5).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ids = torch.randint(0, TINY.vocab_size, (1, 12))
+    cache = model.new_cache()
+    with torch.no_grad():
+        whole = model(ids).logits[0]
+        model(ids[:, :5], cache=cache)
+        decoded = [model.decode(int(t), cache) for t in ids[0, 5:]]
+    torch.testing.assert_close(torch.stack(decoded), whole[5:], rtol=1e-4, atol=1e-4)
+    assert cache[0].length == 12
+    with pytest.raises(RuntimeError, match="eval"):
+        model.train().decode(0, model.new_cache())
+
+
 def test_a_key_value_cache_grows_past_its_capacity_and_returns_every_position_in_order():
     k_BHTDh, v_BHTDh = torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4)
     cache = KVCache(capacity=2)
