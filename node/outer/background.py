@@ -39,6 +39,7 @@ from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus, 
 from parallax.node.outer.state import StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
 from parallax.node.train.outer import OuterOptimizer, to_send
+from parallax.node.train.robust import MAX_SPAN
 
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
@@ -169,6 +170,34 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
     return None
 
 
+@torch.no_grad()
+def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
+                bound: float) -> int | None:
+    """A peer's anchor and momentum for ``group``, this node's live weights kept as they are, when the two anchors are
+    at most ``bound`` apart: its next pseudo-gradient then carries their difference (a round one side applied and
+    the other did not) into the merge, so neither side's progress is lost, and the anchors agree again. For a node
+    whose anchor is apart from the one a majority of a round holds, when ``take_state`` refused theirs (it lacks a
+    round this node applied). Returns the state's round, or None (nothing changed).
+
+    Raises:
+        ValueError: as ``load_group_state`` (nothing changed).
+    """
+    saved, live = outer.state_dict(), outer.live_copy()
+    round_id = load_group_state(outer, group, meta, tensors)
+    apart = math.sqrt(sum(float((outer.anchor[n] - a).square().sum()) for n, a in saved["anchor"].items()))
+    if not apart <= bound:
+        outer.load_state_dict(saved)
+    for name, p in outer.params.items():
+        p.copy_(live[name])
+    if not apart <= bound:
+        logger.warning("outer group %s: the anchor peer %s serves is %.3g from this node's, past the %.3g a few missed "
+                       "rounds move it: kept its own", group, meta.get("source", "?"), apart, bound)
+        return None
+    logger.warning("outer group %s: took the anchor peer %s serves (%.3g from this node's) and kept this node's "
+                   "weights: its next pseudo-gradient carries the difference", group, meta.get("source", "?"), apart)
+    return round_id
+
+
 class BackgroundRounds:
     """Runs the outer rounds of every shared group of one node in worker threads (module docstring).
 
@@ -199,6 +228,7 @@ class BackgroundRounds:
         self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+        self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
         self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._served_lock = threading.Lock()
         self._serving: set[str] = set()
@@ -228,7 +258,9 @@ class BackgroundRounds:
         delta, submitted = to_send(outer, error_feedback(self.sync.config.compression)), outer.live_copy()
         tokens = self.composer.tokens_since_merge[group]
         self.composer.tokens_since_merge[group] = 0
-        future = self._pool.submit(self.sync.groups[group].round, delta, tokens, round_id)
+        averager = self.sync.groups[group]
+        anchor = [outer.anchor[name] for name in averager.shapes]  # left alone until the round is collected
+        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor)
         self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future)
         self.counts.submitted += 1
         return True
@@ -237,6 +269,7 @@ class BackgroundRounds:
         """A merge among one (no other composer is live): the outer step with this node's own pseudo-gradient, so
         its anchor follows its training and what a joiner downloads is trained. Served like any merged state."""
         outer = self.composer.outer[group]
+        logger.info("outer round %s/%d merged among one: no other composer is live", group, round_id)
         outer.step_alone()
         self.composer.tokens_since_merge[group] = 0
         outer.round = round_id
@@ -263,6 +296,12 @@ class BackgroundRounds:
                 self.rounds_ok[group] += 1
                 self.publish_state(group)
                 self._start_serving(group)
+                if report.apart_from:  # our anchor drifted from theirs: take theirs, keep our progress since it
+                    # A few rounds' steps at most: what missed rounds move an anchor by (``take_anchor``).
+                    sync = self.composer.cfg.sync
+                    self._resync[group] = MAX_SPAN * sync.outer_lr / (1 - sync.outer_momentum) * math.sqrt(
+                        sum(float(t.square().sum()) for t in merged.values()))
+                    self._start_reload(group, sources=report.apart_from)
             else:
                 self.counts.failed += 1
                 if report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already
@@ -274,6 +313,7 @@ class BackgroundRounds:
         for group in [g for g, f in self._reloads.items() if f.done()]:
             future = self._reloads.pop(group)
             submitted, tokens = self._reload_since.pop(group, (None, 0))
+            bound = self._resync.pop(group, None)
             found = future.result() if future.exception() is None else None
             if found is None:
                 logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
@@ -282,6 +322,8 @@ class BackgroundRounds:
                 continue
             try:
                 taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe)
+                if taken is None and bound is not None:
+                    taken = take_anchor(self.composer.outer[group], group, *found, bound=bound)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
                 taken = None
@@ -294,19 +336,23 @@ class BackgroundRounds:
             self._start_serving(group)
         return done
 
-    def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None) -> None:
+    def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None,
+                      sources: Sequence[str] | None = None) -> None:
+        """Download the group's state in the background (``collect`` takes it); ``sources``: from these peers only
+        (None: any live composers)."""
         if group not in self._reloads:
             if since is not None:
                 self._reload_since[group] = since
                 logger.warning("outer group %s: reloading its state from peers after a round others may have "
                                "applied", group)
-            self._reloads[group] = self._pool.submit(self._download, group, 30.0)
+            self._reloads[group] = self._pool.submit(self._download, group, 30.0, sources)
 
-    def _download(self, group: str, timeout_s: float) -> tuple[Any, list[torch.Tensor]] | None:
+    def _download(self, group: str, timeout_s: float,
+                  sources: Sequence[str] | None = None) -> tuple[Any, list[torch.Tensor]] | None:
         if self.states is None:
             return self.sync.groups[group].load_state_from_peers(timeout_s)
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
-        return self.states.download(group, shapes, timeout_s)
+        return self.states.download(group, shapes, timeout_s, sources=sources)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:

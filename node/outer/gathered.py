@@ -59,11 +59,15 @@ from parallax.node.outer.transport import (
     split_pair,
 )
 from parallax.node.outer.wire import (
+    ANCHOR_TOLERANCE,
     ROUNDS_KEPT,
     OuterSyncConfig,
+    anchor_fingerprint,
+    anchor_majority,
     decode_fingerprint,
     encode_fingerprint,
     fingerprint,
+    fingerprints_agree,
     round_tag,
 )
 from parallax.node.outer.witness import Witness, new_session, sign
@@ -125,8 +129,14 @@ class GatheredRounds:
         """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
-            fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float) -> dict[str, torch.Tensor] | None:
+            fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
+            anchor: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
         """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
+
+        ``anchor``: the group's anchor the merge will be applied to, in the group's order (not changed while the round
+        runs). Its fingerprint goes out with the result's; when the anchors of a strict majority of the participants
+        agree and this node's is not theirs, the report names them (``RoundReport.apart_from``): the round still
+        applies, and the node then takes the group's state from them.
 
         Returns:
             The merged pseudo-gradient, or None (the report says why).
@@ -156,6 +166,7 @@ class GatheredRounds:
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
+        mine_anchor: tuple[float, ...] | None = None
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
@@ -169,15 +180,21 @@ class GatheredRounds:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)
             tag = round_tag(0, participants)
+            if anchor is not None and mine_anchor is None:
+                mine_anchor = anchor_fingerprint(anchor)
             self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
-                                              participants=participants))
+                                              participants=participants,
+                                              anchor=encode_fingerprint(mine_anchor) if mine_anchor else b""))
+            anchors: dict[str, tuple[float, ...]] = {}
             status, agreeing, answered, other = self.records.await_majority(
-                fp, participants, functools.partial(_entry_fingerprint, tag=tag), deadline=deadline,
+                fp, participants, functools.partial(_entry_fingerprint, tag=tag, anchors=anchors), deadline=deadline,
                 other_set=functools.partial(self._better_set, mine=me, current=participants, quorum=self._quorum()),
                 readers=self._live, moved_on=functools.partial(_moved_on, tag=tag))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
+                if mine_anchor is not None:
+                    common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
                 self.report(RoundStatus.OK, started, **common)
                 return merged
             if status is RoundStatus.SUPERSEDED:
@@ -194,6 +211,32 @@ class GatheredRounds:
         self.report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
                                              f"{answered} fingerprints found", **common)
         return None
+
+    def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
+                    participants: Sequence[str], tag: bytes, deadline: float) -> tuple[str, ...]:
+        """The peers of the strict majority of ``participants`` that hold one anchor, when this node's (``mine``)
+        is not theirs (``wire.anchor_majority``); named in the log. ``anchors``: those found while the round verified;
+        while they neither settle it nor show ours held by a majority, the others' records are read again until
+        ``deadline`` (a majority verdict comes before every participant has published)."""
+        others = [name for name in participants if split_pair(name)[0] != self.peer_id]
+        while True:
+            found = {name: anchors[name] for name in others if name in anchors}
+            apart = anchor_majority(mine, found, len(participants))
+            ours = 1 + sum(fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) for fp in found.values())
+            if apart or 2 * ours > len(participants) or len(found) == len(others) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+            senders = {split_pair(name)[0]: name for name in others if name not in found}
+            records = self.records.read(sorted(senders), max(0.1, deadline - time.monotonic()))
+            for sender, name in senders.items():
+                if sender in records:
+                    _entry_fingerprint(name, records[sender], tag, anchors)
+        apart = tuple(split_pair(name)[0] for name in apart)
+        if apart:
+            logger.warning("outer round %s/%d: this node's anchor of the group is not the one %d of the %d "
+                           "participants hold (a round they applied and this node did not); it applies the round and "
+                           "takes the group's state from them", self.group, n, len(apart), len(participants))
+        return apart
 
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
@@ -490,10 +533,17 @@ class _Flights:
             if flight.done() and (got := flight.result()) is not None:
                 found[name] = got
 
-def _entry_fingerprint(name: str, record: bytes, tag: bytes) -> tuple[float, ...] | None:
-    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record."""
+def _entry_fingerprint(name: str, record: bytes, tag: bytes,
+                       anchors: dict[str, tuple[float, ...]] | None = None) -> tuple[float, ...] | None:
+    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record; the anchor
+    fingerprint beside it goes in ``anchors`` under ``name``."""
     entry = decode_entries(record).get(split_pair(name)[1])
-    return decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
+    fp = decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
+    if fp is not None and anchors is not None and entry is not None and entry.anchor:
+        anchor = decode_fingerprint(entry.anchor)
+        if anchor is not None:
+            anchors[name] = anchor
+    return fp
 
 
 def _moved_on(name: str, entries: Mapping[int, RoundEntry], tag: bytes) -> bool:

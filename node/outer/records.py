@@ -87,6 +87,9 @@ class RoundReport:
     """A group formed and exchanged tensors: the other members may have completed the round."""
     suspects: tuple[str, ...] = ()
     """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
+    apart_from: tuple[str, ...] = ()
+    """An applied round whose other participants hold another anchor than this node's (gathered rounds): the peers
+    of the strict majority that hold one; this node takes the group's state from them."""
     detail: str = ""
 
     @property

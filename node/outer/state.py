@@ -117,11 +117,13 @@ class StateExchange(ServedOnLoop):
             else:
                 self.servicer.providers[group] = provider
 
-    def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float) -> State | None:
+    def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
+                 sources: Sequence[str] | None = None) -> State | None:
         """The group's state as at least two sources agree on it (or the only source's); None when nobody served
-        one that checks out. Sources are drawn at random from the live composers; one that fails is replaced by
-        another (``_fetch_all``). Blocks the calling thread (not the loop) for at most ``timeout_s``."""
-        candidates = [p for p in self.peers() if p != self.own_peer_id]
+        one that checks out. Sources are drawn at random from the live composers (those of them in ``sources``, when
+        given); one that fails is replaced by another (``_fetch_all``). Blocks the calling thread (not the loop) for
+        at most ``timeout_s``."""
+        candidates = [p for p in self.peers() if p != self.own_peer_id and (sources is None or p in sources)]
         random.shuffle(candidates)
         if not candidates:
             return None

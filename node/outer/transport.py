@@ -171,9 +171,12 @@ class RoundEntry:
     participants: tuple[str, ...] = ()
     session: int = 0
     signature: bytes = b""
+    anchor: bytes = b""
+    """The fingerprint of the sender's anchor that its merge of this round is applied to (``wire.anchor_fingerprint``,
+    encoded untagged), once merged: who holds the swarm's anchor and who drifted from it."""
 
     def to_wire(self) -> list[object]:
-        return [*self.claim_to_wire(), self.fingerprint, list(self.participants)]
+        return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.anchor]
 
     def claim_to_wire(self) -> list[object]:
         """The signed part: round, digest, size, tokens, session and the signature."""
@@ -186,15 +189,15 @@ class RoundEntry:
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
         """None for anything malformed (a peer's record is data, not trusted)."""
-        if not (isinstance(obj, list) and len(obj) == 8):
+        if not (isinstance(obj, list) and len(obj) == 9):
             return None
         claim = cls.claim_from_wire(obj[:6])
-        fp, who = obj[6:]
-        if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(who, list)
-                                 and len(who) <= _MAX_PARTICIPANTS
+        fp, who, anchor = obj[6:]
+        if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(anchor, bytes)
+                                 and len(anchor) <= 1024 and isinstance(who, list) and len(who) <= _MAX_PARTICIPANTS
                                  and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)):
             return None
-        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who))
+        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who), anchor=anchor)
 
     @classmethod
     def claim_from_wire(cls, obj: object) -> RoundEntry | None:

@@ -246,7 +246,8 @@ def _project(flat: torch.Tensor, seed: int, chunk_rows: int = 256) -> float:
     return total
 
 
-def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float]) -> tuple[float, ...]:
+def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float], slots: int = FP_SLOTS,
+                ) -> tuple[float, ...]:
     """A small summary of a round's merged tensors that two peers can compare with a tolerance.
 
     Tensor i goes to slot i mod FP_SLOTS; each slot sums, over its tensors, two float64 projections on
@@ -258,12 +259,14 @@ def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float]) ->
         merged: the merged tensors, in the group's order.
         local_norms: the norm of this peer's pseudo-gradient of each tensor (before averaging).
 
+        slots: at most this many slots (``FP_SLOTS`` at most).
+
     Returns:
-        4 x min(FP_SLOTS, len(merged)) floats.
+        4 x min(slots, len(merged)) floats.
     """
     if len(merged) != len(local_norms):
         raise ValueError(f"{len(merged)} tensors but {len(local_norms)} local norms")
-    n_slots = min(FP_SLOTS, len(merged))
+    n_slots = min(slots, FP_SLOTS, len(merged))
     out = [0.0] * (_FP_FIELDS * n_slots)
     for i, (t, local) in enumerate(zip(merged, local_norms, strict=True)):
         base = _FP_FIELDS * (i % n_slots)
@@ -274,6 +277,39 @@ def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float]) ->
         out[base + 2] += norm
         out[base + 3] += norm + abs(float(local))
     return tuple(out)
+
+
+ANCHOR_TOLERANCE = 1e-4
+"""Two peers hold one anchor when its fingerprints agree within this fraction of its norm: peers that applied the same
+rounds hold it bit for bit on one kind of hardware and within float rounding across kinds, while one round applied by
+one and not the other moves it by a few percent."""
+
+
+ANCHOR_SLOTS = 4
+
+
+def anchor_fingerprint(anchor: Sequence[torch.Tensor]) -> tuple[float, ...]:
+    """``fingerprint`` of a group's anchor, the weights a round's merged pseudo-gradient is applied to (its scale is
+    its own norm: compare with ``ANCHOR_TOLERANCE``), in ``ANCHOR_SLOTS`` slots: it travels in every round entry."""
+    return fingerprint(anchor, [0.0] * len(anchor), slots=ANCHOR_SLOTS)
+
+
+def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]], n_participants: int,
+                    ) -> tuple[str, ...]:
+    """The participants of a round whose anchors agree with one another and make a strict majority of its
+    ``n_participants`` (this node included) while ``mine`` is not among them: this node's anchor is apart from the
+    swarm's. Empty when mine is the majority's, or when no majority holds one anchor.
+
+    Args:
+        mine: this node's ``anchor_fingerprint`` before the round.
+        others: the anchor fingerprints found of the other participants, by participant.
+        n_participants: how many took part in the round, this node included.
+    """
+    for fp in others.values():
+        agreeing = [p for p, other in others.items() if fingerprints_agree(fp, other, ANCHOR_TOLERANCE)]
+        if 2 * len(agreeing) > n_participants:
+            return () if fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) else tuple(sorted(agreeing))
+    return ()
 
 
 def round_tag(round_id: int, participants: Sequence[str]) -> bytes:

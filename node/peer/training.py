@@ -211,11 +211,11 @@ class Training:
         for group in self.schedule.due(step):
             if group not in composer.outer:
                 continue
-            if alone and not rounds.busy(group):  # a merge among one: the outer step with our own delta
+            if alone and not rounds.busy(group) and self.views.alone():
+                # A merge among one: the outer step with our own delta. A view that lost the others (or this node)
+                # for a moment merges nothing: the delta goes into the next round.
                 rounds.merge_alone(group, round_id=step // self.schedule.periods[group])
-                fresh = self.views.fresh()  # not a view that lost the others for a moment
-                if fresh is not None and len(fresh.composers()) < 2:
-                    self.gate.merged_alone(group, step)
+                self.gate.merged_alone(group, step)
             elif not alone:
                 rounds.submit(group, round_id=step // self.schedule.periods[group])
 

@@ -182,6 +182,15 @@ class SwarmViews:
         """Live composers in the view, this one included."""
         return len(self.membership.view().composers())
 
+    def alone(self) -> bool:
+        """Whether this node is the swarm's only live composer for good: a fresh view in which it is alive, no other
+        composer is, and its side holds the quorum (the others left with deathrattles, or long enough ago). Not a
+        view that lost the others, or this node, for a moment on a loaded host: a merge among one then would move
+        this node's anchor away from theirs."""
+        view = self.fresh()
+        return (view is not None and view.quorum is QuorumState.HELD
+                and list(view.composers()) == [self.fingerprint])
+
     def run_step(self) -> int | None:
         """The run's place in its learning-rate schedule as the view tells it: the median (the higher of the middle
         two) of the steps the live composers that show work announce, this one included; None before a read. The

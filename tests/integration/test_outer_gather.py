@@ -164,6 +164,21 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
             assert all(torch.equal(r.sent[n], decoded[n]) for n in SHAPES)
 
 
+def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the_swarms(peers):
+    g = torch.Generator().manual_seed(3)
+    anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]
+    drifted = [anchor[0] + 0.05 * torch.randn(anchor[0].shape, generator=g), anchor[1]]  # it missed a round
+    with _averagers(peers, "router-anchors") as averagers:
+        deltas, tokens = _deltas(4, seed=5), [CAP] * 4
+        with ThreadPoolExecutor(4) as pool:
+            rounds = [f.result(timeout=60) for f in [
+                pool.submit(a.round, d, t, 3, drifted if i == 3 else anchor)
+                for i, (a, d, t) in enumerate(zip(averagers, deltas, tokens, strict=True))]]
+    assert all(r.merged is not None and r.report.status is RoundStatus.OK for r in rounds), [r.report for r in rounds]
+    assert [r.report.apart_from for r in rounds[:3]] == [(), (), ()]
+    assert set(rounds[3].report.apart_from) == {p.dht.peer_id for p in peers[:3]}
+
+
 def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):
     """Two of four live composers contribute; the two that never do are idle (left out of ``working``): the
     round merges the two without waiting on a quorum of four, and each tells the other's work."""

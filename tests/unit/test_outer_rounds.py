@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.node.outer.background import RELOAD_LOSS_BOUND, group_state, live_state, load_group_state, take_state
+from parallax.node.outer.background import (
+    RELOAD_LOSS_BOUND,
+    group_state,
+    live_state,
+    load_group_state,
+    take_anchor,
+    take_state,
+)
 from parallax.node.train.outer import OuterOptimizer
 
 
@@ -149,3 +156,28 @@ def test_live_state_is_the_current_weights_under_a_name_of_its_own() -> None:
     assert torch.equal(tensors[meta["names"].index("w")], params["w"].detach())
     with pytest.raises(ValueError):  # never loaded as a group's merged state
         load_group_state(outer, "backbone", meta, tensors)
+
+
+def test_a_drifted_anchor_takes_the_majoritys_and_keeps_its_weights_so_the_difference_is_sent() -> None:
+    # This node applied a round the others did not: their anchor lacks it. It takes their anchor and momentum, keeps
+    # its weights, and its next pseudo-gradient holds that round's step beside its own progress.
+    params, outer = make(0.7, 0.9)
+    with torch.no_grad():
+        params["w"].add_(1.0)
+    outer.step(outer.pseudo_gradient())  # the round the others missed
+    with torch.no_grad():
+        params["w"].add_(0.25)  # progress since
+    others_params, others = make(0.7, 0.9)
+    meta, tensors = group_state(others, group="router", round_id=3, step=30)
+    live = outer.live_copy()
+    apart = float((outer.anchor["w"] - others.anchor["w"]).norm())
+    assert take_anchor(outer, "router", {**meta, "source": "QmPeer"}, tensors, bound=apart * 1.01) == 3
+    assert torch.equal(outer.anchor["w"], others.anchor["w"]) and outer.round == 3
+    assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+    assert torch.allclose(outer.pseudo_gradient()["w"], others.anchor["w"] - live["w"])
+    # An anchor further off than a few rounds move one is not taken: nothing changes.
+    saved = outer.state_dict()
+    far = {**meta, "round": 5}
+    assert take_anchor(outer, "router", far, [t + 100.0 for t in tensors], bound=apart * 1.01) is None
+    assert outer.round == 3 and all(torch.equal(outer.anchor[n], saved["anchor"][n]) for n in outer.anchor)
+    assert all(torch.equal(params[n].detach(), live[n]) for n in params)

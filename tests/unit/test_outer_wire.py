@@ -12,6 +12,8 @@ from parallax.node.outer.wire import (
     SMALL_TENSOR_NUMEL,
     OuterSyncConfig,
     _hash_signs,
+    anchor_fingerprint,
+    anchor_majority,
     component_shapes,
     component_tensors,
     decode_fingerprint,
@@ -155,6 +157,21 @@ def test_zero_merge_agrees_with_itself():
     fp = fingerprint([torch.zeros(5)], [0.0])
     assert fingerprints_agree(fp, fp, 1e-5)
     assert majority_agrees(fp, {"b": fp}, 2, 1e-5) == (True, 2)
+
+
+def test_an_anchor_apart_from_the_majoritys_is_named_with_the_peers_that_hold_theirs():
+    g = torch.Generator().manual_seed(0)
+    swarm = [torch.randn(300, 40, generator=g), torch.randn(40, generator=g)]
+    same = anchor_fingerprint(swarm)
+    rounding = anchor_fingerprint([t * (1 + 1e-6) for t in swarm])  # float rounding across kinds of hardware
+    drifted = anchor_fingerprint([swarm[0] + 0.02 * torch.randn(300, 40, generator=g), swarm[1]])  # a missed round
+    assert anchor_majority(drifted, {"a": same, "b": rounding, "c": same}, 4) == ("a", "b", "c")
+    assert anchor_majority(drifted, {"a": same, "b": rounding, "c": drifted}, 5) == ()  # 2 of 5
+    assert anchor_majority(drifted, {"a": same, "b": same}, 3) == ("a", "b")
+    assert anchor_majority(same, {"a": same, "b": drifted}, 3) == ()  # ours is the majority's
+    assert anchor_majority(drifted, {"a": same}, 3) == ()  # one of three is no majority
+    assert anchor_majority(drifted, {"a": same, "b": drifted}, 4) == ()  # two anchors, two each: nobody to follow
+    assert len(anchor_fingerprint(swarm * 5)) == 16  # four slots at most: it travels in every round entry
 
 
 def test_majority_counts_absent_and_disagreeing_participants_against_me():
