@@ -234,8 +234,8 @@ class GatheredRounds:
         apart = tuple(split_pair(name)[0] for name in apart)
         if apart:
             logger.warning("outer round %s/%d: this node's anchor of the group is not the one %d of the %d "
-                           "participants hold (a round they applied and this node did not); it applies the round and "
-                           "takes the group's state from them", self.group, n, len(apart), len(participants))
+                           "participants hold (rounds one side applied and the other did not); it applies the round "
+                           "and takes the group's state from them", self.group, n, len(apart), len(participants))
         return apart
 
     def close(self) -> None:
