@@ -250,15 +250,14 @@ def fingerprint(merged: Sequence[torch.Tensor], local_norms: Sequence[float], sl
                 ) -> tuple[float, ...]:
     """A small summary of a round's merged tensors that two peers can compare with a tolerance.
 
-    Tensor i goes to slot i mod FP_SLOTS; each slot sums, over its tensors, two float64 projections on
-    seeded +-1 vectors, the norm, and a scale = norm + the norm of this peer's own input. Rounding in a
-    compressed all-reduce moves a peer's result by a small multiple of that scale; a broken round (a
+    Tensor i goes to slot i mod the slots (``FP_SLOTS``, or ``slots``); each slot sums, over its tensors, two
+    float64 projections on seeded +-1 vectors, the norm, and a scale = norm + the norm of this peer's own input.
+    Rounding in a compressed all-reduce moves a peer's result by a small multiple of that scale; a broken round (a
     mix of partial means, or a corrupted tensor) moves it by a sizeable fraction of the norm.
 
     Args:
         merged: the merged tensors, in the group's order.
         local_norms: the norm of this peer's pseudo-gradient of each tensor (before averaging).
-
         slots: at most this many slots (``FP_SLOTS`` at most).
 
     Returns:
@@ -283,9 +282,8 @@ ANCHOR_TOLERANCE = 1e-4
 """Two peers hold one anchor when its fingerprints agree within this fraction of its norm: peers that applied the same
 rounds hold it bit for bit on one kind of hardware and within float rounding across kinds, while one round applied by
 one and not the other moves it by a few percent."""
-
-
 ANCHOR_SLOTS = 4
+"""An anchor's fingerprint has at most this many slots (64 bytes): it travels in every round entry."""
 
 
 def anchor_fingerprint(anchor: Sequence[torch.Tensor]) -> tuple[float, ...]:
