@@ -369,11 +369,11 @@ class MoELayer(nn.Module):
         """The layer's output for one token in evaluation (generation with a key-value cache)."""
         return self._route_one(x_1D)[0]
 
-    def _route_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _route_one(self, x_1D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token in evaluation, in as few operations as the layer allows (each costs microseconds whatever its
         size): the gates from the top K logits (a softmax over them is the renormalised top K of the softmax over
         all), the K experts called one after another (no sort, no grouping), and no load-balancing loss, which
-        nothing trains on here. Returns the output and the experts chosen."""
+        nothing trains on here. Returns the output and the experts chosen [K]."""
         if self.training:
             raise RuntimeError("the one-token path is for evaluation: call .eval() first")
         logits_1E = torch.mm(x_1D, self.router.weight.t()).float()
@@ -384,14 +384,13 @@ class MoELayer(nn.Module):
             gates_1K, ids_1K = logits_1E.softmax(dim=-1).topk(self.top_k, dim=-1)
         h_1L = self.latent_down(x_1D) if self.latent_down is not None else x_1D
         out_1L: torch.Tensor | None = None
-        chosen = ids_1K[0].tolist()
-        for e, gate in zip(chosen, gates_1K[0].tolist(), strict=True):
+        for e, gate in zip(ids_1K[0].tolist(), gates_1K[0].tolist(), strict=True):
             y_1L = self._expert_output(e, h_1L)
             if y_1L is not None:
                 out_1L = y_1L * gate if out_1L is None else out_1L.add_(y_1L, alpha=gate)
         if out_1L is None:  # every selection dropped
             out_1L = torch.zeros_like(h_1L)
-        return self._output(out_1L, x_1D), chosen
+        return self._output(out_1L, x_1D), ids_1K[0]
 
     def _output(self, mixed_TL: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
         """The layer's output from the experts' gated mixture: back from the latent width, plus the shared expert."""
@@ -469,9 +468,8 @@ class MoELayer(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         if B * T == 1 and not self.training and self.recorder is None and self.kernel != "reference":
-            y_1D, chosen = self._route_one(x_TD)
-            tokens_per_expert_E = torch.bincount(torch.tensor(chosen, device=x_TD.device), minlength=self.n_experts)
-            return y_1D.view(B, T, D), MoEStats(None, tokens_per_expert_E)
+            y_1D, chosen_K = self._route_one(x_TD)
+            return y_1D.view(B, T, D), MoEStats(None, torch.bincount(chosen_K, minlength=self.n_experts))
         probs_TE = F.softmax(self.router(x_TD).float(), dim=-1)
         topk_probs_TK, topk_ids_TK = probs_TE.topk(self.top_k, dim=-1)
         gates_TK = topk_probs_TK / topk_probs_TK.sum(-1, keepdim=True) if self.renormalize else topk_probs_TK

@@ -203,6 +203,7 @@ class Training:
         """Start the outer rounds due at ``step``; alone, apply the outer step with our own pseudo-gradient."""
         composer, rounds = self.composer, self.rounds
         alone = self.views.composers() < 2
+        for_good = alone and self.views.alone()  # not a view that lost the others (or this node) for a moment
         if self.replicas is not None and "backbone" in self.schedule.due(step):
             view = self.views.fresh()
             assignment = view.assignment(view.read_at) if view is not None else None
@@ -211,9 +212,9 @@ class Training:
         for group in self.schedule.due(step):
             if group not in composer.outer:
                 continue
-            if alone and not rounds.busy(group) and self.views.alone():
-                # A merge among one: the outer step with our own delta. A view that lost the others (or this node)
-                # for a moment merges nothing: the delta goes into the next round.
+            if for_good and not rounds.busy(group):
+                # A merge among one: the outer step with our own delta. Alone for a moment, nothing is merged: the
+                # delta goes into the next round.
                 rounds.merge_alone(group, round_id=step // self.schedule.periods[group])
                 self.gate.merged_alone(group, step)
             elif not alone:
