@@ -220,9 +220,9 @@ class GroupAverager:
     # ---- one round ----
 
     def round(self, delta: Mapping[str, torch.Tensor], tokens: float, round_id: int,
-              anchor: Sequence[torch.Tensor] | None = None) -> RoundResult:
+              anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None) -> RoundResult:
         """``run_round``, with its report and what it sent (a node's rounds run it in their pool)."""
-        merged = self.run_round(delta, tokens, round_id=round_id, anchor=anchor)
+        merged = self.run_round(delta, tokens, round_id=round_id, anchor=anchor, due=due)
         assert self.last_report is not None
         sent = self._gathered.last_sent if self._gathered is not None else None
         return RoundResult(merged, self.last_report, sent)
@@ -230,9 +230,10 @@ class GroupAverager:
     def run_round(
         self, delta: Mapping[str, torch.Tensor], tokens: float, *, round_id: int | None = None,
         fault: Callable[[dict[str, torch.Tensor]], None] | None = None,
-        anchor: Sequence[torch.Tensor] | None = None,
+        anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None,
     ) -> dict[str, torch.Tensor] | None:
-        """Merge ``delta`` with the pseudo-gradients of the peers present; block for at most ``round_budget_s``.
+        """Merge ``delta`` with the pseudo-gradients of the peers present; block for at most ``round_budget_s``
+        (a gathered round given ``due``: until ``due`` is set, then at most that).
 
         Args:
             delta: this peer's pseudo-gradient, name -> tensor (``Composer.pseudo_gradient(group)``).
@@ -242,6 +243,8 @@ class GroupAverager:
                 locally. The DHT key uses the largest number among the participants.
             fault: test hook, applied in place to the merged tensors before fingerprinting (a broken round).
             anchor: gathered rounds: the group's anchor the merge is for, in ``shapes``' order (``GatheredRounds.run``).
+            due: gathered rounds: set when this node's next round of the group is due; until then a contribution
+                without a quorum stays on offer (``GatheredRounds.run``).
 
         Returns:
             name -> merged pseudo-gradient (CPU float32), the same (within the tolerance) on every peer
@@ -260,7 +263,7 @@ class GroupAverager:
             if self._gathered is not None:
                 n = self._rounds if round_id is None else int(round_id)
                 self._rounds = n + 1
-                return self._gathered.run(delta, tokens, n, fault, started, anchor)
+                return self._gathered.run(delta, tokens, n, fault, started, anchor, due)
             return self._run_round(delta, tokens, round_id, fault, started)
         finally:
             self._round_lock.release()

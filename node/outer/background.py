@@ -2,8 +2,10 @@
 merge lands a few steps later and is applied with the progress made meanwhile kept (``step_late``).
 
 ``TieredOuterSync.run_round`` blocks for seconds (matchmaking, all-reduce, verification). The node runs
-it in a worker thread per group, at most one round per group in flight; a group that comes due while
-its previous round is still running skips that round (logged, counted). At the seam the loop calls
+it in a worker thread per group, at most one round per group in flight. A gathered round without a quorum keeps
+its contribution on offer until the group's next round is due; that round then tells it (``_InFlight.due``: it
+merges with the quorum it has, or withdraws) and starts at the first seam after it ended, with the delta and
+tokens of both (``owed``). At the seam the loop calls
 ``collect``, which applies every finished round (never half of one: a round that failed or did not
 verify applies nothing) and, when a round may have left this node behind the others, downloads the
 group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path).
@@ -60,6 +62,8 @@ class _InFlight:
     pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
     future: concurrent.futures.Future[RoundResult]
+    due: threading.Event
+    """Set when the group's next round is due (or the node leaves): a round still waiting for a quorum ends."""
 
 
 @dataclass
@@ -68,6 +72,9 @@ class RoundCounts:
     applied: int = 0
     failed: int = 0
     skipped_busy: int = 0
+    """Rounds not started because a reload of the group was running."""
+    ended_by_next: int = 0
+    """Rounds still waiting for a quorum when the group's next round came due: told to end, that round started after."""
     reloads: int = 0
     refused: int = 0
     """Downloaded states refused (they would have raised the loss, or did not check out)."""
@@ -225,6 +232,7 @@ class BackgroundRounds:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, 2 * len(sync.groups)),
                                                            thread_name_prefix="parallax-outer")
         self._in_flight: dict[str, _InFlight] = {}
+        self._owed: dict[str, int] = {}  # group -> a round that came due while the previous one ran (``owed``)
         self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
@@ -242,12 +250,23 @@ class BackgroundRounds:
         return group in self._in_flight
 
     def submit(self, group: str, round_id: int) -> bool:
-        """Start a round of ``group`` with the composer's current pseudo-gradient; False if one is running, or
-        when this node does not hold the swarm's state of the group yet (it downloads it instead)."""
-        if group in self._in_flight or group in self._reloads:
+        """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (it is
+        told its successor is due, and ``round_id`` is owed: ``owed``), when a reload of the group runs, or when
+        this node does not hold the swarm's state of the group yet (it downloads it instead)."""
+        flight = self._in_flight.get(group)
+        if flight is not None:
+            if not flight.due.is_set():
+                self.counts.ended_by_next += 1
+                logger.info("outer round %s/%d is due while round %d still waits for a quorum: that round ends "
+                            "(merging with the quorum it has, or withdrawn) and this one starts after it", group,
+                            round_id, flight.round_id)
+                flight.due.set()
+            self._owed[group] = round_id
+            return False
+        self._owed.pop(group, None)
+        if group in self._reloads:
             self.counts.skipped_busy += 1
-            logger.info("outer round %s/%d skipped: the previous round of this group is still running", group,
-                        round_id)
+            logger.info("outer round %s/%d skipped: the group's state is being downloaded", group, round_id)
             return False
         if group not in self._serving:  # a joiner whose download failed: its delta is from the seeded init
             logger.info("outer round %s/%d skipped: this node does not hold the swarm's state of the group yet; "
@@ -260,14 +279,21 @@ class BackgroundRounds:
         self.composer.tokens_since_merge[group] = 0
         averager = self.sync.groups[group]
         anchor = [outer.anchor[name] for name in averager.shapes]  # left alone until the round is collected
-        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor)
-        self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future)
+        due = threading.Event()
+        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due)
+        self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future, due)
         self.counts.submitted += 1
         return True
+
+    def owed(self) -> dict[str, int]:
+        """group -> round number of the rounds that came due while the group's previous round ran and can start
+        now (that round ended): the training thread submits them at the seam as if due."""
+        return {g: n for g, n in self._owed.items() if g not in self._in_flight}
 
     def merge_alone(self, group: str, round_id: int) -> None:
         """A merge among one (no other composer is live): the outer step with this node's own pseudo-gradient, so
         its anchor follows its training and what a joiner downloads is trained. Served like any merged state."""
+        self._owed.pop(group, None)
         outer = self.composer.outer[group]
         logger.info("outer round %s/%d merged among one: no other composer is live", group, round_id)
         outer.step_alone()
@@ -396,7 +422,9 @@ class BackgroundRounds:
 
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
-        reports of the rounds that ended, as ``collect``."""
+        reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends at once."""
+        for flight in self._in_flight.values():
+            flight.due.set()
         futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
         futures += self._reloads.values()
         concurrent.futures.wait(futures, timeout=timeout_s)
@@ -432,6 +460,8 @@ class BackgroundRounds:
         return taken
 
     def shutdown(self) -> None:
+        for flight in self._in_flight.values():
+            flight.due.set()
         for group, averager in self.sync.groups.items():
             averager.serve_state(None)
             if self.states is not None:

@@ -7,7 +7,13 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    check: ``witness``) and serve its body; a round this identity's earlier process claimed is skipped;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
-   merged this node's contribution in. Fetches run in the background: once the wait is over and a quorum is
+   merged this node's contribution in. Without a quorum, a node that trains on meanwhile (``due``) keeps its
+   contribution on offer until its next round of the group is due: composers of unequal pace then find one
+   another's contributions on offer whenever they come, not only during a wait of their own; otherwise the
+   round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a peer had
+   fetched it, this node watches the records for ``verify_timeout_s`` for a set naming it (a peer that read it
+   on offer just before may be merging it) and takes that set, so that no peer applies a merge of its
+   contribution that it does not apply itself. Fetches run in the background: once the wait is over and a quorum is
    held, fetches still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at
    all has arrived by then unless it is large or slow), then the round goes on without them; they end on their
    own bounds, and what they bring is not merged. A peer that accepted a fetch and held it is waited for by no
@@ -82,6 +88,9 @@ _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
 _RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
+_OFFER_POLL_S = 1.0
+"""How often a round whose wait is over reads the records while its contribution stays on offer (``due``): a set
+naming it is taken within about this long, and the DHT is not read twenty times a second for as long as it waits."""
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
@@ -130,8 +139,12 @@ class GatheredRounds:
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
-            anchor: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+            anchor: Sequence[torch.Tensor] | None = None,
+            due: threading.Event | None = None) -> dict[str, torch.Tensor] | None:
         """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
+
+        ``due``: set when this node's next round of the group is due (or the node leaves). Until then a round that
+        has no quorum keeps its contribution on offer; None: it gives up after ``matchmaking_timeout_s``.
 
         ``anchor``: the group's anchor the merge will be applied to, in the group's order (not changed while the round
         runs). Its fingerprint goes out with the result's; when the anchors of a strict majority of the participants
@@ -160,7 +173,10 @@ class GatheredRounds:
         me = pair(self.peer_id, n)
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
-        participants = self._collect(me, found)
+        participants = self._collect(me, found, due)
+        merged_ours = False  # a set naming our contribution was seen after it came off offer
+        if participants is None:
+            participants, merged_ours = self._last_call(n, me, found)
         common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
@@ -170,7 +186,7 @@ class GatheredRounds:
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
-                self._withdrawn(n, RoundStatus.NO_GROUP, started, common)
+                self._withdrawn(n, RoundStatus.NO_GROUP, started, common, merged_elsewhere=merged_ours)
                 return None
             merged = self._merge(n, participants, found, common)
             if merged is None:
@@ -277,11 +293,14 @@ class GatheredRounds:
                       suspects=tuple(suspects))
         return merged
 
-    def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any]) -> None:
+    def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],
+                   merged_elsewhere: bool | None = None) -> None:
         """Round ``n`` merged nothing here: take its contribution off offer (a late peer must not merge what this
-        node will send again next round) and report ``status``, saying whether anyone fetched the contribution
-        (then others may have merged it: the caller reloads)."""
-        common["began_allreduce"] = self.gather.store.served(self.group, n)
+        node will send again next round) and report ``status``, saying whether others may have merged the
+        contribution (then the caller reloads): ``merged_elsewhere`` when known (``_last_call``), else whether
+        anyone fetched it."""
+        common["began_allreduce"] = (self.gather.store.served(self.group, n) if merged_elsewhere is None
+                                     else merged_elsewhere)
         self.gather.store.drop(self.group, n)
         self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
         self.report(status, started, **common)
@@ -351,27 +370,32 @@ class GatheredRounds:
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
 
-    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]]) -> tuple[str, ...] | None:
+    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                 due: threading.Event | None = None) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
-        ``min_matchmaking_time_s`` for every one to have one (and on, up to ``matchmaking_timeout_s``, while fewer
-        than a quorum have); or, when others already merged ours with theirs, their set. Returns the
-        contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still in flight when
-        it returns are left to end on their own bounds; ``found`` no longer changes."""
+        ``min_matchmaking_time_s`` for every one to have one (and on while fewer than a quorum have: until ``due``
+        is set, or for ``matchmaking_timeout_s`` without it); or, when others already merged ours with theirs, their
+        set. Returns the contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still
+        in flight when it returns are left to end on their own bounds; ``found`` no longer changes."""
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         while True:
-            entries = self._entries_of_live(min(cfg.net.dht_timeout_s, give_up - time.monotonic()))
+            timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
+                                                                           give_up - time.monotonic())
+            entries = self._entries_of_live(timeout_s)
             quorum = self._quorum()
-            sets = merged_sets(entries, me, self._adoptable().__contains__)  # the adoptable peers read once a pass
-            taken = best_set({members: votes for members, votes in sets.items() if len(members) >= quorum})
+            taken = self._merged_with_ours(entries, me, quorum)
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
             current = open_contributions(entries)
+            for name in [name for name in found if name != me and _passed(entries, name)]:
+                del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
             flights = self._flights.start(wanted)
-            self._flights.take(flights, found, POLL_S)
+            offering = due is not None and time.monotonic() >= wait_until + cfg.net.next_chunk_timeout_s
+            self._flights.take(flights, found, _OFFER_POLL_S if offering else POLL_S)
             held, working = self._held_peers(), self._working()
             expected = working - held
             have = {split_pair(name)[0] for name in current if name in found}
@@ -384,11 +408,45 @@ class GatheredRounds:
             # waits for a quorum as below, its contribution on offer (ending at once, every round, would withdraw
             # it before such a peer could fetch it, and two peers that each held one fetch of the other's under
             # load would never merge again).
+            # Its next round due, the round goes on with the quorum it has, or ends.
+            hurried = due is not None and due.is_set()
             if (expected <= have and (expected or not working & held)) or (
-                    now >= wait_until and len(have) + 1 >= quorum and not waiting):
+                    (now >= wait_until and not waiting or hurried) and len(have) + 1 >= quorum):
                 return tuple(sorted({me} | {name for name in current if name in found}))
-            if time.monotonic() >= give_up:
+            if hurried or (due is None and time.monotonic() >= give_up):
                 return None
+
+    def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
+                          quorum: int) -> tuple[str, ...] | None:
+        """The set of at least ``quorum`` contributions, ours among them, that most of its members merged, if any
+        peer merged one."""
+        sets = merged_sets(entries, me, self._adoptable().__contains__)  # the adoptable peers read once a pass
+        return best_set({members: votes for members, votes in sets.items() if len(members) >= quorum})
+
+    def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                   ) -> tuple[tuple[str, ...] | None, bool]:
+        """Round ``n`` had no quorum: its contribution comes off offer at once (no new set takes it). A peer that
+        read it on offer just before may be merging it still: when a peer fetched it, the records are watched for
+        ``verify_timeout_s`` for a set naming it, and such a set is taken as ``_collect`` takes one (its bodies
+        fetched into ``found``). Returns (the set taken or None, whether a set naming ours was seen): a set seen
+        and not taken may be applied by others (the caller reloads); none seen, nobody merged ours (this node's
+        delta goes into its next round)."""
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
+        if not self.gather.store.served(self.group, n):
+            return None, False
+        cfg = self.config
+        deadline = time.monotonic() + cfg.net.verify_timeout_s
+        seen = False
+        while time.monotonic() < deadline:
+            entries = self._entries_of_live(min(cfg.net.dht_timeout_s, deadline - time.monotonic()))
+            seen = seen or bool(merged_sets(entries, me, self._adoptable().__contains__))
+            taken = self._merged_with_ours(entries, me, self._quorum())
+            if taken is not None and self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries):
+                logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it came "
+                            "off offer; this node merges it too", self.group, n, len(taken))
+                return taken, True
+            time.sleep(POLL_S)
+        return None, seen
 
     def _may_ask(self, name: str) -> bool:
         """Whether contribution ``name`` may be fetched now: not refused this round, not waiting to be asked again."""
@@ -544,6 +602,17 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes,
         if anchor is not None:
             anchors[name] = anchor
     return fp
+
+
+def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:
+    """Is contribution ``name`` off offer for good: its sender withdrew it or published a later round (read in
+    ``entries``; a sender whose record was not read is not judged)?"""
+    peer, n = split_pair(name)
+    by_round = entries.get(peer)
+    if not by_round:
+        return False
+    entry = by_round.get(n)
+    return max(by_round) > n or (entry is not None and entry.fingerprint == WITHDRAWN)
 
 
 def _moved_on(name: str, entries: Mapping[int, RoundEntry], tag: bytes) -> bool:

@@ -209,16 +209,18 @@ class Training:
             assignment = view.assignment(view.read_at) if view is not None else None
             if assignment is not None and self.experts.fingerprint in assignment.peers:
                 self.replicas.submit(assignment, round_id=step // self.schedule.periods["backbone"])
-        for group in self.schedule.due(step):
+        # The rounds due now, and those that came due while the group's previous round ran (it has ended since).
+        due = {group: step // self.schedule.periods[group] for group in self.schedule.due(step)}
+        for group, round_id in (rounds.owed() | due).items():
             if group not in composer.outer:
                 continue
             if for_good and not rounds.busy(group):
                 # A merge among one: the outer step with our own delta. Alone for a moment, nothing is merged: the
                 # delta goes into the next round.
-                rounds.merge_alone(group, round_id=step // self.schedule.periods[group])
+                rounds.merge_alone(group, round_id=round_id)
                 self.gate.merged_alone(group, step)
             elif not alone:
-                rounds.submit(group, round_id=step // self.schedule.periods[group])
+                rounds.submit(group, round_id=round_id)
 
     def _publish_refresh(self) -> None:
         """Distil the owned experts and publish the deltas, unless the refit gate is closed (refits.py)."""

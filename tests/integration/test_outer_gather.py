@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.transport import (
+    WITHDRAWN,
     ContributionServicer,
     ContributionStore,
     OuterGather,
@@ -598,6 +600,90 @@ def test_a_peer_whose_set_the_others_merged_elsewhere_ends_its_round_as_soon_as_
         results = _run(averagers, _deltas(4, seed=9), tokens, round_id=7)
         assert all(r is not None for r in results), [a.last_report for a in averagers]
         assert all(len(a.last_report.participants) == 4 for a in averagers)
+
+
+def test_a_contribution_stays_on_offer_until_its_senders_next_round_is_due(peers):
+    """Composers of unequal pace: two of four live composers reach their round and find no quorum (three); past
+    their give-up time their contributions are still on offer (their next rounds are not due yet), so a third that
+    comes later merges with both. A round whose next is due while it waits withdraws at once, and with nobody
+    having fetched its contribution, nobody can have merged it: no reload."""
+    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
+    ids = [p.dht.peer_id for p in peers]
+    with contextlib.ExitStack() as stack:
+        averagers = [stack.enter_context(GroupAverager(
+            p.dht, "gather", "offer", SHAPES, config, p.signer, gather=p.gather, peers=RoundPeers(lambda: ids),
+            weight_cap=CAP)) for p in peers]
+        deltas, dues = _deltas(3, seed=31), [threading.Event() for _ in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            try:
+                early = [pool.submit(a.run_round, d, CAP, round_id=4, due=due)
+                         for a, d, due in zip(averagers[:2], deltas[:2], dues[:2], strict=True)]
+                began = time.monotonic()
+                wait_until(lambda: time.monotonic() - began > 3 * config.net.matchmaking_timeout_s, timeout=30)
+                records = averagers[2].records.read(ids[:2], 2.0)
+                assert all(not f.done() for f in early), [a.last_report for a in averagers[:2]]
+                assert all(not decode_entries(records[i])[4].fingerprint for i in ids[:2]), records
+                late = pool.submit(averagers[2].run_round, deltas[2], CAP, round_id=9, due=dues[2])
+                results = [f.result(timeout=60) for f in [*early, late]]
+            finally:
+                for due in dues:
+                    due.set()
+        assert all(r is not None for r in results), [a.last_report for a in averagers[:3]]
+        assert all(sorted(a.last_report.participants) == sorted(ids[:3]) for a in averagers[:3])
+        assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
+
+        due = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                alone = pool.submit(averagers[0].run_round, deltas[0], CAP, round_id=5, due=due)
+                wait_until(lambda: 5 in decode_entries(averagers[1].records.read([ids[0]], 2.0).get(ids[0])),
+                           timeout=30)
+            finally:
+                due.set()
+            assert alone.result(timeout=30) is None
+        report = averagers[0].last_report
+        assert report.status is RoundStatus.NO_GROUP and not report.needs_reload, report
+
+
+def test_a_set_merged_with_a_contribution_as_it_comes_off_offer_is_taken_by_its_sender(peers):
+    """Peers 1 and 2 fetch peer 0's contribution and merge the three; before they publish it, peer 0 (whose view
+    wants a larger quorum) is told its next round is due and takes its contribution off offer. It watches the
+    records because its contribution was fetched, finds the set naming it (its view now wanting less) and merges
+    it too: all three apply one result, none reloads, none applies a merge another does not."""
+    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0, verify_timeout_s=20.0)
+    ids = [p.dht.peer_id for p in peers]
+    strangers = [p.dht.peer_id for p in peers[3:]] + ["QmS1ow1yTo5howUpAtA11aLONGTIMEhere1", "QmNeverC0mes2"]
+    seen_by_0 = [*ids[1:3], *strangers]  # peer 0 waits for a quorum of four
+    merging, go = threading.Semaphore(0), threading.Event()
+
+    def hold(_merged: dict[str, torch.Tensor]) -> None:  # between a peer's merge and its fingerprint
+        merging.release()
+        go.wait(timeout=60)
+
+    with contextlib.ExitStack() as stack:
+        averagers = [stack.enter_context(GroupAverager(
+            p.dht, "gather", "last-call", SHAPES, config, p.signer, gather=p.gather,
+            peers=RoundPeers((lambda: list(seen_by_0)) if i == 0 else (lambda: ids[:3])), weight_cap=CAP))
+            for i, p in enumerate(peers[:3])]
+        deltas, due = _deltas(3, seed=37), threading.Event()
+        with ThreadPoolExecutor(3) as pool:
+            try:
+                first = pool.submit(averagers[0].run_round, deltas[0], CAP, round_id=2, due=due)
+                others = [pool.submit(a.run_round, d, CAP, round_id=2, fault=hold)
+                          for a, d in zip(averagers[1:], deltas[1:], strict=True)]
+                for _ in range(2):
+                    assert merging.acquire(timeout=60), [a.last_report for a in averagers]
+                due.set()
+                wait_until(lambda: decode_entries(averagers[1].records.read([ids[0]], 2.0).get(ids[0])).get(
+                    2, RoundEntry(2, b"", 1, 0.0)).fingerprint == WITHDRAWN, timeout=30)
+                seen_by_0[:] = ids[1:3]
+            finally:
+                go.set()
+                due.set()
+            results = [f.result(timeout=60) for f in [first, *others]]
+    assert all(r is not None for r in results), [a.last_report for a in averagers]
+    assert all(sorted(a.last_report.participants) == sorted(ids[:3]) for a in averagers)
+    assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
 
 
 def _merged_round(averager: GroupAverager, peer: str, n: int) -> bool:
