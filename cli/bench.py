@@ -369,13 +369,17 @@ def wan(
     nodes: int = typer.Option(4, "--nodes", min=2, max=6, help="Composer processes, one per lab host."),
     steps: int = typer.Option(120, "--steps", min=20, help="Inner steps per composer in each run."),
     preset: PresetName = "small",
+    crowd: int = typer.Option(0, "--crowd", min=0, max=16,
+                              help="Busy processes beside the nodes through every run (a desktop doing other work)."),
+    partition: bool = typer.Option(True, "--partition/--no-partition",
+                                   help="Also cut one host off at the lowest rate."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     json_path: JsonPath = None,
 ) -> None:
-    """The same swarm on loopback and on network-lab links capped at each rate, then one host cut off: outer-round
-    time against the all-reduce bound, the training thread's time at the network seam, gossip and snapshot
-    bytes, time to re-own a cut-off host's experts, val loss against loopback (root and network namespaces;
-    small preset: about 20 min on 2 cores)."""
+    """The same swarm on loopback and on network-lab links capped at each rate, then one host cut off: outer rounds
+    completed and their collect time against the time their bytes need, the training thread's time at the network
+    seam, gossip and snapshot bytes, time to re-own a cut-off host's experts, val loss against loopback (root and
+    network namespaces; small preset: about 20 min on 2 cores)."""
     from pathlib import Path
 
     from parallax.benchmarks.wan import markdown, run_wan_bench, write
@@ -383,8 +387,8 @@ def wan(
 
     try:
         report = run_wan_bench(rates=tuple(r.strip() for r in rates.split(",") if r.strip()), nodes=nodes,
-                               steps=steps, preset=preset, workdir=Path(workdir) if workdir else None,
-                               progress=typer.echo)
+                               steps=steps, preset=preset, crowd=crowd, partition=partition,
+                               workdir=Path(workdir) if workdir else None, progress=typer.echo)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     except NetLabError as e:

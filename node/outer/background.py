@@ -3,9 +3,11 @@ merge lands a few steps later and is applied with the progress made meanwhile ke
 
 ``TieredOuterSync.run_round`` blocks for seconds (matchmaking, all-reduce, verification). The node runs
 it in a worker thread per group, at most one round per group in flight. A gathered round without a quorum keeps
-its contribution on offer until the group's next round is due; that round then tells it (``_InFlight.due``: it
-merges with the quorum it has, or withdraws) and starts at the first seam after it ended, with the delta and
-tokens of both (``owed``). At the seam the loop calls
+its contribution on offer while the group's next rounds come due (they are skipped: what the node trains meanwhile
+goes into its next contribution), for up to ``OFFER_PERIODS`` of them, until the node is alone for good, or until
+it leaves; then it is told to end (``_InFlight.due``: it merges with the quorum it has, or withdraws) and the round
+then due starts at the first seam after it ended, with the delta and tokens of both (``owed``). At the seam the
+loop calls
 ``collect``, which applies every finished round (never half of one: a round that failed or did not
 verify applies nothing) and, when a round may have left this node behind the others, downloads the
 group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path).
@@ -49,6 +51,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+OFFER_PERIODS = 4
+"""A contribution without a quorum stays on offer for at most this many of its group's periods (the due rounds
+between are skipped); the next carries all the node trained since its anchor. The robust merge counts at most ``robust.MAX_SPAN`` (4) periods of a
+contribution's progress, so an older one would be clipped; and composers of unequal pace meet within it."""
 RELOAD_LOSS_BOUND = 1.10
 """A downloaded group state is refused when it would make this node's held-out loss more than this many times what
 it is now (an honest reload after a half-applied round moves it by a few percent at most)."""
@@ -63,7 +69,9 @@ class _InFlight:
     tokens: int
     future: concurrent.futures.Future[RoundResult]
     due: threading.Event
-    """Set when the group's next round is due (or the node leaves): a round still waiting for a quorum ends."""
+    """Set to end a round still waiting for a quorum (``OFFER_PERIODS`` dues passed, alone for good, or leaving)."""
+    passed: int = 0
+    """The group's due rounds skipped while this one waited."""
 
 
 @dataclass
@@ -72,9 +80,10 @@ class RoundCounts:
     applied: int = 0
     failed: int = 0
     skipped_busy: int = 0
-    """Rounds not started because a reload of the group was running."""
-    ended_by_next: int = 0
-    """Rounds still waiting for a quorum when the group's next round came due: told to end, that round started after."""
+    """Due rounds not started: the previous round of the group still waited (its contribution on offer), or a
+    reload of the group was running."""
+    ended_waiting: int = 0
+    """Rounds told to end while they waited for a quorum (``OFFER_PERIODS`` dues passed, or alone for good)."""
     reloads: int = 0
     refused: int = 0
     """Downloaded states refused (they would have raised the loss, or did not check out)."""
@@ -232,7 +241,7 @@ class BackgroundRounds:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, 2 * len(sync.groups)),
                                                            thread_name_prefix="parallax-outer")
         self._in_flight: dict[str, _InFlight] = {}
-        self._owed: dict[str, int] = {}  # group -> a round that came due while the previous one ran (``owed``)
+        self._owed: dict[str, int] = {}  # group -> a round due once the waiting round it ended is over (``owed``)
         self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
@@ -250,18 +259,19 @@ class BackgroundRounds:
         return group in self._in_flight
 
     def submit(self, group: str, round_id: int) -> bool:
-        """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (it is
-        told its successor is due, and ``round_id`` is owed: ``owed``), when a reload of the group runs, or when
-        this node does not hold the swarm's state of the group yet (it downloads it instead)."""
+        """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (its
+        contribution stays on offer: this round is skipped, or, the ``OFFER_PERIODS``-th skipped, it is told to end and
+        ``round_id`` is owed), when a reload of the group runs, or when this node does not hold the swarm's state of the
+        group yet (it downloads it instead)."""
         flight = self._in_flight.get(group)
         if flight is not None:
-            if not flight.due.is_set():
-                self.counts.ended_by_next += 1
-                logger.info("outer round %s/%d is due while round %d still waits for a quorum: that round ends "
-                            "(merging with the quorum it has, or withdrawn) and this one starts after it", group,
-                            round_id, flight.round_id)
-                flight.due.set()
-            self._owed[group] = round_id
+            flight.passed += 1
+            if flight.passed < OFFER_PERIODS and group not in self._owed:
+                self.counts.skipped_busy += 1
+                logger.info("outer round %s/%d skipped: round %d still waits for a quorum, its contribution on offer",
+                            group, round_id, flight.round_id)
+            else:
+                self.end_waiting(group, round_id)
             return False
         self._owed.pop(group, None)
         if group in self._reloads:
@@ -285,9 +295,20 @@ class BackgroundRounds:
         self.counts.submitted += 1
         return True
 
+    def end_waiting(self, group: str, round_id: int) -> None:
+        """Tell the round of ``group`` in flight to end if it still waits for a quorum (it merges with the quorum it
+        has, or withdraws); round ``round_id`` starts once it has ended (``owed``)."""
+        flight = self._in_flight.get(group)
+        if flight is not None and not flight.due.is_set():
+            self.counts.ended_waiting += 1
+            logger.info("outer round %s/%d ends its wait for a quorum (merging with the quorum it has, or withdrawn); "
+                        "round %d starts after it", group, flight.round_id, round_id)
+            flight.due.set()
+        self._owed[group] = round_id
+
     def owed(self) -> dict[str, int]:
-        """group -> round number of the rounds that came due while the group's previous round ran and can start
-        now (that round ended): the training thread submits them at the seam as if due."""
+        """group -> round number of the rounds due once the waiting round they ended was over, that can start now
+        (it is): the training thread starts them at the seam as if due."""
         return {g: n for g, n in self._owed.items() if g not in self._in_flight}
 
     def merge_alone(self, group: str, round_id: int) -> None:

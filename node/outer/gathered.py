@@ -8,8 +8,9 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
    merged this node's contribution in. Without a quorum, a node that trains on meanwhile (``due``) keeps its
-   contribution on offer until its next round of the group is due: composers of unequal pace then find one
-   another's contributions on offer whenever they come, not only during a wait of their own; otherwise the
+   contribution on offer until it is told to end (``background``: a few of its group's periods at most): composers
+   of unequal pace then find one another's contributions on offer whenever they come, not only during a wait of
+   their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without ``due`` the
    round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a peer had
    fetched it, this node watches the records for ``verify_timeout_s`` for a set naming it (a peer that read it
    on offer just before may be merging it) and takes that set, so that no peer applies a merge of its
@@ -143,8 +144,9 @@ class GatheredRounds:
             due: threading.Event | None = None) -> dict[str, torch.Tensor] | None:
         """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
 
-        ``due``: set when this node's next round of the group is due (or the node leaves). Until then a round that
-        has no quorum keeps its contribution on offer; None: it gives up after ``matchmaking_timeout_s``.
+        ``due``: set to end the round's wait (``background``: after a few of the group's periods, alone for good, or
+        leaving). Until then a round that has no quorum keeps its contribution on offer; None: it gives up after
+        ``matchmaking_timeout_s``.
 
         ``anchor``: the group's anchor the merge will be applied to, in the group's order (not changed while the round
         runs). Its fingerprint goes out with the result's; when the anchors of a strict majority of the participants
@@ -374,12 +376,14 @@ class GatheredRounds:
                  due: threading.Event | None = None) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
         ``min_matchmaking_time_s`` for every one to have one (and on while fewer than a quorum have: until ``due``
-        is set, or for ``matchmaking_timeout_s`` without it); or, when others already merged ours with theirs, their
-        set. Returns the contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still
-        in flight when it returns are left to end on their own bounds; ``found`` no longer changes."""
+        is set, or for ``matchmaking_timeout_s`` without it; a quorum that comes after the wait waits
+        ``min_matchmaking_time_s`` more for the rest); or, when others already merged ours with theirs, their set.
+        Returns the contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still in
+        flight when it returns are left to end on their own bounds; ``found`` no longer changes."""
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
+        late_quorum = False
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
@@ -400,6 +404,8 @@ class GatheredRounds:
             expected = working - held
             have = {split_pair(name)[0] for name in current if name in found}
             now = time.monotonic()
+            if now >= wait_until and len(have) + 1 >= quorum and not late_quorum and offering:
+                late_quorum, wait_until = True, now + cfg.net.min_matchmaking_time_s  # the others' first wait
             # Past the wait with a quorum: fetches still running get one message's bound more (a small body has
             # arrived or stalled by then), then the round goes on without them; a peer that held a fetch gets none.
             waiting = now < wait_until + cfg.net.next_chunk_timeout_s and any(

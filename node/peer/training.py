@@ -209,12 +209,14 @@ class Training:
             assignment = view.assignment(view.read_at) if view is not None else None
             if assignment is not None and self.experts.fingerprint in assignment.peers:
                 self.replicas.submit(assignment, round_id=step // self.schedule.periods["backbone"])
-        # The rounds due now, and those that came due while the group's previous round ran (it has ended since).
+        # The rounds due now, and those due once a waiting round they ended was over (it is now).
         due = {group: step // self.schedule.periods[group] for group in self.schedule.due(step)}
         for group, round_id in (rounds.owed() | due).items():
             if group not in composer.outer:
                 continue
-            if for_good and not rounds.busy(group):
+            if for_good and rounds.busy(group):
+                rounds.end_waiting(group, round_id)  # nobody is left to merge with: merged among one once it ends
+            elif for_good:
                 # A merge among one: the outer step with our own delta. Alone for a moment, nothing is merged: the
                 # delta goes into the next round.
                 rounds.merge_alone(group, round_id=round_id)

@@ -602,11 +602,11 @@ def test_a_peer_whose_set_the_others_merged_elsewhere_ends_its_round_as_soon_as_
         assert all(len(a.last_report.participants) == 4 for a in averagers)
 
 
-def test_a_contribution_stays_on_offer_until_its_senders_next_round_is_due(peers):
+def test_a_contribution_stays_on_offer_until_its_round_is_told_to_end(peers):
     """Composers of unequal pace: two of four live composers reach their round and find no quorum (three); past
-    their give-up time their contributions are still on offer (their next rounds are not due yet), so a third that
-    comes later merges with both. A round whose next is due while it waits withdraws at once, and with nobody
-    having fetched its contribution, nobody can have merged it: no reload."""
+    their give-up time their contributions are still on offer (their rounds were not told to end), so a third that
+    comes later merges with both. A waiting round told to end withdraws at once, and with nobody having fetched its
+    contribution, nobody can have merged it: no reload."""
     config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
     ids = [p.dht.peer_id for p in peers]
     with contextlib.ExitStack() as stack:

@@ -3,11 +3,17 @@ round-trips to a joiner and refuses what does not fit, or what would throw this 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from parallax.dht.testing import wait_until
+from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus
 from parallax.node.outer.background import (
+    OFFER_PERIODS,
     RELOAD_LOSS_BOUND,
+    BackgroundRounds,
     group_state,
     live_state,
     load_group_state,
@@ -181,3 +187,45 @@ def test_a_drifted_anchor_takes_the_majoritys_and_keeps_its_weights_so_the_diffe
     assert take_anchor(outer, "router", far, [t + 100.0 for t in tensors], bound=apart * 1.01) is None
     assert outer.round == 3 and all(torch.equal(outer.anchor[n], saved["anchor"][n]) for n in outer.anchor)
     assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+
+
+class _WaitingAverager:
+    """A group's rounds that never find a quorum: each waits until told to end, then reports no group."""
+
+    shapes = {"w": (3, 2), "b": (2,)}
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def serve_state(self, provider: object) -> None:
+        pass
+
+    def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+        self.started.append(round_id)
+        assert due.wait(timeout=30)
+        return RoundResult(None, RoundReport("router", RoundStatus.NO_GROUP, round_id), None)
+
+
+def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_the_due_round_carries_both():
+    params, outer = make()
+    averager = _WaitingAverager()
+    sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
+    rounds = BackgroundRounds(sync, composer)  # type: ignore[arg-type]
+    try:
+        assert rounds.submit("router", 1)
+        composer.tokens_since_merge["router"] = 40  # trained while round 1 waits
+        skipped = [rounds.submit("router", n) for n in range(2, 2 + OFFER_PERIODS)]
+        assert skipped == [False] * OFFER_PERIODS
+        assert rounds.counts.skipped_busy == OFFER_PERIODS - 1 and rounds.counts.ended_waiting == 1
+        assert rounds.owed() == {}  # round 1 is still ending
+        rounds.wait(timeout_s=30)
+        assert rounds.counts.failed == 1 and composer.tokens_since_merge["router"] == 140  # round 1's tokens back
+        assert rounds.owed() == {"router": 1 + OFFER_PERIODS}
+        assert rounds.submit("router", 1 + OFFER_PERIODS) and rounds.owed() == {}
+        wait_until(lambda: averager.started == [1, 1 + OFFER_PERIODS], timeout=30)
+        rounds.end_waiting("router", 7)  # alone for good: the waiting round ends at once, round 7 after it
+        rounds.wait(timeout_s=30)
+        assert rounds.owed() == {"router": 7} and rounds.counts.ended_waiting == 2
+    finally:
+        rounds.shutdown()

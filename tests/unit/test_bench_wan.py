@@ -1,0 +1,52 @@
+"""``parallax bench wan``'s figures from the composers' metrics (pure; the lab runs are the benchmark itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from parallax.benchmarks.wan import _round_time, figures, markdown, summary
+
+SIZES = {"router": 4_000, "backbone": 100_000}
+
+
+def _node(statuses: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One node's metrics: its rounds' statuses per group, two steps, a final evaluation."""
+    rounds = [{"kind": "round", "group": g, "status": s, "allreduce_s": 2.0, "total_s": 3.0}
+              for g, each in statuses.items() for s in each]
+    return [*rounds,
+            {"kind": "step", "step": 1, "gossip_bytes": 10, "outer_bytes": 100},
+            {"kind": "step", "step": 2, "gossip_bytes": 20, "outer_bytes": 200},
+            {"kind": "step_path", "steps": 2, "seam_s": 0.1, "seam_max_s": 0.05, "refit_s": 0.0, "dht_calls": 0},
+            {"kind": "final_eval", "val_loss": 2.5, "tokens": 1000}]
+
+
+def _run(per_node: list[dict[str, list[str]]]) -> dict[str, Any]:
+    return figures([_node(s) for s in per_node], [0] * len(per_node), wall_s=60.0)
+
+
+def test_a_gathered_rounds_bound_is_its_n_minus_1_bodies_each_way_and_the_all_reduces_its_butterfly():
+    gathered = _round_time([8.0], nodes=4, size=1_000_000, bandwidth=1_000_000.0, gathered=True)
+    assert gathered["bound_s"] == pytest.approx(3.0) and gathered["over_bound"] == pytest.approx(8.0 / 3.0)
+    butterfly = _round_time([3.0], nodes=4, size=1_000_000, bandwidth=1_000_000.0, gathered=False)
+    assert butterfly["bound_s"] == pytest.approx(1.5) and butterfly["over_bound"] == pytest.approx(2.0)
+
+
+def test_rounds_completed_are_the_lowest_nodes_share_and_a_rate_without_one_reports_zero_and_why():
+    loopback = _run([{"router": ["ok", "ok"], "backbone": ["ok", "ok"]},
+                     {"router": ["ok", "no_group"], "backbone": ["ok", "unverified", "ok", "ok"]}])
+    capped = _run([{"router": ["ok"], "backbone": ["no_group", "unverified"]},
+                   {"router": ["ok"], "backbone": ["no_group"]}])
+    assert loopback["rounds_ok_fraction"] == {"router": 0.5, "backbone": 0.75}
+    assert loopback["rounds_failed"] == 2 and capped["rounds_failed"] == 3
+    report = summary({"loopback": loopback, "20mbit": capped}, None, sizes=SIZES, gathered=True,
+                     rates=("20mbit",), nodes=2, preset="tiny", steps=2, periods={}, refresh_every=25,
+                     snapshot_every=50, crowd=2, aggregation="gather", compression="int4")
+    assert report["backbone_rounds_ok_fraction"] == {"loopback": 0.75, "20mbit": 0.0}
+    assert report["round_time_over_bytes_bound"] == {"20mbit": None}
+    assert report["failed_rounds"] == {"loopback": 2, "20mbit": 3}
+    assert report["runs"]["20mbit"]["rounds"]["backbone"]["why"].startswith("no round of this group verified")
+    table = markdown(report)
+    assert "backbone rounds completed on the lowest node: loopback 75%, 20mbit 0%" in table
+    assert "0% (others: no_group, unverified)" in table and "2 busy processes" in table
