@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 _STATE_VERSION = 1
 OFFER_PERIODS = 4
 """A contribution without a quorum stays on offer for at most this many of its group's periods (the due rounds
-between are skipped); the next carries all the node trained since its anchor. The robust merge counts at most ``robust.MAX_SPAN`` (4) periods of a
-contribution's progress, so an older one would be clipped; and composers of unequal pace meet within it."""
+between are skipped); the next carries all the node trained since its anchor. The robust merge counts at most
+``robust.MAX_SPAN`` (4) periods of a contribution's progress, so an older one would be clipped; and composers of
+unequal pace meet within it."""
 RELOAD_LOSS_BOUND = 1.10
 """A downloaded group state is refused when it would make this node's held-out loss more than this many times what
 it is now (an honest reload after a half-applied round moves it by a few percent at most)."""

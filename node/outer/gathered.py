@@ -410,13 +410,14 @@ class GatheredRounds:
             # arrived or stalled by then), then the round goes on without them; a peer that held a fetch gets none.
             waiting = now < wait_until + cfg.net.next_chunk_timeout_s and any(
                 not f.done() and split_pair(name)[0] not in held for name, f in flights.items())
-            # Everyone expected is here: go on at once. Not when all that are expected held a fetch: then the round
-            # waits for a quorum as below, its contribution on offer (ending at once, every round, would withdraw
-            # it before such a peer could fetch it, and two peers that each held one fetch of the other's under
-            # load would never merge again).
-            # Its next round due, the round goes on with the quorum it has, or ends.
+            # Everyone expected is here: go on at once. Not when nobody is expected (no live composer shows work
+            # here yet, or all that do held a fetch): then the round waits for a quorum as below, its contribution
+            # on offer. Ending at once would withdraw it before anyone could fetch it, and fetching contributions is
+            # how composers show each other work: crowded ones whose work had not reached each other yet would
+            # never merge again (and two peers that each held one fetch of the other's under load neither).
+            # Told to end, the round goes on with the quorum it has, or ends.
             hurried = due is not None and due.is_set()
-            if (expected <= have and (expected or not working & held)) or (
+            if (expected and expected <= have) or (
                     (now >= wait_until and not waiting or hurried) and len(have) + 1 >= quorum):
                 return tuple(sorted({me} | {name for name in current if name in found}))
             if hurried or (due is None and time.monotonic() >= give_up):
