@@ -21,7 +21,9 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    round and counted in no quorum until a fetch of its contribution arrives again (it is still asked each
    round): it costs a node one bounded fetch per group, not one per round until it is banned;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
-4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree; a set
+4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree (with
+   ``due``, past ``verify_timeout_s`` while enough of them still gather to make one: they take the set when they see
+   it); a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
    set in sets without ours and went on to their next rounds, nobody can apply ours: the round ends at once,
    its contribution withdrawn, and this node's delta goes into its next round (a composer that started its
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from parallax.node.net.scores import Evidence, PeerScores
-from parallax.node.outer.records import POLL_S, RoundRecords, RoundStatus
+from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
@@ -89,9 +91,6 @@ _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
 _RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
-_OFFER_POLL_S = 1.0
-"""How often a round whose wait is over reads the records while its contribution stays on offer (``due``): a set
-naming it is taken within about this long, and the DHT is not read twenty times a second for as long as it waits."""
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
@@ -207,7 +206,9 @@ class GatheredRounds:
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag, anchors=anchors), deadline=deadline,
                 other_set=functools.partial(self._better_set, mine=me, current=participants, quorum=self._quorum()),
-                readers=self._live, moved_on=functools.partial(_moved_on, tag=tag))
+                readers=self._live, moved_on=functools.partial(_moved_on, tag=tag),
+                extend=None if due is None else functools.partial(_may_yet_agree, participants=participants,
+                                                                  due=due))
             common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
@@ -399,7 +400,7 @@ class GatheredRounds:
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
             flights = self._flights.start(wanted)
             offering = due is not None and time.monotonic() >= wait_until + cfg.net.next_chunk_timeout_s
-            self._flights.take(flights, found, _OFFER_POLL_S if offering else POLL_S)
+            self._flights.take(flights, found, SLOW_POLL_S if offering else POLL_S)
             held, working = self._held_peers(), self._working()
             expected = working - held
             have = {split_pair(name)[0] for name in current if name in found}
@@ -609,6 +610,23 @@ def _entry_fingerprint(name: str, record: bytes, tag: bytes,
         if anchor is not None:
             anchors[name] = anchor
     return fp
+
+
+def _may_yet_agree(agreeing: int, entries: Mapping[str, Mapping[int, RoundEntry]], *,
+                   participants: Sequence[str], due: threading.Event) -> bool:
+    """May a strict majority of ``participants`` still agree, counting those whose senders still gather (their
+    contribution on offer, unmerged: they may take our set when they see it) beside the ``agreeing``? Not once ``due``
+    is set. A node whose round trains beside it waits that long past the verification's bound: crowded composers
+    take seconds to see a set, fetch its bodies and merge it."""
+    if due.is_set():
+        return False
+    gathering = 0
+    for name in participants:
+        peer, n = split_pair(name)
+        by_round = entries.get(peer, {})
+        entry = by_round.get(n)
+        gathering += entry is not None and not entry.fingerprint and max(by_round) == n
+    return 2 * (agreeing + gathering) > len(participants)
 
 
 def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:

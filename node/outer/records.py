@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["RoundRecords", "RoundReport", "RoundStatus"]
 
 POLL_S = 0.05
+SLOW_POLL_S = 1.0
+"""How often a wait that has gone past its first bound reads the records (a waiting contribution, a verification
+whose other senders still gather): a result is seen within about this long, and the DHT is not read twenty times a
+second for as long as it waits."""
 
 
 class RoundStatus(StrEnum):
@@ -163,8 +167,10 @@ class RoundRecords:
         other_set: Callable[[Mapping[str, Mapping[int, RoundEntry]]], tuple[str, ...] | None] | None = None,
         readers: Callable[[], set[str]] = set,
         moved_on: Callable[[str, Mapping[int, RoundEntry]], bool] | None = None,
+        extend: Callable[[int, Mapping[str, Mapping[int, RoundEntry]]], bool] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
-        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now).
+        """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now, and
+        past it while ``extend`` holds).
 
         Args:
             participants: the round's participants; in a gathered round, contributions named "peer@round".
@@ -174,6 +180,8 @@ class RoundRecords:
             readers: () -> further peers whose records ``other_set`` sees (a gathered round: the live composers).
             moved_on: a gathered round's (participant, its sender's entries by round) -> True when that sender has
                 finished the participant's round without merging our set: its vote is never coming.
+            extend: a gathered round's (participants agreeing so far, the senders' entries by round) -> True to wait
+                on past ``deadline`` (the records are then read once every ``SLOW_POLL_S``).
 
         Returns:
             (OK, DIVERGED when those who answered outvoted us, UNVERIFIED when too few answered, or
@@ -198,7 +206,7 @@ class RoundRecords:
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
                 return RoundStatus.OK, agreeing, len(others) + 1, None
-            entries = latest_entries(records) if other_set is not None or moved_on is not None else {}
+            entries = latest_entries(records) if other_set is not None or moved_on is not None or extend else {}
             other = other_set(entries) if other_set is not None else None
             if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
@@ -211,6 +219,7 @@ class RoundRecords:
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
                 # A majority is out of reach whoever answers later.
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
-            if time.monotonic() >= deadline:
+            late = time.monotonic() >= deadline
+            if late and not (extend is not None and extend(agreeing, entries)):
                 return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
-            time.sleep(POLL_S)
+            time.sleep(SLOW_POLL_S if late else POLL_S)

@@ -3,7 +3,9 @@ records as data, no network)."""
 
 from __future__ import annotations
 
-from parallax.node.outer.gathered import _better_set, _moved_on
+import threading
+
+from parallax.node.outer.gathered import _better_set, _may_yet_agree, _moved_on
 from parallax.node.outer.transport import WITHDRAWN, RoundEntry, decode_entries, encode_record, pair
 from parallax.node.outer.wire import encode_fingerprint, round_tag
 
@@ -67,3 +69,19 @@ def test_a_sender_has_moved_on_only_once_its_vote_on_that_contribution_is_final(
     assert not _moved_on(b3, record(merged(3, ours), later), ours)  # it merged ours: a vote
     assert not _moved_on(b3, record(RoundEntry(3, bytes(32), 100, 1.0), later), ours)  # open: not merged yet
     assert not _moved_on(b3, record(later), ours)  # round 3 left its record: unknown
+
+
+def test_a_verification_waits_on_while_enough_senders_still_gather_to_make_a_majority() -> None:
+    """A merged all four and agrees with itself. While B and C still gather (their contributions on offer, unmerged)
+    a majority may come; once C went on to a later round, or B merged another set, or A's round is told to end, it
+    cannot (D's vote never came)."""
+    everyone, due = _names(*PEERS), threading.Event()
+    gathering = {"B": {3: RoundEntry(3, bytes(32), 100, 1.0)}, "C": {6: RoundEntry(6, bytes(32), 100, 1.0)}}
+    assert _may_yet_agree(1, gathering, participants=everyone, due=due)
+    went_on = {**gathering, "C": {6: RoundEntry(6, bytes(32), 100, 1.0), 7: RoundEntry(7, bytes(32), 100, 1.0)}}
+    assert not _may_yet_agree(1, went_on, participants=everyone, due=due)
+    merged_elsewhere = {**gathering, "B": _entry("B", 3, _names("A", "B", "C"))}
+    assert not _may_yet_agree(1, merged_elsewhere, participants=everyone, due=due)
+    assert _may_yet_agree(2, merged_elsewhere, participants=everyone, due=due)  # B agreed: B and C make three
+    due.set()
+    assert not _may_yet_agree(1, gathering, participants=everyone, due=due)
