@@ -23,7 +23,9 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree (with
    ``due``, past ``verify_timeout_s`` while enough of them still gather to make one: they take the set when they see
-   it); a set
+   it). When nobody else published a result for it by then, the node takes its vote and contribution back as in
+   step 2's last call, and takes a set naming its contribution if one shows, or carries its delta into its next
+   round (``UNANSWERED``); a set
    more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
    set in sets without ours and went on to their next rounds, nobody can apply ours: the round ends at once,
    its contribution withdrawn, and this node's delta goes into its next round (a composer that started its
@@ -222,6 +224,17 @@ class GatheredRounds:
                 common["detail"] = "a majority of the set's other senders merged theirs elsewhere and went on"
                 self._withdrawn(n, status, started, common)
                 return None
+            if status is RoundStatus.UNVERIFIED and answered == 1:
+                # Nobody else published a result for our set: nobody can have applied it without our vote, so rather
+                # than reload an anchor that may lack our contribution (and drop our delta with it), take our vote
+                # and contribution back, and take a set naming ours if one shows now (``_last_call``).
+                taken, merged_ours = self._last_call(n, me, found)
+                if taken is None:
+                    common["detail"] = f"no other of the set's {len(participants)} senders merged it in time"
+                    self._withdrawn(n, RoundStatus.UNANSWERED, started, common, merged_elsewhere=merged_ours)
+                    return None
+                participants = taken
+                continue
             if other is None or not self._fetch_set(other, found, deadline):
                 break
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
@@ -433,7 +446,8 @@ class GatheredRounds:
 
     def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    ) -> tuple[tuple[str, ...] | None, bool]:
-        """Round ``n`` had no quorum: its contribution comes off offer at once (no new set takes it). A peer that
+        """Round ``n`` had no quorum, or nobody else merged its set in time: its contribution (and any vote of ours)
+        comes off offer at once (no new set takes it). A peer that
         read it on offer just before may be merging it still: when a peer fetched it, the records are watched for
         ``verify_timeout_s`` for a set naming it, and such a set is taken as ``_collect`` takes one (its bodies
         fetched into ``found``). Returns (the set taken or None, whether a set naming ours was seen): a set seen

@@ -45,6 +45,7 @@ class RoundStatus(StrEnum):
     DIVERGED = "diverged"
     UNVERIFIED = "unverified"
     SUPERSEDED = "superseded"
+    UNANSWERED = "unanswered"
     CLAIMED_BEFORE = "claimed_before"
 
     @property
@@ -65,6 +66,8 @@ _MEANINGS = {
                           "peers",
     RoundStatus.UNVERIFIED: "too few results arrived to form a majority: not applied, the group reloaded from peers",
     RoundStatus.SUPERSEDED: "the other senders of this node's set merged theirs in another set: not applied",
+    RoundStatus.UNANSWERED: "no other sender of this node's set merged it in time: its contribution withdrawn, the "
+                            "pseudo-gradient goes into the next round",
     RoundStatus.CLAIMED_BEFORE: "this node's earlier process already claimed a contribution for this round (a restart "
                                 "from an earlier checkpoint): skipped, the pseudo-gradient goes into the next round",
 }
@@ -103,7 +106,7 @@ class RoundReport:
             return True
         return self.began_allreduce and self.status in (RoundStatus.FAILED, RoundStatus.TIMEOUT, RoundStatus.BUSY,
                                                         RoundStatus.NO_GROUP, RoundStatus.NO_TOKENS,
-                                                        RoundStatus.SUPERSEDED)
+                                                        RoundStatus.SUPERSEDED, RoundStatus.UNANSWERED)
 
 
 

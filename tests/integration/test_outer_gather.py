@@ -686,6 +686,31 @@ def test_a_set_merged_with_a_contribution_as_it_comes_off_offer_is_taken_by_its_
     assert all(torch.equal(r["w"], results[0]["w"]) for r in results)
 
 
+def test_a_set_nobody_else_merges_is_taken_back_without_a_reload(peers):
+    """Peer 0 counts peer 1 alone as live and merges the two; peer 1 wants a quorum of three and never takes that
+    set. Nobody else published a result for peer 0's set, so nobody can have applied it: peer 0 takes its vote and
+    contribution back and keeps its delta (no reload, which would take an anchor without its contribution)."""
+    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0)
+    ids = [p.dht.peer_id for p in peers]
+    with contextlib.ExitStack() as stack:
+        averagers = [stack.enter_context(GroupAverager(
+            p.dht, "gather", "unanswered", SHAPES, config, p.signer, gather=p.gather,
+            peers=RoundPeers((lambda: ids[:2]) if i == 0 else (lambda: ids)), weight_cap=CAP))
+            for i, p in enumerate(peers[:2])]
+        deltas, due = _deltas(2, seed=41), threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                waiting = pool.submit(averagers[1].run_round, deltas[1], CAP, round_id=3, due=due)
+                assert averagers[0].run_round(deltas[0], CAP, round_id=3) is None
+            finally:
+                due.set()
+            assert waiting.result(timeout=60) is None
+    report = averagers[0].last_report
+    assert report.status is RoundStatus.UNANSWERED and not report.needs_reload, report
+    entry = decode_entries(averagers[1].records.read([ids[0]], 2.0).get(ids[0])).get(3)
+    assert entry is not None and entry.fingerprint == WITHDRAWN, entry
+
+
 def _merged_round(averager: GroupAverager, peer: str, n: int) -> bool:
     """Has ``peer`` published a fingerprint for its round ``n`` of ``averager``'s group?"""
     record = averager.records.read([peer], 2.0).get(peer)
