@@ -445,8 +445,7 @@ class BackgroundRounds:
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
         reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends at once."""
-        for flight in self._in_flight.values():
-            flight.due.set()
+        self._end_all()
         futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
         futures += self._reloads.values()
         concurrent.futures.wait(futures, timeout=timeout_s)
@@ -481,9 +480,13 @@ class BackgroundRounds:
         self.publish_state()
         return taken
 
-    def shutdown(self) -> None:
+    def _end_all(self) -> None:
+        """Tell every round in flight to end its wait for a quorum (the node leaves)."""
         for flight in self._in_flight.values():
             flight.due.set()
+
+    def shutdown(self) -> None:
+        self._end_all()
         for group, averager in self.sync.groups.items():
             averager.serve_state(None)
             if self.states is not None:

@@ -25,11 +25,10 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    ``due``, past ``verify_timeout_s`` while enough of them still gather to make one: they take the set when they see
    it). When nobody else published a result for it by then, the node takes its vote and contribution back as in
    step 2's last call, and takes a set naming its contribution if one shows, or carries its delta into its next
-   round (``UNANSWERED``); a set
-   more of its senders merged replaces ours (at most twice). When the others merged the contributions of our
-   set in sets without ours and went on to their next rounds, nobody can apply ours: the round ends at once,
-   its contribution withdrawn, and this node's delta goes into its next round (a composer that started its
-   round while the others were merging theirs would otherwise wait out its verification and reload).
+   round (``UNANSWERED``). A set more of its senders merged replaces ours (at most twice). When the others merged
+   the contributions of our set in sets without ours and went on to their next rounds, nobody can apply ours: the
+   round ends at once, its contribution withdrawn, and this node's delta goes into its next round (a composer that
+   started its round while the others were merging theirs would otherwise wait out its verification and reload).
 """
 
 from __future__ import annotations
@@ -447,12 +446,11 @@ class GatheredRounds:
     def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    ) -> tuple[tuple[str, ...] | None, bool]:
         """Round ``n`` had no quorum, or nobody else merged its set in time: its contribution (and any vote of ours)
-        comes off offer at once (no new set takes it). A peer that
-        read it on offer just before may be merging it still: when a peer fetched it, the records are watched for
-        ``verify_timeout_s`` for a set naming it, and such a set is taken as ``_collect`` takes one (its bodies
-        fetched into ``found``). Returns (the set taken or None, whether a set naming ours was seen): a set seen
-        and not taken may be applied by others (the caller reloads); none seen, nobody merged ours (this node's
-        delta goes into its next round)."""
+        comes off offer at once (no new set takes it). A peer that read it on offer just before may be merging it
+        still: when a peer fetched it, the records are watched for ``verify_timeout_s`` for a set naming it, and such
+        a set is taken as ``_collect`` takes one (its bodies fetched into ``found``). Returns (the set taken or None,
+        whether a set naming ours was seen): a set seen and not taken may be applied by others (the caller
+        reloads); none seen, nobody merged ours (this node's delta goes into its next round)."""
         self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
         if not self.gather.store.served(self.group, n):
             return None, False

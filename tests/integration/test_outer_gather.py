@@ -570,12 +570,7 @@ def test_a_peer_whose_set_the_others_merged_elsewhere_ends_its_round_as_soon_as_
     config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=3.0, matchmaking_timeout_s=25.0,
                                       verify_timeout_s=20.0)
     ids = [p.dht.peer_id for p in peers]
-    merging, go = threading.Semaphore(0), threading.Event()
-
-    def hold(_merged: dict[str, torch.Tensor]) -> None:  # between a peer's merge and its fingerprint
-        merging.release()
-        go.wait(timeout=60)
-
+    merging, go, hold = _held_merges()
     with contextlib.ExitStack() as stack:
         averagers = [stack.enter_context(GroupAverager(
             p.dht, "gather", "superseded", SHAPES, config, p.signer, gather=p.gather,
@@ -654,12 +649,7 @@ def test_a_set_merged_with_a_contribution_as_it_comes_off_offer_is_taken_by_its_
     ids = [p.dht.peer_id for p in peers]
     strangers = [p.dht.peer_id for p in peers[3:]] + ["QmS1ow1yTo5howUpAtA11aLONGTIMEhere1", "QmNeverC0mes2"]
     seen_by_0 = [*ids[1:3], *strangers]  # peer 0 waits for a quorum of four
-    merging, go = threading.Semaphore(0), threading.Event()
-
-    def hold(_merged: dict[str, torch.Tensor]) -> None:  # between a peer's merge and its fingerprint
-        merging.release()
-        go.wait(timeout=60)
-
+    merging, go, hold = _held_merges()
     with contextlib.ExitStack() as stack:
         averagers = [stack.enter_context(GroupAverager(
             p.dht, "gather", "last-call", SHAPES, config, p.signer, gather=p.gather,
@@ -709,6 +699,18 @@ def test_a_set_nobody_else_merges_is_taken_back_without_a_reload(peers):
     assert report.status is RoundStatus.UNANSWERED and not report.needs_reload, report
     entry = decode_entries(averagers[1].records.read([ids[0]], 2.0).get(ids[0])).get(3)
     assert entry is not None and entry.fingerprint == WITHDRAWN, entry
+
+
+def _held_merges() -> tuple[threading.Semaphore, threading.Event, Callable[[dict[str, torch.Tensor]], None]]:
+    """(merging, go, hold): ``hold`` is a ``fault`` hook that stops a peer between its merge and its fingerprint,
+    releasing ``merging`` once and waiting (bounded) for ``go``."""
+    merging, go = threading.Semaphore(0), threading.Event()
+
+    def hold(_merged: dict[str, torch.Tensor]) -> None:
+        merging.release()
+        go.wait(timeout=60)
+
+    return merging, go, hold
 
 
 def _merged_round(averager: GroupAverager, peer: str, n: int) -> bool:
