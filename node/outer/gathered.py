@@ -428,8 +428,9 @@ class GatheredRounds:
             # on offer. Ending at once would withdraw it before anyone could fetch it, and fetching contributions is
             # how composers show each other work: crowded ones whose work had not reached each other yet would
             # never merge again (and two peers that each held one fetch of the other's under load neither).
-            # Told to end, the round goes on with the quorum it has, or ends.
-            hurried = due is not None and due.is_set()
+            # Told to end, the round goes on with the quorum it has, or ends; not before its first wait is over (a node
+            # that leaves lets the round it just began meet the others').
+            hurried = due is not None and due.is_set() and now >= wait_until
             if (expected and expected <= have) or (
                     (now >= wait_until and not waiting or hurried) and len(have) + 1 >= quorum):
                 return tuple(sorted({me} | {name for name in current if name in found}))
