@@ -444,7 +444,8 @@ class BackgroundRounds:
 
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
-        reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends once its first wait is over."""
+        reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends once its first wait is
+        over."""
         self._end_all()
         futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
         futures += self._reloads.values()
