@@ -402,7 +402,7 @@ class GatheredRounds:
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
             quorum = self._quorum()
-            taken = self._merged_with_ours(entries, me, quorum)
+            taken, _ = self._merged_with_ours(entries, me, quorum)
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
@@ -438,11 +438,11 @@ class GatheredRounds:
                 return None
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
-                          quorum: int) -> tuple[str, ...] | None:
-        """The set of at least ``quorum`` contributions, ours among them, that most of its members merged, if any
-        peer merged one."""
+                          quorum: int) -> tuple[tuple[str, ...] | None, bool]:
+        """(the set of at least ``quorum`` contributions, ours among them, that most of its members merged, if any
+        peer merged one; whether any peer merged a set naming ours, of any size)."""
         sets = merged_sets(entries, me, self._adoptable().__contains__)  # the adoptable peers read once a pass
-        return best_set({members: votes for members, votes in sets.items() if len(members) >= quorum})
+        return best_set({members: votes for members, votes in sets.items() if len(members) >= quorum}), bool(sets)
 
     def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    ) -> tuple[tuple[str, ...] | None, bool]:
@@ -460,8 +460,8 @@ class GatheredRounds:
         seen = False
         while time.monotonic() < deadline:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, deadline - time.monotonic()))
-            seen = seen or bool(merged_sets(entries, me, self._adoptable().__contains__))
-            taken = self._merged_with_ours(entries, me, self._quorum())
+            taken, any_set = self._merged_with_ours(entries, me, self._quorum())
+            seen = seen or any_set
             if taken is not None and self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries):
                 logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it came "
                             "off offer; this node merges it too", self.group, n, len(taken))
