@@ -204,8 +204,13 @@ def test_corrupted_peer_is_outvoted_and_does_not_apply(dhts):
 
     try:
         deltas = _deltas(3, seed=2)
-        results = _run(averagers, deltas, TOKENS, fault2=corrupt)
-        assert results[2] is None
+        for _attempt in range(3):
+            # The corrupted peer never applies; the honest two may lose a round to hivemind's reducer giving up on a
+            # slow sender under load (``_run_whole``), and such a round is retried.
+            results = _run(averagers, deltas, TOKENS, fault2=corrupt)
+            assert results[2] is None, averagers[2].last_report
+            if all(a.last_report is not None and a.last_report.status is RoundStatus.OK for a in averagers[:2]):
+                break
         bad = averagers[2].last_report
         assert bad.status is RoundStatus.DIVERGED and bad.needs_reload, bad
         for a, merged in zip(averagers[:2], results[:2], strict=True):
