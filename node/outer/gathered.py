@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -206,7 +207,7 @@ class GatheredRounds:
             anchors: dict[str, tuple[float, ...]] = {}
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag, anchors=anchors), deadline=deadline,
-                other_set=functools.partial(self._better_set, mine=me, current=participants, quorum=self._quorum()),
+                other_set=functools.partial(self._better_set, mine=me, current=participants),
                 readers=self._live, moved_on=functools.partial(_moved_on, tag=tag),
                 extend=None if due is None else functools.partial(_may_yet_agree, participants=participants,
                                                                   due=due))
@@ -343,12 +344,27 @@ class GatheredRounds:
     def _banned(self, peer: str) -> bool:
         return self.scores is not None and self.scores.banned(peer)
 
-    def _quorum(self) -> int:
+    def _quorum(self, offered: Collection[str] = ()) -> int:
         """The fewest contributions a round merges: a majority of the working composers (this one included) but
-        those that held a fetch (``_expected``), and at least ``min_group_size``. When the working set shrinks to a
-        pair, the robust merge holds the longer of the two to twice the shorter (``train.robust``): no outlier can
-        be told, but a liar is bounded."""
-        return max(self.config.net.min_group_size, (len(self._expected()) + 1) // 2 + 1)
+        those that held a fetch (``_expected``), with the senders of the contributions ``offered`` (``_offered``),
+        and at least ``min_group_size``. When the working set shrinks to a pair, the robust merge holds the longer of
+        the two to twice the shorter (``train.robust``): no outlier can be told, but a liar is bounded.
+
+        Which composers' work reached a node differs from node to node (crowded ones fetch slowly), while the
+        contributions on offer are one record that every node reads: counting them, a node whose own view is narrow
+        neither merges a set too small for the others to take, nor ends its wait before theirs reach it."""
+        return max(self.config.net.min_group_size, (len(self._expected() | set(offered)) + 1) // 2 + 1)
+
+    def _offered(self, entries: Mapping[str, Mapping[int, RoundEntry]]) -> set[str]:
+        """The live composers (this node and those it bans aside) with a contribution on offer in ``entries`` that
+        count in a round's quorum: not those that held a fetch, nor those whose offered contribution this node
+        failed to fetch (an identity that announces contributions and serves none raises nobody's quorum for longer
+        than one try)."""
+        with self._lock:
+            failed = self._refused.keys() | self._retry_at.keys()
+            held = set(self._held)
+        return {split_pair(name)[0] for name in open_contributions(entries) if name not in failed} & (
+            self._live() - held)
 
     def _adoptable(self) -> set[str]:
         """The peers whose contributions may be merged in a set that others merged: the live composers this node
@@ -357,11 +373,11 @@ class GatheredRounds:
         would otherwise draw every honest peer into waiting out a fetch of it each round."""
         return self._live() - self._held_peers()
 
-    def _better_set(self, entries: Mapping[str, Mapping[int, RoundEntry]], *, mine: str, current: tuple[str, ...],
-                    quorum: int) -> tuple[str, ...] | None:
+    def _better_set(self, entries: Mapping[str, Mapping[int, RoundEntry]], *, mine: str,
+                    current: tuple[str, ...]) -> tuple[str, ...] | None:
         """``_better_set`` of ``current`` among the peers ``_adoptable`` now (read once a poll, not once per member
         of every merged set)."""
-        return _better_set(entries, mine, current, self._adoptable().__contains__, quorum)
+        return _better_set(entries, mine, current, self._adoptable().__contains__, self._quorum(self._offered(entries)))
 
     def _live(self) -> set[str]:
         """The live composers but this node and the peers it bans."""
@@ -397,11 +413,13 @@ class GatheredRounds:
         now = time.monotonic()
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
+        defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
-            quorum = self._quorum()
+            offered = self._offered(entries)
+            quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum)
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
@@ -414,7 +432,7 @@ class GatheredRounds:
             offering = due is not None and time.monotonic() >= wait_until + cfg.net.next_chunk_timeout_s
             self._flights.take(flights, found, SLOW_POLL_S if offering else POLL_S)
             held, working = self._held_peers(), self._working()
-            expected = working - held
+            expected = (working | offered) - held
             have = {split_pair(name)[0] for name in current if name in found}
             now = time.monotonic()
             if now >= wait_until and len(have) + 1 >= quorum and not late_quorum and offering:
@@ -433,7 +451,15 @@ class GatheredRounds:
             hurried = due is not None and due.is_set() and now >= wait_until
             if (expected and expected <= have) or (
                     (now >= wait_until and not waiting or hurried) and len(have) + 1 >= quorum):
-                return tuple(sorted({me} | {name for name in current if name in found}))
+                # Composers that reach a quorum at once would each merge the contributions they hold, all a little
+                # different, and no set would win its senders' votes: the one whose contribution ranks first among
+                # those on offer merges at once, the others give it the others' first wait to publish a set naming
+                # theirs (taken above), then merge their own.
+                if hurried or defer_until is not None and now >= defer_until or _first(
+                        self.records.run_id, self.group, me, [n for n in current if split_pair(n)[0] in offered]):
+                    return tuple(sorted({me} | {name for name in current if name in found}))
+                if defer_until is None:
+                    defer_until = now + cfg.net.min_matchmaking_time_s
             if hurried or (due is None and time.monotonic() >= give_up):
                 return None
 
@@ -460,7 +486,7 @@ class GatheredRounds:
         seen = False
         while time.monotonic() < deadline:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, deadline - time.monotonic()))
-            taken, any_set = self._merged_with_ours(entries, me, self._quorum())
+            taken, any_set = self._merged_with_ours(entries, me, self._quorum(self._offered(entries)))
             seen = seen or any_set
             if taken is not None and self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries):
                 logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it came "
@@ -519,6 +545,7 @@ class GatheredRounds:
         self.witness.fetched(peer, entry)
         with self._lock:
             self._held.pop(peer, None)
+            self._retry_at.pop(name, None)
         if self.peers.worked is not None:
             self.peers.worked(peer)
         return tensors, entry.tokens
@@ -640,6 +667,14 @@ def _may_yet_agree(agreeing: int, entries: Mapping[str, Mapping[int, RoundEntry]
         entry = by_round.get(n)
         gathering += entry is not None and not entry.fingerprint and max(by_round) == n
     return 2 * (agreeing + gathering) > len(participants)
+
+
+def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
+    """Does contribution ``mine`` rank first among itself and ``offered`` (pairs)? The rank is a hash of the run, the
+    group and the pair: the same on every node, and another contribution's each round."""
+    def rank(name: str) -> bytes:
+        return hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest()
+    return all(rank(mine) <= rank(name) for name in offered)
 
 
 def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:

@@ -83,24 +83,27 @@ def peers() -> Iterator[list[Peer]]:
 
 @contextlib.contextmanager
 def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | None] | None = None,
-               round_peers: RoundPeers | None = None, quorum_waits: Sequence[float] | None = None,
+               round_peers: RoundPeers | Sequence[RoundPeers] | None = None,
+               quorum_waits: Sequence[float] | None = None,
                gathers: Sequence[OuterGather] | None = None, compression: str = "fp16",
                timings: dict[str, float] | None = None) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
-    composers are ``peers`` unless ``round_peers`` says otherwise. A round waits up to 15 s for a quorum (the
-    loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``: each peer's wait instead):
-    these tests are about what is merged. ``gathers``: each peer's contribution server and fetcher instead of
-    the module's; ``compression``: the wire (fp16); ``timings``: other loopback timings (``net.outer``)."""
+    composers are ``peers`` unless ``round_peers`` (one for all, or one per peer) says otherwise. A round waits up
+    to 15 s for a quorum (the loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``:
+    each peer's wait instead): these tests are about what is merged. ``gathers``: each peer's contribution server
+    and fetcher instead of the module's; ``compression``: the wire (fp16); ``timings``: other loopback timings
+    (``net.outer``)."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
+    each = [round_peers] * len(peers) if isinstance(round_peers, RoundPeers) else list(round_peers)
     with contextlib.ExitStack() as stack:
         averagers = []
-        for p, score, wait, gather in zip(peers, scores or [None] * len(peers),
-                                          quorum_waits or [15.0] * len(peers), gathers or [p.gather for p in peers],
-                                          strict=True):
+        for p, score, wait, gather, whom in zip(peers, scores or [None] * len(peers),
+                                                quorum_waits or [15.0] * len(peers),
+                                                gathers or [p.gather for p in peers], each, strict=True):
             config = OuterSyncConfig.loopback(compression=compression, matchmaking_timeout_s=wait, **(timings or {}))
             averagers.append(stack.enter_context(GroupAverager(
-                p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=round_peers,
+                p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=whom,
                 weight_cap=CAP, scores=score)))
         yield averagers
 
@@ -191,6 +194,21 @@ def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contr
         assert all(r is not None for r in results), [a.last_report for a in avg]
         assert all(a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 2 for a in avg)
     assert sorted(set(seen)) == sorted(ids[:2])  # each fetched the other's contribution: evidence of its work
+
+
+def test_a_node_whose_view_of_work_is_narrow_waits_for_the_contributions_on_offer(peers, caplog):
+    """Only peer 1's work has reached peer 0 (crowded nodes fetch slowly); the others see everyone's. Peer 0 counts
+    the contributions on offer in its quorum, so it merges the set of four the others merge from the first, not a
+    set of two it would have to give up for theirs."""
+    ids = [p.dht.peer_id for p in peers]
+    views = [RoundPeers(lambda: ids, lambda: ids[1:2])] + [RoundPeers(lambda: ids, lambda: ids)] * 3
+    with caplog.at_level("INFO", logger="parallax.node.outer.gathered"), \
+            _averagers(peers, "narrow", round_peers=views) as averagers:
+        results = _run(averagers, _deltas(4, seed=9), [CAP] * 4, round_id=2)
+        for a, merged in zip(averagers, results, strict=True):
+            assert merged is not None and a.last_report.status is RoundStatus.OK, a.last_report
+            assert len(a.last_report.participants) == 4, a.last_report
+    assert "contributions more of their senders merged" not in caplog.text
 
 
 @pytest.mark.parametrize("attack", ["x1000", "x-10", "weight 1e12"])

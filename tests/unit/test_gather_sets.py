@@ -4,10 +4,11 @@ records as data, no network)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
-from parallax.node.outer.gathered import _better_set, _may_yet_agree, _moved_on
-from parallax.node.outer.transport import WITHDRAWN, RoundEntry, decode_entries, encode_record, pair
-from parallax.node.outer.wire import encode_fingerprint, round_tag
+from parallax.node.outer.gathered import GatheredRounds, _better_set, _first, _may_yet_agree, _moved_on
+from parallax.node.outer.transport import WITHDRAWN, RoundEntry, RoundPeers, decode_entries, encode_record, pair
+from parallax.node.outer.wire import OuterSyncConfig, encode_fingerprint, round_tag
 
 PEERS = ("A", "B", "C", "D")
 MINE = pair("A", 4)
@@ -85,3 +86,39 @@ def test_a_verification_waits_on_while_enough_senders_still_gather_to_make_a_maj
     assert _may_yet_agree(2, merged_elsewhere, participants=everyone, due=due)  # B agreed: B and C make three
     due.set()
     assert not _may_yet_agree(1, gathering, participants=everyone, due=due)
+
+
+def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work_is_narrow() -> None:
+    """Only B's work has reached A (its view of who works is narrow), while B, C, D and E offer contributions: A's
+    quorum is a majority of the five of them and itself, as a node that saw everyone's work counts it, so A neither
+    merges a set of two that nobody else takes nor ends its wait before the others' contributions reach it. An
+    offered contribution that A failed to fetch, or whose sender held a fetch, raises no quorum."""
+    live = ["A", "B", "C", "D", "E", "F"]
+    records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
+    rounds = GatheredRounds(records, {"w": (4,)}, OuterSyncConfig.loopback(), SimpleNamespace(store=None),
+                            RoundPeers(lambda: live, lambda: ["B"]), weight_cap=None, scores=None,
+                            report=lambda *a, **k: None)
+    try:
+        on_offer = {peer: {n: RoundEntry(n, bytes(32), 100, 1.0)} for n, peer in enumerate("BCDE", start=2)}
+        assert rounds._quorum() == 2  # A and B
+        assert rounds._offered(on_offer) == {"B", "C", "D", "E"}
+        assert rounds._quorum(rounds._offered(on_offer)) == 3  # of five
+        rounds._retry_at[pair("C", 3)] = 0.0  # its fetch failed
+        rounds._held["D"] = None  # it held a fetch
+        assert rounds._offered(on_offer) == {"B", "E"}
+        merged = {**on_offer, "E": _entry("E", 5, _names("A", "B"))}  # E's contribution is merged: off offer
+        assert rounds._offered(merged) == {"B"}
+    finally:
+        rounds.close()
+
+
+def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_next_round() -> None:
+    """Of the contributions on offer, the same one ranks first wherever it is computed (its sender merges at once,
+    the others wait for its set); the rank changes with the rounds, so no sender leads every round."""
+    def leaders(rounds: dict[str, int]) -> list[str]:
+        names = [pair(peer, n) for peer, n in rounds.items()]
+        return [name for name in names if _first("run", "router", name, [o for o in names if o != name])]
+
+    assert len(leaders({"A": 4, "B": 3, "C": 6, "D": 5})) == 1
+    firsts = {leaders({peer: n for peer in "ABCD"})[0].split("@")[0] for n in range(20)}
+    assert len(firsts) > 1
