@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -126,7 +127,8 @@ class GatheredRounds:
         self._retry_at: dict[str, float] = {}  # contributions a fetch of failed for now -> when to ask again
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
         self._held: dict[str, None] = {}  # peers that held a fetch and sent nothing usable since (insertion order)
-        self._lock = threading.Lock()  # _refused, _retry_at, _digests, _held: contributions are fetched in parallel
+        self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
+        self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._body_cap = contribution_limit(shapes)
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.session = new_session()
@@ -357,14 +359,12 @@ class GatheredRounds:
 
     def _offered(self, entries: Mapping[str, Mapping[int, RoundEntry]]) -> set[str]:
         """The live composers (this node and those it bans aside) with a contribution on offer in ``entries`` that
-        count in a round's quorum: not those that held a fetch, nor those whose offered contribution this node
-        failed to fetch (an identity that announces contributions and serves none raises nobody's quorum for longer
-        than one try)."""
+        count in a round's quorum: not those that held a fetch, nor those whose latest fetch here failed, until
+        one succeeds (an identity that announces contributions, new ones as often as it likes, and serves none raises
+        a node's quorum for one try)."""
         with self._lock:
-            failed = self._refused.keys() | self._retry_at.keys()
-            held = set(self._held)
-        return {split_pair(name)[0] for name in open_contributions(entries) if name not in failed} & (
-            self._live() - held)
+            out = self._held.keys() | self._failing.keys()
+        return {split_pair(name)[0] for name in open_contributions(entries)} & (self._live() - out)
 
     def _adoptable(self) -> set[str]:
         """The peers whose contributions may be merged in a set that others merged: the live composers this node
@@ -458,9 +458,11 @@ class GatheredRounds:
                 if hurried or defer_until is not None and now >= defer_until or _first(
                         self.records.run_id, self.group, me, [n for n in current if split_pair(n)[0] in offered]):
                     return tuple(sorted({me} | {name for name in current if name in found}))
-                if defer_until is None:
-                    defer_until = now + cfg.net.min_matchmaking_time_s
-            if hurried or (due is None and time.monotonic() >= give_up):
+                if defer_until is None:  # a round with a time limit merges what it holds at the limit
+                    defer_until = min(now + cfg.net.min_matchmaking_time_s, give_up if due is None else math.inf)
+            else:
+                defer_until = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
+            if hurried or (due is None and now >= give_up):
                 return None
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
@@ -536,7 +538,8 @@ class GatheredRounds:
                     self._retry_at[name] = time.monotonic() + _RETRY_S
                 if stalled:
                     self._held[peer] = None
-                for kept in (self._refused, self._retry_at, self._held):
+                self._failing[peer] = None
+                for kept in (self._refused, self._retry_at, self._held, self._failing):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
@@ -545,7 +548,7 @@ class GatheredRounds:
         self.witness.fetched(peer, entry)
         with self._lock:
             self._held.pop(peer, None)
-            self._retry_at.pop(name, None)
+            self._failing.pop(peer, None)
         if self.peers.worked is not None:
             self.peers.worked(peer)
         return tensors, entry.tokens

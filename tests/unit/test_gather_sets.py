@@ -6,8 +6,18 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import torch
+
 from parallax.node.outer.gathered import GatheredRounds, _better_set, _first, _may_yet_agree, _moved_on
-from parallax.node.outer.transport import WITHDRAWN, RoundEntry, RoundPeers, decode_entries, encode_record, pair
+from parallax.node.outer.transport import (
+    WITHDRAWN,
+    RoundEntry,
+    RoundPeers,
+    decode_entries,
+    encode_record,
+    pair,
+    split_pair,
+)
 from parallax.node.outer.wire import OuterSyncConfig, encode_fingerprint, round_tag
 
 PEERS = ("A", "B", "C", "D")
@@ -103,7 +113,7 @@ def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work
         assert rounds._quorum() == 2  # A and B
         assert rounds._offered(on_offer) == {"B", "C", "D", "E"}
         assert rounds._quorum(rounds._offered(on_offer)) == 3  # of five
-        rounds._retry_at[pair("C", 3)] = 0.0  # its fetch failed
+        rounds._failing["C"] = None  # its latest fetch failed
         rounds._held["D"] = None  # it held a fetch
         assert rounds._offered(on_offer) == {"B", "E"}
         merged = {**on_offer, "E": _entry("E", 5, _names("A", "B"))}  # E's contribution is merged: off offer
@@ -122,3 +132,66 @@ def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_nex
     assert len(leaders({"A": 4, "B": 3, "C": 6, "D": 5})) == 1
     firsts = {leaders({peer: n for peer in "ABCD"})[0].split("@")[0] for n in range(20)}
     assert len(firsts) > 1
+
+
+class _Scripted(GatheredRounds):
+    """A node ``A`` whose records reads return ``script``'s entries in turn (the last one from then on) and whose
+    fetches return at once: ``_collect``'s decisions, with no network."""
+
+    def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], live: list[str], **timings: float) -> None:
+        records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
+        super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(**timings), SimpleNamespace(store=None),
+                         RoundPeers(lambda: live), weight_cap=None, scores=None, report=lambda *a, **k: None)
+        self.script, self.reads = script, 0
+
+    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+        self.reads += 1
+        return self.script[min(self.reads, len(self.script)) - 1]
+
+    def _fetch(self, name: str, entry: RoundEntry) -> tuple[dict[str, torch.Tensor], float]:
+        return {"w": torch.zeros(4)}, 1.0
+
+
+def _ranked(first: str, *others: str) -> dict[str, str]:
+    """Pairs of ``first`` and ``others`` (peer -> pair) such that ``first``'s ranks first among them."""
+    for n in range(1000):
+        names = {first: pair(first, n), **{peer: pair(peer, 1) for peer in others}}
+        if _first("run", "router", names[first], [v for k, v in names.items() if k != first]):
+            return names
+    raise AssertionError("no round number ranks first")
+
+
+def _open(*names: str) -> dict[str, dict[int, RoundEntry]]:
+    return {split_pair(name)[0]: {split_pair(name)[1]: RoundEntry(split_pair(name)[1], bytes(32), 100, 1.0)}
+            for name in names}
+
+
+def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publish_a_set_naming_its_own() -> None:
+    """A, B and C each hold all three contributions; B's ranks first. A does not merge the three it holds at once:
+    it waits for B's set (B had not fetched C's yet: a set of A's and B's) and takes it, so the two merge one set."""
+    names = _ranked("B", "A", "C")
+    on_offer = _open(names["B"], names["C"])
+    merged = {**on_offer, "B": {split_pair(names["B"])[1]: RoundEntry(
+        split_pair(names["B"])[1], bytes(32), 100, 1.0, fingerprint=b"fp",
+        participants=tuple(sorted((names["A"], names["B"]))))}}
+    node = _Scripted([on_offer] * 5 + [merged], ["A", "B", "C"], min_matchmaking_time_s=30.0,
+                     matchmaking_timeout_s=60.0)
+    try:
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
+        assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["B"])))
+        assert node.reads == 6
+    finally:
+        node.close()
+
+
+def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wait_runs_out() -> None:
+    """Only C offers a contribution (B is live, never offers), and C's ranks first: A's quorum (two of three) comes
+    when its first wait ends, and no set of C's shows. A merges the two when its round's time runs out, not
+    nothing."""
+    names = _ranked("C", "A")
+    node = _Scripted([_open(names["C"])], ["A", "B", "C"], min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
+    try:
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
+        assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["C"])))
+    finally:
+        node.close()
