@@ -7,8 +7,11 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    check: ``witness``) and serve its body; a round this identity's earlier process claimed is skipped;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
    their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
-   merged this node's contribution in. Without a quorum, a node that trains on meanwhile (``due``) keeps its
-   contribution on offer until it is told to end (``background``: a few of its group's periods at most): composers
+   merged this node's contribution in. The quorum counts, beside the composers whose work reached this node, the
+   senders of the contributions on offer (one record every node reads); a node holding a quorum merges at once only
+   when its contribution ranks first among those on offer, and otherwise gives that one's sender ``verify_timeout_s``
+   to publish a set naming ours. Without a quorum, a node that trains on meanwhile (``due``) keeps its contribution
+   on offer until it is told to end (``background``: a few of its group's periods at most): composers
    of unequal pace then find one another's contributions on offer whenever they come, not only during a wait of
    their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without ``due`` the
    round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a peer had
@@ -453,13 +456,13 @@ class GatheredRounds:
                     (now >= wait_until and not waiting or hurried) and len(have) + 1 >= quorum):
                 # Composers that reach a quorum at once would each merge the contributions they hold, all a little
                 # different, and no set would win its senders' votes: the one whose contribution ranks first among
-                # those on offer merges at once, the others give it the others' first wait to publish a set naming
-                # theirs (taken above), then merge their own.
+                # those on offer merges at once, the others give it the time a set's senders get to see the set
+                # (``verify_timeout_s``) to publish one naming theirs (taken above), then merge their own.
                 if hurried or defer_until is not None and now >= defer_until or _first(
                         self.records.run_id, self.group, me, [n for n in current if split_pair(n)[0] in offered]):
                     return tuple(sorted({me} | {name for name in current if name in found}))
                 if defer_until is None:  # a round with a time limit merges what it holds at the limit
-                    defer_until = min(now + cfg.net.min_matchmaking_time_s, give_up if due is None else math.inf)
+                    defer_until = min(now + cfg.net.verify_timeout_s, give_up if due is None else math.inf)
             else:
                 defer_until = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
             if hurried or (due is None and now >= give_up):

@@ -174,7 +174,7 @@ def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publis
     merged = {**on_offer, "B": {split_pair(names["B"])[1]: RoundEntry(
         split_pair(names["B"])[1], bytes(32), 100, 1.0, fingerprint=b"fp",
         participants=tuple(sorted((names["A"], names["B"]))))}}
-    node = _Scripted([on_offer] * 5 + [merged], ["A", "B", "C"], min_matchmaking_time_s=30.0,
+    node = _Scripted([on_offer] * 5 + [merged], ["A", "B", "C"], verify_timeout_s=30.0,
                      matchmaking_timeout_s=60.0)
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
