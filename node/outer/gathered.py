@@ -428,6 +428,7 @@ class GatheredRounds:
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
             current = open_contributions(entries)
+            self._flights.keep_only(current.keys())
             for name in [name for name in found if name != me and _passed(entries, name)]:
                 del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
@@ -617,17 +618,23 @@ class _Flights:
         self._lock = threading.Lock()
 
     def start(self, named: Iterable[tuple[str, RoundEntry]]) -> dict[str, Future[Fetched | None]]:
-        """The fetch of each of ``named``: the one in flight, or one started now."""
+        """The fetch of each of ``named``: the one in flight or ended with a usable body (a contribution is fetched
+        once while it is on offer, whichever pass, phase or round asks for it), or one started now."""
         out = {}
         with self._lock:
             for name, entry in named:
                 flight = self._running.get(name)
-                if flight is None or flight.done():
+                if flight is None or (flight.done() and not _usable(flight)):
                     flight = self._running[name] = self._pool.submit(self._fetch, name, entry)
                 out[name] = flight
-            for name in [n for n, f in self._running.items() if f.done() and n not in out]:
-                del self._running[name]
         return out
+
+    def keep_only(self, names: Collection[str]) -> None:
+        """Forget the ended fetches of contributions other than ``names`` (those on offer): a round that merged one
+        holds its tensors, and a contribution off offer is asked for by no round."""
+        with self._lock:
+            for name in [n for n, f in self._running.items() if f.done() and n not in names]:
+                del self._running[name]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -644,6 +651,11 @@ class _Flights:
         for name, flight in flights.items():
             if flight.done() and (got := flight.result()) is not None:
                 found[name] = got
+
+def _usable(flight: Future[Fetched | None]) -> bool:
+    """Did the ended ``flight`` bring a usable contribution?"""
+    return not flight.cancelled() and flight.exception() is None and flight.result() is not None
+
 
 def _entry_fingerprint(name: str, record: bytes, tag: bytes,
                        anchors: dict[str, tuple[float, ...]] | None = None) -> tuple[float, ...] | None:

@@ -169,6 +169,23 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
             assert all(torch.equal(r.sent[n], decoded[n]) for n in SHAPES)
 
 
+def test_each_contribution_is_fetched_once_by_each_peer(peers):
+    """Over three rounds of four peers, each peer downloads each other's body at most once and serves its own at most
+    once to each other (a fetch that ended between two passes of a round is taken, not started again)."""
+    with _averagers(peers, "once", compression="int4") as averagers:
+        before = [(p.gather.bytes_fetched, p.gather.servicer.bytes_served) for p in peers]
+        sizes = []
+        for round_id in range(1, 4):
+            deltas = _deltas(4, seed=round_id)
+            sizes.append([len(encode_contribution(d, "int4")) for d in deltas])
+            _run(averagers, deltas, [CAP] * 4, round_id=round_id)
+        for i, (p, (fetched, served)) in enumerate(zip(peers, before, strict=True)):
+            others = sum(size for by_peer in sizes for j, size in enumerate(by_peer) if j != i)
+            own = sum(3 * by_peer[i] for by_peer in sizes)
+            assert 0 < p.gather.bytes_fetched - fetched <= others, (i, p.gather.bytes_fetched - fetched, others)
+            assert 0 < p.gather.servicer.bytes_served - served <= own, (i, p.gather.servicer.bytes_served - served, own)
+
+
 def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the_swarms(peers):
     g = torch.Generator().manual_seed(3)
     anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]
