@@ -652,6 +652,7 @@ class _Flights:
             if flight.done() and (got := flight.result()) is not None:
                 found[name] = got
 
+
 def _usable(flight: Future[Fetched | None]) -> bool:
     """Did the ended ``flight`` bring a usable contribution?"""
     return not flight.cancelled() and flight.exception() is None and flight.result() is not None
