@@ -222,6 +222,7 @@ class GatheredRounds:
                 if mine_anchor is not None:
                     common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
                 self.report(RoundStatus.OK, started, **common)
+                self._flights.forget(set(participants).__contains__)  # merged: no round of this node asks again
                 return merged
             if status is RoundStatus.SUPERSEDED:
                 # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
@@ -428,7 +429,7 @@ class GatheredRounds:
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
             current = open_contributions(entries)
-            self._flights.keep_only(current.keys())
+            self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, current=current))
             for name in [name for name in found if name != me and _passed(entries, name)]:
                 del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
@@ -614,7 +615,7 @@ class _Flights:
     def __init__(self, fetch: Callable[[str, RoundEntry], Fetched | None], name: str) -> None:
         self._fetch = fetch
         self._pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=name)
-        self._running: dict[str, Future[Fetched | None]] = {}
+        self._running: dict[str, tuple[RoundEntry, Future[Fetched | None]]] = {}  # name -> the claim fetched, how
         self._lock = threading.Lock()
 
     def start(self, named: Iterable[tuple[str, RoundEntry]]) -> dict[str, Future[Fetched | None]]:
@@ -623,21 +624,24 @@ class _Flights:
         out = {}
         with self._lock:
             for name, entry in named:
-                flight = self._running.get(name)
-                if flight is None or (flight.done() and not _usable(flight)):
-                    flight = self._running[name] = self._pool.submit(self._fetch, name, entry)
-                out[name] = flight
+                held = self._running.get(name)
+                if held is None or held[0].claim() != entry.claim() or (held[1].done() and not _usable(held[1])):
+                    # A claim of that name other than the one fetched (its sender restarted) is fetched anew.
+                    held = self._running[name] = entry, self._pool.submit(self._fetch, name, entry)
+                out[name] = held[1]
         return out
 
-    def keep_only(self, names: Collection[str]) -> None:
-        """Forget the ended fetches of contributions other than ``names`` (those on offer): a round that merged one
-        holds its tensors, and a contribution off offer is asked for by no round."""
+    def forget(self, gone: Callable[[str], bool]) -> None:
+        """Forget the ended fetches of the contributions that ``gone`` says no round will merge now (merged, off
+        offer, their sender gone): the tensors of the others serve this node's later rounds."""
         with self._lock:
-            for name in [n for n, f in self._running.items() if f.done() and n not in names]:
+            for name in [n for n, (_, f) in self._running.items() if f.done() and gone(n)]:
                 del self._running[name]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._running.clear()
 
     @staticmethod
     def take(flights: Mapping[str, Future[Fetched | None]], found: dict[str, Fetched], timeout_s: float,
@@ -694,6 +698,14 @@ def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
     def rank(name: str) -> bytes:
         return hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest()
     return all(rank(mine) <= rank(name) for name in offered)
+
+
+def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]],
+               current: Mapping[str, RoundEntry]) -> bool:
+    """Will no round ask for contribution ``name`` now: its sender is not live, or its sender's record was read
+    (``entries``) and offers another one or none (``current``)? A sender whose record a read missed is not judged."""
+    peer = split_pair(name)[0]
+    return peer not in live or (peer in entries and name not in current)
 
 
 def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:
