@@ -615,7 +615,7 @@ class _Flights:
     def __init__(self, fetch: Callable[[str, RoundEntry], Fetched | None], name: str) -> None:
         self._fetch = fetch
         self._pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=name)
-        self._running: dict[str, tuple[RoundEntry, Future[Fetched | None]]] = {}  # name -> the claim fetched, how
+        self._running: dict[str, tuple[RoundEntry, Future[Fetched | None]]] = {}  # name -> (claim, its fetch)
         self._lock = threading.Lock()
 
     def start(self, named: Iterable[tuple[str, RoundEntry]]) -> dict[str, Future[Fetched | None]]:
