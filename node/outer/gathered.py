@@ -697,7 +697,8 @@ def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
     group and the pair: the same on every node, and another contribution's each round."""
     def rank(name: str) -> bytes:
         return hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest()
-    return all(rank(mine) <= rank(name) for name in offered)
+    ours = rank(mine)
+    return all(ours <= rank(name) for name in offered)
 
 
 def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]],
