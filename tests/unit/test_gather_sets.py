@@ -98,50 +98,14 @@ def test_a_verification_waits_on_while_enough_senders_still_gather_to_make_a_maj
     assert not _may_yet_agree(1, gathering, participants=everyone, due=due)
 
 
-def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work_is_narrow() -> None:
-    """Only B's work has reached A (its view of who works is narrow), while B, C, D and E offer contributions: A's
-    quorum is a majority of the five of them and itself, as a node that saw everyone's work counts it, so A neither
-    merges a set of two that nobody else takes nor ends its wait before the others' contributions reach it. An
-    offered contribution that A failed to fetch, or whose sender held a fetch, raises no quorum."""
-    live = ["A", "B", "C", "D", "E", "F"]
-    records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
-    rounds = GatheredRounds(records, {"w": (4,)}, OuterSyncConfig.loopback(), SimpleNamespace(store=None),
-                            RoundPeers(lambda: live, lambda: ["B"]), weight_cap=None, scores=None,
-                            report=lambda *a, **k: None)
-    try:
-        on_offer = {peer: {n: RoundEntry(n, bytes(32), 100, 1.0)} for n, peer in enumerate("BCDE", start=2)}
-        assert rounds._quorum() == 2  # A and B
-        assert rounds._offered(on_offer) == {"B", "C", "D", "E"}
-        assert rounds._quorum(rounds._offered(on_offer)) == 3  # of five
-        rounds._failing["C"] = None  # its latest fetch failed
-        rounds._held["D"] = None  # it held a fetch
-        assert rounds._offered(on_offer) == {"B", "E"}
-        merged = {**on_offer, "E": _entry("E", 5, _names("A", "B"))}  # E's contribution is merged: off offer
-        assert rounds._offered(merged) == {"B"}
-    finally:
-        rounds.close()
-
-
-def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_next_round() -> None:
-    """Of the contributions on offer, the same one ranks first wherever it is computed (its sender merges at once,
-    the others wait for its set); the rank changes with the rounds, so no sender leads every round."""
-    def leaders(rounds: dict[str, int]) -> list[str]:
-        names = [pair(peer, n) for peer, n in rounds.items()]
-        return [name for name in names if _first("run", "router", name, [o for o in names if o != name])]
-
-    assert len(leaders({"A": 4, "B": 3, "C": 6, "D": 5})) == 1
-    firsts = {leaders({peer: n for peer in "ABCD"})[0].split("@")[0] for n in range(20)}
-    assert len(firsts) > 1
-
-
 class _Scripted(GatheredRounds):
     """A node ``A`` whose records reads return ``script``'s entries in turn (the last one from then on) and whose
     fetches return at once: ``_collect``'s decisions, with no network."""
 
-    def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], live: list[str], **timings: float) -> None:
+    def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], peers: RoundPeers, **timings: float) -> None:
         records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
         super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(**timings), SimpleNamespace(store=None),
-                         RoundPeers(lambda: live), weight_cap=None, scores=None, report=lambda *a, **k: None)
+                         peers, weight_cap=None, scores=None, report=lambda *a, **k: None)
         self.script, self.reads = script, 0
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
@@ -166,15 +130,46 @@ def _open(*names: str) -> dict[str, dict[int, RoundEntry]]:
             for name in names}
 
 
+def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work_is_narrow() -> None:
+    """Only B's work has reached A (its view of who works is narrow), while B, C, D and E offer contributions: A's
+    quorum is a majority of the five of them and itself, as a node that saw everyone's work counts it, so A neither
+    merges a set of two that nobody else takes nor ends its wait before the others' contributions reach it. An
+    offered contribution that A failed to fetch, or whose sender held a fetch, raises no quorum."""
+    live = ["A", "B", "C", "D", "E", "F"]
+    rounds = _Scripted([], RoundPeers(lambda: live, lambda: ["B"]))
+    try:
+        on_offer = _open(*(pair(peer, n) for n, peer in enumerate("BCDE", start=2)))
+        assert rounds._quorum() == 2  # A and B
+        assert rounds._offered(on_offer) == {"B", "C", "D", "E"}
+        assert rounds._quorum(rounds._offered(on_offer)) == 3  # of five
+        rounds._failing["C"] = None  # its latest fetch failed
+        rounds._held["D"] = None  # it held a fetch
+        assert rounds._offered(on_offer) == {"B", "E"}
+        merged = {**on_offer, "E": _entry("E", 5, _names("A", "B"))}  # E's contribution is merged: off offer
+        assert rounds._offered(merged) == {"B"}
+    finally:
+        rounds.close()
+
+
+def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_next_round() -> None:
+    """Of the contributions on offer, the same one ranks first wherever it is computed (its sender merges at once,
+    the others wait for its set); the rank changes with the rounds, so no sender leads every round."""
+    def leaders(rounds: dict[str, int]) -> list[str]:
+        names = [pair(peer, n) for peer, n in rounds.items()]
+        return [name for name in names if _first("run", "router", name, [o for o in names if o != name])]
+
+    assert len(leaders({"A": 4, "B": 3, "C": 6, "D": 5})) == 1
+    firsts = {leaders({peer: n for peer in "ABCD"})[0].split("@")[0] for n in range(20)}
+    assert len(firsts) > 1
+
+
 def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publish_a_set_naming_its_own() -> None:
     """A, B and C each hold all three contributions; B's ranks first. A does not merge the three it holds at once:
     it waits for B's set (B had not fetched C's yet: a set of A's and B's) and takes it, so the two merge one set."""
     names = _ranked("B", "A", "C")
     on_offer = _open(names["B"], names["C"])
-    merged = {**on_offer, "B": {split_pair(names["B"])[1]: RoundEntry(
-        split_pair(names["B"])[1], bytes(32), 100, 1.0, fingerprint=b"fp",
-        participants=tuple(sorted((names["A"], names["B"]))))}}
-    node = _Scripted([on_offer] * 5 + [merged], ["A", "B", "C"], verify_timeout_s=30.0,
+    merged = {**on_offer, "B": _entry("B", split_pair(names["B"])[1], tuple(sorted((names["A"], names["B"]))))}
+    node = _Scripted([on_offer] * 5 + [merged], RoundPeers(lambda: ["A", "B", "C"]), verify_timeout_s=30.0,
                      matchmaking_timeout_s=60.0)
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
@@ -189,7 +184,8 @@ def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wai
     when its first wait ends, and no set of C's shows. A merges the two when its round's time runs out, not
     nothing."""
     names = _ranked("C", "A")
-    node = _Scripted([_open(names["C"])], ["A", "B", "C"], min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
+    node = _Scripted([_open(names["C"])], RoundPeers(lambda: ["A", "B", "C"]), min_matchmaking_time_s=1.0,
+                     matchmaking_timeout_s=1.5)
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
         assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["C"])))
