@@ -11,9 +11,16 @@ Each node runs one ``Membership`` with explicit states:
 
 A heartbeat record expires ``heartbeat_ttl_s`` after it is stored (default 2 s period, 6 s TTL): its expiration
 adds how long the node's heartbeats take to land (``Membership.store_lag_s``, at most a TTL), so a node on a slow
-link or a loaded host stays in the views while it heartbeats. A node killed without a deathrattle drops out of
-every view within ``heartbeat_ttl_s`` plus that lag; liveness is judged against each record's expiration at the
-moment it is asked, not at the last refresh.
+link or a loaded host stays in the views while it heartbeats. Liveness is judged when the view's read began (what
+the DHT held then), not when the view is asked: a record that expires while a read runs, or until the next read,
+belongs to a node that may have re-announced meanwhile, which only the next read can tell. A node killed without a
+deathrattle drops out of every view at the first read that begins after its last heartbeat expired:
+``heartbeat_ttl_s`` plus that lag, plus up to one ``refresh_s`` and a read.
+
+A node whose reads take longer than its ``refresh_s`` (a loaded host, a slow link) doubles its periods, up to
+``slow_read_stretch`` times: it reads and announces less often, which is what a loaded DHT process needs, and counts
+a heartbeat for as long beyond its expiry as its reads come later than at full pace (``SwarmView.grace_s``), so that
+peers that announce at full pace stay in its view.
 
 Reads and writes run in two threads because on a loaded host each DHT call may take a second or more
 (four nodes and their averagers on two cores). In one loop, a tick of a read, a heartbeat and a claim
@@ -136,6 +143,10 @@ class MembershipConfig:
     quorum_window_s: float = 60.0
     """Composers seen alive this recently count in the quorum (``Quorum``): a node whose side of a partition holds
     no majority of them owns nothing. A partition longer than this ends with each side training every expert."""
+    slow_read_stretch: int = 8
+    """A node whose reads of the swarm take longer than its ``refresh_s`` (the median of its last reads) doubles its
+    periods, up to this factor (a power of two); it halves them again once its reads take under a quarter of its
+    ``refresh_s``. 1: never."""
     full_pace_members: int = 32
     """Up to this many live members a node runs the periods above; in a larger swarm it stretches them
     (``paced``), so that what it reads per second, and the lookups the swarm serves, stay at most those of a swarm
@@ -158,6 +169,8 @@ class MembershipConfig:
             raise ValueError(f"need 0 < manifest_period_s < {MANIFEST_TTL_S:.0f}")
         if self.quorum_window_s <= self.heartbeat_ttl_s:
             raise ValueError("quorum_window_s must exceed heartbeat_ttl_s")
+        if self.slow_read_stretch < 1 or self.slow_read_stretch & (self.slow_read_stretch - 1):
+            raise ValueError("slow_read_stretch must be a power of two >= 1 (1: never stretch for slow reads)")
         if self.full_pace_members < 0:
             raise ValueError("full_pace_members must be >= 0 (0: never stretch the periods)")
 
@@ -170,15 +183,16 @@ class MembershipConfig:
             return 1
         return 1 << math.ceil(math.log2(members / self.full_pace_members))
 
-    def paced(self, members: int) -> MembershipConfig:
-        """The periods a node runs in a swarm of ``members`` live members: every read and heartbeat period, the
+    def paced(self, members: int, load: int = 1) -> MembershipConfig:
+        """The periods a node runs in a swarm of ``members`` live members (``load``: the node's own stretch for slow
+        reads, ``slow_read_stretch``, when larger than the swarm's): every read and heartbeat period, the
         heartbeat's TTL and the windows counted in heartbeats (stall, quorum) stretched by ``stretch``, the work
         rule's ``idle_s`` kept (work does not arrive by heartbeat) unless a TTL outgrows it. Every member reads
         every heartbeat once a ``refresh_s`` (the members key's parts at ``level``), so at ``n`` members a node reads
         ``n / refresh_s`` heartbeats a second and each part's storers serve ``n / refresh_s`` lookups of a part of
         at most ``full_pace_members`` heartbeats: stretched, each stays between half its figure at
         ``full_pace_members`` and that figure."""
-        k = self.stretch(members)
+        k = max(self.stretch(members), load)
         if k == 1:
             return self
         ttl = self.heartbeat_ttl_s * k
@@ -233,10 +247,11 @@ class QuorumState(enum.Enum):
 
 @dataclass(frozen=True)
 class SwarmView:
-    """What one node knows of the swarm at ``read_at``. Immutable; ask it with the current time."""
+    """What one node knows of the swarm at ``read_at``. Immutable."""
 
     run_id: str
     read_at: float
+    """When the read that made this view began (DHT clock): every record in it was current then or later."""
     members: Mapping[str, Member] = field(default_factory=dict)
     departed: Mapping[str, Deathrattle] = field(default_factory=dict)
     claim_records: Mapping[int, Mapping[str, tuple[ClaimSet, float]]] = field(default_factory=dict)
@@ -250,10 +265,23 @@ class SwarmView:
     quorum: QuorumState = QuorumState.HELD
     """Where this node's side of the swarm stands (``Quorum``): LOST, it owns nothing in this view; DOUBT, it
     changes nothing it owns."""
+    grace_s: float = 0.0
+    """How much longer than full pace the node's reads come apart (``MembershipConfig.slow_read_stretch``): a
+    heartbeat counts for that long past its expiry, so a peer announcing at full pace is still read before it
+    drops out."""
+
+    @property
+    def judged_at(self) -> float:
+        """The DHT time this view judges liveness and leases at: ``read_at`` less ``grace_s``."""
+        return self.read_at - self.grace_s
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
-        """Members whose heartbeat has not expired at ``now`` (default: the DHT clock now)."""
-        now = dht_time() if now is None else now
+        """Members whose heartbeat has not expired at ``now`` (default: ``judged_at``). A heartbeat that expired
+        while the read ran, or since, belongs to a member alive as far as this view can tell: only a later read
+        tells a newer heartbeat (the member lives on) from none (it died). Judged at the DHT clock instead, every
+        read that takes a while drops the members whose heartbeat is due during it, and a loaded host whose reads
+        take seconds loses live members from its view by the second."""
+        now = self.judged_at if now is None else now
         return {fp: m for fp, m in self.members.items() if m.alive(now)}
 
     def composers(self, now: float | None = None) -> dict[str, float]:
@@ -280,8 +308,9 @@ class SwarmView:
                                   min(self.shards.replicas, len(peers)))
 
     def claims(self, now: float | None = None) -> dict[tuple[int, int], tuple[str, ...]]:
-        """(layer, expert) -> fingerprints of the holders of its valid claims, its assigned owners first by rank."""
-        now = dht_time() if now is None else now
+        """(layer, expert) -> fingerprints of the holders of its valid claims at ``now`` (default: ``judged_at``),
+        its assigned owners first by rank."""
+        now = self.judged_at if now is None else now
         found = valid_claims(self.claim_records, set(self.alive(now)), now, self.assignment(now))
         return {shard: tuple(c.holder for c in claims) for shard, claims in found.items()}
 
@@ -366,6 +395,7 @@ class Progress:
 
 _PROGRESS_KEPT = 4096
 _FLOOD_NAMED_AT = 8
+_READS_JUDGED = 8  # reads whose median decides a stretch for slow reads (then as many again at the new pace)
 """Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
 
 
@@ -469,7 +499,7 @@ def working_by_run(view: SwarmView, now: float) -> dict[bytes, int]:
 
 def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
     """``new``, keeping every record of ``previous`` that is later than what ``new`` has for its signer and
-    has not expired at ``new.read_at``.
+    has not expired at ``new.judged_at``.
 
     A signed heartbeat we saw is proof of life until its expiration. One read may not return it: a fresh
     joiner's routing table, or a replica that missed the latest store, answers with an older copy of the
@@ -479,7 +509,7 @@ def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
     """
     members, departed, expiry = dict(new.members), dict(new.departed), dict(new.record_expiry)
     for fp, old_expiry in previous.record_expiry.items():
-        if old_expiry <= new.read_at or old_expiry <= expiry.get(fp, float("-inf")):
+        if old_expiry <= new.judged_at or old_expiry <= expiry.get(fp, float("-inf")):
             continue
         expiry[fp] = old_expiry
         if fp in previous.members:
@@ -573,7 +603,7 @@ def read_view(
         run_id: the training run.
         shards: the model shape; ``None`` reads no claims (the view's ``assignment()`` is then ``None``).
         timeout_s: give up the DHT read after this many seconds.
-        clock: the DHT clock, stamped on the view as ``read_at``.
+        clock: the DHT clock; the read's start is stamped on the view as ``read_at``.
         level: which split of the members key to read (``MembershipConfig.level``); a record found in a part
             that is not its signer's (``keys.member_part``) is skipped.
 
@@ -583,6 +613,7 @@ def read_view(
     """
     parts = members_keys(run_id, level)
     claim_keys = [claims_key(run_id, layer) for layer in range(shards.n_layers)] if shards else []
+    began = clock()
     read = dht.get_dicts([*parts, *claim_keys], latest=True, timeout_s=timeout_s)
     if read is None:
         return None
@@ -602,7 +633,7 @@ def read_view(
     members, departed = parse_members(raw)
     claims = parse_claims({layer: read[k] for layer, k in enumerate(claim_keys)})
     return SwarmView(
-        run_id=run_id, read_at=clock(), members=members, departed=departed, claim_records=claims,
+        run_id=run_id, read_at=began, members=members, departed=departed, claim_records=claims,
         shards=shards, record_expiry=record_expiry,
     )
 
@@ -629,7 +660,7 @@ def read_live_view(
         view = read_view(dht, run_id, shards=shards, timeout_s=timeout_s, clock=clock)
         if view is not None:
             last = view
-            if view.alive(clock()):
+            if view.alive():
                 return view
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -702,10 +733,17 @@ class Membership:
         """When ``owned()`` last changed (monotonic clock): lets a caller wait for a settled assignment."""
         self._claimed: dict[int, frozenset[int]] = {}
         self.heartbeats_sent = 0
+        self.read_s = 0.0
+        """How long the last read that answered took (its view is that much older than the read's end)."""
         self.foreign: dict[str, Member] = {}
         """Composers of the run seen at the last read announcing another run digest (left out of the view)."""
         self._naming: dict[str, int] = {}  # foreign composer -> reads that tried to name what differs
         self._timing, self._stretch = config, 1
+        self._load = 1
+        """This node's own stretch for slow reads (``MembershipConfig.slow_read_stretch``)."""
+        self._reads: collections.deque[float] = collections.deque(maxlen=_READS_JUDGED)
+        self._pacing = 1  # the members the pace was last set by
+        self._grace_s = 0.0  # SwarmView.grace_s of the next view
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
@@ -735,8 +773,8 @@ class Membership:
 
     @property
     def stretch(self) -> int:
-        """The factor ``timing`` stretches ``config``'s periods by (1 up to ``full_pace_members``): waits that
-        count on others noticing a change at their next read stretch with it."""
+        """The factor ``timing`` stretches ``config``'s periods by (1 up to ``full_pace_members`` live members while
+        reads are quick): waits that count on others noticing a change at their next read stretch with it."""
         return self._stretch
 
     @property
@@ -853,7 +891,7 @@ class Membership:
         """The reader: a fresh view, and from it (only) what we own; a change wakes the announcer."""
         if self._refresh() and self.shards is not None and not self._stop.is_set():
             quorum = self._view.quorum
-            assignment = self._view.assignment(self._clock())
+            assignment = self._view.assignment()
             if quorum is QuorumState.LOST:
                 owned = {}
             elif quorum is QuorumState.DOUBT:
@@ -968,10 +1006,19 @@ class Membership:
 
     def _refresh(self) -> bool:
         """Read a new view; False (the previous view kept) when the read failed."""
+        began = self._clock()
         view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self._timing.request_timeout_s,
                          clock=self._clock, level=self._level)
+        took = max(0.0, self._clock() - began)
+        self._read_took(took)
         if view is None:
-            return False  # keep the previous view; its expirations still age correctly
+            # The previous view is kept, judged as if read at most a TTL ago: a member that is gone drops out a TTL
+            # late while this node's reads fail, not never.
+            aged = self._clock() - self._timing.heartbeat_ttl_s
+            if 0 < self._view.read_at < aged:
+                self._view = dataclasses.replace(self._view, read_at=aged)
+            return False
+        self.read_s = took
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
             self._members_expiry = max(self._members_expiry, mine)
@@ -980,8 +1027,8 @@ class Membership:
         if unnamed:
             self._name_foreign(unnamed)
         self.foreign = foreign
-        merged = merge_views(self._view, view)
-        alive = merged.alive(merged.read_at)
+        merged = merge_views(self._view, dataclasses.replace(view, grace_s=self._grace_s))
+        alive = merged.alive()
         composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
         with self._lock:
             counted = self._progress.counted(composers, self.fingerprint)
@@ -1009,16 +1056,44 @@ class Membership:
             self._named_without_work = self.without_work
         return counted + min(alive - composers, counted)
 
+    def _read_took(self, seconds: float) -> None:
+        """Count a read's duration (failed ones too) towards this node's stretch for slow reads
+        (``MembershipConfig.slow_read_stretch``): once ``_READS_JUDGED`` reads are in, a median over this node's
+        ``refresh_s`` doubles its periods, one under a quarter of it halves them (down to the swarm's pace)."""
+        self._reads.append(seconds)
+        if len(self._reads) < _READS_JUDGED:
+            return
+        median, k, cap = statistics.median(self._reads), self._stretch, self.config.slow_read_stretch
+        if median > self._timing.refresh_s and k < cap:
+            self._load = min(cap, 2 * k)
+            logger.warning("this node's reads of the swarm take %.1f s (median of its last %d), longer than its %.1f s "
+                           "between reads: its host or link is loaded. It reads and heartbeats %dx less often than "
+                           "at full pace (a death is seen up to that much later); at most %dx "
+                           "(net.membership.slow_read_stretch)", median, len(self._reads), self._timing.refresh_s,
+                           self._load, cap)
+        elif median < self._timing.refresh_s / 4 and self._load > 1:
+            self._load = 1 if self._load <= self.config.stretch(self._pacing) else self._load // 2
+            logger.info("reads of the swarm take %.2f s again: the load's stretch of the periods is now x%d",
+                        median, self._load)
+        else:
+            return
+        self._reads.clear()
+        self._pace(self._pacing)
+
     def _pace(self, members: int) -> None:
+        self._pacing = members
         self._write_levels = self.config.write_levels(members)
         self._level = self.config.level(members)
-        stretch = self.config.stretch(members)
+        by_members = self.config.stretch(members)
+        stretch = max(by_members, self._load)
+        self._grace_s = self.config.refresh_s * (stretch - by_members)
         if stretch == self._stretch:
             return
-        timing = self.config.paced(members)
+        timing = self.config.paced(members, self._load)
         logger.info("%d live members: heartbeat every %.0f s (TTL %.0f s), the swarm re-read every %.1f s in %d "
-                    "part(s) (x%d the periods of a swarm of %d or fewer)", members, timing.heartbeat_period_s,
-                    timing.heartbeat_ttl_s, timing.refresh_s, 1 << self._level, stretch, self.config.full_pace_members)
+                    "part(s) (x%d the periods of a swarm of %d or fewer%s)", members, timing.heartbeat_period_s,
+                    timing.heartbeat_ttl_s, timing.refresh_s, 1 << self._level, stretch, self.config.full_pace_members,
+                    "" if stretch == by_members else ", for this node's slow reads")
         self._timing, self._stretch = timing, stretch
         with self._lock:
             self._progress.stall_s, self._progress.idle_s = timing.stall_s, timing.idle_s
@@ -1090,7 +1165,7 @@ class Membership:
             self._progress.worked(fingerprint, time.monotonic())
 
     def _stalled(self, view: SwarmView) -> frozenset[str]:
-        live = {fp: m.heartbeat.step for fp, m in view.alive(view.read_at).items() if m.heartbeat.role == "composer"}
+        live = {fp: m.heartbeat.step for fp, m in view.alive().items() if m.heartbeat.role == "composer"}
         now = time.monotonic()
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}

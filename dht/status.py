@@ -185,7 +185,7 @@ def swarm_status(
 
     Args:
         view: a view from ``membership.read_view``.
-        now: the DHT clock to judge liveness and ages at (default ``view.read_at``).
+        now: the DHT clock to judge liveness and ages at (default ``view.judged_at``).
         heartbeat_ttl_s: the heartbeat TTL the peers run in a small swarm, to turn expiries into ages (seconds;
             stretched by the live peers' number as ``MembershipConfig.paced`` stretches it).
         n_layers, n_experts: the model shape; unknown parts are taken from ``view.shards``, else from
@@ -195,7 +195,7 @@ def swarm_status(
     Returns:
         A ``SwarmStatus``; ``peers`` is empty when nobody in the run is alive.
     """
-    now = view.read_at if now is None else now
+    now = view.judged_at if now is None else now
     alive = view.alive(now)
     heartbeat_ttl_s *= MembershipConfig().stretch(len(alive))
     peers = []

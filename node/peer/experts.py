@@ -76,7 +76,7 @@ class Experts:
         view = self.views.fresh()
         # As of the read, like its quorum: a view aging while the next read is slow (a peer that stopped
         # answering) loses members one expiry at a time, and each would move experts.
-        assignment = view.assignment(view.read_at) if view is not None else None
+        assignment = view.assignment() if view is not None else None
         if view is None or assignment is None or self.fingerprint not in assignment.peers:
             return  # no fresh view that has us in it (a transient DHT miss): change nothing
         self._assignment = assignment
@@ -87,8 +87,8 @@ class Experts:
         if cut_off != self.telemetry.status.cut_off:
             self.telemetry.status.cut_off = cut_off
             self.telemetry.event("cut_off" if cut_off else "rejoined", step=self.composer.step,
-                                 peers=len(view.alive(view.read_at)))
-            away = None if cut_off else view.assignment(view.read_at, leaving_out=self.fingerprint)
+                                 peers=len(view.alive()))
+            away = None if cut_off else view.assignment(leaving_out=self.fingerprint)
             if away is not None:
                 # The others trained our experts while we were away: their final snapshots are the ones to wait
                 # for, not our own copies from before the partition.
@@ -106,7 +106,7 @@ class Experts:
                 self.shard_event()
             return
         now = self.clock()
-        alive = view.alive(view.read_at)
+        alive = view.alive()
         for eid in plan.take:
             previous, live = previous_owner(eid, assignment, self.owners.get(eid, ()), self.fingerprint, alive,
                                             view.stalled)

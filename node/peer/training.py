@@ -206,7 +206,7 @@ class Training:
         for_good = alone and self.views.alone()  # not a view that lost the others (or this node) for a moment
         if self.replicas is not None and "backbone" in self.schedule.due(step):
             view = self.views.fresh()
-            assignment = view.assignment(view.read_at) if view is not None else None
+            assignment = view.assignment() if view is not None else None
             if assignment is not None and self.experts.fingerprint in assignment.peers:
                 self.replicas.submit(assignment, round_id=step // self.schedule.periods["backbone"])
         # The rounds due now, and those due once a waiting round they ended was over (it is now).

@@ -57,8 +57,8 @@ class SwarmViews:
     def fresh(self) -> SwarmView | None:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
         expired heartbeats prove nothing and no decision should follow from them."""
-        view = self.membership.view()
-        return view if dht_time() - view.read_at <= 2 * self.membership.timing.refresh_s + 1.0 else None
+        view, m = self.membership.view(), self.membership
+        return view if dht_time() - view.read_at <= m.read_s + 2 * m.timing.refresh_s + 1.0 else None
 
     def owner_key(self, eid: ExpertId) -> bytes | None:
         """The identity key of the expert's owner in the live assignment (who may publish its surrogate)."""
@@ -130,10 +130,10 @@ class SwarmViews:
         fresh view, or while this node's side of the swarm holds no majority (its heir copies are what a
         partition's other side may need)."""
         view = self.fresh()
-        assignment = view.assignment(view.read_at) if view else None
+        assignment = view.assignment() if view else None
         if view is None or assignment is None or view.quorum is not QuorumState.HELD:
             return None
-        alive = view.alive(view.read_at)
+        alive = view.alive()
         out: dict[ExpertId, tuple[str, int] | None] = {
             (layer, e): None for layer, es in assignment.owned_by(self.fingerprint).items() for e in es}
         for layer, experts in assignment.inherited_by(self.fingerprint).items():

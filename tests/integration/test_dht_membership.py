@@ -57,8 +57,9 @@ def test_four_peers_detection_deathrattle_and_reassignment(swarm: LocalSwarm, re
     wait_until(lambda: all(set(p.membership.view().alive()) == fps for p in peers), timeout=5)
     wait_until(lambda: _agreed_and_claimed(peers, gone="nobody"), timeout=5)
 
-    # Kill one without a deathrattle: all others see it dead once its last heartbeat expires, the 6 s TTL after it
-    # landed (its store lag: about zero on an idle host).
+    # Kill one without a deathrattle: all others see it dead at their first read that begins after its last
+    # heartbeat expired, the 6 s TTL after it landed (its store lag: about zero on an idle host), so within a
+    # refresh period and a read of the expiry.
     victim, rest = peers[1], [peers[0], peers[2], peers[3]]
     owned_before = victim.membership.owned()
     assert owned_before
@@ -66,17 +67,21 @@ def test_four_peers_detection_deathrattle_and_reassignment(swarm: LocalSwarm, re
     victim.kill()
     killed_at = time.monotonic()
     victim.membership.abandon(wait=False)
+    # With two owners, every expert the victim owned is claimed by a live co-owner when it dies: no expert waits on
+    # the reassignment. (Once the others see the death, the balanced matching may move an expert on, so the claims
+    # are looked at in the view the kill left.)
+    held = rest[0].membership.view().claims()
+    if replicas > 1:
+        assert all(set(held.get((layer, e), ())) - {victim.fp} for layer, es in owned_before.items() for e in es), held
     seen = {}
-    while len(seen) < len(rest) and time.monotonic() - killed_at < expires_in + 1.5:
+    while len(seen) < len(rest) and time.monotonic() - killed_at < expires_in + 2.0:
         for p in rest:
             if p.fp not in seen and victim.fp not in p.membership.view().alive():
                 seen[p.fp] = time.monotonic() - killed_at
         time.sleep(0.02)
     print(f"detection latencies (s): {sorted(seen.values())}")
-    assert len(seen) == len(rest) and max(seen.values()) <= expires_in + 0.2  # polling/scheduling slack
-    if replicas > 1:  # every expert the victim owned is still claimed by a live co-owner, before any reassignment
-        held = rest[0].membership.view().claims()
-        assert all(held.get((layer, e)) for layer, es in owned_before.items() for e in es), held
+    cycle = rest[0].membership.timing.refresh_s + 0.2  # a read on an idle host, polling and scheduling slack
+    assert len(seen) == len(rest) and max(seen.values()) <= expires_in + cycle
 
     # Its experts get new owners, the same in every view, each claimed: within 8 s of the kill.
     budget = max(0.1, 8.0 - (time.monotonic() - killed_at))

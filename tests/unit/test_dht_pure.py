@@ -29,6 +29,7 @@ from parallax.dht.manifests import (
 )
 from parallax.dht.membership import (
     Member,
+    Membership,
     MembershipConfig,
     Presence,
     Progress,
@@ -38,6 +39,7 @@ from parallax.dht.membership import (
     heartbeat_value,
     merge_views,
     parse_members,
+    read_view,
     split_by_run,
 )
 from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
@@ -260,6 +262,89 @@ def test_a_read_that_misses_a_live_heartbeat_does_not_kill_its_node():
     later = merge_views(gone, view(103.0, {a: (hb(3), 109.0), b: (hb(1), 105.0)}))  # a stale replica answers
     assert bob.fingerprint in later.departed and bob.fingerprint not in later.alive(104.0)
     assert merge_views(later, view(200.0, {})).members == {}  # expired records are not carried on
+
+
+class _SlowReads:
+    """A DHT whose reads of the members key take ``read_s`` of the test's clock and answer ``answer`` (None: the read
+    fails); stores are accepted. Only what ``read_view`` and ``Membership`` ask of a ``SwarmDHT``."""
+
+    peer_id = "12D3KooWreader"
+
+    def __init__(self, clock: list[float], read_s: float) -> None:
+        self.clock, self.read_s = clock, read_s
+        self.answer: dict | None = {}
+
+    def get_dicts(self, keys, latest: bool, timeout_s: float):
+        self.clock[0] += self.read_s
+        return None if self.answer is None else {k: dict(self.answer) if k == keys[0] else {} for k in keys}
+
+    def relayed_maddrs(self) -> list[str]:
+        return []
+
+    def visible_maddrs(self) -> list[str]:
+        return ["/ip4/127.0.0.1/tcp/1"]
+
+
+def test_a_member_whose_heartbeat_falls_due_while_a_slow_read_runs_stays_alive_in_its_view():
+    """A view is what the swarm held when its read began: a heartbeat that expires during a read of 3 s (a loaded
+    host) was current then, and only the next read can tell a newer one from none."""
+    alice = Identity.from_seed(b"a" * 32)
+    hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(), step=1)
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=3.0)
+    dht.answer = {owner_subkey(alice.public_key): (heartbeat_value(hb), 101.5)}
+    view = read_view(dht, "r", timeout_s=5.0, clock=lambda: clock[0])
+    assert view is not None and view.read_at == 100.0 and clock[0] == 103.0
+    assert set(view.alive()) == {alice.fingerprint}
+    assert view.alive(103.0) == {}  # judged at the read's end, it would have dropped a live member
+
+
+def test_a_node_whose_reads_fail_keeps_its_view_judged_at_most_a_ttl_ago():
+    """While reads fail, the last view stands, but not for ever: a member whose last heartbeat expired more than a
+    TTL ago drops out of it; one that expired since is kept."""
+    me, alice, bob = (Identity.from_seed(bytes([i]) * 32) for i in (1, 2, 3))
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(), step=1)
+    dht.answer = {owner_subkey(alice.public_key): (heartbeat_value(hb), 103.0),
+                  owner_subkey(bob.public_key): (heartbeat_value(hb), 110.0)}
+    assert m._refresh() and m.view().read_at == 100.0 and m.read_s >= 0.0
+    dht.answer = None
+    clock[0] = 104.0  # 3.9 s later, under a TTL: the view is kept as read
+    assert not m._refresh() and m.view().read_at == 100.0 and len(m.view().alive()) == 2
+    clock[0] = 111.0  # reads failed for over a TTL (6 s): judged at 111.1 - 6
+    assert not m._refresh() and m.view().read_at == pytest.approx(105.1)
+    assert set(m.view().alive()) == {bob.fingerprint}
+
+
+def test_a_node_whose_reads_are_slow_stretches_its_periods_and_keeps_full_pace_peers_in_its_view():
+    """Reads slower than the refresh period double a node's periods (up to ``slow_read_stretch``), one median of
+    eight reads at a time; quick reads halve them again. Stretched, a heartbeat counts for as long past its expiry as
+    the node's reads come later than at full pace, so a peer announcing every 2 s with a 6 s TTL stays in view."""
+    me, alice = Identity.from_seed(b"m" * 32), Identity.from_seed(b"a" * 32)
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=3.0)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(), step=1)
+    stretches = []
+    for _ in range(40):
+        dht.answer = {owner_subkey(alice.public_key): (heartbeat_value(hb), clock[0] + 6.0)}
+        assert m._refresh()
+        stretches.append(m.stretch)
+    assert stretches[:7] == [1] * 7 and stretches[7:15] == [2] * 8 and stretches[15:23] == [4] * 8
+    assert set(stretches[23:]) == {8}  # capped at slow_read_stretch
+    assert m.timing.heartbeat_ttl_s == 48.0 and m.timing.refresh_s == 4.0 and m.view().grace_s == 3.5
+    # The last heartbeat read expired 1 s before this read began: still alive, as the read came 3.5 s late.
+    dht.answer = {}
+    clock[0] += 4.0  # (the last read took 3 s of it)
+    assert m._refresh() and alice.fingerprint in m.view().alive()
+    # The next read begins as that one ends, 3 s later: 4 s after the expiry, past the grace: gone.
+    assert m._refresh() and alice.fingerprint not in m.view().alive()
+    dht.read_s = 0.1
+    for _ in range(8 * 3):
+        assert m._refresh()
+    assert m.stretch == 1 and m.view().grace_s == 0.0 and m.timing == MembershipConfig()
 
 
 def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
