@@ -90,6 +90,10 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # outer rounds among groups of at most 4 or 8 composers, drawn anew each round (bytes bounded by the group)
     "groups_of_4": ("parallax", {"sim.outer_group_size": 4}),
     "groups_of_8": ("parallax", {"sim.outer_group_size": 8}),
+    # the gathered merge as 16, 64 or 256 peers would share it (each merging its blocks of everyone's contributions)
+    "parts_16": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 16}),
+    "parts_64": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 64}),
+    "parts_256": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 256}),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 

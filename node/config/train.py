@@ -275,8 +275,14 @@ class SimConfig:
     """Each outer round merges among groups of at most this many composers, drawn anew each round (the Moshpit
     schedule: a peer's bytes bounded by the group, not the swarm); 0 = every composer in one group, as the
     networked rounds do."""
+    outer_parts: int = 0
+    """A gathered round's robust merge computed as this many peers would share it, each merging its blocks of
+    everyone's contributions (``train.parts``): a tensor larger than 1/outer_parts of the group's entries is merged
+    in row blocks of its own. 0 or 1 = whole tensors, as the networked rounds merge."""
 
     def __post_init__(self) -> None:
+        if self.outer_parts < 0:
+            raise ValueError("sim.outer_parts must be >= 0 (0: whole tensors)")
         if self.dense_steps < 0 or self.offload_delay < 0:
             raise ValueError("sim.dense_steps and sim.offload_delay must be >= 0 steps")
         if self.outer_group_size < 0 or self.outer_group_size == 1:

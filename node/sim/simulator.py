@@ -51,7 +51,7 @@ from parallax.node.train.composer import Composer, evaluate, expert_group
 from parallax.node.train.data import CorpusInfo, shard, val_batches
 from parallax.node.train.merge_rules import merge_groups
 from parallax.node.train.outer import OuterBundle, OuterOptimizer, TierSchedule, to_send
-from parallax.node.train.robust import robust_merge_groups
+from parallax.node.train.parts import robust_merge_parts
 
 SHARDED = ("parallax", "offload")
 
@@ -246,7 +246,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
                                              cfg.sync.aggregation, groups_of=cfg.sim.outer_group_size,
-                                             seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()))
+                                             seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()),
+                                             parts=cfg.sim.outer_parts)
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
@@ -413,10 +414,10 @@ def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
 
 
 def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none",
-                aggregation: str = "allreduce", *, groups_of: int = 0, seed: int = 0) -> int:
+                aggregation: str = "allreduce", *, groups_of: int = 0, seed: int = 0, parts: int = 0) -> int:
     """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere
-    (``merge_outer``); with ``groups_of``, within each of ``round_groups``' groups (drawn from ``seed``).
-    Returns the bytes all composers together send."""
+    (``merge_outer``); with ``groups_of``, within each of ``round_groups``' groups (drawn from ``seed``); a gathered
+    merge over the blocks of ``parts`` peers (``train.parts``). Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
     wire = OuterSyncConfig.of(merge=method, compression=compression, aggregation=aggregation)
@@ -424,7 +425,7 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     for members in round_groups(len(composers), groups_of, seed):
         merging = [composers[i] for i in members]
         sent = merge_outer([c.outer[group] for c in merging], [float(c.tokens_since_merge[group]) for c in merging],
-                           wire)
+                           wire, parts=parts)
         if sent is None:
             continue
         for c in merging:
@@ -444,7 +445,7 @@ def round_groups(n: int, groups_of: int, seed: int) -> list[list[int]]:
 
 
 def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],
-                wire: OuterSyncConfig) -> int | None:
+                wire: OuterSyncConfig, *, parts: int = 0) -> int | None:
     """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
 
     "allreduce": ``wire.compression`` rounds what crosses the wire as hivemind's all-reduce does
@@ -453,7 +454,8 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     network (hivemind averages the RDA components rather than the deltas; the rounding is of the same size).
     "gather": each pseudo-gradient goes through the gathered round's codec (``transport.encode_contribution``)
     and every participant applies the one robust merge of them all (``train.robust``), as every peer of a
-    gathered round computes it.
+    gathered round computes it; with ``parts``, that merge computed over the blocks ``parts`` peers would each
+    merge (``train.parts``; the bytes counted are still the gathered round's).
 
     Returns:
         Bytes all participants together send: the ring all-reduce of the node's wire buffers
@@ -469,7 +471,7 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
         shapes = {k: tuple(t.shape) for k, t in pending[0].items()}
         bodies = [encode_contribution(d, compression) for d in pending]
         received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
-        merged, _ = robust_merge_groups(received, list(weights), method, eps=wire.rda_eps)
+        merged, _ = robust_merge_parts(received, list(weights), method, parts=parts, eps=wire.rda_eps)
         if merged is None:
             return None
         for o, p, r in zip(outers, pending, received, strict=True):
