@@ -395,8 +395,9 @@ class Progress:
 
 _PROGRESS_KEPT = 4096
 _FLOOD_NAMED_AT = 8
-_READS_JUDGED = 8  # reads whose median decides a stretch for slow reads (then as many again at the new pace)
 """Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
+_READS_JUDGED = 8
+"""Reads whose median decides a stretch for slow reads (then as many again at the new pace before the next)."""
 
 
 class Quorum:
