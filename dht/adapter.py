@@ -339,6 +339,13 @@ async def _get_many(
     return _dicts(found, keys)
 
 
+class Answer(dict[str, dict[Any, tuple[Any, float]]]):
+    """What ``SwarmDHT.get_dicts`` returns: ``{key: {subkey: (value, expiration_time)}}`` and ``age_s``, the seconds
+    from when the read that made it was sent to when it was returned."""
+
+    age_s: float = 0.0
+
+
 def _ends_by(future: Any, deadline: float) -> bool:
     """Wait for ``future`` until ``deadline`` (monotonic); whether it ended, however."""
     try:
@@ -464,6 +471,7 @@ class SwarmDHT:
         """What this node's own stores and reads asked of the DHT (what grows with the swarm: a read of the run's
         members key returns every live heartbeat)."""
         self._running: dict[tuple[object, ...], Any] = {}
+        self._read_sent: dict[tuple[object, ...], float] = {}  # read slot -> when its latest read was sent
         """Reads and stores running in the DHT process: ("read", keys, latest) or ("store", keys, subkey) -> the
         future of the one sent first (``get_dicts``, ``store_many``)."""
         self._running_lock = threading.Lock()
@@ -625,7 +633,10 @@ class SwarmDHT:
     ) -> dict[str, dict[Any, tuple[Any, float]]] | None:
         """Read dictionary values: ``{key: {subkey: (value, expiration_time)}}`` (missing keys -> ``{}``).
 
-        Records that failed validation never get here (hivemind drops them). Returns ``None`` on
+        Records that failed validation never get here (hivemind drops them). The answer is an ``Answer``: its
+        ``age_s`` says how long before it returned the read that made it was sent (a read joined while running is
+        older than the call).
+        Returns ``None`` on
         timeout or failure, so callers keep their previous view rather than seeing everyone vanish. The answer may
         be shared with other callers of the same read: read it, do not modify it.
 
@@ -636,7 +647,7 @@ class SwarmDHT:
         load lasts. With one read of given keys at a time, it sees the swarm as of that read, late but true.
         """
         self._check_thread("get")
-        future = self._shared_read(tuple(keys), latest)
+        future, sent = self._shared_read(tuple(keys), latest)
         try:
             found = future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -646,19 +657,24 @@ class SwarmDHT:
         except Exception as e:
             logger.debug("DHT get failed: %s", e)
             return None
-        return dict(found)
+        answer = Answer(found)
+        answer.age_s = time.monotonic() - sent
+        return answer
 
-    def _shared_read(self, keys: tuple[str, ...], latest: bool) -> Any:
-        """The read of ``keys`` running in the DHT process, started if none is; the calls count each read once."""
+    def _shared_read(self, keys: tuple[str, ...], latest: bool) -> tuple[Any, float]:
+        """The read of ``keys`` running in the DHT process, started if none is, and when it was sent (monotonic);
+        the calls count each read once."""
         slot = ("read", keys, latest)
         with self._running_lock:
-            running = self._running.get(slot)
+            running, sent = self._running.get(slot), self._read_sent.get(slot, time.monotonic())
         if running is not None:
             self.calls.join()
-            return running
+            return running, sent
+        with self._running_lock:
+            sent = self._read_sent[slot] = time.monotonic()
         future = self._send(slot, partial(_get_many, keys=list(keys), latest=latest))
         future.add_done_callback(partial(self._count_read, keys))
-        return future
+        return future, sent
 
     def _count_read(self, keys: tuple[str, ...], future: Any) -> None:
         if not future.cancelled() and future.exception() is None:

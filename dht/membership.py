@@ -14,13 +14,14 @@ adds how long the node's heartbeats take to land (``Membership.store_lag_s``, at
 link or a loaded host stays in the views while it heartbeats. Liveness is judged when the view's read began (what
 the DHT held then), not when the view is asked: a record that expires while a read runs, or until the next read,
 belongs to a node that may have re-announced meanwhile, which only the next read can tell. A node killed without a
-deathrattle drops out of every view at the first read that begins after its last heartbeat expired:
-``heartbeat_ttl_s`` plus that lag, plus up to one ``refresh_s`` and a read.
+deathrattle drops out of every view at the first read that begins after its last heartbeat expired (and after the
+reader's ``SwarmView.grace_s``, when it stretched for slow reads): ``heartbeat_ttl_s`` plus that lag, plus up to
+one ``refresh_s`` and a read.
 
 A node whose reads take longer than its ``refresh_s`` (a loaded host, a slow link) doubles its periods, up to
 ``slow_read_stretch`` times: it reads and announces less often, which is what a loaded DHT process needs, and counts
 a heartbeat for as long beyond its expiry as its reads come later than at full pace (``SwarmView.grace_s``), so that
-peers that announce at full pace stay in its view.
+a record carried over a read that missed it lasts to its next read as it would at full pace.
 
 Reads and writes run in two threads because on a loaded host each DHT call may take a second or more
 (four nodes and their averagers on two cores). In one loop, a tick of a read, a heartbeat and a claim
@@ -145,7 +146,7 @@ class MembershipConfig:
     no majority of them owns nothing. A partition longer than this ends with each side training every expert."""
     slow_read_stretch: int = 8
     """A node whose reads of the swarm take longer than its ``refresh_s`` (the median of its last reads) doubles its
-    periods, up to this factor (a power of two); it halves them again once its reads take under a quarter of its
+    periods, up to this factor (a power of two); it halves them again once its reads take under half its
     ``refresh_s``. 1: never."""
     full_pace_members: int = 32
     """Up to this many live members a node runs the periods above; in a larger swarm it stretches them
@@ -267,13 +268,15 @@ class SwarmView:
     changes nothing it owns."""
     grace_s: float = 0.0
     """How much longer than full pace the node's reads come apart (``MembershipConfig.slow_read_stretch``): a
-    heartbeat counts for that long past its expiry, so a peer announcing at full pace is still read before it
-    drops out."""
+    heartbeat counts for that long past its expiry, so a record carried over a read that missed it (``merge_views``)
+    lasts to the next read as at full pace."""
+    aged_to: float = -math.inf
+    """A view kept while its node's reads fail or stall is judged no earlier than this (``Membership.view``)."""
 
     @property
     def judged_at(self) -> float:
-        """The DHT time this view judges liveness and leases at: ``read_at`` less ``grace_s``."""
-        return self.read_at - self.grace_s
+        """The DHT time this view judges liveness and leases at: ``read_at`` less ``grace_s``, or ``aged_to``."""
+        return max(self.read_at - self.grace_s, self.aged_to)
 
     def alive(self, now: float | None = None) -> dict[str, Member]:
         """Members whose heartbeat has not expired at ``now`` (default: ``judged_at``). A heartbeat that expired
@@ -500,7 +503,7 @@ def working_by_run(view: SwarmView, now: float) -> dict[bytes, int]:
 
 def merge_views(previous: SwarmView, new: SwarmView) -> SwarmView:
     """``new``, keeping every record of ``previous`` that is later than what ``new`` has for its signer and
-    has not expired at ``new.judged_at``.
+    has not expired at ``new.judged_at`` (its read's start, less the reader's ``grace_s``).
 
     A signed heartbeat we saw is proof of life until its expiration. One read may not return it: a fresh
     joiner's routing table, or a replica that missed the latest store, answers with an older copy of the
@@ -618,6 +621,7 @@ def read_view(
     read = dht.get_dicts([*parts, *claim_keys], latest=True, timeout_s=timeout_s)
     if read is None:
         return None
+    began = min(began, clock() - getattr(read, "age_s", 0.0))  # a read joined while running began before the call
     raw: dict[object, tuple[object, float]] = {}
     record_expiry: dict[str, float] = {}
     for part, key in enumerate(parts):
@@ -763,8 +767,12 @@ class Membership:
         return self._state
 
     def view(self) -> SwarmView:
-        """The latest snapshot of the swarm (immutable)."""
-        return self._view
+        """The latest snapshot of the swarm (immutable). One whose reads have failed or stalled for over a TTL is
+        judged a TTL ago at most (``SwarmView.aged_to``): a member that is gone drops out a TTL late, not never."""
+        view, floor = self._view, self._clock() - self._timing.heartbeat_ttl_s
+        if view.read_at > 0 and view.judged_at < floor:
+            return dataclasses.replace(view, aged_to=floor)
+        return view
 
     @property
     def timing(self) -> MembershipConfig:
@@ -847,7 +855,7 @@ class Membership:
         self._state = PeerState.LEAVING
         self._stop_thread(timeout_s)
         now = self._clock()
-        for layer, claim_set in release_all(self._claimed, self._view.assignment(now), self.fingerprint,
+        for layer, claim_set in release_all(self._claimed, self._view.assignment(), self.fingerprint,
                                             step=self._step).items():
             self._store(self._claim_keys[layer], claim_set.encode(), now + self._lease_s(), timeout_s, force=True)
         self._claimed = {}
@@ -1010,15 +1018,10 @@ class Membership:
         began = self._clock()
         view = read_view(self.dht, self.presence.run_id, shards=self.shards, timeout_s=self._timing.request_timeout_s,
                          clock=self._clock, level=self._level)
-        took = max(0.0, self._clock() - began)
+        took = max(0.0, self._clock() - (view.read_at if view is not None else began))
         self._read_took(took)
         if view is None:
-            # The previous view is kept, judged as if read at most a TTL ago: a member that is gone drops out a TTL
-            # late while this node's reads fail, not never.
-            aged = self._clock() - self._timing.heartbeat_ttl_s
-            if 0 < self._view.read_at < aged:
-                self._view = dataclasses.replace(self._view, read_at=aged)
-            return False
+            return False  # the previous view is kept (``view`` ages it past a TTL)
         self.read_s = took
         mine = view.record_expiry.get(self.fingerprint)
         if mine is not None:  # keep our own expirations moving strictly forward after a restart
@@ -1060,7 +1063,7 @@ class Membership:
     def _read_took(self, seconds: float) -> None:
         """Count a read's duration (failed ones too) towards this node's stretch for slow reads
         (``MembershipConfig.slow_read_stretch``): once ``_READS_JUDGED`` reads are in, a median over this node's
-        ``refresh_s`` doubles its periods, one under a quarter of it halves them (down to the swarm's pace)."""
+        ``refresh_s`` doubles its periods, one under half of it halves them (down to the swarm's pace)."""
         self._reads.append(seconds)
         if len(self._reads) < _READS_JUDGED:
             return
@@ -1072,7 +1075,7 @@ class Membership:
                            "at full pace (a death is seen up to that much later); at most %dx "
                            "(net.membership.slow_read_stretch)", median, len(self._reads), self._timing.refresh_s,
                            self._load, cap)
-        elif median < self._timing.refresh_s / 4 and self._load > 1:
+        elif median < self._timing.refresh_s / 2 and self._load > 1:
             self._load = 1 if self._load <= self.config.stretch(self._pacing) else self._load // 2
             logger.info("reads of the swarm take %.2f s again: the load's stretch of the periods is now x%d",
                         median, self._load)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
+from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Membership, MembershipConfig, Presence, SwarmView
@@ -42,8 +42,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 def agreed(views: Sequence[SwarmView], gone: str | None = None, now: float | None = None) -> bool:
     """Whether ``views`` (one per peer) settled together: each the same assignment, owners and co-owners, without
-    ``gone`` (a fingerprint), and in each every expert validly claimed by exactly its assigned owners."""
-    now = dht_time() if now is None else now
+    ``gone`` (a fingerprint), and in each every expert validly claimed by exactly its assigned owners; each view
+    judged as its node judges it (``SwarmView.judged_at``) unless ``now`` is given."""
     assignments = [v.assignment(now) for v in views]
     first = assignments[0] if assignments else None
     if first is None or any(a is None or gone in a.peers or (a.owners, a.co_owners) != (first.owners, first.co_owners)

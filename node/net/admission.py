@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time, parse_initial_peers
+from parallax.dht.adapter import DHTConfig, SwarmDHT, parse_initial_peers
 from parallax.dht.keys import manifest_key, members_key
 from parallax.dht.manifests import Published, choose_manifest, read_manifests, settings_difference
 from parallax.dht.membership import read_live_view, working_by_run
@@ -101,7 +101,7 @@ def fetch_manifest(run_id: str, initial_peers: Sequence[str], *, digest: str | N
         view = read_live_view(dht, run_id, timeout_s=timeout_s, wait_s=timeout_s) if found else None
     finally:
         dht.shutdown()
-    working = working_by_run(view, dht_time()) if view is not None else {}
+    working = working_by_run(view, view.judged_at) if view is not None else {}
     published = {d: Published(m, n, working.get(d, 0)) for d, (m, n) in found.items()}
     return choose_manifest(published, digest=digest, creator=creator)
 

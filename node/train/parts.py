@@ -39,7 +39,7 @@ class Block:
 def blocks_of(shapes: Mapping[str, Sequence[int]], parts: int) -> list[Block]:
     """The blocks ``parts`` peers would merge the tensors of ``shapes`` in: a tensor of at most ``total / parts``
     entries whole, a larger one in the fewest row blocks of about equal rows that hold at most that many entries each
-    (a row at least). ``parts`` <= 1: every tensor whole.
+    (one row where a row alone holds more). ``parts`` <= 1: every tensor whole.
 
     Raises:
         ValueError: a 0-d shape, or one with a zero dimension (nothing to merge).
@@ -54,8 +54,9 @@ def blocks_of(shapes: Mapping[str, Sequence[int]], parts: int) -> list[Block]:
         if sizes[name] <= share:
             out.append(Block(name, 0, rows))
             continue
-        count = min(rows, math.ceil(sizes[name] / share))
-        edges = [rows * i // count for i in range(count + 1)]
+        per_block = max(1, int(share // (sizes[name] // rows)))  # rows a block holds within the share
+        count = math.ceil(rows / per_block)
+        edges = [rows * i // count for i in range(count + 1)]  # about equal blocks, none past per_block rows
         out.extend(Block(name, a, b) for a, b in zip(edges, edges[1:], strict=False))
     return out
 

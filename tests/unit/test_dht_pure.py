@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from parallax.dht.adapter import DHTConfig, join_command, p2p_identity_path, parse_initial_peers
+from parallax.dht.adapter import Answer, DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import (
     MEMBER_LEVELS,
@@ -276,7 +276,14 @@ class _SlowReads:
 
     def get_dicts(self, keys, latest: bool, timeout_s: float):
         self.clock[0] += self.read_s
-        return None if self.answer is None else {k: dict(self.answer) if k == keys[0] else {} for k in keys}
+        if self.answer is None:
+            return None
+        out = Answer({k: dict(self.answer) if k == keys[0] else {} for k in keys})
+        out.age_s = self.read_s + self.joined_s
+        return out
+
+    joined_s = 0.0
+    """How long the read a call joins had been running when the call came (``SwarmDHT.get_dicts``)."""
 
     def relayed_maddrs(self) -> list[str]:
         return []
@@ -297,11 +304,14 @@ def test_a_member_whose_heartbeat_falls_due_while_a_slow_read_runs_stays_alive_i
     assert view is not None and view.read_at == 100.0 and clock[0] == 103.0
     assert set(view.alive()) == {alice.fingerprint}
     assert view.alive(103.0) == {}  # judged at the read's end, it would have dropped a live member
+    dht.joined_s = 2.0  # a call that joins a read sent 2 s before it: the view is of that read's start
+    view = read_view(dht, "r", timeout_s=5.0, clock=lambda: clock[0])
+    assert view is not None and view.read_at == 101.0 and clock[0] == 106.0
 
 
 def test_a_node_whose_reads_fail_keeps_its_view_judged_at_most_a_ttl_ago():
-    """While reads fail, the last view stands, but not for ever: a member whose last heartbeat expired more than a
-    TTL ago drops out of it; one that expired since is kept."""
+    """While reads fail (or the reader stalls), the last view stands, but not for ever: a member whose last heartbeat
+    expired more than a TTL ago drops out of it; one that expired since is kept."""
     me, alice, bob = (Identity.from_seed(bytes([i]) * 32) for i in (1, 2, 3))
     clock = [100.0]
     dht = _SlowReads(clock, read_s=0.1)
@@ -313,8 +323,8 @@ def test_a_node_whose_reads_fail_keeps_its_view_judged_at_most_a_ttl_ago():
     dht.answer = None
     clock[0] = 104.0  # 3.9 s later, under a TTL: the view is kept as read
     assert not m._refresh() and m.view().read_at == 100.0 and len(m.view().alive()) == 2
-    clock[0] = 111.0  # reads failed for over a TTL (6 s): judged at 111.1 - 6
-    assert not m._refresh() and m.view().read_at == pytest.approx(105.1)
+    clock[0] = 111.0  # reads failed for over a TTL (6 s): judged at 111.1 - 6, the read's time kept
+    assert not m._refresh() and m.view().read_at == 100.0 and m.view().judged_at == pytest.approx(105.1)
     assert set(m.view().alive()) == {bob.fingerprint}
 
 

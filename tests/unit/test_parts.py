@@ -29,6 +29,8 @@ def test_blocks_cover_every_row_of_every_tensor_once_and_only_tensors_past_a_sha
     assert blocks_of(SHAPES, parts=1) == blocks_of(SHAPES, parts=0) == [
         Block("embed", 0, 64), Block("w", 0, 8), Block("norm", 0, 8), Block("gain", 0, 1)]
     assert len([b for b in blocks_of(SHAPES, parts=10_000) if b.name == "embed"]) == 64  # a row at least
+    uneven = blocks_of({"a": (5, 3), "b": (1, 1)}, parts=4)  # a share of 4 entries: one row of 3 a block
+    assert [(b.start, b.stop) for b in uneven if b.name == "a"] == [(i, i + 1) for i in range(5)]
     for bad in ({"empty": (0, 4)}, {"scalar": ()}):
         with pytest.raises(ValueError, match="no rows"):
             blocks_of(bad, parts=2)
