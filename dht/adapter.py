@@ -471,9 +471,10 @@ class SwarmDHT:
         """What this node's own stores and reads asked of the DHT (what grows with the swarm: a read of the run's
         members key returns every live heartbeat)."""
         self._running: dict[tuple[object, ...], Any] = {}
-        self._read_sent: dict[tuple[object, ...], float] = {}  # read slot -> when its latest read was sent
         """Reads and stores running in the DHT process: ("read", keys, latest) or ("store", keys, subkey) -> the
         future of the one sent first (``get_dicts``, ``store_many``)."""
+        self._read_sent: dict[tuple[object, ...], float] = {}
+        """A running read's slot -> when it was sent (monotonic): a call that joins it gets a view of that time."""
         self._running_lock = threading.Lock()
 
     @classmethod
@@ -635,10 +636,9 @@ class SwarmDHT:
 
         Records that failed validation never get here (hivemind drops them). The answer is an ``Answer``: its
         ``age_s`` says how long before it returned the read that made it was sent (a read joined while running is
-        older than the call).
-        Returns ``None`` on
-        timeout or failure, so callers keep their previous view rather than seeing everyone vanish. The answer may
-        be shared with other callers of the same read: read it, do not modify it.
+        older than the call). Returns ``None`` on timeout or failure, so callers keep their previous view rather
+        than seeing everyone vanish. The answer may be shared with other callers of the same read: read it, do not
+        modify it.
 
         A read that times out goes on in the DHT process (hivemind cannot stop it): a later read of the same keys
         waits for that one instead of sending another. On a loaded host where a read takes longer than its timeout,
@@ -696,6 +696,7 @@ class SwarmDHT:
         with self._running_lock:
             if self._running.get(slot) is future:
                 del self._running[slot]
+                self._read_sent.pop(slot, None)
 
     def local_dict(self, key: str, *, timeout_s: float = 5.0) -> dict[Any, tuple[Any, float]]:
         """What this node itself stores under ``key`` (no network): ``{subkey: (value, expiration)}``.

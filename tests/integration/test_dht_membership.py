@@ -338,18 +338,25 @@ def test_a_read_that_timed_out_goes_on_and_the_next_read_of_its_keys_waits_for_i
     reads, joined = calls.reads, calls.joined
     os.kill(a.dht.process_ids[0], signal.SIGSTOP)
     try:
+        sent = time.monotonic()
         assert all(a.dht.get_dicts(keys, latest=True, timeout_s=0.2) is None for _ in range(3))
         assert calls.joined - joined == 2  # one read sent, two callers waiting on it
-        late: list[object] = []
-        waiting = threading.Thread(target=lambda: late.append(a.dht.get_dicts(keys, latest=True, timeout_s=30)))
+        late: list[tuple[object, float]] = []  # (the answer, when it returned)
+        waiting = threading.Thread(target=lambda: late.append((a.dht.get_dicts(keys, latest=True, timeout_s=30),
+                                                               time.monotonic())))
+        asked = time.monotonic()
         waiting.start()
         wait_until(lambda: calls.joined - joined == 3, timeout=5)
     finally:
         os.kill(a.dht.process_ids[0], signal.SIGCONT)
     waiting.join(30)
-    assert late and {fingerprint(subkey_owner(s)) for s in late[0][keys[0]]} == {a.fp, b.fp}  # type: ignore[index]
+    assert late
+    answer, returned = late[0]
+    assert {fingerprint(subkey_owner(s)) for s in answer[keys[0]]} == {a.fp, b.fp}  # type: ignore[index]
+    # The answer is as old as the read it joined, sent before the last caller asked (a view of it is of that time).
+    assert returned - asked < answer.age_s <= returned - sent  # type: ignore[attr-defined]
     wait_until(lambda: calls.reads == reads + 1, timeout=10)  # the one read, counted once
-    assert not a.dht._running
+    assert not a.dht._running and not a.dht._read_sent
 
 
 def test_a_heartbeat_that_takes_long_to_land_lives_its_ttl_once_stored(swarm: LocalSwarm):
