@@ -43,6 +43,9 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
 """The benchmark's runs: name -> (run kind, config changes on top of the chosen defaults)."""
 DEFAULT_RUNS = tuple(RUNS)
 
+SHARED_EXPERT: dict[str, object] = {"model.d_expert": 352, "model.d_shared": 96}
+"""The small preset with a shared expert, total and active parameters within 5% of the preset's."""
+
 LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # Levers, each a variation of the Parallax run (or of the DiLoCo reference); docs/benchmarks.md has their results.
     "nesterov": ("parallax", {"sync.outer_lr": 0.7, "sync.outer_momentum": 0.9}),
@@ -94,6 +97,11 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "parts_16": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 16}),
     "parts_64": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 64}),
     "parts_256": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 256}),
+    # a shared expert every token passes through, merged with the backbone: the small preset's routed width 384 -> 352
+    # gives a shared expert of 96 (total parameters 0.952x, active a token 1.033x the preset's)
+    "baseline_shared": ("baseline", SHARED_EXPERT),
+    "diloco_shared": ("diloco", SHARED_EXPERT),
+    "parallax_shared": ("parallax", SHARED_EXPERT),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 
