@@ -43,7 +43,8 @@ from hivemind.proto import runtime_pb2
 
 from parallax.node.config.train import GATHERED_WIRES
 from parallax.node.net.network import ServedOnLoop, read_answer
-from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, TOPK
+from parallax.node.outer.blocks import BlockedBody, BlockMismatch, answer_cap, check_answer, parse_wanted, wanted_uid
+from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, TOPK
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
@@ -53,7 +54,6 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
-_CODEC = {"fp16": "fp16", "uint8": "int8", "int4": "int4", "topk": "topk", "none": "raw"}
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
 PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer id
@@ -71,7 +71,7 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], compression: str) -> 
     blobs = {}
     for name, t in delta.items():
         array = t.detach().to(device="cpu", dtype=torch.float32).numpy()
-        codec = "raw" if array.size < SMALL_TENSOR_NUMEL else _CODEC[compression]
+        codec = "raw" if array.size < SMALL_TENSOR_NUMEL else CODEC_OF[compression]
         blobs[name] = encode(array, codec, **TOPK) if codec == "topk" else encode(array, codec)
     return msgpack.packb(blobs, use_bin_type=True)
 
@@ -119,7 +119,7 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
     out = {}
     for name, shape in shapes.items():
         limits = TensorLimits(max_elements=math.prod(shape), max_ndim=max(len(shape), 1),
-                              codecs=frozenset(_CODEC.values()), dtypes=frozenset({"float16", "float32"}))
+                              codecs=frozenset(CODEC_OF.values()), dtypes=frozenset({"float16", "float32"}))
         try:
             array = decode(blobs[name], limits, peer=peer, what=f"outer contribution {name}")
         except ProtocolError as e:
@@ -266,15 +266,16 @@ class ContributionMismatch(RemoteProtocolError):
 
 
 class ContributionStore:
-    """This node's latest contributions per group, ``keep`` rounds each (thread-safe)."""
+    """This node's latest contributions per group, ``keep`` rounds each (thread-safe): whole bodies, or bodies in
+    blocks (``blocks.BlockedBody``) served a range at a time."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._bodies: dict[tuple[str, int], bytes] = {}
+        self._bodies: dict[tuple[str, int], bytes | BlockedBody] = {}
         self._served: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
 
-    def put(self, group: str, round_id: int, body: bytes) -> None:
+    def put(self, group: str, round_id: int, body: bytes | BlockedBody) -> None:
         with self._lock:
             self._bodies[(group, round_id)] = body
             mine = sorted(n for g, n in self._bodies if g == group)
@@ -282,7 +283,7 @@ class ContributionStore:
                 del self._bodies[(group, n)]
                 self._served.discard((group, n))
 
-    def get(self, group: str, round_id: int) -> bytes | None:
+    def get(self, group: str, round_id: int) -> bytes | BlockedBody | None:
         """The body of a round, counted as served (a peer may merge it)."""
         with self._lock:
             body = self._bodies.get((group, round_id))
@@ -303,8 +304,9 @@ class ContributionStore:
 
 
 class ContributionServicer(ServicerBase):
-    """Streams a held contribution: request ``uid`` = ``{group}/{round}``; an empty stream means "not held".
-    Do not rename (protocol id)."""
+    """Streams a held contribution: request ``uid`` = ``{group}/{round}`` for a whole body, ``{group}/{round}/{i,j}``
+    for blocks of one held in blocks (``blocks.wanted_uid``); an empty stream means "not held". Do not rename
+    (protocol id)."""
 
     def __init__(self, store: ContributionStore) -> None:
         self._store = store
@@ -318,11 +320,30 @@ class ContributionServicer(ServicerBase):
             logger.debug("bad contribution request %r from %s", request.uid[:80], context.remote_id)
             return
         body = self._store.get(group, int(n))
-        if body is None:
+        if not isinstance(body, bytes):
             return
-        for start in range(0, len(body), CHUNK_BYTES):
-            yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + CHUNK_BYTES])
+        for message in _messages(body):
+            yield message
         self.bytes_served += len(body)
+
+    async def rpc_blocks(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        asked = parse_wanted(request.uid)
+        body = None if asked is None else self._store.get(asked[0], asked[1])
+        if asked is None or not isinstance(body, BlockedBody) or asked[2][-1] >= len(body.blobs):
+            if asked is None:
+                logger.debug("bad contribution blocks request %r from %s", request.uid[:80], context.remote_id)
+            return
+        answer = body.answer(asked[2])
+        for message in _messages(answer):
+            yield message
+        self.bytes_served += len(answer)
+
+
+def _messages(data: bytes) -> typing.Iterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - as above
+    for start in range(0, len(data), CHUNK_BYTES):
+        yield runtime_pb2.ExpertInfo(serialized_info=data[start:start + CHUNK_BYTES])
 
 
 class OuterGather(ServedOnLoop):
@@ -361,15 +382,35 @@ class OuterGather(ServedOnLoop):
             self.bytes_fetched += len(body)
         return body
 
-    async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float | None) -> bytes:
+    def fetch_blocks(self, peer: str, group: str, entry: RoundEntry, wanted: Sequence[int], count: int,
+                     timeout_s: float, *, chunk_timeout_s: float | None = None) -> dict[int, bytes]:
+        """Blocks ``wanted`` (increasing) of ``peer``'s body in blocks for ``entry``'s round, of a group whose body has
+        ``count`` blocks (``blocks.block_layout``), each checked against the root ``entry`` signed; bounds as ``fetch``.
+
+        Raises:
+            BlockMismatch: a block that is not the one signed, or not the blocks asked for (the peer is named).
+            MalformedMessage, StalledStream, RemoteProtocolError (not held), TimeoutError and hivemind's errors.
+        """
+        uid = wanted_uid(group, entry.round_id, wanted)
+        cap = answer_cap(entry.size, len(wanted), count)
+        coro = self._fetch(peer, uid, cap, chunk_timeout_s, blocks=True)
+        answer = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
+        out = check_answer(answer, entry.digest, wanted, count, peer=peer)
+        with self._count_lock:
+            self.bytes_fetched += len(answer)
+        return out
+
+    async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float | None, *,
+                     blocks: bool = False) -> bytes:
         stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-        stream = await stub.rpc_contribution(runtime_pb2.ExpertRequest(uid=uid))
+        call = stub.rpc_blocks if blocks else stub.rpc_contribution
+        stream = await call(runtime_pb2.ExpertRequest(uid=uid))
         try:
             parts = await read_answer(stream, cap=size, peer=peer, what=f"outer contribution {uid}",
                                       chunk_timeout_s=chunk_timeout_s)
         except OversizedMessage as e:
-            raise ContributionMismatch(f"outer contribution longer than the announced {size} bytes",
-                                       peer=peer) from e
+            raise (BlockMismatch if blocks else ContributionMismatch)(
+                f"outer contribution longer than the announced {size} bytes", peer=peer) from e
         body = b"".join(parts)
         if not body:
             raise RemoteProtocolError(f"no outer contribution {uid} held", peer=peer)

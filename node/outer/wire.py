@@ -54,6 +54,8 @@ TOPK = {"chunk": 4096, "keep": 64, "bits": 2}
 """The "topk" wire (``protocol.codec``), SparseLoCo's: of every 4096 entries the 64 largest (1.56%), each at 2 bits
 with a scale per chunk and its position in 12 bits: 0.028 bytes an entry against uint8's 1. The sender keeps what
 it did not send and adds it to its next pseudo-gradient (error feedback, ``OuterOptimizer.with_unsent``)."""
+CODEC_OF = {"fp16": "fp16", "uint8": "int8", "int4": "int4", "topk": "topk", "none": "raw"}
+"""A gathered round's wire -> the ``protocol.codec`` codec a contribution's large tensors go in."""
 SMALL_TENSOR_NUMEL = 4096
 """Tensors (parts) smaller than this are sent uncompressed under any compression: the norms, biases
 and norm-layer weights cost nothing and keep full precision."""

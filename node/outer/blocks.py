@@ -1,0 +1,234 @@
+"""A contribution in blocks, any of which a peer can fetch alone and check against the one digest its sender signed.
+
+In a partitioned round (BTARD's) each of n peers merges a share of the blocks of everyone's contributions, so it
+fetches only those blocks of each body: about one body a round whatever n is, where a gathered round fetches n - 1.
+A sender signs one digest per contribution (``transport.RoundEntry``), before anyone knows how many peers will share
+the merge, so the body is cut once, as finely as any round may need (``block_count``), and the digest is the root of
+a Merkle tree over its blocks: an answer carries each block with the hashes that lead from it to the root
+(``log2`` of the block count, 32 bytes each), and a block that is not the one signed fails at once, its sender named.
+
+The blocks are ``train.parts.blocks_of(shapes, block_count(shapes))``, so a receiver derives the cut from the group's
+shapes alone: nothing a sender says about its layout is believed. Each block is encoded on its own with the run's
+wire (``protocol.codec``; a tensor under ``wire.SMALL_TENSOR_NUMEL`` entries raw, as in a whole body), so a block
+decodes without the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+
+from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, TOPK
+from parallax.node.train.parts import Block, blocks_of
+from parallax.protocol.codec import TensorLimits, decode, encode
+from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
+from parallax.protocol.schema import MSGPACK_ERRORS
+
+__all__ = ["BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout",
+           "check_answer", "decode_block", "encode_blocks", "parse_wanted", "wanted_uid"]
+
+MIN_BLOCK_NUMEL = 16384
+"""The fewest entries a block of a large group holds (8 KiB at int4): finer cuts would spend more on the hashes of an
+answer than on the block."""
+MAX_BLOCKS = 1024
+"""The most blocks a body is cut in: as many peers as this can share a round's merge with a block each."""
+_DIGEST = 32
+_EMPTY = hashlib.sha256(b"\x02").digest()  # the leaves past the last block, up to a power of two
+
+
+class BlockMismatch(RemoteProtocolError):
+    """A served block that is not the one its sender signed (its path does not lead to the signed root), or an
+    answer that is not the blocks asked for: evidence against the sender."""
+
+
+def block_count(shapes: Mapping[str, Sequence[int]]) -> int:
+    """How many shares a group's body is cut in: one per ``MIN_BLOCK_NUMEL`` entries, at least 1 and at most
+    ``MAX_BLOCKS`` (``blocks_of`` may make a few more, where a tensor's rows do not divide evenly)."""
+    total = sum(math.prod(s) for s in shapes.values())
+    return max(1, min(MAX_BLOCKS, total // MIN_BLOCK_NUMEL))
+
+
+def block_layout(shapes: Mapping[str, Sequence[int]]) -> list[Block]:
+    """The blocks a group's body is cut in, from its shapes alone (the same on every peer)."""
+    return blocks_of(shapes, block_count(shapes))
+
+
+# ---- the Merkle tree over the blocks ---------------------------------------------------------------------------
+
+
+def _leaf(blob: bytes) -> bytes:
+    return hashlib.sha256(b"\x00" + blob).digest()
+
+
+def _parent(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(b"\x01" + left + right).digest()
+
+
+def _levels(leaves: Sequence[bytes]) -> list[list[bytes]]:
+    """The tree's levels, leaves first (padded with ``_EMPTY`` to a power of two), the root last."""
+    width = 1 << max(0, (len(leaves) - 1).bit_length())
+    level = list(leaves) + [_EMPTY] * (width - len(leaves))
+    levels = [level]
+    while len(level) > 1:
+        level = [_parent(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        levels.append(level)
+    return levels
+
+
+def _depth(count: int) -> int:
+    return max(0, (count - 1).bit_length())
+
+
+def _root_from(leaf: bytes, index: int, path: Sequence[bytes]) -> bytes:
+    node = leaf
+    for depth, sibling in enumerate(path):
+        node = _parent(sibling, node) if (index >> depth) & 1 else _parent(node, sibling)
+    return node
+
+
+# ---- encoding, serving and checking -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockedBody:
+    """A contribution's blocks (encoded each on its own, in ``block_layout`` order) and the tree over them."""
+
+    blobs: tuple[bytes, ...]
+    _levels: list[list[bytes]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.blobs:
+            raise ValueError("a contribution has at least one block")
+        object.__setattr__(self, "_levels", _levels([_leaf(b) for b in self.blobs]))
+
+    @property
+    def digest(self) -> bytes:
+        """What the sender signs (``RoundEntry.digest``): the root over its blocks."""
+        return self._levels[-1][0]
+
+    @property
+    def size(self) -> int:
+        """The blocks' bytes together (``RoundEntry.size``)."""
+        return sum(len(b) for b in self.blobs)
+
+    def answer(self, wanted: Sequence[int]) -> bytes:
+        """The answer to a fetch of blocks ``wanted`` (``parse_wanted``'s): each block with its path to the root."""
+        return msgpack.packb([[i, self.blobs[i], [self._levels[d][(i >> d) ^ 1] for d in range(len(self._levels) - 1)]]
+                              for i in wanted], use_bin_type=True)
+
+
+def answer_cap(size: int, wanted: int, count: int) -> int:
+    """The most bytes an honest answer for ``wanted`` of ``count`` blocks of a body of ``size`` bytes holds."""
+    return size + wanted * (_DIGEST * _depth(count) + 32) + 16
+
+
+def _codec(numel: int, compression: str) -> str:
+    return "raw" if numel < SMALL_TENSOR_NUMEL else CODEC_OF[compression]
+
+
+def encode_blocks(delta: Mapping[str, torch.Tensor], compression: str) -> BlockedBody:
+    """One peer's pseudo-gradient of a group cut in ``block_layout``'s blocks, each encoded on its own in the run's
+    wire (a tensor under ``SMALL_TENSOR_NUMEL`` entries raw, as ``transport.encode_contribution`` does)."""
+    arrays = {name: t.detach().to(device="cpu", dtype=torch.float32).numpy() for name, t in delta.items()}
+    blobs = []
+    for b in block_layout({name: a.shape for name, a in arrays.items()}):
+        codec = _codec(arrays[b.name].size, compression)
+        rows = np.ascontiguousarray(arrays[b.name][b.start:b.stop])
+        blobs.append(encode(rows, codec, **TOPK) if codec == "topk" else encode(rows, codec))
+    return BlockedBody(tuple(blobs))
+
+
+def wanted_uid(group: str, round_id: int, wanted: Sequence[int]) -> str:
+    """The request naming blocks ``wanted`` of a group's round: ``{group}/{round}/{i,j,...}``."""
+    return f"{group}/{round_id}/{','.join(str(i) for i in wanted)}"
+
+
+def parse_wanted(uid: str) -> tuple[str, int, list[int]] | None:
+    """(group, round, blocks) of a request (``wanted_uid``): blocks strictly increasing, at most ``MAX_BLOCKS`` of
+    them, each below ``MAX_BLOCKS`` + the group's tensors (``blocks_of``'s slack); None for anything else."""
+    head, _, indices = uid.rpartition("/")
+    group, _, n = head.rpartition("/")
+    if not (group and n.isascii() and n.isdigit() and len(n) <= 18 and indices and len(indices) <= 8 * MAX_BLOCKS):
+        return None
+    try:
+        wanted = [int(i) for i in indices.split(",")]
+    except ValueError:
+        return None
+    increasing = all(a < b for a, b in zip(wanted, wanted[1:], strict=False))
+    if len(wanted) > MAX_BLOCKS or wanted[0] < 0 or not increasing:
+        return None
+    return group, int(n), wanted
+
+
+def check_answer(answer: bytes, digest: bytes, wanted: Sequence[int], count: int, *, peer: str) -> dict[int, bytes]:
+    """The blocks of a peer's ``answer``, each checked against the root it signed (``digest``).
+
+    Args:
+        answer: what the peer sent (``BlockedBody.answer``).
+        digest: the root in the peer's signed entry.
+        wanted: the blocks asked for, increasing.
+        count: how many blocks the group's body has (``len(block_layout(shapes))``).
+
+    Raises:
+        BlockMismatch: not the blocks asked for, or a block or path that does not lead to ``digest``.
+        MalformedMessage: undecodable.
+    """
+    depth = _depth(count)
+    try:
+        items = msgpack.unpackb(answer, raw=False, max_bin_len=len(answer), max_str_len=0,
+                                max_array_len=max(len(wanted), depth, 3), max_map_len=0)
+    except MSGPACK_ERRORS:
+        raise MalformedMessage("undecodable answer of contribution blocks", peer=peer) from None
+    if not (isinstance(items, list) and len(items) == len(wanted)):
+        raise BlockMismatch(f"an answer of {len(items) if isinstance(items, list) else 'no'} blocks where "
+                            f"{len(wanted)} were asked for", peer=peer)
+    out = {}
+    for item, i in zip(items, wanted, strict=True):
+        if not (isinstance(item, list) and len(item) == 3 and item[0] == i and isinstance(item[1], bytes)
+                and isinstance(item[2], list) and len(item[2]) == depth
+                and all(isinstance(h, bytes) and len(h) == _DIGEST for h in item[2])):
+            raise BlockMismatch(f"block {i} of the answer is malformed or not the one asked for", peer=peer)
+        if _root_from(_leaf(item[1]), i, item[2]) != digest:
+            raise BlockMismatch(f"block {i} is not the block the sender signed", peer=peer)
+        out[i] = item[1]
+    return out
+
+
+def decode_block(blob: bytes, block: Block, shape: Sequence[int], *, peer: str) -> torch.Tensor:
+    """One checked block back to float32 rows ``block.start:block.stop`` of a tensor of ``shape``.
+
+    Raises:
+        MalformedMessage: undecodable, another shape or codec, or non-finite values.
+    """
+    rows = (block.stop - block.start, *shape[1:])
+    limits = TensorLimits(max_elements=math.prod(rows), max_ndim=max(len(rows), 1),
+                          codecs=frozenset(CODEC_OF.values()), dtypes=frozenset({"float16", "float32"}))
+    try:
+        array = decode(blob, limits, peer=peer, what=f"outer contribution block {block.key}")
+    except ProtocolError as e:
+        raise MalformedMessage(str(e), peer=peer) from None
+    if tuple(array.shape) != rows:
+        raise MalformedMessage(f"outer contribution block {block.key} has shape {array.shape}, not {rows}", peer=peer)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def assemble(blocks: Mapping[int, torch.Tensor], shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """The group's tensors from every one of its blocks (index in ``block_layout`` -> rows).
+
+    Raises:
+        ValueError: a block missing.
+    """
+    layout = block_layout(shapes)
+    missing = [i for i in range(len(layout)) if i not in blocks]
+    if missing:
+        raise ValueError(f"{len(missing)} of {len(layout)} blocks missing, the first {missing[0]}")
+    out: dict[str, list[torch.Tensor]] = {}
+    for i, b in enumerate(layout):
+        out.setdefault(b.name, []).append(blocks[i])
+    return {name: torch.cat(out[name]).reshape(tuple(shape)) for name, shape in shapes.items()}
