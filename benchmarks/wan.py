@@ -76,7 +76,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--snapshot-every", str(snapshot_every)]
     cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods)})
-    gathered = cfg.sync.aggregation == "gather"
+    gathered = cfg.sync.aggregation != "allreduce"
     sizes = _wire_bytes(cfg) if gathered else _group_bytes(cfg)  # the groups the model has (small has no latent)
 
     runs: dict[str, dict[str, Any]] = {}

@@ -109,6 +109,9 @@ class OuterConfig:
     without a chunk is left out of the round and scored."""
     verify_timeout_s: float = 15.0
     """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
+    parts_rechecks: int = 1
+    """Blocks of the others' merged shares this node recomputes from the contributions in each partitioned round
+    (``sync.aggregation = "parts"``), drawn at random: each costs about one block of every contribution."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0
@@ -136,6 +139,8 @@ class OuterConfig:
                                   "allreduce_timeout_s", "next_chunk_timeout_s", "verify_timeout_s", "dht_timeout_s",
                                   "fingerprint_ttl_s", "startup_timeout_s", "shutdown_timeout_s",
                                   "load_state_timeout_s"))
+        if self.parts_rechecks < 0:
+            raise ValueError(f"net.outer.parts_rechecks must be >= 0, got {self.parts_rechecks}")
         if self.request_timeout_s >= self.min_matchmaking_time_s:
             raise ValueError("net.outer.request_timeout_s must be < net.outer.min_matchmaking_time_s (hivemind can "
                              "deadlock otherwise); lower request_timeout_s or raise min_matchmaking_time_s")

@@ -22,7 +22,7 @@ Compression = Literal["fp16", "uint8", "int4", "topk", "none"]
 GATHERED_WIRES: tuple[Compression, ...] = ("int4", "topk")
 """Wires only gathered rounds carry (hivemind's all-reduce has no such codec); each sender keeps what they leave out
 of its pseudo-gradient and adds it to its next one (error feedback)."""
-Aggregation = Literal["gather", "allreduce"]
+Aggregation = Literal["gather", "parts", "allreduce"]
 DeltaDtype = Literal["float16", "float32"]
 NonOwned = Literal["surrogate", "drop", "frozen_copy"]
 SketchCodec = Literal["raw", "fp16", "int8", "int4"]
@@ -174,8 +174,10 @@ class SyncConfig:
     entries always go uncompressed. The in-process simulator applies the same rounding."""
     aggregation: Aggregation = "gather"
     """How the composers merge: "gather" (each fetches every pseudo-gradient and merges them itself, robust to
-    a lying peer: weights capped by the schedule, non-finite ones dropped, norms clipped, CenteredClip) or
-    "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
+    a lying peer: weights capped by the schedule, non-finite ones dropped, norms clipped, CenteredClip), "parts"
+    (the same robust merge shared among the set's senders, each merging its blocks of every contribution and
+    fetching the others' merged blocks, some recomputed at random: ``node.outer.partitioned``; bytes per peer flat
+    in the swarm's size) or "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
 
     def __post_init__(self) -> None:
         if set(self.periods) != set(SHARED_GROUPS):
@@ -185,11 +187,13 @@ class SyncConfig:
         if self.compression not in get_args(Compression):
             raise ValueError(f"SyncConfig.compression must be one of {get_args(Compression)}, got "
                              f"{self.compression!r}")
-        if self.compression in GATHERED_WIRES and self.aggregation != "gather":
-            raise ValueError(f"SyncConfig.compression {self.compression!r} needs aggregation 'gather' (hivemind's "
-                             "all-reduce has no such codec): set sync.aggregation=gather or another compression")
+        if self.compression in GATHERED_WIRES and self.aggregation == "allreduce":
+            raise ValueError(f"SyncConfig.compression {self.compression!r} needs aggregation 'gather' or 'parts' "
+                             "(hivemind's all-reduce has no such codec): set sync.aggregation=gather or another "
+                             "compression")
         if self.aggregation not in get_args(Aggregation):
-            raise ValueError(f"SyncConfig.aggregation must be 'gather' or 'allreduce', got {self.aggregation!r}")
+            raise ValueError(f"SyncConfig.aggregation must be one of {get_args(Aggregation)}, got "
+                             f"{self.aggregation!r}")
         if self.merge not in get_args(MergeName):
             raise ValueError(f"SyncConfig.merge must be 'rda' or 'mean', got {self.merge!r}")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:

@@ -43,6 +43,7 @@ class Evidence(Enum):
     STALLED = ("outer contribution fetch accepted and then held", 0.5)
     SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
     RESTARTED = ("a round claimed again in another session", 0.5)
+    MISMERGED = ("merged blocks of a partitioned round that its contributions do not give", 2.0)
     EQUIVOCATION = ("two signed contributions for one round", 2.5, True)
 
     def __init__(self, reason: str, weight: float, proof: bool = False) -> None:

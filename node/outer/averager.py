@@ -3,7 +3,8 @@
 Two ways to merge (``OuterSyncConfig.aggregation``, the run setting ``sync.aggregation``):
 
 - "gather" (default): each participant fetches every contribution and merges them itself, robustly
-  (``gathered.GatheredRounds``, transport in ``transport``);
+  (``gathered.GatheredRounds``, transport in ``transport``); "parts": the same rounds, the merge shared among the
+  set's senders block by block (``partitioned``);
 - "allreduce": hivemind's butterfly all-reduce, described below: fewer bytes, every peer trusted.
 
 Both verify a merged round against the participants' signed fingerprints (``records``), and both serve
@@ -159,7 +160,7 @@ class GroupAverager:
         signer: this node's identity, under whose subkey its fingerprints are stored (signed by the DHT's
             record validator), and whose key to expect for each peer (``wire.FingerprintSigner``);
             None keeps fingerprints under peer-id subkeys, unsigned (tests of the averaging alone).
-        gather: serves and fetches contributions (``config.aggregation == "gather"``).
+        gather: serves and fetches contributions (``config.aggregation`` "gather" or "parts").
         peers: the live and working composers of a gathered round (``transport.RoundPeers``).
         weight_cap: the most tokens one peer can have processed since the last round (batch x sequence x
             period): a declared weight above it counts as the cap. None: no cap (tests).
@@ -186,7 +187,7 @@ class GroupAverager:
         self.last_report: RoundReport | None = None
         self.records = RoundRecords(dht, run_id, group, config, signer)
         self._gathered: GatheredRounds | None = None
-        if config.aggregation == "gather":
+        if config.aggregation in ("gather", "parts"):
             if gather is None or peers is None:
                 raise ValueError("a gathered outer round needs the node's OuterGather and its live composers")
             self._gathered = GatheredRounds(self.records, self.shapes, config, gather, peers, weight_cap=weight_cap,

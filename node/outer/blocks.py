@@ -4,8 +4,9 @@ In a partitioned round (BTARD's) each of n peers merges a share of the blocks of
 fetches only those blocks of each body: about one body a round whatever n is, where a gathered round fetches n - 1.
 A sender signs one digest per contribution (``transport.RoundEntry``), before anyone knows how many peers will share
 the merge, so the body is cut once, as finely as any round may need (``block_count``), and the digest is the root of
-a Merkle tree over its blocks: an answer carries each block with the hashes that lead from it to the root
-(``log2`` of the block count, 32 bytes each), and a block that is not the one signed fails at once, its sender named.
+a Merkle tree over its blocks: an answer carries the blocks with the hashes that lead from them to the root (for a
+contiguous range about two a level of the tree, 32 bytes each), and blocks that are not the ones signed fail at once,
+their sender named.
 
 The blocks are ``train.parts.blocks_of(shapes, block_count(shapes))``, so a receiver derives the cut from the group's
 shapes alone: nothing a sender says about its layout is believed. Each block is encoded on its own with the run's
@@ -30,12 +31,12 @@ from parallax.protocol.codec import TensorLimits, decode, encode
 from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
 
-__all__ = ["BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout",
-           "check_answer", "decode_block", "encode_blocks", "parse_wanted", "wanted_uid"]
+__all__ = ["BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout", "blocks_cap",
+           "check_answer", "decode_all", "decode_block", "encode_blocks", "parse_wanted", "wanted_uid"]
 
-MIN_BLOCK_NUMEL = 16384
-"""The fewest entries a block of a large group holds (8 KiB at int4): finer cuts would spend more on the hashes of an
-answer than on the block."""
+MIN_BLOCK_NUMEL = 4096
+"""The fewest entries a block of a large group holds (2 KiB at int4): a recheck costs a block of every contribution,
+so blocks must shrink as the swarm grows; their codec's framing bounds how small."""
 MAX_BLOCKS = 1024
 """The most blocks a body is cut in: as many peers as this can share a round's merge with a block each."""
 _DIGEST = 32
@@ -43,7 +44,7 @@ _EMPTY = hashlib.sha256(b"\x02").digest()  # the leaves past the last block, up 
 
 
 class BlockMismatch(RemoteProtocolError):
-    """A served block that is not the one its sender signed (its path does not lead to the signed root), or an
+    """A served block that is not the one its sender signed (it and its proof do not give the signed root), or an
     answer that is not the blocks asked for: evidence against the sender."""
 
 
@@ -85,11 +86,36 @@ def _depth(count: int) -> int:
     return max(0, (count - 1).bit_length())
 
 
-def _root_from(leaf: bytes, index: int, path: Sequence[bytes]) -> bytes:
-    node = leaf
-    for depth, sibling in enumerate(path):
-        node = _parent(sibling, node) if (index >> depth) & 1 else _parent(node, sibling)
-    return node
+def _proof(levels: Sequence[Sequence[bytes]], wanted: Sequence[int]) -> list[bytes]:
+    """The hashes that, with the leaves ``wanted`` (increasing), give the root: level by level, the sibling of each
+    known node that is not known itself, in increasing order (a contiguous range of leaves needs about two a level)."""
+    proof: list[bytes] = []
+    known = list(wanted)
+    for level in levels[:-1]:
+        have = set(known)
+        proof.extend(level[i ^ 1] for i in known if i ^ 1 not in have)
+        known = sorted({i >> 1 for i in known})
+    return proof
+
+
+def _root_of(leaves: Mapping[int, bytes], proof: Sequence[bytes], depth: int) -> bytes | None:
+    """The root that ``leaves`` (index -> leaf hash) and ``proof`` (``_proof``'s order) give in a tree of ``depth``
+    levels above its leaves; None when the proof has too few or too many hashes."""
+    known = dict(leaves)
+    hashes = iter(proof)
+    for _ in range(depth):
+        up: dict[int, bytes] = {}
+        for i in sorted(known):
+            if i >> 1 in up:
+                continue  # a right child whose left sibling was known: its parent is made
+            sibling = known.get(i ^ 1)
+            if sibling is None:
+                sibling = next(hashes, None)
+                if sibling is None:
+                    return None
+            up[i >> 1] = _parent(known[i], sibling) if i % 2 == 0 else _parent(sibling, known[i])
+        known = up
+    return known.get(0) if next(hashes, None) is None else None
 
 
 # ---- encoding, serving and checking -------------------------------------------------------------------------
@@ -118,14 +144,14 @@ class BlockedBody:
         return sum(len(b) for b in self.blobs)
 
     def answer(self, wanted: Sequence[int]) -> bytes:
-        """The answer to a fetch of blocks ``wanted`` (``parse_wanted``'s): each block with its path to the root."""
-        return msgpack.packb([[i, self.blobs[i], [self._levels[d][(i >> d) ^ 1] for d in range(len(self._levels) - 1)]]
-                              for i in wanted], use_bin_type=True)
+        """The answer to a fetch of blocks ``wanted`` (``parse_wanted``'s): the blocks, and the hashes that lead from
+        them to the root (``_proof``)."""
+        return msgpack.packb([[[i, self.blobs[i]] for i in wanted], _proof(self._levels, wanted)], use_bin_type=True)
 
 
 def answer_cap(size: int, wanted: int, count: int) -> int:
     """The most bytes an honest answer for ``wanted`` of ``count`` blocks of a body of ``size`` bytes holds."""
-    return size + wanted * (_DIGEST * _depth(count) + 32) + 16
+    return size + wanted * (_DIGEST * _depth(count) + 16) + 16
 
 
 def _codec(numel: int, compression: str) -> str:
@@ -176,28 +202,43 @@ def check_answer(answer: bytes, digest: bytes, wanted: Sequence[int], count: int
         count: how many blocks the group's body has (``len(block_layout(shapes))``).
 
     Raises:
-        BlockMismatch: not the blocks asked for, or a block or path that does not lead to ``digest``.
+        BlockMismatch: not the blocks asked for, or blocks and proof that do not give ``digest``.
         MalformedMessage: undecodable.
     """
     depth = _depth(count)
     try:
-        items = msgpack.unpackb(answer, raw=False, max_bin_len=len(answer), max_str_len=0,
-                                max_array_len=max(len(wanted), depth, 3), max_map_len=0)
+        raw = msgpack.unpackb(answer, raw=False, max_bin_len=len(answer), max_str_len=0,
+                              max_array_len=max(2, depth * len(wanted)), max_map_len=0)
     except MSGPACK_ERRORS:
         raise MalformedMessage("undecodable answer of contribution blocks", peer=peer) from None
-    if not (isinstance(items, list) and len(items) == len(wanted)):
-        raise BlockMismatch(f"an answer of {len(items) if isinstance(items, list) else 'no'} blocks where "
-                            f"{len(wanted)} were asked for", peer=peer)
+    items = raw[0] if isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], list) else None
+    proof = raw[1] if items is not None and isinstance(raw[1], list) else None
+    if items is None or proof is None or len(items) != len(wanted):
+        raise BlockMismatch(f"an answer that is not the {len(wanted)} blocks asked for", peer=peer)
     out = {}
     for item, i in zip(items, wanted, strict=True):
-        if not (isinstance(item, list) and len(item) == 3 and item[0] == i and isinstance(item[1], bytes)
-                and isinstance(item[2], list) and len(item[2]) == depth
-                and all(isinstance(h, bytes) and len(h) == _DIGEST for h in item[2])):
+        if not (isinstance(item, list) and len(item) == 2 and item[0] == i and isinstance(item[1], bytes)):
             raise BlockMismatch(f"block {i} of the answer is malformed or not the one asked for", peer=peer)
-        if _root_from(_leaf(item[1]), i, item[2]) != digest:
-            raise BlockMismatch(f"block {i} is not the block the sender signed", peer=peer)
         out[i] = item[1]
+    if not all(isinstance(h, bytes) and len(h) == _DIGEST for h in proof) or _root_of(
+            {i: _leaf(blob) for i, blob in out.items()}, proof, depth) != digest:
+        raise BlockMismatch(f"blocks {_span(wanted)} are not the blocks the sender signed", peer=peer)
     return out
+
+
+def _span(wanted: Sequence[int]) -> str:
+    return f"{wanted[0]}" if len(wanted) == 1 else f"{wanted[0]}..{wanted[-1]} ({len(wanted)})"
+
+
+def _limits(block: Block, shape: Sequence[int]) -> TensorLimits:
+    rows = (block.stop - block.start, *shape[1:])
+    return TensorLimits(max_elements=math.prod(rows), max_ndim=max(len(rows), 1),
+                        codecs=frozenset(CODEC_OF.values()), dtypes=frozenset({"float16", "float32"}))
+
+
+def blocks_cap(blocks: Sequence[Block], shapes: Mapping[str, Sequence[int]]) -> int:
+    """The most bytes ``blocks`` of a group of ``shapes`` may hold together (raw float64 would be the worst case)."""
+    return sum(_limits(b, shapes[b.name]).max_blob_bytes for b in blocks)
 
 
 def decode_block(blob: bytes, block: Block, shape: Sequence[int], *, peer: str) -> torch.Tensor:
@@ -207,8 +248,7 @@ def decode_block(blob: bytes, block: Block, shape: Sequence[int], *, peer: str) 
         MalformedMessage: undecodable, another shape or codec, or non-finite values.
     """
     rows = (block.stop - block.start, *shape[1:])
-    limits = TensorLimits(max_elements=math.prod(rows), max_ndim=max(len(rows), 1),
-                          codecs=frozenset(CODEC_OF.values()), dtypes=frozenset({"float16", "float32"}))
+    limits = _limits(block, shape)
     try:
         array = decode(blob, limits, peer=peer, what=f"outer contribution block {block.key}")
     except ProtocolError as e:
@@ -216,6 +256,19 @@ def decode_block(blob: bytes, block: Block, shape: Sequence[int], *, peer: str) 
     if tuple(array.shape) != rows:
         raise MalformedMessage(f"outer contribution block {block.key} has shape {array.shape}, not {rows}", peer=peer)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def decode_all(body: BlockedBody, shapes: Mapping[str, Sequence[int]], *, peer: str) -> dict[str, torch.Tensor]:
+    """A whole contribution in blocks back to its tensors (its sender's own, or one held whole: the simulator).
+
+    Raises:
+        MalformedMessage: as ``decode_block``; ValueError: another number of blocks than ``shapes`` make.
+    """
+    layout = block_layout(shapes)
+    if len(body.blobs) != len(layout):
+        raise ValueError(f"{len(body.blobs)} blocks where the group's shapes make {len(layout)}")
+    return assemble({i: decode_block(blob, layout[i], shapes[layout[i].name], peer=peer)
+                     for i, blob in enumerate(body.blobs)}, shapes)
 
 
 def assemble(blocks: Mapping[int, torch.Tensor], shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:

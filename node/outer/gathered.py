@@ -50,6 +50,8 @@ from typing import Any
 import torch
 
 from parallax.node.net.scores import Evidence, PeerScores
+from parallax.node.outer.blocks import block_layout, blocks_cap, decode_all, encode_blocks
+from parallax.node.outer.partitioned import PartsMerge, Unmergeable
 from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
@@ -86,7 +88,7 @@ from parallax.node.outer.wire import (
     round_tag,
 )
 from parallax.node.outer.witness import Witness, new_session, sign
-from parallax.node.train.robust import cap_weights, robust_merge_groups, span_of
+from parallax.node.train.robust import MergeAudit, cap_weights, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, StalledStream
 
 logger = logging.getLogger(__name__)
@@ -132,8 +134,18 @@ class GatheredRounds:
         self._held: dict[str, None] = {}  # peers that held a fetch and sent nothing usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
-        self._body_cap = contribution_limit(shapes)
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
+        self.parts: PartsMerge | None = None
+        """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
+        self._claims: dict[str, RoundEntry] = {}  # partitioned: the checked claim of each contribution on offer
+        if config.aggregation == "parts":
+            self._body_cap = blocks_cap(block_layout(shapes), shapes)
+            pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=f"parts-{records.group}")
+            self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
+                                    gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
+                                    announce=self._announce, scores=scores, worked=peers.worked, pool=pool)
+        else:
+            self._body_cap = contribution_limit(shapes)
         self.session = new_session()
         self._floor: int | None = None  # ``_claimed_before``
         signer = records.signer
@@ -170,11 +182,9 @@ class GatheredRounds:
             self.report(RoundStatus.CLAIMED_BEFORE, started, round_id=n,
                         detail=f"rounds up to {self._claimed_before()} were claimed before this process")
             return None
-        body = encode_contribution({name: delta[name] for name in self.shapes}, cfg.compression)
-        mine = decode_contribution(body, self.shapes, peer=self.peer_id)  # the tensors the others will merge
+        mine, digest, size = self._offer(n, delta)  # mine: the tensors the others will merge
         self.last_sent = mine
-        self.gather.store.put(self.group, n, body)
-        entry = RoundEntry(n, body_digest(body), len(body), float(tokens), session=self.session)
+        entry = RoundEntry(n, digest, size, float(tokens), session=self.session)
         if self.records.signer is not None:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)
@@ -198,7 +208,8 @@ class GatheredRounds:
                 return None
             merged = self._merge(n, participants, found, common)
             if merged is None:
-                self._withdrawn(n, RoundStatus.NO_TOKENS, started, common)
+                self._withdrawn(n, RoundStatus.FAILED if common.pop("failed", False) else RoundStatus.NO_TOKENS,
+                                started, common)
                 return None
             if fault is not None:
                 fault(merged)
@@ -279,6 +290,27 @@ class GatheredRounds:
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
         self._flights.close()
+        if self.parts is not None:
+            self.parts.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _offer(self, n: int, delta: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bytes, int]:
+        """Encode this node's contribution of round ``n`` in the run's wire and serve it (whole, or in blocks when
+        the merge is partitioned): (its tensors as the others decode them, its digest, its size)."""
+        tensors = {name: delta[name] for name in self.shapes}
+        wire = self.config.compression
+        if self.parts is None:
+            body = encode_contribution(tensors, wire)
+            self.gather.store.put(self.group, n, body)
+            return decode_contribution(body, self.shapes, peer=self.peer_id), body_digest(body), len(body)
+        blocked = encode_blocks(tensors, wire)
+        self.gather.store.put(self.group, n, blocked)
+        return decode_all(blocked, self.shapes, peer=self.peer_id), blocked.digest, blocked.size
+
+    def _announce(self, n: int, participants: tuple[str, ...], merged: bytes) -> None:
+        """A partitioned round's step (``partitioned``): this node's entry of round ``n`` names the set it merges
+        and, once merged, the root of its merged blocks."""
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=b"", participants=participants,
+                                          merged=merged))
 
     def _claimed_before(self) -> int:
         """The last round this node's identity claimed in an earlier session, by its own record in the DHT (read once,
@@ -292,16 +324,35 @@ class GatheredRounds:
 
     def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
                common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """The robust merge of the ``participants``' contributions (in sorted order, as on every peer); notes the
-        capped weights and the suspects in ``common`` and names each suspect in the log."""
+        """The robust merge of the ``participants``' contributions (in sorted order, as on every peer), or with
+        ``parts`` this node's share of it and the others' shares fetched; notes the capped weights and the suspects
+        (of the blocks this node merged, with ``parts``) in ``common`` and names each suspect in the log. None: no
+        contribution had weight, or (``common["failed"]`` set) a contribution's blocks did not arrive usable.
+        """
         declared = [found[p][1] for p in participants]
         cap = self.weight_cap
         weights = cap_weights(declared, cap) if cap is not None else declared
         spans = [span_of(t, cap) for t in declared] if cap is not None else None
-        merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
-                                            eps=self.config.rda_eps, spans=spans)
+        common.update(participants=tuple(split_pair(p)[0] for p in participants),
+                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)})
+        me = pair(self.peer_id, n)
+        audit: MergeAudit | None
+        if self.parts is None:
+            merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
+                                                eps=self.config.rda_eps, spans=spans)
+        else:
+            claims = {p: self._claims[p] for p in participants if p != me}
+            try:
+                merged, audit = self.parts.merge(n, participants, claims, found[me][0], weights, spans)
+            except Unmergeable as e:
+                common.update(failed=True, detail=str(e))
+                with self._lock:
+                    self._failing[e.peer] = None
+                logger.warning("outer round %s/%d: the set of %d contributions cannot be merged here: %s", self.group,
+                               n, len(participants), e)
+                return None
         suspects = []
-        for name, a in zip(participants, audit.contributions, strict=True):
+        for name, a in zip(participants, audit.contributions if audit is not None else (), strict=False):
             if a.suspicious:
                 peer = split_pair(name)[0]
                 suspects.append(peer)
@@ -310,9 +361,7 @@ class GatheredRounds:
                 logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
                                "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
                                a.norm_scale, a.clip, found[name][1])
-        common.update(participants=tuple(split_pair(p)[0] for p in participants),
-                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
-                      suspects=tuple(suspects))
+        common["suspects"] = tuple(suspects)
         return merged
 
     def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],
@@ -324,7 +373,7 @@ class GatheredRounds:
         common["began_allreduce"] = (self.gather.store.served(self.group, n) if merged_elsewhere is None
                                      else merged_elsewhere)
         self.gather.store.drop(self.group, n)
-        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=(), merged=b""))
         self.report(status, started, **common)
 
     def _publish(self, entry: RoundEntry) -> None:
@@ -474,7 +523,9 @@ class GatheredRounds:
                           quorum: int) -> tuple[tuple[str, ...] | None, bool]:
         """(the set of at least ``quorum`` contributions, ours among them, that most of its members merged, if any
         peer merged one; whether any peer merged a set naming ours, of any size)."""
-        sets = merged_sets(entries, me, self._adoptable().__contains__)  # the adoptable peers read once a pass
+        # the adoptable peers read once a pass; partitioned, a set its senders announce is taken before it is merged:
+        # its mergers wait for each other's blocks
+        sets = merged_sets(entries, me, self._adoptable().__contains__, announced=self.parts is not None)
         return best_set({members: votes for members, votes in sets.items() if len(members) >= quorum}), bool(sets)
 
     def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
@@ -485,7 +536,7 @@ class GatheredRounds:
         a set is taken as ``_collect`` takes one (its bodies fetched into ``found``). Returns (the set taken or None,
         whether a set naming ours was seen): a set seen and not taken may be applied by others (the caller
         reloads); none seen, nobody merged ours (this node's delta goes into its next round)."""
-        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=()))
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=(), merged=b""))
         if not self.gather.store.served(self.group, n):
             return None, False
         cfg = self.config
@@ -508,7 +559,8 @@ class GatheredRounds:
             return name not in self._refused and time.monotonic() >= self._retry_at.get(name, 0.0)
 
     def _fetch(self, name: str, entry: RoundEntry) -> Fetched | None:
-        """Fetch contribution ``name`` (announced by ``entry``): its tensors and tokens, or None when unusable."""
+        """Fetch contribution ``name`` (announced by ``entry``): its tensors and tokens, or None when unusable. With
+        ``parts``, the claim checked and kept: no tensors (its blocks are fetched as the set is merged)."""
         if not self._may_ask(name):
             return None
         peer = split_pair(name)[0]
@@ -526,6 +578,16 @@ class GatheredRounds:
                 error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
+            if self.parts is not None:
+                # Partitioned: the claim checked is the contribution found; its blocks are fetched by those who
+                # merge them (``partitioned``), and they are the evidence of its sender's work.
+                self._check_fresh(peer, entry, None)
+                with self._lock:
+                    self._claims[name] = entry
+                    while len(self._claims) > _REFUSED_KEPT:
+                        del self._claims[next(iter(self._claims))]
+                self.witness.fetched(peer, entry)
+                return {}, entry.tokens
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
@@ -558,9 +620,10 @@ class GatheredRounds:
             self.peers.worked(peer)
         return tensors, entry.tokens
 
-    def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Refuse a body ``peer`` already sent for another round: two rounds of training never give the same
-        pseudo-gradient bit for bit (an all-zero one aside), so it replays an old one.
+        pseudo-gradient bit for bit (an all-zero one aside), so it replays an old one. ``tensors``: the body's (None:
+        not fetched whole, judged by its digest alone).
 
         Raises:
             ContributionMismatch: a replay.
@@ -568,7 +631,8 @@ class GatheredRounds:
         with self._lock:
             seen = self._digests.setdefault(peer, {})
             earlier = seen.get(entry.digest)
-            if earlier is not None and earlier != entry.round_id and any(bool(t.any()) for t in tensors.values()):
+            if earlier is not None and earlier != entry.round_id and (
+                    tensors is None or any(bool(t.any()) for t in tensors.values())):
                 raise ContributionMismatch(f"outer contribution of round {entry.round_id} replays its round "
                                            f"{earlier}", peer=peer)
             seen.setdefault(entry.digest, entry.round_id)

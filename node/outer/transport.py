@@ -174,9 +174,12 @@ class RoundEntry:
     anchor: bytes = b""
     """The fingerprint of the sender's anchor that its merge of this round is applied to (``wire.anchor_fingerprint``,
     encoded untagged), once merged: who holds the swarm's anchor and who drifted from it."""
+    merged: bytes = b""
+    """In a partitioned round (``partitioned``): the root (``blocks.BlockedBody.digest``) of the blocks of
+    ``participants``' merge that this sender merged and serves; empty until then, and in a gathered round."""
 
     def to_wire(self) -> list[object]:
-        return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.anchor]
+        return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.anchor, self.merged]
 
     def claim_to_wire(self) -> list[object]:
         """The signed part: round, digest, size, tokens, session and the signature."""
@@ -189,15 +192,16 @@ class RoundEntry:
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
         """None for anything malformed (a peer's record is data, not trusted)."""
-        if not (isinstance(obj, list) and len(obj) == 9):
+        if not (isinstance(obj, list) and len(obj) == 10):
             return None
         claim = cls.claim_from_wire(obj[:6])
-        fp, who, anchor = obj[6:]
+        fp, who, anchor, merged = obj[6:]
         if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(anchor, bytes)
                                  and len(anchor) <= 1024 and isinstance(who, list) and len(who) <= _MAX_PARTICIPANTS
-                                 and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)):
+                                 and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)
+                                 and isinstance(merged, bytes) and len(merged) in (0, 32)):
             return None
-        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who), anchor=anchor)
+        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who), anchor=anchor, merged=merged)
 
     @classmethod
     def claim_from_wire(cls, obj: object) -> RoundEntry | None:
@@ -382,20 +386,20 @@ class OuterGather(ServedOnLoop):
             self.bytes_fetched += len(body)
         return body
 
-    def fetch_blocks(self, peer: str, group: str, entry: RoundEntry, wanted: Sequence[int], count: int,
-                     timeout_s: float, *, chunk_timeout_s: float | None = None) -> dict[int, bytes]:
-        """Blocks ``wanted`` (increasing) of ``peer``'s body in blocks for ``entry``'s round, of a group whose body has
-        ``count`` blocks (``blocks.block_layout``), each checked against the root ``entry`` signed; bounds as ``fetch``.
+    def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
+                     count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> dict[int, bytes]:
+        """Blocks ``wanted`` (increasing) of the body in blocks ``peer`` holds under ``key`` (a group, or its merged
+        blocks: ``partitioned``) for ``round_id``, of ``count`` blocks and at most ``size`` bytes, each checked against
+        the root ``digest`` the peer published; bounds as ``fetch``.
 
         Raises:
-            BlockMismatch: a block that is not the one signed, or not the blocks asked for (the peer is named).
+            BlockMismatch: a block that is not the one published, or not the blocks asked for (the peer is named).
             MalformedMessage, StalledStream, RemoteProtocolError (not held), TimeoutError and hivemind's errors.
         """
-        uid = wanted_uid(group, entry.round_id, wanted)
-        cap = answer_cap(entry.size, len(wanted), count)
-        coro = self._fetch(peer, uid, cap, chunk_timeout_s, blocks=True)
+        uid = wanted_uid(key, round_id, wanted)
+        coro = self._fetch(peer, uid, answer_cap(size, len(wanted), count), chunk_timeout_s, blocks=True)
         answer = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
-        out = check_answer(answer, entry.digest, wanted, count, peer=peer)
+        out = check_answer(answer, digest, wanted, count, peer=peer)
         with self._count_lock:
             self.bytes_fetched += len(answer)
         return out
@@ -457,15 +461,16 @@ def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]]) -> dict[
 
 
 def merged_sets(entries: Mapping[str, Mapping[int, RoundEntry]], mine: str,
-                acceptable: Callable[[str], bool] = lambda _peer: True) -> dict[tuple[str, ...], int]:
+                acceptable: Callable[[str], bool] = lambda _peer: True, *,
+                announced: bool = False) -> dict[tuple[str, ...], int]:
     """The sets of contributions that include ``mine``, name each peer once and only ``acceptable`` peers (live,
-    not banned), and that other peers have merged, with how many of their own members merged each (only a
-    member's vote counts)."""
+    not banned), and that other peers have merged (``announced``: or are merging, ``partitioned``), with how many of
+    their own members merged each (only a member's vote counts)."""
     votes: dict[tuple[str, ...], int] = {}
     for peer, by_round in entries.items():
         for n, entry in by_round.items():
             members = [split_pair(p)[0] for p in entry.participants]
-            if (entry.fingerprint and mine in entry.participants and pair(peer, n) in entry.participants
+            if ((entry.fingerprint or announced) and mine in entry.participants and pair(peer, n) in entry.participants
                     and len(set(members)) == len(members)
                     and all(acceptable(m) for m in members if m != split_pair(mine)[0])):
                 votes[entry.participants] = votes.get(entry.participants, 0) + 1

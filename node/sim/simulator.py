@@ -42,6 +42,8 @@ from parallax.node.model.sketch import Sketch
 from parallax.node.model.surrogate import jacobian_error, relative_error
 from parallax.node.model.transformer import MoETransformer, Ownership, own_all
 from parallax.node.offload.proxy import LocalWorkers
+from parallax.node.outer.blocks import decode_all, encode_blocks
+from parallax.node.outer.partitioned import merge_in_blocks, round_bytes
 from parallax.node.outer.transport import decode_contribution, encode_contribution, error_feedback
 from parallax.node.outer.wire import OuterSyncConfig, wire_roundtrip
 from parallax.node.outer.wire import payload_bytes as outer_payload_bytes
@@ -455,7 +457,9 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     "gather": each pseudo-gradient goes through the gathered round's codec (``transport.encode_contribution``)
     and every participant applies the one robust merge of them all (``train.robust``), as every peer of a
     gathered round computes it; with ``parts``, that merge computed over the blocks ``parts`` peers would each
-    merge (``train.parts``; the bytes counted are still the gathered round's).
+    merge (``train.parts``; the bytes counted are still the gathered round's). "parts": each pseudo-gradient in
+    blocks (``outer.blocks``) and the merge as a partitioned round's mergers compute it, block by block, through the
+    merged blocks' wire (``outer.partitioned``); bytes by its schedule (``partitioned.round_bytes``).
 
     Returns:
         Bytes all participants together send: the ring all-reduce of the node's wire buffers
@@ -466,19 +470,27 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
         return None
     method, compression = wire.method, wire.compression
     n = len(outers)
-    if wire.aggregation == "gather":
+    if wire.aggregation in ("gather", "parts"):
         pending = [to_send(o, error_feedback(compression)) for o in outers]
         shapes = {k: tuple(t.shape) for k, t in pending[0].items()}
-        bodies = [encode_contribution(d, compression) for d in pending]
-        received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
-        merged, _ = robust_merge_parts(received, list(weights), method, parts=parts, eps=wire.rda_eps)
+        if wire.aggregation == "parts":
+            blocked = [encode_blocks(d, compression) for d in pending]
+            received = [decode_all(b, shapes, peer=f"composer {i}") for i, b in enumerate(blocked)]
+            merged, merged_sizes = merge_in_blocks(received, list(weights), wire)
+            moved = round_bytes([[len(blob) for blob in b.blobs] for b in blocked], merged_sizes,
+                                wire.net.parts_rechecks)
+        else:
+            bodies = [encode_contribution(d, compression) for d in pending]
+            received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
+            merged, _ = robust_merge_parts(received, list(weights), method, parts=parts, eps=wire.rda_eps)
+            moved = sum(len(b) for b in bodies) * (n - 1)
         if merged is None:
             return None
         for o, p, r in zip(outers, pending, received, strict=True):
             if error_feedback(compression):
                 o.keep_unsent(p, r)
             o.step(merged)
-        return sum(len(b) for b in bodies) * (n - 1)
+        return moved
     deltas = [o.pseudo_gradient() for o in outers]
     sent = deltas if compression == "none" else [
         {k: wire_roundtrip(t, compression) for k, t in d.items()} for d in deltas]

@@ -27,17 +27,17 @@ def test_a_range_of_blocks_is_fetched_alone_and_a_block_not_signed_is_refused(
     body = _body(0)
     served.store.put("backbone", 5, body)
     entry = RoundEntry(5, body.digest, body.size, 10.0)
-    got = fetcher.fetch_blocks(peer, "backbone", entry, [1, 3], count, timeout_s=20)
+    got = fetcher.fetch_blocks(peer, "backbone", 5, body.digest, body.size, [1, 3], count, timeout_s=20)
     assert got == {1: body.blobs[1], 3: body.blobs[3]}
     assert fetcher.bytes_fetched < body.size  # a range, not the body
     assert served.store.served("backbone", 5)
 
     with pytest.raises(RemoteProtocolError):  # past the body's blocks: not held
-        fetcher.fetch_blocks(peer, "backbone", entry, [count], count + 1, timeout_s=20)
+        fetcher.fetch_blocks(peer, "backbone", 5, body.digest, body.size, [count], count + 1, timeout_s=20)
     with pytest.raises(RemoteProtocolError):  # a whole-body fetch of a body held in blocks: not held
         fetcher.fetch(peer, "backbone", entry, timeout_s=20)
 
     served.store.put("backbone", 6, _body(1))  # serves another body than the one its entry signs
     with pytest.raises(BlockMismatch) as e:
-        fetcher.fetch_blocks(peer, "backbone", RoundEntry(6, body.digest, body.size, 10.0), [2], count, timeout_s=20)
+        fetcher.fetch_blocks(peer, "backbone", 6, body.digest, body.size, [2], count, timeout_s=20)
     assert e.value.peer == peer

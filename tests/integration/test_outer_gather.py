@@ -14,7 +14,7 @@ import functools
 import threading
 import time
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +30,8 @@ from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
+from parallax.node.outer.blocks import decode_all, encode_blocks
+from parallax.node.outer.partitioned import merge_in_blocks
 from parallax.node.outer.transport import (
     WITHDRAWN,
     ContributionServicer,
@@ -46,6 +48,7 @@ from parallax.node.outer.transport import (
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.outer.witness import sign
 from parallax.node.train.robust import robust_merge_groups
+from parallax.protocol.codec import encode
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -86,13 +89,14 @@ def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | 
                round_peers: RoundPeers | Sequence[RoundPeers] | None = None,
                quorum_waits: Sequence[float] | None = None,
                gathers: Sequence[OuterGather] | None = None, compression: str = "fp16",
-               timings: dict[str, float] | None = None) -> Iterator[list[GroupAverager]]:
+               timings: dict[str, float] | None = None, aggregation: str = "gather",
+               shapes: Mapping[str, tuple[int, ...]] = SHAPES) -> Iterator[list[GroupAverager]]:
     """One averager of ``group`` per peer, shut down on leaving (also when one fails to start); the live
     composers are ``peers`` unless ``round_peers`` (one for all, or one per peer) says otherwise. A round waits up
     to 15 s for a quorum (the loopback profile's 4 s ran out on a machine busy with other work; ``quorum_waits``:
     each peer's wait instead): these tests are about what is merged. ``gathers``: each peer's contribution server
     and fetcher instead of the module's; ``compression``: the wire (fp16); ``timings``: other loopback timings
-    (``net.outer``)."""
+    (``net.outer``); ``aggregation``: gathered or partitioned; ``shapes``: the group's tensors."""
     ids = [p.dht.peer_id for p in peers]
     round_peers = round_peers or RoundPeers(lambda: ids)
     each = [round_peers] * len(peers) if isinstance(round_peers, RoundPeers) else list(round_peers)
@@ -101,9 +105,10 @@ def _averagers(peers: Sequence[Peer], group: str, scores: Sequence[PeerScores | 
         for p, score, wait, gather, whom in zip(peers, scores or [None] * len(peers),
                                                 quorum_waits or [15.0] * len(peers),
                                                 gathers or [p.gather for p in peers], each, strict=True):
-            config = OuterSyncConfig.loopback(compression=compression, matchmaking_timeout_s=wait, **(timings or {}))
+            config = OuterSyncConfig.loopback(compression=compression, aggregation=aggregation,
+                                              matchmaking_timeout_s=wait, **(timings or {}))
             averagers.append(stack.enter_context(GroupAverager(
-                p.dht, "gather", group, SHAPES, config, p.signer, gather=gather, peers=whom,
+                p.dht, "gather", group, shapes, config, p.signer, gather=gather, peers=whom,
                 weight_cap=CAP, scores=score)))
         yield averagers
 
@@ -126,9 +131,9 @@ def _gathers(peers: Sequence[Peer], name: str, one: int,
             gather.close()
 
 
-def _deltas(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def _deltas(n: int, seed: int, shapes: Mapping[str, tuple[int, ...]] = SHAPES) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    true = {name: torch.randn(shape, generator=g) * 0.01 for name, shape in SHAPES.items()}
+    true = {name: torch.randn(shape, generator=g) * 0.01 for name, shape in shapes.items()}
     return [{name: t + 0.5 * torch.randn(t.shape, generator=g) * 0.01 for name, t in true.items()} for _ in range(n)]
 
 
@@ -167,6 +172,73 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
             assert r.merged is not None and r.report.status is RoundStatus.OK and r.sent is not None
             decoded = decode_contribution(encode_contribution(d, compression), SHAPES, peer="p")
             assert all(torch.equal(r.sent[n], decoded[n]) for n in SHAPES)
+
+
+PARTS = {"w": (128, 256), "b": (32,)}  # 32,800 entries: 9 blocks, 2 or 3 for each of four mergers
+
+
+def _merged_in_blocks(peers: Sequence[Peer], deltas, tokens) -> dict[str, torch.Tensor]:
+    """The partitioned merge of the four peers' contributions computed in one process, as the peers send them."""
+    received = [decode_all(encode_blocks(d, "int4"), PARTS, peer="p") for d in deltas]
+    order = sorted(range(len(peers)), key=lambda i: peers[i].dht.peer_id)  # participants merge in peer-id order
+    merged, _ = merge_in_blocks([received[i] for i in order], [tokens[i] for i in order],
+                                OuterSyncConfig.of(compression="int4", aggregation="parts"))
+    assert merged is not None
+    return merged
+
+
+def test_four_peers_share_a_partitioned_merge_and_apply_what_one_process_merges_in_blocks(peers, caplog):
+    """Each peer merges its share of the blocks of every contribution and fetches the others' merged shares; all
+    apply what one process merges from the same blocks, each recomputed a block of another's share, and nobody had
+    to merge another's share itself."""
+    with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
+            _averagers(peers, "parts", compression="int4", aggregation="parts", shapes=PARTS) as averagers:
+        deltas, tokens = _deltas(4, seed=0, shapes=PARTS), [CAP, CAP, CAP / 2, CAP]
+        before = [p.gather.bytes_fetched for p in peers]
+        results = _run(averagers, deltas, tokens, round_id=7)
+        reference = _merged_in_blocks(peers, deltas, tokens)
+        for a, merged in zip(averagers, results, strict=True):
+            assert a.last_report.status is RoundStatus.OK, a.last_report
+            assert len(a.last_report.participants) == 4 and a.last_report.agreeing >= 3
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+            parts = a._gathered.parts if a._gathered is not None else None
+            assert parts is not None and parts.rechecked >= 1 and parts.mismerged == 0
+        body = encode_blocks(deltas[0], "int4").size
+        for p, fetched in zip(peers, before, strict=True):  # a share of three bodies, three merged shares, a recheck
+            assert 0 < p.gather.bytes_fetched - fetched < 3 * body, (p.gather.bytes_fetched - fetched, body)
+    assert "itself" not in caplog.text, caplog.text
+
+
+def test_a_merger_whose_blocks_its_contributions_do_not_give_is_caught_and_its_share_merged_by_the_others(peers):
+    """Peer 0 serves merged blocks three times what the contributions give: every honest peer's recheck (all
+    blocks, here) catches it, scores it, and merges its share itself; the honest three apply the honest merge and
+    agree, peer 0's result is outvoted."""
+    scores = [PeerScores() for _ in peers]
+    with _averagers(peers, "parts-liar", scores=scores, compression="int4", aggregation="parts", shapes=PARTS,
+                    timings={"parts_rechecks": 64}) as averagers:
+        liar = averagers[0]._gathered.parts if averagers[0]._gathered is not None else None
+        assert liar is not None
+        honest, calls = liar._merge_here, []
+
+        def lying(*args, **kwargs):  # its own share (the first merge of the round) scaled; its rechecks honest
+            got, blobs, audit = honest(*args, **kwargs)
+            calls.append(1)
+            if got is None or len(calls) > 1:
+                return got, blobs, audit
+            scaled = {i: 3 * t for i, t in got.items()}
+            return scaled, {i: encode(t.numpy(), "raw") for i, t in scaled.items()}, audit
+
+        liar._merge_here = lying
+        deltas, tokens = _deltas(4, seed=2, shapes=PARTS), [CAP] * 4
+        results = _run(averagers, deltas, tokens, round_id=3)
+        reference = _merged_in_blocks(peers, deltas, tokens)
+        attacker = peers[0].dht.peer_id
+        for a, merged, score in zip(averagers[1:], results[1:], scores[1:], strict=True):
+            assert a.last_report.status is RoundStatus.OK, a.last_report
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+            assert "merged blocks of a partitioned round that its contributions do not give" in \
+                score.snapshot()[attacker]["reasons"]
+        assert results[0] is None and averagers[0].last_report.status is not RoundStatus.OK
 
 
 def test_each_contribution_is_fetched_once_by_each_peer(peers):

@@ -21,7 +21,7 @@ from parallax.node.outer.blocks import (
     wanted_uid,
 )
 from parallax.node.outer.transport import decode_contribution, encode_contribution
-from parallax.protocol.errors import MalformedMessage
+from parallax.protocol.errors import MalformedMessage, RemoteProtocolError
 
 SHAPES = {"emb": (300, 128), "w": (96, 512), "norm": (128,)}  # 38,400 + 49,152 + 128 entries
 
@@ -41,7 +41,7 @@ def test_every_block_checks_alone_and_the_blocks_reassemble_the_whole_bodys_tens
     delta = _delta()
     body = encode_blocks(delta, "int4")
     count = len(block_layout(SHAPES))
-    assert block_count(SHAPES) == 5 and count >= 5
+    assert block_count(SHAPES) == 21 and count >= 21
     parts = {}
     for i in range(count):  # one block at a time, as the peer merging it fetches it
         parts |= _decoded(body, [i])
@@ -56,15 +56,18 @@ def test_every_block_checks_alone_and_the_blocks_reassemble_the_whole_bodys_tens
 def test_a_block_that_is_not_the_signed_one_is_refused_with_its_sender_named() -> None:
     body, other = encode_blocks(_delta(0), "int4"), encode_blocks(_delta(1), "int4")
     count = len(block_layout(SHAPES))
-    items = msgpack.unpackb(body.answer([0, 2]))
-    items[0][1] = other.blobs[0]  # the signed body's paths, another body's block 0
+    items, proof = msgpack.unpackb(body.answer([0, 2]))
+    items[0][1] = other.blobs[0]  # the signed body's proof, another body's block 0
     with pytest.raises(BlockMismatch) as e:
-        check_answer(msgpack.packb(items), body.digest, [0, 2], count, peer="liar")
+        check_answer(msgpack.packb([items, proof]), body.digest, [0, 2], count, peer="liar")
     assert e.value.peer == "liar"
-    with pytest.raises(BlockMismatch):  # a body of its own, paths and all, under the signed root
+    with pytest.raises(BlockMismatch):  # a body of its own, proof and all, under the signed root
         check_answer(other.answer([2]), body.digest, [2], count, peer="liar")
+    items, proof = msgpack.unpackb(body.answer([1]))
     with pytest.raises(BlockMismatch):  # the right block, answered for another index
-        check_answer(msgpack.packb([[1, body.blobs[0], []]]), body.digest, [1], count, peer="liar")
+        check_answer(msgpack.packb([[[2, items[0][1]]], proof]), body.digest, [2], count, peer="liar")
+    with pytest.raises(RemoteProtocolError):  # a hash more than the proof needs (past the decoder's bound: malformed)
+        check_answer(msgpack.packb([items, [*proof, proof[0]]]), body.digest, [1], count, peer="liar")
     with pytest.raises(BlockMismatch):  # fewer blocks than asked for
         check_answer(body.answer([1]), body.digest, [1, 2], count, peer="liar")
     with pytest.raises(MalformedMessage):
@@ -85,10 +88,15 @@ def test_a_block_of_another_shape_or_with_nans_is_malformed() -> None:
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 33])
-def test_paths_lead_to_the_root_for_any_block_count(count: int) -> None:
+def test_any_set_of_blocks_and_its_proof_give_the_root_and_a_contiguous_range_needs_few_hashes(count: int) -> None:
     body = BlockedBody(tuple(bytes([i]) * (i + 1) for i in range(count)))
-    assert check_answer(body.answer(list(range(count))), body.digest, list(range(count)), count, peer="p") == {
-        i: body.blobs[i] for i in range(count)}
+    g = torch.Generator().manual_seed(count)
+    for wanted in [list(range(count)), [count - 1], sorted(set(torch.randint(count, (3,), generator=g).tolist()))]:
+        assert check_answer(body.answer(wanted), body.digest, wanted, count, peer="p") == {
+            i: body.blobs[i] for i in wanted}
+    depth = (count - 1).bit_length()
+    _, proof = msgpack.unpackb(body.answer(list(range(count // 3, 2 * count // 3 + 1))))
+    assert len(proof) <= 2 * depth
 
 
 def test_requests_name_increasing_blocks_within_the_cap() -> None:

@@ -1,0 +1,342 @@
+"""A set's merge shared among its senders (``sync.aggregation = "parts"``): each merges its blocks of everyone's
+contribution, fetches the others' merged blocks, and recomputes some of them at random (BTARD's partitioned
+aggregation with random checks).
+
+The round around it is the gathered one (``gathered``): contributions on offer, the set settled among their senders,
+the result's fingerprint verified by a majority of them. What changes is who merges what and what crosses the wire:
+
+1. A sender's contribution is held in blocks (``blocks``): the group's tensors cut from their shapes alone, each block
+   fetchable and checkable alone against the one root the sender signed in its round entry.
+2. The blocks of a set go to its senders by ``assignment``: an order drawn from the set's tag, the same on every
+   peer, another for each set (a sender cannot pick the blocks it merges).
+3. Each sender that merges the set announces it (its entry names the set, with no fingerprint yet), fetches its own
+   blocks of every contribution of the set, merges them robustly block by block (``train.robust``: each block a
+   tensor of its own, as ``train.parts`` measured), encodes the result in ``MERGED_WIRE``, serves it under
+   ``merged_key`` and publishes its root in its entry (``RoundEntry.merged``).
+4. It then fetches every other sender's merged blocks, each checked against that sender's published root. A sender
+   that announces another set, withdrew, publishes no root within the wait (``verify_timeout_s`` to announce the set,
+   ``allreduce_timeout_s`` more to publish), or serves blocks its root does not lead to, has its blocks merged by this
+   node itself, from the contributions: a gathered round's cost for that share, so a round degrades to the gathered
+   round's bytes, never to merging nothing.
+5. It recomputes ``net.outer.parts_rechecks`` blocks of the others' at random from the contributions and compares
+   them (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
+   (``Evidence.MISMERGED``), whose blocks this node then merges itself.
+
+Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
+took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
+
+Bytes each way per sender and round, n senders all merging: its blocks of the n - 1 other contributions, about
+(n - 1) / n of a body; the other senders' merged blocks, (n - 1) / n of a merged body (int8: about twice the int4
+body); each recheck, one block of each of n - 1 contributions (about a body at the finest cut). About three int4
+bodies at any n, where a gathered round moves n - 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from parallax.node.net.scores import Evidence, PeerScores
+from parallax.node.outer.blocks import BlockedBody, BlockMismatch, assemble, block_layout, blocks_cap, decode_block
+from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
+from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, OuterSyncConfig, round_tag
+from parallax.node.train.robust import MergeAudit, robust_merge_groups
+from parallax.protocol.codec import encode
+from parallax.protocol.errors import MalformedMessage, StalledStream
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MERGED_WIRE", "RECHECK_TOLERANCE", "PartsMerge", "Unmergeable", "agrees", "assignment", "merge_blocks",
+           "merge_in_blocks", "merged_key", "recheck_odds", "round_bytes"]
+
+MERGED_WIRE = "uint8"
+"""The wire of merged blocks: int8 with a scale per chunk, about twice an int4 contribution. Every peer applies the
+same decoded blocks, so what the wire rounds off is the same everywhere; int4 there would round the merged update
+without the error feedback a contribution's sender keeps."""
+RECHECK_TOLERANCE = 1e-2
+"""A recomputed block agrees with a merger's when their difference is at most this share of its norm: far above
+the rounding of two machines' float arithmetic through ``MERGED_WIRE``, below any change that moves a round."""
+
+
+Entries = Mapping[int, RoundEntry]
+"""One peer's rounds record: round -> entry."""
+
+
+def merged_key(group: str) -> str:
+    """The store key (``transport.ContributionStore``) a node's merged blocks of ``group`` are served under."""
+    return f"{group}#merged"
+
+
+def assignment(participants: Sequence[str], count: int) -> dict[str, list[int]]:
+    """contribution (``peer@round``) -> the blocks its sender merges, of ``count`` blocks: a contiguous range each
+    (its proof is then about two hashes a level of the tree), about ``count / n`` blocks, in an order of the ``n``
+    participants drawn from the set's tag; with more participants than blocks, some merge none."""
+    tag = round_tag(0, participants)
+    order = sorted(participants, key=lambda name: hashlib.sha256(tag + name.encode()).digest())
+    out: dict[str, list[int]] = {name: [] for name in order}
+    for i in range(count):
+        out[order[i * len(order) // count]].append(i)
+    return out
+
+
+def agrees(recomputed: torch.Tensor, served: torch.Tensor) -> bool:
+    """Does a merger's block agree with this node's recomputation of it (``RECHECK_TOLERANCE``)?"""
+    diff = float(torch.linalg.vector_norm(recomputed - served, dtype=torch.float64))
+    return diff <= RECHECK_TOLERANCE * float(torch.linalg.vector_norm(recomputed, dtype=torch.float64)) + 1e-12
+
+
+def merge_blocks(parts: Sequence[Mapping[int, torch.Tensor]], want: Sequence[int],
+                 shapes: Mapping[str, Sequence[int]], weights: Sequence[float], config: OuterSyncConfig, *,
+                 spans: Sequence[float] | None = None,
+                 ) -> tuple[dict[int, torch.Tensor] | None, dict[int, bytes], MergeAudit]:
+    """Blocks ``want`` (of ``block_layout(shapes)``) of the contributions ``parts`` (each: block -> rows), merged
+    robustly block by block (each block a tensor of its own) and put through ``MERGED_WIRE`` (a tensor under
+    ``SMALL_TENSOR_NUMEL`` entries raw): (the merged blocks as every peer applies them, or None when no contribution
+    had weight; their encoded bytes; the robust merge's audit)."""
+    merged, audit = robust_merge_groups([{str(i): p[i] for i in want} for p in parts], weights, config.method,
+                                        eps=config.rda_eps, spans=spans)
+    if merged is None:
+        return None, {}, audit
+    layout = block_layout(shapes)
+    blobs, out = {}, {}
+    for i in want:
+        block = layout[i]
+        codec = "raw" if math.prod(shapes[block.name]) < SMALL_TENSOR_NUMEL else CODEC_OF[MERGED_WIRE]
+        blobs[i] = encode(merged[str(i)].numpy(), codec)
+        out[i] = decode_block(blobs[i], block, shapes[block.name], peer="this node")
+    return out, blobs, audit
+
+
+def merge_in_blocks(contributions: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+                    config: OuterSyncConfig, *, spans: Sequence[float] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+    """The partitioned merge of whole contributions in one process (the simulator, tests): every block merged as its
+    merger merges it (``merge_blocks``), the blocks put together; with the merged blocks' encoded sizes."""
+    shapes = {name: tuple(t.shape) for name, t in contributions[0].items()}
+    layout = block_layout(shapes)
+    parts = [{i: c[b.name][b.start:b.stop] for i, b in enumerate(layout)} for c in contributions]
+    merged, blobs, _ = merge_blocks(parts, range(len(layout)), shapes, weights, config, spans=spans)
+    return (None if merged is None else assemble(merged, shapes)), [len(blobs[i]) for i in sorted(blobs)]
+
+
+def recheck_odds(n: int, count: int) -> float:
+    """The odds that a sender makes each of its rechecks, among ``n`` senders of a body of ``count`` blocks: 1 while
+    the blocks are at least the other senders, else ``count / (n - 1)``, so that a recheck costs a sender about a body
+    at any n (a block of each other contribution) and each block is still recomputed about once a round."""
+    return 1.0 if n - 1 <= count else count / (n - 1)
+
+
+def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int], rechecks: int = 1) -> int:
+    """The bytes a partitioned round moves, all its senders together, every sender merging its share: each block of
+    each contribution to the block's merger (none for its own), each merged block to the n - 1 others, and each
+    sender's ``rechecks`` (each made with ``recheck_odds``), a block of each of the n - 1 other contributions (the
+    mean block).
+
+    Args:
+        block_sizes: per contribution, its encoded blocks' sizes (``BlockedBody.blobs``).
+        merged_sizes: the merged blocks' sizes (``merge_blocks``' blobs).
+        rechecks: ``net.outer.parts_rechecks``.
+    """
+    n, count = len(block_sizes), len(merged_sizes)
+    merger = [i * n // count for i in range(count)]  # which position merges each block (``assignment``'s ranges)
+    to_mergers = sum(sizes[b] for j, sizes in enumerate(block_sizes) for b in range(count) if merger[b] != j)
+    mean_block = sum(map(sum, block_sizes)) / (n * count)
+    checks = n * min(rechecks, count) * recheck_odds(n, count)
+    return round(to_mergers + (n - 1) * sum(merged_sizes) + checks * (n - 1) * mean_block)
+
+
+class Unmergeable(Exception):
+    """A contribution's blocks did not arrive usable: this node cannot merge the set (the peer is named)."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class PartsMerge:
+    """One group's partitioned merges on one node (the module docstring).
+
+    Args:
+        group: the shared group.
+        peer_id: this node's.
+        shapes: the group's tensors.
+        config: timings, merge rule, wire.
+        gather: serves this node's blocks and fetches the others'.
+        entries_of: reads the rounds records of the given peers within a timeout (peer -> round -> entry).
+        announce: publishes this node's entry of a round (its number) naming a set and, once merged, the root of its
+            merged blocks (b"" before).
+        scores: where evidence against peers goes.
+        worked: told of each peer whose blocks arrived usable (evidence of its work).
+        pool: runs the fetches.
+    """
+
+    def __init__(self, *, group: str, peer_id: str, shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig,
+                 gather: OuterGather, entries_of: Callable[[Sequence[str], float], Mapping[str, Entries]],
+                 announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
+                 worked: Callable[[str], None] | None, pool: ThreadPoolExecutor) -> None:
+        self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
+        self.shapes = {name: tuple(s) for name, s in shapes.items()}
+        self.layout = block_layout(self.shapes)
+        self.count = len(self.layout)
+        self.entries_of, self.announce, self.scores, self.worked, self.pool = entries_of, announce, scores, worked, pool
+        self.rechecked = 0
+        """Blocks of others recomputed so far, and how many disagreed (``mismerged``)."""
+        self.mismerged = 0
+
+    def merge(self, n: int, participants: tuple[str, ...], claims: Mapping[str, RoundEntry],
+              mine: Mapping[str, torch.Tensor], weights: Sequence[float], spans: Sequence[float] | None,
+              ) -> tuple[dict[str, torch.Tensor] | None, MergeAudit | None]:
+        """The merge of ``participants``' contributions (sorted pairs; ``claims``: the signed entry of each but ours,
+        ``mine``: ours as the others decode it), shared with their senders.
+
+        Returns:
+            (the merged tensors, or None when no contribution had weight; the robust merge's audit of this node's
+            own blocks, or None when it merged none).
+
+        Raises:
+            Unmergeable: a contribution's blocks did not arrive usable.
+        """
+        me = pair(self.peer_id, n)
+        owners = assignment(participants, self.count)
+        self.announce(n, participants, b"")
+        own = owners.get(me, [])
+        blocks: dict[int, torch.Tensor] = {}
+        audit = None
+        if own:
+            got, blobs, audit = self._merge_here(me, own, participants, claims, mine, weights, spans)
+            if got is None:
+                return None, audit
+            body = BlockedBody(tuple(blobs[i] for i in own))
+            self.gather.store.put(merged_key(self.group), n, body)
+            self.announce(n, participants, body.digest)
+            blocks.update(got)
+        started = time.monotonic()
+        others = {name: want for name, want in owners.items() if name != me and want}
+        flights = {name: self.pool.submit(self._fetch_merged, name, want, participants, started)
+                   for name, want in others.items()}
+        taken: dict[str, list[int]] = {}
+        for name, flight in flights.items():
+            merged = flight.result()
+            if merged is not None:
+                blocks.update(merged)
+                taken[name] = others[name]
+        redo = sorted(i for name, want in others.items() if name not in taken for i in want)
+        for name, i in self._picks(taken, len(participants)):
+            if name not in taken:
+                continue  # another of its blocks disagreed: this node merges them all
+            again, _, _ = self._merge_here(me, [i], participants, claims, mine, weights, spans)
+            self.rechecked += 1
+            if again is not None and not agrees(again[i], blocks[i]):
+                self.mismerged += 1
+                peer = split_pair(name)[0]
+                if self.scores is not None:
+                    self.scores.record(peer, Evidence.MISMERGED)
+                logger.warning("outer round %s/%d: peer %s served merged block %s that its contributions do not give "
+                               "(off by more than %g of its norm); this node merges that peer's blocks itself",
+                               self.group, n, peer, self.layout[i].key, RECHECK_TOLERANCE)
+                redo.extend(taken.pop(name))
+        if redo:
+            logger.info("outer round %s/%d: this node merges %d blocks of %d others' shares itself", self.group, n,
+                        len(redo), len(others) - len(taken))
+            got, _, _ = self._merge_here(me, sorted(set(redo)), participants, claims, mine, weights, spans)
+            if got is None:
+                return None, audit
+            blocks.update(got)
+        return assemble(blocks, self.shapes), audit
+
+    def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
+        """The blocks of others' this node recomputes among ``n`` senders, drawn at random (an unpredictable draw: a
+        merger cannot tell which of its blocks will be checked): ``parts_rechecks`` of them, each kept with
+        ``recheck_odds`` (a recheck fetches a block of each of the n - 1 other contributions)."""
+        draw = random.SystemRandom()
+        pool = [(name, i) for name, want in taken.items() for i in want]
+        picks = draw.sample(pool, min(self.config.net.parts_rechecks, len(pool)))
+        odds = recheck_odds(n, self.count)
+        return [pick for pick in picks if odds >= 1 or draw.random() < odds]
+
+    def _fetch_merged(self, name: str, want: list[int], participants: tuple[str, ...],
+                      started: float) -> dict[int, torch.Tensor] | None:
+        """The merged blocks ``want`` of the sender of contribution ``name``, once its entry names the set and the
+        root of its merged blocks, checked and decoded; None when it merges another set or withdrew, does not
+        publish in time, or serves blocks its root does not lead to (this node then merges them itself)."""
+        net = self.config.net
+        peer, round_id = split_pair(name)
+        announced_by = started + net.verify_timeout_s
+        deadline = announced_by + net.allreduce_timeout_s
+        entry = None
+        while True:
+            now = time.monotonic()
+            read = self.entries_of([peer], max(0.1, min(net.dht_timeout_s, deadline - now)))
+            entry = read.get(peer, {}).get(round_id)
+            if entry is not None and entry.fingerprint and entry.participants != participants:
+                return None  # it merged, or withdrew, another way
+            if entry is not None and entry.participants == participants and entry.merged:
+                break
+            named = entry is not None and entry.participants == participants
+            if now >= (deadline if named else announced_by):
+                logger.info("outer round %s: peer %s did not publish its merged blocks of the set in time", self.group,
+                            peer)
+                return None
+            time.sleep(0.2)
+        cap = blocks_cap([self.layout[i] for i in want], self.shapes)
+        try:
+            blobs = self.gather.fetch_blocks(peer, merged_key(self.group), round_id, entry.merged, cap,
+                                             list(range(len(want))), len(want), net.allreduce_timeout_s,
+                                             chunk_timeout_s=net.next_chunk_timeout_s)
+            return {i: decode_block(blobs[k], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
+                    for k, i in enumerate(want)}
+        except Exception as e:  # merged here instead; a forged or malformed block counts against its server
+            if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
+                self.scores.record(peer, Evidence.MISMERGED)
+            logger.warning("outer round %s: no usable merged blocks from peer %s: %s", self.group, peer, e)
+            return None
+
+    def _merge_here(self, me: str, want: list[int], participants: tuple[str, ...], claims: Mapping[str, RoundEntry],
+                    mine: Mapping[str, torch.Tensor], weights: Sequence[float], spans: Sequence[float] | None,
+                    ) -> tuple[dict[int, torch.Tensor] | None, dict[int, bytes], MergeAudit]:
+        """Blocks ``want`` merged here from every contribution's blocks (``me``: ours): (the merged blocks as
+        ``MERGED_WIRE`` gives them back, or None when no contribution had weight; their encoded bytes; the robust
+        merge's audit).
+
+        Raises:
+            Unmergeable: a contribution's blocks did not arrive usable.
+        """
+        flights = {name: self.pool.submit(self._fetch_blocks, name, claims[name], want)
+                   for name in participants if name != me}
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for name, flight in flights.items():
+            parts[name] = flight.result()
+        parts[me] = {i: mine[self.layout[i].name][self.layout[i].start:self.layout[i].stop] for i in want}
+        return merge_blocks([parts[name] for name in participants], want, self.shapes, weights, self.config,
+                            spans=spans)
+
+    def _fetch_blocks(self, name: str, claim: RoundEntry, want: list[int]) -> dict[int, torch.Tensor]:
+        """Blocks ``want`` of contribution ``name`` (announced by ``claim``), checked and decoded.
+
+        Raises:
+            Unmergeable: they did not arrive usable (a forged or malformed block, or a held fetch, is scored).
+        """
+        peer = split_pair(name)[0]
+        net = self.config.net
+        try:
+            blobs = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, claim.size, want,
+                                             self.count, net.allreduce_timeout_s,
+                                             chunk_timeout_s=net.next_chunk_timeout_s)
+            out = {i: decode_block(blobs[i], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
+                   for i in want}
+        except Exception as e:
+            bad = isinstance(e, BlockMismatch | MalformedMessage)
+            if self.scores is not None and (bad or isinstance(e, StalledStream)):
+                self.scores.record(peer, Evidence.FORGED if bad else Evidence.STALLED)
+            raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer) from e
+        if self.worked is not None:
+            self.worked(peer)
+        return out
+
