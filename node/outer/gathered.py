@@ -206,11 +206,14 @@ class GatheredRounds:
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
                 self._withdrawn(n, RoundStatus.NO_GROUP, started, common, merged_elsewhere=merged_ours)
                 return None
+            merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
             if merged is None:
                 self._withdrawn(n, RoundStatus.FAILED if common.pop("failed", False) else RoundStatus.NO_TOKENS,
                                 started, common)
                 return None
+            if self.parts is not None:  # a partitioned merge waits on the other mergers: not the verification's time
+                deadline += time.monotonic() - merging
             if fault is not None:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)

@@ -39,12 +39,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import BlockedBody, BlockMismatch, assemble, block_layout, blocks_cap, decode_block
+from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
 from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, OuterSyncConfig, round_tag
 from parallax.node.train.robust import MergeAudit, robust_merge_groups
@@ -217,10 +218,8 @@ class PartsMerge:
             self.gather.store.put(merged_key(self.group), n, body)
             self.announce(n, participants, body.digest)
             blocks.update(got)
-        started = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
-        flights = {name: self.pool.submit(self._fetch_merged, name, want, participants, started)
-                   for name, want in others.items()}
+        flights = self._await_mergers(n, others, participants)
         taken: dict[str, list[int]] = {}
         for name, flight in flights.items():
             merged = flight.result()
@@ -261,33 +260,45 @@ class PartsMerge:
         odds = recheck_odds(n, self.count)
         return [pick for pick in picks if odds >= 1 or draw.random() < odds]
 
-    def _fetch_merged(self, name: str, want: list[int], participants: tuple[str, ...],
-                      started: float) -> dict[int, torch.Tensor] | None:
-        """The merged blocks ``want`` of the sender of contribution ``name``, once its entry names the set and the
-        root of its merged blocks, checked and decoded; None when it merges another set or withdrew, does not
-        publish in time, or serves blocks its root does not lead to (this node then merges them itself)."""
+    def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
+                       ) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
+        """Read the records of the other mergers (``others``: contribution -> its blocks) until each publishes the
+        root of its merged blocks of ``participants``, fetching each as it does; one that merges another set, merged
+        one or withdrew, does not name the set within ``verify_timeout_s`` or publishes no root within
+        ``allreduce_timeout_s`` more, has no fetch (this node merges its blocks itself)."""
+        net = self.config.net
+        named_by = time.monotonic() + net.verify_timeout_s
+        deadline = named_by + net.allreduce_timeout_s
+        waiting = dict(others)
+        flights: dict[str, Future[dict[int, torch.Tensor] | None]] = {}
+        while waiting:
+            now = time.monotonic()
+            read = self.entries_of(sorted({split_pair(name)[0] for name in waiting}),
+                                   max(0.1, min(net.dht_timeout_s, deadline - now)))
+            for name in list(waiting):
+                peer, round_id = split_pair(name)
+                entry = read.get(peer, {}).get(round_id)
+                named = entry is not None and entry.participants == participants
+                if entry is not None and named and entry.merged:
+                    flights[name] = self.pool.submit(self._fetch_merged, name, waiting.pop(name), entry.merged)
+                elif entry is not None and not named and (entry.fingerprint or entry.participants):
+                    del waiting[name]  # it merges another set, merged one, or withdrew
+                elif now >= (deadline if named else named_by):
+                    logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
+                                n, peer)
+                    del waiting[name]
+            if waiting:
+                time.sleep(POLL_S)
+        return flights
+
+    def _fetch_merged(self, name: str, want: list[int], root: bytes) -> dict[int, torch.Tensor] | None:
+        """The merged blocks ``want`` of the sender of contribution ``name``, checked against the ``root`` it published
+        and decoded; None when they do not arrive usable (a block its root does not give counts against it)."""
         net = self.config.net
         peer, round_id = split_pair(name)
-        announced_by = started + net.verify_timeout_s
-        deadline = announced_by + net.allreduce_timeout_s
-        entry = None
-        while True:
-            now = time.monotonic()
-            read = self.entries_of([peer], max(0.1, min(net.dht_timeout_s, deadline - now)))
-            entry = read.get(peer, {}).get(round_id)
-            if entry is not None and entry.fingerprint and entry.participants != participants:
-                return None  # it merged, or withdrew, another way
-            if entry is not None and entry.participants == participants and entry.merged:
-                break
-            named = entry is not None and entry.participants == participants
-            if now >= (deadline if named else announced_by):
-                logger.info("outer round %s: peer %s did not publish its merged blocks of the set in time", self.group,
-                            peer)
-                return None
-            time.sleep(0.2)
-        cap = blocks_cap([self.layout[i] for i in want], self.shapes)
         try:
-            blobs = self.gather.fetch_blocks(peer, merged_key(self.group), round_id, entry.merged, cap,
+            blobs = self.gather.fetch_blocks(peer, merged_key(self.group), round_id, root,
+                                             blocks_cap([self.layout[i] for i in want], self.shapes),
                                              list(range(len(want))), len(want), net.allreduce_timeout_s,
                                              chunk_timeout_s=net.next_chunk_timeout_s)
             return {i: decode_block(blobs[k], self.layout[i], self.shapes[self.layout[i].name], peer=peer)

@@ -31,7 +31,7 @@ from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.blocks import decode_all, encode_blocks
-from parallax.node.outer.partitioned import merge_in_blocks
+from parallax.node.outer.partitioned import Unmergeable, merge_in_blocks
 from parallax.node.outer.transport import (
     WITHDRAWN,
     ContributionServicer,
@@ -239,6 +239,36 @@ def test_a_merger_whose_blocks_its_contributions_do_not_give_is_caught_and_its_s
             assert "merged blocks of a partitioned round that its contributions do not give" in \
                 score.snapshot()[attacker]["reasons"]
         assert results[0] is None and averagers[0].last_report.status is not RoundStatus.OK
+
+
+def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_the_round(peers, caplog):
+    """Peer 0 offers its contribution and then never merges (a crash after the set settled): the others wait a
+    verification's bound for it to name the set, merge its share themselves, and apply the merge of all four."""
+    with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
+            _averagers(peers, "parts-silent", compression="int4", aggregation="parts", shapes=PARTS) as averagers:
+        silent = averagers[0]._gathered.parts if averagers[0]._gathered is not None else None
+        assert silent is not None
+        resume = threading.Event()
+
+        def stuck(*args, **kwargs):
+            resume.wait(60)
+            raise Unmergeable("stopped", peers[0].dht.peer_id)
+
+        silent.merge = stuck
+        deltas, tokens = _deltas(4, seed=4, shapes=PARTS), [CAP] * 4
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(a.run_round, d, t, round_id=5)
+                       for a, d, t in zip(averagers, deltas, tokens, strict=True)]
+            try:
+                results = [f.result(timeout=60) for f in futures[1:]]
+            finally:
+                resume.set()
+            assert futures[0].result(timeout=60) is None
+        reference = _merged_in_blocks(peers, deltas, tokens)
+        for a, merged in zip(averagers[1:], results, strict=True):
+            assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+    assert f"peer {peers[0].dht.peer_id} published no merged blocks of the set in time" in caplog.text
 
 
 def test_each_contribution_is_fetched_once_by_each_peer(peers):
