@@ -33,7 +33,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +132,14 @@ def _until_all(times: list[float | None], since: float | None) -> float | None:
     return max(t for t in times if t is not None) - since
 
 
-def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Progress = print) -> dict[str, Any]:
-    """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring)."""
+def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Progress = print,
+             changes: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """One swarm of ``size`` composers plus a joiner, one of them killed (module docstring); ``changes``: settings
+    (``--set``) of every node and of the in-process run."""
     join_at = 10  # the joiner's start-up and the death's detection both happen while all train
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
-            "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20"]  # tiny: 2 layers
+            "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20",  # tiny: 2 layers
+            *[w for path, value in (changes or {}).items() for w in ("--set", f"{path}={value}")]]
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
     peaks = RssPeaks()
     started = time.monotonic()
@@ -211,7 +214,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     joiner_first = events(joiner_records, "first_step")
     losses = [n["val_loss"] for n in firsts if n["val_loss"] is not None]
     progress(f"{size} composers done in {wall_s:.0f} s; the in-process run of {size} composers, {steps} steps")
-    reference = _in_process(size, steps, batch_size)
+    reference = _in_process(size, steps, batch_size, changes or {})
     swarm_loss = statistics.median(losses) if losses else None
     all_rounds = sum(n["rounds"] for n in per_node)
     return {
@@ -242,29 +245,32 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     }
 
 
-def _in_process(composers: int, steps: int, batch_size: int) -> float:
+def _in_process(composers: int, steps: int, batch_size: int, changes: Mapping[str, str]) -> float:
     from parallax.node.config.train import train_config
     from parallax.node.config.typed import apply_changes
     from parallax.node.sim.simulator import RunSpec, run
     from parallax.node.train.data import load_corpus, split_corpus
 
-    cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS, "batch_size": batch_size})
+    cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS, "batch_size": batch_size,
+                                                            **changes})
     result = run(RunSpec(name="scale", kind="parallax", cfg=cfg, composers=composers),
                  *split_corpus(load_corpus(None), seq_len=cfg.model.seq_len))
     return float(result.val_loss)
 
 
 def run_scale_bench(sizes: list[int], steps: int = 1000, batch_size: int = 32, workdir: Path | None = None,
-                    progress: Progress = print, json_path: str | Path | None = None) -> dict[str, Any]:
-    """Every size in turn (module docstring); returns the report (JSON-able), written to ``json_path`` after each
-    size (a size that fails leaves the others' figures)."""
+                    progress: Progress = print, json_path: str | Path | None = None,
+                    changes: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Every size in turn (module docstring), with the settings ``changes`` (``--set``); returns the report
+    (JSON-able), written to ``json_path`` after each size (a size that fails leaves the others' figures)."""
     root = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-scale-"))
     out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "memory_gb": round(psutil.virtual_memory().total
                                                                                       / 2**30, 1),
                            "preset": "tiny", "steps": steps, "batch_size": batch_size, "periods": PERIODS,
+                           "settings": dict(changes or {}),
                            "sizes": {}}
     for size in sizes:
-        out["sizes"][str(size)] = run_size(size, steps, batch_size, root / f"c{size}", progress)
+        out["sizes"][str(size)] = run_size(size, steps, batch_size, root / f"c{size}", progress, changes)
         write(out, json_path)
     return out
 

@@ -6,8 +6,9 @@ ways, then a partition probe on the lowest rate. Reported, from the nodes' JSONL
 
 - outer-round collect time (median per group over every node's verified rounds) against the time the round's
   own bytes need on links of B bytes/s each way: gathered rounds (the default) fetch n - 1 bodies and serve their
-  own n - 1 times, (n - 1) x S_body / B, S_body a real contribution's encoded size; hivemind's all-reduce moves
-  2 (n - 1) / n x its buffers. ``round_time_over_bytes_bound`` is the largest group's ratio per rate (target <= 1.5);
+  own n - 1 times, (n - 1) x S_body / B, S_body a real contribution's encoded size; partitioned rounds move their
+  schedule's bytes (``bench bytes``' ``parts_bytes``); hivemind's all-reduce moves 2 (n - 1) / n x its buffers.
+  ``round_time_over_bytes_bound`` is the largest group's ratio per rate (target <= 1.5);
 - outer rounds that completed: per group and node, verified rounds over rounds begun; ``backbone_rounds_ok_fraction``
   is the lowest node's, per rate (target >= 0.8), and ``failed_rounds`` counts every round not applied, all nodes
   (a rate at which no round completed reports zero and says so, it raises nothing);
@@ -76,8 +77,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--snapshot-every", str(snapshot_every)]
     cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods)})
-    gathered = cfg.sync.aggregation != "allreduce"
-    sizes = _wire_bytes(cfg) if gathered else _group_bytes(cfg)  # the groups the model has (small has no latent)
+    sizes = _round_bytes(cfg, nodes)  # the groups the model has (small has no latent)
 
     runs: dict[str, dict[str, Any]] = {}
     part: dict[str, Any] | None = None
@@ -96,21 +96,21 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
                 hosts = [lab.add_host(f"h{i}", rate=rates[-1]) for i in range(nodes)]
                 part = _partition(workdir / "partition", lab, args, hosts, after=2 * snapshot_every)
 
-    return summary(runs, part, sizes=sizes, gathered=gathered, rates=rates, nodes=nodes, steps=steps, preset=preset,
+    return summary(runs, part, sizes=sizes, rates=rates, nodes=nodes, steps=steps, preset=preset,
                    periods=json.loads(periods), refresh_every=refresh_every, snapshot_every=snapshot_every,
                    crowd=crowd, aggregation=cfg.sync.aggregation, compression=cfg.sync.compression,
                    workdir=str(workdir))
 
 
-def summary(runs: dict[str, dict[str, Any]], part: dict[str, Any] | None, *, sizes: dict[str, int], gathered: bool,
+def summary(runs: dict[str, dict[str, Any]], part: dict[str, Any] | None, *, sizes: dict[str, int],
             rates: tuple[str, ...], nodes: int, **settings: Any) -> dict[str, Any]:
-    """The report from each run's ``figures`` (and the partition probe's, if run): the headline figures per rate."""
+    """The report from each run's ``figures`` (and the partition probe's, if run): the headline figures per rate.
+    ``sizes``: group -> the bytes a peer moves each way in one of its rounds (``_round_bytes``)."""
     base = runs["loopback"]["val_loss"]
     for rate in rates:
         run = runs[rate]
         bandwidth = rate_bytes_per_s(rate)
-        run["rounds"] = {g: _round_time(run["allreduce_s"].get(g, []), nodes, size, bandwidth, gathered)
-                         for g, size in sizes.items()}
+        run["rounds"] = {g: _round_time(run["allreduce_s"].get(g, []), size, bandwidth) for g, size in sizes.items()}
         run["gossip_link_s_per_step"] = run["gossip_bytes_per_step"] / bandwidth
         run["train_link_s_per_step"] = (run["train_bytes_per_step"] or 0.0) / bandwidth
         run["durability_link_s_per_step"] = (run["durability_bytes_per_step"] or 0.0) / bandwidth
@@ -192,22 +192,32 @@ def _bytes(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f} B"
 
 
-def _wire_bytes(cfg: Any) -> dict[str, int]:
-    """Bytes of one gathered contribution per group under the run's wire (``bench bytes``' measure)."""
-    from parallax.benchmarks.bytes import body_bytes
+def _round_bytes(cfg: Any, nodes: int) -> dict[str, int]:
+    """group -> the bytes one peer moves each way in one round of ``nodes`` peers under the run's transport and wire
+    (``bench bytes``' measure): n - 1 gathered bodies, a partitioned round's schedule, or 2 (n - 1) / n of the
+    all-reduce's buffers."""
+    from parallax.benchmarks.bytes import block_bytes, body_bytes, parts_bytes
+    from parallax.node.config.net import OuterConfig
+    from parallax.node.outer.partitioned import MERGED_WIRE
     from parallax.node.peer.runner import model_shapes
 
-    return {g: body_bytes({n: tuple(s) for n, s in shapes.items()}, cfg.sync.compression)
-            for g, shapes in model_shapes(cfg).groups.items()}
+    groups = {g: {n: tuple(s) for n, s in shapes.items()} for g, shapes in model_shapes(cfg).groups.items()}
+    wire = cfg.sync.compression
+    if cfg.sync.aggregation == "gather":
+        return {g: (nodes - 1) * body_bytes(shapes, wire) for g, shapes in groups.items()}
+    if cfg.sync.aggregation == "parts":
+        rechecks = OuterConfig().parts_rechecks
+        return {g: parts_bytes(block_bytes(shapes, wire), block_bytes(shapes, MERGED_WIRE), nodes, rechecks)
+                for g, shapes in groups.items()}
+    return {g: round(2 * (nodes - 1) / nodes * size) for g, size in _group_bytes(cfg).items()}
 
 
-def _round_time(times: list[float], nodes: int, size: int, bandwidth: float, gathered: bool) -> dict[str, Any]:
-    """The median collect time of a group's verified rounds against the time its bytes need: ``size`` is a gathered
-    body (n - 1 of them each way) or the all-reduce's buffers (2 (n - 1) / n of them). No verified round: no median,
-    and ``why`` says so."""
-    bound = ((nodes - 1) if gathered else 2 * (nodes - 1) / nodes) * size / bandwidth
+def _round_time(times: list[float], each_way: int, bandwidth: float) -> dict[str, Any]:
+    """The median collect time of a group's verified rounds against the time its bytes need (``each_way``: a peer's
+    bytes each way in one round, ``_round_bytes``). No verified round: no median, and ``why`` says so."""
+    bound = each_way / bandwidth
     median = statistics.median(times) if times else None
-    return {"median_s": median, "rounds": len(times), "payload_bytes": size, "bound_s": bound,
+    return {"median_s": median, "rounds": len(times), "payload_bytes": each_way, "bound_s": bound,
             "over_bound": median / bound if median is not None else None,
             **({} if times else {"why": "no round of this group verified at this rate"})}
 
@@ -290,7 +300,8 @@ def markdown(report: dict[str, Any]) -> str:
         for rate in rates:
             r = runs[rate]["rounds"][group]
             cells.append(f"{_sec(r['median_s'])} = {_x(r['over_bound'])} the bound {_sec(r['bound_s'])}")
-        lines.append(f"| outer round {group} ({size:,} B): collect or all-reduce, median | " + " | ".join(cells) + " |")
+        lines.append(f"| outer round {group} ({size:,} B each way): collect or all-reduce, median | "
+                     + " | ".join(cells) + " |")
         lines.append(f"| outer rounds {group} completed, lowest node | " + " | ".join(
             _rounds(runs[r], group) for r in every) + " |")
     lines.append("| whole outer round incl. matchmaking, largest group (median) | " + " | ".join(

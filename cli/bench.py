@@ -225,6 +225,7 @@ def scale(
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Sequences per step (the tiny preset's 8 take "
                                    "a few milliseconds: too few for rounds every 25 steps to keep up)."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the nodes' files (default: a temp dir)."),
+    sets: Sets = None,
     json_path: JsonPath = None,
 ) -> None:
     """Local swarms of the tiny preset at each size, a joiner and a kill in each, side by side with the in-process
@@ -233,10 +234,15 @@ def scale(
     from pathlib import Path
 
     from parallax.benchmarks.scale import markdown, run_scale_bench
+    from parallax.node.config.typed import ConfigError, parse_sets
 
     size_list = _sizes(sizes, minimum=2)
+    try:
+        changes = parse_sets(sets or ())
+    except ConfigError as e:
+        fail(e)
     report = run_scale_bench(size_list, steps, batch_size, Path(workdir) if workdir else None, progress=typer.echo,
-                             json_path=json_path)
+                             json_path=json_path, changes=changes)
     typer.echo(markdown(report))
 
 

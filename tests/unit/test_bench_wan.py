@@ -6,7 +6,11 @@ from typing import Any
 
 import pytest
 
-from parallax.benchmarks.wan import _round_time, figures, markdown, summary
+from parallax.benchmarks.bytes import body_bytes
+from parallax.benchmarks.swarm import _group_bytes
+from parallax.benchmarks.wan import _round_bytes, _round_time, figures, markdown, summary
+from parallax.node.config.train import replace, train_config
+from parallax.node.peer.runner import model_shapes
 
 SIZES = {"router": 4_000, "backbone": 100_000}
 
@@ -26,11 +30,17 @@ def _run(per_node: list[dict[str, list[str]]]) -> dict[str, Any]:
     return figures([_node(s) for s in per_node], [0] * len(per_node), wall_s=60.0)
 
 
-def test_a_gathered_rounds_bound_is_its_n_minus_1_bodies_each_way_and_the_all_reduces_its_butterfly():
-    gathered = _round_time([8.0], nodes=4, size=1_000_000, bandwidth=1_000_000.0, gathered=True)
-    assert gathered["bound_s"] == pytest.approx(3.0) and gathered["over_bound"] == pytest.approx(8.0 / 3.0)
-    butterfly = _round_time([3.0], nodes=4, size=1_000_000, bandwidth=1_000_000.0, gathered=False)
-    assert butterfly["bound_s"] == pytest.approx(1.5) and butterfly["over_bound"] == pytest.approx(2.0)
+def test_a_rounds_bound_is_the_bytes_its_transport_moves_each_way():
+    cfg = train_config("tiny")
+    body = body_bytes({n: tuple(s) for n, s in model_shapes(cfg).groups["backbone"].items()}, "int4")
+    gathered = _round_bytes(cfg, 4)["backbone"]
+    assert gathered == 3 * body  # n - 1 bodies
+    parts = _round_bytes(replace(cfg, sync=replace(cfg.sync, aggregation="parts")), 4)["backbone"]
+    assert 0 < parts < 2 * body  # a share of three bodies, three merged shares, a recheck
+    reduced = replace(cfg, sync=replace(cfg.sync, aggregation="allreduce", compression="uint8"))
+    assert _round_bytes(reduced, 4)["backbone"] == round(1.5 * _group_bytes(reduced)["backbone"])  # 2 (n - 1) / n
+    timed = _round_time([8.0], each_way=3_000_000, bandwidth=1_000_000.0)
+    assert timed["bound_s"] == pytest.approx(3.0) and timed["over_bound"] == pytest.approx(8.0 / 3.0)
 
 
 def test_rounds_completed_are_the_lowest_nodes_share_and_a_rate_without_one_reports_zero_and_why():
@@ -40,7 +50,7 @@ def test_rounds_completed_are_the_lowest_nodes_share_and_a_rate_without_one_repo
                    {"router": ["ok"], "backbone": ["no_group"]}])
     assert loopback["rounds_ok_fraction"] == {"router": 0.5, "backbone": 0.75}
     assert loopback["rounds_failed"] == 2 and capped["rounds_failed"] == 3
-    report = summary({"loopback": loopback, "20mbit": capped}, None, sizes=SIZES, gathered=True,
+    report = summary({"loopback": loopback, "20mbit": capped}, None, sizes=SIZES,
                      rates=("20mbit",), nodes=2, preset="tiny", steps=2, periods={}, refresh_every=25,
                      snapshot_every=50, crowd=2, aggregation="gather", compression="int4")
     assert report["backbone_rounds_ok_fraction"] == {"loopback": 0.75, "20mbit": 0.0}
