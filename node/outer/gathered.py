@@ -98,6 +98,7 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
+_CLAIMS_KEPT = 1024  # partitioned: claims of contributions found, a few rounds of a set of the most participants
 _RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
@@ -344,9 +345,15 @@ class GatheredRounds:
             merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
                                                 eps=self.config.rda_eps, spans=spans)
         else:
-            claims = {p: self._claims[p] for p in participants if p != me}
+            with self._lock:
+                claims = {p: self._claims.get(p) for p in participants if p != me}
             try:
-                merged, audit = self.parts.merge(n, participants, claims, found[me][0], weights, spans)
+                forgotten = next((p for p, claim in claims.items() if claim is None), None)
+                if forgotten is not None:  # only after _CLAIMS_KEPT others: the set is long gone
+                    raise Unmergeable(f"the claim of contribution {forgotten} is no longer held",
+                                      split_pair(forgotten)[0])
+                merged, audit = self.parts.merge(n, participants, {p: c for p, c in claims.items() if c is not None},
+                                                 found[me][0], weights, spans)
             except Unmergeable as e:
                 common.update(failed=True, detail=str(e))
                 with self._lock:
@@ -587,7 +594,7 @@ class GatheredRounds:
                 self._check_fresh(peer, entry, None)
                 with self._lock:
                     self._claims[name] = entry
-                    while len(self._claims) > _REFUSED_KEPT:
+                    while len(self._claims) > _CLAIMS_KEPT:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
                 return {}, entry.tokens
