@@ -110,8 +110,9 @@ class OuterConfig:
     verify_timeout_s: float = 15.0
     """Wait at most this long for the participants' fingerprints in the DHT (loopback: 3)."""
     parts_rechecks: int = 1
-    """Blocks of the others' merged shares this node recomputes from the contributions in each partitioned round
-    (``sync.aggregation = "parts"``), drawn at random: each costs about one block of every contribution."""
+    """The fewest blocks of the others' merged shares this node recomputes from the contributions in each partitioned
+    round (``sync.aggregation = "parts"``), drawn at random; it recomputes as many as a body's worth of fetches pays
+    for when that is more (``node.outer.partitioned.rechecks``): each costs a block of every contribution."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0

@@ -56,8 +56,15 @@ def block_count(shapes: Mapping[str, Sequence[int]]) -> int:
 
 
 def block_layout(shapes: Mapping[str, Sequence[int]]) -> list[Block]:
-    """The blocks a group's body is cut in, from its shapes alone (the same on every peer)."""
-    return blocks_of(shapes, block_count(shapes))
+    """The blocks a group's body is cut in, from its shapes alone (the same on every peer): ``block_count`` shares,
+    fewer where rows wider than a share would make more than ``MAX_BLOCKS`` blocks (``blocks_of`` cuts such a tensor
+    row by row), and never more than ``MAX_BLOCKS`` unless the group has more tensors."""
+    parts = block_count(shapes)
+    layout = blocks_of(shapes, parts)
+    while len(layout) > MAX_BLOCKS and parts > 1:
+        parts = max(1, parts * MAX_BLOCKS // len(layout) - 1)
+        layout = blocks_of(shapes, parts)
+    return layout
 
 
 # ---- the Merkle tree over the blocks ---------------------------------------------------------------------------
@@ -177,7 +184,7 @@ def wanted_uid(group: str, round_id: int, wanted: Sequence[int]) -> str:
 
 def parse_wanted(uid: str) -> tuple[str, int, list[int]] | None:
     """(group, round, blocks) of a request (``wanted_uid``): blocks strictly increasing, at most ``MAX_BLOCKS`` of
-    them, each below ``MAX_BLOCKS`` + the group's tensors (``blocks_of``'s slack); None for anything else."""
+    them, each below twice that; None for anything else (the server then checks them against what it holds)."""
     head, _, indices = uid.rpartition("/")
     group, _, n = head.rpartition("/")
     if not (group and n.isascii() and n.isdigit() and len(n) <= 18 and indices and len(indices) <= 8 * MAX_BLOCKS):
@@ -187,7 +194,7 @@ def parse_wanted(uid: str) -> tuple[str, int, list[int]] | None:
     except ValueError:
         return None
     increasing = all(a < b for a, b in zip(wanted, wanted[1:], strict=False))
-    if len(wanted) > MAX_BLOCKS or wanted[0] < 0 or not increasing:
+    if len(wanted) > MAX_BLOCKS or wanted[0] < 0 or wanted[-1] >= 2 * MAX_BLOCKS or not increasing:
         return None
     return group, int(n), wanted
 

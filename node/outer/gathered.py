@@ -98,7 +98,6 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
-_CLAIMS_KEPT = 1024  # partitioned: claims of contributions found, a few rounds of a set of the most participants
 _RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
@@ -138,13 +137,14 @@ class GatheredRounds:
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.parts: PartsMerge | None = None
         """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
-        self._claims: dict[str, RoundEntry] = {}  # partitioned: the checked claim of each contribution on offer
+        self._claims: dict[str, dict[str, RoundEntry]] = {}  # partitioned: peer -> its checked claims, latest last
+        self._zero_digest: bytes | None = None  # partitioned: the digest of an all-zero contribution
         if config.aggregation == "parts":
             self._body_cap = blocks_cap(block_layout(shapes), shapes)
             pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=f"parts-{records.group}")
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
-                                    announce=self._announce, scores=scores, worked=peers.worked, pool=pool)
+                                    announce=self._announce, scores=scores, worked=self._worked, pool=pool)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -346,18 +346,20 @@ class GatheredRounds:
                                                 eps=self.config.rda_eps, spans=spans)
         else:
             with self._lock:
-                claims = {p: self._claims.get(p) for p in participants if p != me}
+                claims = {p: self._claims.get(split_pair(p)[0], {}).get(p) for p in participants if p != me}
             try:
                 forgotten = next((p for p, claim in claims.items() if claim is None), None)
-                if forgotten is not None:  # only after _CLAIMS_KEPT others: the set is long gone
+                if forgotten is not None:  # its sender's later rounds, or many others' since: the set is long gone
                     raise Unmergeable(f"the claim of contribution {forgotten} is no longer held",
                                       split_pair(forgotten)[0])
                 merged, audit = self.parts.merge(n, participants, {p: c for p, c in claims.items() if c is not None},
                                                  found[me][0], weights, spans)
-            except Unmergeable as e:
+            except Unmergeable as e:  # its contribution is out of this node's sets; its next one is probed first
                 common.update(failed=True, detail=str(e))
                 with self._lock:
                     self._failing[e.peer] = None
+                    if e.name:
+                        self._refused[e.name] = str(e)
                 logger.warning("outer round %s/%d: the set of %d contributions cannot be merged here: %s", self.group,
                                n, len(participants), e)
                 return None
@@ -379,10 +381,12 @@ class GatheredRounds:
         """Round ``n`` merged nothing here: take its contribution off offer (a late peer must not merge what this
         node will send again next round) and report ``status``, saying whether others may have merged the
         contribution (then the caller reloads): ``merged_elsewhere`` when known (``_last_call``), else whether
-        anyone fetched it."""
+        anyone fetched it. Partitioned, a contribution others may be merging stays served: its blocks are fetched as
+        the set is merged, and this node reloads what they apply."""
         common["began_allreduce"] = (self.gather.store.served(self.group, n) if merged_elsewhere is None
                                      else merged_elsewhere)
-        self.gather.store.drop(self.group, n)
+        if self.parts is None or not common["began_allreduce"]:
+            self.gather.store.drop(self.group, n)
         self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=(), merged=b""))
         self.report(status, started, **common)
 
@@ -590,11 +594,21 @@ class GatheredRounds:
                             peer=peer)
             if self.parts is not None:
                 # Partitioned: the claim checked is the contribution found; its blocks are fetched by those who
-                # merge them (``partitioned``), and they are the evidence of its sender's work.
+                # merge them (``partitioned``), and they are the evidence of its sender's work. A sender whose
+                # blocks did not arrive before must serve one block first (a stream of claims it never serves would
+                # otherwise fail every round it is named in).
                 self._check_fresh(peer, entry, None)
                 with self._lock:
-                    self._claims[name] = entry
-                    while len(self._claims) > _CLAIMS_KEPT:
+                    suspect = peer in self._failing or peer in self._held
+                if suspect:
+                    self.parts.probe(name, entry)
+                with self._lock:
+                    held = self._claims.pop(peer, {})  # reinserted last: the peers heard from least lately go first
+                    held[name] = entry
+                    while len(held) > ROUNDS_KEPT:
+                        del held[next(iter(held))]
+                    self._claims[peer] = held
+                    while len(self._claims) > _REFUSED_KEPT:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
                 return {}, entry.tokens
@@ -623,12 +637,17 @@ class GatheredRounds:
                            "" if bad or stalled else " for now", e)
             return None
         self.witness.fetched(peer, entry)
+        self._worked(peer)
+        return tensors, entry.tokens
+
+    def _worked(self, peer: str) -> None:
+        """A contribution of ``peer`` arrived usable (whole, or blocks of it): it holds no fetch and fails none now,
+        and it shows work."""
         with self._lock:
             self._held.pop(peer, None)
             self._failing.pop(peer, None)
         if self.peers.worked is not None:
             self.peers.worked(peer)
-        return tensors, entry.tokens
 
     def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Refuse a body ``peer`` already sent for another round: two rounds of training never give the same
@@ -641,8 +660,8 @@ class GatheredRounds:
         with self._lock:
             seen = self._digests.setdefault(peer, {})
             earlier = seen.get(entry.digest)
-            if earlier is not None and earlier != entry.round_id and (
-                    tensors is None or any(bool(t.any()) for t in tensors.values())):
+            nonzero = entry.digest != self._zeros() if tensors is None else any(bool(t.any()) for t in tensors.values())
+            if earlier is not None and earlier != entry.round_id and nonzero:
                 raise ContributionMismatch(f"outer contribution of round {entry.round_id} replays its round "
                                            f"{earlier}", peer=peer)
             seen.setdefault(entry.digest, entry.round_id)
@@ -650,6 +669,14 @@ class GatheredRounds:
                 del seen[next(iter(seen))]
             while len(self._digests) > _REFUSED_KEPT:
                 del self._digests[next(iter(self._digests))]
+
+    def _zeros(self) -> bytes:
+        """The digest of an all-zero contribution in blocks (partitioned rounds), computed once: every round of it
+        has this digest, and it replays nothing."""
+        if self._zero_digest is None:
+            zeros = {name: torch.zeros(shape) for name, shape in self.shapes.items()}
+            self._zero_digest = encode_blocks(zeros, self.config.compression).digest
+        return self._zero_digest
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:

@@ -18,22 +18,28 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    ``allreduce_timeout_s`` more to publish), or serves blocks its root does not lead to, has its blocks merged by this
    node itself, from the contributions: a gathered round's cost for that share, so a round degrades to the gathered
    round's bytes, never to merging nothing.
-5. It recomputes ``net.outer.parts_rechecks`` blocks of the others' at random from the contributions and compares
-   them (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
-   (``Evidence.MISMERGED``), whose blocks this node then merges itself.
+5. It recomputes blocks of the others' shares at random from the contributions (``rechecks``: a body's worth of
+   fetches, a block of each merger in turn) and compares them (``agrees``): a block off by more than
+   ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks this node then merges
+   itself. A recheck that cannot be made (a contribution's block does not arrive) is skipped: the shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
 took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
 
 Bytes each way per sender and round, n senders all merging: its blocks of the n - 1 other contributions, about
 (n - 1) / n of a body; the other senders' merged blocks, (n - 1) / n of a merged body (int8: about twice the int4
-body); each recheck, one block of each of n - 1 contributions (about a body at the finest cut). About three int4
-bodies at any n, where a gathered round moves n - 1.
+body); the rechecks, about a body. About four int4 bodies at any n, where a gathered round moves n - 1
+(``round_bytes``; ``parallax bench bytes``).
+
+Not covered: a merger can pick the round numbers that give it the blocks it wants (the order is a hash of the set's
+names), and a lie under ``RECHECK_TOLERANCE`` of a block passes its recheck; evidence of a lie is this node's own
+(a score), not a proof others check.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import random
@@ -55,7 +61,7 @@ from parallax.protocol.errors import MalformedMessage, StalledStream
 logger = logging.getLogger(__name__)
 
 __all__ = ["MERGED_WIRE", "RECHECK_TOLERANCE", "PartsMerge", "Unmergeable", "agrees", "assignment", "merge_blocks",
-           "merge_in_blocks", "merged_key", "recheck_odds", "round_bytes"]
+           "merge_in_blocks", "merged_key", "recheck_odds", "rechecks", "round_bytes"]
 
 MERGED_WIRE = "uint8"
 """The wire of merged blocks: int8 with a scale per chunk, about twice an int4 contribution. Every peer applies the
@@ -127,6 +133,13 @@ def merge_in_blocks(contributions: Sequence[Mapping[str, torch.Tensor]], weights
     return (None if merged is None else assemble(merged, shapes)), [len(blobs[i]) for i in sorted(blobs)]
 
 
+def rechecks(n: int, count: int, least: int) -> int:
+    """How many blocks of the others' shares a sender recomputes among ``n`` senders of a body of ``count`` blocks: as
+    many as a body's worth of fetches pays for (each a block of each of the n - 1 other contributions:
+    ``count / (n - 1)``), at least ``least`` (``net.outer.parts_rechecks``)."""
+    return max(least, count // max(1, n - 1))
+
+
 def recheck_odds(n: int, count: int) -> float:
     """The odds that a sender makes each of its rechecks, among ``n`` senders of a body of ``count`` blocks: 1 while
     the blocks are at least the other senders, else ``count / (n - 1)``, so that a recheck costs a sender about a body
@@ -134,7 +147,7 @@ def recheck_odds(n: int, count: int) -> float:
     return 1.0 if n - 1 <= count else count / (n - 1)
 
 
-def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int], rechecks: int = 1) -> int:
+def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int], least: int = 1) -> int:
     """The bytes a partitioned round moves, all its senders together, every sender merging its share: each block of
     each contribution to the block's merger (none for its own), each merged block to the n - 1 others, and each
     sender's ``rechecks`` (each made with ``recheck_odds``), a block of each of the n - 1 other contributions (the
@@ -143,22 +156,23 @@ def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int
     Args:
         block_sizes: per contribution, its encoded blocks' sizes (``BlockedBody.blobs``).
         merged_sizes: the merged blocks' sizes (``merge_blocks``' blobs).
-        rechecks: ``net.outer.parts_rechecks``.
+        least: ``net.outer.parts_rechecks``.
     """
     n, count = len(block_sizes), len(merged_sizes)
     merger = [i * n // count for i in range(count)]  # which position merges each block (``assignment``'s ranges)
     to_mergers = sum(sizes[b] for j, sizes in enumerate(block_sizes) for b in range(count) if merger[b] != j)
     mean_block = sum(map(sum, block_sizes)) / (n * count)
-    checks = n * min(rechecks, count) * recheck_odds(n, count)
+    checks = n * min(rechecks(n, count, least), count) * recheck_odds(n, count)
     return round(to_mergers + (n - 1) * sum(merged_sizes) + checks * (n - 1) * mean_block)
 
 
 class Unmergeable(Exception):
-    """A contribution's blocks did not arrive usable: this node cannot merge the set (the peer is named)."""
+    """A contribution's blocks did not arrive usable: this node cannot merge the set (its sender is named, and the
+    contribution when it is one on offer)."""
 
-    def __init__(self, message: str, peer: str) -> None:
+    def __init__(self, message: str, peer: str, name: str = "") -> None:
         super().__init__(message)
-        self.peer = peer
+        self.peer, self.name = peer, name
 
 
 class PartsMerge:
@@ -230,7 +244,12 @@ class PartsMerge:
         for name, i in self._picks(taken, len(participants)):
             if name not in taken:
                 continue  # another of its blocks disagreed: this node merges them all
-            again, _, _ = self._merge_here(me, [i], participants, claims, mine, weights, spans)
+            try:
+                again, _, _ = self._merge_here(me, [i], participants, claims, mine, weights, spans)
+            except Unmergeable as e:  # the shares are here: a recheck that cannot be made is skipped
+                logger.info("outer round %s/%d: a recheck of peer %s's block %s skipped: %s", self.group, n,
+                            split_pair(name)[0], self.layout[i].key, e)
+                continue
             self.rechecked += 1
             if again is not None and not agrees(again[i], blocks[i]):
                 self.mismerged += 1
@@ -252,13 +271,15 @@ class PartsMerge:
 
     def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
         """The blocks of others' this node recomputes among ``n`` senders, drawn at random (an unpredictable draw: a
-        merger cannot tell which of its blocks will be checked): ``parts_rechecks`` of them, each kept with
-        ``recheck_odds`` (a recheck fetches a block of each of the n - 1 other contributions)."""
+        merger cannot tell which of its blocks will be checked): ``rechecks`` of them, a block of each merger in turn
+        (each merger's share is checked before any is checked twice), each kept with ``recheck_odds``."""
         draw = random.SystemRandom()
-        pool = [(name, i) for name, want in taken.items() for i in want]
-        picks = draw.sample(pool, min(self.config.net.parts_rechecks, len(pool)))
+        shares = [[(name, i) for i in draw.sample(list(want), len(want))] for name, want in taken.items()]
+        draw.shuffle(shares)
+        turns = [pick for turn in itertools.zip_longest(*shares) for pick in turn if pick is not None]
         odds = recheck_odds(n, self.count)
-        return [pick for pick in picks if odds >= 1 or draw.random() < odds]
+        return [pick for pick in turns[:rechecks(n, self.count, self.config.net.parts_rechecks)]
+                if odds >= 1 or draw.random() < odds]
 
     def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
                        ) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
@@ -280,7 +301,8 @@ class PartsMerge:
                 entry = read.get(peer, {}).get(round_id)
                 named = entry is not None and entry.participants == participants
                 if entry is not None and named and entry.merged:
-                    flights[name] = self.pool.submit(self._fetch_merged, name, waiting.pop(name), entry.merged)
+                    flights[name] = self.pool.submit(self._fetch_merged, name, waiting.pop(name), entry.merged,
+                                                     participants)
                 elif entry is not None and not named and (entry.fingerprint or entry.participants):
                     del waiting[name]  # it merges another set, merged one, or withdrew
                 elif now >= (deadline if named else named_by):
@@ -291,9 +313,12 @@ class PartsMerge:
                 time.sleep(POLL_S)
         return flights
 
-    def _fetch_merged(self, name: str, want: list[int], root: bytes) -> dict[int, torch.Tensor] | None:
+    def _fetch_merged(self, name: str, want: list[int], root: bytes,
+                      participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:
         """The merged blocks ``want`` of the sender of contribution ``name``, checked against the ``root`` it published
-        and decoded; None when they do not arrive usable (a block its root does not give counts against it)."""
+        for ``participants`` and decoded; None when they do not arrive usable. Blocks its root does not give count
+        against it only while its entry still shows that root: a merger that moved to another set since serves that
+        set's blocks under the round's key."""
         net = self.config.net
         peer, round_id = split_pair(name)
         try:
@@ -305,7 +330,9 @@ class PartsMerge:
                     for k, i in enumerate(want)}
         except Exception as e:  # merged here instead; a forged or malformed block counts against its server
             if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
-                self.scores.record(peer, Evidence.MISMERGED)
+                entry = self.entries_of([peer], net.dht_timeout_s).get(peer, {}).get(round_id)
+                if entry is not None and entry.participants == participants and entry.merged == root:
+                    self.scores.record(peer, Evidence.MISMERGED)
             logger.warning("outer round %s: no usable merged blocks from peer %s: %s", self.group, peer, e)
             return None
 
@@ -328,6 +355,15 @@ class PartsMerge:
         return merge_blocks([parts[name] for name in participants], want, self.shapes, weights, self.config,
                             spans=spans)
 
+    def probe(self, name: str, claim: RoundEntry) -> None:
+        """Fetch one block of contribution ``name``, drawn at random, and check it (a sender whose blocks did not
+        arrive before shows it serves them).
+
+        Raises:
+            Unmergeable: it did not arrive usable.
+        """
+        self._fetch_blocks(name, claim, [random.SystemRandom().randrange(self.count)])
+
     def _fetch_blocks(self, name: str, claim: RoundEntry, want: list[int]) -> dict[int, torch.Tensor]:
         """Blocks ``want`` of contribution ``name`` (announced by ``claim``), checked and decoded.
 
@@ -337,16 +373,16 @@ class PartsMerge:
         peer = split_pair(name)[0]
         net = self.config.net
         try:
-            blobs = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, claim.size, want,
-                                             self.count, net.allreduce_timeout_s,
-                                             chunk_timeout_s=net.next_chunk_timeout_s)
+            size = min(claim.size, blocks_cap([self.layout[i] for i in want], self.shapes))
+            blobs = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, size, want, self.count,
+                                             net.allreduce_timeout_s, chunk_timeout_s=net.next_chunk_timeout_s)
             out = {i: decode_block(blobs[i], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
                    for i in want}
         except Exception as e:
             bad = isinstance(e, BlockMismatch | MalformedMessage)
             if self.scores is not None and (bad or isinstance(e, StalledStream)):
                 self.scores.record(peer, Evidence.FORGED if bad else Evidence.STALLED)
-            raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer) from e
+            raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer, name) from e
         if self.worked is not None:
             self.worked(peer)
         return out

@@ -192,10 +192,10 @@ class RoundEntry:
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
         """None for anything malformed (a peer's record is data, not trusted)."""
-        if not (isinstance(obj, list) and len(obj) == 10):
+        if not (isinstance(obj, list) and len(obj) in (9, 10)):
             return None
         claim = cls.claim_from_wire(obj[:6])
-        fp, who, anchor, merged = obj[6:]
+        fp, who, anchor, merged = obj[6:] if len(obj) == 10 else [*obj[6:], b""]  # 9: a peer without partitioned rounds
         if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(anchor, bytes)
                                  and len(anchor) <= 1024 and isinstance(who, list) and len(who) <= _MAX_PARTICIPANTS
                                  and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)
