@@ -210,8 +210,17 @@ class GatheredRounds:
             merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
             if merged is None:
-                self._withdrawn(n, RoundStatus.FAILED if common.pop("failed", False) else RoundStatus.NO_TOKENS,
-                                started, common)
+                failed = common.pop("failed", None)
+                rest = tuple(p for p in participants if split_pair(p)[0] != failed)
+                if failed is not None and failed != self.peer_id and len(rest) >= self._quorum():
+                    # Partitioned: a contribution whose blocks did not arrive (its sender died, or withdrew it) fails
+                    # the set on every node that asked; each merges the rest, as the others do.
+                    logger.info("outer round %s/%d: merging the set without the contribution of peer %s", self.group,
+                                n, failed)
+                    participants = rest
+                    continue
+                self._withdrawn(n, RoundStatus.FAILED if failed is not None else RoundStatus.NO_TOKENS, started,
+                                common)
                 return None
             if self.parts is not None:  # a partitioned merge waits on the other mergers: not the verification's time
                 deadline += time.monotonic() - merging
@@ -331,7 +340,7 @@ class GatheredRounds:
         """The robust merge of the ``participants``' contributions (in sorted order, as on every peer), or with
         ``parts`` this node's share of it and the others' shares fetched; notes the capped weights and the suspects
         (of the blocks this node merged, with ``parts``) in ``common`` and names each suspect in the log. None: no
-        contribution had weight, or (``common["failed"]`` set) a contribution's blocks did not arrive usable.
+        contribution had weight, or (``common["failed"]``: its sender) a contribution's blocks did not arrive usable.
         """
         declared = [found[p][1] for p in participants]
         cap = self.weight_cap
@@ -355,7 +364,7 @@ class GatheredRounds:
                 merged, audit = self.parts.merge(n, participants, {p: c for p, c in claims.items() if c is not None},
                                                  found[me][0], weights, spans)
             except Unmergeable as e:  # its contribution is out of this node's sets; its next one is probed first
-                common.update(failed=True, detail=str(e))
+                common.update(failed=e.peer, detail=str(e))
                 with self._lock:
                     self._failing[e.peer] = None
                     if e.name:
@@ -381,13 +390,18 @@ class GatheredRounds:
         """Round ``n`` merged nothing here: take its contribution off offer (a late peer must not merge what this
         node will send again next round) and report ``status``, saying whether others may have merged the
         contribution (then the caller reloads): ``merged_elsewhere`` when known (``_last_call``), else whether
-        anyone fetched it. Partitioned, a contribution others may be merging stays served: its blocks are fetched as
-        the set is merged, and this node reloads what they apply."""
+        anyone fetched it. Partitioned, a contribution others may be merging (fetched, or named by a set its senders
+        announced) stays served: its blocks are fetched as the set is merged, and this node reloads what they apply."""
         common["began_allreduce"] = (self.gather.store.served(self.group, n) if merged_elsewhere is None
                                      else merged_elsewhere)
+        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=(), merged=b""))
+        if self.parts is not None and not common["began_allreduce"]:
+            # a set announced before the withdrawal may name it, its mergers not having asked for its blocks yet
+            named = merged_sets(self._entries_of_live(self.config.net.dht_timeout_s), pair(self.peer_id, n),
+                                announced=True)
+            common["began_allreduce"] = bool(named)
         if self.parts is None or not common["began_allreduce"]:
             self.gather.store.drop(self.group, n)
-        self._publish(dataclasses.replace(self._entries[n], fingerprint=WITHDRAWN, participants=(), merged=b""))
         self.report(status, started, **common)
 
     def _publish(self, entry: RoundEntry) -> None:
