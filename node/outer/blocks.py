@@ -25,9 +25,9 @@ import msgpack
 import numpy as np
 import torch
 
-from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, TOPK
+from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.parts import Block, blocks_of
-from parallax.protocol.codec import TensorLimits, decode, encode
+from parallax.protocol.codec import TensorLimits, decode
 from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.schema import MSGPACK_ERRORS
 
@@ -161,19 +161,14 @@ def answer_cap(size: int, wanted: int, count: int) -> int:
     return size + wanted * (_DIGEST * _depth(count) + 16) + 16
 
 
-def _codec(numel: int, compression: str) -> str:
-    return "raw" if numel < SMALL_TENSOR_NUMEL else CODEC_OF[compression]
-
-
 def encode_blocks(delta: Mapping[str, torch.Tensor], compression: str) -> BlockedBody:
     """One peer's pseudo-gradient of a group cut in ``block_layout``'s blocks, each encoded on its own in the run's
     wire (a tensor under ``SMALL_TENSOR_NUMEL`` entries raw, as ``transport.encode_contribution`` does)."""
     arrays = {name: t.detach().to(device="cpu", dtype=torch.float32).numpy() for name, t in delta.items()}
     blobs = []
     for b in block_layout({name: a.shape for name, a in arrays.items()}):
-        codec = _codec(arrays[b.name].size, compression)
         rows = np.ascontiguousarray(arrays[b.name][b.start:b.stop])
-        blobs.append(encode(rows, codec, **TOPK) if codec == "topk" else encode(rows, codec))
+        blobs.append(encode_wire(rows, arrays[b.name].size, compression))
     return BlockedBody(tuple(blobs))
 
 

@@ -53,9 +53,9 @@ from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import BlockedBody, BlockMismatch, assemble, block_layout, blocks_cap, decode_block
 from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
-from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, OuterSyncConfig, round_tag
+from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
+from parallax.node.train.parts import Block
 from parallax.node.train.robust import MergeAudit, robust_merge_groups
-from parallax.protocol.codec import encode
 from parallax.protocol.errors import MalformedMessage, StalledStream
 
 logger = logging.getLogger(__name__)
@@ -99,24 +99,22 @@ def agrees(recomputed: torch.Tensor, served: torch.Tensor) -> bool:
     return diff <= RECHECK_TOLERANCE * float(torch.linalg.vector_norm(recomputed, dtype=torch.float64)) + 1e-12
 
 
-def merge_blocks(parts: Sequence[Mapping[int, torch.Tensor]], want: Sequence[int],
+def merge_blocks(parts: Sequence[Mapping[int, torch.Tensor]], want: Sequence[int], layout: Sequence[Block],
                  shapes: Mapping[str, Sequence[int]], weights: Sequence[float], config: OuterSyncConfig, *,
                  spans: Sequence[float] | None = None,
                  ) -> tuple[dict[int, torch.Tensor] | None, dict[int, bytes], MergeAudit]:
-    """Blocks ``want`` (of ``block_layout(shapes)``) of the contributions ``parts`` (each: block -> rows), merged
-    robustly block by block (each block a tensor of its own) and put through ``MERGED_WIRE`` (a tensor under
+    """Blocks ``want`` (of ``layout``, ``block_layout(shapes)``) of the contributions ``parts`` (each: block -> rows),
+    merged robustly block by block (each block a tensor of its own) and put through ``MERGED_WIRE`` (a tensor under
     ``SMALL_TENSOR_NUMEL`` entries raw): (the merged blocks as every peer applies them, or None when no contribution
     had weight; their encoded bytes; the robust merge's audit)."""
     merged, audit = robust_merge_groups([{str(i): p[i] for i in want} for p in parts], weights, config.method,
                                         eps=config.rda_eps, spans=spans)
     if merged is None:
         return None, {}, audit
-    layout = block_layout(shapes)
     blobs, out = {}, {}
     for i in want:
         block = layout[i]
-        codec = "raw" if math.prod(shapes[block.name]) < SMALL_TENSOR_NUMEL else CODEC_OF[MERGED_WIRE]
-        blobs[i] = encode(merged[str(i)].numpy(), codec)
+        blobs[i] = encode_wire(merged[str(i)].numpy(), math.prod(shapes[block.name]), MERGED_WIRE)
         out[i] = decode_block(blobs[i], block, shapes[block.name], peer="this node")
     return out, blobs, audit
 
@@ -129,7 +127,7 @@ def merge_in_blocks(contributions: Sequence[Mapping[str, torch.Tensor]], weights
     shapes = {name: tuple(t.shape) for name, t in contributions[0].items()}
     layout = block_layout(shapes)
     parts = [{i: c[b.name][b.start:b.stop] for i, b in enumerate(layout)} for c in contributions]
-    merged, blobs, _ = merge_blocks(parts, range(len(layout)), shapes, weights, config, spans=spans)
+    merged, blobs, _ = merge_blocks(parts, range(len(layout)), layout, shapes, weights, config, spans=spans)
     return (None if merged is None else assemble(merged, shapes)), [len(blobs[i]) for i in sorted(blobs)]
 
 
@@ -352,8 +350,8 @@ class PartsMerge:
         for name, flight in flights.items():
             parts[name] = flight.result()
         parts[me] = {i: mine[self.layout[i].name][self.layout[i].start:self.layout[i].stop] for i in want}
-        return merge_blocks([parts[name] for name in participants], want, self.shapes, weights, self.config,
-                            spans=spans)
+        return merge_blocks([parts[name] for name in participants], want, self.layout, self.shapes, weights,
+                            self.config, spans=spans)
 
     def probe(self, name: str, claim: RoundEntry) -> None:
         """Fetch one block of contribution ``name``, drawn at random, and check it (a sender whose blocks did not

@@ -44,9 +44,9 @@ from hivemind.proto import runtime_pb2
 from parallax.node.config.train import GATHERED_WIRES
 from parallax.node.net.network import ServedOnLoop, read_answer
 from parallax.node.outer.blocks import BlockedBody, BlockMismatch, answer_cap, check_answer, parse_wanted, wanted_uid
-from parallax.node.outer.wire import CODEC_OF, SMALL_TENSOR_NUMEL, TOPK
+from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
-from parallax.protocol.codec import TensorLimits, decode, encode
+from parallax.protocol.codec import TensorLimits, decode
 from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
 from parallax.protocol.identity import SIGNATURE_BYTES
 from parallax.protocol.schema import MSGPACK_ERRORS
@@ -71,8 +71,7 @@ def encode_contribution(delta: Mapping[str, torch.Tensor], compression: str) -> 
     blobs = {}
     for name, t in delta.items():
         array = t.detach().to(device="cpu", dtype=torch.float32).numpy()
-        codec = "raw" if array.size < SMALL_TENSOR_NUMEL else CODEC_OF[compression]
-        blobs[name] = encode(array, codec, **TOPK) if codec == "topk" else encode(array, codec)
+        blobs[name] = encode_wire(array, array.size, compression)
     return msgpack.packb(blobs, use_bin_type=True)
 
 

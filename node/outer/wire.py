@@ -43,6 +43,7 @@ from parallax.node.config.net import OuterConfig
 from parallax.node.config.train import GATHERED_WIRES, SyncConfig
 from parallax.node.train.merge_rules import merge_rule
 from parallax.node.train.rda import DIRECTION_EPS
+from parallax.protocol.codec import encode
 from parallax.protocol.identity import Identity
 
 COMPRESSIONS = ("fp16", "uint8", "int4", "topk", "none")
@@ -59,6 +60,13 @@ CODEC_OF = {"fp16": "fp16", "uint8": "int8", "int4": "int4", "topk": "topk", "no
 SMALL_TENSOR_NUMEL = 4096
 """Tensors (parts) smaller than this are sent uncompressed under any compression: the norms, biases
 and norm-layer weights cost nothing and keep full precision."""
+
+
+def encode_wire(array: np.ndarray, numel: int, compression: str) -> bytes:
+    """``array`` (a tensor of ``numel`` entries, or rows of one) as a gathered round sends it: raw float32 when the
+    tensor is under ``SMALL_TENSOR_NUMEL`` entries, else in ``compression``'s codec (``CODEC_OF``)."""
+    codec = "raw" if numel < SMALL_TENSOR_NUMEL else CODEC_OF[compression]
+    return encode(array, codec, **TOPK) if codec == "topk" else encode(array, codec)
 _TOLERANCE = {"fp16": 2e-2, "uint8": 0.15, "int4": 2e-2, "topk": 2e-2, "none": 1e-5}
 _RDA_EPS = {"fp16": 0.05, "uint8": 0.1, "int4": 0.1, "topk": 0.1, "none": DIRECTION_EPS}
 _CODEBOOK_BYTES = 8 + 256 * 4  # uint8: codebook length + one float32 per bucket, per tensor part
