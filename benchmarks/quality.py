@@ -44,7 +44,10 @@ RUNS: dict[str, tuple[str, dict[str, object]]] = {
 DEFAULT_RUNS = tuple(RUNS)
 
 SHARED_EXPERT: dict[str, object] = {"model.d_expert": 352, "model.d_shared": 96}
-"""The small preset with a shared expert, total and active parameters within 5% of the preset's."""
+"""The small preset's shape: a shared expert of width 96, its width taken from the routed experts (384 -> 352)."""
+ROUTED_ONLY: dict[str, object] = {"model.d_expert": 384, "model.d_shared": 0}
+"""The small preset without its shared expert, the width given back to the routed experts: total parameters 1.050x,
+active a token 0.968x the preset's."""
 
 LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     # Levers, each a variation of the Parallax run (or of the DiLoCo reference); docs/benchmarks.md has their results.
@@ -97,11 +100,14 @@ LEVERS: dict[str, tuple[str, dict[str, object]]] = {
     "parts_16": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 16}),
     "parts_64": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 64}),
     "parts_256": ("parallax", {"sync.aggregation": "gather", "sim.outer_parts": 256}),
-    # a shared expert every token passes through, merged with the backbone: the small preset's routed width 384 -> 352
-    # gives a shared expert of 96 (total parameters 0.952x, active a token 1.033x the preset's)
+    # with and without a shared expert every token passes through, merged with the backbone (the small preset's
+    # shapes: the preset has one, so at this preset the *_shared runs are the defaults)
     "baseline_shared": ("baseline", SHARED_EXPERT),
     "diloco_shared": ("diloco", SHARED_EXPERT),
     "parallax_shared": ("parallax", SHARED_EXPERT),
+    "baseline_routed": ("baseline", ROUTED_ONLY),
+    "diloco_routed": ("diloco", ROUTED_ONLY),
+    "parallax_routed": ("parallax", ROUTED_ONLY),
 }
 """Named variations of the runs (``--runs`` accepts these names too)."""
 

@@ -460,8 +460,10 @@ class TrainConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(seq_len=32, n_layers=2, d_model=32, n_heads=2, n_experts=4, top_k=2,
                         d_expert=48, d_surrogate=4, d_latent=24, d_shared=16),
+    # small: a shared expert of width 96 every token passes through, its width taken from the routed experts (384 ->
+    # 352): total parameters 0.952x, active a token 1.033x the routed-only shape's (docs/decisions.md).
     "small": ModelConfig(seq_len=128, n_layers=4, d_model=128, n_heads=4, n_experts=8, top_k=2,
-                         d_expert=384, d_surrogate=8, d_latent=128),
+                         d_expert=352, d_surrogate=8, d_latent=128, d_shared=96),
     # GPU presets, f/r = 48 as the report, with a BPE of the run's corpus. medium: 172M parameters (58M active a
     # token); large: 1.15B.
     "medium": ModelConfig(vocab_size=8192, tokenizer="bpe", seq_len=1024, n_layers=12, d_model=768, n_heads=12,

@@ -64,8 +64,8 @@ SHAPES = {
     "tiny without its shared expert": (dataclasses.replace(PRESETS["tiny"], d_shared=0), "MixtralForCausalLM"),
     "tiny, gates not renormalised": (dataclasses.replace(PRESETS["tiny"], d_shared=0, renormalize_gates=False),
                                      "Qwen2MoeForCausalLM"),
-    "small": (PRESETS["small"], "MixtralForCausalLM"),
-    "small with a shared expert": (dataclasses.replace(PRESETS["small"], d_shared=64), "Qwen2MoeForCausalLM"),
+    "small: shared expert": (PRESETS["small"], "Qwen2MoeForCausalLM"),
+    "small without its shared expert": (dataclasses.replace(PRESETS["small"], d_shared=0), "MixtralForCausalLM"),
 }
 
 
