@@ -291,10 +291,11 @@ class SwarmView:
         """Live composers that show work and their capacities, the input of the shard assignment.
 
         A declared capacity counts up to ``CAPACITY_BOUND`` x the median of the live composers' (so one peer
-        declaring 1e6 cannot take every expert); stalled composers (``stalled``) are left out.
+        declaring 1e6 cannot take every expert); stalled composers (``stalled``) and those that say they are in
+        probation (``Heartbeat.probation``: joined a training swarm, no work shown yet) are left out.
         """
         declared = {fp: m.heartbeat.capacity for fp, m in self.alive(now).items()
-                    if m.heartbeat.role == "composer" and fp not in self.stalled}
+                    if m.heartbeat.role == "composer" and fp not in self.stalled and not m.heartbeat.probation}
         if not declared:
             return {}
         bound = CAPACITY_BOUND * statistics.median_low(declared.values())
@@ -321,15 +322,20 @@ class SwarmView:
 class Progress:
     """Which composers show work (pure; the caller's clock).
 
-    Two rules, each leaving a composer out of the shard assignment while it holds:
+    Three rules, each leaving a composer out of the shard assignment while it holds:
 
     - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
     - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
       fetched and decoded, a surrogate update applied: ``worked``) while another's did, ``idle_s`` after this
       node first saw it and after anyone's work first arrived. Steps are self-declared: an identity that only
-      sends heartbeats can make its step move, but it cannot make its work arrive.
+      sends heartbeats can make its step move, but it cannot make its work arrive;
+    - *unproven* (when ``idle_s`` > 0): first seen after anyone's work reached this node, and none of its own
+      has: fresh keys earn nothing until they show work, however many there are and however often they are
+      replaced. An honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a
+      round merged its contribution, so that it gives itself no experts either; one that worked before and
+      comes back (a restart) has the idle rule's grace period.
 
-    Neither rule names anybody while nobody shows what it looks for (a swarm starting up, or paused).
+    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused).
     """
 
     def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
@@ -374,12 +380,18 @@ class Progress:
                 # contribution fetched must not make everyone else idle at once.
                 began = self._work_began if self._work_began is not None else now
                 stalled |= {fp for fp in steps.keys() - working
-                            if now - max(self._first.get(fp, now), began) >= self.idle_s}
+                            if now - max(self._first.get(fp, now), began) >= self.idle_s or self.unproven(fp)}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:
         """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
         return now - self._work.get(fingerprint, -math.inf) >= self.idle_s > 0
+
+    def unproven(self, fingerprint: str) -> bool:
+        """Whether ``fingerprint`` was first seen after anyone's work reached this node and none of its own has
+        (the unproven rule; for the log)."""
+        began = self._work_began
+        return fingerprint not in self._work and began is not None and self._first.get(fingerprint, began) > began
 
     @property
     def work_began(self) -> bool:
@@ -752,6 +764,8 @@ class Membership:
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
+        self._probation = False  # Heartbeat.probation: joined a training swarm, no work shown yet
+        self._shown_work = False
         self.without_work = 0
         """Live composers in the last view whose work has not reached this node while others' has
         (``_pacing_members``)."""
@@ -796,6 +810,41 @@ class Membership:
         """The experts this node owns in its latest view, by layer."""
         return dict(self._owned)
 
+    @property
+    def probation(self) -> bool:
+        """Whether this composer says it is in probation (``Heartbeat.probation``)."""
+        return self._probation
+
+    def enter_probation(self) -> None:
+        """This composer joins a swarm that already trains: until a round merges its contribution
+        (``shown_work``), or no other composer counts in its view, its heartbeat says so, and nobody, this node
+        included, gives it experts. The others would give it none anyway until its work reached them
+        (``Progress``, the unproven rule); saying so keeps its own view in step with theirs, so that it does
+        not take over experts their owners keep. It trains the shared groups meanwhile, and its contributions
+        are merged. Only when the work rule is on (``idle_s`` > 0) and only before it showed work."""
+        if self.presence.role != "composer" or self.config.idle_s <= 0 or self._shown_work or self._probation:
+            return
+        self._probation = True
+        logger.info("%s joins run %s while it trains: it owns no expert until a round merges its contribution",
+                    self.fingerprint, self.presence.run_id)
+        self._announce_now.set()
+
+    def shown_work(self) -> bool:
+        """A round merged this composer's contribution with others' (they fetched and checked it): its probation
+        ends, for good in this process. True when it ended it."""
+        self._shown_work = True
+        if not self._probation:
+            return False
+        self._probation = False
+        logger.info("%s: a round merged its contribution; it takes its share of the experts", self.fingerprint)
+        self._announce_now.set()
+        return True
+
+    def _joins_training(self, view: SwarmView) -> bool:
+        """Whether another live composer of ``view`` has trained a step (this node joins a training swarm)."""
+        return any(m.heartbeat.role == "composer" and m.heartbeat.step > 0 for fp, m in view.alive().items()
+                   if fp != self.fingerprint)
+
     def assigned(self) -> bool:
         """Whether this node's latest view has a shard assignment with this node among its composers, whether or
         not it owns an expert there (with more composers than a layer has experts, some own none in that layer,
@@ -829,7 +878,8 @@ class Membership:
         """
         if self._state is not PeerState.JOINING:
             raise RuntimeError(f"start() in state {self._state.value}")
-        self._refresh()
+        if self._refresh() and self._joins_training(self._view):
+            self.enter_probation()
         self._check_duplicate()
         deadline = time.monotonic() + timeout_s
         while not self._send_heartbeat():
@@ -976,7 +1026,7 @@ class Membership:
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.presence.role,
                 capacity=self.presence.capacity, shards=shards, step=self._step, versions=dict(self._versions),
                 loss=self._loss, run=self.presence.run_digest, suspects=dict(self._suspects),
-                banned=self._banned, sent=now,
+                banned=self._banned, sent=now, probation=self._probation,
             )
         value = heartbeat_value(hb)
         ttl, started = self._timing.heartbeat_ttl_s, time.monotonic()
@@ -1040,6 +1090,10 @@ class Membership:
         self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
         self._view = dataclasses.replace(merged, stalled=self._stalled(merged),
                                          quorum=self._check_quorum(merged, counted, work_began))
+        if self._probation and not set(self._view.composers()) - {self.fingerprint}:
+            self._probation = False  # no other composer counts: nobody else would train the experts
+            logger.info("%s: no other composer counts in its view; its probation ends", self.fingerprint)
+            self._announce_now.set()
         return True
 
     def _pacing_members(self, alive: int, composers: int, counted: int) -> int:
@@ -1174,9 +1228,15 @@ class Membership:
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}
             idle = {fp for fp in stalled if self._progress.idle(fp, now)}
+            unproven = {fp for fp in idle if self._progress.unproven(fp)}
         ignored = {fp for fp in live if fp != self.fingerprint and self._ignores(fp, view)}
         stalled |= ignored
         for fp in stalled - self._view.stalled:
+            if fp in unproven and fp not in ignored:
+                # Fresh identities (joiners, or a flood of keys: named by their number in _pacing_members).
+                logger.debug("composer %s (peer %s) owns nothing here until its work reaches this node", fp,
+                             view.members[fp].heartbeat.peer_id)
+                continue
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else
                    f"none of its work (outer contributions, surrogate updates) reached this node for "
                    f"{self._timing.idle_s:.0f} s or more while others' did" if fp in idle else

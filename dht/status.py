@@ -47,6 +47,7 @@ class PeerStatus:
     addresses: tuple[str, ...]
     suspects: Mapping[str, float] = dataclasses.field(default_factory=dict)  # peer id -> its score here
     banned: tuple[str, ...] = ()  # peer ids this peer ignores now
+    probation: bool = False  # a composer that joined a training swarm and takes no experts until it shows work
 
     @property
     def n_experts(self) -> int:
@@ -146,6 +147,7 @@ class SwarmStatus:
                     "addresses": list(p.addresses),
                     "suspects": dict(p.suspects),
                     "banned": list(p.banned),
+                    "probation": p.probation,
                 }
                 for p in self.peers
             ],
@@ -210,6 +212,7 @@ def swarm_status(
             experts={layer: tuple(es) for layer, es in experts.items()}, versions=dict(hb.versions),
             heartbeat_age_s=max(0.0, heartbeat_ttl_s - expires_in), expires_in_s=expires_in,
             addresses=tuple(hb.addresses), suspects=dict(hb.suspects), banned=tuple(hb.banned),
+            probation=hb.probation,
         ))
     peers.sort(key=lambda p: (_ROLE_ORDER.get(p.role, 9), p.fingerprint))
 
@@ -289,7 +292,7 @@ def peer_rows(status: SwarmStatus) -> list[tuple[str, ...]]:
         (
             p.fingerprint,
             short_peer_id(p.peer_id),
-            p.role,
+            f"{p.role} (probation)" if p.probation else p.role,
             str(p.step),
             "-" if p.loss is None else f"{p.loss:.4f}",
             str(p.n_experts),

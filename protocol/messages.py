@@ -125,6 +125,9 @@ class Heartbeat(Message):
         banned: those of them it ignores now.
         sent: when it was sent, by the sender's clock (seconds since the epoch): a reader estimates how far the
             clocks disagree (``parallax doctor``); 0 when unknown.
+        probation: a composer that joined a swarm already training and none of whose work has reached the
+            others yet says so: nobody (itself included) gives it experts until it stops saying it. A composer
+            can only take less by it; the others never believe the opposite (``dht.membership.Progress``).
     """
 
     KIND: ClassVar[str] = "heartbeat"
@@ -142,6 +145,7 @@ class Heartbeat(Message):
     suspects: Mapping[str, float] = wire(Map(_PEER_ID, Float(0.0, 1e9), max_len=MAX_SUSPECTS), default=None)
     banned: tuple[str, ...] = wire(Seq(_PEER_ID, max_len=MAX_SUSPECTS), default=())
     sent: float = wire(Float(0.0, 1e11), default=0.0)
+    probation: bool = wire(Bool(), default=False)
 
     def __post_init__(self) -> None:
         for name in ("versions", "suspects"):

@@ -193,6 +193,7 @@ class GroupAverager:
             self._gathered = GatheredRounds(self.records, self.shapes, config, gather, peers, weight_cap=weight_cap,
                                             scores=scores, report=self._report,
                                             other_tensors_blameless=other_tensors_blameless)
+        self._worked = peers.worked if peers is not None else None
         self._rounds = 0
         self._recent: list[bytes] = []  # this node's latest encoded fingerprints, newest last (all-reduce)
         self._round_lock = threading.Lock()  # one round at a time per group
@@ -315,6 +316,10 @@ class GroupAverager:
             detail = f"{agreeing} of {len(participants)} participants agree, {answered} fingerprints found"
             self._report(status, started, detail=detail, **common)
             return None
+        if self._worked is not None:  # a majority got the result their data made: the work of each of them
+            for peer in participants:
+                if peer != self.peer_id and token_counts[peer] > 0:
+                    self._worked(peer)
         self._report(RoundStatus.OK, started, **common)
         return merged
 

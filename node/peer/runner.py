@@ -204,7 +204,7 @@ class Node:
         net = self._start_network(dict(info.versions) if info is not None else {})
         telemetry.event("network_started", seconds=self._seconds())
         owned, joining = self._wait_for_shard(net.membership)
-        telemetry.event("shard_offered", seconds=self._seconds())
+        telemetry.event("shard_offered", seconds=self._seconds(), probation=net.membership.probation)
         others = [m for fp, m in net.membership.view().alive().items()
                   if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
         # A joiner takes its experts over from their previous owners at its first seams (``Experts.reconcile``),
@@ -370,7 +370,8 @@ class Node:
             for fp, m in view.alive().items():
                 if fp != self.identity.fingerprint and m.heartbeat.role == "composer":
                     first_seen_step.setdefault(fp, m.heartbeat.step)
-            peers = len(view.composers())
+            # A node in probation is a composer of the swarm, though it takes no experts yet.
+            peers = len(view.composers()) + (membership.probation and self.identity.fingerprint not in view.composers())
             if peers <= 1 and membership.foreign and time.monotonic() - self._online_at >= settle:
                 raise NodeError(_other_settings(self.config.peer.run_id, membership))
             stable = time.monotonic() - membership.owned_changed_at >= settle
@@ -378,6 +379,8 @@ class Node:
             # even if its first view of them comes after their first steps.
             running = any(step > 0 for step in first_seen_step.values()) and len(first_seen_step) >= settings.min_peers
             if peers >= settings.min_peers and ((membership.assigned() and stable) or running):
+                if running:
+                    membership.enter_probation()  # when its first read did not show the training composers
                 return owned, running
             if time.monotonic() > deadline:
                 raise NodeError(f"not in the swarm's shard assignment within {settings.start_timeout_s:.0f} s "

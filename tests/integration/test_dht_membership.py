@@ -306,6 +306,43 @@ def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is
         flooder.shutdown()
 
 
+def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_work_arrives(swarm: LocalSwarm):
+    """Three composers whose work reaches each other; a peer writes 40 signed heartbeats from fresh keys, announcing
+    a moving step. Within their grace period they would take most experts (idle_s is 120 s here); first seen after
+    work began, they take none: every honest view keeps the three's assignment, read after read. The one fresh key
+    whose work then reaches the three counts at once."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
+    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    for p in honest:
+        for other in honest:
+            p.membership.worked(other.fp)
+    names = {p.fp for p in honest}
+    wait_until(lambda: all(set(p.membership.view().composers()) == names for p in honest), timeout=10)
+    owned = [p.membership.owned() for p in honest]
+    fresh = [Identity.from_seed((2000 + i).to_bytes(4, "big") * 8) for i in range(40)]
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(fresh)])
+    try:
+        flood = {i.fingerprint for i in fresh}
+        for step in (50, 60):  # written twice, the second time with a step that moved
+            beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer",
+                                             capacity=1.0, shards=(), step=step, sent=dht_time()))
+            _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=60.0)
+        wait_until(lambda: all(flood <= set(p.membership.view().alive()) for p in honest), timeout=30)
+        for p in honest:  # two reads later, with the flood alive in them
+            before = p.membership.view().read_at
+            wait_until(lambda p=p, before=before: p.membership.view().read_at > before + 0.5, timeout=10)
+        for p, had in zip(honest, owned, strict=True):
+            view = p.membership.view()
+            assert flood <= set(view.alive()) and set(view.composers()) == names
+            assert set(view.assignment().peers) == names and p.membership.owned() == had
+        shown = fresh[0].fingerprint
+        for p in honest:
+            p.membership.worked(shown)
+        wait_until(lambda: all(set(p.membership.view().composers()) == names | {shown} for p in honest), timeout=10)
+    finally:
+        flooder.shutdown()
+
+
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
     a, b, liar = (swarm.add(i, shards=SHARDS, **timing) for i in range(3))

@@ -422,6 +422,51 @@ def _composer(i: int, capacity: float = 1.0, step: int = 0) -> tuple[str, Member
     return identity.fingerprint, Member(identity.fingerprint, identity.public_key, hb, 200.0)
 
 
+def test_a_composer_in_probation_is_in_nobody_s_assignment_its_own_included():
+    members = dict([_composer(0, step=5), _composer(1, step=5)])
+    joiner = Identity.from_seed(b"j" * 32)
+    hb = Heartbeat(peer_id="12D3KooWj", addresses=(), role="composer", capacity=1.0, shards=(), step=0, probation=True)
+    members[joiner.fingerprint] = Member(joiner.fingerprint, joiner.public_key, hb, 200.0)
+    view = SwarmView(run_id="r", read_at=100.0, members=members, shards=ShardConfig(n_layers=2, n_experts=8))
+    assert joiner.fingerprint in view.alive(150.0) and joiner.fingerprint not in view.composers(150.0)
+    assignment = view.assignment(150.0)
+    assert assignment is not None and joiner.fingerprint not in assignment.peers
+    assert Heartbeat.decode(hb.encode()).probation  # it travels
+
+
+def test_a_composer_joining_a_training_swarm_is_in_probation_until_a_round_merges_its_work():
+    """Its first read shows a composer that trained a step: its heartbeat says probation (it gives itself no experts,
+    as the others give it none before its work reaches them) until ``shown_work``; alone, it ends at once."""
+    me, alice = Identity.from_seed(b"m" * 32), Identity.from_seed(b"a" * 32)
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    shards = ShardConfig(n_layers=1, n_experts=4)
+    m = Membership(dht, me, Presence(run_id="r"), shards=shards, clock=lambda: clock[0])  # type: ignore[arg-type]
+    training = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(), step=40)
+    dht.answer = {owner_subkey(alice.public_key): (heartbeat_value(training), 106.0)}
+    assert m._refresh() and m._joins_training(m.view())
+    m.enter_probation()
+    assert m.probation
+    mine = Heartbeat(peer_id=dht.peer_id, addresses=(), role="composer", capacity=1.0, shards=(), step=0,
+                     probation=True)
+    dht.answer[owner_subkey(me.public_key)] = (heartbeat_value(mine), 106.0)
+    assert m._refresh() and m.probation and set(m.view().composers()) == {alice.fingerprint}
+    m.shown_work()
+    assert not m.probation
+    m.enter_probation()  # once its work was shown, never again in this process
+    assert not m.probation
+    alone = Membership(dht, Identity.from_seed(b"n" * 32), Presence(run_id="r"), shards=shards,  # type: ignore[arg-type]
+                       clock=lambda: clock[0])
+    alone.enter_probation()
+    assert alone.probation
+    dht.answer = {}  # the training composer is gone: nobody else would train the experts
+    assert alone._refresh() and not alone.probation
+    worker = Membership(dht, Identity.from_seed(b"w" * 32), Presence(run_id="r", role="worker"),  # type: ignore[arg-type]
+                        clock=lambda: clock[0])
+    worker.enter_probation()
+    assert not worker.probation
+
+
 def test_a_declared_capacity_counts_up_to_twice_the_median():
     members = dict([_composer(0), _composer(1), _composer(2, capacity=1.5), _composer(3, capacity=1e6)])
     view = SwarmView(run_id="r", read_at=100.0, members=members, shards=ShardConfig(n_layers=2, n_experts=8))
@@ -462,13 +507,30 @@ def test_composers_whose_work_never_arrives_own_nothing_after_the_grace_period()
     progress.worked("a", 88.0)
     assert progress.stalled(steps, now=89.0) == frozenset()  # within the grace period everyone counts
     assert progress.stalled(steps, now=91.0) == {"phantom"}  # a heartbeat's step is not work
-    assert progress.stalled({**steps, "late": 1}, now=92.0) == {"phantom"}  # a newcomer has its own grace
     progress.worked("phantom", 93.0)
     progress.worked("a", 93.0)
     assert progress.stalled(steps, now=95.0) == frozenset()  # its work arrived: it counts again
     assert progress.stalled(steps, now=101.0) == {"b"}  # b's last work is 61 s old
     progress.worked("b", 102.0)
     assert progress.stalled(steps, now=103.0) == frozenset()
+
+
+def test_a_composer_first_seen_after_work_began_counts_only_once_its_work_arrives():
+    """Fresh keys earn nothing until they show work, however many and however often replaced; composers seen before
+    work began keep their grace period, and one that worked before and comes back (a restart) gets one."""
+    progress = Progress(stall_s=1e9, idle_s=60.0)
+    progress.stalled({"a": 1, "b": 1, "founder": 1}, now=0.0)
+    progress.worked("a", 10.0)
+    progress.worked("b", 10.0)
+    fresh = {f"key{i}": 1 for i in range(300)}
+    assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1, **fresh}, now=11.0) == {"joiner", *fresh}
+    assert progress.unproven("joiner") and not progress.unproven("founder") and not progress.unproven("a")
+    progress.worked("joiner", 20.0)  # its first contribution arrived
+    assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1}, now=21.0) == frozenset()
+    assert progress.stalled({"a": 1, "founder": 1, "joiner": 1}, now=30.0) == frozenset()  # b went away
+    assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1}, now=40.0) == frozenset()  # b is back
+    # At 71 s: a's and the founder's grace are over (last work at 10 s, none), b's return began one at 40 s.
+    assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1}, now=71.0) == {"a", "founder"}
 
 
 def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins():
