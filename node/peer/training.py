@@ -240,10 +240,11 @@ class Training:
         self.telemetry.event("refit", step=composer.step, experts=len(published))
 
     def _round_event(self, report: RoundReport) -> None:
-        if (report.status is RoundStatus.OK and self.dht.peer_id in report.participants
-                and len(report.participants) > 1):
-            if self.membership.shown_work():  # the others merged our contribution: they count us (``Progress``)
-                self.telemetry.event("probation_over", group=report.group, round_id=report.round_id)
+        # The others merged our contribution: they count us (``Progress``), and our probation ends.
+        merged_ours = (report.status is RoundStatus.OK and self.dht.peer_id in report.participants
+                       and len(report.participants) > 1)
+        if merged_ours and self.membership.shown_work():
+            self.telemetry.event("probation_over", group=report.group, round_id=report.round_id)
         self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
                              participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
                              total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))

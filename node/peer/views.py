@@ -179,8 +179,13 @@ class SwarmViews:
         return live
 
     def composers(self) -> int:
-        """Live composers in the view, this one included."""
-        return len(self.membership.view().composers())
+        """Live composers in the view that a round merges with, this one included: those that count
+        (``SwarmView.composers``) and those in probation (``Heartbeat.probation``: their probation ends when a
+        round merges their contribution, so a node whose view counts only itself beside them must hold rounds)."""
+        view = self.membership.view()
+        joining = {fp for fp, m in view.alive().items() if m.heartbeat.role == "composer" and m.heartbeat.probation
+                   and not self.banned(m.heartbeat.peer_id)}
+        return len(set(view.composers()) | joining)
 
     def alone(self) -> bool:
         """Whether this node is the swarm's only live composer for good: a fresh view in which it is alive, no other
