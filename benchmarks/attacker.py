@@ -299,61 +299,113 @@ class _PeerIdOf:
         return getattr(self._dht, name)
 
 
-def _extra_identities(count: int, *, squat: bool, late: bool = False,
-                      renew_s: float | None = None) -> Callable[[Attacker], None]:
+def _phantom_class() -> type[Any]:
+    """A ``Membership`` that never says it is in probation: a liar does not say it has shown no work."""
+    from parallax.dht.membership import Membership
+
+    class Phantom(Membership):
+        def enter_probation(self) -> bool:
+            return False
+
+    return Phantom
+
+
+def _extra_identities(count: int, *, squat: bool) -> Callable[[Attacker], None]:
     """``count`` more composers' heartbeats, each from a fresh key on a DHT node of its own, announcing the
-    attacked node's step and settings: they train nothing, and never say they are in probation. ``squat``: each
-    names an honest node's libp2p peer id instead of its own. ``late``: they appear once work reached the attacked
-    node (a merged round); ``renew_s``: every that many seconds all of them are replaced by fresh keys."""
+    attacked node's step and settings: they train nothing. ``squat``: each names an honest node's libp2p peer id
+    instead of its own."""
 
     def side(attacker: Attacker) -> None:
         from parallax.dht.adapter import DHTConfig, SwarmDHT
         from parallax.dht.keys import protected_keys
-        from parallax.dht.membership import Membership
         from parallax.dht.records import Ed25519RecordValidator
         from parallax.node.config.train import SHARED_GROUPS
         from parallax.protocol.identity import Identity
 
-        class Phantom(Membership):
-            def enter_probation(self) -> None:
-                pass  # a liar does not say it has shown no work
-
-        real = attacker.membership
+        real, phantom_class = attacker.membership, _phantom_class()
         victims = attacker.honest_peer_ids() if squat else []
         if squat and not victims:
             logger.warning("no honest composer in view to squat on")
             return
-        while late and not real._progress.work_began and not attacker.stop.wait(0.5):
-            pass
-
         def start_dht(identity: Identity) -> SwarmDHT:
             validator = Ed25519RecordValidator(identity, protected_keys=protected_keys(
                 attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
             return SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
                                             host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
 
-        with ThreadPoolExecutor(count) as pool:
+        identities = [Identity.generate() for _ in range(count)]
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(count) as pool:
+            dhts = list(pool.map(start_dht, identities))  # all at once: they appear together
+            for dht in dhts:
+                stack.callback(dht.shutdown)
+            phantoms = []
+            for i, (identity, dht) in enumerate(zip(identities, dhts, strict=True)):
+                speaking: Any = _PeerIdOf(dht, victims[i % len(victims)]) if squat else dht
+                phantom = phantom_class(speaking, identity, real.config, shards=real.shards)
+                phantom.start()
+                stack.callback(phantom.abandon, False)
+                phantoms.append(phantom)
+                attacker.fingerprints.append(identity.fingerprint)
+                if not squat:
+                    attacker.peer_ids.append(str(dht.peer_id))
+            attacker.write_ids()
+            while not attacker.stop.wait(1.0):
+                for phantom in phantoms:
+                    phantom.update(step=real._step, versions=real._versions)
+
+    return side
+
+
+def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
+    """``count`` composers' heartbeats that appear once work reached the attacked node (a merged round), announcing
+    its step and settings, all of them replaced by fresh keys every ``renew_s`` seconds; one DHT node of the
+    attacker's signs for every key (a validator that signs each record with the key its subkey names)."""
+
+    def side(attacker: Attacker) -> None:
+        import msgpack
+
+        from parallax.dht.adapter import DHTConfig, SwarmDHT
+        from parallax.dht.keys import protected_keys
+        from parallax.dht.records import Ed25519RecordValidator, owner_subkey
+        from parallax.node.config.train import SHARED_GROUPS
+        from parallax.protocol.identity import Identity
+
+        real, phantom_class = attacker.membership, _phantom_class()
+        while not real._progress.work_began and not attacker.stop.wait(0.5):
+            pass
+        keys: dict[bytes, Identity] = {}
+
+        class ManyKeys(Ed25519RecordValidator):
+            def sign_value(self, record: Any) -> bytes:
+                self._identity, self._own_subkey_bytes = keys[record.subkey], record.subkey
+                return super().sign_value(record)
+
+        first = Identity.generate()
+        validator = ManyKeys(first, protected_keys=protected_keys(attacker.run_id, real.shards.n_layers,
+                                                                  SHARED_GROUPS), learn_protected=False)
+        dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
+                                       host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+        attacker.peer_ids.append(str(dht.peer_id))
+        try:
             while not attacker.stop.is_set():
                 identities = [Identity.generate() for _ in range(count)]
-                with contextlib.ExitStack() as stack:
-                    dhts = list(pool.map(start_dht, identities))  # all at once: they appear together
-                    for dht in dhts:
-                        stack.callback(dht.shutdown)
-                    phantoms = []
-                    for i, (identity, dht) in enumerate(zip(identities, dhts, strict=True)):
-                        speaking: Any = _PeerIdOf(dht, victims[i % len(victims)]) if squat else dht
-                        phantom = Phantom(speaking, identity, real.config, shards=real.shards)
+                for identity in identities:
+                    keys[msgpack.packb(owner_subkey(identity.public_key), use_bin_type=True)] = identity
+                    attacker.fingerprints.append(identity.fingerprint)
+                attacker.write_ids()
+                phantoms = [phantom_class(dht, identity, real.config, shards=real.shards) for identity in identities]
+                try:
+                    for phantom in phantoms:
                         phantom.start()
-                        stack.callback(phantom.abandon, False)
-                        phantoms.append(phantom)
-                        attacker.fingerprints.append(identity.fingerprint)
-                        if not squat:
-                            attacker.peer_ids.append(str(dht.peer_id))
-                    attacker.write_ids()
-                    until = math.inf if renew_s is None else time.monotonic() + renew_s
+                    until = time.monotonic() + renew_s
                     while time.monotonic() < until and not attacker.stop.wait(1.0):
                         for phantom in phantoms:
                             phantom.update(step=real._step, versions=real._versions)
+                finally:
+                    for phantom in phantoms:
+                        phantom.abandon(wait=False)
+        finally:
+            dht.shutdown()
 
     return side
 
@@ -454,8 +506,7 @@ ATTACKS: dict[str, Attack] = {
     "phantoms-5": Attack("5 more identities that heartbeat (the node's step) and train nothing",
                          side=_extra_identities(5, squat=False)),
     "fresh-phantoms-5": Attack("5 identities like phantoms-5 that appear once rounds merge, replaced by fresh keys "
-                               "every 8 s (under idle_s)",
-                               side=_extra_identities(5, squat=False, late=True, renew_s=8.0)),
+                               "every 8 s (under idle_s)", side=_fresh_phantoms(5, renew_s=8.0)),
     "peer-id-squatter": Attack("an identity whose heartbeats name an honest node's libp2p peer id",
                                side=_extra_identities(1, squat=True)),
     "plain-values": Attack("a stock hivemind client writes plain values under every key of the run",

@@ -266,6 +266,10 @@ class SwarmView:
     quorum: QuorumState = QuorumState.HELD
     """Where this node's side of the swarm stands (``Quorum``): LOST, it owns nothing in this view; DOUBT, it
     changes nothing it owns."""
+    joining: frozenset[str] = frozenset()
+    """Composers in probation (``Heartbeat.probation``) that this node first saw less than ``idle_s`` ago and does
+    not ignore: joiners whose first contribution a round must merge (``Membership.enter_probation``). One that says
+    so for longer is a liar or cannot reach anyone, and no round is held for it."""
     grace_s: float = 0.0
     """How much longer than full pace the node's reads come apart (``MembershipConfig.slow_read_stretch``): a
     heartbeat counts for that long past its expiry, so a record carried over a read that missed it (``merge_views``)
@@ -331,9 +335,9 @@ class Progress:
       sends heartbeats can make its step move, but it cannot make its work arrive;
     - *unproven* (when ``idle_s`` > 0): first seen after anyone's work reached this node, and none of its own
       has: fresh keys earn nothing until they show work, however many there are and however often they are
-      replaced. An honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a
-      round merged its contribution, so that it gives itself no experts either; one that worked before and
-      comes back (a restart) has the idle rule's grace period.
+      replaced. One whose work arrived before and comes back (a restart) has the idle rule's grace period. An
+      honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a round merged
+      its contribution, so that it gives itself no experts either.
 
     None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused).
     """
@@ -387,6 +391,10 @@ class Progress:
         """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
         return now - self._work.get(fingerprint, -math.inf) >= self.idle_s > 0
 
+    def seen_for(self, fingerprint: str, now: float) -> float:
+        """How long ago this node first saw ``fingerprint`` (0 when it has not)."""
+        return now - self._first.get(fingerprint, now)
+
     def unproven(self, fingerprint: str) -> bool:
         """Whether ``fingerprint`` was first seen after anyone's work reached this node and none of its own has
         (the unproven rule; for the log)."""
@@ -408,6 +416,9 @@ class Progress:
         return frozenset(fp for fp in composers if fp == me or fp in self._work)
 
 
+_ALONE_READS = 3
+"""Fresh reads in a row without another composer that counts after which a node's probation ends (one read that
+misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
 _FLOOD_NAMED_AT = 8
 """Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
@@ -764,8 +775,9 @@ class Membership:
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
-        self._probation = False  # Heartbeat.probation: joined a training swarm, no work shown yet
+        self._probation_since: float | None = None  # Heartbeat.probation while set (``enter_probation``)
         self._shown_work = False
+        self._alone_reads = 0  # fresh reads in a row in which no other composer counts, while in probation
         self.without_work = 0
         """Live composers in the last view whose work has not reached this node while others' has
         (``_pacing_members``)."""
@@ -813,37 +825,67 @@ class Membership:
     @property
     def probation(self) -> bool:
         """Whether this composer says it is in probation (``Heartbeat.probation``)."""
-        return self._probation
+        return self._probation_since is not None
 
-    def enter_probation(self) -> None:
+    def enter_probation(self) -> bool:
         """This composer joins a swarm that already trains: until a round merges its contribution
-        (``shown_work``), or no other composer counts in its view, its heartbeat says so, and nobody, this node
-        included, gives it experts. The others would give it none anyway until its work reached them
-        (``Progress``, the unproven rule); saying so keeps its own view in step with theirs, so that it does
-        not take over experts their owners keep. It trains the shared groups meanwhile, and its contributions
-        are merged. Only when the work rule is on (``idle_s`` > 0) and only before it showed work."""
-        if self.presence.role != "composer" or self.config.idle_s <= 0 or self._shown_work or self._probation:
-            return
-        self._probation = True
+        (``shown_work``) its heartbeat says so, and nobody, this node included, gives it experts. The others give
+        it none anyway once their work began, until its work reaches them (``Progress``, the unproven rule);
+        saying so keeps its own view in step with theirs, so that it does not take over experts their owners
+        keep. It trains the shared groups meanwhile, and its contributions are merged. Only when the work rule is
+        on (``idle_s`` > 0), and only before it showed work (or resumed as one that had: ``shown_work``). Its
+        probation also ends when no other composer counts in its view for a few fresh reads (nobody else would
+        train the experts), or when no composer's work has reached it for ``idle_s`` (the swarm it saw train
+        announced steps, never work). True when it began it."""
+        with self._lock:
+            if (self.presence.role != "composer" or self.config.idle_s <= 0 or self._shown_work
+                    or self._probation_since is not None):
+                return False
+            self._probation_since, self._alone_reads = time.monotonic(), 0
         logger.info("%s joins run %s while it trains: it owns no expert until a round merges its contribution",
                     self.fingerprint, self.presence.run_id)
         self._announce_now.set()
+        return True
 
     def shown_work(self) -> bool:
-        """A round merged this composer's contribution with others' (they fetched and checked it): its probation
-        ends, for good in this process. True when it ended it."""
-        self._shown_work = True
-        if not self._probation:
-            return False
-        self._probation = False
+        """A round merged this composer's contribution with others' (they fetched and checked it), or it resumes
+        as an identity whose work the others saw: its probation ends, or never begins, for good in this process.
+        True when it ended one."""
+        with self._lock:
+            self._shown_work = True
+            if self._probation_since is None:
+                return False
+            self._probation_since = None
         logger.info("%s: a round merged its contribution; it takes its share of the experts", self.fingerprint)
         self._announce_now.set()
         return True
 
-    def _joins_training(self, view: SwarmView) -> bool:
-        """Whether another live composer of ``view`` has trained a step (this node joins a training swarm)."""
-        return any(m.heartbeat.role == "composer" and m.heartbeat.step > 0 for fp, m in view.alive().items()
-                   if fp != self.fingerprint)
+    def joins_training(self, view: SwarmView) -> bool:
+        """Whether the other live composers of ``view`` train: the higher median of their announced steps is past
+        0 (one identity announcing a step alone does not make a starting swarm a training one)."""
+        steps = [m.heartbeat.step for fp, m in view.alive().items()
+                 if m.heartbeat.role == "composer" and fp != self.fingerprint]
+        return bool(steps) and statistics.median_high(steps) > 0
+
+    def _end_probation_when_alone(self, work_began: bool) -> None:
+        """``enter_probation``'s last two ends, judged at each read."""
+        since = self._probation_since
+        if since is None:
+            return
+        others = set(self._view.composers()) - {self.fingerprint}
+        self._alone_reads = 0 if others or self._view.quorum is not QuorumState.HELD else self._alone_reads + 1
+        if self._alone_reads >= _ALONE_READS:
+            why = "no other composer counts in its view: nobody else would train the experts"
+        elif not work_began and time.monotonic() - since >= self._timing.idle_s:
+            why = f"no composer's work reached it in {self._timing.idle_s:.0f} s: the others announce steps only"
+        else:
+            return
+        with self._lock:
+            if self._probation_since is None:
+                return
+            self._probation_since = None
+        logger.info("%s: its probation ends (%s)", self.fingerprint, why)
+        self._announce_now.set()
 
     def assigned(self) -> bool:
         """Whether this node's latest view has a shard assignment with this node among its composers, whether or
@@ -878,7 +920,7 @@ class Membership:
         """
         if self._state is not PeerState.JOINING:
             raise RuntimeError(f"start() in state {self._state.value}")
-        if self._refresh() and self._joins_training(self._view):
+        if self._refresh() and self.joins_training(self._view):
             self.enter_probation()
         self._check_duplicate()
         deadline = time.monotonic() + timeout_s
@@ -1026,7 +1068,7 @@ class Membership:
                 peer_id=self.dht.peer_id, addresses=self._addresses, role=self.presence.role,
                 capacity=self.presence.capacity, shards=shards, step=self._step, versions=dict(self._versions),
                 loss=self._loss, run=self.presence.run_digest, suspects=dict(self._suspects),
-                banned=self._banned, sent=now, probation=self._probation,
+                banned=self._banned, sent=now, probation=self._probation_since is not None,
             )
         value = heartbeat_value(hb)
         ttl, started = self._timing.heartbeat_ttl_s, time.monotonic()
@@ -1088,13 +1130,19 @@ class Membership:
             counted = self._progress.counted(composers, self.fingerprint)
             work_began = self._progress.work_began
         self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
-        self._view = dataclasses.replace(merged, stalled=self._stalled(merged),
+        stalled = self._stalled(merged)
+        self._view = dataclasses.replace(merged, stalled=stalled, joining=self._joining(merged),
                                          quorum=self._check_quorum(merged, counted, work_began))
-        if self._probation and not set(self._view.composers()) - {self.fingerprint}:
-            self._probation = False  # no other composer counts: nobody else would train the experts
-            logger.info("%s: no other composer counts in its view; its probation ends", self.fingerprint)
-            self._announce_now.set()
+        self._end_probation_when_alone(work_began)
         return True
+
+    def _joining(self, view: SwarmView) -> frozenset[str]:
+        """``SwarmView.joining`` of ``view`` (after ``_stalled``, which notes when each composer was first seen)."""
+        now, idle_s = time.monotonic(), self._timing.idle_s
+        probation = [fp for fp, m in view.alive().items() if m.heartbeat.role == "composer" and m.heartbeat.probation]
+        with self._lock:
+            recent = {fp for fp in probation if self._progress.seen_for(fp, now) < idle_s}
+        return frozenset(fp for fp in recent if fp == self.fingerprint or not self._ignores(fp, view))
 
     def _pacing_members(self, alive: int, composers: int, counted: int) -> int:
         """How many members set this node's pace (``MembershipConfig.paced``): the composers that count in the

@@ -126,8 +126,10 @@ class Heartbeat(Message):
         sent: when it was sent, by the sender's clock (seconds since the epoch): a reader estimates how far the
             clocks disagree (``parallax doctor``); 0 when unknown.
         probation: a composer that joined a swarm already training and none of whose work has reached the
-            others yet says so: nobody (itself included) gives it experts until it stops saying it. A composer
-            can only take less by it; the others never believe the opposite (``dht.membership.Progress``).
+            others yet says so: nobody (itself included) gives it experts until it stops saying it, and a node
+            holds rounds beside it for ``idle_s`` after first seeing it (``dht.membership.SwarmView.joining``).
+            Saying it gets a composer no experts; not saying it gets none either until its work reached the others
+            (``dht.membership.Progress``).
     """
 
     KIND: ClassVar[str] = "heartbeat"

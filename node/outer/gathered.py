@@ -651,16 +651,20 @@ class GatheredRounds:
                            "" if bad or stalled else " for now", e)
             return None
         self.witness.fetched(peer, entry)
-        self._worked(peer)
+        self._worked(peer, tensors=tensors)
         return tensors, entry.tokens
 
-    def _worked(self, peer: str) -> None:
-        """A contribution of ``peer`` arrived usable (whole, or blocks of it): it holds no fetch and fails none now,
-        and it shows work."""
+    def _worked(self, peer: str, digest: bytes | None = None, *,
+                tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """A contribution of ``peer`` arrived usable (whole: its ``tensors``, or blocks of the contribution whose
+        claim signed ``digest``): it holds no fetch and fails none now, and it shows work, unless it is all zeros (a
+        body any identity can send without training)."""
         with self._lock:
             self._held.pop(peer, None)
             self._failing.pop(peer, None)
-        if self.peers.worked is not None:
+        zeros = (not any(bool(t.any()) for t in tensors.values()) if tensors is not None
+                 else digest is not None and digest == self._zeros())
+        if self.peers.worked is not None and not zeros:
             self.peers.worked(peer)
 
     def _check_fresh(self, peer: str, entry: RoundEntry, tensors: Mapping[str, torch.Tensor] | None) -> None:

@@ -186,14 +186,15 @@ class PartsMerge:
         announce: publishes this node's entry of a round (its number) naming a set and, once merged, the root of its
             merged blocks (b"" before).
         scores: where evidence against peers goes.
-        worked: told of each peer whose blocks arrived usable (evidence of its work).
+        worked: told of each peer whose blocks arrived usable, with the digest its claim signed (evidence of its
+            work unless that is an all-zero contribution's).
         pool: runs the fetches.
     """
 
     def __init__(self, *, group: str, peer_id: str, shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig,
                  gather: OuterGather, entries_of: Callable[[Sequence[str], float], Mapping[str, Entries]],
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
-                 worked: Callable[[str], None] | None, pool: ThreadPoolExecutor) -> None:
+                 worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
@@ -382,6 +383,6 @@ class PartsMerge:
                 self.scores.record(peer, Evidence.FORGED if bad else Evidence.STALLED)
             raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer, name) from e
         if self.worked is not None:
-            self.worked(peer)
+            self.worked(peer, claim.digest)
         return out
 

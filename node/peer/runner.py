@@ -190,7 +190,7 @@ class Node:
         train_tokens, val = splits.train, splits.val
         # The checkpoint is chosen, checked and loaded before the network starts: a node that cannot resume says
         # so before it announces itself to anyone.
-        composer, info = None, None
+        composer, info, resumed_at = None, None, 0
         device = str(device_of(c.node.device))
         sampler_seed = data_seed(self.identity.fingerprint, cfg.seed)
         checkpoint = self._checkpoint()
@@ -199,16 +199,17 @@ class Node:
             composer = Composer(cfg, info.owned, train_tokens, sampler_seed=sampler_seed, device=device,
                                 replica_outers=cfg.ownership.replicas > 1)
             loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
+            resumed_at = loaded.step
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         telemetry.phase("joining")
-        net = self._start_network(dict(info.versions) if info is not None else {})
+        net = self._start_network(dict(info.versions) if info is not None else {}, worked_before=resumed_at > 0)
         telemetry.event("network_started", seconds=self._seconds())
         owned, joining = self._wait_for_shard(net.membership)
         telemetry.event("shard_offered", seconds=self._seconds(), probation=net.membership.probation)
         others = [m for fp, m in net.membership.view().alive().items()
                   if fp != self.identity.fingerprint and m.heartbeat.role == "composer"]
-        # A joiner takes its experts over from their previous owners at its first seams (``Experts.reconcile``),
-        # so it starts owning nothing; the previous owners are those of the assignment without it.
+        # A joiner starts owning nothing: in probation until a round merged its contribution, then it takes its
+        # experts over from their previous owners at its seams (``Experts.reconcile``).
         if composer is None:
             composer = Composer(cfg, ownership_of({} if joining else owned, cfg.model.n_layers), train_tokens,
                                 sampler_seed=sampler_seed, device=device, replica_outers=cfg.ownership.replicas > 1)
@@ -273,9 +274,11 @@ class Node:
         self.telemetry.event("resume_from", path=str(found), skipped=[str(f) for f, _ in skipped])
         return found
 
-    def _start_network(self, versions: dict[tuple[int, int], int]) -> _Network:
+    def _start_network(self, versions: dict[tuple[int, int], int], *, worked_before: bool = False) -> _Network:
         """DHT, membership, then the network loop, gossip, snapshot exchange and outer averagers: their
-        averagers take seconds to start while the announcer thread settles the shard assignment."""
+        averagers take seconds to start while the announcer thread settles the shard assignment.
+        ``worked_before``: this identity resumes its own checkpoint of the run, so the others that saw its work give
+        it the grace period of a restart, and it takes no probation (``Membership.enter_probation``)."""
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
         manifest = peer_manifest(c.peer, self.identity, run_settings(cfg), self._tokenizer.digest)
@@ -294,6 +297,8 @@ class Node:
                                 c.net.membership,
                                 shards=ShardConfig(n_layers=cfg.model.n_layers, n_experts=cfg.model.n_experts,
                                                   replicas=cfg.ownership.replicas))
+        if worked_before:
+            membership.shown_work()
         membership.start()
         stack.callback(_leave_quietly, membership)
         if self._observer is not None:
@@ -347,8 +352,9 @@ class Node:
 
     def _wait_for_shard(self, membership: Membership) -> tuple[dict[int, frozenset[int]], bool]:
         """Wait until the live assignment has us in it and what it gives us has been stable for a moment, or,
-        joining a swarm that already trains, until we see it (a joiner starts owning nothing and takes its experts
-        over at its first seams, so the assignment need not have settled). What it gives us may be nothing: a
+        joining a swarm that already trains, until we see it (a joiner starts owning nothing, in probation
+        (``Membership.enter_probation``), and takes its experts over at its seams once that ends, so the assignment
+        need not have settled). What it gives us may be nothing: a
         swarm of more composers than experts has composers that own none, and they train the shared groups with
         every expert's surrogate until the swarm shrinks.
 
@@ -378,9 +384,10 @@ class Node:
             # Peers that waited for min_peers composers counting this one started because of it: it is one of them
             # even if its first view of them comes after their first steps.
             running = any(step > 0 for step in first_seen_step.values()) and len(first_seen_step) >= settings.min_peers
-            if peers >= settings.min_peers and ((membership.assigned() and stable) or running):
-                if running:
-                    membership.enter_probation()  # when its first read did not show the training composers
+            if running or (membership.joins_training(view) and not membership.assigned()):
+                # A node whose first read did not show the training composers: its probation begins now.
+                membership.enter_probation()
+            if peers >= settings.min_peers and ((membership.assigned() and stable) or running or membership.probation):
                 return owned, running
             if time.monotonic() > deadline:
                 raise NodeError(f"not in the swarm's shard assignment within {settings.start_timeout_s:.0f} s "

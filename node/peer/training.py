@@ -307,7 +307,7 @@ class Training:
     def _refresh_status(self) -> None:
         s = self.telemetry.status
         view = self.membership.view()
-        s.live_peers = len(view.composers())
+        s.live_peers = self.views.composers()  # joiners in probation too
         s.without_work = self.membership.without_work
         s.view_age_s = max(0.0, dht_time() - view.read_at)
         s.owned = sum(len(es) for es in self.composer.owned)

@@ -180,18 +180,17 @@ class SwarmViews:
 
     def composers(self) -> int:
         """Live composers in the view that a round merges with, this one included: those that count
-        (``SwarmView.composers``) and those in probation (``Heartbeat.probation``: their probation ends when a
-        round merges their contribution, so a node whose view counts only itself beside them must hold rounds)."""
+        (``SwarmView.composers``) and the joiners in probation (``SwarmView.joining``: their probation ends when a
+        round merges their contribution, so a node whose view counts only itself beside one must hold rounds)."""
         view = self.membership.view()
-        joining = {fp for fp, m in view.alive().items() if m.heartbeat.role == "composer" and m.heartbeat.probation
-                   and not self.banned(m.heartbeat.peer_id)}
-        return len(set(view.composers()) | joining)
+        return len(set(view.composers()) | view.joining)
 
     def alone(self) -> bool:
-        """Whether this node is the swarm's only live composer for good: a fresh view in which it is alive, no other
-        composer is, and its side holds the quorum (the others left with deathrattles, or long enough ago). Not a
-        view that lost the others, or this node, for a moment on a loaded host: a merge among one then would move
-        this node's anchor away from theirs."""
+        """Whether this node is the swarm's only live composer that counts for good: a fresh view in which it is
+        alive, no other composer counts (``composers`` says whether a joiner in probation is there to merge with),
+        and its side holds the quorum (the others left with deathrattles, or long enough ago). Not a view that lost
+        the others, or this node, for a moment on a loaded host: a merge among one then would move this node's
+        anchor away from theirs."""
         view = self.fresh()
         return (view is not None and view.quorum is QuorumState.HELD
                 and list(view.composers()) == [self.fingerprint])

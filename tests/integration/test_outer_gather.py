@@ -349,6 +349,20 @@ def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contr
     assert sorted(set(seen)) == sorted(ids[:2])  # each fetched the other's contribution: evidence of its work
 
 
+def test_an_all_zero_contribution_is_merged_but_shows_no_work(peers):
+    """A body of zeros is what any identity can send without training: it is merged like any other, and it does not
+    count as its sender's work (``dht.membership.Progress``), so a key that sends only zeros earns no experts."""
+    ids = [p.dht.peer_id for p in peers[:3]]
+    seen: list[str] = []
+    deltas = _deltas(3, seed=7)
+    deltas[2] = {name: torch.zeros_like(t) for name, t in deltas[2].items()}
+    with _averagers(peers[:3], "zeros", round_peers=RoundPeers(lambda: ids, lambda: ids, seen.append)) as avg:
+        results = _run(avg, deltas, [CAP, CAP, CAP], round_id=1)
+        assert all(r is not None for r in results), [a.last_report for a in avg]
+        assert all(len(a.last_report.participants) == 3 for a in avg)
+    assert sorted(set(seen)) == sorted(ids[:2])
+
+
 def test_a_node_whose_view_of_work_is_narrow_waits_for_the_contributions_on_offer(peers, caplog):
     """Only peer 1's work has reached peer 0 (crowded nodes fetch slowly); the others see everyone's. Peer 0 counts
     the contributions on offer in its quorum, so it merges the set of four the others merge from the first, not a

@@ -20,6 +20,7 @@ import torch
 from parallax.dht.adapter import SwarmDHT
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.outer.averager import GroupAverager, RoundStatus, TieredOuterSync
+from parallax.node.outer.transport import RoundPeers
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.train.merge_rules import merge_groups
 from parallax.protocol.identity import Identity
@@ -56,11 +57,14 @@ def _deltas(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _start(dhts: Sequence[SwarmDHT], run_id: str, config: OuterSyncConfig) -> list[GroupAverager]:
+def _start(dhts: Sequence[SwarmDHT], run_id: str, config: OuterSyncConfig,
+           worked: Sequence[set[str]] | None = None) -> list[GroupAverager]:
+    """An averager per DHT; ``worked``: a set per averager that collects the peers it is told showed work."""
     averagers: list[GroupAverager] = []
     try:
-        for dht in dhts:
-            averagers.append(GroupAverager(dht, run_id, "router", SHAPES, config))
+        for i, dht in enumerate(dhts):
+            peers = RoundPeers(lambda: [], worked=worked[i].add) if worked is not None else None
+            averagers.append(GroupAverager(dht, run_id, "router", SHAPES, config, peers=peers))
     except BaseException:
         _stop(averagers)
         raise
@@ -111,12 +115,16 @@ def test_three_peers_get_the_in_process_merge(dhts, method, compression, tol):
     # Each peer gets local + round(mean - local): the error is relative to (mean - local), which for "c"
     # (whose deltas cancel) is 5-10x the mean, hence uint8's loose tolerance on the merge itself.
     config = _config(merge=method, compression=compression, target_group_size=3)
-    averagers = _start(dhts, f"merge-{method}-{compression}", config)
+    worked: list[set[str]] = [set(), set(), set()]
+    averagers = _start(dhts, f"merge-{method}-{compression}", config, worked)
     try:
         deltas = _deltas(3)
         started = time.monotonic()
         results = _run_whole(averagers, deltas, TOKENS, tol)
         elapsed = time.monotonic() - started
+        # A round a majority verified shows each other participant's work (no per-peer body to check here).
+        for a, seen in zip(averagers, worked, strict=True):
+            assert seen >= set(a.last_report.participants) - {a.peer_id}, (seen, a.last_report.participants)
         reference = merge_groups(deltas, TOKENS, method=method)
         for a, merged in zip(averagers, results, strict=True):
             report = a.last_report

@@ -434,37 +434,73 @@ def test_a_composer_in_probation_is_in_nobody_s_assignment_its_own_included():
     assert Heartbeat.decode(hb.encode()).probation  # it travels
 
 
+def _beat(step: int, *, probation: bool = False, peer_id: str = "12D3KooWa") -> bytes:
+    return heartbeat_value(Heartbeat(peer_id=peer_id, addresses=(), role="composer", capacity=1.0, shards=(),
+                                     step=step, probation=probation))
+
+
 def test_a_composer_joining_a_training_swarm_is_in_probation_until_a_round_merges_its_work():
-    """Its first read shows a composer that trained a step: its heartbeat says probation (it gives itself no experts,
-    as the others give it none before its work reaches them) until ``shown_work``; alone, it ends at once."""
-    me, alice = Identity.from_seed(b"m" * 32), Identity.from_seed(b"a" * 32)
+    """Its first read shows composers that trained: its heartbeat says probation (it gives itself no experts, as the
+    others give it none before its work reaches them) until ``shown_work``. One that resumes as an identity that
+    worked takes none, nor does a worker."""
+    me, alice, bob = (Identity.from_seed(bytes([c]) * 32) for c in b"mab")
     clock = [100.0]
     dht = _SlowReads(clock, read_s=0.1)
     shards = ShardConfig(n_layers=1, n_experts=4)
     m = Membership(dht, me, Presence(run_id="r"), shards=shards, clock=lambda: clock[0])  # type: ignore[arg-type]
-    training = Heartbeat(peer_id="12D3KooWa", addresses=(), role="composer", capacity=1.0, shards=(), step=40)
-    dht.answer = {owner_subkey(alice.public_key): (heartbeat_value(training), 106.0)}
-    assert m._refresh() and m._joins_training(m.view())
-    m.enter_probation()
-    assert m.probation
-    mine = Heartbeat(peer_id=dht.peer_id, addresses=(), role="composer", capacity=1.0, shards=(), step=0,
-                     probation=True)
-    dht.answer[owner_subkey(me.public_key)] = (heartbeat_value(mine), 106.0)
-    assert m._refresh() and m.probation and set(m.view().composers()) == {alice.fingerprint}
-    m.shown_work()
-    assert not m.probation
-    m.enter_probation()  # once its work was shown, never again in this process
-    assert not m.probation
-    alone = Membership(dht, Identity.from_seed(b"n" * 32), Presence(run_id="r"), shards=shards,  # type: ignore[arg-type]
-                       clock=lambda: clock[0])
-    alone.enter_probation()
-    assert alone.probation
-    dht.answer = {}  # the training composer is gone: nobody else would train the experts
-    assert alone._refresh() and not alone.probation
+    dht.answer = {owner_subkey(alice.public_key): (_beat(40), 106.0), owner_subkey(bob.public_key): (_beat(40), 106.0)}
+    assert m._refresh() and m.joins_training(m.view())
+    assert m.enter_probation() and m.probation
+    dht.answer[owner_subkey(me.public_key)] = (_beat(0, probation=True, peer_id=dht.peer_id), 106.0)
+    assert m._refresh() and m.probation and set(m.view().composers()) == {alice.fingerprint, bob.fingerprint}
+    assert m.view().joining == {me.fingerprint}  # a round must merge its contribution: it counts for that
+    assert m.shown_work() and not m.probation
+    assert not m.enter_probation() and not m.probation  # once its work was shown, never again in this process
+    restarted = Membership(dht, me, Presence(run_id="r"), shards=shards, clock=lambda: clock[0])  # type: ignore[arg-type]
+    assert not restarted.shown_work()  # it resumes its own checkpoint: the others saw its work
+    assert not restarted.enter_probation()
     worker = Membership(dht, Identity.from_seed(b"w" * 32), Presence(run_id="r", role="worker"),  # type: ignore[arg-type]
                         clock=lambda: clock[0])
-    worker.enter_probation()
-    assert not worker.probation
+    assert not worker.enter_probation()
+
+
+def test_one_identity_announcing_steps_puts_no_starting_composer_in_probation_and_a_probation_ends_without_others():
+    """A starting swarm of two with one identity that announces step 100 is not a training one (the higher median of
+    the others' steps decides). A probation ends after three fresh reads in which no other composer counts, or once
+    ``idle_s`` passed without anyone's work reaching the node (the others announced steps, never work)."""
+    me, alice, bob, liar = (Identity.from_seed(bytes([c]) * 32) for c in b"mabl")
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    shards = ShardConfig(n_layers=1, n_experts=4)
+    m = Membership(dht, me, Presence(run_id="r"), shards=shards, clock=lambda: clock[0])  # type: ignore[arg-type]
+    dht.answer = {owner_subkey(alice.public_key): (_beat(0), 106.0), owner_subkey(bob.public_key): (_beat(0), 106.0),
+                  owner_subkey(liar.public_key): (_beat(100), 106.0)}
+    assert m._refresh() and not m.joins_training(m.view())
+    dht.answer[owner_subkey(alice.public_key)] = (_beat(30), 106.0)
+    assert m._refresh() and m.joins_training(m.view())
+    assert m.enter_probation()
+    for _ in range(5):  # both count (nobody's work reached this node yet): it stays
+        assert m._refresh() and m.probation
+    m._probation_since -= m.config.idle_s  # idle_s in probation, and no work arrived from anyone
+    assert m._refresh() and not m.probation
+    alone = Membership(dht, Identity.from_seed(b"n" * 32), Presence(run_id="r"), shards=shards,  # type: ignore[arg-type]
+                       clock=lambda: clock[0])
+    assert alone._refresh() and alone.enter_probation()
+    dht.answer, clock[0] = {}, 107.0  # the others are gone (their heartbeats expired): nobody else would train
+    assert alone._refresh() and alone._refresh() and alone.probation  # two reads may be a loaded host's
+    assert alone._refresh() and not alone.probation
+
+
+def test_a_composer_that_says_probation_for_longer_than_idle_s_is_no_joiner_to_hold_rounds_for():
+    me, liar = Identity.from_seed(b"m" * 32), Identity.from_seed(b"l" * 32)
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), shards=ShardConfig(n_layers=1, n_experts=4),  # type: ignore[arg-type]
+                   clock=lambda: clock[0])
+    dht.answer = {owner_subkey(liar.public_key): (_beat(5, probation=True), 106.0)}
+    assert m._refresh() and m.view().joining == {liar.fingerprint} and liar.fingerprint not in m.view().composers()
+    m._progress._first[liar.fingerprint] -= m.config.idle_s
+    assert m._refresh() and m.view().joining == frozenset()
 
 
 def test_a_declared_capacity_counts_up_to_twice_the_median():
