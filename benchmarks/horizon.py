@@ -2,7 +2,7 @@
 
 Reads the JSON files that ``parallax bench quality`` writes (each run's ``val_history``: tokens so far and
 the median own-view validation loss, every ``eval_every`` steps) and draws a PNG; a run is compared with
-the baseline of the same length from any of the files. Optional dependency:
+the baseline of the same length and seed from any of the files. Optional dependency:
 matplotlib (``pip install -e ".[bench]"``).
 """
 
@@ -37,21 +37,25 @@ def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | N
 
     fig, (ax_loss, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.5))
     loaded = [json.loads(Path(path).read_text()) for path in reports]
-    # A run is compared with the baseline of the same length, from whichever report holds it.
-    baselines = {r["config"]["steps"]: r["runs"]["baseline"] for r in loaded if "baseline" in r["runs"]}
+    seeds = {r["config"].get("seed", 0) for r in loaded}
+    # A run is compared with the baseline of the same length and seed, from whichever report holds it.
+    baselines = {_length(r): r["runs"]["baseline"] for r in loaded if "baseline" in r["runs"]}
     for report in loaded:
-        steps = report["config"]["steps"]
+        steps, seed = _length(report)
         for name, run in report["runs"].items():
             if runs is not None and name not in runs and name != "baseline":
                 continue
+            label = f"{name} ({steps} steps{f', seed {seed}' if len(seeds) > 1 else ''})"
             tokens, losses = zip(*run["val_history"], strict=True)
-            (line,) = ax_loss.plot([t / 1e6 for t in tokens], losses, marker=".", label=f"{name} ({steps} steps)")
-            if name != "baseline" and steps in baselines:
-                points = ratios(run, baselines[steps])
+            (line,) = ax_loss.plot([t / 1e6 for t in tokens], losses, marker=".", label=label)
+            if name != "baseline" and (steps, seed) in baselines:
+                points = ratios(run, baselines[steps, seed])
                 if points:
                     t, r = zip(*points, strict=True)
-                    ax_ratio.plot([x / 1e6 for x in t], r, marker=".", color=line.get_color(),
-                                  label=f"{name} ({steps} steps)")
+                    ax_ratio.plot([x / 1e6 for x in t], r, marker=".", color=line.get_color(), label=label)
+    if max((t for r in loaded for run in r["runs"].values() for t, _ in run["val_history"]), default=1) > 1e7:
+        for ax in (ax_loss, ax_ratio):
+            ax.set_xscale("log")
     ax_loss.set(xlabel="tokens (millions)", ylabel="validation loss (nats/byte)", title="validation loss")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.axhline(1.02, color="grey", linewidth=0.8, linestyle="--")
@@ -60,3 +64,8 @@ def plot(reports: Sequence[str | Path], out: str | Path, runs: Sequence[str] | N
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return save_figure(fig, out)
+
+
+def _length(report: dict[str, Any]) -> tuple[int, int]:
+    """(steps, seed) of a quality report: what a run and its baseline share."""
+    return int(report["config"]["steps"]), int(report["config"].get("seed", 0))
