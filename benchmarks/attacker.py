@@ -362,27 +362,17 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
     attacker's signs for every key (a validator that signs each record with the key its subkey names)."""
 
     def side(attacker: Attacker) -> None:
-        import msgpack
-
         from parallax.dht.adapter import DHTConfig, SwarmDHT
         from parallax.dht.keys import protected_keys
-        from parallax.dht.records import Ed25519RecordValidator, owner_subkey
+        from parallax.dht.testing import ManyKeysValidator
         from parallax.node.config.train import SHARED_GROUPS
         from parallax.protocol.identity import Identity
 
         real, phantom_class = attacker.membership, _phantom_class()
         while not real._progress.work_began and not attacker.stop.wait(0.5):
             pass
-        keys: dict[bytes, Identity] = {}
-
-        class ManyKeys(Ed25519RecordValidator):
-            def sign_value(self, record: Any) -> bytes:
-                self._identity, self._own_subkey_bytes = keys[record.subkey], record.subkey
-                return super().sign_value(record)
-
-        first = Identity.generate()
-        validator = ManyKeys(first, protected_keys=protected_keys(attacker.run_id, real.shards.n_layers,
-                                                                  SHARED_GROUPS), learn_protected=False)
+        validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
+            attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
         dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
                                        host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
         attacker.peer_ids.append(str(dht.peer_id))
@@ -390,7 +380,7 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
             while not attacker.stop.is_set():
                 identities = [Identity.generate() for _ in range(count)]
                 for identity in identities:
-                    keys[msgpack.packb(owner_subkey(identity.public_key), use_bin_type=True)] = identity
+                    validator.add(identity)
                     attacker.fingerprints.append(identity.fingerprint)
                 attacker.write_ids()
                 phantoms = [phantom_class(dht, identity, real.config, shards=real.shards) for identity in identities]

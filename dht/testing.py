@@ -12,13 +12,16 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
+
+import msgpack
+from hivemind.dht.validation import DHTRecord
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Membership, MembershipConfig, Presence, SwarmView
-from parallax.dht.records import Ed25519RecordValidator
+from parallax.dht.records import Ed25519RecordValidator, owner_subkey
 from parallax.protocol.identity import Identity
 from parallax.protocol.manifest import RunManifest
 
@@ -51,6 +54,24 @@ def agreed(views: Sequence[SwarmView], gone: str | None = None, now: float | Non
         return False
     want = {(layer, e): first.owners_of(layer, e) for layer in range(first.n_layers) for e in range(first.n_experts)}
     return all(v.claims(now) == want for v in views)
+
+
+class ManyKeysValidator(Ed25519RecordValidator):
+    """An attacker's DHT peer (tests and ``bench attacks``): it signs each record with the key its subkey names, so
+    one peer writes validly signed records for any number of identities (``add`` them, before or while it runs)."""
+
+    def __init__(self, identities: Sequence[Identity], **kwargs: Any) -> None:
+        super().__init__(identities[0], **kwargs)
+        self._keys: dict[bytes, Identity] = {}
+        for identity in identities:
+            self.add(identity)
+
+    def add(self, identity: Identity) -> None:
+        self._keys[msgpack.packb(owner_subkey(identity.public_key), use_bin_type=True)] = identity
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        self._identity, self._own_subkey_bytes = self._keys[record.subkey], record.subkey
+        return super().sign_value(record)
 
 
 def fixed_identity(i: int) -> Identity:

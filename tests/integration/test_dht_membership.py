@@ -15,9 +15,7 @@ import signal
 import threading
 import time
 
-import msgpack
 import pytest
-from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
@@ -32,8 +30,8 @@ from parallax.dht.membership import (
     heartbeat_value,
     read_view,
 )
-from parallax.dht.records import Ed25519RecordValidator, owner_subkey, subkey_owner
-from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
+from parallax.dht.records import owner_subkey, subkey_owner
+from parallax.dht.testing import LocalSwarm, ManyKeysValidator, agreed, fixed_identity, wait_until
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Heartbeat
 
@@ -226,7 +224,7 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
     # One DHT peer writes the eight heartbeats in a row, within the TTL, each signed by its identity and naming a
     # peer id of its own.
     sybils = [fixed_identity(100 + i) for i in range(8)]
-    writer = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(sybils)])
+    writer = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(sybils)])
     try:
         beats = {}
         for sybil in sybils:
@@ -249,19 +247,6 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
         assert states == {QuorumState.HELD}, states
     finally:
         writer.shutdown()
-
-
-class _ManyKeys(Ed25519RecordValidator):
-    """An attacker's DHT peer: it signs each record with the key its subkey names, so it can write a validly
-    signed heartbeat for any number of fresh identities."""
-
-    def __init__(self, identities: list[Identity]) -> None:
-        super().__init__(identities[0])
-        self._keys = {msgpack.packb(owner_subkey(i.public_key), use_bin_type=True): i for i in identities}
-
-    def sign_value(self, record: DHTRecord) -> bytes:
-        self._identity, self._own_subkey_bytes = self._keys[record.subkey], record.subkey
-        return super().sign_value(record)
 
 
 def _write(writer: SwarmDHT, run_id: str, beats: dict[Identity, bytes], *, ttl_s: float) -> None:
@@ -287,7 +272,7 @@ def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is
             p.membership.worked(other.fp)
     wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
     fresh = [Identity.from_seed((1000 + i).to_bytes(4, "big") * 8) for i in range(100)]
-    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(fresh)])
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
     try:
         beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
                                          shards=(), step=0, sent=dht_time()))
@@ -320,7 +305,7 @@ def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_
     wait_until(lambda: all(set(p.membership.view().composers()) == names for p in honest), timeout=10)
     owned = [p.membership.owned() for p in honest]
     fresh = [Identity.from_seed((2000 + i).to_bytes(4, "big") * 8) for i in range(40)]
-    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [_ManyKeys(fresh)])
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
     try:
         flood = {i.fingerprint for i in fresh}
         for step in (50, 60):  # written twice, the second time with a step that moved
