@@ -303,6 +303,8 @@ def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_
             p.membership.worked(other.fp)
     names = {p.fp for p in honest}
     wait_until(lambda: all(set(p.membership.view().composers()) == names for p in honest), timeout=10)
+    # What each owns once the three settled together (one assignment, every expert claimed by its owners).
+    wait_until(lambda: agreed([p.membership.view() for p in honest]), timeout=20)
     owned = [p.membership.owned() for p in honest]
     fresh = [Identity.from_seed((2000 + i).to_bytes(4, "big") * 8) for i in range(40)]
     flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
