@@ -247,6 +247,7 @@ class BackgroundRounds:
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
+        self._rebase: set[str] = set()  # groups whose state is taken from the others once their round ends (``rebase``)
         self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._served_lock = threading.Lock()
         self._serving: set[str] = set()
@@ -275,7 +276,7 @@ class BackgroundRounds:
                 self.end_waiting(group, round_id)
             return False
         self._owed.pop(group, None)
-        if group in self._reloads:
+        if group in self._reloads or group in self._rebase:
             self.counts.skipped_busy += 1
             logger.info("outer round %s/%d skipped: the group's state is being downloaded", group, round_id)
             return False
@@ -382,7 +383,32 @@ class BackgroundRounds:
             self.counts.reloads += 1
             self.publish_state(group)
             self._start_serving(group)
+        self._start_rebases()
         return done
+
+    def rebase(self) -> None:
+        """This node is back in the swarm's majority after it was cut off from it: what it trained of the shared
+        groups alone is dropped, and each group's state is downloaded from the others, as its experts are taken back
+        from those who trained them meanwhile. Sent as it is, the pseudo-gradient of a whole partition would span
+        many periods from an anchor the others moved on from: every merge would clip it, and each would count it as
+        evidence against this node. A round still waiting for a quorum is told to end first; a group contributes
+        again once its download ended (a download that fails or is refused keeps what the node trained)."""
+        for group in self.sync.groups.keys() & self.composer.outer.keys():
+            self._rebase.add(group)
+            flight = self._in_flight.get(group)
+            if flight is not None:
+                flight.due.set()
+        self._start_rebases()
+
+    def _start_rebases(self) -> None:
+        for group in sorted(self._rebase - self._in_flight.keys() - self._reloads.keys()):
+            self._rebase.discard(group)
+            tokens = self.composer.tokens_since_merge[group]
+            self.composer.tokens_since_merge[group] = 0
+            logger.warning("outer group %s: back in the swarm's majority; taking the others' state of it and dropping "
+                           "the %d tokens this node trained of it since its last merge", group, tokens)
+            self._reload_since[group] = (self.composer.outer[group].live_copy(), tokens)
+            self._reloads[group] = self._pool.submit(self._download, group, 30.0)
 
     def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None,
                       sources: Sequence[str] | None = None) -> None:

@@ -164,7 +164,10 @@ class Training:
                                 if (eid[0], e) not in owned_now and (eid[0], e) in self._applied]
                     typical[eid[0]] = SurrogateUpdate.layer_norms(received) if len(received) >= 2 else {}
                 self._apply_surrogate(update, eid, typical[eid[0]])
+        was_cut_off = self.telemetry.status.cut_off
         self.experts.reconcile()
+        if was_cut_off and not self.telemetry.status.cut_off:
+            rounds.rebase()  # what it trained of the shared groups alone goes, as its own experts' copies did
         for report in rounds.collect():
             self._round_event(report)
             self.gate.round_done(report.group, report.status is RoundStatus.OK, composer.step)

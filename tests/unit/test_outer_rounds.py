@@ -229,3 +229,39 @@ def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_t
         assert rounds.owed() == {"router": 7} and rounds.counts.ended_waiting == 2
     finally:
         rounds.shutdown()
+
+
+def test_back_from_a_partition_a_node_ends_its_waiting_round_and_takes_the_others_state_for_its_lone_progress():
+    params, outer = make()
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(5.0)  # what it trained alone, cut off from the others
+    _, other = make()
+    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
+    for n, t in theirs.items():
+        other.anchor[n].copy_(t)
+    served = [group_state(other, group="router", round_id=9, step=0), None]
+    states = SimpleNamespace(serve=lambda group, provider: None,
+                             download=lambda group, shapes, timeout_s, sources=None: served.pop(0))
+    averager = _WaitingAverager()
+    sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
+    rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
+    try:
+        assert rounds.submit("router", 1)
+        composer.tokens_since_merge["router"] = 40
+        rounds.rebase()  # the waiting round is told to end; the group waits for the others' state
+        assert not rounds.submit("router", 2)
+        rounds.wait(timeout_s=30)  # round 1 failed (its tokens back), then the download ran
+        rounds.wait(timeout_s=30)
+        assert composer.tokens_since_merge["router"] == 0 and outer.round == 9
+        assert all(torch.equal(outer.anchor[n], theirs[n]) and torch.equal(params[n].detach(), theirs[n])
+                   for n in params)
+        assert rounds.owed() == {} and rounds.submit("router", 3)
+        composer.tokens_since_merge["router"] = 30
+        rounds.rebase()  # nobody serves the state this time: what it trained stays, with its tokens
+        rounds.wait(timeout_s=30)
+        rounds.wait(timeout_s=30)
+        assert composer.tokens_since_merge["router"] == 30 and rounds.counts.reloads == 1
+    finally:
+        rounds.shutdown()
