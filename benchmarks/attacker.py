@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
 import runpy
+import statistics
 import sys
 import threading
 import time
@@ -63,6 +65,8 @@ class Attack:
     patch: Callable[[Attacker], None] | None = None
     side: Callable[[Attacker], None] | None = None
     node_args: tuple[str, ...] = ()
+    colluders: int = 1
+    """Attacking composers in a run, each its own process running this attack."""
 
 
 # --- outer-round contributions ---
@@ -79,6 +83,78 @@ def _tamper_contributions(change: Callable[[str, torch.Tensor], torch.Tensor]) -
 
         def tampered(delta: Any, compression: str) -> bytes:
             return honest({name: change(name, t) for name, t in delta.items()}, compression)
+
+        gathered.encode_contribution = tampered
+
+    return patch
+
+
+def alie_z(composers: int, colluders: int) -> float:
+    """How many standard deviations ALIE ("A Little Is Enough", Baruch et al. 2019) moves from the honest mean: the
+    most that leaves the colluders' vector nearer the mean than ``s`` of the honest ones, ``s = composers // 2 + 1 -
+    colluders`` (the honest votes a majority-based rule still needs from them): ``Phi^-1((composers - s) /
+    composers)`` (0.32 for 2 of 8, 0 for 1 of 4)."""
+    s = max(1, composers // 2 + 1 - colluders)
+    return statistics.NormalDist().inv_cdf(min((composers - s) / composers, 1 - 1e-9)) if composers > s else 0.0
+
+
+def alie(colluders: int) -> Callable[[list[torch.Tensor], int], torch.Tensor]:
+    """ALIE's vector from the colluders' honest tensors: their mean less ``alie_z`` of their standard deviation,
+    coordinate by coordinate (their own honest one while only one is known)."""
+
+    def craft(honest: list[torch.Tensor], composers: int) -> torch.Tensor:
+        stacked = torch.stack(honest)
+        mean = stacked.mean(dim=0)
+        if len(honest) < 2:
+            return mean
+        return mean - alie_z(composers, colluders) * stacked.std(dim=0)
+
+    return craft
+
+
+def inner_product_manipulation(epsilon: float) -> Callable[[list[torch.Tensor], int], torch.Tensor]:
+    """Inner-product manipulation (Xie et al. 2020): ``-epsilon`` times the colluders' honest mean, a short vector
+    against the honest direction that no norm bound and no median stands out from."""
+
+    def craft(honest: list[torch.Tensor], _composers: int) -> torch.Tensor:
+        return -epsilon * torch.stack(honest).mean(dim=0)
+
+    return craft
+
+
+def _colluding(craft: Callable[[list[torch.Tensor], int], torch.Tensor]) -> Callable[[Attacker], None]:
+    """Colluders that each train honestly and share their honest pseudo-gradients through a folder beside their ids
+    (the channel a group of attackers has among themselves; here the run's folder). Each sends, tensor by tensor,
+    ``craft(honest, composers)``: its own honest tensor and the other colluders' latest of it, and how many composers
+    its view holds; computed from nearly the same tensors, the colluders' bodies nearly agree, and vouch for each
+    other in every median."""
+
+    def patch(attacker: Attacker) -> None:
+        from parallax.node.outer import gathered
+
+        honest_encode = gathered.encode_contribution
+        folder = attacker.ids_path.parent / "colluders"
+        folder.mkdir(exist_ok=True)
+        me = attacker.ids_path.stem
+
+        def tampered(delta: Any, compression: str) -> bytes:
+            group = hashlib.sha256("\0".join(sorted(delta)).encode()).hexdigest()[:12]  # one file per shared group
+            own = {name: t.detach().to(torch.float32).clone() for name, t in delta.items()}
+            written = folder / f".{group}-{me}.tmp"
+            torch.save(own, written)
+            written.replace(folder / f"{group}-{me}.pt")
+            held = [own]
+            for path in sorted(folder.glob(f"{group}-*.pt")):
+                if path.stem != f"{group}-{me}":
+                    with contextlib.suppress(Exception):  # one being replaced is read at the next round
+                        theirs = torch.load(path, weights_only=True)
+                        if theirs.keys() == own.keys() and all(theirs[n].shape == t.shape for n, t in own.items()):
+                            held.append(theirs)
+            view = attacker.membership.view() if attacker.membership is not None else None
+            composers = (sum(1 for m in view.alive().values() if m.heartbeat.role == "composer")
+                         if view is not None else len(held))
+            return honest_encode({name: craft([h[name] for h in held], composers).to(t.dtype)
+                                  for name, t in delta.items()}, compression)
 
         gathered.encode_contribution = tampered
 
@@ -504,6 +580,10 @@ ATTACKS: dict[str, Attack] = {
     "mismatched-preset": Attack("joins with another preset", node_args=("--preset", "small")),
     "oversized-streams": Attack("streams announcing 256 MiB to every handler of every composer",
                                 side=_oversized_streams),
+    "alie-2": Attack("one of 2 colluders, each sending their honest pseudo-gradients' mean less z standard deviations "
+                     "(ALIE; z for the composers in its view, 0.32 for 2 of 8)", _colluding(alie(2)), colluders=2),
+    "ipm-2": Attack("one of 2 colluders, each sending -0.1 x their honest pseudo-gradients' mean (inner-product "
+                    "manipulation)", _colluding(inner_product_manipulation(0.1)), colluders=2),
 }
 
 

@@ -1,17 +1,18 @@
-"""The attack benchmark: a local process swarm run clean, then once per attack with one hostile composer.
+"""The attack benchmark: a local process swarm run clean, then once per attack with its hostile composers.
 
-Each run: a bootstrap peer; honest composers 0 and 1 and composer 2 start together (composer 2 is honest in the
-clean runs and the attacker, ``benchmarks.attacker``, in the others); honest composer 3 joins once the others
-passed ``join_at`` steps and loads the shared groups' state from its peers. Every honest composer uses the same
-keys (so the same data order) in every run, and evaluates its own view when it leaves. Reported per attack, from
-the honest composers' JSONL metrics and logs:
+Each run (``Layout``; 4 composers and one attacker by default): a bootstrap peer; the honest composers and the
+attackers' places start together (the attackers' places are honest in the clean runs, and run the attack,
+``benchmarks.attacker``, in the others: one process per colluder, ``Attack.colluders``); the last composer, honest,
+joins once the others passed ``join_at`` steps and loads the shared groups' state from its peers. Every honest
+composer uses the same keys (so the same data order) in every run, and evaluates its own view when it leaves.
+Reported per attack, from the honest composers' JSONL metrics and logs:
 
-- ``val_loss_ratio``: the final validation loss of the two honest composers that train from the start (their
+- ``val_loss_ratio``: the final validation loss of the honest composers that train from the start (their
   mean) over the mean of the clean runs' (target <= 1.02 for every attack on training); the clean runs' own
   ratios and ``clean_spread`` show the noise between runs. The joiner's (``joiner_val_loss_ratio``) is apart:
   it starts late (its start-up takes half a minute on two busy cores) and ends training alone;
-- ``attacker_experts``: experts no honest composer owned four fifths into the run (the attacker's fair share is
-  a quarter);
+- ``attacker_experts``: experts no honest composer owned four fifths into the run (the attackers' fair share is
+  theirs of the composers);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
 - ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
   training, during which an honest composer owned the expert (availability: an attacker that takes experts or
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +44,43 @@ from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 from parallax.node.peer.timeline import owned_fraction
 
 CLEAN_RUNS = 3
-HONEST = (0, 1, 3)
-FROM_THE_START = (0, 1)
-JOINER = 3
-ATTACKER = 2
-NODES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who is who in a run: ``composers`` in all; the last is an honest joiner; the ``attackers`` places before it
+    run an attack's colluders (those the attack does not use, and all of them in a clean run, are honest composers
+    that are not measured); the others are the honest composers measured from the start (two at least)."""
+
+    composers: int = 4
+    attackers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.attackers < 1 or self.composers - 1 - self.attackers < 2:
+            raise ValueError(f"{self.composers} composers leave fewer than two honest ones from the start beside "
+                             f"{self.attackers} attackers and the joiner")
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(range(self.composers))
+
+    @property
+    def from_the_start(self) -> tuple[int, ...]:
+        return tuple(range(self.composers - 1 - self.attackers))
+
+    @property
+    def attacker_places(self) -> tuple[int, ...]:
+        return tuple(range(self.composers - 1 - self.attackers, self.composers - 1))
+
+    @property
+    def joiner(self) -> int:
+        return self.composers - 1
+
+    @property
+    def honest(self) -> tuple[int, ...]:
+        return (*self.from_the_start, self.joiner)
+
+
 TARGET = 1.02
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
 IDLE_S = 10
@@ -65,9 +99,11 @@ def is_clean(name: str) -> bool:
 
 
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
-                workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS) -> dict[str, Any]:
+                workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS,
+                composers: int = 4) -> dict[str, Any]:
     """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false
-    positives; with none, no ratio) and one run per attack (module docstring); returns the report (JSON-able)."""
+    positives; with none, no ratio) and one run per attack (module docstring) among ``composers``, with as many
+    attackers' places as the attacks' most colluders; returns the report (JSON-able)."""
     if clean_runs < 0:
         raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
     clean = clean_names(clean_runs)
@@ -75,6 +111,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
         raise ValueError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    layout = Layout(composers, max((ATTACKS[n].colluders for n in names), default=1))
     if join_at >= steps:
         raise ValueError(f"the joiner must come before the end: join_at {join_at} >= steps {steps}")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-attacks-"))
@@ -87,7 +124,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     keys = workdir / "keys"
     for name in [*clean, *names]:
         progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
-        run = _run(name, workdir / name, keys, args, steps=steps, join_at=join_at, total=total)
+        run = _run(name, workdir / name, keys, args, layout, steps=steps, join_at=join_at, total=total)
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
@@ -104,7 +141,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
-            "composers": 4, "target": TARGET, "wall_s": time.monotonic() - started,
+            "composers": layout.composers, "attackers": layout.attackers, "target": TARGET,
+            "wall_s": time.monotonic() - started,
             "clean": [r for r in rows if r["name"] in clean],
             "attacks": [r for r in rows if r["name"] not in clean],
             "workdir": str(workdir)}
@@ -122,40 +160,42 @@ def _spread(values: list[float | None]) -> float | None:
     return (max(known) - min(known)) / mean if mean else None
 
 
-def _run(name: str, folder: Path, keys: Path, args: list[str], *, steps: int, join_at: int,
+def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *, steps: int, join_at: int,
          total: int) -> dict[str, Any]:
     swarm = LocalSwarm(folder, run_id=f"attack-{name}", node_args=[*args, "--steps", str(steps)])
-    for i in NODES:  # the same identities (the attacker's too), so the same data order and shards, in every run
+    for i in layout.nodes:  # the same identities (the attackers' too), so the same data order and shards, every run
         if (keys / f"node-{i}").exists():
             shutil.copytree(keys / f"node-{i}", folder / f"node-{i}", dirs_exist_ok=True)
-    ids_path = folder / "attacker.json"
+    hostile = () if is_clean(name) else layout.attacker_places[:ATTACKS[name].colluders]
+    ids_paths = [folder / f"attacker-{i}.json" for i in hostile]
     started = time.monotonic()
     attacker_spawned = time.time()
     try:
         swarm.start_bootstrap()
-        for i in range(3):
-            if i == ATTACKER and not is_clean(name):
+        for i in layout.nodes[:-1]:
+            if i in hostile:
                 swarm.add_node("--min-peers", "2", launcher=(
-                    "-m", "parallax.benchmarks.attacker", name, str(ids_path)))
+                    "-m", "parallax.benchmarks.attacker", name, str(folder / f"attacker-{i}.json")))
             else:
                 swarm.add_node("--min-peers", "2")
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and not _past(swarm.nodes[:2], join_at):
-            if any(not swarm.nodes[i].alive for i in (0, 1)):
+        first = [swarm.nodes[i] for i in layout.from_the_start]
+        while time.monotonic() < deadline and not _past(first, join_at):
+            if any(not n.alive for n in first):
                 break
             time.sleep(0.5)
         swarm.add_node("--steps", str(steps - join_at))
-        if not _wait(swarm, HONEST, deadline):
+        if not _wait(swarm, layout.honest, deadline):
             raise RuntimeError(f"{name}: the honest composers did not finish within 15 minutes; see {folder}")
     finally:
         swarm.close()
-    for i in NODES:
+    for i in layout.nodes:
         saved = keys / f"node-{i}"
         if not saved.exists():
             saved.mkdir(parents=True)
             for key in (folder / f"node-{i}").glob("node.key*"):
                 shutil.copy2(key, saved / key.name)
-    return _measure(name, swarm.nodes, ids_path, attacker_spawned, time.monotonic() - started, total)
+    return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total)
 
 
 def _past(nodes: list[NodeProcess], step: int) -> bool:
@@ -170,22 +210,26 @@ def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:
     return False
 
 
-def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawned: float, wall_s: float,
-             total: int) -> dict[str, Any]:
+def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: list[Path], attacker_spawned: float,
+             wall_s: float, total: int) -> dict[str, Any]:
     records = {n.index: read_metrics(n.metrics) for n in nodes}
-    honest = [n for n in nodes if n.index in HONEST]
+    honest = [n for n in nodes if n.index in layout.honest]
     evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
-    losses = [evals[i][-1]["val_loss"] for i in FROM_THE_START if evals[i]]
+    losses = [evals[i][-1]["val_loss"] for i in layout.from_the_start if evals[i]]
     crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
-    ids = json.loads(ids_path.read_text()) if ids_path.exists() else {"peer_ids": [], "fingerprints": []}
+    ids: dict[str, list[str]] = {"peer_ids": [], "fingerprints": []}
+    for path in ids_paths:  # each colluder's
+        said = json.loads(path.read_text()) if path.exists() else {}
+        for key in ids:
+            ids[key] += said.get(key, [])
     clean = is_clean(name)
-    # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id the attacker
-    # does not speak with.
+    # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id no attacker
+    # speaks with.
     honest_bans = [{"by": n.index, "peer": r.get("peer"), "reasons": r.get("reasons")}
                    for n in nodes for r in records[n.index] if r.get("kind") == "banned"
-                   and (clean or (n.index in HONEST and r.get("peer") not in ids["peer_ids"]))]
-    if clean:  # the same measures for the honest composer 2
-        ids = {"peer_ids": [_peer_id(records[ATTACKER])], "fingerprints": []}
+                   and (clean or (n.index in layout.honest and r.get("peer") not in ids["peer_ids"]))]
+    if clean:  # the same measures for the honest composers in the attackers' places
+        ids = {"peer_ids": [_peer_id(records[i]) for i in layout.attacker_places], "fingerprints": []}
     bans = [r for n in honest for r in records[n.index]
             if r.get("kind") == "banned" and r.get("peer") in ids["peer_ids"]]
     words = [w for w in (*ids["peer_ids"], *ids["fingerprints"]) if w]
@@ -196,8 +240,9 @@ def _measure(name: str, nodes: list[NodeProcess], ids_path: Path, attacker_spawn
                  for n in honest]
     return {
         "name": name, "description": "no attacker" if is_clean(name) else ATTACKS[name].description,
-        "val_loss": statistics.mean(losses) if len(losses) == len(FROM_THE_START) else None, "val_losses": losses,
-        "joiner_val_loss": evals[JOINER][-1]["val_loss"] if evals[JOINER] else None,
+        "val_loss": statistics.mean(losses) if len(losses) == len(layout.from_the_start) else None,
+        "val_losses": losses, "attackers": len(ids_paths),
+        "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
         "honest_owned_fraction": _honest_owned(records, honest, total),
         "rounds_ok": statistics.median(rounds_ok),
@@ -249,18 +294,19 @@ def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess])
 def markdown(report: dict[str, Any]) -> str:
     spread = report["clean_spread"]
     lines = [
-        f"Attacks: {report['composers']} composers (one of them the attacker, one an honest joiner once the others "
-        f"passed step {report['join_at']}), preset {report['preset']}, {report['steps']} steps, periods "
-        f"{report['periods']}, net.membership.idle_s {report['idle_s']} ({report['wall_s'] / 60:.1f} min). Val loss: "
-        f"the two honest composers that train from the start, against the clean runs' mean "
+        f"Attacks: {report['composers']} composers (up to {report.get('attackers', 1)} of them attackers, one an "
+        f"honest joiner once the others passed step {report['join_at']}), preset {report['preset']}, "
+        f"{report['steps']} steps, periods {report['periods']}, net.membership.idle_s {report['idle_s']} "
+        f"({report['wall_s'] / 60:.1f} min). Val loss: the honest composers that train from the start, against the "
+        f"clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "
         f"(the clean runs end {'-' if spread is None else f'{100 * spread:.1f}%'} apart); target <= "
         f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in {len(report['clean'])} clean "
         f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs.",
         "",
-        "| run | what the attacker does | honest val loss / clean | joiner's / clean | experts the attacker held "
+        "| run | attackers | what each does | honest val loss / clean | joiner's / clean | experts the attackers held "
         "| honest-owned expert-time | rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
@@ -270,7 +316,9 @@ def markdown(report: dict[str, Any]) -> str:
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
         owned = "-" if r.get("honest_owned_fraction") is None else f"{100 * r['honest_owned_fraction']:.0f}%"
-        lines.append(f"| {r['name']} | {r['description']} | {ratio} | {joiner} | {_opt(r['attacker_experts'])} | "
+        attackers = r.get("attackers", 0 if is_clean(r["name"]) else 1)
+        lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | "
+                     f"{_opt(r['attacker_experts'])} | "
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
     return "\n".join(lines)

@@ -348,12 +348,15 @@ def attacks(
                                                                  "banned."),
     preset: PresetName = "tiny",
     steps: int = typer.Option(500, "--steps", min=50, help="Inner steps per composer."),
+    composers: int = typer.Option(4, "--composers", min=4, max=16,
+                                  help="Composers per run: the attackers' places (as many as the attacks' most "
+                                       "colluders), an honest joiner, the rest honest from the start."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     json_path: JsonPath = None,
 ) -> None:
-    """A local swarm of 4 composers run clean, then once per attack with one of them hostile: the honest
-    composers' val loss against the clean runs', experts the attacker held, rounds, bans, crashes (tiny preset:
-    about 25 min on 2 cores)."""
+    """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:
+    the honest composers' val loss against the clean runs', experts the attackers held, rounds, bans, crashes (tiny
+    preset: about 25 min on 2 cores for every attack at 4)."""
     from pathlib import Path
 
     from parallax.benchmarks.attacks import markdown, run_attacks, write
@@ -361,7 +364,8 @@ def attacks(
     try:
         names = [a.strip() for a in runs.split(",") if a.strip()]
         report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
-                             workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs)
+                             workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs,
+                             composers=composers)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     write(report, json_path)

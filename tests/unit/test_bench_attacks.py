@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from parallax.benchmarks.attacker import ATTACKS
-from parallax.benchmarks.attacks import _attacker_experts, _honest_owned, clean_names, is_clean, markdown
+from parallax.benchmarks.attacker import ATTACKS, Attacker, alie, alie_z, inner_product_manipulation
+from parallax.benchmarks.attacks import Layout, _attacker_experts, _honest_owned, clean_names, is_clean, markdown
 from parallax.node.peer.local_swarm import NodeProcess
 
 
@@ -49,8 +50,8 @@ def test_the_table_marks_rows_past_the_target():
     report["false_bans"] = 1
     report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
-    assert "| nan | NaN pseudo-gradients | **1.100** | - | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |" in text
-    assert "| clean | no attacker | 1.000 |" in text and "2.0% apart" in text
+    assert "| nan | 1 | NaN pseudo-gradients | **1.100** | - | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |" in text
+    assert "| clean | 0 | no attacker | 1.000 |" in text and "2.0% apart" in text
     assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
 
 
@@ -83,3 +84,45 @@ def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_ans
 
     with pytest.raises(TimeoutError):
         asyncio.run(first())
+
+
+def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_composers_from_the_start():
+    assert (Layout().from_the_start, Layout().attacker_places, Layout().joiner) == ((0, 1), (2,), 3)
+    eight = Layout(8, 2)
+    assert eight.from_the_start == (0, 1, 2, 3, 4) and eight.attacker_places == (5, 6) and eight.honest[-1] == 7
+    with pytest.raises(ValueError, match="fewer than two honest"):
+        Layout(4, 2)
+
+
+def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points_against_it():
+    assert alie_z(4, 1) == 0.0 and alie_z(8, 2) == pytest.approx(0.3186, abs=1e-4)  # Phi^-1(5/8)
+    assert alie_z(16, 2) < alie_z(8, 2) < alie_z(8, 4)  # more colluders, or fewer honest, go further
+    honest = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 2.0])]
+    z = alie_z(8, 2)
+    assert torch.allclose(alie(2)(honest, 8), torch.tensor([2.0 - z * 2 ** 0.5, 2.0]))
+    assert torch.equal(alie(2)(honest[:1], 8), honest[0])  # alone, its own honest tensor
+    assert torch.allclose(inner_product_manipulation(0.1)(honest, 8), torch.tensor([-0.2, -0.2]))
+
+
+def test_colluders_share_their_honest_tensors_and_send_the_same_crafted_body(monkeypatch, tmp_path):
+    from parallax.node.outer import gathered
+
+    sent: list[dict[str, torch.Tensor]] = []
+
+    def record(delta: dict[str, torch.Tensor], compression: str) -> bytes:
+        sent.append(delta)
+        return b""
+
+    patch = ATTACKS["ipm-2"].patch
+    assert patch is not None and ATTACKS["ipm-2"].colluders == 2
+    colluders = []
+    for place in (5, 6):  # each colluder's process patches its own stock encoder
+        monkeypatch.setattr(gathered, "encode_contribution", record)
+        patch(Attacker(tmp_path / f"attacker-{place}.json", "run", []))
+        colluders.append(gathered.encode_contribution)
+    colluders[0]({"w": torch.tensor([1.0, 1.0])}, "fp16")  # alone so far: -0.1 x its own
+    colluders[1]({"w": torch.tensor([3.0, 3.0])}, "fp16")  # the other's honest tensor is in the shared folder
+    colluders[0]({"w": torch.tensor([1.0, 1.0])}, "fp16")
+    assert [d["w"].tolist() for d in sent] == [pytest.approx([x, x]) for x in (-0.1, -0.2, -0.2)]
+    assert len(list((tmp_path / "colluders").glob("*.pt"))) == 2  # one per colluder and group, nothing half-written
+    assert not list((tmp_path / "colluders").glob(".*"))
