@@ -15,6 +15,8 @@ from parallax.node.outer.transport import (
     RoundPeers,
     decode_entries,
     encode_record,
+    merged_sets,
+    open_contributions,
     pair,
     split_pair,
 )
@@ -191,3 +193,18 @@ def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wai
         assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["C"])))
     finally:
         node.close()
+
+
+def test_a_contribution_its_sender_gave_to_an_announced_set_is_on_offer_to_that_set_only():
+    """Partitioned, B names the set it merges (A, B, C) before its result: A and C take that set; D, left out, sees
+    B's contribution off offer and builds no set around it that B would never vote for."""
+    announced = (pair("A", 4), pair("B", 7), pair("C", 2))
+    entries = {"A": {4: RoundEntry(4, bytes(32), 100, 1.0)},
+               "B": {7: RoundEntry(7, bytes(32), 100, 1.0, participants=announced)},
+               "C": {2: RoundEntry(2, bytes(32), 100, 1.0)},
+               "D": {5: RoundEntry(5, bytes(32), 100, 1.0)}}
+    assert set(open_contributions(entries)) == {pair("A", 4), pair("C", 2), pair("D", 5)}
+    assert merged_sets(entries, pair("A", 4), announced=True) == {announced: 1}
+    assert merged_sets(entries, pair("D", 5), announced=True) == {}
+    entries["B"][7] = RoundEntry(7, bytes(32), 100, 1.0, fingerprint=WITHDRAWN)  # withdrawn: off offer too
+    assert pair("B", 7) not in open_contributions(entries)
