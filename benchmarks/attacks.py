@@ -11,8 +11,9 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   mean) over the mean of the clean runs' (target <= 1.02 for every attack on training); the clean runs' own
   ratios and ``clean_spread`` show the noise between runs. The joiner's (``joiner_val_loss_ratio``) is apart:
   it starts late (its start-up takes half a minute on two busy cores) and ends training alone;
-- ``attacker_experts``: experts no honest composer owned four fifths into the run (the attackers' fair share is
-  theirs of the composers);
+- ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
+  places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
+  counted here too, as in the clean runs);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
 - ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
   training, during which an honest composer owned the expert (availability: an attacker that takes experts or
@@ -56,7 +57,7 @@ class Layout:
     attackers: int = 1
 
     def __post_init__(self) -> None:
-        if self.attackers < 1 or self.composers - 1 - self.attackers < 2:
+        if self.attackers < 1 or not fits(self.attackers, self.composers):
             raise ValueError(f"{self.composers} composers leave fewer than two honest ones from the start beside "
                              f"{self.attackers} attackers and the joiner")
 
@@ -79,6 +80,11 @@ class Layout:
     @property
     def honest(self) -> tuple[int, ...]:
         return (*self.from_the_start, self.joiner)
+
+
+def fits(colluders: int, composers: int) -> bool:
+    """Whether an attack's ``colluders`` fit a run of ``composers`` (``Layout``)."""
+    return composers - 1 - colluders >= 2
 
 
 TARGET = 1.02
@@ -107,10 +113,15 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     if clean_runs < 0:
         raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
     clean = clean_names(clean_runs)
-    names = list(ATTACKS) if attacks is None else attacks
+    names = [n for n, a in ATTACKS.items() if fits(a.colluders, composers)] if attacks is None else attacks
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
         raise ValueError(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
+    crowded = [n for n in names if not fits(ATTACKS[n].colluders, composers)]
+    if crowded:
+        raise ValueError(f"attack {crowded[0]!r} has {ATTACKS[crowded[0]].colluders} colluders: it needs --composers "
+                         f"{ATTACKS[crowded[0]].colluders + 3} or more (two honest composers from the start and a "
+                         f"joiner beside them)")
     layout = Layout(composers, max((ATTACKS[n].colluders for n in names), default=1))
     if join_at >= steps:
         raise ValueError(f"the joiner must come before the end: join_at {join_at} >= steps {steps}")

@@ -341,8 +341,8 @@ def offload_swarm(
 
 @bench_app.command("attacks")
 def attacks(
-    runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all; benchmarks/attacker.py; "
-                                                   "none: the clean runs only)."),
+    runs: str = typer.Option("", "--attacks", help="Comma-separated attacks (default: all whose colluders fit "
+                                                   "--composers; benchmarks/attacker.py; none: the clean runs only)."),
     clean_runs: int = typer.Option(3, "--clean-runs", min=0, help="Runs without an attacker: the noise a ratio is "
                                                                  "judged against, and the count of honest peers "
                                                                  "banned."),

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus, TieredOuterSync
+from parallax.node.outer.records import RoundDue
 from parallax.node.outer.state import StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
 from parallax.node.train.outer import OuterOptimizer, to_send
@@ -69,8 +70,9 @@ class _InFlight:
     pending: dict[str, torch.Tensor]  # what the round sends (``train.outer.to_send``)
     tokens: int
     future: concurrent.futures.Future[RoundResult]
-    due: threading.Event
-    """Set to end a round still waiting for a quorum (``OFFER_PERIODS`` dues passed, alone for good, or leaving)."""
+    due: RoundDue
+    """Set to end a round still waiting for a quorum (``OFFER_PERIODS`` dues passed, alone for good, or leaving);
+    withdrawn by ``rebase``."""
     passed: int = 0
     """The group's due rounds skipped while this one waited."""
 
@@ -248,6 +250,7 @@ class BackgroundRounds:
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
         self._rebase: set[str] = set()  # groups whose state is taken from the others once their round ends (``rebase``)
+        self._leaving = False  # set by ``wait``: no download starts that nobody would wait for
         self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._served_lock = threading.Lock()
         self._serving: set[str] = set()
@@ -291,7 +294,7 @@ class BackgroundRounds:
         self.composer.tokens_since_merge[group] = 0
         averager = self.sync.groups[group]
         anchor = [outer.anchor[name] for name in averager.shapes]  # left alone until the round is collected
-        due = threading.Event()
+        due = RoundDue()
         future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due)
         self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future, due)
         self.counts.submitted += 1
@@ -391,16 +394,19 @@ class BackgroundRounds:
         groups alone is dropped, and each group's state is downloaded from the others, as its experts are taken back
         from those who trained them meanwhile. Sent as it is, the pseudo-gradient of a whole partition would span
         many periods from an anchor the others moved on from: every merge would clip it, and each would count it as
-        evidence against this node. A round still waiting for a quorum is told to end first; a group contributes
-        again once its download ended (a download that fails or is refused keeps what the node trained)."""
+        evidence against this node. A round still waiting for a quorum is withdrawn first (``RoundDue.withdraw``: it
+        merges no set of its own making); a group contributes again once its download ended (a download that fails
+        or is refused keeps what the node trained)."""
         for group in self.sync.groups.keys() & self.composer.outer.keys():
             self._rebase.add(group)
             flight = self._in_flight.get(group)
             if flight is not None:
-                flight.due.set()
+                flight.due.withdraw()
         self._start_rebases()
 
     def _start_rebases(self) -> None:
+        if self._leaving:
+            return
         for group in sorted(self._rebase - self._in_flight.keys() - self._reloads.keys()):
             self._rebase.discard(group)
             tokens = self.composer.tokens_since_merge[group]
@@ -469,9 +475,11 @@ class BackgroundRounds:
         return state
 
     def wait(self, timeout_s: float) -> list[RoundReport]:
-        """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave); returns the
+        """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave: nothing starts after it);
+        returns the
         reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends once its first wait is
         over."""
+        self._leaving = True
         self._end_all()
         futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
         futures += self._reloads.values()

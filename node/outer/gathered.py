@@ -52,7 +52,7 @@ import torch
 from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import block_layout, blocks_cap, decode_all, encode_blocks
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
-from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundRecords, RoundStatus
+from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundDue, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
@@ -445,7 +445,7 @@ class GatheredRounds:
         a node's quorum for one try)."""
         with self._lock:
             out = self._held.keys() | self._failing.keys()
-        return {split_pair(name)[0] for name in open_contributions(entries)} & (self._live() - out)
+        return {split_pair(name)[0] for name in open_contributions(entries, announced=True)} & (self._live() - out)
 
     def _adoptable(self) -> set[str]:
         """The peers whose contributions may be merged in a set that others merged: the live composers this node
@@ -505,6 +505,8 @@ class GatheredRounds:
             if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
                                                      entries):
                 return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
+            if isinstance(due, RoundDue) and due.withdrawn:
+                return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
             self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, current=current))
             for name in [name for name in found if name != me and _passed(entries, name)]:

@@ -10,6 +10,7 @@ writes them for one group of one node and waits for a majority to agree with thi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,13 +24,28 @@ from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig, majorit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RoundRecords", "RoundReport", "RoundStatus"]
+__all__ = ["RoundDue", "RoundRecords", "RoundReport", "RoundStatus"]
 
 POLL_S = 0.05
 SLOW_POLL_S = 1.0
 """How often a wait that has gone past its first bound reads the records (a waiting contribution, a verification
 whose other senders still gather): a result is seen within about this long, and the DHT is not read twenty times a
 second for as long as it waits."""
+
+
+class RoundDue(threading.Event):
+    """A round's ``due`` (``GatheredRounds.run``): set when a round that waits for a quorum must end, it merges with
+    the quorum it has, or withdraws. ``withdraw`` sets it so that the round merges no set of its own making: its
+    contribution comes off offer at once (a set the others already merged with it is still taken, as any round's
+    last call takes one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.withdrawn = False
+
+    def withdraw(self) -> None:
+        self.withdrawn = True
+        self.set()
 
 
 class RoundStatus(StrEnum):

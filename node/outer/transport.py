@@ -449,14 +449,16 @@ def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEnt
     return out
 
 
-def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]]) -> dict[str, RoundEntry]:
-    """pair -> entry of each peer's latest contribution that it has neither merged nor given to a set it announced
-    (a partitioned round's sender names the set it merges before its result: its contribution is that set's, and a
-    set built around it elsewhere would never get its sender's vote)."""
+def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]], *,
+                       announced: bool = False) -> dict[str, RoundEntry]:
+    """pair -> entry of each peer's latest contribution that it has neither merged nor (unless ``announced``) given to
+    a set it announced. A partitioned round's sender names the set it merges before its result: its contribution is
+    that set's, and a set built around it elsewhere would never get its sender's vote; its sender still gathers, and
+    counts in a round's quorum (``announced``)."""
     out = {}
     for peer, by_round in entries.items():
         latest = by_round[max(by_round)]
-        if not latest.fingerprint and not latest.participants:
+        if not latest.fingerprint and (announced or not latest.participants):
             out[pair(peer, latest.round_id)] = latest
     return out
 

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from parallax.dht.adapter import SwarmDHT, dht_time
-from parallax.dht.membership import Membership
+from parallax.dht.membership import Membership, QuorumState
 from parallax.node.config.peer import NodeConfig
 from parallax.node.net.expert_exchange import ExpertExchange
 from parallax.node.net.gossip import SurrogateGossip, SurrogateUpdate
@@ -71,6 +71,7 @@ class Training:
         self.join_to_first_step_s: float | None = None
         self._refit_took = 0.0  # seconds of surrogate refits in the current seam
         self._past_schedule = False  # warned that the run's learning-rate schedule has ended
+        self._rebase_due = False  # cut off and back: the shared groups take the others' state once its side holds
 
     # --- the loop ---
 
@@ -167,7 +168,12 @@ class Training:
         was_cut_off = self.telemetry.status.cut_off
         self.experts.reconcile()
         if was_cut_off and not self.telemetry.status.cut_off:
-            rounds.rebase()  # what it trained of the shared groups alone goes, as its own experts' copies did
+            self._rebase_due = True  # once its side holds the majority (an even split keeps what each side trains)
+        if self._rebase_due and not self.telemetry.status.cut_off:
+            view = self.views.fresh()
+            if view is not None and view.quorum is QuorumState.HELD:
+                self._rebase_due = False
+                rounds.rebase()  # what it trained of the shared groups alone goes, as its own experts' copies did
         for report in rounds.collect():
             self._round_event(report)
             self.gate.round_done(report.group, report.status is RoundStatus.OK, composer.step)

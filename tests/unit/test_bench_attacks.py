@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from parallax.benchmarks.attacker import ATTACKS, Attacker, alie, alie_z, inner_product_manipulation
-from parallax.benchmarks.attacks import Layout, _attacker_experts, _honest_owned, clean_names, is_clean, markdown
+from parallax.benchmarks.attacks import (
+    Layout,
+    _attacker_experts,
+    _honest_owned,
+    clean_names,
+    fits,
+    is_clean,
+    markdown,
+    run_attacks,
+)
 from parallax.node.peer.local_swarm import NodeProcess
 
 
@@ -92,6 +101,9 @@ def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_co
     assert eight.from_the_start == (0, 1, 2, 3, 4) and eight.attacker_places == (5, 6) and eight.honest[-1] == 7
     with pytest.raises(ValueError, match="fewer than two honest"):
         Layout(4, 2)
+    assert fits(1, 4) and not fits(2, 4) and fits(2, 5)
+    with pytest.raises(ValueError, match="needs --composers 5 or more"):  # before any process starts
+        run_attacks(attacks=["alie-2"], composers=4)
 
 
 def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points_against_it():

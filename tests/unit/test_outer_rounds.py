@@ -196,6 +196,7 @@ class _WaitingAverager:
 
     def __init__(self) -> None:
         self.started: list[int] = []
+        self.withdrawn: list[int] = []
 
     def serve_state(self, provider: object) -> None:
         pass
@@ -203,6 +204,8 @@ class _WaitingAverager:
     def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
         self.started.append(round_id)
         assert due.wait(timeout=30)
+        if due.withdrawn:
+            self.withdrawn.append(round_id)
         return RoundResult(None, RoundReport("router", RoundStatus.NO_GROUP, round_id), None)
 
 
@@ -231,7 +234,7 @@ def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_t
         rounds.shutdown()
 
 
-def test_back_from_a_partition_a_node_ends_its_waiting_round_and_takes_the_others_state_for_its_lone_progress():
+def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_others_state_for_its_lone_progress():
     params, outer = make()
     with torch.no_grad():
         for p in params.values():
@@ -247,21 +250,31 @@ def test_back_from_a_partition_a_node_ends_its_waiting_round_and_takes_the_other
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
     composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
     rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
+
+    def collected(predicate) -> bool:  # type: ignore[no-untyped-def]
+        rounds.collect()
+        return bool(predicate())
+
     try:
         assert rounds.submit("router", 1)
         composer.tokens_since_merge["router"] = 40
-        rounds.rebase()  # the waiting round is told to end; the group waits for the others' state
+        rounds.rebase()  # the waiting round is withdrawn; the group waits for the others' state
         assert not rounds.submit("router", 2)
-        rounds.wait(timeout_s=30)  # round 1 failed (its tokens back), then the download ran
-        rounds.wait(timeout_s=30)
-        assert composer.tokens_since_merge["router"] == 0 and outer.round == 9
+        wait_until(lambda: averager.withdrawn == [1], timeout=30)
+        # round 1 ends (its tokens back), then the download runs and replaces what it trained alone
+        wait_until(lambda: collected(lambda: outer.round == 9), timeout=30)
+        assert composer.tokens_since_merge["router"] == 0
         assert all(torch.equal(outer.anchor[n], theirs[n]) and torch.equal(params[n].detach(), theirs[n])
                    for n in params)
         assert rounds.owed() == {} and rounds.submit("router", 3)
         composer.tokens_since_merge["router"] = 30
         rounds.rebase()  # nobody serves the state this time: what it trained stays, with its tokens
-        rounds.wait(timeout_s=30)
-        rounds.wait(timeout_s=30)
-        assert composer.tokens_since_merge["router"] == 30 and rounds.counts.reloads == 1
+        wait_until(lambda: collected(lambda: not served and rounds.counts.failed == 2 and not rounds.busy("router")),
+                   timeout=30)
+        wait_until(lambda: collected(lambda: composer.tokens_since_merge["router"] == 30), timeout=30)
+        assert rounds.counts.reloads == 1
+        rounds.wait(timeout_s=30)  # leaving: a rebase asked for now starts no download
+        rounds.rebase()
+        assert not rounds._reloads
     finally:
         rounds.shutdown()
