@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,11 @@ ROUNDS_TARGET = 0.8
 def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int = 4, steps: int = 120,
                   preset: str = "small", periods: str = '{"router": 10, "latent": 20, "backbone": 20}',
                   refresh_every: int = 25, snapshot_every: int = 50, crowd: int = 0, partition: bool = True,
-                  workdir: Path | None = None, progress: Any = print) -> dict[str, Any]:
+                  workdir: Path | None = None, progress: Any = print,
+                  changes: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns the report (JSON-able). ``crowd``: busy processes beside the
-    nodes; ``partition``: also cut one host off at the lowest rate.
+    nodes; ``partition``: also cut one host off at the lowest rate; ``changes``: settings of every node (``--set``),
+    the round's bytes bound computed with them.
 
     Raises:
         NetLabError: this machine cannot build the lab (no root or no network namespaces).
@@ -75,8 +77,9 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
         raise NetLabError(why)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-wan-"))
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
-            "--snapshot-every", str(snapshot_every)]
-    cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods)})
+            "--snapshot-every", str(snapshot_every),
+            *[w for path, value in (changes or {}).items() for w in ("--set", f"{path}={value}")]]
+    cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods), **(changes or {})})
     sizes = _round_bytes(cfg, nodes)  # the groups the model has (small has no latent)
 
     runs: dict[str, dict[str, Any]] = {}

@@ -384,6 +384,7 @@ def wan(
     partition: bool = typer.Option(True, "--partition/--no-partition",
                                    help="Also cut one host off at the lowest rate."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
+    sets: Sets = None,
     json_path: JsonPath = None,
 ) -> None:
     """The same swarm on loopback and on network-lab links capped at each rate, then one host cut off: outer rounds
@@ -393,12 +394,17 @@ def wan(
     from pathlib import Path
 
     from parallax.benchmarks.wan import markdown, run_wan_bench, write
+    from parallax.node.config.typed import ConfigError, parse_sets
     from parallax.node.peer.netlab import NetLabError
 
     try:
+        changes = parse_sets(sets or ())
+    except ConfigError as e:
+        fail(e)
+    try:
         report = run_wan_bench(rates=tuple(r.strip() for r in rates.split(",") if r.strip()), nodes=nodes,
                                steps=steps, preset=preset, crowd=crowd, partition=partition,
-                               workdir=Path(workdir) if workdir else None, progress=typer.echo)
+                               workdir=Path(workdir) if workdir else None, progress=typer.echo, changes=changes)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     except NetLabError as e:
