@@ -476,9 +476,8 @@ class BackgroundRounds:
 
     def wait(self, timeout_s: float) -> list[RoundReport]:
         """Wait (bounded) for the rounds in flight to end, then apply them (a graceful leave: nothing starts after it);
-        returns the
-        reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends once its first wait is
-        over."""
+        returns the reports of the rounds that ended, as ``collect``. A round waiting for a quorum ends once its first
+        wait is over."""
         self._leaving = True
         self._end_all()
         futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
