@@ -165,17 +165,30 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
 
 
 def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
-               since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None) -> int | None:
+               since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None,
+               against_anchor: bool = False) -> int | None:
     """``load_group_state``, unless the state makes ``probe()`` (this node's loss on fixed held-out batches) more
     than ``RELOAD_LOSS_BOUND`` times what it was: then everything is put back as it was, the source (``meta``'s
-    ``source``) is named in the log, and None is returned.
+    ``source``) is named in the log, and None is returned. ``against_anchor``: what it was is the loss at this node's
+    own anchor of the group, not at its live weights (a node that drops what it trained alone, ``rebase``, compares
+    the state with where it last agreed with the swarm: its own lone progress fits its held-out batches better than
+    any merged state does).
 
     Raises:
         ValueError: as ``load_group_state`` (nothing changed).
     """
     if probe is None:
         return load_group_state(outer, group, meta, tensors, since)
-    before, saved, live = probe(), outer.state_dict(), outer.live_copy()
+    saved, live = outer.state_dict(), outer.live_copy()
+    if against_anchor:
+        with torch.no_grad():
+            for name, p in outer.params.items():
+                p.copy_(outer.anchor[name].to(p.device, p.dtype))
+            before = probe()
+            for name, p in outer.params.items():
+                p.copy_(live[name])
+    else:
+        before = probe()
     round_id = load_group_state(outer, group, meta, tensors, since)
     after = probe()
     if after <= RELOAD_LOSS_BOUND * before:
@@ -250,6 +263,7 @@ class BackgroundRounds:
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
         self._rebase: set[str] = set()  # groups whose state is taken from the others once their round ends (``rebase``)
+        self._rebasing: set[str] = set()  # groups whose download runs for a rebase
         self._leaving = False  # set by ``wait``: no download starts that nobody would wait for
         self._served: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         self._served_lock = threading.Lock()
@@ -366,6 +380,8 @@ class BackgroundRounds:
             future = self._reloads.pop(group)
             submitted, tokens = self._reload_since.pop(group, (None, 0))
             bound = self._resync.pop(group, None)
+            rebasing = group in self._rebasing
+            self._rebasing.discard(group)
             found = future.result() if future.exception() is None else None
             if found is None:
                 logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
@@ -373,7 +389,8 @@ class BackgroundRounds:
                 self.composer.tokens_since_merge[group] += tokens  # our delta is still ours to send
                 continue
             try:
-                taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe)
+                taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe,
+                                   against_anchor=rebasing)
                 if taken is None and bound is not None:
                     taken = take_anchor(self.composer.outer[group], group, *found, bound=bound)
             except ValueError as e:
@@ -396,7 +413,8 @@ class BackgroundRounds:
         many periods from an anchor the others moved on from: every merge would clip it, and each would count it as
         evidence against this node. A round still waiting for a quorum is withdrawn first (``RoundDue.withdraw``: it
         merges no set of its own making); a group contributes again once its download ended (a download that fails
-        or is refused keeps what the node trained)."""
+        or is refused keeps what the node trained; the held-out probe compares the state with this node's anchor,
+        ``take_state``'s ``against_anchor``)."""
         for group in self.sync.groups.keys() & self.composer.outer.keys():
             self._rebase.add(group)
             flight = self._in_flight.get(group)
@@ -414,6 +432,7 @@ class BackgroundRounds:
             logger.warning("outer group %s: back in the swarm's majority; taking the others' state of it and dropping "
                            "the %d tokens this node trained of it since its last merge", group, tokens)
             self._reload_since[group] = (self.composer.outer[group].live_copy(), tokens)
+            self._rebasing.add(group)
             self._reloads[group] = self._pool.submit(self._download, group, 30.0)
 
     def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None,

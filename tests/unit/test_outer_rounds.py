@@ -153,6 +153,35 @@ def test_a_state_that_raises_the_held_out_loss_is_refused_and_everything_put_bac
     assert torch.equal(outer.anchor["w"], trained.anchor["w"])
 
 
+def test_a_node_that_drops_its_lone_progress_judges_the_state_against_its_own_anchor() -> None:
+    """Cut off, a node trained towards its held-out target alone; the swarm's state, without that progress, is
+    worse than its live weights on its own batches but better than its own anchor: taken when judged against the
+    anchor (``against_anchor``), refused against the live weights; an untrained state is refused either way."""
+    target = torch.full((3, 2), 2.0)
+    params, outer = make()
+
+    def probe() -> float:
+        return 1.0 + float((params["w"].detach() - target).norm())
+
+    with torch.no_grad():
+        params["w"].add_(1.9)  # alone, nearly at the target; its anchor is still at 0
+    live = outer.live_copy()
+    theirs_params, theirs = make()
+    with torch.no_grad():
+        theirs_params["w"].add_(1.0)
+    theirs.step(theirs.pseudo_gradient())  # the swarm's anchor moved halfway
+    meta, tensors = group_state(theirs, group="router", round_id=7, step=70)
+    assert take_state(outer, "router", meta, tensors, since=live, probe=probe) is None  # against its live weights
+    assert all(torch.equal(params[n].detach(), live[n]) for n in params)  # put back
+    _, untrained = make()
+    cold, cold_tensors = group_state(untrained, group="router", round_id=8, step=80)
+    cold_tensors = [t - 5.0 for t in cold_tensors]  # far from anything trained
+    assert take_state(outer, "router", cold, cold_tensors, since=live, probe=probe, against_anchor=True) is None
+    assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+    assert take_state(outer, "router", meta, tensors, since=live, probe=probe, against_anchor=True) == 7
+    assert torch.equal(outer.anchor["w"], theirs.anchor["w"]) and torch.equal(params["w"].detach(), theirs.anchor["w"])
+
+
 def test_live_state_is_the_current_weights_under_a_name_of_its_own() -> None:
     params, outer = make()
     with torch.no_grad():
