@@ -44,6 +44,7 @@ from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
 from parallax.dht.keys import members_key, protected_keys
 from parallax.dht.records import Ed25519RecordValidator
 from parallax.node.config.train import SHARED_GROUPS
+from parallax.node.config.typed import set_args
 from parallax.node.peer.local_swarm import (
     LocalSwarm,
     NodeProcess,
@@ -139,7 +140,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
     join_at = 10  # the joiner's start-up and the death's detection both happen while all train
     args = ["--preset", "tiny", "--set", f"sync.periods={json.dumps(PERIODS)}", "--set", f"steps={steps}",
             "--set", f"batch_size={batch_size}", "--final-eval", "--snapshot-every", "20",  # tiny: 2 layers
-            *[w for path, value in (changes or {}).items() for w in ("--set", f"{path}={value}")]]
+            *set_args(changes)]
     swarm = LocalSwarm(workdir, run_id=f"scale{size}", node_args=args)
     peaks = RssPeaks()
     started = time.monotonic()

@@ -68,7 +68,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     import json
 
     from parallax.node.config.train import train_config
-    from parallax.node.config.typed import apply_changes
+    from parallax.node.config.typed import apply_changes, set_args
 
     for rate in rates:
         check_rate(rate)
@@ -78,7 +78,7 @@ def run_wan_bench(*, rates: tuple[str, ...] = ("100mbit", "20mbit"), nodes: int 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-wan-"))
     args = ["--preset", preset, "--set", f"sync.periods={periods}", "--set", f"surrogate.refresh_every={refresh_every}",
             "--snapshot-every", str(snapshot_every),
-            *[w for path, value in (changes or {}).items() for w in ("--set", f"{path}={value}")]]
+            *set_args(changes)]
     cfg = apply_changes(train_config(preset), {"sync.periods": json.loads(periods), **(changes or {})})
     sizes = _round_bytes(cfg, nodes)  # the groups the model has (small has no latent)
 

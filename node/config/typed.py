@@ -224,6 +224,12 @@ def parse_sets(items: Sequence[str]) -> dict[str, str]:
     return changes
 
 
+def set_args(changes: Mapping[str, object] | None) -> list[str]:
+    """``{"optim.lr": "1e-3"}`` -> ``["--set", "optim.lr=1e-3"]``: ``parse_sets``' inverse, for a node's command
+    line."""
+    return [word for path, value in (changes or {}).items() for word in ("--set", f"{path}={value}")]
+
+
 def table_changes(cls: type, table: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """A TOML table read against the dataclass ``cls`` -> dotted changes: sub-tables become paths where the field
     is a section, and stay values where the field holds a mapping (``sync.periods``).
