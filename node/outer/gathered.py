@@ -508,7 +508,7 @@ class GatheredRounds:
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
-            self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, current=current))
+            self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries))
             for name in [name for name in found if name != me and _passed(entries, name)]:
                 del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
@@ -822,12 +822,12 @@ def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
     return all(ours <= rank(name) for name in offered)
 
 
-def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]],
-               current: Mapping[str, RoundEntry]) -> bool:
-    """Will no round ask for contribution ``name`` now: its sender is not live, or its sender's record was read
-    (``entries``) and offers another one or none (``current``)? A sender whose record a read missed is not judged."""
-    peer = split_pair(name)[0]
-    return peer not in live or (peer in entries and name not in current)
+def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]]) -> bool:
+    """Will no round ask for contribution ``name`` now: its sender is not live, or it is ``_passed``? One its sender
+    merged in this round is still asked for: the set it merged may name this node's contribution, and this node takes
+    that set (a fetch that ended after the pass that started it would otherwise be forgotten unread and its body
+    fetched again). A sender whose record a read missed is not judged."""
+    return split_pair(name)[0] not in live or _passed(entries, name)
 
 
 def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from parallax.node.outer.gathered import GatheredRounds, _better_set, _first, _may_yet_agree, _moved_on
+from parallax.node.outer.gathered import GatheredRounds, _better_set, _first, _may_yet_agree, _moved_on, _off_offer
 from parallax.node.outer.transport import (
     WITHDRAWN,
     RoundEntry,
@@ -208,3 +208,16 @@ def test_a_contribution_its_sender_gave_to_an_announced_set_is_on_offer_to_that_
     assert merged_sets(entries, pair("D", 5), announced=True) == {}
     entries["B"][7] = RoundEntry(7, bytes(32), 100, 1.0, fingerprint=WITHDRAWN)  # withdrawn: off offer too
     assert pair("B", 7) not in open_contributions(entries)
+
+
+def test_a_fetched_contribution_its_sender_merged_this_round_is_kept_for_a_set_naming_ours() -> None:
+    """B merged its round-3 contribution in a set that names A's: A may take that set, so the body A fetched stays
+    held (forgotten, it would be fetched again). It goes once B is gone, withdrew it or published a later round."""
+    merged = _entry("B", 3, _names("A", "B", "C"))
+    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": merged})
+    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={})  # a read that missed B judges nothing
+    assert _off_offer(pair("B", 3), live={"C"}, entries={"B": merged})
+    later = merged | {4: RoundEntry(4, bytes(32), 100, 1.0)}
+    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": later})
+    withdrawn = {3: RoundEntry(3, bytes(32), 100, 1.0, fingerprint=WITHDRAWN)}
+    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": withdrawn})
