@@ -15,6 +15,11 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
+- ``merge_progress``: what each merge an honest composer applied kept of its honest senders' update h (their
+  contributions' mean by the capped weights), as the result's length along h in h's lengths (``merge_harm``;
+  ``merge_error``: its distance from h in h's lengths), the mean over every such merge of the run; against the clean
+  runs' (``merge_progress_ratio``, with ``merge_clean_spread``). A merge is a deterministic function of what arrived,
+  so this judges an attack on the merge's content finer than the final loss, which moves with which rounds completed;
 - ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
   training, during which an honest composer owned the expert (availability: an attacker that takes experts or
   makes honest composers give theirs up lowers it);
@@ -29,11 +34,13 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +136,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     model = get_preset(preset)
     total = model.n_layers * model.n_experts
     args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
-            "--set", f"net.membership.idle_s={IDLE_S}", "--final-eval", "--snapshot-every", "20"]
+            "--set", f"net.membership.idle_s={IDLE_S}", "--set", "net.outer.record_merges=true", "--final-eval",
+            "--snapshot-every", "20"]
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
@@ -139,18 +147,23 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
-    clean_loss, clean_joiner = (_mean([r[key] for r in runs[:clean_runs]]) for key in ("val_loss", "joiner_val_loss"))
+    clean_loss, clean_joiner, clean_kept = (_mean([r[key] for r in runs[:clean_runs]])
+                                            for key in ("val_loss", "joiner_val_loss", "merge_progress"))
     rows = []
     for run in runs:
         ratio = run["val_loss"] / clean_loss if run["val_loss"] and clean_loss else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
+        kept = (run["merge_progress"] / clean_kept if run["merge_progress"] is not None and clean_kept else None)
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
+                     "merge_progress_ratio": kept,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
+            "clean_merge_progress": clean_kept,
+            "merge_clean_spread": _spread([r["merge_progress"] for r in runs[:clean_runs]]),
             "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
             "composers": layout.composers, "attackers": layout.attackers, "target": TARGET,
             "wall_s": time.monotonic() - started,
@@ -234,6 +247,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         for key in ids:
             ids[key] += said.get(key, [])
     clean = is_clean(name)
+    merges = [harm for n in honest for r in records[n.index] if r.get("kind") == "merge"
+              and (harm := merge_harm(r, lambda peer: clean or peer not in ids["peer_ids"])) is not None]
     # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id no attacker
     # speaks with.
     honest_bans = [{"by": n.index, "peer": r.get("peer"), "reasons": r.get("reasons")}
@@ -257,6 +272,9 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
         "honest_owned_fraction": _honest_owned(records, honest, total),
         "rounds_ok": statistics.median(rounds_ok),
+        "merges": len(merges),
+        "merge_progress": statistics.mean(p for p, _ in merges) if merges else None,
+        "merge_error": statistics.mean(e for _, e in merges) if merges else None,
         "attacker_named": named, "attacker_banned": bool(bans),
         "banned_after_s": round(min(r["t"] for r in bans) - attacker_spawned, 1) if bans else None,
         "banned_by": sorted({i for i, rs in records.items() for r in rs if r in bans}),
@@ -264,6 +282,24 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
+
+
+def merge_harm(event: dict[str, Any], honest: Callable[[str], bool]) -> tuple[float, float] | None:
+    """What one merge (a ``merge`` event: ``train.robust.merge_geometry`` with its senders and capped weights) kept
+    of its ``honest`` senders' update h, their contributions' mean by those weights: (progress, error), progress =
+    m.h / |h|^2 of the result m (its length along h, in h's lengths) and error = |m - h| / |h|. Computed from the
+    inner products alone. None when no honest sender had a finite contribution with weight, or h is zero."""
+    senders, gram, dots, weights = event["senders"], event["gram"], event["dots"], event["weights"]
+    used = [i for i, peer in enumerate(senders) if honest(peer) and dots[i] is not None and weights[i] > 0]
+    total = sum(weights[i] for i in used)
+    if not used or not total > 0:
+        return None
+    share = {i: weights[i] / total for i in used}
+    along = sum(share[i] * dots[i] for i in used)
+    square = sum(share[i] * share[j] * gram[i][j] for i in used for j in used)
+    if not square > 0:
+        return None
+    return along / square, math.sqrt(max(event["square"] - 2 * along + square, 0.0) / square)
 
 
 def _peer_id(records: list[dict[str, Any]]) -> str:
@@ -311,13 +347,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"({report['wall_s'] / 60:.1f} min). Val loss: the honest composers that train from the start, against the "
         f"clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "
-        f"(the clean runs end {'-' if spread is None else f'{100 * spread:.1f}%'} apart); target <= "
+        f"(the clean runs end {_percent(spread)} apart); target <= "
         f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in {len(report['clean'])} clean "
-        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs.",
+        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge kept: "
+        f"what the merges the honest composers applied kept of their honest senders' mean update, against the clean "
+        f"runs' {_opt(report.get('clean_merge_progress'))} (they are {_percent(report.get('merge_clean_spread'))} "
+        f"apart).",
         "",
-        "| run | attackers | what each does | honest val loss / clean | joiner's / clean | experts the attackers held "
-        "| honest-owned expert-time | rounds OK (clean) | named | banned (after) | surrogates refused | crashed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge kept / clean "
+        "| experts the attackers held | honest-owned expert-time | rounds OK (clean) | named | banned (after) "
+        "| surrogates refused | crashed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
@@ -328,11 +368,16 @@ def markdown(report: dict[str, Any]) -> str:
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
         owned = "-" if r.get("honest_owned_fraction") is None else f"{100 * r['honest_owned_fraction']:.0f}%"
         attackers = r.get("attackers", 0 if is_clean(r["name"]) else 1)
-        lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | "
+        kept = "-" if r.get("merge_progress_ratio") is None else f"{r['merge_progress_ratio']:.4f}"
+        lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | {kept} | "
                      f"{_opt(r['attacker_experts'])} | "
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
 
 
 def _opt(x: Any) -> str:

@@ -113,6 +113,10 @@ class OuterConfig:
     """The fewest blocks of the others' merged shares this node recomputes from the contributions in each partitioned
     round (``sync.aggregation = "parts"``), drawn at random; it recomputes as many as a body's worth of fetches pays
     for when that is more (``node.outer.partitioned.rechecks``): each costs a block of every contribution."""
+    record_merges: bool = False
+    """Write each merged gathered round's geometry (the inner products of its contributions and its result:
+    ``train.robust.merge_geometry``) to this node's metrics as a ``merge`` event, for ``parallax bench attacks`` to
+    measure what an attack took from each round. It costs K^2 products of the group's size a round."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0

@@ -88,7 +88,7 @@ from parallax.node.outer.wire import (
     round_tag,
 )
 from parallax.node.outer.witness import Witness, new_session, sign
-from parallax.node.train.robust import MergeAudit, cap_weights, robust_merge_groups, span_of
+from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, StalledStream
 
 logger = logging.getLogger(__name__)
@@ -372,6 +372,8 @@ class GatheredRounds:
                 logger.warning("outer round %s/%d: the set of %d contributions cannot be merged here: %s", self.group,
                                n, len(participants), e)
                 return None
+        if merged is not None and self.parts is None and self.config.net.record_merges:
+            common["geometry"] = {**merge_geometry([found[p][0] for p in participants], merged), "weights": weights}
         suspects = []
         for name, a in zip(participants, audit.contributions if audit is not None else (), strict=False):
             if a.suspicious:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
@@ -110,6 +111,9 @@ class RoundReport:
     """A group formed and exchanged tensors: the other members may have completed the round."""
     suspects: tuple[str, ...] = ()
     """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
+    geometry: dict[str, Any] | None = None
+    """With ``net.outer.record_merges``, a gathered round's ``train.robust.merge_geometry`` of the set it merged, in
+    ``participants``' order, with the capped weights under ``weights``."""
     apart_from: tuple[str, ...] = ()
     """An applied round whose other participants hold another anchor than this node's (gathered rounds): the peers
     of the strict majority that hold one; this node takes the group's state from them."""

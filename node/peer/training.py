@@ -257,6 +257,9 @@ class Training:
         self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
                              participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
                              total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
+        if report.status is RoundStatus.OK and report.geometry is not None:
+            self.telemetry.event("merge", group=report.group, round_id=report.round_id,
+                                 senders=list(report.participants), **report.geometry)
 
     def _round_bytes(self, report: RoundReport) -> int:
         """Bytes this node sent in an all-reduce: a butterfly all-reduce sends (n-1)/n of the payload to the

@@ -31,15 +31,15 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from parallax.node.train.merge_rules import MergeRule, merge_rule, weighted_mean
 from parallax.node.train.rda import DIRECTION_EPS
 
-__all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "robust_merge_groups",
-           "span_of"]
+__all__ = ["ContributionAudit", "MergeAudit", "RobustConfig", "cap_weights", "centered_clip", "merge_geometry",
+           "robust_merge_groups", "span_of"]
 
 
 @dataclass(frozen=True)
@@ -260,3 +260,25 @@ def _merge_tensor(tensors: list[torch.Tensor], w: list[float], spans: list[float
 def _note_clips(audits: list[ContributionAudit], factors: list[float], size: int) -> None:
     for a, f in zip(audits, factors, strict=True):
         a.note_clip(f, size)
+
+
+def merge_geometry(deltas: Sequence[Mapping[str, torch.Tensor]], merged: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Where a merge put a group against each contribution, as inner products over the whole group (every tensor of
+    ``merged``'s names, in float64): ``gram`` (K x K, contribution i . contribution j), ``dots`` (contribution i . the
+    result) and ``square`` (the result . itself). From these alone, whoever knows which contributions were honest
+    computes how far the result lies from any weighting of them (``benchmarks.attacks``: what an attack took from a
+    round). The products of a non-finite contribution are None (it was dropped)."""
+    k = len(deltas)
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    dots = torch.zeros(k, dtype=torch.float64)
+    square = 0.0
+    finite = [all(bool(torch.isfinite(d[n]).all()) for n in merged) for d in deltas]
+    for name, result in merged.items():
+        m = result.detach().reshape(-1).to(torch.float64)
+        rows = torch.stack([d[name].detach().reshape(-1).to(torch.float64) if ok else torch.zeros_like(m)
+                            for d, ok in zip(deltas, finite, strict=True)])
+        gram += rows @ rows.T
+        dots += rows @ m
+        square += float(m @ m)
+    return {"gram": [[float(gram[i, j]) if finite[i] and finite[j] else None for j in range(k)] for i in range(k)],
+            "dots": [float(dots[i]) if finite[i] else None for i in range(k)], "square": square}

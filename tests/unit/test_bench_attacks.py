@@ -14,9 +14,11 @@ from parallax.benchmarks.attacks import (
     fits,
     is_clean,
     markdown,
+    merge_harm,
     run_attacks,
 )
 from parallax.node.peer.local_swarm import NodeProcess
+from parallax.node.train.robust import merge_geometry, robust_merge_groups
 
 
 class _Node:
@@ -52,15 +54,19 @@ def test_the_table_marks_rows_past_the_target():
            "crashed": False, "within_target": True}
     report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
               "clean_val_loss": 2.7, "clean_spread": 0.02, "target": 1.02, "wall_s": 60.0,
-              "clean": [{**row, "name": "clean", "description": "no attacker"}],
+              "clean_merge_progress": 0.98, "merge_clean_spread": 0.001,
+              "clean": [{**row, "name": "clean", "description": "no attacker", "merge_progress_ratio": 1.0}],
               "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
+                           "merge_progress_ratio": 0.95,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "attacker_named": True}]}
     report["false_bans"] = 1
     report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
-    assert "| nan | 1 | NaN pseudo-gradients | **1.100** | - | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |" in text
-    assert "| clean | 0 | no attacker | 1.000 |" in text and "2.0% apart" in text
+    row = "| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |"
+    assert row in text
+    assert "| clean | 0 | no attacker | 1.000 | - | 1.0000 |" in text and "2.00% apart" in text
+    assert "against the clean runs' 0.9800 (they are 0.10% apart)" in text
     assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
 
 
@@ -138,3 +144,42 @@ def test_colluders_share_their_honest_tensors_and_send_the_same_crafted_body(mon
     assert [d["w"].tolist() for d in sent] == [pytest.approx([x, x]) for x in (-0.1, -0.2, -0.2)]
     assert len(list((tmp_path / "colluders").glob("*.pt"))) == 2  # one per colluder and group, nothing half-written
     assert not list((tmp_path / "colluders").glob(".*"))
+
+
+def _contributions(k: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    base = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    return [{n: t + 0.3 * torch.randn(t.shape, generator=g) for n, t in base.items()} for _ in range(k)]
+
+
+def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([d[n].reshape(-1).double() for n in ("w", "b")])
+
+
+def test_a_merges_geometry_gives_what_it_kept_of_the_honest_mean_without_the_tensors():
+    """From the inner products alone: the merge's progress along the honest senders' weighted mean and its distance
+    from it, as computed from the tensors; a NaN contribution has no products and is never honest."""
+    deltas = _contributions(5, seed=1)
+    deltas[4] = {n: -4.0 * t for n, t in deltas[0].items()}  # a sign-flipped, scaled liar
+    weights = [1.0, 2.0, 1.0, 1.0, 1.0]
+    merged = {n: sum(w * d[n] for w, d in zip(weights, deltas, strict=True)) / sum(weights) for n in ("w", "b")}
+    event = {**merge_geometry(deltas, merged), "weights": weights, "senders": ["a", "b", "c", "d", "liar"]}
+    honest = [_flat(d) for d in deltas[:4]]
+    h = sum(w * x for w, x in zip(weights[:4], honest, strict=True)) / sum(weights[:4])
+    m = _flat(merged)
+    progress, error = merge_harm(event, lambda peer: peer != "liar")
+    assert progress == pytest.approx(float(m @ h / (h @ h)), rel=1e-9) and progress < 0.9
+    assert error == pytest.approx(float(torch.linalg.vector_norm(m - h) / torch.linalg.vector_norm(h)), rel=1e-9)
+    assert merge_harm(event, lambda _peer: True) == pytest.approx((1.0, 0.0), abs=1e-5)  # the mean of all five
+    # The robust merge of the same five keeps most of the honest update.
+    robust, _ = robust_merge_groups(deltas, weights, "mean")
+    assert robust is not None
+    kept, _ = merge_harm({**merge_geometry(deltas, robust), "weights": weights, "senders": event["senders"]},
+                         lambda peer: peer != "liar")
+    assert progress < kept <= 1.05
+    deltas[4] = {n: torch.full_like(t, float("nan")) for n, t in deltas[4].items()}
+    poisoned = merge_geometry(deltas, merged)
+    assert poisoned["dots"][4] is None and poisoned["gram"][0][4] is None and poisoned["gram"][0][0] is not None
+    poisoned.update(weights=weights, senders=event["senders"])
+    assert merge_harm(poisoned, lambda _peer: True) is not None
+    assert merge_harm(poisoned, lambda peer: peer == "liar") is None
