@@ -15,11 +15,11 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
-- ``merge_progress``: what each merge an honest composer applied kept of its honest senders' update h (their
-  contributions' mean by the capped weights), as the result's length along h in h's lengths (``merge_harm``;
-  ``merge_error``: its distance from h in h's lengths), the mean over every such merge of the run; against the clean
-  runs' (``merge_progress_ratio``, with ``merge_clean_spread``). A merge is a deterministic function of what arrived,
-  so this judges an attack on the merge's content finer than the final loss, which moves with which rounds completed;
+- ``merge_cosine``: how well each merge an honest composer applied points along its honest senders' update h (their
+  contributions' mean by the capped weights), the mean over every such merge of the run (``merge_harm``;
+  ``merge_progress``: the merges' length along h), against the clean runs' (``merge_cosine_ratio``, with
+  ``merge_clean_spread``). A merge is a deterministic function of what arrived, so this judges an attack on the
+  merge's content finer than the final loss, which moves with which rounds completed;
 - ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
   training, during which an honest composer owned the expert (availability: an attacker that takes experts or
   makes honest composers give theirs up lowers it);
@@ -148,22 +148,22 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
     clean_loss, clean_joiner, clean_kept = (_mean([r[key] for r in runs[:clean_runs]])
-                                            for key in ("val_loss", "joiner_val_loss", "merge_progress"))
+                                            for key in ("val_loss", "joiner_val_loss", "merge_cosine"))
     rows = []
     for run in runs:
         ratio = run["val_loss"] / clean_loss if run["val_loss"] and clean_loss else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
-        kept = (run["merge_progress"] / clean_kept if run["merge_progress"] is not None and clean_kept else None)
+        kept = run["merge_cosine"] / clean_kept if run["merge_cosine"] is not None and clean_kept else None
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
-                     "merge_progress_ratio": kept,
+                     "merge_cosine_ratio": kept,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
-            "clean_merge_progress": clean_kept,
-            "merge_clean_spread": _spread([r["merge_progress"] for r in runs[:clean_runs]]),
+            "clean_merge_cosine": clean_kept,
+            "merge_clean_spread": _spread([r["merge_cosine"] for r in runs[:clean_runs]]),
             "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
             "composers": layout.composers, "attackers": layout.attackers, "target": TARGET,
             "wall_s": time.monotonic() - started,
@@ -273,8 +273,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "honest_owned_fraction": _honest_owned(records, honest, total),
         "rounds_ok": statistics.median(rounds_ok),
         "merges": len(merges),
-        "merge_progress": statistics.mean(p for p, _ in merges) if merges else None,
-        "merge_error": statistics.mean(e for _, e in merges) if merges else None,
+        "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,
+        "merge_progress": statistics.mean(p for _, p in merges) if merges else None,
         "attacker_named": named, "attacker_banned": bool(bans),
         "banned_after_s": round(min(r["t"] for r in bans) - attacker_spawned, 1) if bans else None,
         "banned_by": sorted({i for i, rs in records.items() for r in rs if r in bans}),
@@ -286,9 +286,10 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
 
 def merge_harm(event: dict[str, Any], honest: Callable[[str], bool]) -> tuple[float, float] | None:
     """What one merge (a ``merge`` event: ``train.robust.merge_geometry`` with its senders and capped weights) kept
-    of its ``honest`` senders' update h, their contributions' mean by those weights: (progress, error), progress =
-    m.h / |h|^2 of the result m (its length along h, in h's lengths) and error = |m - h| / |h|. Computed from the
-    inner products alone. None when no honest sender had a finite contribution with weight, or h is zero."""
+    of its ``honest`` senders' update h, their contributions' mean by those weights: (cosine, progress) of the result
+    m, cosine = m.h / (|m| |h|) (how well it points along h) and progress = m.h / |h|^2 (its length along h, in h's
+    lengths: the RDA merge, averaging norms and directions apart, makes it 1-2 when nobody attacks). Computed from
+    the inner products alone. None when no honest sender had a finite contribution with weight, or h or m is zero."""
     senders, gram, dots, weights = event["senders"], event["gram"], event["dots"], event["weights"]
     used = [i for i, peer in enumerate(senders) if honest(peer) and dots[i] is not None and weights[i] > 0]
     total = sum(weights[i] for i in used)
@@ -297,9 +298,9 @@ def merge_harm(event: dict[str, Any], honest: Callable[[str], bool]) -> tuple[fl
     share = {i: weights[i] / total for i in used}
     along = sum(share[i] * dots[i] for i in used)
     square = sum(share[i] * share[j] * gram[i][j] for i in used for j in used)
-    if not square > 0:
+    if not (square > 0 and event["square"] > 0):
         return None
-    return along / square, math.sqrt(max(event["square"] - 2 * along + square, 0.0) / square)
+    return along / math.sqrt(square * event["square"]), along / square
 
 
 def _peer_id(records: list[dict[str, Any]]) -> str:
@@ -349,12 +350,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{_opt(report['clean_val_loss'])} "
         f"(the clean runs end {_percent(spread)} apart); target <= "
         f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in {len(report['clean'])} clean "
-        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge kept: "
-        f"what the merges the honest composers applied kept of their honest senders' mean update, against the clean "
-        f"runs' {_opt(report.get('clean_merge_progress'))} (they are {_percent(report.get('merge_clean_spread'))} "
+        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge cosine: how "
+        f"well the merges the honest composers applied point along their honest senders' mean update, against the "
+        f"clean runs' {_opt(report.get('clean_merge_cosine'))} (they are {_percent(report.get('merge_clean_spread'))} "
         f"apart).",
         "",
-        "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge kept / clean "
+        "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge cosine / clean "
         "| experts the attackers held | honest-owned expert-time | rounds OK (clean) | named | banned (after) "
         "| surrogates refused | crashed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -368,7 +369,7 @@ def markdown(report: dict[str, Any]) -> str:
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
         owned = "-" if r.get("honest_owned_fraction") is None else f"{100 * r['honest_owned_fraction']:.0f}%"
         attackers = r.get("attackers", 0 if is_clean(r["name"]) else 1)
-        kept = "-" if r.get("merge_progress_ratio") is None else f"{r['merge_progress_ratio']:.4f}"
+        kept = "-" if r.get("merge_cosine_ratio") is None else f"{r['merge_cosine_ratio']:.4f}"
         lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | {kept} | "
                      f"{_opt(r['attacker_experts'])} | "
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "

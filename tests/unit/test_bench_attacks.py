@@ -54,10 +54,10 @@ def test_the_table_marks_rows_past_the_target():
            "crashed": False, "within_target": True}
     report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
               "clean_val_loss": 2.7, "clean_spread": 0.02, "target": 1.02, "wall_s": 60.0,
-              "clean_merge_progress": 0.98, "merge_clean_spread": 0.001,
-              "clean": [{**row, "name": "clean", "description": "no attacker", "merge_progress_ratio": 1.0}],
+              "clean_merge_cosine": 0.98, "merge_clean_spread": 0.001,
+              "clean": [{**row, "name": "clean", "description": "no attacker", "merge_cosine_ratio": 1.0}],
               "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
-                           "merge_progress_ratio": 0.95,
+                           "merge_cosine_ratio": 0.95,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "attacker_named": True}]}
     report["false_bans"] = 1
@@ -157,8 +157,8 @@ def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_a_merges_geometry_gives_what_it_kept_of_the_honest_mean_without_the_tensors():
-    """From the inner products alone: the merge's progress along the honest senders' weighted mean and its distance
-    from it, as computed from the tensors; a NaN contribution has no products and is never honest."""
+    """From the inner products alone: the merge's cosine with the honest senders' weighted mean and its length along
+    it, as computed from the tensors; a NaN contribution has no products and is never honest."""
     deltas = _contributions(5, seed=1)
     deltas[4] = {n: -4.0 * t for n, t in deltas[0].items()}  # a sign-flipped, scaled liar
     weights = [1.0, 2.0, 1.0, 1.0, 1.0]
@@ -167,16 +167,16 @@ def test_a_merges_geometry_gives_what_it_kept_of_the_honest_mean_without_the_ten
     honest = [_flat(d) for d in deltas[:4]]
     h = sum(w * x for w, x in zip(weights[:4], honest, strict=True)) / sum(weights[:4])
     m = _flat(merged)
-    progress, error = merge_harm(event, lambda peer: peer != "liar")
+    cosine, progress = merge_harm(event, lambda peer: peer != "liar")
+    assert cosine == pytest.approx(float(m @ h / torch.linalg.vector_norm(m) / torch.linalg.vector_norm(h)), rel=1e-9)
     assert progress == pytest.approx(float(m @ h / (h @ h)), rel=1e-9) and progress < 0.9
-    assert error == pytest.approx(float(torch.linalg.vector_norm(m - h) / torch.linalg.vector_norm(h)), rel=1e-9)
-    assert merge_harm(event, lambda _peer: True) == pytest.approx((1.0, 0.0), abs=1e-5)  # the mean of all five
-    # The robust merge of the same five keeps most of the honest update.
+    assert merge_harm(event, lambda _peer: True) == pytest.approx((1.0, 1.0), abs=1e-6)  # the mean of all five
+    # The robust merge of the same five points along the honest update better than their mean.
     robust, _ = robust_merge_groups(deltas, weights, "mean")
     assert robust is not None
     kept, _ = merge_harm({**merge_geometry(deltas, robust), "weights": weights, "senders": event["senders"]},
                          lambda peer: peer != "liar")
-    assert progress < kept <= 1.05
+    assert cosine < kept <= 1.0 + 1e-9
     deltas[4] = {n: torch.full_like(t, float("nan")) for n, t in deltas[4].items()}
     poisoned = merge_geometry(deltas, merged)
     assert poisoned["dots"][4] is None and poisoned["gram"][0][4] is None and poisoned["gram"][0][0] is not None
