@@ -230,6 +230,29 @@ def _held_fetches(_: Attacker) -> None:
     ContributionServicer.rpc_contribution = held  # type: ignore[method-assign]
 
 
+def _trickled_fetches(_: Attacker) -> None:
+    """Every fetch of its outer contributions is answered a few bytes at a time, each message just inside the
+    loopback profile's wait for the next one (``net.outer.next_chunk_timeout_s``): the answer never stalls, and it
+    never ends within a fetch's overall bound either (a late upload that is never late enough to be called held)."""
+    from hivemind.proto import runtime_pb2
+
+    from parallax.node.config.net import OuterConfig
+    from parallax.node.outer.transport import ContributionServicer
+
+    honest = ContributionServicer.rpc_contribution
+    pause_s = 0.8 * OuterConfig.loopback().next_chunk_timeout_s
+
+    @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
+    async def trickled(self: Any, request: Any, context: Any) -> Any:
+        async for message in honest(self, request, context):
+            body = message.serialized_info
+            for start in range(0, len(body), 64):
+                await asyncio.sleep(pause_s)
+                yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + 64])
+
+    ContributionServicer.rpc_contribution = trickled  # type: ignore[method-assign]
+
+
 def _equivocation(_: Attacker) -> None:
     """After the first fetch of each round's contribution, signs a claim of another body for the same round (the
     body x1.5, its session unchanged) and serves that one: every fetcher's digest check passes, on a body of its
@@ -563,6 +586,8 @@ ATTACKS: dict[str, Attack] = {
     "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
     "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
     "held-fetches": Attack("accepts every fetch of its outer contributions and sends nothing", _held_fetches),
+    "trickled-fetches": Attack("answers every fetch of its outer contributions 64 bytes at a time, each just inside "
+                               "the wait for the next message", _trickled_fetches),
     "equivocation": Attack("signs a second, different contribution for each round after its first fetch",
                            _equivocation),
     "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),

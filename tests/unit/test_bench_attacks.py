@@ -101,6 +101,35 @@ def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_ans
         asyncio.run(first())
 
 
+def test_the_trickled_fetches_attack_answers_the_whole_body_a_few_bytes_each_just_inside_the_chunk_wait(monkeypatch):
+    import asyncio
+
+    from hivemind.proto import runtime_pb2
+
+    from parallax.node.config.net import OuterConfig
+    from parallax.node.outer.transport import ContributionServicer, ContributionStore
+
+    monkeypatch.setattr(ContributionServicer, "rpc_contribution", ContributionServicer.rpc_contribution)  # restored
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", pause)
+    ATTACKS["trickled-fetches"].patch(None)  # type: ignore[arg-type, misc]
+    store = ContributionStore(keep=2)
+    body = bytes(range(200))
+    store.put("router", 1, body)
+
+    async def read() -> list[bytes]:
+        answer = ContributionServicer(store).rpc_contribution(runtime_pb2.ExpertRequest(uid="router/1"), None)
+        return [m.serialized_info async for m in answer]
+
+    messages = asyncio.run(read())
+    assert b"".join(messages) == body and max(map(len, messages)) == 64 and len(pauses) == len(messages) == 4
+    assert all(0 < p < OuterConfig.loopback().next_chunk_timeout_s for p in pauses)
+
+
 def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_composers_from_the_start():
     assert (Layout().from_the_start, Layout().attacker_places, Layout().joiner) == ((0, 1), (2,), 3)
     eight = Layout(8, 2)
