@@ -36,6 +36,12 @@ class StalledStream(RemoteProtocolError):
     accepted the request and holds the caller (an honest peer answers at once, if only with an empty stream)."""
 
 
+class SlowStream(RemoteProtocolError):
+    """A peer answered, each message within the reader's wait between two, and the whole answer still went on past
+    the caller's bound: a trickle that is never held long enough to be a ``StalledStream``, or a link far slower
+    than the bound assumes. No evidence (an honest peer on a slow link does it too), but nothing to wait for either."""
+
+
 class UnsupportedVersion(RemoteProtocolError):
     """The envelope names a protocol version this node does not speak."""
 

@@ -89,7 +89,7 @@ from parallax.node.outer.wire import (
 )
 from parallax.node.outer.witness import Witness, new_session, sign
 from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
-from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, StalledStream
+from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, SlowStream, StalledStream
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class GatheredRounds:
         self._refused: dict[str, str] = {}  # contributions ("peer@round") found unusable, and why
         self._retry_at: dict[str, float] = {}  # contributions a fetch of failed for now -> when to ask again
         self._digests: dict[str, dict[bytes, int]] = {}  # peer -> digests of its bodies -> the round of each
-        self._held: dict[str, None] = {}  # peers that held a fetch and sent nothing usable since (insertion order)
+        self._held: dict[str, None] = {}  # peers that held a fetch, or trickled one past its bound, and sent nothing
+        # usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
@@ -637,22 +638,26 @@ class GatheredRounds:
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
             bad = isinstance(e, ContributionMismatch | MalformedMessage)
             stalled = isinstance(e, StalledStream)  # it accepted the fetch and held it: not asked again this round
+            # Its answer was still coming at the fetch's bound (a trickle, or a link slower than the bound assumes):
+            # no evidence, but not asked again this round and, like a peer that held a fetch, waited for by no round
+            # until a contribution of it arrives usable.
+            slow = isinstance(e, SlowStream)
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
             if self.scores is not None and (bad or stalled) and not blameless:
                 self.scores.record(peer, Evidence.STALLED if stalled else Evidence.FORGED)
             with self._lock:
-                if bad or stalled:
+                if bad or stalled or slow:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
                     self._retry_at[name] = time.monotonic() + _RETRY_S
-                if stalled:
+                if stalled or slow:
                     self._held[peer] = None
                 self._failing[peer] = None
                 for kept in (self._refused, self._retry_at, self._held, self._failing):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
-                           "" if bad or stalled else " for now", e)
+                           "" if bad or stalled or slow else " for now", e)
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)

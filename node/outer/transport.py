@@ -47,7 +47,7 @@ from parallax.node.outer.blocks import BlockedBody, BlockMismatch, answer_cap, c
 from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode
-from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError
+from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError, SlowStream
 from parallax.protocol.identity import SIGNATURE_BYTES
 from parallax.protocol.schema import MSGPACK_ERRORS
 
@@ -373,11 +373,11 @@ class OuterGather(ServedOnLoop):
         Raises:
             ContributionMismatch: another size or digest (the peer is named).
             StalledStream: the peer opened its answer and then held it (the peer is named).
+            SlowStream: the answer was still coming at ``timeout_s`` (the peer is named).
             RemoteProtocolError: not held.
             TimeoutError, and hivemind's errors on a broken stream.
         """
-        coro = self._fetch(peer, f"{group}/{entry.round_id}", entry.size, chunk_timeout_s)
-        body = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
+        body = self._bounded(peer, f"{group}/{entry.round_id}", entry.size, timeout_s, chunk_timeout_s)
         if len(body) != entry.size or body_digest(body) != entry.digest:
             raise ContributionMismatch(f"outer contribution of {len(body)} bytes does not match the announced "
                                        f"{entry.size} bytes and digest", peer=peer)
@@ -393,21 +393,37 @@ class OuterGather(ServedOnLoop):
 
         Raises:
             BlockMismatch: a block that is not the one published, or not the blocks asked for (the peer is named).
-            MalformedMessage, StalledStream, RemoteProtocolError (not held), TimeoutError and hivemind's errors.
+            MalformedMessage, StalledStream, SlowStream, RemoteProtocolError (not held), TimeoutError and hivemind's
+            errors.
         """
         uid = wanted_uid(key, round_id, wanted)
-        coro = self._fetch(peer, uid, answer_cap(size, len(wanted), count), chunk_timeout_s, blocks=True)
-        answer = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
+        answer = self._bounded(peer, uid, answer_cap(size, len(wanted), count), timeout_s, chunk_timeout_s,
+                               blocks=True)
         out = check_answer(answer, digest, wanted, count, peer=peer)
         with self._count_lock:
             self.bytes_fetched += len(answer)
         return out
 
+    def _bounded(self, peer: str, uid: str, size: int, timeout_s: float, chunk_timeout_s: float | None, *,
+                 blocks: bool = False) -> bytes:
+        """``_fetch`` within ``timeout_s``; an answer that opened and was still coming at the bound raises
+        ``SlowStream`` (a plain ``TimeoutError`` when the stream never opened)."""
+        opened: list[bool] = []
+        coro = self._fetch(peer, uid, size, chunk_timeout_s, blocks=blocks, opened=opened)
+        try:
+            return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
+        except TimeoutError:
+            if opened:
+                raise SlowStream(f"outer contribution {uid}: its answer was still coming after {timeout_s:g} s",
+                                 peer=peer) from None
+            raise
+
     async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float | None, *,
-                     blocks: bool = False) -> bytes:
+                     blocks: bool = False, opened: list[bool]) -> bytes:
         stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         call = stub.rpc_blocks if blocks else stub.rpc_contribution
         stream = await call(runtime_pb2.ExpertRequest(uid=uid))
+        opened.append(True)
         try:
             parts = await read_answer(stream, cap=size, peer=peer, what=f"outer contribution {uid}",
                                       chunk_timeout_s=chunk_timeout_s)

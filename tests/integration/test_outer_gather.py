@@ -533,6 +533,68 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
                 wait_until(lambda score=score: sum(score.snapshot()[holder]["reasons"].values()) == 2, timeout=30)
 
 
+class _TrickledAnswers(ContributionServicer):
+    """Answers every contribution fetch 64 bytes at a time, each message ``pause_s`` after the one before (well
+    within the wait for the next message); counts the fetches."""
+
+    def __init__(self, *args: typing.Any, pause_s: float) -> None:
+        super().__init__(*args)
+        self.pause_s, self.asked = pause_s, 0
+
+    async def rpc_contribution(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        self.asked += 1
+        async for message in super().rpc_contribution(request, context):
+            for start in range(0, len(message.serialized_info), 64):
+                await asyncio.sleep(self.pause_s)
+                yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
+
+
+_TrickledAnswers.__name__ = ContributionServicer.__name__
+
+
+def test_a_contributor_that_trickles_its_answers_is_left_out_and_waited_for_by_no_later_round(peers):
+    """Peer 3 answers every fetch of its contribution a few bytes at a time, never stalling long enough to be called
+    held: each honest peer gives the fetch up at its overall bound (``allreduce_timeout_s``), merges the three others,
+    and scores nothing (a link slower than the bound looks the same). In the next round the trickler counts in no
+    quorum, as a holder does: two of the three honest peers merge between themselves."""
+    trickler = peers[3].dht.peer_id
+    timings = {"allreduce_timeout_s": 6.0}
+    with _gathers(peers, "trickled", 3, lambda store: _TrickledAnswers(store, pause_s=0.5)) as gathers:
+        scores = [PeerScores() for _ in peers]
+        with _averagers(peers, "trickled", scores, gathers=gathers, timings=timings) as averagers:
+            deltas = _deltas(4, seed=31)
+            with ThreadPoolExecutor(4) as pool:
+                slow = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=1)
+                wait_until(lambda: trickler in averagers[0].records.read([trickler], 2.0), timeout=30)
+                honest = [pool.submit(a.run_round, d, CAP, round_id=1)
+                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
+                results = [f.result(timeout=60) for f in honest]
+                slow.result(timeout=60)
+            for a, merged in zip(averagers[:3], results, strict=True):
+                report = a.last_report
+                assert report.status is RoundStatus.OK and merged is not None, report
+                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
+            assert isinstance(gathers[3].servicer, _TrickledAnswers)
+            wait_until(lambda: all(a._gathered is not None and trickler in a._gathered._held_peers()
+                                   for a in averagers[:3]), timeout=30)  # the fetch's overall bound
+            deltas = _deltas(4, seed=32)
+            with ThreadPoolExecutor(3) as pool:  # peer 2 sits this round out
+                slow = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=2)
+                wait_until(lambda: 2 in decode_entries(averagers[0].records.read([trickler], 2.0).get(trickler, b"")),
+                           timeout=30)
+                pair = [pool.submit(a.run_round, d, CAP, round_id=2)
+                        for a, d in zip(averagers[:2], deltas[:2], strict=True)]
+                results = [f.result(timeout=60) for f in pair]
+                slow.result(timeout=60)
+            for a, merged in zip(averagers[:2], results, strict=True):
+                report = a.last_report
+                assert report.status is RoundStatus.OK and merged is not None, report
+                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:2]), report
+            assert all(trickler not in score.snapshot() for score in scores[:3])  # no evidence
+
+
 class _HeldOnce(_HeldAnswers):
     """Holds the first fetch (``hold_s``), then answers every later one after a second (a busy host: well within
     the bound on one message, longer than a round's poll)."""
