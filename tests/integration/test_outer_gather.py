@@ -464,6 +464,25 @@ def test_a_peer_that_keeps_attacking_is_banned_and_left_out(peers):
         assert all(len(a.last_report.participants) == 3 for a in averagers[1:])
 
 
+def _merged_without(peers: Sequence[Peer], averagers: Sequence[GroupAverager], odd: int,
+                    deltas: Sequence[dict[str, torch.Tensor]], *, round_id: int, honest: int) -> None:
+    """Peer ``odd`` runs round ``round_id`` first (its entry is out before the others look for contributions, so
+    each of them fetches it); the first ``honest`` peers then run it, and each merges exactly their contributions."""
+    odd_id = peers[odd].dht.peer_id
+    with ThreadPoolExecutor(honest + 1) as pool:
+        first = pool.submit(averagers[odd].run_round, deltas[odd], CAP, round_id=round_id)
+        wait_until(lambda: round_id in decode_entries(averagers[0].records.read([odd_id], 2.0).get(odd_id, b"")),
+                   timeout=30)
+        rest = [pool.submit(a.run_round, d, CAP, round_id=round_id)
+                for a, d in zip(averagers[:honest], deltas[:honest], strict=True)]
+        results = [f.result(timeout=60) for f in rest]
+        first.result(timeout=60)
+    for a, merged in zip(averagers[:honest], results, strict=True):
+        report = a.last_report
+        assert report.status is RoundStatus.OK and merged is not None, report
+        assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:honest]), report
+
+
 class _HeldAnswers(ContributionServicer):
     """Accepts every contribution fetch and sends nothing for ``hold_s``; counts the fetches."""
 
@@ -496,58 +515,32 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
     with _gathers(peers, "held", 3, lambda store: _HeldAnswers(store, hold_s=hold_s)) as gathers:
         scores = [PeerScores() for _ in peers]
         with _averagers(peers, "held", scores, gathers=gathers) as averagers:
-            deltas = _deltas(4, seed=21)
-            with ThreadPoolExecutor(4) as pool:
-                # The holder's entry is out before the others look for contributions: each of them fetches it.
-                held = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=1)
-                wait_until(lambda: holder in averagers[0].records.read([holder], 2.0), timeout=30)
-                honest = [pool.submit(a.run_round, d, CAP, round_id=1)
-                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
-                results = [f.result(timeout=60) for f in honest]
-                held.result(timeout=60)
-            for a, merged, score in zip(averagers[:3], results, scores[:3], strict=True):
-                report = a.last_report
-                assert report.status is RoundStatus.OK and merged is not None, report
-                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
+            _merged_without(peers, averagers, 3, _deltas(4, seed=21), round_id=1, honest=3)
+            for score in scores[:3]:
                 wait_until(lambda score=score: holder in score.snapshot(), timeout=30)  # the fetch's own bound
                 reasons = score.snapshot()[holder]["reasons"]
                 assert reasons == {"outer contribution fetch accepted and then held": 1}, reasons
                 assert not score.banned(holder)
             assert isinstance(gathers[3].servicer, _HeldAnswers) and gathers[3].servicer.asked == 3
 
-            deltas = _deltas(4, seed=22)
-            with ThreadPoolExecutor(3) as pool:  # peer 2 sits this round out
-                held = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=2)
-                wait_until(lambda: 2 in decode_entries(averagers[0].records.read([holder], 2.0).get(holder, b"")),
-                           timeout=30)
-                pair = [pool.submit(a.run_round, d, CAP, round_id=2)
-                        for a, d in zip(averagers[:2], deltas[:2], strict=True)]
-                results = [f.result(timeout=60) for f in pair]
-                held.result(timeout=60)
-            for a, merged in zip(averagers[:2], results, strict=True):
-                report = a.last_report
-                assert report.status is RoundStatus.OK and merged is not None, report
-                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:2]), report
+            _merged_without(peers, averagers, 3, _deltas(4, seed=22), round_id=2, honest=2)  # peer 2 sits it out
             wait_until(lambda: gathers[3].servicer.asked == 5, timeout=30)  # asked again: it may have recovered
             for score in scores[:2]:  # held again: evidence again
                 wait_until(lambda score=score: sum(score.snapshot()[holder]["reasons"].values()) == 2, timeout=30)
 
 
 class _TrickledAnswers(ContributionServicer):
-    """Answers every contribution fetch 64 bytes at a time, each message ``pause_s`` after the one before (well
-    within the wait for the next message); counts the fetches."""
+    """Answers every contribution fetch 64 bytes at a time, each message ``PAUSE_S`` after the one before (well
+    within the loopback wait for the next message, 5 s)."""
 
-    def __init__(self, *args: typing.Any, pause_s: float) -> None:
-        super().__init__(*args)
-        self.pause_s, self.asked = pause_s, 0
+    PAUSE_S = 0.5
 
     async def rpc_contribution(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
-        self.asked += 1
         async for message in super().rpc_contribution(request, context):
             for start in range(0, len(message.serialized_info), 64):
-                await asyncio.sleep(self.pause_s)
+                await asyncio.sleep(self.PAUSE_S)
                 yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
 
 
@@ -561,37 +554,13 @@ def test_a_contributor_that_trickles_its_answers_is_left_out_and_waited_for_by_n
     quorum, as a holder does: two of the three honest peers merge between themselves."""
     trickler = peers[3].dht.peer_id
     timings = {"allreduce_timeout_s": 6.0}
-    with _gathers(peers, "trickled", 3, lambda store: _TrickledAnswers(store, pause_s=0.5)) as gathers:
+    with _gathers(peers, "trickled", 3, _TrickledAnswers) as gathers:
         scores = [PeerScores() for _ in peers]
         with _averagers(peers, "trickled", scores, gathers=gathers, timings=timings) as averagers:
-            deltas = _deltas(4, seed=31)
-            with ThreadPoolExecutor(4) as pool:
-                slow = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=1)
-                wait_until(lambda: trickler in averagers[0].records.read([trickler], 2.0), timeout=30)
-                honest = [pool.submit(a.run_round, d, CAP, round_id=1)
-                          for a, d in zip(averagers[:3], deltas[:3], strict=True)]
-                results = [f.result(timeout=60) for f in honest]
-                slow.result(timeout=60)
-            for a, merged in zip(averagers[:3], results, strict=True):
-                report = a.last_report
-                assert report.status is RoundStatus.OK and merged is not None, report
-                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
-            assert isinstance(gathers[3].servicer, _TrickledAnswers)
+            _merged_without(peers, averagers, 3, _deltas(4, seed=31), round_id=1, honest=3)
             wait_until(lambda: all(a._gathered is not None and trickler in a._gathered._held_peers()
                                    for a in averagers[:3]), timeout=30)  # the fetch's overall bound
-            deltas = _deltas(4, seed=32)
-            with ThreadPoolExecutor(3) as pool:  # peer 2 sits this round out
-                slow = pool.submit(averagers[3].run_round, deltas[3], CAP, round_id=2)
-                wait_until(lambda: 2 in decode_entries(averagers[0].records.read([trickler], 2.0).get(trickler, b"")),
-                           timeout=30)
-                pair = [pool.submit(a.run_round, d, CAP, round_id=2)
-                        for a, d in zip(averagers[:2], deltas[:2], strict=True)]
-                results = [f.result(timeout=60) for f in pair]
-                slow.result(timeout=60)
-            for a, merged in zip(averagers[:2], results, strict=True):
-                report = a.last_report
-                assert report.status is RoundStatus.OK and merged is not None, report
-                assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:2]), report
+            _merged_without(peers, averagers, 3, _deltas(4, seed=32), round_id=2, honest=2)  # peer 2 sits it out
             assert all(trickler not in score.snapshot() for score in scores[:3])  # no evidence
 
 
