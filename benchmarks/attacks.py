@@ -247,8 +247,9 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         for key in ids:
             ids[key] += said.get(key, [])
     clean = is_clean(name)
+    attackers = frozenset() if clean else frozenset(ids["peer_ids"])
     merges = [harm for n in honest for r in records[n.index] if r.get("kind") == "merge"
-              and (harm := merge_harm(r, lambda peer: clean or peer not in ids["peer_ids"])) is not None]
+              and (harm := merge_harm(r, lambda peer: peer not in attackers)) is not None]
     # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id no attacker
     # speaks with.
     honest_bans = [{"by": n.index, "peer": r.get("peer"), "reasons": r.get("reasons")}

@@ -116,7 +116,8 @@ class OuterConfig:
     record_merges: bool = False
     """Write each merged gathered round's geometry (the inner products of its contributions and its result:
     ``train.robust.merge_geometry``) to this node's metrics as a ``merge`` event, for ``parallax bench attacks`` to
-    measure what an attack took from each round. It costs K^2 products of the group's size a round."""
+    measure what an attack took from each round (partitioned rounds are not recorded: no node holds a whole merge).
+    It costs K^2 products of the group's size for each round that verifies."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0
@@ -149,6 +150,10 @@ class OuterConfig:
         if self.request_timeout_s >= self.min_matchmaking_time_s:
             raise ValueError("net.outer.request_timeout_s must be < net.outer.min_matchmaking_time_s (hivemind can "
                              "deadlock otherwise); lower request_timeout_s or raise min_matchmaking_time_s")
+        if self.next_chunk_timeout_s >= self.allreduce_timeout_s:
+            raise ValueError("net.outer.next_chunk_timeout_s must be < net.outer.allreduce_timeout_s (a fetch that "
+                             "gets no message within the first is held, one still coming at the second is slow); "
+                             "lower next_chunk_timeout_s or raise allreduce_timeout_s")
         if self.matchmaking_timeout_s <= self.min_matchmaking_time_s:
             raise ValueError("net.outer.matchmaking_timeout_s must exceed net.outer.min_matchmaking_time_s, or no "
                              "group smaller than target_group_size can ever form")

@@ -246,6 +246,10 @@ class GatheredRounds:
             if status is RoundStatus.OK:
                 if mine_anchor is not None:
                     common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
+                if self.parts is None and cfg.net.record_merges:
+                    weights = [common["tokens"][split_pair(p)[0]] for p in participants]
+                    common["geometry"] = {**merge_geometry([found[p][0] for p in participants], merged),
+                                          "weights": weights}
                 self.report(RoundStatus.OK, started, **common)
                 self._flights.forget(set(participants).__contains__)  # merged: no round of this node asks again
                 return merged
@@ -373,8 +377,6 @@ class GatheredRounds:
                 logger.warning("outer round %s/%d: the set of %d contributions cannot be merged here: %s", self.group,
                                n, len(participants), e)
                 return None
-        if merged is not None and self.parts is None and self.config.net.record_merges:
-            common["geometry"] = {**merge_geometry([found[p][0] for p in participants], merged), "weights": weights}
         suspects = []
         for name, a in zip(participants, audit.contributions if audit is not None else (), strict=False):
             if a.suspicious:
@@ -511,7 +513,7 @@ class GatheredRounds:
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
-            self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries))
+            self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, mine=me))
             for name in [name for name in found if name != me and _passed(entries, name)]:
                 del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
@@ -829,12 +831,17 @@ def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
     return all(ours <= rank(name) for name in offered)
 
 
-def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]]) -> bool:
-    """Will no round ask for contribution ``name`` now: its sender is not live, or it is ``_passed``? One its sender
-    merged in this round is still asked for: the set it merged may name this node's contribution, and this node takes
-    that set (a fetch that ended after the pass that started it would otherwise be forgotten unread and its body
-    fetched again). A sender whose record a read missed is not judged."""
-    return split_pair(name)[0] not in live or _passed(entries, name)
+def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]],
+               mine: str) -> bool:
+    """Will no round ask for contribution ``name`` now: its sender is not live, it is ``_passed``, or its sender
+    merged it in a set that does not name ``mine`` (this node's contribution)? One its sender merged in a set naming
+    ours is still asked for: this node may take that set (a fetch that ended after the pass that started it would
+    otherwise be forgotten unread and its body fetched again). A sender whose record a read missed is not judged."""
+    peer, n = split_pair(name)
+    if peer not in live or _passed(entries, name):
+        return True
+    entry = entries.get(peer, {}).get(n)
+    return entry is not None and bool(entry.fingerprint) and mine not in entry.participants
 
 
 def _passed(entries: Mapping[str, Mapping[int, RoundEntry]], name: str) -> bool:

@@ -25,6 +25,7 @@ worker thread and blocks it, bounded by its timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -344,6 +345,19 @@ class ContributionServicer(ServicerBase):
         self.bytes_served += len(answer)
 
 
+async def _noting_first(stream: typing.AsyncIterator[typing.Any],  # noqa: UP006 - hivemind's stream type
+                        began: list[bool]) -> typing.AsyncIterator[typing.Any]:  # noqa: UP006
+    """``stream``'s messages, ``began`` noting the first; closing it closes ``stream``."""
+    try:
+        async for message in stream:
+            if not began:
+                began.append(True)
+            yield message
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
 def _messages(data: bytes) -> typing.Iterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - as above
     for start in range(0, len(data), CHUNK_BYTES):
         yield runtime_pb2.ExpertInfo(serialized_info=data[start:start + CHUNK_BYTES])
@@ -406,27 +420,26 @@ class OuterGather(ServedOnLoop):
 
     def _bounded(self, peer: str, uid: str, size: int, timeout_s: float, chunk_timeout_s: float | None, *,
                  blocks: bool = False) -> bytes:
-        """``_fetch`` within ``timeout_s``; an answer that opened and was still coming at the bound raises
-        ``SlowStream`` (a plain ``TimeoutError`` when the stream never opened)."""
-        opened: list[bool] = []
-        coro = self._fetch(peer, uid, size, chunk_timeout_s, blocks=blocks, opened=opened)
+        """``_fetch`` within ``timeout_s``; an answer that had begun and was still coming at the bound raises
+        ``SlowStream`` (a plain ``TimeoutError`` when no message came)."""
+        began: list[bool] = []
+        coro = self._fetch(peer, uid, size, chunk_timeout_s, blocks=blocks, began=began)
         try:
             return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result(timeout_s + 1)
         except TimeoutError:
-            if opened:
+            if began:
                 raise SlowStream(f"outer contribution {uid}: its answer was still coming after {timeout_s:g} s",
                                  peer=peer) from None
             raise
 
     async def _fetch(self, peer: str, uid: str, size: int, chunk_timeout_s: float | None, *,
-                     blocks: bool = False, opened: list[bool]) -> bytes:
+                     blocks: bool = False, began: list[bool]) -> bytes:
         stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         call = stub.rpc_blocks if blocks else stub.rpc_contribution
         stream = await call(runtime_pb2.ExpertRequest(uid=uid))
-        opened.append(True)
         try:
-            parts = await read_answer(stream, cap=size, peer=peer, what=f"outer contribution {uid}",
-                                      chunk_timeout_s=chunk_timeout_s)
+            parts = await read_answer(_noting_first(stream, began), cap=size, peer=peer,
+                                      what=f"outer contribution {uid}", chunk_timeout_s=chunk_timeout_s)
         except OversizedMessage as e:
             raise (BlockMismatch if blocks else ContributionMismatch)(
                 f"outer contribution longer than the announced {size} bytes", peer=peer) from e

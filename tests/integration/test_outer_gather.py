@@ -322,6 +322,26 @@ def test_each_contribution_is_fetched_once_by_each_peer(peers):
             assert 0 < p.gather.servicer.bytes_served - served <= own, (i, p.gather.servicer.bytes_served - served, own)
 
 
+def test_a_recorded_merge_gives_the_inner_products_of_its_contributions_and_its_result(peers):
+    """With ``net.outer.record_merges`` an applied round's report carries its contributions' inner products with each
+    other and with the result, in its participants' order, with their capped weights."""
+    deltas = _deltas(3, seed=41)
+    with _averagers(peers[:3], "geometry", timings={"record_merges": True}) as averagers:
+        results = _run(averagers, deltas, [CAP, CAP / 2, CAP], round_id=1)
+    index = {p.dht.peer_id: i for i, p in enumerate(peers[:3])}
+    for a, merged in zip(averagers, results, strict=True):
+        report, geometry = a.last_report, a.last_report.geometry
+        assert report.status is RoundStatus.OK and merged is not None and geometry is not None, report
+        order = [index[peer] for peer in report.participants]
+        flat = [torch.cat([deltas[i][n].reshape(-1) for n in SHAPES]).double() for i in order]
+        result = torch.cat([merged[n].reshape(-1) for n in SHAPES]).double()
+        assert geometry["weights"] == [[CAP, CAP / 2, CAP][i] for i in order]
+        for i, x in enumerate(flat):  # the contributions as sent, within the fp16 wire's rounding
+            assert geometry["dots"][i] == pytest.approx(float(x @ result), rel=1e-2)
+            assert geometry["gram"][i] == pytest.approx([float(x @ y) for y in flat], rel=1e-2)
+        assert geometry["square"] == pytest.approx(float(result @ result), rel=1e-6)
+
+
 def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the_swarms(peers):
     g = torch.Generator().manual_seed(3)
     anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]

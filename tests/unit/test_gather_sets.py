@@ -210,14 +210,20 @@ def test_a_contribution_its_sender_gave_to_an_announced_set_is_on_offer_to_that_
     assert pair("B", 7) not in open_contributions(entries)
 
 
-def test_a_fetched_contribution_its_sender_merged_this_round_is_kept_for_a_set_naming_ours() -> None:
+def test_a_fetched_contribution_its_sender_merged_in_a_set_naming_ours_is_kept_until_that_set_cannot_be_taken() -> None:
     """B merged its round-3 contribution in a set that names A's: A may take that set, so the body A fetched stays
-    held (forgotten, it would be fetched again). It goes once B is gone, withdrew it or published a later round."""
-    merged = _entry("B", 3, _names("A", "B", "C"))
-    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": merged})
-    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={})  # a read that missed B judges nothing
-    assert _off_offer(pair("B", 3), live={"C"}, entries={"B": merged})
+    held (forgotten, it would be fetched again). It goes once B is gone, withdrew it or published a later round, and
+    at once when B's set does not name A's (nothing will ask for it)."""
+    mine = pair("A", 4)
+    merged = _entry("B", 3, (mine, pair("B", 3), pair("C", 6)))
+    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": merged}, mine=mine)
+    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={}, mine=mine)  # a read that missed B judges nothing
+    assert _off_offer(pair("B", 3), live={"C"}, entries={"B": merged}, mine=mine)
     later = merged | {4: RoundEntry(4, bytes(32), 100, 1.0)}
-    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": later})
+    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": later}, mine=mine)
     withdrawn = {3: RoundEntry(3, bytes(32), 100, 1.0, fingerprint=WITHDRAWN)}
-    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": withdrawn})
+    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": withdrawn}, mine=mine)
+    without_ours = _entry("B", 3, (pair("B", 3), pair("C", 6)))
+    assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": without_ours}, mine=mine)
+    on_offer = {3: RoundEntry(3, bytes(32), 100, 1.0)}
+    assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": on_offer}, mine=mine)

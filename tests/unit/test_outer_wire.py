@@ -195,6 +195,7 @@ def test_config_defaults_and_validation():
     for bad in (dict(merge="median"), dict(compression="int8"), dict(min_group_size=1),
                 dict(target_group_size=1), dict(request_timeout_s=20.0),
                 dict(matchmaking_timeout_s=10.0), dict(verify_timeout_s=0), dict(fingerprint_tolerance=2.0),
+                dict(next_chunk_timeout_s=300.0),
                 dict(compression="topk", aggregation="allreduce"), dict(compression="int4", aggregation="allreduce")):
         with pytest.raises(ValueError, match="SyncConfig|net.outer"):
             OuterSyncConfig.of(**bad)
