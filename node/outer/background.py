@@ -181,22 +181,17 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
         return load_group_state(outer, group, meta, tensors, since)
     saved, live = outer.state_dict(), outer.live_copy()
     if against_anchor:
-        with torch.no_grad():
-            for name, p in outer.params.items():
-                p.copy_(outer.anchor[name].to(p.device, p.dtype))
-            before = probe()
-            for name, p in outer.params.items():
-                p.copy_(live[name])
+        outer.load_live(outer.anchor)
+        before = probe()
+        outer.load_live(live)
     else:
         before = probe()
     round_id = load_group_state(outer, group, meta, tensors, since)
     after = probe()
     if after <= RELOAD_LOSS_BOUND * before:
         return round_id
-    with torch.no_grad():
-        outer.load_state_dict(saved)
-        for name, p in outer.params.items():
-            p.copy_(live[name])
+    outer.load_state_dict(saved)
+    outer.load_live(live)
     logger.warning("refused the state of %s (round %s) from peer %s: it raises this node's held-out loss from %.4f "
                    "to %.4f; this node keeps its own", group, round_id, meta.get("source", "?"), before, after)
     return None
@@ -219,8 +214,7 @@ def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[
     apart = math.sqrt(sum(float((outer.anchor[n] - a).square().sum()) for n, a in saved["anchor"].items()))
     if not apart <= bound:
         outer.load_state_dict(saved)
-    for name, p in outer.params.items():
-        p.copy_(live[name])
+    outer.load_live(live)
     if not apart <= bound:
         logger.warning("outer group %s: the anchor peer %s serves is %.3g from this node's, past the %.3g a few missed "
                        "rounds move it: kept its own", group, meta.get("source", "?"), apart, bound)

@@ -639,27 +639,27 @@ class GatheredRounds:
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
             bad = isinstance(e, ContributionMismatch | MalformedMessage)
-            stalled = isinstance(e, StalledStream)  # it accepted the fetch and held it: not asked again this round
-            # Its answer was still coming at the fetch's bound (a trickle, or a link slower than the bound assumes):
-            # no evidence, but not asked again this round and, like a peer that held a fetch, waited for by no round
-            # until a contribution of it arrives usable.
-            slow = isinstance(e, SlowStream)
+            stalled = isinstance(e, StalledStream)  # it accepted the fetch and held it: evidence
+            # Held, or its answer still coming at the fetch's bound (a trickle, or a link slower than the bound
+            # assumes; no evidence): not asked again this round, and waited for by no round until a contribution of
+            # it arrives usable.
+            set_aside = stalled or isinstance(e, SlowStream)
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
             if self.scores is not None and (bad or stalled) and not blameless:
                 self.scores.record(peer, Evidence.STALLED if stalled else Evidence.FORGED)
             with self._lock:
-                if bad or stalled or slow:
+                if bad or set_aside:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
                     self._retry_at[name] = time.monotonic() + _RETRY_S
-                if stalled or slow:
+                if set_aside:
                     self._held[peer] = None
                 self._failing[peer] = None
                 for kept in (self._refused, self._retry_at, self._held, self._failing):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
-                           "" if bad or stalled or slow else " for now", e)
+                           "" if bad or set_aside else " for now", e)
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)

@@ -111,6 +111,12 @@ class OuterOptimizer:
         """Returns: name -> CPU float32 copy of the live parameters (``step_late``'s ``submitted``)."""
         return {name: self._live(name).clone() for name in self.anchor}
 
+    @torch.no_grad()
+    def load_live(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Set the live parameters to ``values`` (name -> tensor: a ``live_copy``, or the anchor)."""
+        for name, p in self.params.items():
+            p.copy_(values[name])
+
     def with_unsent(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``delta`` (a pseudo-gradient of this group) plus what earlier merged rounds did not send of theirs."""
         return {name: d + self.unsent[name] if name in self.unsent else d.clone() for name, d in delta.items()}
