@@ -19,7 +19,7 @@ class RemoteProtocolError(ProtocolError):
     """A peer's bytes were refused. ``peer`` is the claimed sender's fingerprint when known."""
 
     def __init__(self, message: str, *, peer: str | None = None) -> None:
-        self.peer = peer
+        self.peer, self.reason = peer, message
         super().__init__(f"{message} (peer {peer})" if peer else message)
 
 
@@ -29,6 +29,11 @@ class OversizedMessage(RemoteProtocolError):
 
 class MalformedMessage(RemoteProtocolError):
     """The bytes do not parse, or a field has the wrong type, range or length (truncation included)."""
+
+
+def malformed(error: ProtocolError, peer: str | None) -> MalformedMessage:
+    """``error``, met decoding a peer's bytes, as the ``MalformedMessage`` that names ``peer`` once."""
+    return MalformedMessage(error.reason if isinstance(error, RemoteProtocolError) else str(error), peer=peer)
 
 
 class StalledStream(RemoteProtocolError):

@@ -28,7 +28,7 @@ import torch
 from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.parts import Block, blocks_of
 from parallax.protocol.codec import TensorLimits, decode
-from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError
+from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError, malformed
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 __all__ = ["BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout", "blocks_cap",
@@ -254,7 +254,7 @@ def decode_block(blob: bytes, block: Block, shape: Sequence[int], *, peer: str) 
     try:
         array = decode(blob, limits, peer=peer, what=f"outer contribution block {block.key}")
     except ProtocolError as e:
-        raise MalformedMessage(str(e), peer=peer) from None
+        raise malformed(e, peer) from None
     if tuple(array.shape) != rows:
         raise MalformedMessage(f"outer contribution block {block.key} has shape {array.shape}, not {rows}", peer=peer)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))

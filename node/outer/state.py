@@ -31,7 +31,7 @@ from hivemind.proto import runtime_pb2
 
 from parallax.node.net.network import RateLimiter, ServedOnLoop, read_answer
 from parallax.protocol.codec import TensorLimits, decode, encode
-from parallax.protocol.errors import MalformedMessage, ProtocolError
+from parallax.protocol.errors import MalformedMessage, ProtocolError, malformed
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def decode_state(group: str, meta_bytes: bytes, body: bytes, shapes: Mapping[str
         try:
             array = decode(blob, limits, peer=peer, what=f"state of {group}")
         except ProtocolError as e:
-            raise MalformedMessage(str(e), peer=peer) from None
+            raise malformed(e, peer) from None
         if tuple(array.shape) != tuple(shape):
             raise MalformedMessage(f"state of {group}: a tensor of shape {array.shape}, not {tuple(shape)}", peer=peer)
         tensors.append(torch.from_numpy(np.ascontiguousarray(array)))

@@ -48,7 +48,14 @@ from parallax.node.outer.blocks import BlockedBody, BlockMismatch, answer_cap, c
 from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode
-from parallax.protocol.errors import MalformedMessage, OversizedMessage, ProtocolError, RemoteProtocolError, SlowStream
+from parallax.protocol.errors import (
+    MalformedMessage,
+    OversizedMessage,
+    ProtocolError,
+    RemoteProtocolError,
+    SlowStream,
+    malformed,
+)
 from parallax.protocol.identity import SIGNATURE_BYTES
 from parallax.protocol.schema import MSGPACK_ERRORS
 
@@ -123,7 +130,7 @@ def decode_contribution(body: bytes, shapes: Mapping[str, Sequence[int]], *, pee
         try:
             array = decode(blobs[name], limits, peer=peer, what=f"outer contribution {name}")
         except ProtocolError as e:
-            raise MalformedMessage(str(e), peer=peer) from None
+            raise malformed(e, peer) from None
         if tuple(array.shape) != tuple(shape):
             raise MalformedMessage(f"outer contribution {name} has shape {array.shape}, not {tuple(shape)}",
                                       peer=peer)
