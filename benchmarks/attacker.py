@@ -72,19 +72,25 @@ class Attack:
 # --- outer-round contributions ---
 
 
+def _offering(change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Every contribution the node offers is ``change(delta)`` of its honest pseudo-gradient, whatever the run's
+    aggregation: the body or blocks the others fetch and the digest announced for them, both."""
+    from parallax.node.outer.gathered import GatheredRounds
+
+    honest = GatheredRounds._offer
+
+    @functools.wraps(honest)
+    def offer(self: Any, n: int, delta: Any) -> Any:
+        return honest(self, n, change(dict(delta)))
+
+    GatheredRounds._offer = offer  # type: ignore[method-assign]
+
+
 def _tamper_contributions(change: Callable[[str, torch.Tensor], torch.Tensor]) -> Callable[[Attacker], None]:
-    """Every contribution the node serves is ``change(name, tensor)`` of the honest one (the body the others
-    fetch and the digest announced for it, both)."""
+    """Every contribution the node serves is ``change(name, tensor)`` of the honest one (``_offering``)."""
 
     def patch(_: Attacker) -> None:
-        from parallax.node.outer import gathered
-
-        honest = gathered.encode_contribution
-
-        def tampered(delta: Any, compression: str) -> bytes:
-            return honest({name: change(name, t) for name, t in delta.items()}, compression)
-
-        gathered.encode_contribution = tampered
+        _offering(lambda delta: {name: change(name, t) for name, t in delta.items()})
 
     return patch
 
@@ -130,14 +136,11 @@ def _colluding(craft: Callable[[list[torch.Tensor], int], torch.Tensor]) -> Call
     other in every median."""
 
     def patch(attacker: Attacker) -> None:
-        from parallax.node.outer import gathered
-
-        honest_encode = gathered.encode_contribution
         folder = attacker.ids_path.parent / "colluders"
         folder.mkdir(exist_ok=True)
         me = attacker.ids_path.stem
 
-        def tampered(delta: Any, compression: str) -> bytes:
+        def tampered(delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             group = hashlib.sha256("\0".join(sorted(delta)).encode()).hexdigest()[:12]  # one file per shared group
             own = {name: t.detach().to(torch.float32).clone() for name, t in delta.items()}
             written = folder / f".{group}-{me}.tmp"
@@ -153,38 +156,45 @@ def _colluding(craft: Callable[[list[torch.Tensor], int], torch.Tensor]) -> Call
             view = attacker.membership.view() if attacker.membership is not None else None
             composers = (sum(1 for m in view.alive().values() if m.heartbeat.role == "composer")
                          if view is not None else len(held))
-            return honest_encode({name: craft([h[name] for h in held], composers).to(t.dtype)
-                                  for name, t in delta.items()}, compression)
+            return {name: craft([h[name] for h in held], composers).to(t.dtype) for name, t in delta.items()}
 
-        gathered.encode_contribution = tampered
+        _offering(tampered)
 
     return patch
 
 
 def _nan_contributions(_: Attacker) -> None:
-    """Every contribution is NaN, packed by hand (the stock encoder refuses non-finite tensors)."""
+    """Every contribution is NaN, packed by hand (the stock encoders refuse non-finite tensors): a whole body in a
+    gathered round, every block in a partitioned one."""
     import msgpack
     import numpy as np
 
     from parallax.node.outer import gathered
+    from parallax.node.outer.blocks import BlockedBody, block_layout
     from parallax.protocol import codec
 
+    def nan(shape: tuple[int, ...]) -> bytes:
+        return codec._pack("raw", "float32", shape, [], np.full(shape, np.nan, dtype="<f4").tobytes())
+
     def poisoned(delta: Any, compression: str) -> bytes:
-        blobs = {name: codec._pack("raw", "float32", tuple(t.shape), [],
-                                   np.full(tuple(t.shape), np.nan, dtype="<f4").tobytes())
-                 for name, t in delta.items()}
-        return msgpack.packb(blobs, use_bin_type=True)
+        return msgpack.packb({name: nan(tuple(t.shape)) for name, t in delta.items()}, use_bin_type=True)
 
-    honest_decode = gathered.decode_contribution
+    def poisoned_blocks(delta: Any, compression: str) -> BlockedBody:
+        shapes = {name: tuple(t.shape) for name, t in delta.items()}
+        return BlockedBody(tuple(nan((b.stop - b.start, *shapes[b.name][1:])) for b in block_layout(shapes)))
 
-    def decode(body: bytes, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
-        try:
-            return honest_decode(body, shapes, peer=peer)
-        except Exception:
-            return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
+    def read_back(honest: Callable[..., Any]) -> Callable[..., Any]:
+        def decode(body: Any, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
+            try:
+                return honest(body, shapes, peer=peer)
+            except Exception:
+                return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
 
-    gathered.encode_contribution = poisoned
-    gathered.decode_contribution = decode
+        return decode
+
+    gathered.encode_contribution, gathered.encode_blocks = poisoned, poisoned_blocks
+    gathered.decode_contribution = read_back(gathered.decode_contribution)
+    gathered.decode_all = read_back(gathered.decode_all)
 
 
 def _random_direction(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -214,20 +224,32 @@ def _declared_weight(weight: float) -> Callable[[Attacker], None]:
     return patch
 
 
-def _held_fetches(_: Attacker) -> None:
-    """Every fetch of its outer contributions is accepted and held open for an hour, not a byte sent: the rounds of
-    everyone who gathers its contribution wait on it."""
+SERVING = ("rpc_contribution", "rpc_blocks")
+"""The handlers that answer fetches of a node's outer contributions: whole bodies, and blocks of them."""
+
+
+def _serving(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Every handler in ``SERVING`` replaced by ``wrap`` of the honest one."""
     from parallax.node.outer.transport import ContributionServicer
 
-    honest = ContributionServicer.rpc_contribution
+    for name in SERVING:
+        setattr(ContributionServicer, name, wrap(getattr(ContributionServicer, name)))
 
-    @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
-    async def held(self: Any, request: Any, context: Any) -> Any:
-        await asyncio.sleep(3600)
-        for _ in ():
-            yield None
 
-    ContributionServicer.rpc_contribution = held  # type: ignore[method-assign]
+def _held_fetches(_: Attacker) -> None:
+    """Every fetch of its outer contributions (bodies or blocks) is accepted and held open for an hour, not a byte
+    sent: the rounds of everyone who gathers its contribution wait on it."""
+
+    def wrap(honest: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
+        async def held(self: Any, request: Any, context: Any) -> Any:
+            await asyncio.sleep(3600)
+            for _ in ():
+                yield None
+
+        return held
+
+    _serving(wrap)
 
 
 def _trickled_fetches(_: Attacker) -> None:
@@ -237,29 +259,30 @@ def _trickled_fetches(_: Attacker) -> None:
     from hivemind.proto import runtime_pb2
 
     from parallax.node.config.net import OuterConfig
-    from parallax.node.outer.transport import ContributionServicer
 
-    honest = ContributionServicer.rpc_contribution
     pause_s = 0.8 * OuterConfig.loopback().next_chunk_timeout_s
 
-    @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
-    async def trickled(self: Any, request: Any, context: Any) -> Any:
-        async for message in honest(self, request, context):
-            body = message.serialized_info
-            for start in range(0, len(body), 64):
-                await asyncio.sleep(pause_s)
-                yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + 64])
+    def wrap(honest: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
+        async def trickled(self: Any, request: Any, context: Any) -> Any:
+            async for message in honest(self, request, context):
+                body = message.serialized_info
+                for start in range(0, len(body), 64):
+                    await asyncio.sleep(pause_s)
+                    yield runtime_pb2.ExpertInfo(serialized_info=body[start:start + 64])
 
-    ContributionServicer.rpc_contribution = trickled  # type: ignore[method-assign]
+        return trickled
+
+    _serving(wrap)
 
 
 def _equivocation(_: Attacker) -> None:
-    """After the first fetch of each round's contribution, signs a claim of another body for the same round (the
-    body x1.5, its session unchanged) and serves that one: every fetcher's digest check passes, on a body of its
-    own."""
+    """After the first fetch of each round's contribution (its body, or blocks of it), signs a claim of another
+    body for the same round (the body x1.5, its session unchanged) and serves that one: every fetcher's digest
+    check passes, on a body of its own."""
+    from parallax.node.outer.blocks import BlockedBody, decode_all, encode_blocks, parse_wanted
     from parallax.node.outer.gathered import GatheredRounds
     from parallax.node.outer.transport import (
-        ContributionServicer,
         RoundEntry,
         body_digest,
         decode_contribution,
@@ -269,8 +292,8 @@ def _equivocation(_: Attacker) -> None:
     from parallax.node.outer.witness import sign
 
     rounds: dict[str, Any] = {}
-    switched: set[tuple[str, str]] = set()
-    honest_init, honest_serve = GatheredRounds.__init__, ContributionServicer.rpc_contribution
+    switched: set[tuple[str, int]] = set()
+    honest_init = GatheredRounds.__init__
 
     @functools.wraps(honest_init)
     def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
@@ -278,32 +301,50 @@ def _equivocation(_: Attacker) -> None:
         rounds[records.group] = self
 
     def switch(group: str, n: int) -> None:
-        gathered = rounds.get(group)
+        gathered = rounds.get(group)  # None for a partitioned round's merged blocks: those are not its claim
         if gathered is None or gathered.records.signer is None or n not in gathered._entries:
             return
         entry, body = gathered._entries[n], gathered.gather.store.get(group, n)
-        if body is None:
+        wire, shapes, me = gathered.config.compression, gathered.shapes, gathered.peer_id
+        other: BlockedBody | bytes
+        if isinstance(body, BlockedBody):
+            blocked = encode_blocks({k: 1.5 * t for k, t in decode_all(body, shapes, peer=me).items()}, wire)
+            other, digest, size = blocked, blocked.digest, blocked.size
+        elif isinstance(body, bytes):
+            whole = encode_contribution({k: 1.5 * t for k, t in decode_contribution(body, shapes, peer=me).items()},
+                                        wire)
+            other, digest, size = whole, body_digest(whole), len(whole)
+        else:
             return
-        tensors = decode_contribution(body, gathered.shapes, peer=gathered.peer_id)
-        other = encode_contribution({name: 1.5 * t for name, t in tensors.items()}, gathered.config.compression)
         gathered.gather.store.put(group, n, other)
-        claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
+        claim = RoundEntry(n, digest, size, entry.tokens, session=entry.session)
         # The round's entry replaced in place (its thread publishes it again later), and the record stored now.
         gathered._entries[n] = sign(gathered.records.signer.identity, gathered.records.run_id, group, claim)
         entries = dict(gathered._entries)
         gathered.records.store(encode_record([entries[k] for k in sorted(entries)]))
 
-    @functools.wraps(honest_serve)  # hivemind reads the handler's types through __wrapped__
-    async def equivocating(self: Any, request: Any, context: Any) -> Any:
-        async for part in honest_serve(self, request, context):
-            yield part
-        group, _, n = request.uid.rpartition("/")
-        if n.isdigit() and (group, n) not in switched:
-            switched.add((group, n))
-            asyncio.get_running_loop().run_in_executor(None, switch, group, int(n))
+    def asked(uid: str) -> tuple[str, int] | None:
+        """(group, round) of a fetch of a body (``group/n``) or of blocks of one (``group/n/i,j``)."""
+        blocks = parse_wanted(uid)
+        if blocks is not None:
+            return blocks[0], blocks[1]
+        group, _, n = uid.rpartition("/")
+        return (group, int(n)) if n.isdigit() and len(n) <= 18 else None
+
+    def wrap(honest: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(honest)  # hivemind reads the handler's types through __wrapped__
+        async def equivocating(self: Any, request: Any, context: Any) -> Any:
+            async for part in honest(self, request, context):
+                yield part
+            round_of = asked(request.uid)
+            if round_of is not None and round_of not in switched:
+                switched.add(round_of)
+                asyncio.get_running_loop().run_in_executor(None, switch, *round_of)
+
+        return equivocating
 
     GatheredRounds.__init__ = init  # type: ignore[method-assign]
-    ContributionServicer.rpc_contribution = equivocating  # type: ignore[method-assign]
+    _serving(wrap)
 
 
 def _poisoned_state(_: Attacker) -> None:
@@ -559,7 +600,7 @@ def _oversized_streams(attacker: Attacker) -> None:
     from parallax.node.outer.transport import ContributionServicer
 
     run = attacker.run_id
-    handles = [ContributionServicer._get_handle_name(f"parallax.{run}.outer", "rpc_contribution"),
+    handles = [*(ContributionServicer._get_handle_name(f"parallax.{run}.outer", name) for name in SERVING),
                StateServicer._get_handle_name(f"parallax.{run}.state", "rpc_state"),
                ExpertServicer._get_handle_name(f"parallax.{run}.experts", "rpc_snapshot"),
                SurrogateServicer._get_handle_name(f"parallax.{run}.surrogates", "rpc_fetch"),

@@ -19,7 +19,8 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   contributions' mean by the capped weights), the mean over every such merge of the run (``merge_harm``;
   ``merge_progress``: the merges' length along h), against the clean runs' (``merge_cosine_ratio``, with
   ``merge_clean_spread``). A merge is a deterministic function of what arrived, so this judges an attack on the
-  merge's content finer than the final loss, which moves with which rounds completed;
+  merge's content finer than the final loss, which moves with which rounds completed. A partitioned round's merge is
+  the shares its honest mergers recorded, put together (``whole_merges``);
 - ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
   training, during which an honest composer owned the expert (availability: an attacker that takes experts or
   makes honest composers give theirs up lowers it);
@@ -248,8 +249,9 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
             ids[key] += said.get(key, [])
     clean = is_clean(name)
     attackers = frozenset() if clean else frozenset(ids["peer_ids"])
-    merges = [harm for n in honest for r in records[n.index] if r.get("kind") == "merge"
-              and (harm := merge_harm(r, lambda peer: peer not in attackers)) is not None]
+    events = [r for n in honest for r in records[n.index] if r.get("kind") == "merge"]
+    merges = [harm for r in whole_merges(events) if (harm := merge_harm(r, lambda peer: peer not in attackers))
+              is not None]
     # In a clean run every ban is of an honest peer; in an attack run, an honest composer's of a peer id no attacker
     # speaks with.
     honest_bans = [{"by": n.index, "peer": r.get("peer"), "reasons": r.get("reasons")}
@@ -283,6 +285,35 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
+
+
+def whole_merges(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The merges that ``merge`` events record, each whole as far as the events reach: a gathered round's event is its
+    merge; a partitioned round's events, one from each merger of a share of its blocks, are summed per set (inner
+    products add up over disjoint blocks), so a set stands for the shares its recorded mergers merged."""
+    whole: list[dict[str, Any]] = []
+    sets: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for e in events:
+        if "blocks" not in e:
+            whole.append(e)
+            continue
+        key = (e["group"], tuple(e["contributions"]))
+        if key not in sets:
+            sets[key] = {**e, "blocks": set(e["blocks"])}
+            continue
+        merge = sets[key]
+        if merge["blocks"] & set(e["blocks"]):
+            continue  # these blocks are counted already
+        merge["blocks"] |= set(e["blocks"])
+        merge["gram"] = [[_sum(a, b) for a, b in zip(x, y, strict=True)]
+                         for x, y in zip(merge["gram"], e["gram"], strict=True)]
+        merge["dots"] = [_sum(a, b) for a, b in zip(merge["dots"], e["dots"], strict=True)]
+        merge["square"] += e["square"]
+    return whole + list(sets.values())
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
 
 
 def merge_harm(event: dict[str, Any], honest: Callable[[str], bool]) -> tuple[float, float] | None:

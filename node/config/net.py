@@ -114,10 +114,11 @@ class OuterConfig:
     round (``sync.aggregation = "parts"``), drawn at random; it recomputes as many as a body's worth of fetches pays
     for when that is more (``node.outer.partitioned.rechecks``): each costs a block of every contribution."""
     record_merges: bool = False
-    """Write each merged gathered round's geometry (the inner products of its contributions and its result:
+    """Write each applied round's geometry (the inner products of its contributions and its result:
     ``train.robust.merge_geometry``) to this node's metrics as a ``merge`` event, for ``parallax bench attacks`` to
-    measure what an attack took from each round (partitioned rounds are not recorded: no node holds a whole merge).
-    It costs K^2 products of the group's size for each round that verifies."""
+    measure what an attack took from each round. A partitioned round records the blocks this node merged (no node
+    holds a whole merge; the products of the set's mergers add up to the whole's). It costs K^2 products of the
+    group's size (partitioned: of its share) for each round that verifies."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0

@@ -210,6 +210,7 @@ class GatheredRounds:
                 return None
             merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
+            share = common.pop("geometry", None)  # partitioned: the geometry of this node's blocks of the merge
             if merged is None:
                 failed = common.pop("failed", None)
                 rest = tuple(p for p in participants if split_pair(p)[0] != failed)
@@ -246,10 +247,13 @@ class GatheredRounds:
             if status is RoundStatus.OK:
                 if mine_anchor is not None:
                     common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
-                if self.parts is None and cfg.net.record_merges:
+                if cfg.net.record_merges:
                     weights = [common["tokens"][split_pair(p)[0]] for p in participants]
-                    common["geometry"] = {**merge_geometry([found[p][0] for p in participants], merged),
-                                          "weights": weights}
+                    geometry = share
+                    if self.parts is None:
+                        geometry = merge_geometry([found[p][0] for p in participants], merged)
+                    if geometry is not None:
+                        common["geometry"] = {**geometry, "weights": weights, "contributions": list(participants)}
                 self.report(RoundStatus.OK, started, **common)
                 self._flights.forget(set(participants).__contains__)  # merged: no round of this node asks again
                 return merged
@@ -366,8 +370,10 @@ class GatheredRounds:
                 if forgotten is not None:  # its sender's later rounds, or many others' since: the set is long gone
                     raise Unmergeable(f"the claim of contribution {forgotten} is no longer held",
                                       split_pair(forgotten)[0])
-                merged, audit = self.parts.merge(n, participants, {p: c for p, c in claims.items() if c is not None},
-                                                 found[me][0], weights, spans)
+                merged, audit, geometry = self.parts.merge(
+                    n, participants, {p: c for p, c in claims.items() if c is not None}, found[me][0], weights, spans)
+                if geometry is not None:
+                    common["geometry"] = geometry
             except Unmergeable as e:  # its contribution is out of this node's sets; its next one is probed first
                 common.update(failed=e.peer, detail=str(e))
                 with self._lock:

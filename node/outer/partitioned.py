@@ -46,6 +46,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
 from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
 from parallax.node.train.parts import Block
-from parallax.node.train.robust import MergeAudit, robust_merge_groups
+from parallax.node.train.robust import MergeAudit, merge_geometry, robust_merge_groups
 from parallax.protocol.errors import MalformedMessage, StalledStream
 
 logger = logging.getLogger(__name__)
@@ -206,13 +207,14 @@ class PartsMerge:
 
     def merge(self, n: int, participants: tuple[str, ...], claims: Mapping[str, RoundEntry],
               mine: Mapping[str, torch.Tensor], weights: Sequence[float], spans: Sequence[float] | None,
-              ) -> tuple[dict[str, torch.Tensor] | None, MergeAudit | None]:
+              ) -> tuple[dict[str, torch.Tensor] | None, MergeAudit | None, dict[str, Any] | None]:
         """The merge of ``participants``' contributions (sorted pairs; ``claims``: the signed entry of each but ours,
         ``mine``: ours as the others decode it), shared with their senders.
 
         Returns:
             (the merged tensors, or None when no contribution had weight; the robust merge's audit of this node's
-            own blocks, or None when it merged none).
+            own blocks, or None when it merged none; with ``net.outer.record_merges``, ``train.robust.merge_geometry``
+            of those blocks under ``blocks``, their indices, or None).
 
         Raises:
             Unmergeable: a contribution's blocks did not arrive usable.
@@ -222,11 +224,15 @@ class PartsMerge:
         self.announce(n, participants, b"")
         own = owners.get(me, [])
         blocks: dict[int, torch.Tensor] = {}
-        audit = None
+        audit, geometry = None, None
         if own:
-            got, blobs, audit = self._merge_here(me, own, participants, claims, mine, weights, spans)
+            fetched: list[dict[int, torch.Tensor]] | None = [] if self.config.net.record_merges else None
+            got, blobs, audit = self._merge_here(me, own, participants, claims, mine, weights, spans, fetched=fetched)
             if got is None:
-                return None, audit
+                return None, audit, None
+            if fetched:  # inner products add up over disjoint blocks: the mergers' shares sum to the whole merge's
+                geometry = {**merge_geometry([{str(i): p[i] for i in own} for p in fetched],
+                                             {str(i): got[i] for i in own}), "blocks": own}
             body = BlockedBody(tuple(blobs[i] for i in own))
             self.gather.store.put(merged_key(self.group), n, body)
             self.announce(n, participants, body.digest)
@@ -264,9 +270,9 @@ class PartsMerge:
                         len(redo), len(others) - len(taken))
             got, _, _ = self._merge_here(me, sorted(set(redo)), participants, claims, mine, weights, spans)
             if got is None:
-                return None, audit
+                return None, audit, None
             blocks.update(got)
-        return assemble(blocks, self.shapes), audit
+        return assemble(blocks, self.shapes), audit, geometry
 
     def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
         """The blocks of others' this node recomputes among ``n`` senders, drawn at random (an unpredictable draw: a
@@ -336,11 +342,12 @@ class PartsMerge:
             return None
 
     def _merge_here(self, me: str, want: list[int], participants: tuple[str, ...], claims: Mapping[str, RoundEntry],
-                    mine: Mapping[str, torch.Tensor], weights: Sequence[float], spans: Sequence[float] | None,
+                    mine: Mapping[str, torch.Tensor], weights: Sequence[float], spans: Sequence[float] | None, *,
+                    fetched: list[dict[int, torch.Tensor]] | None = None,
                     ) -> tuple[dict[int, torch.Tensor] | None, dict[int, bytes], MergeAudit]:
         """Blocks ``want`` merged here from every contribution's blocks (``me``: ours): (the merged blocks as
         ``MERGED_WIRE`` gives them back, or None when no contribution had weight; their encoded bytes; the robust
-        merge's audit).
+        merge's audit). ``fetched``, when given, receives each participant's blocks in ``participants``' order.
 
         Raises:
             Unmergeable: a contribution's blocks did not arrive usable.
@@ -351,6 +358,8 @@ class PartsMerge:
         for name, flight in flights.items():
             parts[name] = flight.result()
         parts[me] = {i: mine[self.layout[i].name][self.layout[i].start:self.layout[i].stop] for i in want}
+        if fetched is not None:
+            fetched.extend(parts[name] for name in participants)
         return merge_blocks([parts[name] for name in participants], want, self.layout, self.shapes, weights,
                             self.config, spans=spans)
 

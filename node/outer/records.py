@@ -112,8 +112,10 @@ class RoundReport:
     suspects: tuple[str, ...] = ()
     """Peers whose contribution the robust merge dropped or clipped (gathered rounds)."""
     geometry: dict[str, Any] | None = None
-    """With ``net.outer.record_merges``, a gathered round's ``train.robust.merge_geometry`` of the set it merged, in
-    ``participants``' order, with the capped weights under ``weights``."""
+    """With ``net.outer.record_merges``, an applied round's ``train.robust.merge_geometry`` of the set it merged, in
+    ``participants``' order, with the capped weights under ``weights`` and the set's contributions (sorted pairs)
+    under ``contributions``; partitioned, of the blocks this node merged (their indices under ``blocks``; absent
+    when it merged none), which the set's other mergers' geometries complete."""
     apart_from: tuple[str, ...] = ()
     """An applied round whose other participants hold another anchor than this node's (gathered rounds): the peers
     of the strict majority that hold one; this node takes the group's state from them."""

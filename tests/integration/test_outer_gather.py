@@ -24,6 +24,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from parallax.benchmarks.attacks import whole_merges
 from parallax.benchmarks.bytes import block_bytes, parts_bytes
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.keys import outer_rounds_key
@@ -31,7 +32,7 @@ from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
-from parallax.node.outer.blocks import decode_all, encode_blocks
+from parallax.node.outer.blocks import block_layout, decode_all, encode_blocks
 from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, merge_in_blocks
 from parallax.node.outer.transport import (
     WITHDRAWN,
@@ -83,6 +84,11 @@ def peers() -> Iterator[list[Peer]]:
             p.gather.close()
             p.loop.close()
         swarm.close()
+
+
+def _gathered(**changes: typing.Any) -> OuterSyncConfig:
+    """The loopback outer settings of a gathered round on the fp16 wire, with ``changes``."""
+    return OuterSyncConfig.loopback(compression="fp16", aggregation="gather", **changes)
 
 
 @contextlib.contextmanager
@@ -342,6 +348,31 @@ def test_a_recorded_merge_gives_the_inner_products_of_its_contributions_and_its_
         assert geometry["square"] == pytest.approx(float(result @ result), rel=1e-6)
 
 
+def test_a_partitioned_rounds_recorded_shares_add_up_to_the_whole_merges_inner_products(peers):
+    """Partitioned, each merger records the products over the blocks it merged; summed over the set's mergers
+    (``bench attacks``' ``whole_merges``) they are the whole merge's, of the contributions as the mergers decode
+    them."""
+    deltas, tokens = _deltas(4, seed=43, shapes=PARTS), [CAP, CAP / 2, CAP, CAP]
+    with _averagers(peers, "parts-geometry", compression="int4", aggregation="parts", shapes=PARTS,
+                    timings={"record_merges": True}) as averagers:
+        results = _run(averagers, deltas, tokens, round_id=1)
+    reports = [a.last_report for a in averagers]
+    assert all(r.status is RoundStatus.OK and r.geometry is not None for r in reports), reports
+    assert all(len(r.geometry["blocks"]) < len(block_layout(PARTS)) for r in reports)  # a share each
+    (merge,) = whole_merges([{"group": r.group, "senders": list(r.participants), **r.geometry} for r in reports])
+    assert merge["blocks"] == set(range(len(block_layout(PARTS))))
+    index = {p.dht.peer_id: i for i, p in enumerate(peers)}
+    order = [index[peer] for peer in reports[0].participants]
+    assert merge["weights"] == [tokens[i] for i in order]
+    sent = [decode_all(encode_blocks(deltas[i], "int4"), PARTS, peer="p") for i in order]
+    flat = [torch.cat([d[n].reshape(-1) for n in PARTS]).double() for d in sent]
+    result = torch.cat([results[0][n].reshape(-1) for n in PARTS]).double()
+    for i, x in enumerate(flat):
+        assert merge["dots"][i] == pytest.approx(float(x @ result), rel=1e-6)
+        assert merge["gram"][i] == pytest.approx([float(x @ y) for y in flat], rel=1e-6)
+    assert merge["square"] == pytest.approx(float(result @ result), rel=1e-6)
+
+
 def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the_swarms(peers):
     g = torch.Generator().manual_seed(3)
     anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]
@@ -529,7 +560,7 @@ def test_a_contributor_that_holds_its_fetches_costs_each_peer_one_bounded_fetch_
     holder. In the next round the holder is asked again, but it counts in no quorum: two of the three honest peers
     merge between themselves (a majority of the two honest others and themselves), where counting the holder
     they would need three and end with no group."""
-    config = OuterSyncConfig.loopback(compression="fp16")
+    config = _gathered()
     holder = peers[3].dht.peer_id
     hold_s = 2 * config.net.next_chunk_timeout_s
     with _gathers(peers, "held", 3, lambda store: _HeldAnswers(store, hold_s=hold_s)) as gathers:
@@ -609,7 +640,7 @@ def test_two_peers_merge_again_after_one_fetch_was_held(peers):
     no one in particular, still waits for a quorum with its contribution on offer, so the next round merges the
     two of them (were it to end such rounds at once, each withdrawing its contribution before the held peer could
     fetch it, the pair would never merge again)."""
-    config = OuterSyncConfig.loopback(compression="fp16")
+    config = _gathered()
     pair = peers[:2]
     hold_s = 2 * config.net.next_chunk_timeout_s
     with _gathers(pair, "held-once", 1, lambda store: _HeldOnce(store, hold_s=hold_s)) as gathers:
@@ -655,7 +686,7 @@ def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
     than the bound on a fetch. The three others merge among themselves once their wait is over and each holds a
     quorum, while their fetches of peer 3's body are still running (they are abandoned, not awaited)."""
     timings = {"allreduce_timeout_s": 60.0}
-    config = OuterSyncConfig.loopback(compression="fp16", **timings)
+    config = _gathered(**timings)
     # 30 messages 2.5 s apart: 75 s in all
     answers = functools.partial(_SlowAnswers, pieces=30, every_s=config.net.next_chunk_timeout_s / 2)
     with _gathers(peers, "slow", 3, answers) as gathers:
@@ -803,8 +834,7 @@ def test_a_peer_whose_set_the_others_merged_elsewhere_ends_its_round_as_soon_as_
     contributions with its own, but they verify their set of three and go on to their next round. Nobody can
     apply peer 3's set: once its other senders are past it, peer 3 ends its round (no reload: nobody fetched its
     contribution) instead of waiting out its verification (20 s here), and its next round meets theirs."""
-    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=3.0, matchmaking_timeout_s=25.0,
-                                      verify_timeout_s=20.0)
+    config = _gathered(min_matchmaking_time_s=3.0, matchmaking_timeout_s=25.0, verify_timeout_s=20.0)
     ids = [p.dht.peer_id for p in peers]
     merging, go, hold = _held_merges()
     with contextlib.ExitStack() as stack:
@@ -838,7 +868,7 @@ def test_a_contribution_stays_on_offer_until_its_round_is_told_to_end(peers):
     their give-up time their contributions are still on offer (their rounds were not told to end), so a third that
     comes later merges with both. A waiting round told to end withdraws at once, and with nobody having fetched its
     contribution, nobody can have merged it: no reload."""
-    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
+    config = _gathered(min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
     ids = [p.dht.peer_id for p in peers]
     with contextlib.ExitStack() as stack:
         averagers = [stack.enter_context(GroupAverager(
@@ -881,7 +911,7 @@ def test_a_set_merged_with_a_contribution_as_it_comes_off_offer_is_taken_by_its_
     wants a larger quorum) is told its next round is due and takes its contribution off offer. It watches the
     records because its contribution was fetched, finds the set naming it (its view now wanting less) and merges
     it too: all three apply one result, none reloads, none applies a merge another does not."""
-    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0, verify_timeout_s=20.0)
+    config = _gathered(min_matchmaking_time_s=1.0, verify_timeout_s=20.0)
     ids = [p.dht.peer_id for p in peers]
     strangers = [p.dht.peer_id for p in peers[3:]] + ["QmS1ow1yTo5howUpAtA11aLONGTIMEhere1", "QmNeverC0mes2"]
     seen_by_0 = [*ids[1:3], *strangers]  # peer 0 waits for a quorum of four
@@ -916,7 +946,7 @@ def test_a_set_nobody_else_merges_is_taken_back_without_a_reload(peers):
     """Peer 0 counts peer 1 alone as live and merges the two; peer 1 wants a quorum of three and never takes that
     set. Nobody else published a result for peer 0's set, so nobody can have applied it: peer 0 takes its vote and
     contribution back and keeps its delta (no reload, which would take an anchor without its contribution)."""
-    config = OuterSyncConfig.loopback(compression="fp16", min_matchmaking_time_s=1.0)
+    config = _gathered(min_matchmaking_time_s=1.0)
     ids = [p.dht.peer_id for p in peers]
     with contextlib.ExitStack() as stack:
         averagers = [stack.enter_context(GroupAverager(
@@ -962,7 +992,7 @@ def test_a_contribution_of_other_tensors_is_left_out_and_blamed_only_where_views
     its sender; in a replicated experts' round (``other_tensors_blameless``) the owners' views differ for a moment:
     the contribution is left out and nobody is blamed. The second peer's tensors are larger too: the first refuses
     its body by the announced size alone (never fetched), the second by its tensors."""
-    config = OuterSyncConfig.loopback(compression="fp16", matchmaking_timeout_s=3.0)  # no quorum comes: 3 s, not 15
+    config = _gathered(matchmaking_timeout_s=3.0)  # no quorum comes: 3 s, not 15
     ids = [p.dht.peer_id for p in peers[:2]]
     scores = [PeerScores() for _ in range(2)]
     shapes = [SHAPES, {"w": SHAPES["w"], "other": (32768,)}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallax.benchmarks.attacker import ATTACKS, Attacker, alie, alie_z, inner_product_manipulation
+from parallax.benchmarks.attacker import ATTACKS, SERVING, Attacker, alie, alie_z, inner_product_manipulation
 from parallax.benchmarks.attacks import (
     Layout,
     _attacker_experts,
@@ -16,6 +16,7 @@ from parallax.benchmarks.attacks import (
     markdown,
     merge_harm,
     run_attacks,
+    whole_merges,
 )
 from parallax.node.peer.local_swarm import NodeProcess
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
@@ -83,22 +84,27 @@ def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_ans
     import pytest
     from hivemind.proto import runtime_pb2
 
+    from parallax.node.outer.blocks import BlockedBody, wanted_uid
     from parallax.node.outer.transport import ContributionServicer, ContributionStore
 
-    monkeypatch.setattr(ContributionServicer, "rpc_contribution", ContributionServicer.rpc_contribution)  # restored
+    for name in SERVING:
+        monkeypatch.setattr(ContributionServicer, name, getattr(ContributionServicer, name))  # restored
     assert ATTACKS["held-fetches"].patch is not None
     ATTACKS["held-fetches"].patch(None)  # type: ignore[arg-type]
-    hints = typing.get_type_hints(ContributionServicer.rpc_contribution)  # what hivemind reads to register it
-    assert hints["request"] is runtime_pb2.ExpertRequest
     store = ContributionStore(keep=2)
     store.put("router", 1, b"body")
-    answer = ContributionServicer(store).rpc_contribution(runtime_pb2.ExpertRequest(uid="router/1"), None)
+    store.put("backbone", 1, BlockedBody((b"a", b"b")))
+    servicer = ContributionServicer(store)
+    for name, uid in (("rpc_contribution", "router/1"), ("rpc_blocks", wanted_uid("backbone", 1, [0, 1]))):
+        handler = getattr(ContributionServicer, name)
+        assert typing.get_type_hints(handler)["request"] is runtime_pb2.ExpertRequest  # what hivemind registers
+        answer = handler(servicer, runtime_pb2.ExpertRequest(uid=uid), None)
 
-    async def first() -> object:
-        return await asyncio.wait_for(anext(answer), 0.2)
+        async def first(answer: typing.Any = answer) -> object:
+            return await asyncio.wait_for(anext(answer), 0.2)
 
-    with pytest.raises(TimeoutError):
-        asyncio.run(first())
+        with pytest.raises(TimeoutError):
+            asyncio.run(first())
 
 
 def test_the_trickled_fetches_attack_answers_the_whole_body_a_few_bytes_each_just_inside_the_chunk_wait(monkeypatch):
@@ -109,7 +115,8 @@ def test_the_trickled_fetches_attack_answers_the_whole_body_a_few_bytes_each_jus
     from parallax.node.config.net import OuterConfig
     from parallax.node.outer.transport import ContributionServicer, ContributionStore
 
-    monkeypatch.setattr(ContributionServicer, "rpc_contribution", ContributionServicer.rpc_contribution)  # restored
+    for name in SERVING:
+        monkeypatch.setattr(ContributionServicer, name, getattr(ContributionServicer, name))  # restored
     pauses: list[float] = []
 
     async def pause(seconds: float) -> None:
@@ -152,24 +159,23 @@ def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points
 
 
 def test_colluders_share_their_honest_tensors_and_send_the_same_crafted_body(monkeypatch, tmp_path):
-    from parallax.node.outer import gathered
+    from parallax.node.outer.gathered import GatheredRounds
 
     sent: list[dict[str, torch.Tensor]] = []
 
-    def record(delta: dict[str, torch.Tensor], compression: str) -> bytes:
+    def record(self: object, n: int, delta: dict[str, torch.Tensor]) -> None:
         sent.append(delta)
-        return b""
 
     patch = ATTACKS["ipm-2"].patch
     assert patch is not None and ATTACKS["ipm-2"].colluders == 2
     colluders = []
-    for place in (5, 6):  # each colluder's process patches its own stock encoder
-        monkeypatch.setattr(gathered, "encode_contribution", record)
+    for place in (5, 6):  # each colluder's process patches its own stock node, whatever its rounds' transport
+        monkeypatch.setattr(GatheredRounds, "_offer", record)
         patch(Attacker(tmp_path / f"attacker-{place}.json", "run", []))
-        colluders.append(gathered.encode_contribution)
-    colluders[0]({"w": torch.tensor([1.0, 1.0])}, "fp16")  # alone so far: -0.1 x its own
-    colluders[1]({"w": torch.tensor([3.0, 3.0])}, "fp16")  # the other's honest tensor is in the shared folder
-    colluders[0]({"w": torch.tensor([1.0, 1.0])}, "fp16")
+        colluders.append(GatheredRounds._offer)
+    colluders[0](None, 1, {"w": torch.tensor([1.0, 1.0])})  # alone so far: -0.1 x its own
+    colluders[1](None, 1, {"w": torch.tensor([3.0, 3.0])})  # the other's honest tensor is in the shared folder
+    colluders[0](None, 2, {"w": torch.tensor([1.0, 1.0])})
     assert [d["w"].tolist() for d in sent] == [pytest.approx([x, x]) for x in (-0.1, -0.2, -0.2)]
     assert len(list((tmp_path / "colluders").glob("*.pt"))) == 2  # one per colluder and group, nothing half-written
     assert not list((tmp_path / "colluders").glob(".*"))
@@ -212,3 +218,49 @@ def test_a_merges_geometry_gives_what_it_kept_of_the_honest_mean_without_the_ten
     poisoned.update(weights=weights, senders=event["senders"])
     assert merge_harm(poisoned, lambda _peer: True) is not None
     assert merge_harm(poisoned, lambda peer: peer == "liar") is None
+
+
+def test_the_nan_attack_poisons_every_block_of_a_partitioned_contribution_and_reads_its_own_back_as_zeros(
+        monkeypatch):
+    from parallax.node.outer import gathered
+    from parallax.node.outer.blocks import block_layout, decode_block
+    from parallax.protocol.errors import MalformedMessage
+
+    for name in ("encode_contribution", "encode_blocks", "decode_contribution", "decode_all"):
+        monkeypatch.setattr(gathered, name, getattr(gathered, name))  # restored
+    assert ATTACKS["nan"].patch is not None
+    ATTACKS["nan"].patch(None)  # type: ignore[arg-type]
+    shapes = {"w": (3000, 4), "b": (8,)}  # 12,000 entries: three blocks of w, one of b
+    blocked = gathered.encode_blocks({n: torch.ones(s) for n, s in shapes.items()}, "int4")
+    layout = block_layout(shapes)
+    assert len(blocked.blobs) == len(layout) > 2
+    for blob, block in zip(blocked.blobs, layout, strict=True):
+        with pytest.raises(MalformedMessage, match=r"contains NaN or Inf \(peer attacker\)$"):
+            decode_block(blob, block, shapes[block.name], peer="attacker")
+    assert all(not t.any() for t in gathered.decode_all(blocked, shapes, peer="me").values())
+
+
+def test_a_partitioned_merges_shares_sum_to_the_whole_once_each_and_a_gathered_merge_stands_alone():
+    deltas = _contributions(3, seed=4)
+    merged = {n: sum(d[n] for d in deltas) / 3 for n in ("w", "b")}
+    rows = {"0": ("w", 0, 8), "1": ("w", 8, 16), "2": ("b", 0, 8)}  # three blocks: w in two, b whole
+
+    def share(blocks: list[int], node: str) -> dict[str, object]:
+        keys = [str(i) for i in blocks]
+        part = [{k: d[rows[k][0]][rows[k][1]:rows[k][2]] for k in keys} for d in deltas]
+        result = {k: merged[rows[k][0]][rows[k][1]:rows[k][2]] for k in keys}
+        return {"kind": "merge", "group": "backbone", "node": node, "senders": ["a", "b", "c"],
+                "contributions": ["a:1", "b:4", "c:2"], "weights": [1.0, 1.0, 1.0], "blocks": blocks,
+                **merge_geometry(part, result)}
+
+    gathered = {"group": "router", "senders": ["a", "b"], **merge_geometry(deltas[:2], merged), "weights": [1.0, 1.0]}
+    got = whole_merges([share([0], "a"), share([1, 2], "b"), share([1, 2], "c"), gathered])
+    assert got[0] is gathered and len(got) == 2
+    whole, expected = got[1], merge_geometry(deltas, merged)
+    assert whole["blocks"] == {0, 1, 2}  # the repeated share counted once
+    assert whole["square"] == pytest.approx(expected["square"])
+    assert all(a == pytest.approx(b) for a, b in zip(whole["dots"], expected["dots"], strict=True))
+    assert all(a == pytest.approx(b) for x, y in zip(whole["gram"], expected["gram"], strict=True)
+               for a, b in zip(x, y, strict=True))
+    assert merge_harm(whole, lambda _: True) == pytest.approx(merge_harm({**expected, "senders": ["a", "b", "c"],
+                                                                          "weights": [1.0] * 3}, lambda _: True))
