@@ -172,12 +172,12 @@ class SyncConfig:
     the rounding error kept by the sender for its next rounds), "topk" (each 4096 entries' 64 largest at 2 bits,
     the rest kept by the sender) or "none"; "int4" and "topk" are for gathered rounds only. Tensors under 4096
     entries always go uncompressed. The in-process simulator applies the same rounding."""
-    aggregation: Aggregation = "gather"
-    """How the composers merge: "gather" (each fetches every pseudo-gradient and merges them itself, robust to
-    a lying peer: weights capped by the schedule, non-finite ones dropped, norms clipped, CenteredClip), "parts"
-    (the same robust merge shared among the set's senders, each merging its blocks of every contribution and
-    fetching the others' merged blocks, some recomputed at random: ``node.outer.partitioned``; bytes per peer flat
-    in the swarm's size) or "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
+    aggregation: Aggregation = "parts"
+    """How the composers merge: "parts" (each sender of a set merges its blocks of every contribution, robustly:
+    weights capped by the schedule, non-finite ones refused, norms clipped, CenteredClip; and fetches the others'
+    merged blocks, some recomputed at random: ``node.outer.partitioned``; bytes per peer flat in the swarm's size),
+    "gather" (the same robust merge, each sender fetching every pseudo-gradient and merging them all itself: n - 1
+    bodies per peer) or "allreduce" (hivemind's butterfly all-reduce: fewer bytes, every peer trusted)."""
 
     def __post_init__(self) -> None:
         if set(self.periods) != set(SHARED_GROUPS):

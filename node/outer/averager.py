@@ -2,9 +2,9 @@
 
 Two ways to merge (``OuterSyncConfig.aggregation``, the run setting ``sync.aggregation``):
 
-- "gather" (default): each participant fetches every contribution and merges them itself, robustly
-  (``gathered.GatheredRounds``, transport in ``transport``); "parts": the same rounds, the merge shared among the
-  set's senders block by block (``partitioned``);
+- "parts" (default) and "gather": gathered rounds (``gathered.GatheredRounds``, transport in ``transport``), the
+  robust merge shared among the set's senders block by block (``partitioned``), or each participant fetching every
+  contribution and merging them all itself;
 - "allreduce": hivemind's butterfly all-reduce, described below: fewer bytes, every peer trusted.
 
 Both verify a merged round against the participants' signed fingerprints (``records``), and both serve

@@ -1,4 +1,6 @@
-"""One group's gathered outer rounds (``sync.aggregation = "gather"``): collect, merge robustly, verify.
+"""One group's gathered outer rounds (``sync.aggregation`` "parts", the default, or "gather"): collect, merge
+robustly, verify. Partitioned ("parts"), step 3's merge is shared among the set's senders block by block
+(``partitioned.PartsMerge``); gathered, each sender merges every contribution itself.
 
 The transport and the pure parts are in ``transport``; this is the round itself, run by
 ``averager.GroupAverager`` in its round thread:

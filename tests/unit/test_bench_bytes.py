@@ -5,7 +5,7 @@ from __future__ import annotations
 from parallax.benchmarks.bytes import body_bytes, markdown, run_bytes
 
 
-def test_gathered_bytes_grow_with_the_swarm_and_the_all_reduce_stays_bounded() -> None:
+def test_gathered_bytes_grow_with_the_swarm_and_the_default_and_the_all_reduce_stay_bounded() -> None:
     report = run_bytes("tiny", [4, 64])
     per_round = report["bytes_per_peer_per_round"]
     bodies = report["body_bytes"]
@@ -14,7 +14,8 @@ def test_gathered_bytes_grow_with_the_swarm_and_the_all_reduce_stays_bounded() -
         assert per_round[f"gather_{wire}"] == {"4": 3 * body, "64": 63 * body}
     payload = sum(report["allreduce_payload_bytes"].values())
     assert per_round["allreduce_uint8"]["4"] < per_round["allreduce_uint8"]["64"] < 2 * payload
-    assert report["default"] == "gather_int4" and per_round["default"] == per_round["gather_int4"]
+    assert report["default"] == "parts_int4" and per_round["default"] == per_round["parts_int4"]
+    assert per_round["default"]["4"] < per_round["default"]["64"] < 2 * per_round["default"]["4"]
     assert "| gather_topk |" in markdown(report)
 
 
