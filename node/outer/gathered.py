@@ -147,7 +147,8 @@ class GatheredRounds:
             pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=f"parts-{records.group}")
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
-                                    announce=self._announce, scores=scores, worked=self._worked, pool=pool)
+                                    announce=self._announce, scores=scores, worked=self._worked,
+                                    set_aside=self._set_aside, pool=pool)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -213,6 +214,10 @@ class GatheredRounds:
             merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
             share = common.pop("geometry", None)  # partitioned: the geometry of this node's blocks of the merge
+            if self.parts is not None:
+                # A partitioned merge waits on the other mergers, and one that failed on a contribution's blocks on
+                # that fetch's bound: not the verification's time.
+                deadline += time.monotonic() - merging
             if merged is None:
                 failed = common.pop("failed", None)
                 rest = tuple(p for p in participants if split_pair(p)[0] != failed)
@@ -226,8 +231,6 @@ class GatheredRounds:
                 self._withdrawn(n, RoundStatus.FAILED if failed is not None else RoundStatus.NO_TOKENS, started,
                                 common)
                 return None
-            if self.parts is not None:  # a partitioned merge waits on the other mergers: not the verification's time
-                deadline += time.monotonic() - merging
             if fault is not None:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)
@@ -281,8 +284,9 @@ class GatheredRounds:
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
                         n, len(other))
             participants = other
-        self.report(status, started, detail=f"{agreeing} of {len(common['participants'])} participants agree, "
-                                             f"{answered} fingerprints found", **common)
+        common["detail"] = (f"{agreeing} of {len(common['participants'])} participants agree, {answered} fingerprints "
+                            "found")
+        self.report(status, started, **common)
         return None
 
     def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
@@ -660,18 +664,26 @@ class GatheredRounds:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
                     self._retry_at[name] = time.monotonic() + _RETRY_S
-                if set_aside:
-                    self._held[peer] = None
                 self._failing[peer] = None
-                for kept in (self._refused, self._retry_at, self._held, self._failing):
+                for kept in (self._refused, self._retry_at, self._failing):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
+            if set_aside:
+                self._set_aside(peer)
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
                            "" if bad or set_aside else " for now", e)
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)
         return tensors, entry.tokens
+
+    def _set_aside(self, peer: str) -> None:
+        """``peer`` held a fetch, or trickled one past its bound (a contribution's body or blocks, or a merged share):
+        no round waits for it or counts it in a quorum until a contribution of it arrives usable (``_worked``)."""
+        with self._lock:
+            self._held[peer] = None
+            while len(self._held) > _REFUSED_KEPT:
+                del self._held[next(iter(self._held))]
 
     def _worked(self, peer: str, digest: bytes | None = None, *,
                 tensors: Mapping[str, torch.Tensor] | None = None) -> None:

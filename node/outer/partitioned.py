@@ -57,7 +57,7 @@ from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_p
 from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
 from parallax.node.train.parts import Block
 from parallax.node.train.robust import MergeAudit, merge_geometry, robust_merge_groups
-from parallax.protocol.errors import MalformedMessage, StalledStream
+from parallax.protocol.errors import MalformedMessage, SlowStream, StalledStream
 
 logger = logging.getLogger(__name__)
 
@@ -189,18 +189,22 @@ class PartsMerge:
         scores: where evidence against peers goes.
         worked: told of each peer whose blocks arrived usable, with the digest its claim signed (evidence of its
             work unless that is an all-zero contribution's).
+        set_aside: told of each peer that held a fetch of blocks (its contribution's or its merged share) or
+            trickled one past its bound: no round should wait for it.
         pool: runs the fetches.
     """
 
     def __init__(self, *, group: str, peer_id: str, shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig,
                  gather: OuterGather, entries_of: Callable[[Sequence[str], float], Mapping[str, Entries]],
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
-                 worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor) -> None:
+                 worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor,
+                 set_aside: Callable[[str], None] | None = None) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
         self.count = len(self.layout)
         self.entries_of, self.announce, self.scores, self.worked, self.pool = entries_of, announce, scores, worked, pool
+        self.set_aside = set_aside
         self.rechecked = 0
         """Blocks of others recomputed so far, and how many disagreed (``mismerged``)."""
         self.mismerged = 0
@@ -334,6 +338,7 @@ class PartsMerge:
             return {i: decode_block(blobs[k], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
                     for k, i in enumerate(want)}
         except Exception as e:  # merged here instead; a forged or malformed block counts against its server
+            self._held(peer, e)
             if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
                 entry = self.entries_of([peer], net.dht_timeout_s).get(peer, {}).get(round_id)
                 if entry is not None and entry.participants == participants and entry.merged == root:
@@ -363,6 +368,12 @@ class PartsMerge:
         return merge_blocks([parts[name] for name in participants], want, self.layout, self.shapes, weights,
                             self.config, spans=spans)
 
+    def _held(self, peer: str, error: Exception) -> None:
+        """Tell ``set_aside`` of ``peer`` when ``error`` ended a fetch of its blocks because it held the stream or
+        trickled it past the fetch's bound."""
+        if self.set_aside is not None and isinstance(error, StalledStream | SlowStream):
+            self.set_aside(peer)
+
     def probe(self, name: str, claim: RoundEntry) -> None:
         """Fetch one block of contribution ``name``, drawn at random, and check it (a sender whose blocks did not
         arrive before shows it serves them).
@@ -390,6 +401,7 @@ class PartsMerge:
             bad = isinstance(e, BlockMismatch | MalformedMessage)
             if self.scores is not None and (bad or isinstance(e, StalledStream)):
                 self.scores.record(peer, Evidence.FORGED if bad else Evidence.STALLED)
+            self._held(peer, e)
             raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer, name) from e
         if self.worked is not None:
             self.worked(peer, claim.digest)

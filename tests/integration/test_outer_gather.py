@@ -535,7 +535,7 @@ def _merged_without(peers: Sequence[Peer], averagers: Sequence[GroupAverager], o
 
 
 class _HeldAnswers(ContributionServicer):
-    """Accepts every contribution fetch and sends nothing for ``hold_s``; counts the fetches."""
+    """Accepts every contribution fetch (a body or blocks) and sends nothing for ``hold_s``; counts the fetches."""
 
     def __init__(self, *args: typing.Any, hold_s: float) -> None:
         super().__init__(*args)
@@ -548,6 +548,8 @@ class _HeldAnswers(ContributionServicer):
         await asyncio.sleep(self.hold_s)
         for _ in ():
             yield runtime_pb2.ExpertInfo()
+
+    rpc_blocks = rpc_contribution
 
 
 _HeldAnswers.__name__ = ContributionServicer.__name__  # hivemind names the protocol after the servicer's class
@@ -594,6 +596,14 @@ class _TrickledAnswers(ContributionServicer):
                 await asyncio.sleep(self.PAUSE_S)
                 yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
 
+    async def rpc_blocks(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        async for message in super().rpc_blocks(request, context):
+            for start in range(0, len(message.serialized_info), 64):
+                await asyncio.sleep(self.PAUSE_S)
+                yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
+
 
 _TrickledAnswers.__name__ = ContributionServicer.__name__
 
@@ -613,6 +623,29 @@ def test_a_contributor_that_trickles_its_answers_is_left_out_and_waited_for_by_n
                                    for a in averagers[:3]), timeout=30)  # the fetch's overall bound
             _merged_without(peers, averagers, 3, _deltas(4, seed=32), round_id=2, honest=2)  # peer 2 sits it out
             assert all(trickler not in score.snapshot() for score in scores[:3])  # no evidence
+
+
+@pytest.mark.parametrize("kind", ["held", "trickled"])
+def test_a_partitioned_rounds_contributor_that_holds_or_trickles_its_blocks_is_set_aside(peers, kind):
+    """Partitioned, peer 3 holds every fetch of its blocks open without a byte, or trickles them past the fetch's
+    bound: the set naming it cannot be merged, the honest peers merge it again without peer 3, and they set peer 3
+    aside (a holder is scored, a trickler not: a slow link looks the same). In the next round peer 3 counts in no
+    quorum: two of the three honest peers merge between themselves."""
+    odd = peers[3].dht.peer_id
+    timings = {"allreduce_timeout_s": 6.0}
+    servicer = ((lambda store: _HeldAnswers(store, hold_s=30.0)) if kind == "held" else _TrickledAnswers)
+    with _gathers(peers, f"parts-{kind}", 3, servicer) as gathers:
+        scores = [PeerScores() for _ in peers]
+        with _averagers(peers, f"parts-{kind}", scores, gathers=gathers, timings=timings, compression="int4",
+                        aggregation="parts", shapes=PARTS) as averagers:
+            _merged_without(peers, averagers, 3, _deltas(4, seed=33, shapes=PARTS), round_id=1, honest=3)
+            wait_until(lambda: all(a._gathered is not None and odd in a._gathered._held_peers()
+                                   for a in averagers[:3]), timeout=30)
+            _merged_without(peers, averagers, 3, _deltas(4, seed=34, shapes=PARTS), round_id=2, honest=2)
+            if kind == "held":
+                assert all(odd in score.snapshot() for score in scores[:3])
+            else:
+                assert all(odd not in score.snapshot() for score in scores[:3])  # no evidence
 
 
 class _HeldOnce(_HeldAnswers):
