@@ -136,6 +136,7 @@ class GatheredRounds:
         self._held: dict[str, None] = {}  # peers that held a fetch, or trickled one past its bound, and sent nothing
         # usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
+        self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self.parts: PartsMerge | None = None
@@ -628,11 +629,12 @@ class GatheredRounds:
             if self.parts is not None:
                 # Partitioned: the claim checked is the contribution found; its blocks are fetched by those who
                 # merge them (``partitioned``), and they are the evidence of its sender's work. A sender whose
-                # blocks did not arrive before must serve one block first (a stream of claims it never serves would
-                # otherwise fail every round it is named in).
+                # blocks never arrived here, or did not arrive last time, must serve one block first: a sender that
+                # holds or trickles its blocks then stays out of every set (as a gathered round's body that does not
+                # arrive does), instead of failing the first set that names it on the merge's fetch bound.
                 self._check_fresh(peer, entry, None)
                 with self._lock:
-                    suspect = peer in self._failing or peer in self._held
+                    suspect = peer in self._failing or peer in self._held or peer not in self._served
                 if suspect:
                     self.parts.probe(name, entry)
                 with self._lock:
@@ -693,6 +695,11 @@ class GatheredRounds:
         with self._lock:
             self._held.pop(peer, None)
             self._failing.pop(peer, None)
+            if digest is not None:
+                self._served.pop(peer, None)
+                self._served[peer] = None
+                while len(self._served) > _REFUSED_KEPT:
+                    del self._served[next(iter(self._served))]
         zeros = (not any(bool(t.any()) for t in tensors.values()) if tensors is not None
                  else digest is not None and digest == self._zeros())
         if self.peers.worked is not None and not zeros:
