@@ -642,7 +642,9 @@ def test_a_partitioned_rounds_contributor_that_holds_or_trickles_its_blocks_is_s
                         aggregation="parts", shapes=shapes) as averagers:
             _merged_without(peers, averagers, 3, _deltas(4, seed=33, shapes=shapes), round_id=1, honest=3)
             wait_until(lambda: all(a._gathered is not None and odd in a._gathered._held_peers()
-                                   for a in averagers[:3]), timeout=30)
+                                   for a in averagers[:3]), timeout=30,
+                       explain=lambda: repr([(a._gathered._held_peers(), a._gathered._refused)
+                                             for a in averagers[:3] if a._gathered is not None]))
             _merged_without(peers, averagers, 3, _deltas(4, seed=34, shapes=shapes), round_id=2, honest=2)
             if kind == "held":
                 assert all(odd in score.snapshot() for score in scores[:3])
