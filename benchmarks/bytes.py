@@ -94,8 +94,8 @@ def run_bytes(preset_name: str, peers: Sequence[int]) -> dict[str, Any]:
         "body_bytes": bodies, "allreduce_payload_bytes": allreduce,
         "blocks": {g: len(b) for g, b in blocks.items()}, "parts_rechecks": rechecks,
         "default": default_name,
-        "bytes_per_peer_per_round": {"default": transports[default_name], "gather": transports[default_name],
-                                     **transports},
+        "bytes_per_peer_per_round": {"default": transports[default_name],
+                                     "gather": transports[f"gather_{default.compression}"], **transports},
     }
 
 

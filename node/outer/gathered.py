@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from parallax.node.net.scores import Evidence, PeerScores
-from parallax.node.outer.blocks import block_layout, blocks_cap, decode_all, encode_blocks
+from parallax.node.outer.blocks import BlockMismatch, block_layout, blocks_cap, decode_all, encode_blocks
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
 from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundDue, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
@@ -637,13 +637,14 @@ class GatheredRounds:
                     suspect = peer in self._failing or peer in self._held or peer not in self._served
                 if suspect:
                     self.parts.probe(name, entry)
+                room = self._peers_kept()
                 with self._lock:
                     held = self._claims.pop(peer, {})  # reinserted last: the peers heard from least lately go first
                     held[name] = entry
                     while len(held) > ROUNDS_KEPT:
                         del held[next(iter(held))]
                     self._claims[peer] = held
-                    while len(self._claims) > _REFUSED_KEPT:
+                    while len(self._claims) > room:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
                 return {}, entry.tokens
@@ -652,14 +653,17 @@ class GatheredRounds:
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
-            bad = isinstance(e, ContributionMismatch | MalformedMessage)
-            stalled = isinstance(e, StalledStream)  # it accepted the fetch and held it: evidence
+            # A partitioned probe's failure is judged by its cause; it was scored where its block was fetched.
+            probed = isinstance(e, Unmergeable)
+            cause = e.__cause__ if probed and e.__cause__ is not None else e
+            bad = isinstance(cause, ContributionMismatch | MalformedMessage | BlockMismatch)
+            stalled = isinstance(cause, StalledStream)  # it accepted the fetch and held it: evidence
             # Held, or its answer still coming at the fetch's bound (a trickle, or a link slower than the bound
             # assumes; no evidence): not asked again this round, and waited for by no round until a contribution of
             # it arrives usable.
-            set_aside = stalled or isinstance(e, SlowStream)
+            set_aside = stalled or isinstance(cause, SlowStream)
             blameless = self.other_tensors_blameless and isinstance(e, OtherTensors)
-            if self.scores is not None and (bad or stalled) and not blameless:
+            if self.scores is not None and (bad or stalled) and not blameless and not probed:
                 self.scores.record(peer, Evidence.STALLED if stalled else Evidence.FORGED)
             with self._lock:
                 if bad or set_aside:
@@ -679,6 +683,12 @@ class GatheredRounds:
         self._worked(peer, tensors=tensors)
         return tensors, entry.tokens
 
+    def _peers_kept(self) -> int:
+        """How many peers the partitioned round's per-peer state keeps (claims, senders whose blocks arrived): twice
+        the live composers, at least ``_REFUSED_KEPT``. A set can name every live composer, so a fixed cap below the
+        swarm's size would drop claims of the set being merged and re-probe every sender every round."""
+        return max(_REFUSED_KEPT, 2 * len(self._live()))
+
     def _set_aside(self, peer: str) -> None:
         """``peer`` held a fetch, or trickled one past its bound (a contribution's body or blocks, or a merged share):
         no round waits for it or counts it in a quorum until a contribution of it arrives usable (``_worked``)."""
@@ -692,13 +702,14 @@ class GatheredRounds:
         """A contribution of ``peer`` arrived usable (whole: its ``tensors``, or blocks of the contribution whose
         claim signed ``digest``): it holds no fetch and fails none now, and it shows work, unless it is all zeros (a
         body any identity can send without training)."""
+        room = self._peers_kept() if digest is not None else 0
         with self._lock:
             self._held.pop(peer, None)
             self._failing.pop(peer, None)
             if digest is not None:
                 self._served.pop(peer, None)
                 self._served[peer] = None
-                while len(self._served) > _REFUSED_KEPT:
+                while len(self._served) > room:
                     del self._served[next(iter(self._served))]
         zeros = (not any(bool(t.any()) for t in tensors.values()) if tensors is not None
                  else digest is not None and digest == self._zeros())

@@ -15,6 +15,7 @@ def test_gathered_bytes_grow_with_the_swarm_and_the_default_and_the_all_reduce_s
     payload = sum(report["allreduce_payload_bytes"].values())
     assert per_round["allreduce_uint8"]["4"] < per_round["allreduce_uint8"]["64"] < 2 * payload
     assert report["default"] == "parts_int4" and per_round["default"] == per_round["parts_int4"]
+    assert per_round["gather"] == per_round["gather_int4"]  # the gathered round on the default wire
     assert per_round["default"]["4"] < per_round["default"]["64"] < 2 * per_round["default"]["4"]
     assert "| gather_topk |" in markdown(report)
 

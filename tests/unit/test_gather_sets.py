@@ -106,8 +106,8 @@ class _Scripted(GatheredRounds):
 
     def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], peers: RoundPeers, **timings: float) -> None:
         records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
-        super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(**timings), SimpleNamespace(store=None),
-                         peers, weight_cap=None, scores=None, report=lambda *a, **k: None)
+        super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(aggregation="gather", **timings),
+                         SimpleNamespace(store=None), peers, weight_cap=None, scores=None, report=lambda *a, **k: None)
         self.script, self.reads = script, 0
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
