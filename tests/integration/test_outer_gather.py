@@ -591,15 +591,18 @@ class _TrickledAnswers(ContributionServicer):
     async def rpc_contribution(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
-        async for message in super().rpc_contribution(request, context):
-            for start in range(0, len(message.serialized_info), 64):
-                await asyncio.sleep(self.PAUSE_S)
-                yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
+        async for message in self._trickle(super().rpc_contribution(request, context)):
+            yield message
 
     async def rpc_blocks(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
-        async for message in super().rpc_blocks(request, context):
+        async for message in self._trickle(super().rpc_blocks(request, context)):
+            yield message
+
+    async def _trickle(self, answer: typing.AsyncIterator[runtime_pb2.ExpertInfo],  # noqa: UP006
+                       ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006
+        async for message in answer:
             for start in range(0, len(message.serialized_info), 64):
                 await asyncio.sleep(self.PAUSE_S)
                 yield runtime_pb2.ExpertInfo(serialized_info=message.serialized_info[start:start + 64])
