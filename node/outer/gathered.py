@@ -653,7 +653,8 @@ class GatheredRounds:
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
-            # A partitioned probe's failure is judged by its cause; it was scored where its block was fetched.
+            # A partitioned probe's failure is judged by its cause; it was scored, and a holder set aside, where its
+            # block was fetched (``PartsMerge._fetch_blocks``).
             probed = isinstance(e, Unmergeable)
             cause = e.__cause__ if probed and e.__cause__ is not None else e
             bad = isinstance(cause, ContributionMismatch | MalformedMessage | BlockMismatch)
@@ -674,7 +675,7 @@ class GatheredRounds:
                 for kept in (self._refused, self._retry_at, self._failing):
                     while len(kept) > _REFUSED_KEPT:
                         del kept[next(iter(kept))]
-            if set_aside:
+            if set_aside and not probed:
                 self._set_aside(peer)
             logger.warning("outer round %s: no usable contribution %s from peer %s%s: %s", self.group, name, peer,
                            "" if bad or set_aside else " for now", e)
