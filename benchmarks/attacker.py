@@ -163,38 +163,57 @@ def _colluding(craft: Callable[[list[torch.Tensor], int], torch.Tensor]) -> Call
     return patch
 
 
-def _nan_contributions(_: Attacker) -> None:
-    """Every contribution is NaN, packed by hand (the stock encoders refuse non-finite tensors): a whole body in a
-    gathered round, every block in a partitioned one."""
-    import msgpack
-    import numpy as np
+def _nan_contributions(one: bool) -> Callable[[Attacker], None]:
+    """Contributions with NaN values, packed by hand (the stock encoders refuse non-finite tensors): with ``one``, a
+    single tensor of a whole body (a gathered round) or a single block, drawn at random, of a body in blocks (a
+    partitioned one: only the peers that fetch that block see it); else every tensor, every block."""
 
-    from parallax.node.outer import gathered
-    from parallax.node.outer.blocks import BlockedBody, block_layout
-    from parallax.protocol import codec
+    def patch(_: Attacker) -> None:
+        import random
 
-    def nan(shape: tuple[int, ...]) -> bytes:
-        return codec._pack("raw", "float32", shape, [], np.full(shape, np.nan, dtype="<f4").tobytes())
+        import msgpack
+        import numpy as np
 
-    def poisoned(delta: Any, compression: str) -> bytes:
-        return msgpack.packb({name: nan(tuple(t.shape)) for name, t in delta.items()}, use_bin_type=True)
+        from parallax.node.outer import gathered
+        from parallax.node.outer.blocks import BlockedBody, block_layout
+        from parallax.protocol import codec
 
-    def poisoned_blocks(delta: Any, compression: str) -> BlockedBody:
-        shapes = {name: tuple(t.shape) for name, t in delta.items()}
-        return BlockedBody(tuple(nan((b.stop - b.start, *shapes[b.name][1:])) for b in block_layout(shapes)))
+        def nan(shape: tuple[int, ...]) -> bytes:
+            return codec._pack("raw", "float32", shape, [], np.full(shape, np.nan, dtype="<f4").tobytes())
 
-    def read_back(honest: Callable[..., Any]) -> Callable[..., Any]:
-        def decode(body: Any, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
-            try:
-                return honest(body, shapes, peer=peer)
-            except Exception:
-                return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
+        def raw(t: torch.Tensor) -> bytes:
+            array = t.detach().to(torch.float32).numpy()
+            return codec._pack("raw", "float32", tuple(array.shape), [], array.astype("<f4").tobytes())
 
-        return decode
+        def poisoned(delta: Any, compression: str) -> bytes:
+            bad = random.choice(sorted(delta)) if one else None
+            return msgpack.packb({name: nan(tuple(t.shape)) if bad in (None, name) else raw(t)
+                                  for name, t in delta.items()}, use_bin_type=True)
 
-    gathered.encode_contribution, gathered.encode_blocks = poisoned, poisoned_blocks
-    gathered.decode_contribution = read_back(gathered.decode_contribution)
-    gathered.decode_all = read_back(gathered.decode_all)
+        honest_blocks = gathered.encode_blocks
+
+        def poisoned_blocks(delta: Any, compression: str) -> BlockedBody:
+            shapes = {name: tuple(t.shape) for name, t in delta.items()}
+            layout = block_layout(shapes)
+            blobs = list(honest_blocks(delta, compression).blobs) if one else [b""] * len(layout)
+            for i in [random.randrange(len(layout))] if one else range(len(layout)):
+                blobs[i] = nan((layout[i].stop - layout[i].start, *shapes[layout[i].name][1:]))
+            return BlockedBody(tuple(blobs))
+
+        def read_back(honest: Callable[..., Any]) -> Callable[..., Any]:
+            def decode(body: Any, shapes: Any, *, peer: str) -> Any:  # its own body, read back before it is published
+                try:
+                    return honest(body, shapes, peer=peer)
+                except Exception:
+                    return {name: torch.zeros(tuple(shape)) for name, shape in shapes.items()}
+
+            return decode
+
+        gathered.encode_contribution, gathered.encode_blocks = poisoned, poisoned_blocks
+        gathered.decode_contribution = read_back(gathered.decode_contribution)
+        gathered.decode_all = read_back(gathered.decode_all)
+
+    return patch
 
 
 def _random_direction(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -623,7 +642,9 @@ ATTACKS: dict[str, Attack] = {
     "scale-neg10": Attack("its outer pseudo-gradient x(-10)", _tamper_contributions(lambda _, t: -10 * t)),
     "random-10x": Attack("a random direction at 10x its pseudo-gradient's norm",
                          _tamper_contributions(_random_direction)),
-    "nan": Attack("NaN pseudo-gradients", _nan_contributions),
+    "nan": Attack("NaN pseudo-gradients", _nan_contributions(one=False)),
+    "nan-block": Attack("one block of each pseudo-gradient NaN, drawn at random (a gathered round's body: one tensor)",
+                        _nan_contributions(one=True)),
     "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
     "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
     "held-fetches": Attack("accepts every fetch of its outer contributions and sends nothing", _held_fetches),

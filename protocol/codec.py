@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from parallax.protocol import ternary
-from parallax.protocol.errors import BadTensor, LocalProtocolError, OversizedMessage
+from parallax.protocol.errors import BadTensor, LocalProtocolError, NonFiniteTensor, OversizedMessage
 from parallax.protocol.schema import MSGPACK_ERRORS
 
 CODECS = frozenset({"raw", "fp16", "int8", "int4", "ternary", "lowrank", "topk"})
@@ -322,6 +322,9 @@ def decode(
     def bad(reason: str) -> BadTensor:
         return BadTensor(f"{what}: {reason}", peer=peer)
 
+    def non_finite(reason: str) -> NonFiniteTensor:
+        return NonFiniteTensor(f"{what}: {reason}", peer=peer)
+
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise bad(f"expected bytes, got {type(blob).__name__}")
     cap = limits.max_blob_bytes
@@ -381,11 +384,11 @@ def decode(
         factors = np.frombuffer(payload, dtype=_SCALE)
         left, right = factors[: m * r].reshape(m, r), factors[m * r :].reshape(r, k)
         if not (np.isfinite(left).all() and np.isfinite(right).all()):
-            raise bad("lowrank factors contain NaN or Inf")
+            raise non_finite("lowrank factors contain NaN or Inf")
         with np.errstate(over="ignore", invalid="ignore"):
             out = (left @ right).astype(DTYPES[dtype])
     elif codec == "topk":
-        out = _decode_topk(payload, params, n, expect, bad).astype(DTYPES[dtype])
+        out = _decode_topk(payload, params, n, expect, bad, non_finite).astype(DTYPES[dtype])
     else:
         if len(params) != 1 or not 1 <= params[0] <= MAX_CHUNK:
             raise bad(f"{codec} takes params [chunk] with chunk in [1, {MAX_CHUNK}]")
@@ -394,8 +397,10 @@ def decode(
         body_bytes = ternary.packed_bytes(n) if codec == "ternary" else -(-n // {"int8": 1, "int4": 2}[codec])
         expect(4 * c + body_bytes)
         scale = np.frombuffer(payload, dtype=_SCALE, count=c)
-        if not (np.isfinite(scale).all() and (scale >= 0).all()):
-            raise bad(f"{codec} scales must be finite and >= 0")
+        if not np.isfinite(scale).all():
+            raise non_finite(f"{codec} scales contain NaN or Inf")
+        if not (scale >= 0).all():
+            raise bad(f"{codec} scales must be >= 0")
         body = np.frombuffer(payload, dtype=np.uint8, offset=4 * c)
         if codec == "int8":
             q = body.view(np.int8)
@@ -411,7 +416,7 @@ def decode(
     out = out.reshape(dims)
     if out.dtype.kind == "f":
         if not np.isfinite(out).all():
-            raise bad("contains NaN or Inf")
+            raise non_finite("contains NaN or Inf")
         if limits.max_norm is not None:
             norm = float(np.linalg.norm(out.reshape(-1).astype(np.float64)))
             if not norm <= limits.max_norm:
@@ -419,7 +424,7 @@ def decode(
     return out
 
 
-def _decode_topk(payload: bytes, params: list[int], n: int, expect: Any, bad: Any) -> Array:
+def _decode_topk(payload: bytes, params: list[int], n: int, expect: Any, bad: Any, non_finite: Any) -> Array:
     """The dense float32 values of a ``topk`` payload (the module docstring's layout), checked."""
     if len(params) != 3:
         raise bad("topk takes params [chunk, keep, bits]")
@@ -431,8 +436,10 @@ def _decode_topk(payload: bytes, params: list[int], n: int, expect: Any, bad: An
     position_bytes = -(-total * width // 8)
     expect(4 * c + position_bytes + -(-total * bits // 8))
     scale = np.frombuffer(payload, dtype=_SCALE, count=c)
-    if not (np.isfinite(scale).all() and (scale >= 0).all()):
-        raise bad("topk scales must be finite and >= 0")
+    if not np.isfinite(scale).all():
+        raise non_finite("topk scales contain NaN or Inf")
+    if not (scale >= 0).all():
+        raise bad("topk scales must be >= 0")
     position_bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8, count=position_bytes, offset=4 * c),
                                   bitorder="little")
     if position_bits[total * width:].any():

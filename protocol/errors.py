@@ -32,8 +32,10 @@ class MalformedMessage(RemoteProtocolError):
 
 
 def malformed(error: ProtocolError, peer: str | None) -> MalformedMessage:
-    """``error``, met decoding a peer's bytes, as the ``MalformedMessage`` that names ``peer`` once."""
-    return MalformedMessage(error.reason if isinstance(error, RemoteProtocolError) else str(error), peer=peer)
+    """``error``, met decoding a peer's bytes, as the ``MalformedMessage`` that names ``peer`` once (of ``error``'s own
+    class when it is one: a ``NonFiniteTensor`` stays one)."""
+    kind = type(error) if isinstance(error, MalformedMessage) else MalformedMessage
+    return kind(error.reason if isinstance(error, RemoteProtocolError) else str(error), peer=peer)
 
 
 class StalledStream(RemoteProtocolError):
@@ -82,6 +84,11 @@ class ReplayedMessage(RemoteProtocolError):
 
 class BadTensor(MalformedMessage):
     """A tensor failed its checks: dtype, shape, element count, byte length, finiteness or norm."""
+
+
+class NonFiniteTensor(BadTensor):
+    """A tensor that decodes, in a codec and dtype the reader accepts, to NaN or Inf values (or non-finite scales or
+    factors): what no honest encoder sends, since every encoder refuses non-finite input."""
 
 
 class LocalProtocolError(ProtocolError):

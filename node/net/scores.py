@@ -33,8 +33,9 @@ class Evidence(Enum):
     nothing sent counts 0.5: an honest peer answers at once, but a frozen host's daemon still accepts the stream
     its process will never serve (it is gone within a heartbeat's life); so does a round claimed in two sessions, once
     per pair (a restart from a checkpoint, once in a while; a new session for each fetcher, from a liar). A
-    ``proof`` (two claims its sender signed for one round, ``outer.witness``) bans at once, whatever the score:
-    anyone can check it, so it is shared, and every peer that checks it bans the same sender."""
+    ``proof`` (two claims its sender signed for one round, or a block it signed with non-finite values:
+    ``outer.witness``) bans at once, whatever the score: anyone can check it, so it is shared, and every peer that
+    checks it bans the same sender."""
 
     OUTLIER = ("outlier outer contribution", 1.0)
     NON_FINITE = ("non-finite outer contribution", 1.0)
@@ -45,6 +46,7 @@ class Evidence(Enum):
     RESTARTED = ("a round claimed again in another session", 0.5)
     MISMERGED = ("merged blocks of a partitioned round that its contributions do not give", 2.0)
     EQUIVOCATION = ("two signed contributions for one round", 2.5, True)
+    BAD_BLOCK = ("a signed contribution block with non-finite values", 2.5, True)
 
     def __init__(self, reason: str, weight: float, proof: bool = False) -> None:
         self.reason, self.weight, self.proof = reason, weight, proof

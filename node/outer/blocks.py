@@ -31,8 +31,8 @@ from parallax.protocol.codec import TensorLimits, decode
 from parallax.protocol.errors import MalformedMessage, ProtocolError, RemoteProtocolError, malformed
 from parallax.protocol.schema import MSGPACK_ERRORS
 
-__all__ = ["BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout", "blocks_cap",
-           "check_answer", "decode_all", "decode_block", "encode_blocks", "parse_wanted", "wanted_uid"]
+__all__ = ["Answer", "BlockedBody", "BlockMismatch", "MAX_BLOCKS", "assemble", "block_count", "block_layout",
+           "blocks_cap", "check_answer", "decode_all", "decode_block", "encode_blocks", "parse_wanted", "wanted_uid"]
 
 MIN_BLOCK_NUMEL = 4096
 """The fewest entries a block of a large group holds (2 KiB at int4): a recheck costs a block of every contribution,
@@ -105,24 +105,28 @@ def _proof(levels: Sequence[Sequence[bytes]], wanted: Sequence[int]) -> list[byt
     return proof
 
 
-def _root_of(leaves: Mapping[int, bytes], proof: Sequence[bytes], depth: int) -> bytes | None:
-    """The root that ``leaves`` (index -> leaf hash) and ``proof`` (``_proof``'s order) give in a tree of ``depth``
-    levels above its leaves; None when the proof has too few or too many hashes."""
+def _nodes(leaves: Mapping[int, bytes], proof: Sequence[bytes], depth: int) -> list[dict[int, bytes]] | None:
+    """Every node of the tree that ``leaves`` (index -> leaf hash) and ``proof`` (``_proof``'s order) make known in a
+    tree of ``depth`` levels above its leaves, level by level, leaves first: at each level the nodes on the way up
+    and their siblings, the root alone last; None when the proof has too few or too many hashes."""
     known = dict(leaves)
     hashes = iter(proof)
+    levels = []
     for _ in range(depth):
         up: dict[int, bytes] = {}
         for i in sorted(known):
-            if i >> 1 in up:
-                continue  # a right child whose left sibling was known: its parent is made
-            sibling = known.get(i ^ 1)
-            if sibling is None:
+            if i ^ 1 not in known:
                 sibling = next(hashes, None)
                 if sibling is None:
                     return None
-            up[i >> 1] = _parent(known[i], sibling) if i % 2 == 0 else _parent(sibling, known[i])
+                known[i ^ 1] = sibling
+        for i in sorted(known):
+            if i % 2 == 0:
+                up[i >> 1] = _parent(known[i], known[i + 1])
+        levels.append(known)
         known = up
-    return known.get(0) if next(hashes, None) is None else None
+    levels.append(known)
+    return levels if next(hashes, None) is None else None
 
 
 # ---- encoding, serving and checking -------------------------------------------------------------------------
@@ -194,7 +198,22 @@ def parse_wanted(uid: str) -> tuple[str, int, list[int]] | None:
     return group, int(n), wanted
 
 
-def check_answer(answer: bytes, digest: bytes, wanted: Sequence[int], count: int, *, peer: str) -> dict[int, bytes]:
+@dataclass(frozen=True)
+class Answer:
+    """A checked answer: the blocks asked for (index -> encoded block) and the tree's nodes that lead from them to
+    the root they were checked against."""
+
+    blobs: dict[int, bytes]
+    nodes: list[dict[int, bytes]]
+
+    def alone(self, i: int) -> bytes:
+        """The answer its sender would give to a fetch of block ``i`` alone (``BlockedBody.answer([i])``): with the
+        signed root, something anyone can check the block's content against."""
+        path = [level[(i >> d) ^ 1] for d, level in enumerate(self.nodes[:-1])]
+        return msgpack.packb([[[i, self.blobs[i]]], path], use_bin_type=True)
+
+
+def check_answer(answer: bytes, digest: bytes, wanted: Sequence[int], count: int, *, peer: str) -> Answer:
     """The blocks of a peer's ``answer``, each checked against the root it signed (``digest``).
 
     Args:
@@ -222,10 +241,11 @@ def check_answer(answer: bytes, digest: bytes, wanted: Sequence[int], count: int
         if not (isinstance(item, list) and len(item) == 2 and item[0] == i and isinstance(item[1], bytes)):
             raise BlockMismatch(f"block {i} of the answer is malformed or not the one asked for", peer=peer)
         out[i] = item[1]
-    if not all(isinstance(h, bytes) and len(h) == _DIGEST for h in proof) or _root_of(
-            {i: _leaf(blob) for i, blob in out.items()}, proof, depth) != digest:
+    nodes = _nodes({i: _leaf(blob) for i, blob in out.items()}, proof, depth) if all(
+        isinstance(h, bytes) and len(h) == _DIGEST for h in proof) else None
+    if nodes is None or nodes[-1].get(0) != digest:
         raise BlockMismatch(f"blocks {_span(wanted)} are not the blocks the sender signed", peer=peer)
-    return out
+    return Answer(out, nodes)
 
 
 def _span(wanted: Sequence[int]) -> str:

@@ -89,7 +89,7 @@ from parallax.node.outer.wire import (
     fingerprints_agree,
     round_tag,
 )
-from parallax.node.outer.witness import Witness, new_session, sign
+from parallax.node.outer.witness import Witness, new_session, proofs_key, sign
 from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, SlowStream, StalledStream
 
@@ -143,21 +143,25 @@ class GatheredRounds:
         """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
         self._claims: dict[str, dict[str, RoundEntry]] = {}  # partitioned: peer -> its checked claims, latest last
         self._zero_digest: bytes | None = None  # partitioned: the digest of an all-zero contribution
+        signer = records.signer
+        self._publishing = threading.RLock()  # ``_publish``
+        self._proofs_pool = ThreadPoolExecutor(1, thread_name_prefix=f"proofs-{records.group}")
+        parts = config.aggregation == "parts"  # bad blocks: proofs of the partitioned round's
+        self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
+                               scores, me=records.peer_id, shapes=shapes if parts else None,
+                               serve=self._serve_proof, ask=self._ask_proof if parts else None)
+        """The claims this node saw its peers sign, and the proofs it holds (``witness``)."""
         if config.aggregation == "parts":
             self._body_cap = blocks_cap(block_layout(shapes), shapes)
             pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=f"parts-{records.group}")
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
                                     announce=self._announce, scores=scores, worked=self._worked,
-                                    set_aside=self._set_aside, pool=pool)
+                                    set_aside=self._set_aside, proven=self.witness.convict_block, pool=pool)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
         self._floor: int | None = None  # ``_claimed_before``
-        signer = records.signer
-        self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
-                               scores)
-        """The claims this node saw its peers sign, and the proofs of equivocation it holds (``witness``)."""
         records.on_read = self._read
         self.last_sent: dict[str, torch.Tensor] | None = None
         """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
@@ -319,8 +323,35 @@ class GatheredRounds:
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
         self._flights.close()
+        self._proofs_pool.shutdown(wait=False, cancel_futures=True)
         if self.parts is not None:
             self.parts.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _serve_proof(self, number: int, data: bytes) -> None:
+        """Serve the bytes of a proof this node shares (``witness.BadBlock``), its latest few."""
+        self.gather.store.put(proofs_key(self.group), number, data)
+
+    def _ask_proof(self, accuser: str, accused: str, number: int, digest: bytes, size: int) -> None:
+        """Fetch, in the background, the proof against ``accused`` that ``accuser``'s record refers to; the witness
+        checks it."""
+        try:
+            self._proofs_pool.submit(self._fetch_proof, accuser, accused, RoundEntry(number, digest, size, 0.0))
+        except RuntimeError:  # closed: the rounds are over
+            self.witness.hear_block(accuser, accused, digest, None)
+
+    def _fetch_proof(self, accuser: str, accused: str, ref: RoundEntry) -> None:
+        """A proof is at most a block and its claim: its fetch is bounded by the wait for one message, twice."""
+        bound = 2 * self.config.net.next_chunk_timeout_s
+        data = None
+        try:
+            data = self.gather.fetch(accuser, proofs_key(self.group), ref, bound, chunk_timeout_s=bound)
+        except Exception as e:  # no evidence either way: the proof is not here
+            logger.info("outer rounds %s: the proof against peer %s that peer %s refers to did not arrive: %r",
+                        self.group, accused, accuser, e)
+        try:
+            self.witness.hear_block(accuser, accused, ref.digest, data)
+        except Exception:  # a bug here must not end the proofs' thread unseen
+            logger.exception("outer rounds %s: checking the proof peer %s served failed", self.group, accuser)
 
     def _offer(self, n: int, delta: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bytes, int]:
         """Encode this node's contribution of round ``n`` in the run's wire and serve it (whole, or in blocks when
@@ -424,23 +455,27 @@ class GatheredRounds:
 
     def _publish(self, entry: RoundEntry) -> None:
         """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds, fewer when large
-        participant lists would not fit a DHT record) with the proofs of equivocation it shares, and store it."""
-        self._entries[entry.round_id] = entry
-        for old in sorted(self._entries)[:-ROUNDS_KEPT]:
-            del self._entries[old]
-        proofs = self.witness.shared()
-        value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
-        while len(value) > ROUND_RECORD_MAX_BYTES and len(self._entries) > 1:
-            del self._entries[min(self._entries)]
+        participant lists would not fit a DHT record) with the proofs it shares, and store it (one at a time: a read
+        in a merge's fetch may publish a proof found meanwhile)."""
+        with self._publishing:
+            self._entries[entry.round_id] = entry
+            for old in sorted(self._entries)[:-ROUNDS_KEPT]:
+                del self._entries[old]
+            proofs = self.witness.shared()
             value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
-        if not self.records.store(value):
-            logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
+            while len(value) > ROUND_RECORD_MAX_BYTES and len(self._entries) > 1:
+                del self._entries[min(self._entries)]
+                value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
+            if not self.records.store(value):
+                logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
 
     def _read(self, records: Mapping[str, bytes]) -> None:
-        """Show the witness what a poll read (in the round's thread); a proof it holds that this node's record does
-        not show yet goes out with the record at once."""
-        if self.witness.read(records) and self._entries:
-            self._publish(self._entries[max(self._entries)])
+        """Show the witness what a read found (a poll in the round's thread, or a partitioned merge's wait for its
+        mergers); a proof it holds that this node's record does not show yet goes out with the record at once."""
+        if self.witness.read(records):
+            with self._publishing:
+                if self._entries:
+                    self._publish(self._entries[max(self._entries)])
 
     def _banned(self, peer: str) -> bool:
         return self.scores is not None and self.scores.banned(peer)

@@ -6,7 +6,8 @@ The round around it is the gathered one (``gathered``): contributions on offer, 
 the result's fingerprint verified by a majority of them. What changes is who merges what and what crosses the wire:
 
 1. A sender's contribution is held in blocks (``blocks``): the group's tensors cut from their shapes alone, each block
-   fetchable and checkable alone against the one root the sender signed in its round entry.
+   fetchable and checkable alone against the one root the sender signed in its round entry. A block under that root
+   with non-finite values is proof against its sender (``witness.BadBlock``), which the finder shares.
 2. The blocks of a set go to its senders by ``assignment``: an order drawn from the set's tag, the same on every
    peer, another for each set (a sender cannot pick the blocks it merges).
 3. Each sender that merges the set announces it (its entry names the set, with no fingerprint yet), fetches its own
@@ -55,9 +56,10 @@ from parallax.node.outer.blocks import BlockedBody, BlockMismatch, assemble, blo
 from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
 from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
+from parallax.node.outer.witness import BadBlock
 from parallax.node.train.parts import Block
 from parallax.node.train.robust import MergeAudit, merge_geometry, robust_merge_groups
-from parallax.protocol.errors import MalformedMessage, SlowStream, StalledStream
+from parallax.protocol.errors import MalformedMessage, NonFiniteTensor, SlowStream, StalledStream
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,8 @@ class PartsMerge:
             work unless that is an all-zero contribution's).
         set_aside: told of each peer that held a fetch of blocks (its contribution's or its merged share) or
             trickled one past its bound: no round should wait for it.
+        proven: given each block a sender signed that decodes to non-finite values (``witness.BadBlock``); returns
+            whether it holds as proof (the sender is then banned there, else this node scores it as a forged block).
         pool: runs the fetches.
     """
 
@@ -198,13 +202,14 @@ class PartsMerge:
                  gather: OuterGather, entries_of: Callable[[Sequence[str], float], Mapping[str, Entries]],
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
                  worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor,
-                 set_aside: Callable[[str], None] | None = None) -> None:
+                 set_aside: Callable[[str], None] | None = None,
+                 proven: Callable[[BadBlock], bool] | None = None) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
         self.count = len(self.layout)
         self.entries_of, self.announce, self.scores, self.worked, self.pool = entries_of, announce, scores, worked, pool
-        self.set_aside = set_aside
+        self.set_aside, self.proven = set_aside, proven
         self.rechecked = 0
         """Blocks of others recomputed so far, and how many disagreed (``mismerged``)."""
         self.mismerged = 0
@@ -334,7 +339,7 @@ class PartsMerge:
             blobs = self.gather.fetch_blocks(peer, merged_key(self.group), round_id, root,
                                              blocks_cap([self.layout[i] for i in want], self.shapes),
                                              list(range(len(want))), len(want), net.allreduce_timeout_s,
-                                             chunk_timeout_s=net.next_chunk_timeout_s)
+                                             chunk_timeout_s=net.next_chunk_timeout_s).blobs
             return {i: decode_block(blobs[k], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
                     for k, i in enumerate(want)}
         except Exception as e:  # merged here instead; a forged or malformed block counts against its server
@@ -391,15 +396,21 @@ class PartsMerge:
         """
         peer = split_pair(name)[0]
         net = self.config.net
+        proven = False
         try:
             size = min(claim.size, blocks_cap([self.layout[i] for i in want], self.shapes))
-            blobs = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, size, want, self.count,
-                                             net.allreduce_timeout_s, chunk_timeout_s=net.next_chunk_timeout_s)
-            out = {i: decode_block(blobs[i], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
-                   for i in want}
+            answer = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, size, want, self.count,
+                                              net.allreduce_timeout_s, chunk_timeout_s=net.next_chunk_timeout_s)
+            out = {}
+            for i in want:
+                try:
+                    out[i] = decode_block(answer.blobs[i], self.layout[i], self.shapes[self.layout[i].name], peer=peer)
+                except NonFiniteTensor:  # signed, and no honest encoder makes it: proof others can check
+                    proven = self.proven is not None and self.proven(BadBlock(peer, claim, i, answer.alone(i)))
+                    raise
         except Exception as e:
             bad = isinstance(e, BlockMismatch | MalformedMessage)
-            if self.scores is not None and (bad or isinstance(e, StalledStream)):
+            if self.scores is not None and not proven and (bad or isinstance(e, StalledStream)):
                 self.scores.record(peer, Evidence.FORGED if bad else Evidence.STALLED)
             self._held(peer, e)
             raise Unmergeable(f"blocks of contribution {name} unusable: {e!r}", peer, name) from e

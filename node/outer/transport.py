@@ -44,7 +44,15 @@ from hivemind.proto import runtime_pb2
 
 from parallax.node.config.train import GATHERED_WIRES
 from parallax.node.net.network import ServedOnLoop, read_answer
-from parallax.node.outer.blocks import BlockedBody, BlockMismatch, answer_cap, check_answer, parse_wanted, wanted_uid
+from parallax.node.outer.blocks import (
+    Answer,
+    BlockedBody,
+    BlockMismatch,
+    answer_cap,
+    check_answer,
+    parse_wanted,
+    wanted_uid,
+)
 from parallax.node.outer.wire import CODEC_OF, encode_wire
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode
@@ -316,8 +324,8 @@ class ContributionStore:
 
 class ContributionServicer(ServicerBase):
     """Streams a held contribution: request ``uid`` = ``{group}/{round}`` for a whole body, ``{group}/{round}/{i,j}``
-    for blocks of one held in blocks (``blocks.wanted_uid``); an empty stream means "not held". Do not rename
-    (protocol id)."""
+    for blocks of one held in blocks (``blocks.wanted_uid``), ``{group}#proofs/{number}`` for a proof the node shares
+    (``witness.BadBlock``); an empty stream means "not held". Do not rename (protocol id)."""
 
     def __init__(self, store: ContributionStore) -> None:
         self._store = store
@@ -407,7 +415,7 @@ class OuterGather(ServedOnLoop):
         return body
 
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
-                     count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> dict[int, bytes]:
+                     count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> Answer:
         """Blocks ``wanted`` (increasing) of the body in blocks ``peer`` holds under ``key`` (a group, or its merged
         blocks: ``partitioned``) for ``round_id``, of ``count`` blocks and at most ``size`` bytes, each checked against
         the root ``digest`` the peer published; bounds as ``fetch``.

@@ -1,4 +1,5 @@
-"""Signed contribution claims, and proofs that a peer signed two different ones for one round.
+"""Signed contribution claims, and proofs that a peer signed two different ones for one round, or a block with
+non-finite values.
 
 A gathered round's participants fetch each contribution by the claim in its sender's rounds record (round,
 sha256, size, tokens: ``transport.RoundEntry``). A sender that re-signs its claim with another digest after a
@@ -19,6 +20,10 @@ Claims of one round in two sessions are what a restarted sender makes when it re
 earlier checkpoint: no proof, but weak evidence (``Evidence.RESTARTED``, once per pair of sessions), since a
 sender could also use a new session for each fetcher. No claim of an older session than the newest one seen of its
 sender is fetched (it is a stale DHT copy, or a liar going back to an earlier session).
+
+A block of a partitioned round's contribution that lies under its sender's signed root and holds non-finite values
+is the other proof (``BadBlock``): no honest encoder makes one. Too large for a record, it is served by the node that
+found it and referred to in that node's record; readers fetch it, check it, ban and refer to it in turn.
 """
 
 from __future__ import annotations
@@ -30,28 +35,35 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
 
 from parallax.node.net.scores import Evidence, PeerScores
+from parallax.node.outer.blocks import answer_cap, block_layout, blocks_cap, check_answer, decode_block
 from parallax.node.outer.transport import PEER_ID_RE, RoundEntry, decode_entries, record_proofs
 from parallax.node.outer.wire import ROUNDS_KEPT
+from parallax.protocol.errors import NonFiniteTensor, ProtocolError
 from parallax.protocol.identity import Identity, verify
+from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLAIM_DOMAIN", "PROOFS_SHARED", "Equivocation", "Witness", "new_session", "sign"]
+__all__ = ["CLAIM_DOMAIN", "PROOFS_SHARED", "BadBlock", "Equivocation", "Witness", "new_session", "proof_cap",
+           "proofs_key", "sign", "signed_by"]
 
 CLAIM_DOMAIN = b"parallax/outer-claim/v1"
 PROOFS_SHARED = 2
-"""Proofs a rounds record carries (each about 330 bytes; a record holds 5 KiB)."""
+"""Proofs a rounds record carries (each about 330 bytes, a bad block's reference about 130; a record holds 5 KiB)."""
+_BLOCK_TAG = "block"  # a shared bad block's reference: [tag, accused, number, sha256 of the proof, its size]
 _ENTRIES_READ = ROUNDS_KEPT  # of a record, the highest rounds taken in: an honest record holds no more
 _PEERS_KEPT = 1024  # senders whose claims are remembered, the least recently seen forgotten first
 _ROUNDS_KEPT = 64  # per sender: first claims seen, and apart from them the claims fetched, oldest dropped first
 _VERIFIED_KEPT = 4096  # claims whose signature was checked (valid or not), by digest
 _PROOFS_KEPT = 256  # proofs checked, by digest: each is acted on once
+_ASKS_AT_ONCE = 4  # bad blocks asked for and not arrived yet
+_proof_numbers = itertools.count(1)  # of the bad blocks this process serves, under one store key a group
 
 _last_session = 0
 _session_lock = threading.Lock()
@@ -109,6 +121,74 @@ class Equivocation:
         return hashlib.sha256(msgpack.packb(self.to_wire(), use_bin_type=True)).digest()
 
 
+@dataclass(frozen=True)
+class BadBlock:
+    """A block ``peer`` signed whose values are not finite: its claim (signed), the block's index and the answer its
+    sender gives to a fetch of that block alone (``blocks.Answer.alone``: the block and the hashes that lead from it
+    to the claim's root). No honest sender makes one (every encoder refuses non-finite values), so a peer's own
+    signature over such a block is proof against it: a partitioned round's block reaches only the peers that merge,
+    probe or recheck it, and the others ban its sender on this proof (``Witness``). A block that fails for any other
+    reason (a codec or shape this node does not take) is no proof: peers of other versions, or owners of replicated
+    experts whose views differ for a moment, cut and encode blocks this node cannot read."""
+
+    peer: str
+    claim: RoundEntry
+    index: int
+    answer: bytes
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.peer, self.claim.claim_to_wire(), self.index, self.answer], use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BadBlock | None:
+        """None for anything malformed (checked for its form, not its content: ``proves``)."""
+        try:
+            obj = msgpack.unpackb(data, raw=False, max_bin_len=len(data), max_str_len=128, max_array_len=8,
+                                  max_map_len=0)
+        except MSGPACK_ERRORS:
+            return None
+        if not (isinstance(obj, list) and len(obj) == 4 and isinstance(obj[0], str) and PEER_ID_RE.fullmatch(obj[0])
+                and type(obj[2]) is int and obj[2] >= 0 and isinstance(obj[3], bytes)):
+            return None
+        claim = RoundEntry.claim_from_wire(obj[1])
+        return None if claim is None else cls(obj[0], claim, obj[2], obj[3])
+
+    def proves(self, public_key: bytes, run_id: str, group: str, shapes: Mapping[str, Sequence[int]]) -> str | None:
+        """What is not finite in the block, when ``public_key`` signed its claim and the claim's root leads to it;
+        None when it proves nothing (another key, another block, an answer that does not check, or a block that
+        decodes or fails for another reason)."""
+        layout = block_layout(shapes)
+        if self.index >= len(layout) or not signed_by(public_key, run_id, group, self.claim):
+            return None
+        block = layout[self.index]
+        try:
+            blob = check_answer(self.answer, self.claim.digest, [self.index], len(layout), peer=self.peer).blobs
+        except ProtocolError:
+            return None
+        try:
+            decode_block(blob[self.index], block, shapes[block.name], peer=self.peer)
+        except NonFiniteTensor as e:
+            return e.reason
+        except ProtocolError:
+            return None
+        return None
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.to_bytes()).digest()
+
+
+def proofs_key(group: str) -> str:
+    """The store key (``transport.ContributionStore``) of the ``BadBlock`` proofs a node serves for ``group``, each
+    under its number."""
+    return f"{group}#proofs"
+
+
+def proof_cap(shapes: Mapping[str, Sequence[int]]) -> int:
+    """The most bytes a ``BadBlock`` of a group of ``shapes`` holds: its largest block's answer, and the claim."""
+    layout = block_layout(shapes)
+    return max(answer_cap(blocks_cap([b], shapes), 1, len(layout)) for b in layout) + 1024
+
+
 @dataclass
 class _Claims:
     """What one node remembers of one sender's claims."""
@@ -128,22 +208,42 @@ class Witness:
     """What one node saw its peers claim in one group's rounds records, and the proofs it holds and shares
     (thread-safe: the round's thread reads, its fetches check and pin claims).
 
+    Proofs of equivocation go in the rounds record whole. A ``BadBlock`` holds a block, too large for a record: the
+    finder serves it (``serve``: under a number of its own) and its record carries a reference (the number, the
+    proof's sha256 and size); a reader asks the finder for it (``ask``), checks it and bans and shares it in turn.
+
     Args:
         run_id, group: what the claims are signed for.
+        me: this node's peer id: no proof against it is acted on (an honest node's own claims and blocks are sound).
         public_key_of: the key the live membership names for a libp2p peer id (None: unknown). None: claims are
             neither signed nor checked (tests of the averaging alone).
         scores: where evidence goes, and how long a ban lasts. None: proofs are found and shared, nobody banned.
+        shapes: the group's tensors (bad blocks are checked against their layout); None: none checked or shared.
+        serve: serves the bytes of a ``BadBlock`` under a number (the latest few; ``transport.OuterGather``).
+        ask: asks a peer (accuser, accused, number, sha256, size) for a ``BadBlock`` its record refers to, in the
+            background;
+            what arrives, or None when nothing usable did, goes to ``hear_block``. At most ``_ASKS_AT_ONCE`` asks
+            are open at once, one per accuser, each proof asked of one accuser at a time and of each at most once.
         clock: monotonic seconds (tests).
     """
 
     def __init__(self, run_id: str, group: str, public_key_of: Callable[[str], bytes | None] | None,
-                 scores: PeerScores | None, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 scores: PeerScores | None, *, me: str = "", shapes: Mapping[str, Sequence[int]] | None = None,
+                 serve: Callable[[int, bytes], None] | None = None,
+                 ask: Callable[[str, str, int, bytes, int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.run_id, self.group, self.public_key_of, self.scores = run_id, group, public_key_of, scores
-        self._clock = clock
+        self.me = me
+        self.shapes = None if shapes is None else {name: tuple(s) for name, s in shapes.items()}
+        self._proof_cap = 0 if self.shapes is None else proof_cap(self.shapes)
+        self._serve, self._ask, self._clock = serve, ask, clock
         self._claims: OrderedDict[str, _Claims] = OrderedDict()
         self._verified: OrderedDict[bytes, bool] = OrderedDict()
         self._heard: OrderedDict[bytes, None] = OrderedDict()
-        self._shared: dict[str, tuple[float, Equivocation]] = {}  # peer -> (until when, proof) this node shows
+        self._shared: dict[str, tuple[float, list[object]]] = {}  # peer -> (until when, proof) this node shows
+        self._asking: dict[bytes, str] = {}  # proof sha256 -> the accuser asked for it, while the ask is open
+        self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # (accuser, sha256) that did not arrive
+        self._unshown = False  # a proof found outside a read, not in this node's record yet
         self._lock = threading.Lock()
 
     def signed(self, peer: str, entry: RoundEntry) -> bool:
@@ -193,6 +293,9 @@ class Witness:
                 found |= self._see(peer, entries[n])
             for obj in itertools.islice(record_proofs(record), PROOFS_SHARED):
                 found |= self._hear(peer, obj)
+        with self._lock:
+            found |= self._unshown
+            self._unshown = False
         return found
 
     def shared(self) -> list[list[object]]:
@@ -201,8 +304,66 @@ class Witness:
         with self._lock:
             for peer in [p for p, (until, _) in self._shared.items() if until <= now]:
                 del self._shared[peer]
-            newest = sorted(self._shared.values(), key=lambda kept: -kept[0])[:PROOFS_SHARED]
-        return [proof.to_wire() for _, proof in newest]
+            return [wire for _, wire in sorted(self._shared.values(), key=lambda kept: -kept[0])[:PROOFS_SHARED]]
+
+    def convict_block(self, proof: BadBlock) -> bool:
+        """This node fetched a block that ``proof`` shows its sender signed with non-finite values: ban the sender
+        and share the proof (its record goes out at the next read). False when the proof does not hold here (no key
+        known for the sender, no shapes, a block past the group's cap: the caller's own evidence stands)."""
+        reason = self._proves(proof) if len(proof.to_bytes()) <= self._proof_cap else None
+        if reason is None:
+            return False
+        logger.warning("outer rounds %s: peer %s signed block %d of its round %d with non-finite values (%s): banned, "
+                       "and the proof shared", self.group, proof.peer, proof.index, proof.claim.round_id, reason)
+        self._convict_block(proof)
+        return True
+
+    def hear_block(self, accuser: str, accused: str, digest: bytes, data: bytes | None) -> bool:
+        """What ``accuser`` served for the proof against ``accused`` its record refers to by ``digest`` (``ask``; None:
+        nothing usable arrived): checked, and when it holds, the sender banned and the proof shared by this node too.
+        True when it held."""
+        with self._lock:
+            self._asking.pop(digest, None)
+            if data is None:
+                self._failed[(accuser, digest)] = None
+                while len(self._failed) > _PROOFS_KEPT:
+                    self._failed.popitem(last=False)
+                return False
+        if not self._first_time(digest):
+            return False
+        proof = BadBlock.from_bytes(data) if len(data) <= self._proof_cap else None
+        reason = None if proof is None or proof.peer != accused else self._proves(proof)
+        if proof is None or reason is None:
+            logger.warning("outer rounds %s: peer %s refers to a proof against peer %s that does not hold (not signed "
+                           "by it, not the block its claim signed, or finite values): ignored", self.group, accuser,
+                           accused)
+            return False
+        logger.warning("outer rounds %s: peer %s shows that peer %s signed block %d of its round %d with non-finite "
+                       "values (%s): banned", self.group, accuser, proof.peer, proof.index, proof.claim.round_id,
+                       reason)
+        self._convict_block(proof)
+        return True
+
+    def _proves(self, proof: BadBlock) -> str | None:
+        public_key = None if self.public_key_of is None else self.public_key_of(proof.peer)
+        if public_key is None or self.shapes is None or proof.peer == self.me:
+            return None
+        return proof.proves(public_key, self.run_id, self.group, self.shapes)
+
+    def _convict_block(self, proof: BadBlock) -> None:
+        with self._lock:
+            if proof.peer in self._shared and self._shared[proof.peer][0] > self._clock():
+                return  # one proof of a sender is enough while its ban runs
+            data = proof.to_bytes()
+            number = next(_proof_numbers)
+            ban_s = self.scores.ban_s if self.scores is not None else 600.0
+            self._shared[proof.peer] = (self._clock() + ban_s,
+                                        [_BLOCK_TAG, proof.peer, number, hashlib.sha256(data).digest(), len(data)])
+            self._unshown = True
+        if self._serve is not None:
+            self._serve(number, data)
+        if self.scores is not None:
+            self.scores.record(proof.peer, Evidence.BAD_BLOCK)
 
     def _claims_of(self, peer: str) -> _Claims:
         """``peer``'s claims, made most recently used (under the lock)."""
@@ -243,22 +404,20 @@ class Witness:
         logger.warning("outer rounds %s: peer %s signed two different contributions for its round %d (digests "
                        "%s and %s): banned, and the proof shared", self.group, peer, entry.round_id,
                        first.digest.hex()[:12], entry.digest.hex()[:12])
-        return self._convict(Equivocation(peer, first, entry))
+        return self._convict(peer, Evidence.EQUIVOCATION, Equivocation(peer, first, entry).to_wire())
 
     def _hear(self, accuser: str, obj: object) -> bool:
+        if isinstance(obj, list) and obj[:1] == [_BLOCK_TAG]:
+            self._hear_of_block(accuser, obj)
+            return False  # a bad block is shared once its bytes arrived and were checked (``hear_block``)
         proof = Equivocation.from_wire(obj)
-        if proof is None or self.public_key_of is None:
+        if proof is None or self.public_key_of is None or proof.peer == self.me:
             return False
         public_key = self.public_key_of(proof.peer)
         if public_key is None:
             return False  # checked once the membership names its key
-        digest = hashlib.sha256(public_key + proof.digest()).digest()
-        with self._lock:
-            if digest in self._heard:
-                return False
-            self._heard[digest] = None
-            while len(self._heard) > _PROOFS_KEPT:
-                self._heard.popitem(last=False)
+        if not self._first_time(public_key + proof.digest()):
+            return False
         if not proof.proves(public_key, self.run_id, self.group):
             logger.info("outer rounds %s: peer %s shows a proof of equivocation against %s that does not hold "
                         "(not two different claims of one round and session under its key): ignored", self.group,
@@ -266,14 +425,44 @@ class Witness:
             return False
         logger.warning("outer rounds %s: peer %s shows that peer %s signed two different contributions for its "
                        "round %d: banned", self.group, accuser, proof.peer, proof.first.round_id)
-        return self._convict(proof)
+        return self._convict(proof.peer, Evidence.EQUIVOCATION, proof.to_wire())
 
-    def _convict(self, proof: Equivocation) -> bool:
-        """Ban the proof's peer and show the proof while the ban lasts; True when it is newly shown."""
+    def _hear_of_block(self, accuser: str, obj: list[object]) -> None:
+        """A reference to a bad block in ``accuser``'s record: ask for the proof unless it was heard of already, its
+        sender is banned here already, it is asked of another accuser now, or this accuser failed to serve it."""
+        if not (len(obj) == 5 and isinstance(obj[1], str) and PEER_ID_RE.fullmatch(obj[1]) and type(obj[2]) is int
+                and 0 < obj[2] < 2**62 and isinstance(obj[3], bytes) and len(obj[3]) == 32 and type(obj[4]) is int
+                and 0 < obj[4] <= self._proof_cap):
+            return
+        accused, number, digest, size = obj[1], obj[2], obj[3], obj[4]
+        if (self._ask is None or accused == self.me or self.public_key_of is None or self.public_key_of(accused) is None
+                or (self.scores is not None and self.scores.banned(accused))):
+            return  # asked for once the membership names its key, or once a ban here ends
+        with self._lock:
+            if (hashlib.sha256(digest).digest() in self._heard or digest in self._asking
+                    or (accuser, digest) in self._failed or accuser in self._asking.values()
+                    or len(self._asking) >= _ASKS_AT_ONCE):
+                return
+            self._asking[digest] = accuser
+        self._ask(accuser, accused, number, digest, size)
+
+    def _first_time(self, key: bytes) -> bool:
+        """Whether a proof (by ``key``) is heard of for the first time lately: each is acted on once."""
+        digest = hashlib.sha256(key).digest()
+        with self._lock:
+            if digest in self._heard:
+                return False
+            self._heard[digest] = None
+            while len(self._heard) > _PROOFS_KEPT:
+                self._heard.popitem(last=False)
+        return True
+
+    def _convict(self, peer: str, evidence: Evidence, wire: list[object]) -> bool:
+        """Ban ``peer`` and show the proof (``wire``) while the ban lasts; True when it is newly shown."""
         if self.scores is not None:
-            self.scores.record(proof.peer, Evidence.EQUIVOCATION)
+            self.scores.record(peer, evidence)
         ban_s = self.scores.ban_s if self.scores is not None else 600.0
         with self._lock:
-            new = proof.peer not in self._shared
-            self._shared[proof.peer] = (self._clock() + ban_s, proof)
+            new = peer not in self._shared
+            self._shared[peer] = (self._clock() + ban_s, wire)
         return new

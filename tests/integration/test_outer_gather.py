@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import hivemind
+import numpy as np
 import pytest
 import torch
 from hivemind.p2p import P2PContext
@@ -32,7 +33,7 @@ from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
-from parallax.node.outer.blocks import block_layout, decode_all, encode_blocks
+from parallax.node.outer.blocks import BlockedBody, block_layout, decode_all, encode_blocks
 from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, merge_in_blocks
 from parallax.node.outer.transport import (
     WITHDRAWN,
@@ -50,6 +51,7 @@ from parallax.node.outer.transport import (
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.outer.witness import sign
 from parallax.node.train.robust import robust_merge_groups
+from parallax.protocol import codec
 from parallax.protocol.codec import encode
 
 pytestmark = pytest.mark.timeout(90)
@@ -750,6 +752,20 @@ def test_a_slow_contributor_delays_no_round_past_its_wait(peers):
                 assert sorted(report.participants) == sorted(p.dht.peer_id for p in peers[:3]), report
 
 
+def _rounds_until_two_ban(averagers: Sequence[GroupAverager], scores: Sequence[PeerScores], reason: str, seed: int,
+                          shapes: Mapping[str, tuple[int, ...]] = SHAPES) -> None:
+    """Rounds of peers 0 to 2 (up to three) until peers 1 and 2 ban peer 0 for ``reason``; peer 3 sat them out and
+    holds nothing against it."""
+    liar = averagers[0].peer_id
+    for n in range(1, 4):
+        _run(averagers[:3], _deltas(3, seed=seed + n, shapes=shapes), [CAP] * 3, round_id=n)
+        if scores[1].banned(liar) and scores[2].banned(liar):
+            break
+    for score in scores[1:3]:
+        assert score.banned(liar) and reason in score.snapshot()[liar]["reasons"], score.snapshot()
+    assert liar not in scores[3].snapshot()
+
+
 class _Equivocating(ContributionServicer):
     """Serves each round's body once, then hands ``switch`` the round (group, number) to sign another body for."""
 
@@ -803,13 +819,7 @@ def test_an_equivocating_peer_is_banned_by_every_honest_peer_and_the_others_merg
         gathers.extend(made)
         with _averagers(peers, "equivocate", scores, gathers=made) as averagers:
             holder.append(averagers[0])
-            for n in range(1, 4):
-                _run(averagers[:3], _deltas(3, seed=40 + n), [CAP] * 3, round_id=n)
-                if scores[1].banned(liar) and scores[2].banned(liar):
-                    break
-            for score in scores[1:3]:
-                assert score.banned(liar) and reason in score.snapshot()[liar]["reasons"], score.snapshot()
-            assert liar not in scores[3].snapshot()
+            _rounds_until_two_ban(averagers, scores, reason, seed=40)
             honest = sorted(p.dht.peer_id for p in peers[1:])
             for attempt in range(3):  # a round may still be lost to a view of the ban that came late
                 results = _run(averagers[1:], _deltas(3, seed=50 + attempt), [CAP] * 3, round_id=10 + attempt)
@@ -818,6 +828,48 @@ def test_an_equivocating_peer_is_banned_by_every_honest_peer_and_the_others_merg
             assert scores[3].banned(liar) and reason in scores[3].snapshot()[liar]["reasons"], scores[3].snapshot()
             for a, merged in zip(averagers[1:], results, strict=True):
                 assert merged is not None and sorted(a.last_report.participants) == honest, a.last_report
+
+
+@pytest.mark.timeout(240)
+def test_a_sender_whose_signed_blocks_are_not_finite_is_banned_by_every_honest_peer_on_the_proof_one_shares(peers):
+    """Peer 0 signs contributions whose blocks are NaN (packed by hand: the encoder refuses them). Peers 1 and 2 take
+    part in its rounds: the first block each fetches of it (its probe) is not finite, and it is under peer 0's
+    signed root: each bans peer 0 at once and serves the proof, its record referring to it. Peer 3 sits those rounds
+    out and never fetches a block of peer 0: in its rounds with the other two it reads their records, fetches the
+    proof, checks it against peer 0's key and the group's shapes, and bans peer 0 too."""
+    liar = peers[0].dht.peer_id
+    scores = [PeerScores() for _ in peers]
+    reason = "a signed contribution block with non-finite values"
+    with _averagers(peers, "bad-block", scores, compression="int4", aggregation="parts", shapes=PARTS) as averagers:
+        gathered, third = averagers[0]._gathered, averagers[3]._gathered
+        assert gathered is not None and third is not None
+        found, heard = [], []  # peer 3's own findings, and the proofs it heard that held
+        convict, hear = third.witness.convict_block, third.witness.hear_block
+        third.witness.convict_block = lambda proof: found.append(proof) or convict(proof)  # type: ignore[method-assign]
+        third.witness.hear_block = (  # type: ignore[method-assign]
+            lambda *args: heard.append(held := hear(*args)) or held)
+        honest_offer = gathered._offer
+
+        def poisoned(n: int, delta: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bytes, int]:
+            mine, _, _ = honest_offer(n, delta)
+            body = BlockedBody(tuple(codec._pack("raw", "float32", rows, [], np.full(rows, np.nan, "<f4").tobytes())
+                                     for b in block_layout(PARTS) for rows in [(b.stop - b.start, *PARTS[b.name][1:])]))
+            peers[0].gather.store.put("bad-block", n, body)
+            return mine, body.digest, body.size
+
+        gathered._offer = poisoned  # type: ignore[method-assign]
+        _rounds_until_two_ban(averagers, scores, reason, seed=60, shapes=PARTS)
+        honest = sorted(p.dht.peer_id for p in peers[1:])
+        for attempt in range(3):
+            results = _run(averagers[1:], _deltas(3, seed=70 + attempt, shapes=PARTS), [CAP] * 3,
+                           round_id=10 + attempt)
+            if scores[3].banned(liar) and all(r is not None for r in results):
+                break
+        wait_until(lambda: scores[3].banned(liar), 30, explain=lambda: repr(scores[3].snapshot()))
+        assert scores[3].snapshot()[liar]["reasons"] == {reason: 1}
+        assert found == [] and True in heard, (found, heard)  # on the proof it heard of, not on a block of its own
+        for a, merged in zip(averagers[1:], results, strict=True):
+            assert merged is not None and sorted(a.last_report.participants) == honest, a.last_report
 
 
 def test_a_restarted_node_skips_the_rounds_its_earlier_process_claimed(peers):

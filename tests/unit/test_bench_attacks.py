@@ -240,6 +240,37 @@ def test_the_nan_attack_poisons_every_block_of_a_partitioned_contribution_and_re
     assert all(not t.any() for t in gathered.decode_all(blocked, shapes, peer="me").values())
 
 
+def test_the_nan_block_attack_poisons_one_block_of_a_contribution_in_blocks_and_one_tensor_of_a_whole_one(monkeypatch):
+    import msgpack
+    import numpy as np
+
+    from parallax.node.outer import gathered
+    from parallax.node.outer.blocks import block_layout, decode_block
+    from parallax.node.outer.transport import decode_contribution
+    from parallax.protocol.errors import MalformedMessage
+
+    for name in ("encode_contribution", "encode_blocks", "decode_contribution", "decode_all"):
+        monkeypatch.setattr(gathered, name, getattr(gathered, name))  # restored
+    assert ATTACKS["nan-block"].patch is not None
+    ATTACKS["nan-block"].patch(None)  # type: ignore[arg-type]
+    shapes = {"w": (3000, 4), "b": (8,)}
+    layout = block_layout(shapes)
+    bad = []
+    for blob, block in zip(gathered.encode_blocks({n: torch.ones(s) for n, s in shapes.items()}, "int4").blobs,
+                           layout, strict=True):
+        try:
+            decode_block(blob, block, shapes[block.name], peer="attacker")
+        except MalformedMessage:
+            bad.append(block)
+    assert len(bad) == 1
+    body = gathered.encode_contribution({n: torch.ones(s) for n, s in shapes.items()}, "int4")
+    with pytest.raises(MalformedMessage, match="NaN"):
+        decode_contribution(body, shapes, peer="attacker")
+    packed = {name: msgpack.unpackb(blob) for name, blob in msgpack.unpackb(body).items()}  # [codec, dtype, ...]
+    assert sorted(name for name, (_, _, _, _, data) in packed.items() if np.isnan(np.frombuffer(data, "<f4")).any()
+                  ) in (["b"], ["w"])  # a whole body: one tensor NaN, the other as sent
+
+
 def test_a_partitioned_merges_shares_sum_to_the_whole_once_each_and_a_gathered_merge_stands_alone():
     deltas = _contributions(3, seed=4)
     merged = {n: sum(d[n] for d in deltas) / 3 for n in ("w", "b")}

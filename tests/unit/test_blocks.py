@@ -33,7 +33,7 @@ def _delta(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _decoded(body: BlockedBody, wanted: list[int]) -> dict[int, torch.Tensor]:
     layout = block_layout(SHAPES)
-    blobs = check_answer(body.answer(wanted), body.digest, wanted, len(layout), peer="p")
+    blobs = check_answer(body.answer(wanted), body.digest, wanted, len(layout), peer="p").blobs
     return {i: decode_block(blob, layout[i], SHAPES[layout[i].name], peer="p") for i, blob in blobs.items()}
 
 
@@ -92,8 +92,10 @@ def test_any_set_of_blocks_and_its_proof_give_the_root_and_a_contiguous_range_ne
     body = BlockedBody(tuple(bytes([i]) * (i + 1) for i in range(count)))
     g = torch.Generator().manual_seed(count)
     for wanted in [list(range(count)), [count - 1], sorted(set(torch.randint(count, (3,), generator=g).tolist()))]:
-        assert check_answer(body.answer(wanted), body.digest, wanted, count, peer="p") == {
-            i: body.blobs[i] for i in wanted}
+        answer = check_answer(body.answer(wanted), body.digest, wanted, count, peer="p")
+        assert answer.blobs == {i: body.blobs[i] for i in wanted}
+        for i in wanted:  # any block of a checked answer, alone: the answer its sender gives for that block
+            assert answer.alone(i) == body.answer([i])
     depth = (count - 1).bit_length()
     _, proof = msgpack.unpackb(body.answer(list(range(count // 3, 2 * count // 3 + 1))))
     assert len(proof) <= 2 * depth

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import msgpack
+import numpy as np
 import pytest
+import torch
 
 from parallax.dht.testing import fixed_identity
 from parallax.node.net.scores import Evidence, PeerScores
+from parallax.node.outer.blocks import BlockedBody, block_layout, encode_blocks
 from parallax.node.outer.transport import RoundEntry, decode_entries, encode_record, record_proofs
-from parallax.node.outer.witness import Equivocation, Witness, new_session, sign, signed_by
+from parallax.node.outer.witness import BadBlock, Equivocation, Witness, new_session, proof_cap, sign, signed_by
 
 RUN, GROUP = "run", "router"
 LIAR, ACCUSER, OTHER = "12D3KooWLiar", "12D3KooWAccuser", "12D3KooWOther"
@@ -25,8 +29,9 @@ def _record(*entries: RoundEntry, proofs: tuple[Equivocation, ...] = ()) -> byte
     return encode_record(list(entries), [p.to_wire() for p in proofs])
 
 
-def _witness(scores: PeerScores | None = None) -> Witness:
-    return Witness(RUN, GROUP, lambda peer: KEYS[peer].public_key if peer in KEYS else None, scores or PeerScores())
+def _witness(scores: PeerScores | None = None, **kwargs: object) -> Witness:
+    return Witness(RUN, GROUP, lambda peer: KEYS[peer].public_key if peer in KEYS else None, scores or PeerScores(),
+                   **kwargs)  # type: ignore[arg-type]
 
 
 def test_two_claims_of_one_round_and_session_are_proof_that_others_check_and_ban_on() -> None:
@@ -155,3 +160,123 @@ def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> 
 def test_sessions_only_increase_within_a_process() -> None:
     sessions = [new_session() for _ in range(100)]
     assert sessions == sorted(set(sessions))
+
+
+SHAPES = {"w": (96, 512), "norm": (128,)}
+
+
+def _bad_block(peer: str = LIAR, *, poison: bool = True, blob: bytes = b"") -> BadBlock:
+    """Block 1 of a body ``peer`` signs, its entries NaN (written by hand: the encoder refuses them; ``blob``: that
+    block instead)."""
+    body = encode_blocks({name: torch.randn(shape, generator=torch.Generator().manual_seed(0))
+                          for name, shape in SHAPES.items()}, "int4")
+    blobs = list(body.blobs)
+    if poison:
+        block = block_layout(SHAPES)[1]
+        rows = [block.stop - block.start, *SHAPES[block.name][1:]]
+        blobs[1] = blob or msgpack.packb(["raw", "float32", rows, [], np.full(rows, np.nan, "<f4").tobytes()],
+                                         use_bin_type=True)
+    signed = BlockedBody(tuple(blobs))
+    claim = sign(KEYS[peer], RUN, GROUP, RoundEntry(3, signed.digest, signed.size, 10.0, session=7))
+    return BadBlock(peer, claim, 1, signed.answer([1]))
+
+
+def test_a_signed_block_with_non_finite_values_is_proof_the_finder_serves_and_every_reader_bans_on() -> None:
+    served: dict[int, bytes] = {}
+    scores = PeerScores(threshold=1e9)  # a proof bans whatever the threshold
+    finder = _witness(scores, shapes=SHAPES, serve=served.__setitem__)
+    assert finder.convict_block(_bad_block()) and scores.banned(LIAR)
+    assert finder.read({}) and not finder.read({})  # the record goes out again once
+    (ref,) = finder.shared()
+    assert ref[1] == LIAR and len(served) == 1 and len(served[ref[2]]) == ref[4] <= proof_cap(SHAPES)
+    assert len(encode_record([], [ref, ref])) < 500  # a reference, not the block: records stay small
+    assert finder.convict_block(_bad_block()) and len(served) == 1  # one proof of a sender is enough
+    # Readers that never fetched the block ask the finder for it, check it and ban; then they share it too.
+    asked: list[tuple[str, int]] = []
+    now = [0.0]
+    reader_scores = PeerScores(clock=lambda: now[0])
+
+    def ask(accuser: str, accused: str, number: int, digest: bytes, size: int) -> None:
+        asked.append((accuser, number))
+        reader.hear_block(accuser, accused, digest, served[number])
+
+    reader = _witness(reader_scores, shapes=SHAPES, ask=ask, serve=lambda n, d: None)
+    assert reader.read({ACCUSER: encode_record([], finder.shared())}) and reader_scores.banned(LIAR)
+    assert Evidence.BAD_BLOCK.reason in reader_scores.snapshot()[LIAR]["reasons"]
+    assert reader.shared()[0][1] == LIAR and reader.shared()[0][3] == ref[3]  # the same proof, shown in turn
+    # Acted on once: from the same accuser, from another, and once the reader's ban has ended (a proof that every
+    # node shows would otherwise renew every ban for as long as any shows it).
+    shown = {ACCUSER: encode_record([], finder.shared()), OTHER: encode_record([], reader.shared())}
+    assert not reader.read(shown)
+    now[0] += reader_scores.ban_s + 1
+    assert not reader_scores.banned(LIAR) and not reader.read(shown) and not reader_scores.banned(LIAR)
+    assert asked == [(ACCUSER, ref[2])]
+    late = _witness(PeerScores(), shapes=SHAPES, ask=lambda *a: asked.append(a[:2]))
+    late_scores = late.scores
+    assert late_scores is not None
+    late_scores.record(LIAR, Evidence.BAD_BLOCK)
+    late.read({ACCUSER: encode_record([], finder.shared())})
+    assert len(asked) == 1  # banned there already: not asked
+
+
+def test_a_proof_that_does_not_arrive_is_asked_of_another_accuser_and_asks_are_bounded() -> None:
+    asks: list[tuple[str, str, int, bytes, int]] = []
+    witness = _witness(PeerScores(), shapes=SHAPES, ask=lambda *a: asks.append(a))
+    data = _bad_block().to_bytes()
+    digest = hashlib.sha256(data).digest()
+    ref = ["block", LIAR, 1, digest, len(data)]
+    witness.read({ACCUSER: encode_record([], [ref]), OTHER: encode_record([], [ref])})
+    assert [a[0] for a in asks] == [ACCUSER]  # one accuser at a time for a proof
+    witness.read({ACCUSER: encode_record([], [ref])})
+    assert len(asks) == 1  # still open
+    assert not witness.hear_block(ACCUSER, LIAR, digest, None)  # it did not arrive: that accuser is not asked again
+    witness.read({ACCUSER: encode_record([], [ref])})
+    assert len(asks) == 1
+    witness.read({OTHER: encode_record([], [ref])})
+    assert [a[0] for a in asks] == [ACCUSER, OTHER]
+    assert witness.hear_block(OTHER, LIAR, digest, data) and witness.scores is not None
+    assert witness.scores.banned(LIAR)
+    # Many references at once: a few asks open, one per accuser.
+    flood = _witness(PeerScores(), shapes=SHAPES, ask=lambda *a: asks.append(a))
+    asks.clear()
+    flood.read({ACCUSER: encode_record([], [["block", LIAR, n, bytes([n]) * 32, 100] for n in (1, 2)])})
+    flood.read({f"12D3KooWSybi{c}": encode_record([], [["block", LIAR, 1, bytes([9 + i]) * 32, 100]])
+                for i, c in enumerate("abcdefgh")})
+    assert len(asks) == 4 and len({a[0] for a in asks}) == 4
+
+
+@pytest.mark.parametrize("forgery", ["a block that decodes", "another key", "another block", "altered block",
+                                     "junk", "junk answer", "long answer", "another shape", "unknown peer",
+                                     "too large", "against this node", "another accused"])
+def test_a_bad_block_that_is_not_one_bans_nobody(forgery: str) -> None:
+    proof = _bad_block()
+    if forgery == "a block that decodes":
+        proof = _bad_block(poison=False)
+    elif forgery == "another key":
+        proof = dataclasses.replace(proof, claim=sign(KEYS[OTHER], RUN, GROUP, proof.claim))
+    elif forgery == "another block":
+        proof = dataclasses.replace(proof, index=2)
+    elif forgery == "altered block":
+        items, path = msgpack.unpackb(proof.answer)
+        items[0][1] = items[0][1][:-1] + b"\x00"
+        proof = dataclasses.replace(proof, answer=msgpack.packb([items, path]))
+    elif forgery == "junk answer":  # a genuine claim of the accused, and bytes that are no answer
+        proof = dataclasses.replace(proof, answer=b"\xc1")
+    elif forgery == "long answer":
+        items, path = msgpack.unpackb(proof.answer)
+        proof = dataclasses.replace(proof, answer=msgpack.packb([items, path * 50]))
+    elif forgery == "another shape":  # a block this node cannot read, under the signed root: no proof
+        block = block_layout(SHAPES)[1]
+        rows = [block.stop - block.start + 1, *SHAPES[block.name][1:]]
+        proof = _bad_block(blob=msgpack.packb(["raw", "float32", rows, [], np.zeros(rows, "<f4").tobytes()],
+                                              use_bin_type=True))
+    elif forgery == "unknown peer":
+        proof = dataclasses.replace(proof, peer="12D3KooWStranger")
+    data = {"junk": b"\xc1 not msgpack", "too large": proof.to_bytes() + b"x" * proof_cap(SHAPES)}.get(
+        forgery, proof.to_bytes())
+    scores = PeerScores()
+    witness = _witness(scores, shapes=SHAPES, me=LIAR if forgery == "against this node" else ACCUSER)
+    accused = OTHER if forgery == "another accused" else proof.peer
+    assert not witness.hear_block(ACCUSER, accused, hashlib.sha256(data).digest(), data)
+    assert forgery in ("junk", "too large", "another accused") or not witness.convict_block(proof)
+    assert scores.snapshot() == {} and witness.shared() == []
