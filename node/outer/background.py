@@ -33,6 +33,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+_PROOFS_WAIT_S = 10.0  # before a download of a group's state, the most it waits for the proofs its peers show
 OFFER_PERIODS = 4
 """A contribution without a quorum stays on offer for at most this many of its group's periods (the due rounds
 between are skipped); the next carries all the node trained since its anchor. The robust merge counts at most
@@ -445,7 +447,9 @@ class BackgroundRounds:
         if self.states is None:
             return self.sync.groups[group].load_state_from_peers(timeout_s)
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
-        return self.states.download(group, shapes, timeout_s, sources=sources)
+        started = time.monotonic()
+        self.sync.groups[group].hear_proofs(min(_PROOFS_WAIT_S, timeout_s / 3))  # no state from a proven liar
+        return self.states.download(group, shapes, timeout_s - (time.monotonic() - started), sources=sources)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:

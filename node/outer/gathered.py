@@ -327,6 +327,13 @@ class GatheredRounds:
         if self.parts is not None:
             self.parts.pool.shutdown(wait=False, cancel_futures=True)
 
+    def hear_proofs(self, timeout_s: float) -> None:
+        """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
+        wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked."""
+        deadline = time.monotonic() + timeout_s
+        self.records.read(sorted(self._live()), min(timeout_s, self.config.net.dht_timeout_s))
+        self.witness.asks_ended(deadline - time.monotonic())
+
     def _serve_proof(self, number: int, data: bytes) -> None:
         """Serve the bytes of a proof this node shares (``witness.BadBlock``), its latest few."""
         self.gather.store.put(proofs_key(self.group), number, data)

@@ -245,6 +245,7 @@ class Witness:
         self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # (accuser, sha256) that did not arrive
         self._unshown = False  # a proof found outside a read, not in this node's record yet
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # an ask ended
 
     def signed(self, peer: str, entry: RoundEntry) -> bool:
         """Whether ``entry``'s claim is signed by the key the membership names for ``peer`` (always, unchecked)."""
@@ -324,6 +325,7 @@ class Witness:
         True when it held."""
         with self._lock:
             self._asking.pop(digest, None)
+            self._answered.notify_all()
             if data is None:
                 self._failed[(accuser, digest)] = None
                 while len(self._failed) > _PROOFS_KEPT:
@@ -343,6 +345,11 @@ class Witness:
                        reason)
         self._convict_block(proof)
         return True
+
+    def asks_ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the proofs asked for to arrive (or fail); True when none is open."""
+        with self._answered:
+            return self._answered.wait_for(lambda: not self._asking, timeout=max(0.0, timeout_s))
 
     def _proves(self, proof: BadBlock) -> str | None:
         public_key = None if self.public_key_of is None else self.public_key_of(proof.peer)

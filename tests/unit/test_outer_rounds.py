@@ -226,9 +226,13 @@ class _WaitingAverager:
     def __init__(self) -> None:
         self.started: list[int] = []
         self.withdrawn: list[int] = []
+        self.heard = 0
 
     def serve_state(self, provider: object) -> None:
         pass
+
+    def hear_proofs(self, timeout_s: float) -> None:
+        self.heard += 1
 
     def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
         self.started.append(round_id)
@@ -273,9 +277,13 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
     for n, t in theirs.items():
         other.anchor[n].copy_(t)
     served = [group_state(other, group="router", round_id=9, step=0), None]
-    states = SimpleNamespace(serve=lambda group, provider: None,
-                             download=lambda group, shapes, timeout_s, sources=None: served.pop(0))
     averager = _WaitingAverager()
+
+    def download(group, shapes, timeout_s, sources=None):  # type: ignore[no-untyped-def]
+        assert averager.heard == 3 - len(served)  # the proofs the others show, heard before each download
+        return served.pop(0)
+
+    states = SimpleNamespace(serve=lambda group, provider: None, download=download)
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
     composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
     rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]

@@ -228,8 +228,9 @@ def test_a_proof_that_does_not_arrive_is_asked_of_another_accuser_and_asks_are_b
     witness.read({ACCUSER: encode_record([], [ref]), OTHER: encode_record([], [ref])})
     assert [a[0] for a in asks] == [ACCUSER]  # one accuser at a time for a proof
     witness.read({ACCUSER: encode_record([], [ref])})
-    assert len(asks) == 1  # still open
+    assert len(asks) == 1 and not witness.asks_ended(0.01)  # still open
     assert not witness.hear_block(ACCUSER, LIAR, digest, None)  # it did not arrive: that accuser is not asked again
+    assert witness.asks_ended(0.0)
     witness.read({ACCUSER: encode_record([], [ref])})
     assert len(asks) == 1
     witness.read({OTHER: encode_record([], [ref])})
