@@ -448,8 +448,13 @@ class BackgroundRounds:
             return self.sync.groups[group].load_state_from_peers(timeout_s)
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
         started = time.monotonic()
-        self.sync.groups[group].hear_proofs(min(_PROOFS_WAIT_S, timeout_s / 3))  # no state from a proven liar
-        return self.states.download(group, shapes, timeout_s - (time.monotonic() - started), sources=sources)
+        try:  # no state from a proven liar
+            self.sync.groups[group].hear_proofs(min(_PROOFS_WAIT_S, timeout_s / 3))
+        except Exception as e:  # the download goes on without: proofs are heard in rounds too
+            logger.warning("outer group %s: reading the proofs its peers show before downloading its state failed: %r",
+                           group, e)
+        left = max(timeout_s - (time.monotonic() - started), 2 * timeout_s / 3)
+        return self.states.download(group, shapes, left, sources=sources)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:

@@ -89,7 +89,7 @@ from parallax.node.outer.wire import (
     fingerprints_agree,
     round_tag,
 )
-from parallax.node.outer.witness import Witness, new_session, proofs_key, sign
+from parallax.node.outer.witness import ASKS_AT_ONCE, Witness, new_session, proofs_key, sign
 from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, SlowStream, StalledStream
 
@@ -145,7 +145,7 @@ class GatheredRounds:
         self._zero_digest: bytes | None = None  # partitioned: the digest of an all-zero contribution
         signer = records.signer
         self._publishing = threading.RLock()  # ``_publish``
-        self._proofs_pool = ThreadPoolExecutor(1, thread_name_prefix=f"proofs-{records.group}")
+        self._proofs_pool = ThreadPoolExecutor(ASKS_AT_ONCE, thread_name_prefix=f"proofs-{records.group}")
         parts = config.aggregation == "parts"  # bad blocks: proofs of the partitioned round's
         self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
                                scores, me=records.peer_id, shapes=shapes if parts else None,
@@ -323,6 +323,7 @@ class GatheredRounds:
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
         self._flights.close()
+        self.witness.close()
         self._proofs_pool.shutdown(wait=False, cancel_futures=True)
         if self.parts is not None:
             self.parts.pool.shutdown(wait=False, cancel_futures=True)
@@ -331,8 +332,10 @@ class GatheredRounds:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
         wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked."""
         deadline = time.monotonic() + timeout_s
-        self.records.read(sorted(self._live()), min(timeout_s, self.config.net.dht_timeout_s))
-        self.witness.asks_ended(deadline - time.monotonic())
+        live = sorted(self._live())
+        if live:
+            self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
+            self.witness.asks_ended(deadline - time.monotonic())
 
     def _serve_proof(self, number: int, data: bytes) -> None:
         """Serve the bytes of a proof this node shares (``witness.BadBlock``), its latest few."""
@@ -347,8 +350,8 @@ class GatheredRounds:
             self.witness.hear_block(accuser, accused, digest, None)
 
     def _fetch_proof(self, accuser: str, accused: str, ref: RoundEntry) -> None:
-        """A proof is at most a block and its claim: its fetch is bounded by the wait for one message, twice."""
-        bound = 2 * self.config.net.next_chunk_timeout_s
+        """A proof is at most a block and its claim, one message: its fetch is bounded by the wait for one."""
+        bound = self.config.net.next_chunk_timeout_s
         data = None
         try:
             data = self.gather.fetch(accuser, proofs_key(self.group), ref, bound, chunk_timeout_s=bound)

@@ -50,8 +50,8 @@ from parallax.protocol.schema import MSGPACK_ERRORS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLAIM_DOMAIN", "PROOFS_SHARED", "BadBlock", "Equivocation", "Witness", "new_session", "proof_cap",
-           "proofs_key", "sign", "signed_by"]
+__all__ = ["ASKS_AT_ONCE", "CLAIM_DOMAIN", "PROOFS_SHARED", "BadBlock", "Equivocation", "Witness", "new_session",
+           "proof_cap", "proofs_key", "sign", "signed_by"]
 
 CLAIM_DOMAIN = b"parallax/outer-claim/v1"
 PROOFS_SHARED = 2
@@ -62,7 +62,9 @@ _PEERS_KEPT = 1024  # senders whose claims are remembered, the least recently se
 _ROUNDS_KEPT = 64  # per sender: first claims seen, and apart from them the claims fetched, oldest dropped first
 _VERIFIED_KEPT = 4096  # claims whose signature was checked (valid or not), by digest
 _PROOFS_KEPT = 256  # proofs checked, by digest: each is acted on once
-_ASKS_AT_ONCE = 4  # bad blocks asked for and not arrived yet
+ASKS_AT_ONCE = 4
+"""Proofs of bad blocks asked for and not arrived yet, at most (one per peer asked)."""
+_FAILED_S = 600.0  # a peer that did not serve a proof it showed, or served one that does not hold, is not asked again
 _proof_numbers = itertools.count(1)  # of the bad blocks this process serves, under one store key a group
 
 _last_session = 0
@@ -189,6 +191,13 @@ def proof_cap(shapes: Mapping[str, Sequence[int]]) -> int:
     return max(answer_cap(blocks_cap([b], shapes), 1, len(layout)) for b in layout) + 1024
 
 
+def _remember(kept: OrderedDict[bytes, None], digest: bytes, lock: threading.Lock) -> None:
+    with lock:
+        kept[digest] = None
+        while len(kept) > _PROOFS_KEPT:
+            kept.popitem(last=False)
+
+
 @dataclass
 class _Claims:
     """What one node remembers of one sender's claims."""
@@ -222,8 +231,9 @@ class Witness:
         serve: serves the bytes of a ``BadBlock`` under a number (the latest few; ``transport.OuterGather``).
         ask: asks a peer (accuser, accused, number, sha256, size) for a ``BadBlock`` its record refers to, in the
             background;
-            what arrives, or None when nothing usable did, goes to ``hear_block``. At most ``_ASKS_AT_ONCE`` asks
-            are open at once, one per accuser, each proof asked of one accuser at a time and of each at most once.
+            what arrives, or None when nothing usable did, goes to ``hear_block``. At most ``ASKS_AT_ONCE`` asks
+            are open at once, one per accuser, each proof asked of one accuser at a time; an accuser that did not
+            serve a proof that holds is not asked again for ``_FAILED_S``.
         clock: monotonic seconds (tests).
     """
 
@@ -242,7 +252,9 @@ class Witness:
         self._heard: OrderedDict[bytes, None] = OrderedDict()
         self._shared: dict[str, tuple[float, list[object]]] = {}  # peer -> (until when, proof) this node shows
         self._asking: dict[bytes, str] = {}  # proof sha256 -> the accuser asked for it, while the ask is open
-        self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # (accuser, sha256) that did not arrive
+        self._failed: OrderedDict[str, float] = OrderedDict()  # accuser -> until when it is not asked
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # sha256 of the bad blocks that held as proof
+        self._refuted: OrderedDict[bytes, None] = OrderedDict()  # sha256 of bytes shown as one that prove nothing
         self._unshown = False  # a proof found outside a read, not in this node's record yet
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)  # an ask ended
@@ -320,31 +332,50 @@ class Witness:
         return True
 
     def hear_block(self, accuser: str, accused: str, digest: bytes, data: bytes | None) -> bool:
-        """What ``accuser`` served for the proof against ``accused`` its record refers to by ``digest`` (``ask``; None:
-        nothing usable arrived): checked, and when it holds, the sender banned and the proof shared by this node too.
-        True when it held."""
-        with self._lock:
-            self._asking.pop(digest, None)
-            self._answered.notify_all()
+        """What ``accuser`` served for the proof its record refers to by ``digest`` (naming ``accused``; ``ask``),
+        None when nothing usable arrived: checked, and when it holds, its sender banned and the proof shared by this
+        node too (whomever the reference named). True when it held. The ask ends once the ban is in place."""
+        try:
             if data is None:
-                self._failed[(accuser, digest)] = None
-                while len(self._failed) > _PROOFS_KEPT:
-                    self._failed.popitem(last=False)
+                self._fail(accuser)
                 return False
-        if not self._first_time(digest):
-            return False
-        proof = BadBlock.from_bytes(data) if len(data) <= self._proof_cap else None
-        reason = None if proof is None or proof.peer != accused else self._proves(proof)
-        if proof is None or reason is None:
-            logger.warning("outer rounds %s: peer %s refers to a proof against peer %s that does not hold (not signed "
-                           "by it, not the block its claim signed, or finite values): ignored", self.group, accuser,
-                           accused)
-            return False
-        logger.warning("outer rounds %s: peer %s shows that peer %s signed block %d of its round %d with non-finite "
-                       "values (%s): banned", self.group, accuser, proof.peer, proof.index, proof.claim.round_id,
-                       reason)
-        self._convict_block(proof)
-        return True
+            with self._lock:
+                if digest in self._held or digest in self._refuted:
+                    return False
+            proof = BadBlock.from_bytes(data) if len(data) <= self._proof_cap else None
+            reason = None if proof is None else self._proves(proof)
+            if proof is None or reason is None:
+                logger.warning("outer rounds %s: peer %s refers to a proof against peer %s that does not hold (not "
+                               "signed by it, not the block its claim signed, or finite values): ignored", self.group,
+                               accuser, accused)
+                self._fail(accuser)
+                if proof is None or self.public_key_of is None or self.public_key_of(proof.peer) is not None:
+                    _remember(self._refuted, digest, self._lock)  # those bytes prove nothing, whoever shows them
+                return False
+            logger.warning("outer rounds %s: peer %s shows that peer %s signed block %d of its round %d with "
+                           "non-finite values (%s): banned", self.group, accuser, proof.peer, proof.index,
+                           proof.claim.round_id, reason)
+            _remember(self._held, digest, self._lock)
+            self._convict_block(proof)
+            return True
+        finally:
+            with self._lock:
+                self._asking.pop(digest, None)
+                self._answered.notify_all()
+
+    def close(self) -> None:
+        """No more asks; whoever waits for the open ones stops waiting."""
+        with self._lock:
+            self._ask = None
+            self._asking.clear()
+            self._answered.notify_all()
+
+    def _fail(self, accuser: str) -> None:
+        with self._lock:
+            self._failed.pop(accuser, None)
+            self._failed[accuser] = self._clock() + _FAILED_S
+            while len(self._failed) > _PROOFS_KEPT:
+                self._failed.popitem(last=False)
 
     def asks_ended(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the proofs asked for to arrive (or fail); True when none is open."""
@@ -436,22 +467,24 @@ class Witness:
 
     def _hear_of_block(self, accuser: str, obj: list[object]) -> None:
         """A reference to a bad block in ``accuser``'s record: ask for the proof unless it was heard of already, its
-        sender is banned here already, it is asked of another accuser now, or this accuser failed to serve it."""
+        sender is banned here already, it is asked of another accuser now, this accuser has an ask open or lately
+        failed to serve a proof that holds, or ``ASKS_AT_ONCE`` asks are open."""
         if not (len(obj) == 5 and isinstance(obj[1], str) and PEER_ID_RE.fullmatch(obj[1]) and type(obj[2]) is int
                 and 0 < obj[2] < 2**62 and isinstance(obj[3], bytes) and len(obj[3]) == 32 and type(obj[4]) is int
                 and 0 < obj[4] <= self._proof_cap):
             return
         accused, number, digest, size = obj[1], obj[2], obj[3], obj[4]
-        if (self._ask is None or accused == self.me or self.public_key_of is None or self.public_key_of(accused) is None
+        if (accused == self.me or self.public_key_of is None or self.public_key_of(accused) is None
                 or (self.scores is not None and self.scores.banned(accused))):
             return  # asked for once the membership names its key, or once a ban here ends
         with self._lock:
-            if (hashlib.sha256(digest).digest() in self._heard or digest in self._asking
-                    or (accuser, digest) in self._failed or accuser in self._asking.values()
-                    or len(self._asking) >= _ASKS_AT_ONCE):
+            ask = self._ask
+            if (ask is None or digest in self._held or digest in self._refuted or digest in self._asking
+                    or self._failed.get(accuser, 0.0) > self._clock() or accuser in self._asking.values()
+                    or len(self._asking) >= ASKS_AT_ONCE):
                 return
             self._asking[digest] = accuser
-        self._ask(accuser, accused, number, digest, size)
+        ask(accuser, accused, number, digest, size)
 
     def _first_time(self, key: bytes) -> bool:
         """Whether a proof (by ``key``) is heard of for the first time lately: each is acted on once."""
