@@ -381,15 +381,20 @@ class PartsMerge:
 
     def probe(self, name: str, claim: RoundEntry) -> None:
         """Fetch one block of contribution ``name``, drawn at random, and check it (a sender whose blocks did not
-        arrive before shows it serves them).
+        arrive before shows it serves them). An honest answer is one message (a block is far under a stream
+        message's megabyte), so the whole fetch is bounded by twice the wait for one message, where a merge's fetch
+        has its own bound (a held answer still ends on the wait for its first message: a held fetch, evidence).
 
         Raises:
             Unmergeable: it did not arrive usable.
         """
-        self._fetch_blocks(name, claim, [random.SystemRandom().randrange(self.count)])
+        self._fetch_blocks(name, claim, [random.SystemRandom().randrange(self.count)],
+                           timeout_s=min(2 * self.config.net.next_chunk_timeout_s, self.config.net.allreduce_timeout_s))
 
-    def _fetch_blocks(self, name: str, claim: RoundEntry, want: list[int]) -> dict[int, torch.Tensor]:
-        """Blocks ``want`` of contribution ``name`` (announced by ``claim``), checked and decoded.
+    def _fetch_blocks(self, name: str, claim: RoundEntry, want: list[int], *,
+                      timeout_s: float | None = None) -> dict[int, torch.Tensor]:
+        """Blocks ``want`` of contribution ``name`` (announced by ``claim``), checked and decoded, within
+        ``timeout_s`` (None: ``allreduce_timeout_s``).
 
         Raises:
             Unmergeable: they did not arrive usable (a forged or malformed block, or a held fetch, is scored).
@@ -400,7 +405,8 @@ class PartsMerge:
         try:
             size = min(claim.size, blocks_cap([self.layout[i] for i in want], self.shapes))
             answer = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, size, want, self.count,
-                                              net.allreduce_timeout_s, chunk_timeout_s=net.next_chunk_timeout_s)
+                                              net.allreduce_timeout_s if timeout_s is None else timeout_s,
+                                              chunk_timeout_s=net.next_chunk_timeout_s)
             out = {}
             for i in want:
                 try:
