@@ -230,10 +230,9 @@ class Witness:
         shapes: the group's tensors (bad blocks are checked against their layout); None: none checked or shared.
         serve: serves the bytes of a ``BadBlock`` under a number (the latest few; ``transport.OuterGather``).
         ask: asks a peer (accuser, accused, number, sha256, size) for a ``BadBlock`` its record refers to, in the
-            background;
-            what arrives, or None when nothing usable did, goes to ``hear_block``. At most ``ASKS_AT_ONCE`` asks
-            are open at once, one per accuser, each proof asked of one accuser at a time; an accuser that did not
-            serve a proof that holds is not asked again for ``_FAILED_S``.
+            background; what arrives, or None when nothing usable did, goes to ``hear_block``. At most
+            ``ASKS_AT_ONCE`` asks are open at once, one per accuser, each proof asked of one accuser at a time; an
+            accuser that did not serve a proof that holds is not asked again for ``_FAILED_S``.
         clock: monotonic seconds (tests).
     """
 
