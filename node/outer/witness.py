@@ -37,6 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -191,11 +192,12 @@ def proof_cap(shapes: Mapping[str, Sequence[int]]) -> int:
     return max(answer_cap(blocks_cap([b], shapes), 1, len(layout)) for b in layout) + 1024
 
 
-def _remember(kept: OrderedDict[bytes, None], digest: bytes, lock: threading.Lock) -> None:
-    with lock:
-        kept[digest] = None
-        while len(kept) > _PROOFS_KEPT:
-            kept.popitem(last=False)
+def _keep(kept: OrderedDict[Any, Any], key: object, value: object = None) -> None:
+    """``kept[key] = value``, made the newest, the oldest dropped past ``_PROOFS_KEPT`` (the caller holds the lock)."""
+    kept.pop(key, None)
+    kept[key] = value
+    while len(kept) > _PROOFS_KEPT:
+        kept.popitem(last=False)
 
 
 @dataclass
@@ -349,12 +351,14 @@ class Witness:
                                accuser, accused)
                 self._fail(accuser)
                 if proof is None or self.public_key_of is None or self.public_key_of(proof.peer) is not None:
-                    _remember(self._refuted, digest, self._lock)  # those bytes prove nothing, whoever shows them
+                    with self._lock:  # those bytes prove nothing, whoever shows them
+                        _keep(self._refuted, digest)
                 return False
             logger.warning("outer rounds %s: peer %s shows that peer %s signed block %d of its round %d with "
                            "non-finite values (%s): banned", self.group, accuser, proof.peer, proof.index,
                            proof.claim.round_id, reason)
-            _remember(self._held, digest, self._lock)
+            with self._lock:
+                _keep(self._held, digest)
             self._convict_block(proof)
             return True
         finally:
@@ -371,10 +375,7 @@ class Witness:
 
     def _fail(self, accuser: str) -> None:
         with self._lock:
-            self._failed.pop(accuser, None)
-            self._failed[accuser] = self._clock() + _FAILED_S
-            while len(self._failed) > _PROOFS_KEPT:
-                self._failed.popitem(last=False)
+            _keep(self._failed, accuser, self._clock() + _FAILED_S)
 
     def asks_ended(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the proofs asked for to arrive (or fail); True when none is open."""
@@ -393,8 +394,7 @@ class Witness:
                 return  # one proof of a sender is enough while its ban runs
             data = proof.to_bytes()
             number = next(_proof_numbers)
-            ban_s = self.scores.ban_s if self.scores is not None else 600.0
-            self._shared[proof.peer] = (self._clock() + ban_s,
+            self._shared[proof.peer] = (self._ban_ends(),
                                         [_BLOCK_TAG, proof.peer, number, hashlib.sha256(data).digest(), len(data)])
             self._unshown = True
         if self._serve is not None:
@@ -491,17 +491,18 @@ class Witness:
         with self._lock:
             if digest in self._heard:
                 return False
-            self._heard[digest] = None
-            while len(self._heard) > _PROOFS_KEPT:
-                self._heard.popitem(last=False)
+            _keep(self._heard, digest)
         return True
 
     def _convict(self, peer: str, evidence: Evidence, wire: list[object]) -> bool:
         """Ban ``peer`` and show the proof (``wire``) while the ban lasts; True when it is newly shown."""
         if self.scores is not None:
             self.scores.record(peer, evidence)
-        ban_s = self.scores.ban_s if self.scores is not None else 600.0
         with self._lock:
             new = peer not in self._shared
-            self._shared[peer] = (self._clock() + ban_s, wire)
+            self._shared[peer] = (self._ban_ends(), wire)
         return new
+
+    def _ban_ends(self) -> float:
+        """When a ban starting now ends: how long this node shows the proof behind it."""
+        return self._clock() + (self.scores.ban_s if self.scores is not None else 600.0)
