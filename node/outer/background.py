@@ -42,7 +42,7 @@ import torch
 
 from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus, TieredOuterSync
 from parallax.node.outer.records import RoundDue
-from parallax.node.outer.state import StateExchange
+from parallax.node.outer.state import State, StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
 from parallax.node.train.outer import OuterOptimizer, to_send
 from parallax.node.train.robust import MAX_SPAN
@@ -199,6 +199,39 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
     return None
 
 
+def best_of(outer: OuterOptimizer, group: str, candidates: Sequence[State], *,
+            since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None) -> State | None:
+    """The state of ``candidates`` (``StateExchange.candidates``) to take: the only one, or of two sources that
+    disagree, the one that gives the lower loss on this node's held-out batches (``probe``), each loaded as
+    ``load_group_state`` would and everything put back after; None without a probe. No vote tells a poisoned or
+    stale state from the swarm's when only two composers answer, and a node that takes neither trains on alone
+    from what it has (a joiner: the seeded init); data the sources cannot see can. ``take_state`` still bounds the
+    one chosen against what this node has."""
+    if len(candidates) <= 1 or probe is None:
+        return candidates[0] if len(candidates) == 1 else None
+    saved, live = outer.state_dict(), outer.live_copy()
+    losses = []
+    for meta, tensors in candidates:
+        try:
+            load_group_state(outer, group, meta, tensors, since)
+            losses.append(probe())
+        except ValueError as e:
+            logger.warning("outer group %s: the state peer %s serves does not fit: %s", group, meta.get("source", "?"),
+                           e)
+            losses.append(math.inf)
+        finally:
+            outer.load_state_dict(saved)
+            outer.load_live(live)
+    ranked = sorted(range(len(candidates)), key=losses.__getitem__)
+    best, other = ranked[0], ranked[1]
+    if not math.isfinite(losses[best]):
+        return None
+    logger.warning("outer group %s: of two states that disagree, peer %s's gives held-out loss %.4f, peer %s's %.4f: "
+                   "taking the first", group, candidates[best][0].get("source", "?"), losses[best],
+                   candidates[other][0].get("source", "?"), losses[other])
+    return candidates[best]
+
+
 @torch.no_grad()
 def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
                 bound: float) -> int | None:
@@ -254,7 +287,7 @@ class BackgroundRounds:
                                                            thread_name_prefix="parallax-outer")
         self._in_flight: dict[str, _InFlight] = {}
         self._owed: dict[str, int] = {}  # group -> a round due once the waiting round it ended is over (``owed``)
-        self._reloads: dict[str, concurrent.futures.Future[tuple[Any, list[torch.Tensor]] | None]] = {}
+        self._reloads: dict[str, concurrent.futures.Future[list[State]]] = {}
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
@@ -378,7 +411,8 @@ class BackgroundRounds:
             bound = self._resync.pop(group, None)
             rebasing = group in self._rebasing
             self._rebasing.discard(group)
-            found = future.result() if future.exception() is None else None
+            found = best_of(self.composer.outer[group], group, future.result() if future.exception() is None else [],
+                            since=submitted, probe=self.probe)
             if found is None:
                 logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
                                group)
@@ -442,10 +476,11 @@ class BackgroundRounds:
                                "applied", group)
             self._reloads[group] = self._pool.submit(self._download, group, 30.0, sources)
 
-    def _download(self, group: str, timeout_s: float,
-                  sources: Sequence[str] | None = None) -> tuple[Any, list[torch.Tensor]] | None:
+    def _download(self, group: str, timeout_s: float, sources: Sequence[str] | None = None) -> list[State]:
+        """The states worth taking of ``group`` (``StateExchange.candidates``; ``best_of`` chooses among them)."""
         if self.states is None:
-            return self.sync.groups[group].load_state_from_peers(timeout_s)
+            found = self.sync.groups[group].load_state_from_peers(timeout_s)
+            return [] if found is None else [found]
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
         started = time.monotonic()
         try:  # no state from a proven liar
@@ -454,7 +489,7 @@ class BackgroundRounds:
             logger.warning("outer group %s: reading the proofs its peers show before downloading its state failed: %r",
                            group, e)
         left = max(timeout_s - (time.monotonic() - started), 2 * timeout_s / 3)
-        return self.states.download(group, shapes, left, sources=sources)
+        return self.states.candidates(group, shapes, left, sources=sources)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:
@@ -517,7 +552,8 @@ class BackgroundRounds:
         taken = {}
         for group, future in futures.items():
             try:
-                found = future.result(timeout=timeout_s + 5)
+                found = best_of(self.composer.outer[group], group, future.result(timeout=timeout_s + 5),
+                                probe=self.probe)
             except Exception as e:
                 logger.warning("outer group %s: state download failed: %r", group, e)
                 continue

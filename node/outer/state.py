@@ -5,8 +5,9 @@ highest one serves every joiner and every peer that reloads, whatever it serves.
 several live composers at once (up to ``SOURCES``, chosen at random; one that does not answer, as a peer that
 just left, is replaced by another): each answer is decoded with the
 group's names and shapes and checked finite, and the one taken is the nearest to the coordinate-wise median of
-the sources' anchors (``choose_state``): one liar among three is outvoted. A node with a single live peer takes
-its state and says so.
+the sources' anchors (``candidate_states``): one liar among three is outvoted. A node with a single live peer takes
+its state and says so. Of two sources that disagree, nothing here says which is right: a node that trains hands both
+to its held-out probe (``background.take_best``), an export takes neither.
 
 Wire (``StateServicer.rpc_state``, request ``uid`` = group): the first message is msgpack metadata (group,
 round, step, names, momentum), the rest a msgpack list of raw float32 tensor blobs, in 1 MiB chunks.
@@ -120,20 +121,26 @@ class StateExchange(ServedOnLoop):
     def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
                  sources: Sequence[str] | None = None) -> State | None:
         """The group's state as at least two sources agree on it (or the only source's); None when nobody served
-        one that checks out. Sources are drawn at random from the live composers (those of them in ``sources``, when
-        given); one that fails is replaced by another (``_fetch_all``). Blocks the calling thread (not the loop) for
-        at most ``timeout_s``."""
-        candidates = [p for p in self.peers() if p != self.own_peer_id and (sources is None or p in sources)]
-        random.shuffle(candidates)
-        if not candidates:
-            return None
-        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, candidates, shapes, timeout_s), self.loop)
+        one that checks out, or two sources disagree. Sources are drawn at random from the live composers (those of
+        them in ``sources``, when given); one that fails is replaced by another (``_fetch_all``). Blocks the calling
+        thread (not the loop) for at most ``timeout_s``."""
+        found = self.candidates(group, shapes, timeout_s, sources=sources)
+        return found[0] if len(found) == 1 else None
+
+    def candidates(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
+                   sources: Sequence[str] | None = None) -> list[State]:
+        """As ``download``, but two sources that disagree are both returned (``candidate_states``)."""
+        peers = [p for p in self.peers() if p != self.own_peer_id and (sources is None or p in sources)]
+        random.shuffle(peers)
+        if not peers:
+            return []
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s), self.loop)
         try:
             states, asked = future.result(timeout_s + 2)
         except Exception as e:
             logger.info("downloading the state of %s failed: %r", group, e)
-            return None
-        return choose_state(group, states, shapes, asked=asked)
+            return []
+        return candidate_states(group, states, shapes, asked=asked)
 
     async def _fetch_all(self, group: str, candidates: Sequence[str], shapes: Mapping[str, Sequence[int]],
                          timeout_s: float) -> tuple[dict[str, State], int]:
@@ -244,28 +251,29 @@ def decode_state(group: str, meta_bytes: bytes, body: bytes, shapes: Mapping[str
     return meta, tensors
 
 
-def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, Sequence[int]], *,
-                 asked: int) -> State | None:
-    """Which downloaded state to take (None: none; the caller keeps its own); its metadata names its ``source``.
+def candidate_states(group: str, states: Mapping[str, State], shapes: Mapping[str, Sequence[int]], *,
+                     asked: int) -> list[State]:
+    """The downloaded states worth taking, each with its ``source`` in its metadata: one chosen, none, or the two of
+    a pair that disagree (in their sources' order), for the caller to judge on data of its own.
 
     Honest composers' anchors differ by the rounds each took part in, so states are compared robustly, not for
     equality: of three or more, the one nearest the coordinate-wise median of all the anchors (one liar cannot
-    move the median far); of two, one of them only when their anchors agree within ``PAIR_AGREEMENT`` of their
-    scale (catches a grossly poisoned one, no more); a lone answer only when it came from the only live
-    composer asked.
+    move the median far); of two, one of them when their anchors agree within ``PAIR_AGREEMENT`` of their scale,
+    both when they do not (a poisoned state, or an honest source whose rounds stopped: a stale one; no vote
+    tells them apart); a lone answer only when it came from the only live composer asked.
     """
     if not states:
-        return None
+        return []
     states = {peer: ({**meta, "source": peer}, tensors) for peer, (meta, tensors) in states.items()}
     peers = sorted(states)
     if len(peers) == 1:
         peer = peers[0]
         if asked == 1:
             logger.info("state of %s from the only live composer, peer %s (nothing to compare it with)", group, peer)
-            return states[peer]
+            return [states[peer]]
         logger.warning("only peer %s of %d asked served a state of %s: nobody vouches for it, none taken", peer,
                        asked, group)
-        return None
+        return []
     n = len(shapes)
     anchors = {p: torch.cat([t.reshape(-1) for t in states[p][1][:n]]) for p in peers}
     if len(peers) == 2:
@@ -273,10 +281,10 @@ def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, S
         apart = float((a - b).norm()) / max(0.5 * float(a.norm() + b.norm()), 1e-30)
         if apart > PAIR_AGREEMENT:
             logger.warning("the two sources of the state of %s disagree (%s: %.0f%% of their norm apart, rounds %s; "
-                           "at most %.0f%% agree): none taken", group, ", ".join(peers), 100 * apart,
+                           "at most %.0f%% agree)", group, ", ".join(peers), 100 * apart,
                            "/".join(str(states[p][0].get("round")) for p in peers), 100 * PAIR_AGREEMENT)
-            return None
-        return states[peers[0]]  # either: they agree (a self-declared round number must not choose)
+            return [states[p] for p in peers]
+        return [states[peers[0]]]  # either: they agree (a self-declared round number must not choose)
     median = torch.stack([anchors[p] for p in peers]).median(dim=0).values
     distance = {p: float((anchors[p] - median).norm()) for p in peers}
     best = min(peers, key=lambda p: (distance[p], p))
@@ -284,4 +292,4 @@ def choose_state(group: str, states: Mapping[str, State], shapes: Mapping[str, S
         if distance[p] > 10 * max(distance[best], 1e-12 * float(median.norm()) + 1e-30):
             logger.warning("peer %s served a state of %s far from the other sources' (%.3g against %.3g)", p, group,
                            distance[p], distance[best])
-    return states[best]
+    return [states[best]]

@@ -64,10 +64,15 @@ def test_the_only_live_composer_is_taken_at_its_word() -> None:
 
 
 def test_two_sources_that_disagree_prove_nothing_and_close_ones_are_taken() -> None:
+    """Of two that disagree, ``download`` (an export) takes neither and ``candidates`` gives both, each naming its
+    source, for a node's held-out probe to choose (``background.best_of``)."""
     with _swarm(3) as (joiner, one, other):
         one.serve("router", lambda: _state(1.0))
         other.serve("router", lambda: _state(50.0))
         assert joiner.download("router", SHAPES, timeout_s=20) is None
+        both = joiner.candidates("router", SHAPES, timeout_s=20)
+        assert sorted(meta["source"] for meta, _ in both) == sorted([one.own_peer_id, other.own_peer_id])
+        assert sorted(float(t[0].norm() / _state(1.0)[1][0].norm()) for _, t in both) == pytest.approx([1.0, 50.0])
         other.serve("router", lambda: _state(1.05, round_id=5))  # an honest peer a round further
         got = joiner.download("router", SHAPES, timeout_s=20)
         assert got is not None and got[0]["round"] in (4, 5)

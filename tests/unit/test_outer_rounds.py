@@ -14,6 +14,7 @@ from parallax.node.outer.background import (
     OFFER_PERIODS,
     RELOAD_LOSS_BOUND,
     BackgroundRounds,
+    best_of,
     group_state,
     live_state,
     load_group_state,
@@ -182,6 +183,34 @@ def test_a_node_that_drops_its_lone_progress_judges_the_state_against_its_own_an
     assert torch.equal(outer.anchor["w"], theirs.anchor["w"]) and torch.equal(params["w"].detach(), theirs.anchor["w"])
 
 
+def test_of_two_states_that_disagree_the_one_better_on_held_out_data_is_chosen_and_nothing_changes() -> None:
+    """A joiner whose two sources disagree (one trained, one stale at the initial parameters or poisoned) chooses by
+    its held-out loss, either order; its own state is as it was after the choice; one candidate is chosen as it
+    is; without a probe, neither of two."""
+    target = torch.full((3, 2), 2.0)
+    params, outer = make(0.7, 0.9)
+
+    def probe() -> float:
+        return 1.0 + float((params["w"].detach() - target).norm())
+
+    trained_params, trained = make(0.7, 0.9)
+    with torch.no_grad():
+        trained_params["w"].add_(1.9)
+    trained.step(trained.pseudo_gradient())
+    good = group_state(trained, group="router", round_id=9, step=90)
+    stale = group_state(make(0.7, 0.9)[1], group="router", round_id=0, step=0)
+    good, stale = ({**good[0], "source": "QmGood"}, good[1]), ({**stale[0], "source": "QmStale"}, stale[1])
+    saved, live = outer.state_dict(), outer.live_copy()
+    for pair_ in ([good, stale], [stale, good]):
+        assert best_of(outer, "router", pair_, probe=probe) is good
+        assert outer.round == saved["round"] and torch.equal(outer.anchor["w"], saved["anchor"]["w"])
+        assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+    assert best_of(outer, "router", [stale], probe=probe) is stale  # one: take_state judges it
+    assert best_of(outer, "router", [good, stale]) is None and best_of(outer, "router", []) is None
+    broken = ({**good[0], "names": ["other"]}, good[1])  # it does not fit: the other is chosen
+    assert best_of(outer, "router", [broken, stale], probe=probe) is stale
+
+
 def test_live_state_is_the_current_weights_under_a_name_of_its_own() -> None:
     params, outer = make()
     with torch.no_grad():
@@ -279,11 +308,12 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
     served = [group_state(other, group="router", round_id=9, step=0), None]
     averager = _WaitingAverager()
 
-    def download(group, shapes, timeout_s, sources=None):  # type: ignore[no-untyped-def]
+    def candidates(group, shapes, timeout_s, sources=None):  # type: ignore[no-untyped-def]
         assert averager.heard == 3 - len(served)  # the proofs the others show, heard before each download
-        return served.pop(0)
+        found = served.pop(0)
+        return [] if found is None else [found]
 
-    states = SimpleNamespace(serve=lambda group, provider: None, download=download)
+    states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
     composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
     rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
