@@ -150,8 +150,8 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
             **composer_bytes(r),
             "rounds_ok": {g: sum(1 for x in ok if x["group"] == g) for g in ("router", "latent", "backbone")},
             "rounds_failed": len(rounds) - len(ok),
-            "allreduce_s": {g: [x["allreduce_s"] for x in ok if x["group"] == g] for g in ("router", "latent",
-                                                                                      "backbone")},
+            "allreduce_s": {g: [collect_s(x) for x in ok if x["group"] == g] for g in ("router", "latent",
+                                                                                  "backbone")},
             "first_step_s": events(r, "first_step")[0]["seconds"] if events(r, "first_step") else None,
         })
     joiner_index = swarm.nodes.index(joiner)
@@ -297,6 +297,12 @@ def _num(x: float | None) -> str:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}x"
+
+
+def collect_s(round_event: dict[str, Any]) -> float:
+    """A round's collect time from its ``round`` metrics event: from its contribution on offer to its merge (the set
+    settled, and every byte the round moves fetched; partitioned rounds fetch their blocks as they merge)."""
+    return float(round_event["allreduce_s"]) + float(round_event.get("merge_s", 0.0))
 
 
 def _sec(x: float | None) -> str:

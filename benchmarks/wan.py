@@ -4,10 +4,12 @@ One run, side by side: a bootstrap peer and N ``parallax node join`` processes t
 the same swarm once per rate on lab hosts (``node/peer/netlab.py``) whose links are capped at that rate both
 ways, then a partition probe on the lowest rate. Reported, from the nodes' JSONL metrics:
 
-- outer-round collect time (median per group over every node's verified rounds) against the time the round's
-  own bytes need on links of B bytes/s each way: gathered rounds (the default) fetch n - 1 bodies and serve their
-  own n - 1 times, (n - 1) x S_body / B, S_body a real contribution's encoded size; partitioned rounds move their
-  schedule's bytes (``bench bytes``' ``parts_bytes``); hivemind's all-reduce moves 2 (n - 1) / n x its buffers.
+- outer-round collect time (median per group over every node's verified rounds: from its contribution on offer to
+  its merge, the set settled and every byte it moves fetched; partitioned, the blocks, the shares and the rechecks
+  included) against the time the round's own bytes need on links of B bytes/s each way: gathered rounds fetch
+  n - 1 bodies and serve their own n - 1 times, (n - 1) x S_body / B, S_body a real contribution's encoded size;
+  partitioned rounds (the default) move their schedule's bytes (``bench bytes``' ``parts_bytes``); hivemind's
+  all-reduce moves 2 (n - 1) / n x its buffers. The settling, merging and verifying phases are reported apart.
   ``round_time_over_bytes_bound`` is the largest group's ratio per rate (target <= 1.5);
 - outer rounds that completed: per group and node, verified rounds over rounds begun; ``backbone_rounds_ok_fraction``
   is the lowest node's, per rate (target >= 0.8), and ``failed_rounds`` counts every round not applied, all nodes
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.benchmarks.report import write_report
-from parallax.benchmarks.swarm import _group_bytes, _loss, _sec
+from parallax.benchmarks.swarm import _group_bytes, _loss, _sec, collect_s
 from parallax.dht.adapter import dht_time
 from parallax.node.peer.local_swarm import LocalSwarm, composer_bytes, latest
 from parallax.node.peer.netlab import Host, NetLab, NetLabError, check_rate, rate_bytes_per_s, unavailable
@@ -113,7 +115,7 @@ def summary(runs: dict[str, dict[str, Any]], part: dict[str, Any] | None, *, siz
     for rate in rates:
         run = runs[rate]
         bandwidth = rate_bytes_per_s(rate)
-        run["rounds"] = {g: _round_time(run["allreduce_s"].get(g, []), size, bandwidth) for g, size in sizes.items()}
+        run["rounds"] = {g: _round_time(run["collect_s"].get(g, []), size, bandwidth) for g, size in sizes.items()}
         run["gossip_link_s_per_step"] = run["gossip_bytes_per_step"] / bandwidth
         run["train_link_s_per_step"] = (run["train_bytes_per_step"] or 0.0) / bandwidth
         run["durability_link_s_per_step"] = (run["durability_bytes_per_step"] or 0.0) / bandwidth
@@ -153,14 +155,17 @@ def _train(workdir: Path, args: list[str], nodes: int, steps: int, hosts: list[H
 
 def figures(records: list[list[dict[str, Any]]], codes: list[int | None], wall_s: float) -> dict[str, Any]:
     """One run's figures from its nodes' metrics (``_train``)."""
-    allreduce: dict[str, list[float]] = {}
+    collect: dict[str, list[float]] = {}
+    phases: dict[str, dict[str, list[float]]] = {}  # phase -> group -> its times in the verified rounds
     total: dict[str, list[float]] = {}
     begun: dict[str, list[list[bool]]] = {}  # group -> per node, whether each round it began was applied
     for i, r in enumerate(records):
         for x in events(r, "round"):
             begun.setdefault(x["group"], [[] for _ in records])[i].append(x["status"] == "ok")
             if x["status"] == "ok":
-                allreduce.setdefault(x["group"], []).append(x["allreduce_s"])
+                collect.setdefault(x["group"], []).append(collect_s(x))
+                for phase in ("allreduce_s", "merge_s", "verify_s"):
+                    phases.setdefault(phase, {}).setdefault(x["group"], []).append(x.get(phase, 0.0))
                 total.setdefault(x["group"], []).append(x["total_s"])
     why_not = {group: sorted({x["status"] for r in records for x in events(r, "round")
                               if x["group"] == group and x["status"] != "ok"}) for group in begun}
@@ -173,7 +178,9 @@ def figures(records: list[list[dict[str, Any]]], codes: list[int | None], wall_s
         "wall_s": wall_s, "exit_codes": codes,
         "val_loss": statistics.median(losses) if losses else None,
         "tokens": sum(e[-1]["tokens"] for r in records if (e := events(r, "final_eval"))),
-        "allreduce_s": allreduce,
+        "collect_s": collect,
+        **{f"round_{phase}": {g: statistics.median(t) for g, t in by_group.items()}
+           for phase, by_group in phases.items()},
         "round_total_s": {g: statistics.median(t) for g, t in total.items()},
         "rounds_ok_per_node": {g: [sum(n) / len(n) if n else None for n in per] for g, per in begun.items()},
         "rounds_ok_fraction": {g: min((sum(n) / len(n) for n in per if n), default=0.0) for g, per in begun.items()},
@@ -298,17 +305,23 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|" + "---|" * (1 + len(rates)),
     ]
     for group, size in report["group_bytes"].items():
-        cells = [_sec(statistics.median(runs["loopback"]["allreduce_s"][group]))
-                 if runs["loopback"]["allreduce_s"].get(group) else "-"]
+        cells = [_sec(statistics.median(runs["loopback"]["collect_s"][group]))
+                 if runs["loopback"]["collect_s"].get(group) else "-"]
         for rate in rates:
             r = runs[rate]["rounds"][group]
             cells.append(f"{_sec(r['median_s'])} = {_x(r['over_bound'])} the bound {_sec(r['bound_s'])}")
-        lines.append(f"| outer round {group} ({size:,} B each way): collect or all-reduce, median | "
+        lines.append(f"| outer round {group} ({size:,} B each way): collect (offer to merged), median | "
                      + " | ".join(cells) + " |")
         lines.append(f"| outer rounds {group} completed, lowest node | " + " | ".join(
             _rounds(runs[r], group) for r in every) + " |")
+    largest = report["largest_group"]
     lines.append("| whole outer round incl. matchmaking, largest group (median) | " + " | ".join(
-        _sec(runs[r]["round_total_s"].get(report["largest_group"])) for r in ["loopback", *rates]) + " |")
+        _sec(runs[r]["round_total_s"].get(largest)) for r in every) + " |")
+    for phase, what in (("allreduce_s", "settling the set, fetching what it takes (partitioned: the claims)"),
+                        ("merge_s", "merging it (partitioned: the blocks, the others' shares, the rechecks)"),
+                        ("verify_s", "verifying the result with the majority")):
+        lines.append(f"| ... {what}, median | " + " | ".join(
+            _sec(runs[r].get(f"round_{phase}", {}).get(largest)) for r in every) + " |")
     lines += [
         "| training thread at the network seam: total (median node) | "
         + " | ".join(f"{_sec(runs[r]['seam_s'])} ({runs[r]['seam_share']:.1%})" for r in ["loopback", *rates]) + " |",

@@ -218,11 +218,13 @@ class GatheredRounds:
                 return None
             merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
+            merge_s = time.monotonic() - merging
+            common["merge_s"] = common.get("merge_s", 0.0) + merge_s
             share = common.pop("geometry", None)  # partitioned: the geometry of this node's blocks of the merge
             if self.parts is not None:
                 # A partitioned merge waits on the other mergers, and one that failed on a contribution's blocks on
                 # that fetch's bound: not the verification's time.
-                deadline += time.monotonic() - merging
+                deadline += merge_s
             if merged is None:
                 failed = common.pop("failed", None)
                 rest = tuple(p for p in participants if split_pair(p)[0] != failed)
@@ -246,13 +248,14 @@ class GatheredRounds:
                                               participants=participants,
                                               anchor=encode_fingerprint(mine_anchor) if mine_anchor else b""))
             anchors: dict[str, tuple[float, ...]] = {}
+            verifying = time.monotonic()
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag, anchors=anchors), deadline=deadline,
                 other_set=functools.partial(self._better_set, mine=me, current=participants),
                 readers=self._live, moved_on=functools.partial(_moved_on, tag=tag),
                 extend=None if due is None else functools.partial(_may_yet_agree, participants=participants,
                                                                   due=due))
-            common.update(agreeing=agreeing, verify_s=time.monotonic() - verify_started,
+            common.update(agreeing=agreeing, verify_s=common.get("verify_s", 0.0) + time.monotonic() - verifying,
                           began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
                 if mine_anchor is not None:

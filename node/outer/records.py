@@ -103,7 +103,11 @@ class RoundReport:
     pack_s: float = 0.0
     """Packing the components into the averaged buffers."""
     allreduce_s: float = 0.0
-    """Matchmaking and all-reduce (hivemind's step)."""
+    """Matchmaking and all-reduce (hivemind's step); gathered and partitioned rounds: settling the set and fetching
+    what it takes (whole bodies, or the claims of a partitioned set)."""
+    merge_s: float = 0.0
+    """Gathered and partitioned rounds: merging the set (partitioned: fetching this node's blocks of each
+    contribution, merging them, waiting for the other mergers' shares and fetching them, the rechecks)."""
     verify_s: float = 0.0
     """Publishing our fingerprint and waiting for a majority."""
     total_s: float = 0.0

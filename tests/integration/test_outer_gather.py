@@ -361,6 +361,8 @@ def test_a_partitioned_rounds_recorded_shares_add_up_to_the_whole_merges_inner_p
     reports = [a.last_report for a in averagers]
     assert all(r.status is RoundStatus.OK and r.geometry is not None for r in reports), reports
     assert all(len(r.geometry["blocks"]) < len(block_layout(PARTS)) for r in reports)  # a share each
+    assert all(r.merge_s > 0 and r.verify_s > 0 and r.total_s >= r.allreduce_s + r.merge_s + r.verify_s
+               for r in reports), reports  # the phases, apart
     (merge,) = whole_merges([{"group": r.group, "senders": list(r.participants), **r.geometry} for r in reports])
     assert merge["blocks"] == set(range(len(block_layout(PARTS))))
     index = {p.dht.peer_id: i for i, p in enumerate(peers)}
