@@ -12,8 +12,9 @@ same preset. Reported, from the nodes' JSONL metrics:
   experts: those the joiner takes over and those heirs take at the nodes' leave, a cost of joins and leaves, not of
   steps) apart, against a DDP ring all-reduce of the same model's fp32 gradients, 2 x 2 (n-1)/n x 4 x parameters
   per step (each node sends 2 (n-1)/n of them and receives as much);
-- outer-round time (hivemind's matchmaking + all-reduce, median per group) against the bandwidth bound
-  2 (n-1)/n x S_G / B, with B the loopback bandwidth measured in the same run;
+- outer-round collect time (``collect_s``: from the contribution on offer to the merge; hivemind's matchmaking and
+  all-reduce; median per group) against the bandwidth bound 2 (n-1)/n x S_G / B, with B the loopback bandwidth
+  measured in the same run;
 - start to first step of the joiner (from the node's start, imports excluded, and from the spawn);
 - final validation loss of the swarm (median of the nodes' own views) against the in-process run.
 """
@@ -150,8 +151,8 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
             **composer_bytes(r),
             "rounds_ok": {g: sum(1 for x in ok if x["group"] == g) for g in ("router", "latent", "backbone")},
             "rounds_failed": len(rounds) - len(ok),
-            "allreduce_s": {g: [collect_s(x) for x in ok if x["group"] == g] for g in ("router", "latent",
-                                                                                  "backbone")},
+            "collect_s": {g: [collect_s(x) for x in ok if x["group"] == g] for g in ("router", "latent",
+                                                                                "backbone")},
             "first_step_s": events(r, "first_step")[0]["seconds"] if events(r, "first_step") else None,
         })
     joiner_index = swarm.nodes.index(joiner)
@@ -161,7 +162,7 @@ def run_swarm_bench(*, nodes: int = 3, steps: int = 200, preset: str = "small", 
     sizes = _group_bytes(cfg)
     round_times = {}
     for group, size in sizes.items():
-        times = [t for n in per_node for t in n["allreduce_s"][group]]
+        times = [t for n in per_node for t in n["collect_s"][group]]
         bound = 2 * (nodes - 1) / nodes * size / bandwidth
         round_times[group] = {"median_s": statistics.median(times) if times else None, "rounds": len(times),
                               "payload_bytes": size, "bound_s": bound}
@@ -300,8 +301,9 @@ def _ratio(x: float | None) -> str:
 
 
 def collect_s(round_event: dict[str, Any]) -> float:
-    """A round's collect time from its ``round`` metrics event: from its contribution on offer to its merge (the set
-    settled, and every byte the round moves fetched; partitioned rounds fetch their blocks as they merge)."""
+    """A round's collect time from its ``round`` metrics event: from its contribution on offer to its merge (the sets
+    settled and the bytes they take fetched; partitioned rounds fetch their blocks as they merge). Events without
+    ``merge_s`` (hivemind's all-reduce) are their all-reduce."""
     return float(round_event["allreduce_s"]) + float(round_event.get("merge_s", 0.0))
 
 

@@ -4,12 +4,13 @@ One run, side by side: a bootstrap peer and N ``parallax node join`` processes t
 the same swarm once per rate on lab hosts (``node/peer/netlab.py``) whose links are capped at that rate both
 ways, then a partition probe on the lowest rate. Reported, from the nodes' JSONL metrics:
 
-- outer-round collect time (median per group over every node's verified rounds: from its contribution on offer to
-  its merge, the set settled and every byte it moves fetched; partitioned, the blocks, the shares and the rechecks
-  included) against the time the round's own bytes need on links of B bytes/s each way: gathered rounds fetch
-  n - 1 bodies and serve their own n - 1 times, (n - 1) x S_body / B, S_body a real contribution's encoded size;
-  partitioned rounds (the default) move their schedule's bytes (``bench bytes``' ``parts_bytes``); hivemind's
-  all-reduce moves 2 (n - 1) / n x its buffers. The settling, merging and verifying phases are reported apart.
+- outer-round collect time (median per group over every node's verified rounds, ``swarm.collect_s``: from its
+  contribution on offer to its merge, the sets settled and the bytes they take fetched; partitioned, the blocks, the
+  shares and the rechecks included) against the time the round's own bytes need on links of B bytes/s each way:
+  gathered rounds fetch n - 1 bodies and serve their own n - 1 times, (n - 1) x S_body / B, S_body a real
+  contribution's encoded size; partitioned rounds (the default) move their schedule's bytes (``bench bytes``'
+  ``parts_bytes``); hivemind's all-reduce moves 2 (n - 1) / n x its buffers. The settling, merging and verifying
+  phases are reported apart.
   ``round_time_over_bytes_bound`` is the largest group's ratio per rate (target <= 1.5);
 - outer rounds that completed: per group and node, verified rounds over rounds begun; ``backbone_rounds_ok_fraction``
   is the lowest node's, per rate (target >= 0.8), and ``failed_rounds`` counts every round not applied, all nodes

@@ -201,12 +201,13 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
 
 def best_of(outer: OuterOptimizer, group: str, candidates: Sequence[State], *,
             since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None) -> State | None:
-    """The state of ``candidates`` (``StateExchange.candidates``) to take: the only one, or of two sources that
+    """The state of ``candidates`` (``StateExchange.candidates``) to take: the only one; of two sources that
     disagree, the one that gives the lower loss on this node's held-out batches (``probe``), each loaded as
-    ``load_group_state`` would and everything put back after; None without a probe. No vote tells a poisoned or
-    stale state from the swarm's when only two composers answer, and a node that takes neither trains on alone
-    from what it has (a joiner: the seeded init); data the sources cannot see can. ``take_state`` still bounds the
-    one chosen against what this node has."""
+    ``load_group_state`` would and everything put back after (neither without a probe, or when neither gives a
+    finite loss); None when there is none. When only two composers answer, no vote tells a poisoned or stale state
+    from the swarm's, and a node that takes neither trains on alone from what it has (a joiner: the seeded init);
+    its own held-out batches, which no source chooses, tell them apart. ``take_state`` still bounds the one chosen
+    against what this node has."""
     if len(candidates) <= 1 or probe is None:
         return candidates[0] if len(candidates) == 1 else None
     saved, live = outer.state_dict(), outer.live_copy()
@@ -214,7 +215,8 @@ def best_of(outer: OuterOptimizer, group: str, candidates: Sequence[State], *,
     for meta, tensors in candidates:
         try:
             load_group_state(outer, group, meta, tensors, since)
-            losses.append(probe())
+            loss = probe()
+            losses.append(loss if math.isfinite(loss) else math.inf)  # a NaN would not sort
         except ValueError as e:
             logger.warning("outer group %s: the state peer %s serves does not fit: %s", group, meta.get("source", "?"),
                            e)
@@ -411,8 +413,13 @@ class BackgroundRounds:
             bound = self._resync.pop(group, None)
             rebasing = group in self._rebasing
             self._rebasing.discard(group)
-            found = best_of(self.composer.outer[group], group, future.result() if future.exception() is None else [],
-                            since=submitted, probe=self.probe)
+            try:
+                found = best_of(self.composer.outer[group], group,
+                                future.result() if future.exception() is None else [], since=submitted,
+                                probe=self.probe)
+            except Exception as e:  # the probe failed: this node keeps what it has, its delta still its own
+                logger.warning("outer group %s: judging the states its peers serve failed: %r", group, e)
+                found = None
             if found is None:
                 logger.warning("outer group %s: no peer served its state; it stays as it is until the next round",
                                group)
@@ -549,13 +556,20 @@ class BackgroundRounds:
             group -> round number of the state taken (groups nobody served are left at the seeded init).
         """
         futures = {g: self._pool.submit(self._download, g, timeout_s) for g in self.sync.groups}
-        taken = {}
+        downloaded: dict[str, list[State]] = {}
         for group, future in futures.items():
             try:
-                found = best_of(self.composer.outer[group], group, future.result(timeout=timeout_s + 5),
-                                probe=self.probe)
+                downloaded[group] = future.result(timeout=timeout_s + 5)
             except Exception as e:
                 logger.warning("outer group %s: state download failed: %r", group, e)
+        # Groups whose sources agree are taken first, and of those whose sources disagree the backbone first: each pair
+        # is judged by the held-out loss of a model whose other groups are already the swarm's where they can be.
+        taken = {}
+        for group in sorted(downloaded, key=lambda g: (len(downloaded[g]) > 1, g != "backbone")):
+            try:
+                found = best_of(self.composer.outer[group], group, downloaded[group], probe=self.probe)
+            except Exception as e:
+                logger.warning("outer group %s: judging the states its peers serve failed: %r", group, e)
                 continue
             if found is None:
                 logger.info("outer group %s: no peer served its state (a new swarm?)", group)

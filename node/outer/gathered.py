@@ -280,14 +280,21 @@ class GatheredRounds:
                 # Nobody else published a result for our set: nobody can have applied it without our vote, so rather
                 # than reload an anchor that may lack our contribution (and drop our delta with it), take our vote
                 # and contribution back, and take a set naming ours if one shows now (``_last_call``).
+                settling = time.monotonic()
                 taken, merged_ours = self._last_call(n, me, found)
+                common["allreduce_s"] += time.monotonic() - settling
                 if taken is None:
                     common["detail"] = f"no other of the set's {len(participants)} senders merged it in time"
                     self._withdrawn(n, RoundStatus.UNANSWERED, started, common, merged_elsewhere=merged_ours)
                     return None
                 participants = taken
                 continue
-            if other is None or not self._fetch_set(other, found, deadline):
+            if other is None:
+                break
+            settling = time.monotonic()
+            fetched = self._fetch_set(other, found, deadline)
+            common["allreduce_s"] += time.monotonic() - settling
+            if not fetched:
                 break
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
                         n, len(other))

@@ -104,12 +104,12 @@ class RoundReport:
     """Packing the components into the averaged buffers."""
     allreduce_s: float = 0.0
     """Matchmaking and all-reduce (hivemind's step); gathered and partitioned rounds: settling the set and fetching
-    what it takes (whole bodies, or the claims of a partitioned set)."""
+    what it takes (whole bodies, or the claims of a partitioned set), the sets tried after the first included."""
     merge_s: float = 0.0
     """Gathered and partitioned rounds: merging the set (partitioned: fetching this node's blocks of each
     contribution, merging them, waiting for the other mergers' shares and fetching them, the rechecks)."""
     verify_s: float = 0.0
-    """Publishing our fingerprint and waiting for a majority."""
+    """Waiting for a majority of the set to publish our fingerprint (summed over the sets tried)."""
     total_s: float = 0.0
     began_allreduce: bool = False
     """A group formed and exchanged tensors: the other members may have completed the round."""

@@ -7,7 +7,7 @@ just left, is replaced by another): each answer is decoded with the
 group's names and shapes and checked finite, and the one taken is the nearest to the coordinate-wise median of
 the sources' anchors (``candidate_states``): one liar among three is outvoted. A node with a single live peer takes
 its state and says so. Of two sources that disagree, nothing here says which is right: a node that trains hands both
-to its held-out probe (``background.take_best``), an export takes neither.
+to its held-out probe (``background.best_of``), an export takes neither.
 
 Wire (``StateServicer.rpc_state``, request ``uid`` = group): the first message is msgpack metadata (group,
 round, step, names, momentum), the rest a msgpack list of raw float32 tensor blobs, in 1 MiB chunks.

@@ -3,6 +3,7 @@ round-trips to a joiner and refuses what does not fit, or what would throw this 
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -189,6 +190,13 @@ def test_of_two_states_that_disagree_the_one_better_on_held_out_data_is_chosen_a
     is; without a probe, neither of two."""
     target = torch.full((3, 2), 2.0)
     params, outer = make(0.7, 0.9)
+    with torch.no_grad():
+        params["w"].add_(0.3)
+    outer.step(outer.pseudo_gradient())  # momentum of its own
+    outer.round = 3
+    outer.unsent = {"w": torch.full((3, 2), 0.01)}
+    with torch.no_grad():
+        params["w"].add_(0.1)  # and progress since its anchor
 
     def probe() -> float:
         return 1.0 + float((params["w"].detach() - target).norm())
@@ -201,14 +209,24 @@ def test_of_two_states_that_disagree_the_one_better_on_held_out_data_is_chosen_a
     stale = group_state(make(0.7, 0.9)[1], group="router", round_id=0, step=0)
     good, stale = ({**good[0], "source": "QmGood"}, good[1]), ({**stale[0], "source": "QmStale"}, stale[1])
     saved, live = outer.state_dict(), outer.live_copy()
+    momentum = outer.optimizer.state[outer.anchor["w"]]["momentum_buffer"].clone()
     for pair_ in ([good, stale], [stale, good]):
         assert best_of(outer, "router", pair_, probe=probe) is good
-        assert outer.round == saved["round"] and torch.equal(outer.anchor["w"], saved["anchor"]["w"])
+        assert outer.round == 3 and all(torch.equal(outer.anchor[n], saved["anchor"][n]) for n in outer.anchor)
         assert all(torch.equal(params[n].detach(), live[n]) for n in params)
+        assert torch.equal(outer.optimizer.state[outer.anchor["w"]]["momentum_buffer"], momentum)
+        assert outer.unsent.keys() == {"w"} and torch.equal(outer.unsent["w"], torch.full((3, 2), 0.01))
     assert best_of(outer, "router", [stale], probe=probe) is stale  # one: take_state judges it
     assert best_of(outer, "router", [good, stale]) is None and best_of(outer, "router", []) is None
     broken = ({**good[0], "names": ["other"]}, good[1])  # it does not fit: the other is chosen
     assert best_of(outer, "router", [broken, stale], probe=probe) is stale
+
+    def overflowing() -> float:  # a poisoned state can make the loss NaN: it is never chosen over a finite one
+        return math.nan if float(params["w"].detach().abs().max()) > 100 else probe()
+
+    poisoned = ({**good[0], "source": "QmPoisoned"}, [t * 1e6 for t in good[1]])
+    for pair_ in ([poisoned, stale], [stale, poisoned]):
+        assert best_of(outer, "router", pair_, probe=overflowing) is stale
 
 
 def test_live_state_is_the_current_weights_under_a_name_of_its_own() -> None:
