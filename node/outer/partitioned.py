@@ -230,7 +230,9 @@ class PartsMerge:
         """
         me = pair(self.peer_id, n)
         owners = assignment(participants, self.count)
+        began = time.monotonic()
         self.announce(n, participants, b"")
+        announced = time.monotonic()
         own = owners.get(me, [])
         blocks: dict[int, torch.Tensor] = {}
         audit, geometry = None, None
@@ -244,8 +246,12 @@ class PartsMerge:
                                              {str(i): got[i] for i in own}), "blocks": own}
             body = BlockedBody(tuple(blobs[i] for i in own))
             self.gather.store.put(merged_key(self.group), n, body)
+            merged_own = time.monotonic()
             self.announce(n, participants, body.digest)
             blocks.update(got)
+        else:
+            merged_own = time.monotonic()
+        published = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
         flights = self._await_mergers(n, others, participants)
         taken: dict[str, list[int]] = {}
@@ -254,6 +260,7 @@ class PartsMerge:
             if merged is not None:
                 blocks.update(merged)
                 taken[name] = others[name]
+        shared = time.monotonic()
         redo = sorted(i for name, want in others.items() if name not in taken for i in want)
         for name, i in self._picks(taken, len(participants)):
             if name not in taken:
@@ -281,6 +288,11 @@ class PartsMerge:
             if got is None:
                 return None, audit, None
             blocks.update(got)
+        logger.info("outer round %s/%d: merged %d senders' blocks in %.2f s: announcing the set %.2f s, its %d blocks "
+                    "fetched and merged %.2f s, their root published %.2f s, the others' shares %.2f s, rechecks and "
+                    "blocks merged again %.2f s", self.group, n, len(participants), time.monotonic() - began,
+                    announced - began, len(own), merged_own - announced, published - merged_own, shared - published,
+                    time.monotonic() - shared)
         return assemble(blocks, self.shapes), audit, geometry
 
     def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
