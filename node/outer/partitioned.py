@@ -20,9 +20,10 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    node itself, from the contributions: a gathered round's cost for that share, so a round degrades to the gathered
    round's bytes, never to merging nothing.
 5. It recomputes blocks of the others' shares at random from the contributions (``rechecks``: a body's worth of
-   fetches, a block of each merger in turn) and compares them (``agrees``): a block off by more than
-   ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks this node then merges
-   itself. A recheck that cannot be made (a contribution's block does not arrive) is skipped: the shares are here.
+   fetches, a block of each merger in turn, all fetched in one request per contribution and merged at once) and
+   compares them (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
+   (``Evidence.MISMERGED``), whose blocks this node then merges itself. Rechecks that cannot be made (a
+   contribution's block does not arrive) are skipped: the shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
 took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
@@ -52,7 +53,15 @@ from typing import Any
 import torch
 
 from parallax.node.net.scores import Evidence, PeerScores
-from parallax.node.outer.blocks import BlockedBody, BlockMismatch, assemble, block_layout, blocks_cap, decode_block
+from parallax.node.outer.blocks import (
+    MAX_BLOCKS,
+    BlockedBody,
+    BlockMismatch,
+    assemble,
+    block_layout,
+    blocks_cap,
+    decode_block,
+)
 from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
 from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
@@ -262,25 +271,7 @@ class PartsMerge:
                 taken[name] = others[name]
         shared = time.monotonic()
         redo = sorted(i for name, want in others.items() if name not in taken for i in want)
-        for name, i in self._picks(taken, len(participants)):
-            if name not in taken:
-                continue  # another of its blocks disagreed: this node merges them all
-            try:
-                again, _, _ = self._merge_here(me, [i], participants, claims, mine, weights, spans)
-            except Unmergeable as e:  # the shares are here: a recheck that cannot be made is skipped
-                logger.info("outer round %s/%d: a recheck of peer %s's block %s skipped: %s", self.group, n,
-                            split_pair(name)[0], self.layout[i].key, e)
-                continue
-            self.rechecked += 1
-            if again is not None and not agrees(again[i], blocks[i]):
-                self.mismerged += 1
-                peer = split_pair(name)[0]
-                if self.scores is not None:
-                    self.scores.record(peer, Evidence.MISMERGED)
-                logger.warning("outer round %s/%d: peer %s served merged block %s that its contributions do not give "
-                               "(off by more than %g of its norm); this node merges that peer's blocks itself",
-                               self.group, n, peer, self.layout[i].key, RECHECK_TOLERANCE)
-                redo.extend(taken.pop(name))
+        redo += self._recheck(n, me, taken, blocks, participants, claims, mine, weights, spans)
         if redo:
             logger.info("outer round %s/%d: this node merges %d blocks of %d others' shares itself", self.group, n,
                         len(redo), len(others) - len(taken))
@@ -294,6 +285,41 @@ class PartsMerge:
                     announced - began, len(own), merged_own - announced, published - merged_own, shared - published,
                     time.monotonic() - shared)
         return assemble(blocks, self.shapes), audit, geometry
+
+    def _recheck(self, n: int, me: str, taken: dict[str, list[int]], blocks: Mapping[int, torch.Tensor],
+                 participants: tuple[str, ...], claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor],
+                 weights: Sequence[float], spans: Sequence[float] | None) -> list[int]:
+        """Recompute the blocks ``_picks`` draws of the others' shares (``taken``: merger -> its blocks, which
+        ``blocks`` holds as served), all in one merge: each contribution's picked blocks come in one request, and
+        each block is merged on its own, as its merger merged it. A merger with a block off by more than
+        ``RECHECK_TOLERANCE`` is evidence (``Evidence.MISMERGED``), leaves ``taken``, and its blocks are returned for
+        this node to merge itself. Rechecks that cannot be made (a contribution's block does not arrive) are skipped:
+        the shares are here."""
+        picks = self._picks(taken, len(participants))[:MAX_BLOCKS]  # one request per contribution holds at most these
+        if not picks:
+            return []
+        try:
+            again, _, _ = self._merge_here(me, sorted({i for _, i in picks}), participants, claims, mine, weights,
+                                           spans)
+        except Unmergeable as e:
+            logger.info("outer round %s/%d: %d rechecks skipped: %s", self.group, n, len(picks), e)
+            return []
+        self.rechecked += len(picks)
+        if again is None:
+            return []
+        redo: list[int] = []
+        for name, i in picks:
+            if name not in taken or agrees(again[i], blocks[i]):
+                continue  # right, or another of its blocks disagreed: this node merges them all already
+            self.mismerged += 1
+            peer = split_pair(name)[0]
+            if self.scores is not None:
+                self.scores.record(peer, Evidence.MISMERGED)
+            logger.warning("outer round %s/%d: peer %s served merged block %s that its contributions do not give "
+                           "(off by more than %g of its norm); this node merges that peer's blocks itself",
+                           self.group, n, peer, self.layout[i].key, RECHECK_TOLERANCE)
+            redo.extend(taken.pop(name))
+        return redo
 
     def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
         """The blocks of others' this node recomputes among ``n`` senders, drawn at random (an unpredictable draw: a
