@@ -248,6 +248,8 @@ def test_a_merger_whose_blocks_its_contributions_do_not_give_is_caught_and_its_s
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
             assert "merged blocks of a partitioned round that its contributions do not give" in \
                 score.snapshot()[attacker]["reasons"]
+            parts = a._gathered.parts if a._gathered is not None else None
+            assert parts is not None and parts.rechecked > 1 and parts.mismerged == 1  # once a round, many blocks off
         assert results[0] is None and averagers[0].last_report.status is not RoundStatus.OK
 
 
