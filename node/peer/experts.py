@@ -107,16 +107,17 @@ class Experts:
             return
         now = self.clock()
         alive = view.alive()
+        composers = [m.heartbeat.peer_id for fp, m in sorted(alive.items())
+                     if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled]
         for eid in plan.take:
             previous, live = previous_owner(eid, assignment, self.owners.get(eid, ()), self.fingerprint, alive,
                                             view.stalled)
             # Under churn the previous owner in our view may not be the node that trained the expert last:
             # after it, every other live composer that shows work is asked (a releaser serves its final snapshot
-            # for minutes).
+            # for minutes), those later views show included (``Handover.meet``).
             handover = Handover(
                 source=alive[previous].heartbeat.peer_id if previous is not None else None,
-                others=[m.heartbeat.peer_id for fp, m in sorted(alive.items())
-                        if m.heartbeat.role == "composer" and fp != self.fingerprint and fp not in view.stalled],
+                others=list(composers),
                 started=now, online_since=self.online_at - self.membership.timing.heartbeat_ttl_s,
                 # A previous owner sees the new assignment at its next read: both bounds stretch with the pace.
                 wait_s=self.settings.adopt_wait_s * self.membership.stretch,
@@ -126,6 +127,7 @@ class Experts:
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
             handover, pending = self.handovers[eid]
+            handover.meet(composers)
             if pending is not None and pending.done():
                 self.handovers[eid] = (handover, None)
                 self._carry_out(eid, handover.answered(pending.result(), self.clock()))

@@ -5,8 +5,8 @@ passed) with the time they happened, and carries out the actions it returns (ask
 snapshot). No clock, no network, no composer inside: the unit tests drive it with plain events.
 
 The protocol. The new owner asks the previous owner first (when it is alive; with replicas, an owner that keeps
-the expert, whose first snapshot is enough), then, while the answers are not
-the hand-over's final snapshot, every other live composer in turn, with the previous owner again every other
+the expert, whose first snapshot is enough), then, while the answers are not the hand-over's final snapshot, every
+other live composer in turn (those a later view shows too: ``meet``), with the previous owner again every other
 request: a previous owner whose view lagged ours releases the expert (and serves its final snapshot) seconds
 later, and under churn the node that trained the expert last may not be the owner our view names. At most
 two requests a second per expert. The wait ends with the hand-over's final snapshot (released within
@@ -103,9 +103,20 @@ class Handover:
     """The source is dead: each of ``others`` is asked once, and the newest copy wins."""
     _last: Served | None = field(default=None, repr=False)
     _best_taken: float = field(default=0.0, repr=False)  # when ``best``'s holder took it
+    _known: set[str] = field(default_factory=set, repr=False)  # every peer the hand-over asks or has asked
+
+    def meet(self, peers: list[str]) -> None:
+        """Live composers a later view shows: those the hand-over did not know are asked in turn too. A view read
+        just as a partition healed, or on a loaded host, shows some of the others late, and the owner that trained
+        the expert meanwhile may be among them."""
+        if self.phase is Phase.DONE:
+            return
+        self.others += [p for p in peers if p not in self._known]
+        self._known.update(peers)
 
     def start(self) -> list[Action]:
         """The first action: ask the source, or (dead source) another peer unless we hold our own copy."""
+        self._known = {p for p in (self.source, *self.others) if p is not None}
         others = [p for p in self.others if p != self.source]
         if self.source is None:
             if self.has_own_copy or not others:

@@ -93,6 +93,32 @@ def test_a_dead_owners_heir_copy_wins_over_the_final_it_trained_from() -> None:
     assert h.answered(None, 101.8) == [Finish(heir_copy)]
 
 
+def test_peers_a_later_view_shows_are_asked_and_the_final_of_one_ends_the_wait() -> None:
+    """Back from a partition on a view that shows one other composer, which holds nothing: once a later view shows
+    the owner that trained the expert meanwhile, it is asked, and its fresh final ends the wait."""
+    h = _handover(source="first", others=("first",))
+    assert h.start() == [Ask("first")]
+    assert h.answered(None, 100.1) == []
+    assert h.tick(100.6) == [Ask("first")]  # nobody else to ask yet
+    h.meet(["first", "trainer"])
+    assert h.answered(None, 100.7) == []
+    assert h.tick(101.2) == [Ask("trainer")]
+    final = Snap(step=40, final=True, age_s=0.5)
+    assert h.answered(final, 101.3) == [Finish(final)]
+
+
+def test_a_survey_asks_each_peer_once_whatever_the_views_show() -> None:
+    h = _handover(source=None, others=("b", "c"))
+    assert h.start() == [Ask("b")]
+    h.meet(["b", "c", "d"])
+    assert h.answered(None, 100.6) == [Ask("c")]
+    h.meet(["b", "c", "d"])
+    assert h.answered(None, 101.2) == [Ask("d")]
+    assert h.answered(None, 101.8) == [Finish(None)]
+    h.meet(["e"])  # finished: nothing more is asked
+    assert h.tick(102.5) == []
+
+
 def test_nobody_to_ask_finishes_at_once() -> None:
     assert _handover(source=None).start() == [Finish(None)]
 
