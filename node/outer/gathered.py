@@ -218,8 +218,7 @@ class GatheredRounds:
                 return None
             merging = time.monotonic()
             merged = self._merge(n, participants, found, common)
-            merge_s = time.monotonic() - merging
-            common["merge_s"] = common.get("merge_s", 0.0) + merge_s
+            merge_s = _add_time(common, "merge_s", merging)
             share = common.pop("geometry", None)  # partitioned: the geometry of this node's blocks of the merge
             if self.parts is not None:
                 # A partitioned merge waits on the other mergers, and one that failed on a contribution's blocks on
@@ -255,8 +254,8 @@ class GatheredRounds:
                 readers=self._live, moved_on=functools.partial(_moved_on, tag=tag),
                 extend=None if due is None else functools.partial(_may_yet_agree, participants=participants,
                                                                   due=due))
-            common.update(agreeing=agreeing, verify_s=common.get("verify_s", 0.0) + time.monotonic() - verifying,
-                          began_allreduce=self.gather.store.served(self.group, n))
+            _add_time(common, "verify_s", verifying)
+            common.update(agreeing=agreeing, began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
                 if mine_anchor is not None:
                     common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
@@ -282,7 +281,7 @@ class GatheredRounds:
                 # and contribution back, and take a set naming ours if one shows now (``_last_call``).
                 settling = time.monotonic()
                 taken, merged_ours = self._last_call(n, me, found)
-                common["allreduce_s"] += time.monotonic() - settling
+                _add_time(common, "allreduce_s", settling)
                 if taken is None:
                     common["detail"] = f"no other of the set's {len(participants)} senders merged it in time"
                     self._withdrawn(n, RoundStatus.UNANSWERED, started, common, merged_elsewhere=merged_ours)
@@ -293,7 +292,7 @@ class GatheredRounds:
                 break
             settling = time.monotonic()
             fetched = self._fetch_set(other, found, deadline)
-            common["allreduce_s"] += time.monotonic() - settling
+            _add_time(common, "allreduce_s", settling)
             if not fetched:
                 break
             logger.info("outer round %s/%d: merging the %d contributions more of their senders merged", self.group,
@@ -923,6 +922,14 @@ def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
         return hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest()
     ours = rank(mine)
     return all(ours <= rank(name) for name in offered)
+
+
+def _add_time(common: dict[str, Any], phase: str, since: float) -> float:
+    """Add the time since ``since`` to a round report's ``phase`` (``RoundReport``: a round's phases sum over the
+    sets it tries); returns that time."""
+    spent = time.monotonic() - since
+    common[phase] = common.get(phase, 0.0) + spent
+    return spent
 
 
 def _off_offer(name: str, *, live: Collection[str], entries: Mapping[str, Mapping[int, RoundEntry]],

@@ -241,7 +241,7 @@ class PartsMerge:
         owners = assignment(participants, self.count)
         began = time.monotonic()
         self.announce(n, participants, b"")
-        announced = time.monotonic()
+        announced = merged_own = time.monotonic()
         own = owners.get(me, [])
         blocks: dict[int, torch.Tensor] = {}
         audit, geometry = None, None
@@ -258,8 +258,6 @@ class PartsMerge:
             merged_own = time.monotonic()
             self.announce(n, participants, body.digest)
             blocks.update(got)
-        else:
-            merged_own = time.monotonic()
         published = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
         flights = self._await_mergers(n, others, participants)
