@@ -54,7 +54,7 @@ import torch
 from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import BlockMismatch, block_layout, blocks_cap, decode_all, encode_blocks
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
-from parallax.node.outer.records import POLL_S, SLOW_POLL_S, RoundDue, RoundRecords, RoundStatus
+from parallax.node.outer.records import POLL_S, SLOW_POLL_S, LatestRecord, RoundDue, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
@@ -145,6 +145,7 @@ class GatheredRounds:
         self._zero_digest: bytes | None = None  # partitioned: the digest of an all-zero contribution
         signer = records.signer
         self._publishing = threading.RLock()  # ``_publish``
+        self._record = LatestRecord(records.store, f"record-{records.group}")
         self._proofs_pool = ThreadPoolExecutor(ASKS_AT_ONCE, thread_name_prefix=f"proofs-{records.group}")
         parts = config.aggregation == "parts"  # bad blocks: proofs of the partitioned round's
         self.witness = Witness(records.run_id, records.group, signer.public_key_of if signer is not None else None,
@@ -334,6 +335,7 @@ class GatheredRounds:
         self._flights.close()
         self.witness.close()
         self._proofs_pool.shutdown(wait=False, cancel_futures=True)
+        self._record.close()
         if self.parts is not None:
             self.parts.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -387,9 +389,10 @@ class GatheredRounds:
 
     def _announce(self, n: int, participants: tuple[str, ...], merged: bytes) -> None:
         """A partitioned round's step (``partitioned``): this node's entry of round ``n`` names the set it merges
-        and, once merged, the root of its merged blocks."""
+        and, once merged, the root of its merged blocks. The merge goes on while the record is stored: nothing it does
+        next waits for the others to see it."""
         self._publish(dataclasses.replace(self._entries[n], fingerprint=b"", participants=participants,
-                                          merged=merged))
+                                          merged=merged), wait=False)
 
     def _claimed_before(self) -> int:
         """The last round this node's identity claimed in an earlier session, by its own record in the DHT (read once,
@@ -472,10 +475,11 @@ class GatheredRounds:
             self.gather.store.drop(self.group, n)
         self.report(status, started, **common)
 
-    def _publish(self, entry: RoundEntry) -> None:
+    def _publish(self, entry: RoundEntry, *, wait: bool = True) -> None:
         """Put ``entry`` in this node's rounds record (its latest ``ROUNDS_KEPT`` rounds, fewer when large
-        participant lists would not fit a DHT record) with the proofs it shares, and store it (one at a time: a read
-        in a merge's fetch may publish a proof found meanwhile)."""
+        participant lists would not fit a DHT record) with the proofs it shares, serve it to the peers that ask this
+        node (``OuterGather.watch_record``) and store it (one at a time, the latest last: a read in a merge's fetch may
+        publish a proof found meanwhile); without ``wait``, in the background."""
         with self._publishing:
             self._entries[entry.round_id] = entry
             for old in sorted(self._entries)[:-ROUNDS_KEPT]:
@@ -485,8 +489,9 @@ class GatheredRounds:
             while len(value) > ROUND_RECORD_MAX_BYTES and len(self._entries) > 1:
                 del self._entries[min(self._entries)]
                 value = encode_record([self._entries[k] for k in sorted(self._entries)], proofs)
-            if not self.records.store(value):
-                logger.debug("could not store the rounds record of %s round %d", self.group, entry.round_id)
+            self._record.put(value)
+            self.gather.store.post_record(self.group, value)
+        self._record.flush(wait=wait)
 
     def _read(self, records: Mapping[str, bytes]) -> None:
         """Show the witness what a read found (a poll in the round's thread, or a partitioned merge's wait for its

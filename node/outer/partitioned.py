@@ -14,11 +14,14 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    blocks of every contribution of the set, merges them robustly block by block (``train.robust``: each block a
    tensor of its own, as ``train.parts`` measured), encodes the result in ``MERGED_WIRE``, serves it under
    ``merged_key`` and publishes its root in its entry (``RoundEntry.merged``).
-4. It then fetches every other sender's merged blocks, each checked against that sender's published root. A sender
-   that announces another set, withdrew, publishes no root within the wait (``verify_timeout_s`` to announce the set,
-   ``allreduce_timeout_s`` more to publish), or serves blocks its root does not lead to, has its blocks merged by this
-   node itself, from the contributions: a gathered round's cost for that share, so a round degrades to the gathered
-   round's bytes, never to merging nothing.
+4. It then fetches every other sender's merged blocks, each checked against that sender's published root. It learns
+   of each root from the sender itself: its record is asked of it, and the question answered as soon as the record
+   changes (``OuterGather.watch_record``), where the DHT has it only after a store and a read (each 0.2-0.5 s on busy
+   cores); a sender that does not answer is read from the DHT. The set's name and the root go out without waiting
+   for their stores (``records.LatestRecord``). A sender that announces another set, withdrew, publishes no root
+   within the wait (``verify_timeout_s`` to announce the set, ``allreduce_timeout_s`` more to publish), or serves
+   blocks its root does not lead to, has its blocks merged by this node itself, from the contributions: a gathered
+   round's cost for that share, so a round degrades to the gathered round's bytes, never to merging nothing.
 5. It recomputes blocks of the others' shares at random from the contributions (``rechecks``: a body's worth of
    fetches, a block of each merger in turn, all fetched in one request per contribution and merged at once) and
    compares them (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
@@ -63,7 +66,14 @@ from parallax.node.outer.blocks import (
     decode_block,
 )
 from parallax.node.outer.records import POLL_S
-from parallax.node.outer.transport import OuterGather, RoundEntry, pair, split_pair
+from parallax.node.outer.transport import (
+    RECORD_WAIT_S,
+    OuterGather,
+    RoundEntry,
+    decode_entries,
+    pair,
+    split_pair,
+)
 from parallax.node.outer.wire import OuterSyncConfig, encode_wire, round_tag
 from parallax.node.outer.witness import BadBlock
 from parallax.node.train.parts import Block
@@ -333,35 +343,49 @@ class PartsMerge:
 
     def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
                        ) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
-        """Read the records of the other mergers (``others``: contribution -> its blocks) until each publishes the
-        root of its merged blocks of ``participants``, fetching each as it does; one that merges another set, merged
-        one or withdrew, does not name the set within ``verify_timeout_s`` or publishes no root within
-        ``allreduce_timeout_s`` more, has no fetch (this node merges its blocks itself)."""
+        """Watch each other merger (``others``: contribution -> its blocks) until it publishes the root of its merged
+        blocks of ``participants``, and fetch them (``_await_merger``)."""
         net = self.config.net
         named_by = time.monotonic() + net.verify_timeout_s
         deadline = named_by + net.allreduce_timeout_s
-        waiting = dict(others)
-        flights: dict[str, Future[dict[int, torch.Tensor] | None]] = {}
-        while waiting:
+        return {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline)
+                for name, want in others.items()}
+
+    def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
+                      deadline: float) -> dict[int, torch.Tensor] | None:
+        """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
+        ``participants`` and the root of its blocks; None (this node merges them itself) when it merges another set,
+        merged one or withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its record
+        is asked of the sender itself, which answers as soon as it changes (``OuterGather.watch_record``); from a
+        sender that does not answer, it is read from the DHT."""
+        net = self.config.net
+        peer, round_id = split_pair(name)
+        known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
+        while True:
             now = time.monotonic()
-            read = self.entries_of(sorted({split_pair(name)[0] for name in waiting}),
-                                   max(0.1, min(net.dht_timeout_s, deadline - now)))
-            for name in list(waiting):
-                peer, round_id = split_pair(name)
-                entry = read.get(peer, {}).get(round_id)
-                named = entry is not None and entry.participants == participants
-                if entry is not None and named and entry.merged:
-                    flights[name] = self.pool.submit(self._fetch_merged, name, waiting.pop(name), entry.merged,
-                                                     participants)
-                elif entry is not None and not named and (entry.fingerprint or entry.participants):
-                    del waiting[name]  # it merges another set, merged one, or withdrew
-                elif now >= (deadline if named else named_by):
-                    logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
-                                n, peer)
-                    del waiting[name]
-            if waiting:
+            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - now))
+            entry = None
+            if known is not None:
+                try:
+                    known = self.gather.watch_record(peer, self.group, known, RECORD_WAIT_S + timeout_s)
+                    entry = decode_entries(known).get(round_id)
+                except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
+                    logger.info("outer round %s/%d: peer %s did not give its rounds record (%r); it is read from the "
+                                "DHT", self.group, n, peer, e)
+                    known = None
+            if known is None:
+                entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
+            named = entry is not None and entry.participants == participants
+            if entry is not None and named and entry.merged:
+                return self._fetch_merged(name, want, entry.merged, participants)
+            if entry is not None and not named and (entry.fingerprint or entry.participants):
+                return None  # it merges another set, merged one, or withdrew
+            if time.monotonic() >= (deadline if named else named_by):
+                logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
+                            n, peer)
+                return None
+            if known is None:
                 time.sleep(POLL_S)
-        return flights
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:

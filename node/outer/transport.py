@@ -74,6 +74,12 @@ _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
 PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer id
 _PAIR_RE = re.compile(PEER_ID_RE.pattern + r"@[0-9]{1,18}")  # a peer id, "@", its round number
+RECORD_WAIT_S = 0.5
+"""A peer asked for its rounds record (``OuterGather.watch_record``) answers at once when it differs from the one the
+asker holds, else once it changes or after this long: a watch learns of a change as it is made, at two questions a
+second at most."""
+_RECORD_TAG_BYTES = 16
+_RECORD_CHECK_S = 0.02  # how often a held question looks at this node's own record
 WITHDRAWN = b"withdrawn"
 """The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
 
@@ -292,7 +298,19 @@ class ContributionStore:
         self.keep = keep
         self._bodies: dict[tuple[str, int], bytes | BlockedBody] = {}
         self._served: set[tuple[str, int]] = set()
+        self._records: dict[str, bytes] = {}
         self._lock = threading.Lock()
+
+    def post_record(self, group: str, record: bytes) -> None:
+        """This node's rounds record of ``group`` as its peers may ask for it (``OuterGather.watch_record``): the one
+        it stores in the DHT, served from the moment it is made."""
+        with self._lock:
+            self._records[group] = record
+
+    def record(self, group: str) -> bytes:
+        """This node's latest rounds record of ``group`` (b"": none)."""
+        with self._lock:
+            return self._records.get(group, b"")
 
     def put(self, group: str, round_id: int, body: bytes | BlockedBody) -> None:
         with self._lock:
@@ -325,7 +343,8 @@ class ContributionStore:
 class ContributionServicer(ServicerBase):
     """Streams a held contribution: request ``uid`` = ``{group}/{round}`` for a whole body, ``{group}/{round}/{i,j}``
     for blocks of one held in blocks (``blocks.wanted_uid``), ``{group}#proofs/{number}`` for a proof the node shares
-    (``witness.BadBlock``); an empty stream means "not held". Do not rename (protocol id)."""
+    (``witness.BadBlock``); an empty stream means "not held". ``rpc_record`` answers with this node's rounds record of
+    a group (``OuterGather.watch_record``). Do not rename (protocol id)."""
 
     def __init__(self, store: ContributionStore) -> None:
         self._store = store
@@ -358,6 +377,25 @@ class ContributionServicer(ServicerBase):
         for message in _messages(answer):
             yield message
         self.bytes_served += len(answer)
+
+
+    async def rpc_record(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
+        asker's), or as it is after ``RECORD_WAIT_S``."""
+        group, _, known = request.uid.rpartition("/")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + RECORD_WAIT_S
+        while True:
+            record = self._store.record(group)
+            if record_tag(record) != known or loop.time() >= until:
+                self.bytes_served += len(record)
+                return runtime_pb2.ExpertInfo(serialized_info=record)
+            await asyncio.sleep(_RECORD_CHECK_S)
+
+
+def record_tag(record: bytes) -> str:
+    """What names a rounds record in a watch (``rpc_record``): a prefix of its sha256, "" for none."""
+    return hashlib.sha256(record).hexdigest()[:2 * _RECORD_TAG_BYTES] if record else ""
 
 
 async def _noting_first(stream: typing.AsyncIterator[typing.Any],  # noqa: UP006 - hivemind's stream type
@@ -413,6 +451,28 @@ class OuterGather(ServedOnLoop):
         with self._count_lock:
             self.bytes_fetched += len(body)
         return body
+
+    def watch_record(self, peer: str, group: str, known: bytes, timeout_s: float) -> bytes:
+        """``peer``'s rounds record of ``group`` asked of the peer itself: at once when it is not ``known`` (b"": none
+        held), else once it changes or ``RECORD_WAIT_S`` later. The answer comes from the peer id libp2p
+        authenticated, as a DHT record comes under the key the membership names for it; it is decoded as one is
+        (``decode_entries``).
+
+        Raises:
+            MalformedMessage: a record over ``ROUND_RECORD_MAX_BYTES`` (the peer is named).
+            RemoteProtocolError (rate-limited), TimeoutError and hivemind's errors: no answer within ``timeout_s``.
+        """
+        async def ask() -> bytes:
+            stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
+            answer = await stub.rpc_record(runtime_pb2.ExpertRequest(uid=f"{group}/{record_tag(known)}"))
+            return bytes(answer.serialized_info)
+
+        record = asyncio.run_coroutine_threadsafe(asyncio.wait_for(ask(), timeout_s), self.loop).result(timeout_s + 1)
+        if len(record) > ROUND_RECORD_MAX_BYTES:
+            raise MalformedMessage(f"a rounds record of {len(record)} bytes, over {ROUND_RECORD_MAX_BYTES}", peer=peer)
+        with self._count_lock:
+            self.bytes_fetched += len(record)
+        return record
 
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
                      count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> Answer:

@@ -36,6 +36,7 @@ from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.blocks import BlockedBody, block_layout, decode_all, encode_blocks
 from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, merge_in_blocks
 from parallax.node.outer.transport import (
+    ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
     ContributionServicer,
     ContributionStore,
@@ -53,6 +54,7 @@ from parallax.node.outer.witness import sign
 from parallax.node.train.robust import robust_merge_groups
 from parallax.protocol import codec
 from parallax.protocol.codec import encode
+from parallax.protocol.errors import MalformedMessage
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -281,6 +283,57 @@ def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_th
             assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
     assert f"peer {peers[0].dht.peer_id} published no merged blocks of the set in time" in caplog.text
+
+
+def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_change(peers):
+    """A node serves its rounds record of a group to whoever asks: at once when the asker holds another, once it
+    changes when the asker holds it (or as it is after the wait); a record past the bound is refused, its server
+    named."""
+    server, asker = peers[0], peers[1].gather
+    first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
+    second = encode_record([RoundEntry(2, b"e" * 32, 10, CAP)])
+    peer = server.dht.peer_id
+    assert asker.watch_record(peer, "watched", b"", 10) == b""  # none: the wait ends with none
+    server.gather.store.post_record("watched", first)
+    assert asker.watch_record(peer, "watched", b"", 10) == first
+    assert asker.watch_record(peer, "watched", first, 10) == first  # unchanged: as it is after the wait
+    with ThreadPoolExecutor(1) as pool:
+        watch = pool.submit(asker.watch_record, peer, "watched", first, 10)
+        server.gather.store.post_record("watched", second)
+        assert watch.result(30) in (first, second)  # the change, unless the wait ended first on a busy machine
+    assert asker.watch_record(peer, "watched", first, 10) == second
+    assert decode_entries(asker.watch_record(peer, "watched", second, 10)).keys() == {2}
+    server.gather.store.post_record("watched", b"x" * (ROUND_RECORD_MAX_BYTES + 1))
+    with pytest.raises(MalformedMessage) as refused:
+        asker.watch_record(peer, "watched", b"", 10)
+    assert refused.value.peer == peer
+
+
+class _NoRecord(ContributionServicer):
+    """Serves its blocks and refuses every question for its rounds record (a peer on an older version)."""
+
+    async def rpc_record(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise RuntimeError("no such handler")
+
+
+_NoRecord.__name__ = ContributionServicer.__name__
+
+
+def test_a_merger_that_does_not_give_its_record_is_read_from_the_dht_and_its_share_taken(peers, caplog):
+    """Peer 0 answers no question for its rounds record: the others read its root from the DHT, take its merged
+    share, and all apply the merge one process makes."""
+    with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
+            _gathers(peers, "gather-no-record", 0, _NoRecord) as gathers, \
+            _averagers(peers, "parts-no-record", compression="int4", aggregation="parts", shapes=PARTS,
+                       gathers=gathers) as averagers:
+        deltas, tokens = _deltas(4, seed=5, shapes=PARTS), [CAP] * 4
+        results = _run(averagers, deltas, tokens, round_id=3)
+        reference = _merged_in_blocks(peers, deltas, tokens)
+        for a, merged in zip(averagers, results, strict=True):
+            assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+    assert f"peer {peers[0].dht.peer_id} did not give its rounds record" in caplog.text
+    assert "itself" not in caplog.text, caplog.text
 
 
 class _NoBlocks(ContributionServicer):
