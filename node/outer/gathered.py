@@ -495,11 +495,12 @@ class GatheredRounds:
 
     def _read(self, records: Mapping[str, bytes]) -> None:
         """Show the witness what a read found (a poll in the round's thread, or a partitioned merge's wait for its
-        mergers); a proof it holds that this node's record does not show yet goes out with the record at once."""
+        mergers); a proof it holds that this node's record does not show yet goes out with the record at once (stored
+        in the background: the read's caller goes on)."""
         if self.witness.read(records):
             with self._publishing:
                 if self._entries:
-                    self._publish(self._entries[max(self._entries)])
+                    self._publish(self._entries[max(self._entries)], wait=False)
 
     def _banned(self, peer: str) -> bool:
         return self.scores is not None and self.scores.banned(peer)
