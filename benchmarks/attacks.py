@@ -10,7 +10,8 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
 - ``val_loss_ratio``: the final validation loss of the honest composers that train from the start (their
   mean) over the mean of the clean runs' (target <= 1.02 for every attack on training); the clean runs' own
   ratios and ``clean_spread`` show the noise between runs. The joiner's (``joiner_val_loss_ratio``) is apart:
-  it starts late (its start-up takes half a minute on two busy cores) and ends training alone;
+  its start-up takes about 20 s beside the others on two cores, so in a run of the default 2,000 steps it arrives
+  about a third into the others' training (at 500 steps, as they end);
 - ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
@@ -112,7 +113,7 @@ def is_clean(name: str) -> bool:
     return name == "clean" or (name.startswith("clean-") and name[6:].isdigit())
 
 
-def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 500, join_at: int = 10,
+def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 2000, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS,
                 composers: int = 4) -> dict[str, Any]:
     """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false

@@ -10,7 +10,8 @@ ways, then a partition probe on the lowest rate. Reported, from the nodes' JSONL
   gathered rounds fetch n - 1 bodies and serve their own n - 1 times, (n - 1) x S_body / B, S_body a real
   contribution's encoded size; partitioned rounds (the default) move their schedule's bytes (``bench bytes``'
   ``parts_bytes``); hivemind's all-reduce moves 2 (n - 1) / n x its buffers. The settling, merging and verifying
-  phases are reported apart.
+  phases are reported apart, and of the settling the wait until the set's last contribution was read on offer
+  (``round_waited_s``: the other composers reaching the round at their own steps).
   ``round_time_over_bytes_bound`` is the largest group's ratio per rate (target <= 1.5);
 - outer rounds that completed: per group and node, verified rounds over rounds begun; ``backbone_rounds_ok_fraction``
   is the lowest node's, per rate (target >= 0.8), and ``failed_rounds`` counts every round not applied, all nodes
@@ -165,7 +166,7 @@ def figures(records: list[list[dict[str, Any]]], codes: list[int | None], wall_s
             begun.setdefault(x["group"], [[] for _ in records])[i].append(x["status"] == "ok")
             if x["status"] == "ok":
                 collect.setdefault(x["group"], []).append(collect_s(x))
-                for phase in ("allreduce_s", "merge_s", "verify_s"):
+                for phase in ("allreduce_s", "waited_s", "merge_s", "verify_s"):
                     phases.setdefault(phase, {}).setdefault(x["group"], []).append(x.get(phase, 0.0))
                 total.setdefault(x["group"], []).append(x["total_s"])
     why_not = {group: sorted({x["status"] for r in records for x in events(r, "round")
@@ -319,6 +320,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append("| whole outer round incl. matchmaking, largest group (median) | " + " | ".join(
         _sec(runs[r]["round_total_s"].get(largest)) for r in every) + " |")
     for phase, what in (("allreduce_s", "settling the set, fetching what it takes (partitioned: the claims)"),
+                        ("waited_s", "... of which until the set's last contribution was read on offer"),
                         ("merge_s", "merging it (partitioned: the blocks, the others' shares, the rechecks)"),
                         ("verify_s", "verifying the result with the majority")):
         lines.append(f"| ... {what}, median | " + " | ".join(

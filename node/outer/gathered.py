@@ -12,7 +12,8 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    merged this node's contribution in. The quorum counts, beside the composers whose work reached this node, the
    senders of the contributions on offer (one record every node reads); a node holding a quorum merges at once only
    when its contribution ranks first among those on offer, and otherwise gives that one's sender ``verify_timeout_s``
-   to publish a set naming ours. Without a quorum, a node that trains on meanwhile (``due``) keeps its contribution
+   to publish a set naming ours (its record asked of it directly meanwhile, as well as read from the DHT: the set is
+   seen as it is made). Without a quorum, a node that trains on meanwhile (``due``) keeps its contribution
    on offer until it is told to end (``background``: a few of its group's periods at most): composers
    of unequal pace then find one another's contributions on offer whenever they come, not only during a wait of
    their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without ``due`` the
@@ -56,6 +57,7 @@ from parallax.node.outer.blocks import BlockMismatch, block_layout, blocks_cap, 
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
 from parallax.node.outer.records import POLL_S, SLOW_POLL_S, LatestRecord, RoundDue, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
+    RECORD_WAIT_S,
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
     ContributionMismatch,
@@ -202,11 +204,15 @@ class GatheredRounds:
         me = pair(self.peer_id, n)
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
         pack_s = time.monotonic() - started
-        participants = self._collect(me, found, due)
+        seen: dict[str, float] = {}  # contribution -> when this node first read it on offer
+        participants = self._collect(me, found, due, seen)
+        collected = time.monotonic()
         merged_ours = False  # a set naming our contribution was seen after it came off offer
         if participants is None:
             participants, merged_ours = self._last_call(n, me, found)
-        common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s)
+        last_offer = max((seen.get(p, collected) for p in participants or () if p != me), default=started + pack_s)
+        common: dict[str, Any] = dict(round_id=n, pack_s=pack_s, allreduce_s=time.monotonic() - started - pack_s,
+                                      waited_s=max(0.0, last_offer - started - pack_s))
         local_norms = [float(torch.linalg.vector_norm(mine[name], dtype=torch.float64)) for name in self.shapes]
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
@@ -561,22 +567,27 @@ class GatheredRounds:
         return latest_entries(self.records.read(sorted(self._live()), timeout_s))
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                 due: threading.Event | None = None) -> tuple[str, ...] | None:
+                 due: threading.Event | None = None, seen: dict[str, float] | None = None) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
         ``min_matchmaking_time_s`` for every one to have one (and on while fewer than a quorum have: until ``due``
         is set, or for ``matchmaking_timeout_s`` without it; a quorum that comes after the wait waits
         ``min_matchmaking_time_s`` more for the rest); or, when others already merged ours with theirs, their set.
         Returns the contributions to merge (sorted pairs), or None when no quorum could be had. Fetches still in
-        flight when it returns are left to end on their own bounds; ``found`` no longer changes."""
+        flight when it returns are left to end on their own bounds; ``found`` no longer changes. ``seen`` is told when
+        each contribution was first read on offer."""
         cfg = self.config
         now = time.monotonic()
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
+        leader: str | None = None  # while deferring: that sender, whose record is asked of it (``_watch``)
+        watched = b""  # its record as last answered
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
+            if leader is not None:
+                watched, leader = self._watch(entries, leader, watched, timeout_s)
             offered = self._offered(entries)
             quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum)
@@ -586,6 +597,10 @@ class GatheredRounds:
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
+            if seen is not None:
+                read_at = time.monotonic()
+                for name in current:
+                    seen.setdefault(name, read_at)
             self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, mine=me))
             for name in [name for name in found if name != me and _passed(entries, name)]:
                 del found[name]  # its sender withdrew it or went on to a later round: it is merged nowhere now
@@ -617,15 +632,35 @@ class GatheredRounds:
                 # different, and no set would win its senders' votes: the one whose contribution ranks first among
                 # those on offer merges at once, the others give it the time a set's senders get to see the set
                 # (``verify_timeout_s``) to publish one naming theirs (taken above), then merge their own.
-                if hurried or defer_until is not None and now >= defer_until or _first(
-                        self.records.run_id, self.group, me, [n for n in current if split_pair(n)[0] in offered]):
+                first = _first_ranked(self.records.run_id, self.group,
+                                      [me, *(n for n in current if split_pair(n)[0] in offered)])
+                if hurried or defer_until is not None and now >= defer_until or first == me:
                     return tuple(sorted({me} | {name for name in current if name in found}))
                 if defer_until is None:  # a round with a time limit merges what it holds at the limit
                     defer_until = min(now + cfg.net.verify_timeout_s, give_up if due is None else math.inf)
+                if split_pair(first)[0] != (leader or ""):
+                    leader, watched = split_pair(first)[0], b""
             else:
-                defer_until = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
+                defer_until = leader = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
             if hurried or (due is None and now >= give_up):
                 return None
+
+    def _watch(self, entries: dict[str, dict[int, RoundEntry]], leader: str, known: bytes,
+               timeout_s: float) -> tuple[bytes, str | None]:
+        """Ask ``leader`` (the sender whose set this node's round waits for) for its record directly
+        (``OuterGather.watch_record``: answered as soon as it differs from ``known``) and put its entries in
+        ``entries``: the set it names or merges is seen as it is made, not after its store and the next DHT read.
+        Returns (its record, the leader to ask again; None when it did not answer: the DHT alone is read)."""
+        try:
+            known = self.gather.watch_record(leader, self.group, known, RECORD_WAIT_S + timeout_s)
+        except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
+            logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
+                        self.group, leader, e)
+            return known, None
+        decoded = decode_entries(known)
+        if decoded:
+            entries[leader] = decoded
+        return known, leader
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
                           quorum: int) -> tuple[tuple[str, ...] | None, bool]:
@@ -921,13 +956,10 @@ def _may_yet_agree(agreeing: int, entries: Mapping[str, Mapping[int, RoundEntry]
     return 2 * (agreeing + gathering) > len(participants)
 
 
-def _first(run_id: str, group: str, mine: str, offered: Iterable[str]) -> bool:
-    """Does contribution ``mine`` rank first among itself and ``offered`` (pairs)? The rank is a hash of the run, the
-    group and the pair: the same on every node, and another contribution's each round."""
-    def rank(name: str) -> bytes:
-        return hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest()
-    ours = rank(mine)
-    return all(ours <= rank(name) for name in offered)
+def _first_ranked(run_id: str, group: str, names: Iterable[str]) -> str:
+    """The contribution (pair) of ``names`` that ranks first: the rank is a hash of the run, the group and the pair,
+    the same on every node, and another contribution's each round."""
+    return min(names, key=lambda name: hashlib.sha256(f"{run_id}/{group}/{name}".encode()).digest())
 
 
 def _add_time(common: dict[str, Any], phase: str, since: float) -> float:

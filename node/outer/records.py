@@ -106,6 +106,9 @@ class RoundReport:
     allreduce_s: float = 0.0
     """Matchmaking and all-reduce (hivemind's step); gathered and partitioned rounds: settling the set and fetching
     what it takes (whole bodies, or the claims of a partitioned set), the sets tried after the first included."""
+    waited_s: float = 0.0
+    """Of ``allreduce_s``: from this node's contribution on offer until the last of the set it merged was read on
+    offer (their senders reach the round at their own steps); the rest is settling among contributions here."""
     merge_s: float = 0.0
     """Gathered and partitioned rounds: merging the set (partitioned: fetching this node's blocks of each
     contribution, merging them, waiting for the other mergers' shares and fetching them, the rechecks)."""

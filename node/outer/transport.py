@@ -349,6 +349,8 @@ class ContributionServicer(ServicerBase):
     def __init__(self, store: ContributionStore) -> None:
         self._store = store
         self.bytes_served = 0
+        self.records_served = 0
+        """Bytes of rounds records answered (``rpc_record``), apart from the bodies' and blocks'."""
 
     async def rpc_contribution(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -388,7 +390,7 @@ class ContributionServicer(ServicerBase):
         while True:
             record = self._store.record(group)
             if record_tag(record) != known or loop.time() >= until:
-                self.bytes_served += len(record)
+                self.records_served += len(record)
                 return runtime_pb2.ExpertInfo(serialized_info=record)
             await asyncio.sleep(_RECORD_CHECK_S)
 
@@ -430,6 +432,8 @@ class OuterGather(ServedOnLoop):
         self.store = ContributionStore(keep)
         super().__init__(p2p, loop, f"parallax.{run_id}.outer", ContributionServicer(self.store))
         self.bytes_fetched = 0
+        self.records_fetched = 0
+        """Bytes of rounds records asked of their peers (``watch_record``), apart from the bodies' and blocks'."""
         self._count_lock = threading.Lock()  # rounds fetch from several threads at once
 
     def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float, *,
@@ -471,7 +475,7 @@ class OuterGather(ServedOnLoop):
         if len(record) > ROUND_RECORD_MAX_BYTES:
             raise MalformedMessage(f"a rounds record of {len(record)} bytes, over {ROUND_RECORD_MAX_BYTES}", peer=peer)
         with self._count_lock:
-            self.bytes_fetched += len(record)
+            self.records_fetched += len(record)
         return record
 
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],

@@ -248,8 +248,10 @@ class Node:
         return Training(c, composer, net.dht, net.membership, net.views, net.gossip, net.exchange, net.sync, rounds,
                         experts, gate, telemetry, self.stop_event, offload=offload, scores=net.scores, val=held_out,
                         started=self._started,
-                        outer_traffic=lambda: (net.gather.servicer.bytes_served + net.states.servicer.bytes_served,
-                                               net.gather.bytes_fetched), replicas=replicas,
+                        outer_traffic=lambda: (net.gather.servicer.bytes_served + net.gather.servicer.records_served
+                                               + net.states.servicer.bytes_served,
+                                               net.gather.bytes_fetched + net.gather.records_fetched),
+                        replicas=replicas,
                         data=CorpusInfo.of(c.node.data, corpus))
 
     def _checkpoint(self) -> Path | None:

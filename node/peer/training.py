@@ -256,8 +256,9 @@ class Training:
             self.telemetry.event("probation_over", group=report.group, round_id=report.round_id)
         self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
                              participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
-                             merge_s=round(report.merge_s, 4), verify_s=round(report.verify_s, 4),
-                             total_s=round(report.total_s, 4), bytes_est=self._round_bytes(report))
+                             waited_s=round(report.waited_s, 4), merge_s=round(report.merge_s, 4),
+                             verify_s=round(report.verify_s, 4), total_s=round(report.total_s, 4),
+                             bytes_est=self._round_bytes(report))
         if report.status is RoundStatus.OK and report.geometry is not None:
             self.telemetry.event("merge", group=report.group, round_id=report.round_id,
                                  senders=list(report.participants), **report.geometry)

@@ -295,7 +295,9 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
     peer = server.dht.peer_id
     assert asker.watch_record(peer, "watched", b"", 10) == b""  # none: the wait ends with none
     server.gather.store.post_record("watched", first)
+    counted = asker.records_fetched
     assert asker.watch_record(peer, "watched", b"", 10) == first
+    assert asker.records_fetched - counted == len(first)  # outer traffic, apart from the bodies'
     assert asker.watch_record(peer, "watched", first, 10) == first  # unchanged: as it is after the wait
     with ThreadPoolExecutor(1) as pool:
         watch = pool.submit(asker.watch_record, peer, "watched", first, 10)
@@ -417,7 +419,7 @@ def test_a_partitioned_rounds_recorded_shares_add_up_to_the_whole_merges_inner_p
     assert all(r.status is RoundStatus.OK and r.geometry is not None for r in reports), reports
     assert all(len(r.geometry["blocks"]) < len(block_layout(PARTS)) for r in reports)  # a share each
     assert all(r.merge_s > 0 and r.verify_s > 0 and r.total_s >= r.allreduce_s + r.merge_s + r.verify_s
-               for r in reports), reports  # the phases, apart
+               and 0 <= r.waited_s <= r.allreduce_s for r in reports), reports  # the phases, apart
     (merge,) = whole_merges([{"group": r.group, "senders": list(r.participants), **r.geometry} for r in reports])
     assert merge["blocks"] == set(range(len(block_layout(PARTS))))
     index = {p.dht.peer_id: i for i, p in enumerate(peers)}

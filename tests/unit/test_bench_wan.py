@@ -17,8 +17,8 @@ SIZES = {"router": 4_000, "backbone": 100_000}
 
 def _node(statuses: dict[str, list[str]]) -> list[dict[str, Any]]:
     """One node's metrics: its rounds' statuses per group, two steps, a final evaluation."""
-    rounds = [{"kind": "round", "group": g, "status": s, "allreduce_s": 2.0, "merge_s": 0.5, "verify_s": 0.25,
-               "total_s": 3.0} for g, each in statuses.items() for s in each]
+    rounds = [{"kind": "round", "group": g, "status": s, "allreduce_s": 2.0, "waited_s": 1.5, "merge_s": 0.5,
+               "verify_s": 0.25, "total_s": 3.0} for g, each in statuses.items() for s in each]
     return [*rounds,
             {"kind": "step", "step": 1, "gossip_bytes": 10, "outer_bytes": 100},
             {"kind": "step", "step": 2, "gossip_bytes": 20, "outer_bytes": 200},
@@ -50,8 +50,8 @@ def test_rounds_completed_are_the_lowest_nodes_share_and_a_rate_without_one_repo
                    {"router": ["ok"], "backbone": ["no_group"]}])
     assert loopback["rounds_ok_fraction"] == {"router": 0.5, "backbone": 0.75}
     assert loopback["collect_s"]["backbone"] == [2.5] * 5  # offer to merged: the set, its fetches, the merge
-    assert (loopback["round_allreduce_s"]["backbone"], loopback["round_merge_s"]["backbone"],
-            loopback["round_verify_s"]["backbone"]) == (2.0, 0.5, 0.25)
+    assert (loopback["round_allreduce_s"]["backbone"], loopback["round_waited_s"]["backbone"],
+            loopback["round_merge_s"]["backbone"], loopback["round_verify_s"]["backbone"]) == (2.0, 1.5, 0.5, 0.25)
     assert loopback["rounds_failed"] == 2 and capped["rounds_failed"] == 3
     report = summary({"loopback": loopback, "20mbit": capped}, None, sizes=SIZES,
                      rates=("20mbit",), nodes=2, preset="tiny", steps=2, periods={}, refresh_every=25,

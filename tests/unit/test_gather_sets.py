@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import torch
 
-from parallax.node.outer.gathered import GatheredRounds, _better_set, _first, _may_yet_agree, _moved_on, _off_offer
+from parallax.node.outer.gathered import (
+    GatheredRounds,
+    _better_set,
+    _first_ranked,
+    _may_yet_agree,
+    _moved_on,
+    _off_offer,
+)
 from parallax.node.outer.transport import (
     WITHDRAWN,
     RoundEntry,
@@ -104,11 +111,23 @@ class _Scripted(GatheredRounds):
     """A node ``A`` whose records reads return ``script``'s entries in turn (the last one from then on) and whose
     fetches return at once: ``_collect``'s decisions, with no network."""
 
-    def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], peers: RoundPeers, **timings: float) -> None:
-        records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None)
+    def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], peers: RoundPeers,
+                 asked: dict[str, bytes] | None = None, **timings: float) -> None:
+        records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None,
+                                  store=lambda value: True)
         super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(aggregation="gather", **timings),
-                         SimpleNamespace(store=None), peers, weight_cap=None, scores=None, report=lambda *a, **k: None)
+                         SimpleNamespace(store=None, watch_record=self._watch_record), peers, weight_cap=None,
+                         scores=None, report=lambda *a, **k: None)
         self.script, self.reads = script, 0
+        self.asked = asked or {}
+        """peer -> the record it gives when asked directly (absent: it does not answer)."""
+        self.watched: list[str] = []
+
+    def _watch_record(self, peer: str, group: str, known: bytes, timeout_s: float) -> bytes:
+        self.watched.append(peer)
+        if peer not in self.asked:
+            raise ConnectionError("unreachable")
+        return self.asked[peer]
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         self.reads += 1
@@ -122,7 +141,7 @@ def _ranked(first: str, *others: str) -> dict[str, str]:
     """Pairs of ``first`` and ``others`` (peer -> pair) such that ``first``'s ranks first among them."""
     for n in range(1000):
         names = {first: pair(first, n), **{peer: pair(peer, 1) for peer in others}}
-        if _first("run", "router", names[first], [v for k, v in names.items() if k != first]):
+        if _first_ranked("run", "router", names.values()) == names[first]:
             return names
     raise AssertionError("no round number ranks first")
 
@@ -156,12 +175,9 @@ def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work
 def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_next_round() -> None:
     """Of the contributions on offer, the same one ranks first wherever it is computed (its sender merges at once,
     the others wait for its set); the rank changes with the rounds, so no sender leads every round."""
-    def leaders(rounds: dict[str, int]) -> list[str]:
-        names = [pair(peer, n) for peer, n in rounds.items()]
-        return [name for name in names if _first("run", "router", name, [o for o in names if o != name])]
-
-    assert len(leaders({"A": 4, "B": 3, "C": 6, "D": 5})) == 1
-    firsts = {leaders({peer: n for peer in "ABCD"})[0].split("@")[0] for n in range(20)}
+    names = [pair(peer, n) for peer, n in {"A": 4, "B": 3, "C": 6, "D": 5}.items()]
+    assert len({_first_ranked("run", "router", order) for order in (names, names[::-1], sorted(names))}) == 1
+    firsts = {_first_ranked("run", "router", [pair(peer, n) for peer in "ABCD"]).split("@")[0] for n in range(20)}
     assert len(firsts) > 1
 
 
@@ -177,6 +193,23 @@ def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publis
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
         assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["B"])))
         assert node.reads == 6
+    finally:
+        node.close()
+
+
+def test_the_first_ranked_senders_set_is_seen_in_its_own_answer_before_the_dht_shows_it() -> None:
+    """As above, but the DHT never shows B's set: B, asked directly while A waits for it, gives its record naming
+    the set, and A takes that set without waiting out its deferral."""
+    names = _ranked("B", "A", "C")
+    on_offer = _open(names["B"], names["C"])
+    ours = tuple(sorted((names["A"], names["B"])))
+    record = encode_record(list(_entry("B", split_pair(names["B"])[1], ours).values()))
+    node = _Scripted([on_offer], RoundPeers(lambda: ["A", "B", "C"]), asked={"B": record}, verify_timeout_s=30.0,
+                     matchmaking_timeout_s=60.0)
+    try:
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
+        assert node._collect(names["A"], found) == ours
+        assert node.watched == ["B"]
     finally:
         node.close()
 
