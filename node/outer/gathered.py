@@ -582,12 +582,18 @@ class GatheredRounds:
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
         leader: str | None = None  # while deferring: that sender, whose record is asked of it (``_watch``)
         watched = b""  # its record as last answered
+        unanswered: set[str] = set()  # leaders that did not answer: the DHT alone is read for them
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
             if leader is not None:
-                watched, leader = self._watch(entries, leader, watched, timeout_s)
+                answered = self._watch(entries, leader, watched, timeout_s)
+                if answered is None:
+                    unanswered.add(leader)
+                    leader = None
+                else:
+                    watched = answered
             offered = self._offered(entries)
             quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum)
@@ -638,7 +644,7 @@ class GatheredRounds:
                     return tuple(sorted({me} | {name for name in current if name in found}))
                 if defer_until is None:  # a round with a time limit merges what it holds at the limit
                     defer_until = min(now + cfg.net.verify_timeout_s, give_up if due is None else math.inf)
-                if split_pair(first)[0] != (leader or ""):
+                if split_pair(first)[0] != leader and split_pair(first)[0] not in unanswered:
                     leader, watched = split_pair(first)[0], b""
             else:
                 defer_until = leader = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
@@ -646,21 +652,21 @@ class GatheredRounds:
                 return None
 
     def _watch(self, entries: dict[str, dict[int, RoundEntry]], leader: str, known: bytes,
-               timeout_s: float) -> tuple[bytes, str | None]:
+               timeout_s: float) -> bytes | None:
         """Ask ``leader`` (the sender whose set this node's round waits for) for its record directly
         (``OuterGather.watch_record``: answered as soon as it differs from ``known``) and put its entries in
         ``entries``: the set it names or merges is seen as it is made, not after its store and the next DHT read.
-        Returns (its record, the leader to ask again; None when it did not answer: the DHT alone is read)."""
+        Returns its record, or None when it did not answer (the DHT alone is read for it)."""
         try:
             known = self.gather.watch_record(leader, self.group, known, RECORD_WAIT_S + timeout_s)
         except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
             logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
                         self.group, leader, e)
-            return known, None
+            return None
         decoded = decode_entries(known)
         if decoded:
             entries[leader] = decoded
-        return known, leader
+        return known
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
                           quorum: int) -> tuple[tuple[str, ...] | None, bool]:

@@ -139,7 +139,6 @@ class RoundReport:
                                                         RoundStatus.SUPERSEDED, RoundStatus.UNANSWERED)
 
 
-
 class LatestRecord:
     """One node's record of a group as it goes to the DHT: one store at a time, the latest value last.
 
@@ -167,10 +166,13 @@ class LatestRecord:
 
     def flush(self, *, wait: bool = True) -> None:
         """Store the latest value put, now (``wait``) or in the background."""
-        if wait:
-            self._flush()
-        else:
-            self._pool.submit(self._flush)
+        if not wait:
+            try:
+                self._pool.submit(self._flush)
+                return
+            except RuntimeError:  # closed: a round still running as its node shuts down stores it here
+                pass
+        self._flush()
 
     def _flush(self) -> None:
         with self._storing:

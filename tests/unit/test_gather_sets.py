@@ -224,6 +224,7 @@ def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wai
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
         assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["C"])))
+        assert node.watched == ["C"]  # C did not answer: asked once, then read from the DHT alone
     finally:
         node.close()
 

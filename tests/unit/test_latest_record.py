@@ -63,3 +63,13 @@ def test_a_store_waited_for_returns_once_its_value_is_stored_after_the_one_in_fl
         assert returned.is_set() and store.stored == [b"announce", b"withdrawn"]
     finally:
         record.close()
+
+
+def test_a_value_put_after_closing_is_stored_at_once() -> None:
+    """A round still running as its node shuts down publishes its step: the store is made in its own thread."""
+    stored: list[bytes] = []
+    record = LatestRecord(lambda value: stored.append(value) is None, "test")
+    record.close()
+    record.put(b"root")
+    record.flush(wait=False)
+    assert stored == [b"root"]
