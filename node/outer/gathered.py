@@ -57,7 +57,6 @@ from parallax.node.outer.blocks import BlockMismatch, block_layout, blocks_cap, 
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
 from parallax.node.outer.records import POLL_S, SLOW_POLL_S, LatestRecord, RoundDue, RoundRecords, RoundStatus
 from parallax.node.outer.transport import (
-    RECORD_WAIT_S,
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
     ContributionMismatch,
@@ -160,7 +159,8 @@ class GatheredRounds:
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
                                     announce=self._announce, scores=scores, worked=self._worked,
-                                    set_aside=self._set_aside, proven=self.witness.convict_block, pool=pool)
+                                    set_aside=self._set_aside, proven=self.witness.convict_block, pool=pool,
+                                    heard=self._read)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -500,9 +500,9 @@ class GatheredRounds:
         self._record.flush(wait=wait)
 
     def _read(self, records: Mapping[str, bytes]) -> None:
-        """Show the witness what a read found (a poll in the round's thread, or a partitioned merge's wait for its
-        mergers); a proof it holds that this node's record does not show yet goes out with the record at once (stored
-        in the background: the read's caller goes on)."""
+        """Show the witness what a read found (a poll in the round's thread, or a record asked of its peer:
+        ``_watch``, a partitioned merge's wait for its mergers); a proof it holds that this node's record does not show
+        yet goes out with the record at once (stored in the background: the read's caller goes on)."""
         if self.witness.read(records):
             with self._publishing:
                 if self._entries:
@@ -587,8 +587,9 @@ class GatheredRounds:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
+            read_at = time.monotonic()
             if leader is not None:
-                answered = self._watch(entries, leader, watched, timeout_s)
+                answered = self._watch(entries, leader, watched)
                 if answered is None:
                     unanswered.add(leader)
                     leader = None
@@ -603,9 +604,8 @@ class GatheredRounds:
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
-            if seen is not None:
-                read_at = time.monotonic()
-                for name in current:
+            if seen is not None:  # those given to an announced set count too: a set taken names them
+                for name in open_contributions(entries, announced=True):
                     seen.setdefault(name, read_at)
             self._flights.forget(functools.partial(_off_offer, live=self._live(), entries=entries, mine=me))
             for name in [name for name in found if name != me and _passed(entries, name)]:
@@ -644,25 +644,27 @@ class GatheredRounds:
                     return tuple(sorted({me} | {name for name in current if name in found}))
                 if defer_until is None:  # a round with a time limit merges what it holds at the limit
                     defer_until = min(now + cfg.net.verify_timeout_s, give_up if due is None else math.inf)
-                if split_pair(first)[0] != leader and split_pair(first)[0] not in unanswered:
-                    leader, watched = split_pair(first)[0], b""
+                if split_pair(first)[0] != leader:
+                    leader = None if split_pair(first)[0] in unanswered else split_pair(first)[0]
+                    watched = b""
             else:
                 defer_until = leader = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
             if hurried or (due is None and now >= give_up):
                 return None
 
-    def _watch(self, entries: dict[str, dict[int, RoundEntry]], leader: str, known: bytes,
-               timeout_s: float) -> bytes | None:
+    def _watch(self, entries: dict[str, dict[int, RoundEntry]], leader: str, known: bytes) -> bytes | None:
         """Ask ``leader`` (the sender whose set this node's round waits for) for its record directly
-        (``OuterGather.watch_record``: answered as soon as it differs from ``known``) and put its entries in
-        ``entries``: the set it names or merges is seen as it is made, not after its store and the next DHT read.
-        Returns its record, or None when it did not answer (the DHT alone is read for it)."""
+        (``OuterGather.watch_record``: answered as soon as it differs from ``known``, within ``RECORD_WAIT_S`` and
+        ``RECORD_ANSWER_S``) and put its entries in ``entries``: the set it names or merges is seen as it is made, not
+        after its store and the next DHT read. Returns its record, or None when it did not answer in time (the DHT
+        alone is read for it)."""
         try:
-            known = self.gather.watch_record(leader, self.group, known, RECORD_WAIT_S + timeout_s)
-        except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
+            known = self.gather.watch_record(leader, self.group, known)
+        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
             logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
                         self.group, leader, e)
             return None
+        self._read({leader: known})
         decoded = decode_entries(known)
         if decoded:
             entries[leader] = decoded

@@ -67,7 +67,6 @@ from parallax.node.outer.blocks import (
 )
 from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import (
-    RECORD_WAIT_S,
     OuterGather,
     RoundEntry,
     decode_entries,
@@ -214,6 +213,8 @@ class PartsMerge:
             trickled one past its bound: no round should wait for it.
         proven: given each block a sender signed that decodes to non-finite values (``witness.BadBlock``); returns
             whether it holds as proof (the sender is then banned there, else this node scores it as a forged block).
+        heard: shown each record a merger gives when asked directly (peer -> record), as ``entries_of``'s reads
+            are shown the witness.
         pool: runs the fetches.
     """
 
@@ -222,13 +223,14 @@ class PartsMerge:
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
                  worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor,
                  set_aside: Callable[[str], None] | None = None,
-                 proven: Callable[[BadBlock], bool] | None = None) -> None:
+                 proven: Callable[[BadBlock], bool] | None = None,
+                 heard: Callable[[Mapping[str, bytes]], None] | None = None) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
         self.count = len(self.layout)
         self.entries_of, self.announce, self.scores, self.worked, self.pool = entries_of, announce, scores, worked, pool
-        self.set_aside, self.proven = set_aside, proven
+        self.set_aside, self.proven, self.heard = set_aside, proven, heard
         self.rechecked = 0
         """Blocks of others recomputed so far, and how many disagreed (``mismerged``)."""
         self.mismerged = 0
@@ -362,17 +364,11 @@ class PartsMerge:
         peer, round_id = split_pair(name)
         known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
         while True:
-            now = time.monotonic()
-            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - now))
+            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
             entry = None
             if known is not None:
-                try:
-                    known = self.gather.watch_record(peer, self.group, known, RECORD_WAIT_S + timeout_s)
-                    entry = decode_entries(known).get(round_id)
-                except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
-                    logger.info("outer round %s/%d: peer %s did not give its rounds record (%r); it is read from the "
-                                "DHT", self.group, n, peer, e)
-                    known = None
+                known = self._asked(peer, known)
+                entry = decode_entries(known).get(round_id) if known is not None else None
             if known is None:
                 entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
             named = entry is not None and entry.participants == participants
@@ -384,8 +380,20 @@ class PartsMerge:
                 logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
                             n, peer)
                 return None
-            if known is None:
-                time.sleep(POLL_S)
+            time.sleep(POLL_S)  # a sender whose record changes at every question is not asked faster than this
+
+    def _asked(self, peer: str, known: bytes) -> bytes | None:
+        """``peer``'s record asked of it (``OuterGather.watch_record``, shown to the witness as a read's are), or
+        None when it did not answer in time."""
+        try:
+            record = self.gather.watch_record(peer, self.group, known)
+        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
+            logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
+                        self.group, peer, e)
+            return None
+        if self.heard is not None:
+            self.heard({peer: record})
+        return record
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:
@@ -405,7 +413,11 @@ class PartsMerge:
         except Exception as e:  # merged here instead; a forged or malformed block counts against its server
             self._held(peer, e)
             if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
-                entry = self.entries_of([peer], net.dht_timeout_s).get(peer, {}).get(round_id)
+                # its entry now, from the merger itself (where this node learned the root), else the DHT
+                record = self._asked(peer, b"")
+                entries = (decode_entries(record) if record is not None
+                           else self.entries_of([peer], net.dht_timeout_s).get(peer, {}))
+                entry = entries.get(round_id)
                 if entry is not None and entry.participants == participants and entry.merged == root:
                     self.scores.record(peer, Evidence.MISMERGED)
             logger.warning("outer round %s: no usable merged blocks from peer %s: %s", self.group, peer, e)

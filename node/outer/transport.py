@@ -76,8 +76,11 @@ PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer 
 _PAIR_RE = re.compile(PEER_ID_RE.pattern + r"@[0-9]{1,18}")  # a peer id, "@", its round number
 RECORD_WAIT_S = 0.5
 """A peer asked for its rounds record (``OuterGather.watch_record``) answers at once when it differs from the one the
-asker holds, else once it changes or after this long: a watch learns of a change as it is made, at two questions a
-second at most."""
+asker holds, else once it changes or after this long: a watch learns of a change as it is made, and asks about twice a
+second while nothing changes."""
+RECORD_ANSWER_S = 1.0
+"""How much longer than ``RECORD_WAIT_S`` an asker waits for the answer: a peer slower than that is read from the DHT
+instead (a slow answer must not hold a round's loop)."""
 _RECORD_TAG_BYTES = 16
 _RECORD_CHECK_S = 0.02  # how often a held question looks at this node's own record
 WITHDRAWN = b"withdrawn"
@@ -456,11 +459,12 @@ class OuterGather(ServedOnLoop):
             self.bytes_fetched += len(body)
         return body
 
-    def watch_record(self, peer: str, group: str, known: bytes, timeout_s: float) -> bytes:
+    def watch_record(self, peer: str, group: str, known: bytes,
+                     timeout_s: float = RECORD_WAIT_S + RECORD_ANSWER_S) -> bytes:
         """``peer``'s rounds record of ``group`` asked of the peer itself: at once when it is not ``known`` (b"": none
-        held), else once it changes or ``RECORD_WAIT_S`` later. The answer comes from the peer id libp2p
-        authenticated, as a DHT record comes under the key the membership names for it; it is decoded as one is
-        (``decode_entries``).
+        held), else once it changes or ``RECORD_WAIT_S`` later. The answer is not signed as a DHT record is: it is
+        what the peer id libp2p authenticated says over that channel, which this node acts on as on the peer's DHT
+        record (the membership names one key per peer id), and it is decoded as one is (``decode_entries``).
 
         Raises:
             MalformedMessage: a record over ``ROUND_RECORD_MAX_BYTES`` (the peer is named).

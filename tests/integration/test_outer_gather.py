@@ -286,9 +286,9 @@ def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_th
 
 
 def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_change(peers):
-    """A node serves its rounds record of a group to whoever asks: at once when the asker holds another, once it
-    changes when the asker holds it (or as it is after the wait); a record past the bound is refused, its server
-    named."""
+    """A node serves its rounds record of a group to whoever asks: the one it holds now when the asker holds
+    another, as it is after the wait when the asker holds it (a change meanwhile is answered as it is made: the
+    benchmarks time that); a record past the bound is refused, its server named."""
     server, asker = peers[0], peers[1].gather
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
     second = encode_record([RoundEntry(2, b"e" * 32, 10, CAP)])
@@ -299,10 +299,7 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
     assert asker.watch_record(peer, "watched", b"", 10) == first
     assert asker.records_fetched - counted == len(first)  # outer traffic, apart from the bodies'
     assert asker.watch_record(peer, "watched", first, 10) == first  # unchanged: as it is after the wait
-    with ThreadPoolExecutor(1) as pool:
-        watch = pool.submit(asker.watch_record, peer, "watched", first, 10)
-        server.gather.store.post_record("watched", second)
-        assert watch.result(30) in (first, second)  # the change, unless the wait ended first on a busy machine
+    server.gather.store.post_record("watched", second)
     assert asker.watch_record(peer, "watched", first, 10) == second
     assert decode_entries(asker.watch_record(peer, "watched", second, 10)).keys() == {2}
     server.gather.store.post_record("watched", b"x" * (ROUND_RECORD_MAX_BYTES + 1))

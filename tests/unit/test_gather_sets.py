@@ -123,7 +123,7 @@ class _Scripted(GatheredRounds):
         """peer -> the record it gives when asked directly (absent: it does not answer)."""
         self.watched: list[str] = []
 
-    def _watch_record(self, peer: str, group: str, known: bytes, timeout_s: float) -> bytes:
+    def _watch_record(self, peer: str, group: str, known: bytes, timeout_s: float = 1.5) -> bytes:
         self.watched.append(peer)
         if peer not in self.asked:
             raise ConnectionError("unreachable")
@@ -179,6 +179,24 @@ def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_nex
     assert len({_first_ranked("run", "router", order) for order in (names, names[::-1], sorted(names))}) == 1
     firsts = {_first_ranked("run", "router", [pair(peer, n) for peer in "ABCD"]).split("@")[0] for n in range(20)}
     assert len(firsts) > 1
+
+
+def test_a_round_notes_when_each_contribution_was_first_read_on_offer_those_given_to_a_set_included() -> None:
+    """A reads B's contribution on offer first and C's two reads later, when C has given it to B's announced set: the
+    set's last contribution came at the third read (``RoundReport.waited_s`` counts to it)."""
+    names = _ranked("A", "B", "C")
+    announced = tuple(sorted(names.values()))
+    c_round = split_pair(names["C"])[1]
+    given = {**_open(names["B"]), "C": {c_round: RoundEntry(c_round, bytes(32), 100, 1.0, participants=announced)}}
+    node = _Scripted([_open(names["B"]), _open(names["B"]), given], RoundPeers(lambda: ["A", "B", "C"]),
+                     min_matchmaking_time_s=1.0, matchmaking_timeout_s=1.5)
+    seen: dict[str, float] = {}
+    try:
+        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
+        node._collect(names["A"], found, seen=seen)
+        assert node.reads >= 3 and seen[names["B"]] < seen[names["C"]], (node.reads, seen)
+    finally:
+        node.close()
 
 
 def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publish_a_set_naming_its_own() -> None:
