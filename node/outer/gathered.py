@@ -658,17 +658,12 @@ class GatheredRounds:
         ``RECORD_ANSWER_S``) and put its entries in ``entries``: the set it names or merges is seen as it is made, not
         after its store and the next DHT read. Returns its record, or None when it did not answer in time (the DHT
         alone is read for it)."""
-        try:
-            known = self.gather.watch_record(leader, self.group, known)
-        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
-            logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
-                        self.group, leader, e)
-            return None
-        self._read({leader: known})
-        decoded = decode_entries(known)
-        if decoded:
-            entries[leader] = decoded
-        return known
+        record = self.gather.asked_record(leader, self.group, known)
+        if record is not None:
+            self._read({leader: record})
+            if decoded := decode_entries(record):
+                entries[leader] = decoded
+        return record
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
                           quorum: int) -> tuple[tuple[str, ...] | None, bool]:

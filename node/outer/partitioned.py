@@ -385,13 +385,8 @@ class PartsMerge:
     def _asked(self, peer: str, known: bytes) -> bytes | None:
         """``peer``'s record asked of it (``OuterGather.watch_record``, shown to the witness as a read's are), or
         None when it did not answer in time."""
-        try:
-            record = self.gather.watch_record(peer, self.group, known)
-        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
-            logger.info("outer round %s: peer %s did not give its rounds record (%r); it is read from the DHT",
-                        self.group, peer, e)
-            return None
-        if self.heard is not None:
+        record = self.gather.asked_record(peer, self.group, known)
+        if record is not None and self.heard is not None:
             self.heard({peer: record})
         return record
 

@@ -482,6 +482,15 @@ class OuterGather(ServedOnLoop):
             self.records_fetched += len(record)
         return record
 
+    def asked_record(self, peer: str, group: str, known: bytes) -> bytes | None:
+        """``watch_record`` within its bounds, or None (logged, the peer named) when the peer did not answer in time:
+        the caller reads its record from the DHT instead."""
+        try:
+            return self.watch_record(peer, group, known)
+        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
+            logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer, group, e)
+            return None
+
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
                      count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> Answer:
         """Blocks ``wanted`` (increasing) of the body in blocks ``peer`` holds under ``key`` (a group, or its merged

@@ -322,6 +322,7 @@ def test_a_merger_that_does_not_give_its_record_is_read_from_the_dht_and_its_sha
     """Peer 0 answers no question for its rounds record: the others read its root from the DHT, take its merged
     share, and all apply the merge one process makes."""
     with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
+            caplog.at_level("INFO", logger="parallax.node.outer.transport"), \
             _gathers(peers, "gather-no-record", 0, _NoRecord) as gathers, \
             _averagers(peers, "parts-no-record", compression="int4", aggregation="parts", shapes=PARTS,
                        gathers=gathers) as averagers:
