@@ -348,8 +348,8 @@ def attacks(
                                                                  "banned."),
     preset: PresetName = "tiny",
     steps: int = typer.Option(2000, "--steps", min=50,
-                              help="Inner steps per composer (the joiner's start-up, about 20 s beside the others on "
-                                   "2 cores, takes a third of a 2,000-step run of the tiny preset)."),
+                              help="Inner steps per composer (at 2,000 the joiner, whose start-up takes about 20 s "
+                                   "beside the others on 2 cores, arrives a third into a run of the tiny preset)."),
     composers: int = typer.Option(4, "--composers", min=4, max=16,
                                   help="Composers per run: the attackers' places (as many as the attacks' most "
                                        "colluders), an honest joiner, the rest honest from the start."),
