@@ -365,12 +365,8 @@ class PartsMerge:
         known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
         while True:
             timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
-            entry = None
-            if known is not None:
-                known = self._asked(peer, known)
-                entry = decode_entries(known).get(round_id) if known is not None else None
-            if known is None:
-                entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
+            known, entries = self._merger_entries(peer, known, timeout_s)
+            entry = entries.get(round_id)
             named = entry is not None and entry.participants == participants
             if entry is not None and named and entry.merged:
                 return self._fetch_merged(name, want, entry.merged, participants)
@@ -382,13 +378,17 @@ class PartsMerge:
                 return None
             time.sleep(POLL_S)  # a sender whose record changes at every question is not asked faster than this
 
-    def _asked(self, peer: str, known: bytes) -> bytes | None:
-        """``peer``'s record asked of it (``OuterGather.watch_record``, shown to the witness as a read's are), or
-        None when it did not answer in time."""
-        record = self.gather.asked_record(peer, self.group, known)
-        if record is not None and self.heard is not None:
+    def _merger_entries(self, peer: str, known: bytes | None, timeout_s: float) -> tuple[bytes | None, Entries]:
+        """``peer``'s entries by round, asked of it (``OuterGather.watch_record``: answered once its record is not
+        ``known``; shown to the witness as a read's are), or read from the DHT within ``timeout_s`` when it does not
+        answer, or (``known`` None) did not before. Returns (its record as it answered, None when read from the DHT;
+        its entries)."""
+        record = self.gather.asked_record(peer, self.group, known) if known is not None else None
+        if record is None:
+            return None, self.entries_of([peer], timeout_s).get(peer, {})
+        if self.heard is not None:
             self.heard({peer: record})
-        return record
+        return record, decode_entries(record)
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:
@@ -409,10 +409,7 @@ class PartsMerge:
             self._held(peer, e)
             if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
                 # its entry now, from the merger itself (where this node learned the root), else the DHT
-                record = self._asked(peer, b"")
-                entries = (decode_entries(record) if record is not None
-                           else self.entries_of([peer], net.dht_timeout_s).get(peer, {}))
-                entry = entries.get(round_id)
+                entry = self._merger_entries(peer, b"", net.dht_timeout_s)[1].get(round_id)
                 if entry is not None and entry.participants == participants and entry.merged == root:
                     self.scores.record(peer, Evidence.MISMERGED)
             logger.warning("outer round %s: no usable merged blocks from peer %s: %s", self.group, peer, e)

@@ -383,7 +383,6 @@ class ContributionServicer(ServicerBase):
             yield message
         self.bytes_served += len(answer)
 
-
     async def rpc_record(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
         asker's), or as it is after ``RECORD_WAIT_S``."""
