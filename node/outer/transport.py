@@ -301,19 +301,20 @@ class ContributionStore:
         self.keep = keep
         self._bodies: dict[tuple[str, int], bytes | BlockedBody] = {}
         self._served: set[tuple[str, int]] = set()
-        self._records: dict[str, bytes] = {}
+        self._records: dict[str, tuple[bytes, str]] = {}  # group -> (record, its ``record_tag``)
         self._lock = threading.Lock()
 
     def post_record(self, group: str, record: bytes) -> None:
         """This node's rounds record of ``group`` as its peers may ask for it (``OuterGather.watch_record``): the one
         it stores in the DHT, served from the moment it is made."""
+        tag = record_tag(record)
         with self._lock:
-            self._records[group] = record
+            self._records[group] = record, tag
 
-    def record(self, group: str) -> bytes:
-        """This node's latest rounds record of ``group`` (b"": none)."""
+    def record(self, group: str) -> tuple[bytes, str]:
+        """This node's latest rounds record of ``group`` and its ``record_tag`` (b"" and "": none)."""
         with self._lock:
-            return self._records.get(group, b"")
+            return self._records.get(group, (b"", ""))
 
     def put(self, group: str, round_id: int, body: bytes | BlockedBody) -> None:
         with self._lock:
@@ -390,8 +391,8 @@ class ContributionServicer(ServicerBase):
         loop = asyncio.get_running_loop()
         until = loop.time() + RECORD_WAIT_S
         while True:
-            record = self._store.record(group)
-            if record_tag(record) != known or loop.time() >= until:
+            record, tag = self._store.record(group)
+            if tag != known or loop.time() >= until:
                 self.records_served += len(record)
                 return runtime_pb2.ExpertInfo(serialized_info=record)
             await asyncio.sleep(_RECORD_CHECK_S)
