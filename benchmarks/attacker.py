@@ -67,6 +67,9 @@ class Attack:
     node_args: tuple[str, ...] = ()
     colluders: int = 1
     """Attacking composers in a run, each its own process running this attack."""
+    composes: bool = True
+    """Whether its node is a composer of the attacked run: the composers that start with it wait for it, so that
+    every run begins from the same shard assignment."""
 
 
 # --- outer-round contributions ---
@@ -664,7 +667,7 @@ ATTACKS: dict[str, Attack] = {
                                side=_extra_identities(1, squat=True)),
     "plain-values": Attack("a stock hivemind client writes plain values under every key of the run",
                            side=_plain_values),
-    "mismatched-preset": Attack("joins with another preset", node_args=("--preset", "small")),
+    "mismatched-preset": Attack("joins with another preset", node_args=("--preset", "small"), composes=False),
     "oversized-streams": Attack("streams announcing 256 MiB to every handler of every composer",
                                 side=_oversized_streams),
     "alie-2": Attack("one of 2 colluders, each sending their honest pseudo-gradients' mean less z standard deviations "

@@ -188,7 +188,9 @@ def _spread(values: list[float | None]) -> float | None:
 
 def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *, steps: int, join_at: int,
          total: int) -> dict[str, Any]:
-    swarm = LocalSwarm(folder, run_id=f"attack-{name}", node_args=[*args, "--steps", str(steps)])
+    # One run id for every run: experts go to composers by a hash of it (``dht.shards``), so the same identities own
+    # the same experts in every run. Each run has a bootstrap peer of its own.
+    swarm = LocalSwarm(folder, run_id="attack", node_args=[*args, "--steps", str(steps)])
     for i in layout.nodes:  # the same identities (the attackers' too), so the same data order and shards, every run
         if (keys / f"node-{i}").exists():
             shutil.copytree(keys / f"node-{i}", folder / f"node-{i}", dirs_exist_ok=True)
@@ -198,12 +200,15 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *
     attacker_spawned = time.time()
     try:
         swarm.start_bootstrap()
+        # Those that start together wait for each other (an attacker whose node is not a composer of the run
+        # aside): each takes its first shard from the whole assignment, not from the part of it its first read showed.
+        together = str(len(layout.nodes) - 1 - (0 if is_clean(name) or ATTACKS[name].composes else len(hostile)))
         for i in layout.nodes[:-1]:
             if i in hostile:
-                swarm.add_node("--min-peers", "2", launcher=(
+                swarm.add_node("--min-peers", together, launcher=(
                     "-m", "parallax.benchmarks.attacker", name, str(folder / f"attacker-{i}.json")))
             else:
-                swarm.add_node("--min-peers", "2")
+                swarm.add_node("--min-peers", together)
         deadline = time.monotonic() + 900
         first = [swarm.nodes[i] for i in layout.from_the_start]
         while time.monotonic() < deadline and not _past(first, join_at):
