@@ -22,10 +22,11 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    within the wait (``verify_timeout_s`` to announce the set, ``allreduce_timeout_s`` more to publish), or serves
    blocks its root does not lead to, has its blocks merged by this node itself, from the contributions: a gathered
    round's cost for that share, so a round degrades to the gathered round's bytes, never to merging nothing.
-5. It recomputes blocks of the others' shares at random from the contributions (``rechecks``: a body's worth of
-   fetches, a block of each merger in turn, all fetched in one request per contribution and merged at once) and
-   compares them (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
-   (``Evidence.MISMERGED``), whose blocks this node then merges itself. Rechecks that cannot be made (a
+5. While the others merge their shares, it recomputes blocks of them drawn at random from the contributions
+   (``rechecks``: a body's worth of fetches, a block of each merger in turn, all fetched in one request per
+   contribution and merged at once), and compares each share that comes with them (``agrees``): a block off by more
+   than ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks this node then
+   merges itself; a recomputed block of a share that does not come is used as it is. Rechecks that cannot be made (a
    contribution's block does not arrive) are skipped: the shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
@@ -273,6 +274,11 @@ class PartsMerge:
         published = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
         flights = self._await_mergers(n, others, participants)
+        # While the others merge their shares: this node's own merge of blocks of theirs drawn at random, to check
+        # the shares against as they come (and to use for any share that does not come).
+        picks = self._picks(others, len(participants))[:MAX_BLOCKS]  # one request per contribution holds these
+        again = self._recompute(n, me, picks, participants, claims, mine, weights, spans)
+        rechecked = time.monotonic()
         taken: dict[str, list[int]] = {}
         for name, flight in flights.items():
             merged = flight.result()
@@ -280,47 +286,56 @@ class PartsMerge:
                 blocks.update(merged)
                 taken[name] = others[name]
         shared = time.monotonic()
-        redo = sorted(i for name, want in others.items() if name not in taken for i in want)
-        redo += self._recheck(n, me, taken, blocks, participants, claims, mine, weights, spans)
+        redo = {i for name, want in others.items() if name not in taken for i in want}
+        redo |= self._compare(n, picks, again, taken, blocks)
+        known = {i: again[i] for i in redo if again is not None and i in again}  # merged here already
+        blocks.update(known)
         if redo:
-            logger.info("outer round %s/%d: this node merges %d blocks of %d others' shares itself", self.group, n,
-                        len(redo), len(others) - len(taken))
-            got, _, _ = self._merge_here(me, sorted(set(redo)), participants, claims, mine, weights, spans)
+            logger.info("outer round %s/%d: this node merges %d blocks of %d others' shares itself (%d of them merged "
+                        "here already as rechecks)", self.group, n, len(redo), len(others) - len(taken), len(known))
+        if rest := sorted(redo - known.keys()):
+            got, _, _ = self._merge_here(me, rest, participants, claims, mine, weights, spans)
             if got is None:
                 return None, audit, None
             blocks.update(got)
         logger.info("outer round %s/%d: merged %d senders' blocks in %.2f s: announcing the set %.2f s, its %d blocks "
-                    "fetched and merged %.2f s, their root published %.2f s, the others' shares %.2f s, rechecks and "
-                    "blocks merged again %.2f s", self.group, n, len(participants), time.monotonic() - began,
-                    announced - began, len(own), merged_own - announced, published - merged_own, shared - published,
+                    "fetched and merged %.2f s, their root published %.2f s, %d rechecks %.2f s, the others' shares "
+                    "%.2f s more, blocks merged again %.2f s", self.group, n, len(participants),
+                    time.monotonic() - began, announced - began, len(own), merged_own - announced,
+                    published - merged_own, len(picks), rechecked - published, shared - rechecked,
                     time.monotonic() - shared)
         return assemble(blocks, self.shapes), audit, geometry
 
-    def _recheck(self, n: int, me: str, taken: dict[str, list[int]], blocks: Mapping[int, torch.Tensor],
-                 participants: tuple[str, ...], claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor],
-                 weights: Sequence[float], spans: Sequence[float] | None) -> list[int]:
-        """Recompute the blocks ``_picks`` draws of the others' shares (``taken``: merger -> its blocks, which
-        ``blocks`` holds as served), all in one merge: each contribution's picked blocks come in one request, and
-        each block is merged on its own, as its merger merged it. A merger with a block off by more than
-        ``RECHECK_TOLERANCE`` is evidence (``Evidence.MISMERGED``), leaves ``taken``, and its blocks are returned for
-        this node to merge itself. Rechecks that cannot be made (a contribution's block does not arrive) are skipped:
-        the shares are here."""
-        picks = self._picks(taken, len(participants))[:MAX_BLOCKS]  # one request per contribution holds at most these
+    def _recompute(self, n: int, me: str, picks: Sequence[tuple[str, int]], participants: tuple[str, ...],
+                   claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor], weights: Sequence[float],
+                   spans: Sequence[float] | None) -> dict[int, torch.Tensor] | None:
+        """The blocks ``picks`` names (merger, block) merged here, all at once: each contribution's picked blocks
+        come in one request, and each block is merged on its own, as its merger merges it. None when there are none,
+        no contribution had weight, or a contribution's blocks do not arrive (the rechecks are then skipped: the
+        shares are here)."""
         if not picks:
-            return []
+            return None
         try:
             again, _, _ = self._merge_here(me, sorted({i for _, i in picks}), participants, claims, mine, weights,
                                            spans)
         except Unmergeable as e:
             logger.info("outer round %s/%d: %d rechecks skipped: %s", self.group, n, len(picks), e)
-            return []
-        self.rechecked += len(picks)
+            return None
+        return again
+
+    def _compare(self, n: int, picks: Sequence[tuple[str, int]], again: Mapping[int, torch.Tensor] | None,
+                 taken: dict[str, list[int]], blocks: Mapping[int, torch.Tensor]) -> set[int]:
+        """Check the shares that came (``taken``: merger -> its blocks, which ``blocks`` holds as served) against this
+        node's recomputation ``again`` of the blocks ``picks`` drew. A merger with a block off by more than
+        ``RECHECK_TOLERANCE`` is evidence (``Evidence.MISMERGED``), leaves ``taken``, and its blocks are returned for
+        this node to merge itself."""
         if again is None:
-            return []
-        redo: list[int] = []
+            return set()
+        self.rechecked += sum(1 for name, _ in picks if name in taken)
+        redo: set[int] = set()
         for name, i in picks:
             if name not in taken or agrees(again[i], blocks[i]):
-                continue  # right, or another of its blocks disagreed: this node merges them all already
+                continue  # right, did not come (merged here), or another of its blocks disagreed: merged here already
             self.mismerged += 1
             peer = split_pair(name)[0]
             if self.scores is not None:
@@ -328,17 +343,18 @@ class PartsMerge:
             logger.warning("outer round %s/%d: peer %s served merged block %s that its contributions do not give "
                            "(off by more than %g of its norm); this node merges that peer's blocks itself",
                            self.group, n, peer, self.layout[i].key, RECHECK_TOLERANCE)
-            redo.extend(taken.pop(name))
+            redo.update(taken.pop(name))
         return redo
 
-    def _picks(self, taken: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
+    def _picks(self, shares: Mapping[str, Sequence[int]], n: int) -> list[tuple[str, int]]:
         """The blocks of others' this node recomputes among ``n`` senders, drawn at random (an unpredictable draw: a
-        merger cannot tell which of its blocks will be checked): ``rechecks`` of them, a block of each merger in turn
-        (each merger's share is checked before any is checked twice), each kept with ``recheck_odds``."""
+        merger cannot tell which of its blocks will be checked) of ``shares`` (merger -> its blocks): ``rechecks`` of
+        them, a block of each merger in turn (each merger's share is checked before any is checked twice), each kept
+        with ``recheck_odds``."""
         draw = random.SystemRandom()
-        shares = [[(name, i) for i in draw.sample(list(want), len(want))] for name, want in taken.items()]
-        draw.shuffle(shares)
-        turns = [pick for turn in itertools.zip_longest(*shares) for pick in turn if pick is not None]
+        turns_of = [[(name, i) for i in draw.sample(list(want), len(want))] for name, want in shares.items()]
+        draw.shuffle(turns_of)
+        turns = [pick for turn in itertools.zip_longest(*turns_of) for pick in turn if pick is not None]
         odds = recheck_odds(n, self.count)
         return [pick for pick in turns[:rechecks(n, self.count, self.config.net.parts_rechecks)]
                 if odds >= 1 or draw.random() < odds]

@@ -257,7 +257,9 @@ def test_a_merger_whose_blocks_its_contributions_do_not_give_is_caught_and_its_s
 
 def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_the_round(peers, caplog):
     """Peer 0 offers its contribution and then never merges (a crash after the set settled): the others wait a
-    verification's bound for it to name the set, merge its share themselves, and apply the merge of all four."""
+    verification's bound for it to name the set, merge its share themselves, and apply the merge of all four. The
+    block of its share each drew to recheck (three rechecks, a block of each other merger) was merged while they
+    waited, and is used as it is."""
     with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
             _averagers(peers, "parts-silent", compression="int4", aggregation="parts", shapes=PARTS) as averagers:
         silent = averagers[0]._gathered.parts if averagers[0]._gathered is not None else None
@@ -283,6 +285,7 @@ def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_th
             assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
     assert f"peer {peers[0].dht.peer_id} published no merged blocks of the set in time" in caplog.text
+    assert caplog.text.count("(1 of them merged here already as rechecks)") == 3, caplog.text
 
 
 def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_change(peers):
