@@ -62,6 +62,7 @@ from parallax.node.outer.transport import (
     ContributionMismatch,
     OtherTensors,
     OuterGather,
+    RecordWatch,
     RoundEntry,
     RoundPeers,
     best_set,
@@ -140,6 +141,8 @@ class GatheredRounds:
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
+        self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
+        self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
         self.parts: PartsMerge | None = None
         """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
         self._claims: dict[str, dict[str, RoundEntry]] = {}  # partitioned: peer -> its checked claims, latest last
@@ -187,6 +190,15 @@ class GatheredRounds:
         Returns:
             The merged pseudo-gradient, or None (the report says why).
         """
+        try:
+            return self._round(delta, tokens, n, fault, started, anchor, due)
+        finally:
+            self._watch.stop()  # the round's questions to its peers
+            self._shown.clear()
+
+    def _round(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
+               fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
+               anchor: Sequence[torch.Tensor] | None, due: threading.Event | None) -> dict[str, torch.Tensor] | None:
         cfg = self.config
         if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
             self.report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
@@ -338,6 +350,7 @@ class GatheredRounds:
 
     def close(self) -> None:
         """Drop the fetches not started yet; those running end on their own bounds."""
+        self._watch.stop()
         self._flights.close()
         self.witness.close()
         self._proofs_pool.shutdown(wait=False, cancel_futures=True)
@@ -501,8 +514,8 @@ class GatheredRounds:
 
     def _read(self, records: Mapping[str, bytes]) -> None:
         """Show the witness what a read found (a poll in the round's thread, or a record asked of its peer:
-        ``_watch``, a partitioned merge's wait for its mergers); a proof it holds that this node's record does not show
-        yet goes out with the record at once (stored in the background: the read's caller goes on)."""
+        ``RecordWatch``, a partitioned merge's wait for its mergers); a proof it holds that this node's record does
+        not show yet goes out with the record at once (stored in the background: the read's caller goes on)."""
         if self.witness.read(records):
             with self._publishing:
                 if self._entries:
@@ -564,7 +577,16 @@ class GatheredRounds:
             return set(self._held)
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        return latest_entries(self.records.read(sorted(self._live()), timeout_s))
+        """The live peers' entries by round: of those that answer this round's questions (``RecordWatch``) as they
+        last answered (shown to the witness as a read's are, once each), of the others as the DHT gives them within
+        ``timeout_s``."""
+        live = self._live()
+        heard = self._watch.follow(live)
+        if fresh := {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}:
+            self._shown.update(fresh)
+            self._read(fresh)
+        rest = sorted(live - heard.keys())
+        return latest_entries({**(self.records.read(rest, timeout_s) if rest else {}), **heard})
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                  due: threading.Event | None = None, seen: dict[str, float] | None = None) -> tuple[str, ...] | None:
@@ -580,21 +602,11 @@ class GatheredRounds:
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
-        leader: str | None = None  # while deferring: that sender, whose record is asked of it (``_watch``)
-        watched = b""  # its record as last answered
-        unanswered: set[str] = set()  # leaders that did not answer: the DHT alone is read for them
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
             entries = self._entries_of_live(timeout_s)
             read_at = time.monotonic()
-            if leader is not None:
-                answered = self._watch(entries, leader, watched)
-                if answered is None:
-                    unanswered.add(leader)
-                    leader = None
-                else:
-                    watched = answered
             offered = self._offered(entries)
             quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum)
@@ -644,26 +656,10 @@ class GatheredRounds:
                     return tuple(sorted({me} | {name for name in current if name in found}))
                 if defer_until is None:  # a round with a time limit merges what it holds at the limit
                     defer_until = min(now + cfg.net.verify_timeout_s, give_up if due is None else math.inf)
-                if split_pair(first)[0] != leader:
-                    leader = None if split_pair(first)[0] in unanswered else split_pair(first)[0]
-                    watched = b""
             else:
-                defer_until = leader = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
+                defer_until = None  # the quorum went (a contribution merged elsewhere): a new one waits anew
             if hurried or (due is None and now >= give_up):
                 return None
-
-    def _watch(self, entries: dict[str, dict[int, RoundEntry]], leader: str, known: bytes) -> bytes | None:
-        """Ask ``leader`` (the sender whose set this node's round waits for) for its record directly
-        (``OuterGather.watch_record``: answered as soon as it differs from ``known``, within ``RECORD_WAIT_S`` and
-        ``RECORD_ANSWER_S``) and put its entries in ``entries``: the set it names or merges is seen as it is made, not
-        after its store and the next DHT read. Returns its record, or None when it did not answer in time (the DHT
-        alone is read for it)."""
-        record = self.gather.asked_record(leader, self.group, known)
-        if record is not None:
-            self._read({leader: record})
-            if decoded := decode_entries(record):
-                entries[leader] = decoded
-        return record
 
     def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
                           quorum: int) -> tuple[tuple[str, ...] | None, bool]:

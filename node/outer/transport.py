@@ -25,6 +25,7 @@ worker thread and blocks it, bounded by its timeout.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -33,7 +34,7 @@ import math
 import re
 import threading
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -398,6 +399,79 @@ class ContributionServicer(ServicerBase):
             await asyncio.sleep(_RECORD_CHECK_S)
 
 
+class RecordWatch:
+    """The rounds records of a group's live peers, each asked of the peer itself with a question held there
+    (``OuterGather.ask_record``: answered as soon as the record changes, or as it is after ``RECORD_WAIT_S``) and asked
+    again at each answer, while a round of this node's runs: a change is known as it is made, where the DHT shows it
+    after the sender's store and the next read. A peer that does not answer within ``RECORD_WAIT_S +
+    RECORD_ANSWER_S``, or answers past the bounds, is not asked again until the next round (its record is read from
+    the DHT). One question at a time per peer, and a peer whose record changes at every question is not asked more
+    often than every ``poll_s``.
+
+    Args:
+        gather: asks the questions (in its event loop).
+        group: the shared group.
+        poll_s: the least time between two questions to one peer whose record changed.
+    """
+
+    def __init__(self, gather: OuterGather, group: str, poll_s: float) -> None:
+        self.gather, self.group, self.poll_s = gather, group, poll_s
+        self._lock = threading.Lock()
+        self._records: dict[str, bytes] = {}  # peer -> its latest answer
+        self._asking: dict[str, concurrent.futures.Future[None]] = {}
+        self._silent: set[str] = set()  # did not answer this round
+        self._round = 0  # ``stop`` counts rounds: an answer of an earlier one is not kept
+
+    def follow(self, peers: Collection[str]) -> dict[str, bytes]:
+        """Hold a question at each of ``peers`` (but those that did not answer this round) and at no other; returns
+        the latest records of those that answered with one (peer -> record; a peer that holds none is read from the
+        DHT, where a record of its earlier process may be)."""
+        with self._lock:
+            for peer in [p for p in self._asking if p not in peers]:
+                self._asking.pop(peer).cancel()
+                self._records.pop(peer, None)
+            for peer in peers:
+                if peer not in self._asking and peer not in self._silent:
+                    self._asking[peer] = asyncio.run_coroutine_threadsafe(self._ask(peer, self._round),
+                                                                          self.gather.loop)
+            return {peer: record for peer, record in self._records.items() if record and peer in peers}
+
+    def stop(self) -> None:
+        """Withdraw every question (the round ended): the next round asks every peer anew."""
+        with self._lock:
+            for flight in self._asking.values():
+                flight.cancel()
+            self._asking.clear()
+            self._records.clear()
+            self._silent.clear()
+            self._round += 1
+
+    async def _ask(self, peer: str, round_: int) -> None:
+        known = b""
+        while True:
+            try:
+                record = await asyncio.wait_for(self.gather.ask_record(peer, self.group, known),
+                                                RECORD_WAIT_S + RECORD_ANSWER_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
+                logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
+                            self.group, e)
+                with self._lock:
+                    if round_ == self._round:
+                        self._silent.add(peer)
+                        self._asking.pop(peer, None)
+                        self._records.pop(peer, None)
+                return
+            with self._lock:
+                if round_ != self._round:
+                    return
+                self._records[peer] = record
+            if record != known:
+                known = record
+                await asyncio.sleep(self.poll_s)
+
+
 def record_tag(record: bytes) -> str:
     """What names a rounds record in a watch (``rpc_record``): a prefix of its sha256, "" for none."""
     return hashlib.sha256(record).hexdigest()[:2 * _RECORD_TAG_BYTES] if record else ""
@@ -470,12 +544,14 @@ class OuterGather(ServedOnLoop):
             MalformedMessage: a record over ``ROUND_RECORD_MAX_BYTES`` (the peer is named).
             RemoteProtocolError (rate-limited), TimeoutError and hivemind's errors: no answer within ``timeout_s``.
         """
-        async def ask() -> bytes:
-            stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-            answer = await stub.rpc_record(runtime_pb2.ExpertRequest(uid=f"{group}/{record_tag(known)}"))
-            return bytes(answer.serialized_info)
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self.ask_record(peer, group, known), timeout_s),
+                                                self.loop).result(timeout_s + 1)
 
-        record = asyncio.run_coroutine_threadsafe(asyncio.wait_for(ask(), timeout_s), self.loop).result(timeout_s + 1)
+    async def ask_record(self, peer: str, group: str, known: bytes) -> bytes:
+        """``watch_record``'s question, in the node's event loop, with no bound of its own."""
+        stub = ContributionServicer.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        answer = await stub.rpc_record(runtime_pb2.ExpertRequest(uid=f"{group}/{record_tag(known)}"))
+        record = bytes(answer.serialized_info)
         if len(record) > ROUND_RECORD_MAX_BYTES:
             raise MalformedMessage(f"a rounds record of {len(record)} bytes, over {ROUND_RECORD_MAX_BYTES}", peer=peer)
         with self._count_lock:

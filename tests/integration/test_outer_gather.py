@@ -41,6 +41,7 @@ from parallax.node.outer.transport import (
     ContributionServicer,
     ContributionStore,
     OuterGather,
+    RecordWatch,
     RoundEntry,
     RoundPeers,
     body_digest,
@@ -309,6 +310,29 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
     with pytest.raises(MalformedMessage) as refused:
         asker.watch_record(peer, "watched", b"", 10)
     assert refused.value.peer == peer
+
+
+def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
+    """A ``RecordWatch`` holds a question at each peer it follows and knows each one's latest record as it is
+    posted, with no DHT store or read; a peer that holds none is left to the DHT; a peer no longer followed, and
+    every answer once the round stopped, is dropped."""
+    watch = RecordWatch(peers[1].gather, "followed", 0.05)
+    server, empty = peers[0].dht.peer_id, peers[2].dht.peer_id
+    first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
+    second = encode_record([RoundEntry(2, b"e" * 32, 10, CAP)])
+    try:
+        peers[0].gather.store.post_record("followed", first)
+        wait_until(lambda: watch.follow([server, empty]) == {server: first}, timeout=10,
+                   explain=lambda: repr(watch.follow([server, empty])))
+        peers[0].gather.store.post_record("followed", second)
+        wait_until(lambda: watch.follow([server, empty]) == {server: second}, timeout=10,
+                   explain=lambda: repr(watch.follow([server, empty])))
+        assert watch.follow([empty]) == {}  # the server no longer followed: its record dropped
+        wait_until(lambda: watch.follow([server]) == {server: second}, timeout=10)  # followed again
+        watch.stop()
+        assert watch.follow([server]) == {}  # asked anew: nothing the stopped round heard is kept
+    finally:
+        watch.stop()
 
 
 class _NoRecord(ContributionServicer):

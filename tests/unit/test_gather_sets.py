@@ -107,29 +107,43 @@ def test_a_verification_waits_on_while_enough_senders_still_gather_to_make_a_maj
     assert not _may_yet_agree(1, gathering, participants=everyone, due=due)
 
 
+class _Answers:
+    """``RecordWatch`` for ``_Scripted``: the peers in ``asked`` answer with their record, the others do not."""
+
+    def __init__(self, asked: dict[str, bytes]) -> None:
+        self.asked = asked
+        self.followed: set[str] = set()
+
+    def follow(self, peers) -> dict[str, bytes]:
+        self.followed |= set(peers)
+        return {peer: record for peer, record in self.asked.items() if peer in peers}
+
+    def stop(self) -> None:
+        pass
+
+
 class _Scripted(GatheredRounds):
-    """A node ``A`` whose records reads return ``script``'s entries in turn (the last one from then on) and whose
+    """A node ``A`` whose DHT reads return ``script``'s entries in turn (the last one from then on), whose peers in
+    ``asked`` answer its questions with their record (the others do not: they are read from the DHT), and whose
     fetches return at once: ``_collect``'s decisions, with no network."""
 
     def __init__(self, script: list[dict[str, dict[int, RoundEntry]]], peers: RoundPeers,
                  asked: dict[str, bytes] | None = None, **timings: float) -> None:
         records = SimpleNamespace(group="router", peer_id="A", signer=None, run_id="run", on_read=None,
-                                  store=lambda value: True)
+                                  store=lambda value: True, read=self._dht_read)
         super().__init__(records, {"w": (4,)}, OuterSyncConfig.loopback(aggregation="gather", **timings),
-                         SimpleNamespace(store=None, asked_record=self._asked_record), peers, weight_cap=None,
-                         scores=None, report=lambda *a, **k: None)
+                         SimpleNamespace(store=None), peers, weight_cap=None, scores=None,
+                         report=lambda *a, **k: None)
         self.script, self.reads = script, 0
-        self.asked = asked or {}
-        """peer -> the record it gives when asked directly (absent: it does not answer)."""
-        self.watched: list[str] = []
+        self._watch = self.answers = _Answers(asked or {})
+        self.read_peers: list[list[str]] = []
+        """The peers each DHT read was for."""
 
-    def _asked_record(self, peer: str, group: str, known: bytes) -> bytes | None:
-        self.watched.append(peer)
-        return self.asked.get(peer)  # None: it did not answer
-
-    def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+    def _dht_read(self, peers: list[str], timeout_s: float) -> dict[str, bytes]:
         self.reads += 1
-        return self.script[min(self.reads, len(self.script)) - 1]
+        self.read_peers.append(list(peers))
+        entries = self.script[min(self.reads, len(self.script)) - 1]
+        return {peer: encode_record(list(entries[peer].values())) for peer in peers if peer in entries}
 
     def _fetch(self, name: str, entry: RoundEntry) -> tuple[dict[str, torch.Tensor], float]:
         return {"w": torch.zeros(4)}, 1.0
@@ -214,8 +228,8 @@ def test_a_node_that_holds_a_quorum_gives_the_first_ranked_sender_time_to_publis
 
 
 def test_the_first_ranked_senders_set_is_seen_in_its_own_answer_before_the_dht_shows_it() -> None:
-    """As above, but the DHT never shows B's set: B, asked directly while A waits for it, gives its record naming
-    the set, and A takes that set without waiting out its deferral."""
+    """As above, but the DHT never shows B's set: B, asked directly, gives its record naming the set, and A takes
+    that set without waiting out its deferral; C, which does not answer, is read from the DHT."""
     names = _ranked("B", "A", "C")
     on_offer = _open(names["B"], names["C"])
     ours = tuple(sorted((names["A"], names["B"])))
@@ -225,7 +239,7 @@ def test_the_first_ranked_senders_set_is_seen_in_its_own_answer_before_the_dht_s
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
         assert node._collect(names["A"], found) == ours
-        assert node.watched == ["B"]
+        assert node.answers.followed == {"B", "C"} and node.read_peers == [["C"]] * node.reads
     finally:
         node.close()
 
@@ -240,7 +254,7 @@ def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wai
     try:
         found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
         assert node._collect(names["A"], found) == tuple(sorted((names["A"], names["C"])))
-        assert node.watched == ["C"]  # C did not answer: asked once, then read from the DHT alone
+        assert node.read_peers[0] == ["B", "C"]  # neither answered: both read from the DHT
     finally:
         node.close()
 
