@@ -244,6 +244,21 @@ def test_the_first_ranked_senders_set_is_seen_in_its_own_answer_before_the_dht_s
         node.close()
 
 
+def test_a_peers_answer_stands_for_its_record_and_is_shown_to_the_witness_once() -> None:
+    """B answers A's question with its record, C does not: every read takes B's entries from its answer and C's
+    from the DHT (a read for C alone), and the witness is shown B's answer once, not at every read."""
+    record = encode_record(list(_entry("B", 3, _names("A", "B")).values()))
+    node = _Scripted([_open(pair("C", 6))], RoundPeers(lambda: ["A", "B", "C"]), asked={"B": record})
+    shown: list[dict[str, bytes]] = []
+    node._read = lambda records: shown.append(dict(records))  # type: ignore[method-assign]  # what the witness sees
+    try:
+        for _ in range(3):
+            assert node._entries_of_live(1.0) == {"B": decode_entries(record), **_open(pair("C", 6))}
+        assert node.read_peers == [["C"]] * 3 and shown == [{"B": record}]
+    finally:
+        node.close()
+
+
 def test_a_node_that_does_not_rank_first_merges_the_quorum_it_holds_when_its_wait_runs_out() -> None:
     """Only C offers a contribution (B is live, never offers), and C's ranks first: A's quorum (two of three) comes
     when its first wait ends, and no set of C's shows. A merges the two when its round's time runs out, not
