@@ -22,12 +22,12 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    within the wait (``verify_timeout_s`` to announce the set, ``allreduce_timeout_s`` more to publish), or serves
    blocks its root does not lead to, has its blocks merged by this node itself, from the contributions: a gathered
    round's cost for that share, so a round degrades to the gathered round's bytes, never to merging nothing.
-5. While the others merge their shares, it recomputes blocks of them drawn at random from the contributions
-   (``rechecks``: a body's worth of fetches, a block of each merger in turn, all fetched in one request per
-   contribution and merged at once), and compares each share that comes with them (``agrees``): a block off by more
-   than ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks this node then
-   merges itself; a recomputed block of a share that does not come is used as it is. Rechecks that cannot be made (a
-   contribution's block does not arrive) are skipped: the shares are here.
+5. It recomputes blocks of the others' shares drawn at random from the contributions (``rechecks``: a body's worth
+   of fetches, a block of each merger in turn, all fetched in one request per contribution and merged at once) once
+   their mergers published their roots, while their shares come, and compares each share with them (``agrees``): a
+   block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks
+   this node then merges itself; a recomputed block of a share that does not come is used as it is. Rechecks that
+   cannot be made (a contribution's block does not arrive) are skipped: the shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
 took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
@@ -49,6 +49,7 @@ import itertools
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -273,10 +274,15 @@ class PartsMerge:
             blocks.update(got)
         published = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
-        flights = self._await_mergers(n, others, participants)
-        # While the others merge their shares: this node's own merge of blocks of theirs drawn at random, to check
-        # the shares against as they come (and to use for any share that does not come).
+        committed = {name: threading.Event() for name in others}
+        flights = self._await_mergers(n, others, participants, committed)
+        # While the others' shares come: this node's own merge of blocks of theirs drawn at random, to check the
+        # shares against (and to use for any share that does not come). Its requests go out once every merger of a
+        # drawn block published its root (or was given up): a merger learns which of its blocks are checked only
+        # after it committed to them.
         picks = self._picks(others, len(participants))[:MAX_BLOCKS]  # one request per contribution holds these
+        for name in {name for name, _ in picks}:
+            committed[name].wait()
         again = self._recompute(n, me, picks, participants, claims, mine, weights, spans)
         rechecked = time.monotonic()
         taken: dict[str, list[int]] = {}
@@ -360,39 +366,45 @@ class PartsMerge:
                 if odds >= 1 or draw.random() < odds]
 
     def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
-                       ) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
+                       committed: Mapping[str, threading.Event]) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
         """Watch each other merger (``others``: contribution -> its blocks) until it publishes the root of its merged
-        blocks of ``participants``, and fetch them (``_await_merger``)."""
+        blocks of ``participants``, and fetch them (``_await_merger``; ``committed``: set for each as it published
+        its root or was given up)."""
         net = self.config.net
         named_by = time.monotonic() + net.verify_timeout_s
         deadline = named_by + net.allreduce_timeout_s
-        return {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline)
+        return {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline,
+                                       committed[name])
                 for name, want in others.items()}
 
     def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
-                      deadline: float) -> dict[int, torch.Tensor] | None:
+                      deadline: float, committed: threading.Event) -> dict[int, torch.Tensor] | None:
         """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
-        ``participants`` and the root of its blocks; None (this node merges them itself) when it merges another set,
-        merged one or withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its record
-        is asked of the sender itself, which answers as soon as it changes (``OuterGather.watch_record``); from a
-        sender that does not answer, it is read from the DHT."""
-        net = self.config.net
-        peer, round_id = split_pair(name)
-        known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
-        while True:
-            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
-            known, entries = self._merger_entries(peer, known, timeout_s)
-            entry = entries.get(round_id)
-            named = entry is not None and entry.participants == participants
-            if entry is not None and named and entry.merged:
-                return self._fetch_merged(name, want, entry.merged, participants)
-            if entry is not None and not named and (entry.fingerprint or entry.participants):
-                return None  # it merges another set, merged one, or withdrew
-            if time.monotonic() >= (deadline if named else named_by):
-                logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
-                            n, peer)
-                return None
-            time.sleep(POLL_S)  # a sender whose record changes at every question is not asked faster than this
+        ``participants`` and the root of its blocks (``committed`` is set then, or as it is given up); None (this node
+        merges them itself) when it merges another set, merged one or withdrew, does not name the set by ``named_by``
+        or publishes no root by ``deadline``. Its record is asked of the sender itself, which answers as soon as it
+        changes (``OuterGather.watch_record``); from a sender that does not answer, it is read from the DHT."""
+        try:
+            net = self.config.net
+            peer, round_id = split_pair(name)
+            known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
+            while True:
+                timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
+                known, entries = self._merger_entries(peer, known, timeout_s)
+                entry = entries.get(round_id)
+                named = entry is not None and entry.participants == participants
+                if entry is not None and named and entry.merged:
+                    committed.set()
+                    return self._fetch_merged(name, want, entry.merged, participants)
+                if entry is not None and not named and (entry.fingerprint or entry.participants):
+                    return None  # it merges another set, merged one, or withdrew
+                if time.monotonic() >= (deadline if named else named_by):
+                    logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
+                                n, peer)
+                    return None
+                time.sleep(POLL_S)  # a sender whose record changes at every question is not asked faster than this
+        finally:
+            committed.set()
 
     def _merger_entries(self, peer: str, known: bytes | None, timeout_s: float) -> tuple[bytes | None, Entries]:
         """``peer``'s entries by round, asked of it (``OuterGather.watch_record``: answered once its record is not

@@ -33,8 +33,8 @@ from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
 from parallax.node.outer.averager import GroupAverager, RoundStatus
-from parallax.node.outer.blocks import BlockedBody, block_layout, decode_all, encode_blocks
-from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, merge_in_blocks
+from parallax.node.outer.blocks import BlockedBody, block_layout, decode_all, encode_blocks, parse_wanted
+from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, assignment, merge_in_blocks
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
@@ -49,6 +49,7 @@ from parallax.node.outer.transport import (
     decode_entries,
     encode_contribution,
     encode_record,
+    pair,
 )
 from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig
 from parallax.node.outer.witness import sign
@@ -361,6 +362,63 @@ def test_a_merger_that_does_not_give_its_record_is_read_from_the_dht_and_its_sha
             assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
     assert f"peer {peers[0].dht.peer_id} did not give its rounds record" in caplog.text
     assert "itself" not in caplog.text, caplog.text
+
+
+class _NotingBlocks(ContributionServicer):
+    """Serves its blocks as a node does, and notes when each question for blocks of its contributions came (the
+    blocks it named)."""
+
+    def __init__(self, store: ContributionStore) -> None:
+        super().__init__(store)
+        self.asked: list[tuple[float, list[int]]] = []
+
+    async def rpc_blocks(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        asked = parse_wanted(request.uid)
+        if asked is not None and asked[0] == "parts-noted":  # its contributions' blocks, not its merged ones
+            self.asked.append((time.monotonic(), asked[2]))
+        async for message in super().rpc_blocks(request, context):
+            yield message
+
+
+_NotingBlocks.__name__ = ContributionServicer.__name__
+
+
+def test_a_merger_is_asked_for_the_blocks_rechecked_in_its_share_only_once_it_published_their_root(peers):
+    """Peer 0 publishes the root of its share a second late. Every other sender draws one of its blocks to recheck
+    and merges the drawn blocks while the shares come; no question for a block of peer 0's share reaches peer 0
+    before its root is out (a merger that knew which of its blocks are checked could lie on the others), and all
+    apply the merge one process makes. Measured in a second round: in the first, each node probes one block of peer
+    0's contribution at random before the set is known (a sender not yet heard from serves a block first)."""
+    with _gathers(peers, "gather-noted", 0, _NotingBlocks) as gathers, \
+            _averagers(peers, "parts-noted", compression="int4", aggregation="parts", shapes=PARTS,
+                       gathers=gathers) as averagers:
+        late = averagers[0]._gathered.parts if averagers[0]._gathered is not None else None
+        assert late is not None
+        honest, rooted = late.announce, []
+
+        def announce(n: int, participants: tuple[str, ...], root: bytes) -> None:
+            if root:
+                time.sleep(1.0)
+                rooted.append(time.monotonic())
+            honest(n, participants, root)
+
+        late.announce = announce
+        tokens = [CAP] * 4
+        for round_id in (3, 4):
+            began = time.monotonic()
+            deltas = _deltas(4, seed=round_id, shapes=PARTS)
+            results = _run(averagers, deltas, tokens, round_id=round_id)
+            reference = _merged_in_blocks(peers, deltas, tokens)
+            for a, merged in zip(averagers, results, strict=True):
+                assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
+                assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+        participants = tuple(sorted(pair(p.dht.peer_id, 4) for p in peers))
+        share = set(assignment(participants, len(block_layout(PARTS)))[pair(peers[0].dht.peer_id, 4)])
+        asked = [(at, wanted) for at, wanted in gathers[0].servicer.asked if at >= began]
+        rechecks = [at for at, wanted in asked if share & set(wanted)]
+        assert len(rechecks) == 3 and min(rechecks) >= rooted[-1], (rooted, asked, share)
 
 
 class _NoBlocks(ContributionServicer):
