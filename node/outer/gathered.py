@@ -7,25 +7,26 @@ The transport and the pure parts are in ``transport``; this is the round itself,
 
 1. publish this node's contribution (its entry: round, sha256, size, tokens and session, signed as a claim anyone can
    check: ``witness``) and serve its body; a round this identity's earlier process claimed is skipped;
-2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at
-   their own steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already
-   merged this node's contribution in. The quorum counts, beside the composers whose work reached this node, the
-   senders of the contributions on offer (one record every node reads); a node holding a quorum merges at once only
-   when its contribution ranks first among those on offer, and otherwise gives that one's sender ``verify_timeout_s``
-   to publish a set naming ours (its record asked of it directly meanwhile, as well as read from the DHT: the set is
-   seen as it is made). Without a quorum, a node that trains on meanwhile (``due``) keeps its contribution
-   on offer until it is told to end (``background``: a few of its group's periods at most): composers
-   of unequal pace then find one another's contributions on offer whenever they come, not only during a wait of
-   their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without ``due`` the
-   round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a peer had
-   fetched it, this node watches the records for ``verify_timeout_s`` for a set naming it (a peer that read it
-   on offer just before may be merging it) and takes that set, so that no peer applies a merge of its
-   contribution that it does not apply itself. Fetches run in the background: once the wait is over and a quorum is
-   held, fetches still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at
-   all has arrived by then unless it is large or slow), then the round goes on without them; they end on their
-   own bounds, and what they bring is not merged. A peer that accepted a fetch and held it is waited for by no
-   round and counted in no quorum until a fetch of its contribution arrives again (it is still asked each
-   round): it costs a node one bounded fetch per group, not one per round until it is banned;
+2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at their own
+   steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already merged this node's
+   contribution in. The quorum counts, beside the composers whose work reached this node, the senders of the
+   contributions on offer (one record every node reads); a node holding a quorum merges at once only when its
+   contribution ranks first among those on offer, and otherwise gives that one's sender ``verify_timeout_s`` to
+   publish a set naming ours. While the round runs, every live peer's record is asked of the peer itself and known as
+   it changes (``transport.RecordWatch``), read from the DHT for the peers that do not answer: the contributions on
+   offer and the sets are seen as they are made. Without a quorum, a node that trains on meanwhile (``due``) keeps
+   its contribution on offer until it is told to end (``background``: a few of its group's periods at most):
+   composers of unequal pace then find one another's contributions on offer whenever they come, not only during a
+   wait of their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without
+   ``due`` the round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a
+   peer had fetched it, this node watches the records for ``verify_timeout_s`` for a set naming it (a peer that read
+   it on offer just before may be merging it) and takes that set, so that no peer applies a merge of its contribution
+   that it does not apply itself. Fetches run in the background: once the wait is over and a quorum is held, fetches
+   still in flight get ``next_chunk_timeout_s`` more (one message's bound: a body that sends at all has arrived by
+   then unless it is large or slow), then the round goes on without them; they end on their own bounds, and what they
+   bring is not merged. A peer that accepted a fetch and held it is waited for by no round and counted in no quorum
+   until a fetch of its contribution arrives again (it is still asked each round): it costs a node one bounded fetch
+   per group, not one per round until it is banned;
 3. merge robustly (``train.robust``: weights capped, spans bounded, clipping), name suspects, score them;
 4. publish the fingerprint and the set merged, and wait for a majority of the set's senders to agree (with
    ``due``, past ``verify_timeout_s`` while enough of them still gather to make one: they take the set when they see
