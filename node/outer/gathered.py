@@ -56,7 +56,15 @@ import torch
 from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import BlockMismatch, block_layout, blocks_cap, decode_all, encode_blocks
 from parallax.node.outer.partitioned import PartsMerge, Unmergeable
-from parallax.node.outer.records import POLL_S, SLOW_POLL_S, LatestRecord, RoundDue, RoundRecords, RoundStatus
+from parallax.node.outer.records import (
+    IDLE_POLL_S,
+    POLL_S,
+    SLOW_POLL_S,
+    LatestRecord,
+    RoundDue,
+    RoundRecords,
+    RoundStatus,
+)
 from parallax.node.outer.transport import (
     ROUND_RECORD_MAX_BYTES,
     WITHDRAWN,
@@ -161,10 +169,9 @@ class GatheredRounds:
             self._body_cap = blocks_cap(block_layout(shapes), shapes)
             pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix=f"parts-{records.group}")
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
-                                    gather=gather, entries_of=lambda peers, t: latest_entries(records.read(peers, t)),
-                                    announce=self._announce, scores=scores, worked=self._worked,
-                                    set_aside=self._set_aside, proven=self.witness.convict_block, pool=pool,
-                                    heard=self._read)
+                                    gather=gather, entries_of=self._entries_of, announce=self._announce,
+                                    scores=scores, worked=self._worked, set_aside=self._set_aside,
+                                    proven=self.witness.convict_block, pool=pool)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -578,15 +585,23 @@ class GatheredRounds:
             return set(self._held)
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        """The live peers' entries by round: of those that answer this round's questions (``RecordWatch``) as they
-        last answered (shown to the witness as a read's are, once each), of the others as the DHT gives them within
-        ``timeout_s``."""
+        """The live peers' entries by round (``_entries_of``), each live peer asked for its record while the round
+        runs (``RecordWatch.follow``)."""
         live = self._live()
-        heard = self._watch.follow(live)
-        if fresh := {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}:
+        self._watch.follow(live)
+        return self._entries_of(sorted(live), timeout_s)
+
+    def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
+        """``peers``' entries by round: of those that answer this round's questions (``RecordWatch``) as they last
+        answered (shown to the witness as a read's are, once each), of the others as the DHT gives them within
+        ``timeout_s``."""
+        with self._lock:
+            heard = self._watch.heard(peers)
+            fresh = {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}
             self._shown.update(fresh)
+        if fresh:
             self._read(fresh)
-        rest = sorted(live - heard.keys())
+        rest = [peer for peer in peers if peer not in heard]
         return latest_entries({**(self.records.read(rest, timeout_s) if rest else {}), **heard})
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
@@ -603,6 +618,7 @@ class GatheredRounds:
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
+        heard = self._watch.version  # the records' changes seen (``RecordWatch.wait``)
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
                                                                            give_up - time.monotonic())
@@ -626,7 +642,10 @@ class GatheredRounds:
             wanted = [(n, e) for n, e in current.items() if n not in found and self._may_ask(n)]
             flights = self._flights.start(wanted)
             offering = due is not None and time.monotonic() >= wait_until + cfg.net.next_chunk_timeout_s
-            self._flights.take(flights, found, SLOW_POLL_S if offering else POLL_S)
+            if flights:
+                self._flights.take(flights, found, SLOW_POLL_S if offering else POLL_S)
+            else:  # nothing to fetch: the next pass once a peer's record changes (a DHT read's time at most)
+                heard = self._watch.wait(heard, SLOW_POLL_S if offering else IDLE_POLL_S)
             held, working = self._held_peers(), self._working()
             expected = (working | offered) - held
             have = {split_pair(name)[0] for name in current if name in found}

@@ -15,9 +15,9 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    tensor of its own, as ``train.parts`` measured), encodes the result in ``MERGED_WIRE``, serves it under
    ``merged_key`` and publishes its root in its entry (``RoundEntry.merged``).
 4. It then fetches every other sender's merged blocks, each checked against that sender's published root. It learns
-   of each root from the sender itself: its record is asked of it, and the question answered as soon as the record
-   changes (``OuterGather.watch_record``), where the DHT has it only after a store and a read (each 0.2-0.5 s on busy
-   cores); a sender that does not answer is read from the DHT. The set's name and the root go out without waiting
+   of each root from the sender itself: the round holds a question for its record there, answered as soon as the
+   record changes (``transport.RecordWatch``), where the DHT has it only after a store and a read (each 0.2-0.5 s on
+   busy cores); a sender that does not answer is read from the DHT. The set's name and the root go out without waiting
    for their stores (``records.LatestRecord``). A sender that announces another set, withdrew, publishes no root
    within the wait (``verify_timeout_s`` to announce the set, ``allreduce_timeout_s`` more to publish), or serves
    blocks its root does not lead to, has its blocks merged by this node itself, from the contributions: a gathered
@@ -71,7 +71,6 @@ from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import (
     OuterGather,
     RoundEntry,
-    decode_entries,
     pair,
     split_pair,
 )
@@ -205,7 +204,8 @@ class PartsMerge:
         shapes: the group's tensors.
         config: timings, merge rule, wire.
         gather: serves this node's blocks and fetches the others'.
-        entries_of: reads the rounds records of the given peers within a timeout (peer -> round -> entry).
+        entries_of: the rounds records of the given peers (peer -> round -> entry): as each last answered the round's
+            question for it (``transport.RecordWatch``), read from the DHT within a timeout for the others.
         announce: publishes this node's entry of a round (its number) naming a set and, once merged, the root of its
             merged blocks (b"" before).
         scores: where evidence against peers goes.
@@ -215,8 +215,6 @@ class PartsMerge:
             trickled one past its bound: no round should wait for it.
         proven: given each block a sender signed that decodes to non-finite values (``witness.BadBlock``); returns
             whether it holds as proof (the sender is then banned there, else this node scores it as a forged block).
-        heard: shown each record a merger gives when asked directly (peer -> record), as ``entries_of``'s reads
-            are shown the witness.
         pool: runs the fetches.
     """
 
@@ -225,14 +223,13 @@ class PartsMerge:
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
                  worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor,
                  set_aside: Callable[[str], None] | None = None,
-                 proven: Callable[[BadBlock], bool] | None = None,
-                 heard: Callable[[Mapping[str, bytes]], None] | None = None) -> None:
+                 proven: Callable[[BadBlock], bool] | None = None) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
         self.count = len(self.layout)
         self.entries_of, self.announce, self.scores, self.worked, self.pool = entries_of, announce, scores, worked, pool
-        self.set_aside, self.proven, self.heard = set_aside, proven, heard
+        self.set_aside, self.proven = set_aside, proven
         self.rechecked = 0
         """Blocks of others recomputed so far, and how many disagreed (``mismerged``)."""
         self.mismerged = 0
@@ -382,16 +379,14 @@ class PartsMerge:
         """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
         ``participants`` and the root of its blocks (``committed`` is set then, or as it is given up); None (this node
         merges them itself) when it merges another set, merged one or withdrew, does not name the set by ``named_by``
-        or publishes no root by ``deadline``. Its record is asked of the sender itself, which answers as soon as it
-        changes (``OuterGather.watch_record``); from a sender that does not answer, it is read from the DHT."""
+        or publishes no root by ``deadline``. Its record is as it last answered the round's question for it (known as
+        it changes), read from the DHT while it does not answer (``entries_of``)."""
         try:
             net = self.config.net
             peer, round_id = split_pair(name)
-            known: bytes | None = b""  # None: the sender did not answer; its record is read from the DHT
             while True:
                 timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
-                known, entries = self._merger_entries(peer, known, timeout_s)
-                entry = entries.get(round_id)
+                entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
                 named = entry is not None and entry.participants == participants
                 if entry is not None and named and entry.merged:
                     committed.set()
@@ -402,21 +397,9 @@ class PartsMerge:
                     logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
                                 n, peer)
                     return None
-                time.sleep(POLL_S)  # a sender whose record changes at every question is not asked faster than this
+                time.sleep(POLL_S)
         finally:
             committed.set()
-
-    def _merger_entries(self, peer: str, known: bytes | None, timeout_s: float) -> tuple[bytes | None, Entries]:
-        """``peer``'s entries by round, asked of it (``OuterGather.watch_record``: answered once its record is not
-        ``known``; shown to the witness as a read's are), or read from the DHT within ``timeout_s`` when it does not
-        answer, or (``known`` None) did not before. Returns (its record as it answered, None when read from the DHT;
-        its entries)."""
-        record = self.gather.asked_record(peer, self.group, known) if known is not None else None
-        if record is None:
-            return None, self.entries_of([peer], timeout_s).get(peer, {})
-        if self.heard is not None:
-            self.heard({peer: record})
-        return record, decode_entries(record)
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:
@@ -436,8 +419,8 @@ class PartsMerge:
         except Exception as e:  # merged here instead; a forged or malformed block counts against its server
             self._held(peer, e)
             if self.scores is not None and isinstance(e, BlockMismatch | MalformedMessage):
-                # its entry now, from the merger itself (where this node learned the root), else the DHT
-                entry = self._merger_entries(peer, b"", net.dht_timeout_s)[1].get(round_id)
+                # its entry now, as the merger last gave it (where this node learned the root), else the DHT's
+                entry = self.entries_of([peer], net.dht_timeout_s).get(peer, {}).get(round_id)
                 if entry is not None and entry.participants == participants and entry.merged == root:
                     self.scores.record(peer, Evidence.MISMERGED)
             logger.warning("outer round %s: no usable merged blocks from peer %s: %s", self.group, peer, e)

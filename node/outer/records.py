@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["LatestRecord", "RoundDue", "RoundRecords", "RoundReport", "RoundStatus"]
 
 POLL_S = 0.05
+IDLE_POLL_S = 0.25
+"""How long a round's settling, with nothing to fetch, waits for a peer's record to change before it looks again
+(a DHT read's time on busy cores): the peers that answer its questions wake it at once."""
 SLOW_POLL_S = 1.0
 """How often a wait that has gone past its first bound reads the records (a waiting contribution, a verification
 whose other senders still gather): a result is seen within about this long, and the DHT is not read twenty times a

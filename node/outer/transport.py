@@ -403,10 +403,11 @@ class RecordWatch:
     """The rounds records of a group's live peers, each asked of the peer itself with a question held there
     (``OuterGather.ask_record``: answered as soon as the record changes, or as it is after ``RECORD_WAIT_S``) and asked
     again at each answer, while a round of this node's runs: a change is known as it is made, where the DHT shows it
-    after the sender's store and the next read. A peer that does not answer within ``RECORD_WAIT_S +
-    RECORD_ANSWER_S``, or answers past the bounds, is not asked again until the next round (its record is read from
-    the DHT). One question at a time per peer, and a peer whose record changes at every question is not asked more
-    often than every ``poll_s``.
+    after the sender's store and the next read. A question not answered within ``RECORD_WAIT_S + RECORD_ANSWER_S``
+    (a busy peer, or this node's own event loop held up) drops what that peer last gave and is asked again: its record
+    is read from the DHT meanwhile. A peer that refuses the question, or answers past the bounds, is not asked again
+    until the next round. One question at a time per peer, and a peer whose record changes at every question is not
+    asked more often than every ``poll_s``.
 
     Args:
         gather: asks the questions (in its event loop).
@@ -417,15 +418,17 @@ class RecordWatch:
     def __init__(self, gather: OuterGather, group: str, poll_s: float) -> None:
         self.gather, self.group, self.poll_s = gather, group, poll_s
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._records: dict[str, bytes] = {}  # peer -> its latest answer
         self._asking: dict[str, concurrent.futures.Future[None]] = {}
-        self._silent: set[str] = set()  # did not answer this round
+        self._silent: set[str] = set()  # refused a question this round
         self._round = 0  # ``stop`` counts rounds: an answer of an earlier one is not kept
+        self.version = 0
+        """Counts the records that changed (``wait``)."""
 
     def follow(self, peers: Collection[str]) -> dict[str, bytes]:
-        """Hold a question at each of ``peers`` (but those that did not answer this round) and at no other; returns
-        the latest records of those that answered with one (peer -> record; a peer that holds none is read from the
-        DHT, where a record of its earlier process may be)."""
+        """Hold a question at each of ``peers`` (but those that refused one this round) and at no other; returns
+        ``heard(peers)``."""
         with self._lock:
             for peer in [p for p in self._asking if p not in peers]:
                 self._asking.pop(peer).cancel()
@@ -434,7 +437,20 @@ class RecordWatch:
                 if peer not in self._asking and peer not in self._silent:
                     self._asking[peer] = asyncio.run_coroutine_threadsafe(self._ask(peer, self._round),
                                                                           self.gather.loop)
+        return self.heard(peers)
+
+    def heard(self, peers: Collection[str]) -> dict[str, bytes]:
+        """The latest records of those of ``peers`` that answered with one (peer -> record; a peer that holds none
+        is read from the DHT, where a record of its earlier process may be)."""
+        with self._lock:
             return {peer: record for peer, record in self._records.items() if record and peer in peers}
+
+    def wait(self, version: int, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for a record to change after ``version`` (a ``version`` read before); returns the
+        version then."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.version != version, timeout_s)
+            return self.version
 
     def stop(self) -> None:
         """Withdraw every question (the round ended): the next round asks every peer anew."""
@@ -454,7 +470,14 @@ class RecordWatch:
                                                 RECORD_WAIT_S + RECORD_ANSWER_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
+            except TimeoutError:  # asked again; read from the DHT until it answers
+                with self._lock:
+                    if round_ != self._round:
+                        return
+                    self._records.pop(peer, None)
+                known = b""
+                continue
+            except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
                 logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
                             self.group, e)
                 with self._lock:
@@ -463,10 +486,13 @@ class RecordWatch:
                         self._asking.pop(peer, None)
                         self._records.pop(peer, None)
                 return
-            with self._lock:
+            with self._changed:
                 if round_ != self._round:
                     return
-                self._records[peer] = record
+                if self._records.get(peer) != record:
+                    self._records[peer] = record
+                    self.version += 1
+                    self._changed.notify_all()
             if record != known:
                 known = record
                 await asyncio.sleep(self.poll_s)
@@ -557,15 +583,6 @@ class OuterGather(ServedOnLoop):
         with self._count_lock:
             self.records_fetched += len(record)
         return record
-
-    def asked_record(self, peer: str, group: str, known: bytes) -> bytes | None:
-        """``watch_record`` within its bounds, or None (logged, the peer named) when the peer did not answer in time:
-        the caller reads its record from the DHT instead."""
-        try:
-            return self.watch_record(peer, group, known)
-        except Exception as e:  # unreachable directly, slow, rate-limited, or a record past the bound
-            logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer, group, e)
-            return None
 
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
                      count: int, timeout_s: float, *, chunk_timeout_s: float | None = None) -> Answer:

@@ -315,8 +315,8 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
 
 def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
     """A ``RecordWatch`` holds a question at each peer it follows and knows each one's latest record as it is
-    posted, with no DHT store or read; a peer that holds none is left to the DHT; a peer no longer followed, and
-    every answer once the round stopped, is dropped."""
+    posted (a wait for a change ends with it), with no DHT store or read; a peer that holds none is left to the DHT;
+    a peer no longer followed, and every answer once the round stopped, is dropped."""
     watch = RecordWatch(peers[1].gather, "followed", 0.05)
     server, empty = peers[0].dht.peer_id, peers[2].dht.peer_id
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
@@ -325,7 +325,9 @@ def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
         peers[0].gather.store.post_record("followed", first)
         wait_until(lambda: watch.follow([server, empty]) == {server: first}, timeout=10,
                    explain=lambda: repr(watch.follow([server, empty])))
+        version = watch.version
         peers[0].gather.store.post_record("followed", second)
+        assert watch.wait(version, 10) != version  # woken by the change
         wait_until(lambda: watch.follow([server, empty]) == {server: second}, timeout=10,
                    explain=lambda: repr(watch.follow([server, empty])))
         assert watch.follow([empty]) == {}  # the server no longer followed: its record dropped

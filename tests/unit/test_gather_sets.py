@@ -4,6 +4,7 @@ records as data, no network)."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -16,6 +17,7 @@ from parallax.node.outer.gathered import (
     _moved_on,
     _off_offer,
 )
+from parallax.node.outer.records import POLL_S
 from parallax.node.outer.transport import (
     WITHDRAWN,
     RoundEntry,
@@ -113,9 +115,17 @@ class _Answers:
     def __init__(self, asked: dict[str, bytes]) -> None:
         self.asked = asked
         self.followed: set[str] = set()
+        self.version = 0
+
+    def wait(self, version: int, timeout_s: float) -> int:  # the answers never change
+        time.sleep(min(timeout_s, POLL_S))
+        return version
 
     def follow(self, peers) -> dict[str, bytes]:
         self.followed |= set(peers)
+        return self.heard(peers)
+
+    def heard(self, peers) -> dict[str, bytes]:
         return {peer: record for peer, record in self.asked.items() if peer in peers}
 
     def stop(self) -> None:
