@@ -152,6 +152,7 @@ class GatheredRounds:
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
         self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
+        self._read_all_at = 0.0  # when ``_entries_of`` next reads every peer's record from the DHT
         self.parts: PartsMerge | None = None
         """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
         self._claims: dict[str, dict[str, RoundEntry]] = {}  # partitioned: peer -> its checked claims, latest last
@@ -202,7 +203,8 @@ class GatheredRounds:
             return self._round(delta, tokens, n, fault, started, anchor, due)
         finally:
             self._watch.stop()  # the round's questions to its peers
-            self._shown.clear()
+            with self._lock:
+                self._shown.clear()
 
     def _round(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
                fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
@@ -594,14 +596,18 @@ class GatheredRounds:
     def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         """``peers``' entries by round: of those that answer this round's questions (``RecordWatch``) as they last
         answered (shown to the witness as a read's are, once each), of the others as the DHT gives them within
-        ``timeout_s``."""
+        ``timeout_s``. The DHT is still read for all of them every ``SLOW_POLL_S``: the witness sees what a peer
+        stores beside what it answers (two claims of one round signed apart are a proof, ``witness``)."""
         with self._lock:
             heard = self._watch.heard(peers)
             fresh = {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}
             self._shown.update(fresh)
+            whole = time.monotonic() >= self._read_all_at
+            if whole:
+                self._read_all_at = time.monotonic() + SLOW_POLL_S
         if fresh:
             self._read(fresh)
-        rest = [peer for peer in peers if peer not in heard]
+        rest = list(peers) if whole else [peer for peer in peers if peer not in heard]
         return latest_entries({**(self.records.read(rest, timeout_s) if rest else {}), **heard})
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],

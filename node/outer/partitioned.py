@@ -44,6 +44,7 @@ names), and a lie under ``RECHECK_TOLERANCE`` of a block passes its recheck; evi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -184,6 +185,10 @@ def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int
     mean_block = sum(map(sum, block_sizes)) / (n * count)
     checks = n * min(rechecks(n, count, least), count) * recheck_odds(n, count)
     return round(to_mergers + (n - 1) * sum(merged_sizes) + checks * (n - 1) * mean_block)
+
+
+def _set_when_done(event: threading.Event, _: Future[Any]) -> None:
+    event.set()
 
 
 class Unmergeable(Exception):
@@ -370,9 +375,12 @@ class PartsMerge:
         net = self.config.net
         named_by = time.monotonic() + net.verify_timeout_s
         deadline = named_by + net.allreduce_timeout_s
-        return {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline,
-                                       committed[name])
-                for name, want in others.items()}
+        flights = {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline,
+                                          committed[name])
+                   for name, want in others.items()}
+        for name, flight in flights.items():  # also when it is dropped before it runs (the node closes)
+            flight.add_done_callback(functools.partial(_set_when_done, committed[name]))
+        return flights
 
     def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
                       deadline: float, committed: threading.Event) -> dict[int, torch.Tensor] | None:

@@ -83,7 +83,6 @@ RECORD_ANSWER_S = 1.0
 """How much longer than ``RECORD_WAIT_S`` an asker waits for the answer: a peer slower than that is read from the DHT
 instead (a slow answer must not hold a round's loop)."""
 _RECORD_TAG_BYTES = 16
-_RECORD_CHECK_S = 0.02  # how often a held question looks at this node's own record
 WITHDRAWN = b"withdrawn"
 """The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
 
@@ -303,6 +302,7 @@ class ContributionStore:
         self._bodies: dict[tuple[str, int], bytes | BlockedBody] = {}
         self._served: set[tuple[str, int]] = set()
         self._records: dict[str, tuple[bytes, str]] = {}  # group -> (record, its ``record_tag``)
+        self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
 
     def post_record(self, group: str, record: bytes) -> None:
@@ -311,6 +311,14 @@ class ContributionStore:
         tag = record_tag(record)
         with self._lock:
             self._records[group] = record, tag
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(group)
+
+    def listen(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(group)`` after each record posted (in the poster's thread)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     def record(self, group: str) -> tuple[bytes, str]:
         """This node's latest rounds record of ``group`` and its ``record_tag`` (b"" and "": none)."""
@@ -356,6 +364,18 @@ class ContributionServicer(ServicerBase):
         self.bytes_served = 0
         self.records_served = 0
         """Bytes of rounds records answered (``rpc_record``), apart from the bodies' and blocks'."""
+        self._loop: asyncio.AbstractEventLoop | None = None  # where questions are held (set by the first)
+        self._posted: dict[str, asyncio.Event] = {}  # group -> set at its next post (``rpc_record``)
+        store.listen(self._on_post)
+
+    def _on_post(self, group: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake, group)
+
+    def _wake(self, group: str) -> None:
+        """Wake the questions held for ``group``'s record (in the loop)."""
+        if (event := self._posted.pop(group, None)) is not None:
+            event.set()
 
     async def rpc_contribution(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -389,14 +409,17 @@ class ContributionServicer(ServicerBase):
         """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
         asker's), or as it is after ``RECORD_WAIT_S``."""
         group, _, known = request.uid.rpartition("/")
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         until = loop.time() + RECORD_WAIT_S
         while True:
+            # The event before the record: a post after this look wakes the wait below (its wake runs in this loop).
+            posted = self._posted.setdefault(group, asyncio.Event())
             record, tag = self._store.record(group)
             if tag != known or loop.time() >= until:
                 self.records_served += len(record)
                 return runtime_pb2.ExpertInfo(serialized_info=record)
-            await asyncio.sleep(_RECORD_CHECK_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(posted.wait(), max(0.0, until - loop.time()))
 
 
 class RecordWatch:
@@ -406,13 +429,13 @@ class RecordWatch:
     after the sender's store and the next read. A question not answered within ``RECORD_WAIT_S + RECORD_ANSWER_S``
     (a busy peer, or this node's own event loop held up) drops what that peer last gave and is asked again: its record
     is read from the DHT meanwhile. A peer that refuses the question, or answers past the bounds, is not asked again
-    until the next round. One question at a time per peer, and a peer whose record changes at every question is not
-    asked more often than every ``poll_s``.
+    until the next round. One question at a time per peer, at most one every ``poll_s`` (a peer that answers at once
+    with what the asker holds is not asked in a loop).
 
     Args:
         gather: asks the questions (in its event loop).
         group: the shared group.
-        poll_s: the least time between two questions to one peer whose record changed.
+        poll_s: the least time between two questions to one peer.
     """
 
     def __init__(self, gather: OuterGather, group: str, poll_s: float) -> None:
@@ -420,9 +443,9 @@ class RecordWatch:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, bytes] = {}  # peer -> its latest answer
-        self._asking: dict[str, concurrent.futures.Future[None]] = {}
+        # peer -> (the question's token, its task): a question withdrawn (``follow``, ``stop``) writes nothing more
+        self._asking: dict[str, tuple[object, concurrent.futures.Future[None]]] = {}
         self._silent: set[str] = set()  # refused a question this round
-        self._round = 0  # ``stop`` counts rounds: an answer of an earlier one is not kept
         self.version = 0
         """Counts the records that changed (``wait``)."""
 
@@ -431,12 +454,13 @@ class RecordWatch:
         ``heard(peers)``."""
         with self._lock:
             for peer in [p for p in self._asking if p not in peers]:
-                self._asking.pop(peer).cancel()
+                self._asking.pop(peer)[1].cancel()
                 self._records.pop(peer, None)
             for peer in peers:
                 if peer not in self._asking and peer not in self._silent:
-                    self._asking[peer] = asyncio.run_coroutine_threadsafe(self._ask(peer, self._round),
-                                                                          self.gather.loop)
+                    token = object()
+                    self._asking[peer] = token, asyncio.run_coroutine_threadsafe(self._ask(peer, token),
+                                                                                 self.gather.loop)
         return self.heard(peers)
 
     def heard(self, peers: Collection[str]) -> dict[str, bytes]:
@@ -455,14 +479,17 @@ class RecordWatch:
     def stop(self) -> None:
         """Withdraw every question (the round ended): the next round asks every peer anew."""
         with self._lock:
-            for flight in self._asking.values():
+            for _, flight in self._asking.values():
                 flight.cancel()
             self._asking.clear()
             self._records.clear()
             self._silent.clear()
-            self._round += 1
 
-    async def _ask(self, peer: str, round_: int) -> None:
+    def _current(self, peer: str, token: object) -> bool:
+        """Whether ``token``'s question is still the one held at ``peer`` (under the lock)."""
+        return self._asking.get(peer, (None,))[0] is token
+
+    async def _ask(self, peer: str, token: object) -> None:
         known = b""
         while True:
             try:
@@ -472,7 +499,7 @@ class RecordWatch:
                 raise
             except TimeoutError:  # asked again; read from the DHT until it answers
                 with self._lock:
-                    if round_ != self._round:
+                    if not self._current(peer, token):
                         return
                     self._records.pop(peer, None)
                 known = b""
@@ -481,21 +508,20 @@ class RecordWatch:
                 logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
                             self.group, e)
                 with self._lock:
-                    if round_ == self._round:
+                    if self._current(peer, token):
                         self._silent.add(peer)
-                        self._asking.pop(peer, None)
+                        self._asking.pop(peer)
                         self._records.pop(peer, None)
                 return
             with self._changed:
-                if round_ != self._round:
+                if not self._current(peer, token):
                     return
                 if self._records.get(peer) != record:
                     self._records[peer] = record
                     self.version += 1
                     self._changed.notify_all()
-            if record != known:
-                known = record
-                await asyncio.sleep(self.poll_s)
+            known = record
+            await asyncio.sleep(self.poll_s)
 
 
 def record_tag(record: bytes) -> str:
