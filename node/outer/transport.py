@@ -446,6 +446,7 @@ class RecordWatch:
         # peer -> (the question's token, its task): a question withdrawn (``follow``, ``stop``) writes nothing more
         self._asking: dict[str, tuple[object, concurrent.futures.Future[None]]] = {}
         self._silent: set[str] = set()  # refused a question this round
+        self._questions: dict[str, asyncio.Future[bytes]] = {}  # peer -> the latest question (the event loop's own)
         self.version = 0
         """Counts the records that changed (``wait``)."""
 
@@ -492,18 +493,21 @@ class RecordWatch:
     async def _ask(self, peer: str, token: object) -> None:
         known = b""
         while True:
-            try:
-                record = await asyncio.wait_for(self.gather.ask_record(peer, self.group, known),
-                                                RECORD_WAIT_S + RECORD_ANSWER_S)
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:  # asked again; read from the DHT until it answers
-                with self._lock:
+            # The question runs as a task of its own that nothing cancels (withdrawing this loop, or a bound passed,
+            # leaves it to end): hivemind 1.1.12's reader of unary answers stops for good, and every later call of
+            # the node with it, on an answer that comes to a call cancelled a moment before.
+            question = self._questions.get(peer)
+            if question is None or question.done():  # one at a time per peer, an earlier round's too
+                question = self._questions[peer] = asyncio.ensure_future(
+                    self.gather.ask_record(peer, self.group, known))
+                question.add_done_callback(_retrieved)
+            while not (await asyncio.wait({question}, timeout=RECORD_WAIT_S + RECORD_ANSWER_S))[0]:
+                with self._lock:  # not answered in time: read from the DHT until it answers
                     if not self._current(peer, token):
                         return
                     self._records.pop(peer, None)
-                known = b""
-                continue
+            try:
+                record = question.result()
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
                 logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
                             self.group, e)
@@ -522,6 +526,12 @@ class RecordWatch:
                     self._changed.notify_all()
             known = record
             await asyncio.sleep(self.poll_s)
+
+
+def _retrieved(task: asyncio.Future[bytes]) -> None:
+    """Take a finished question's error, if any, so that one nobody waits for any more is not reported as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def record_tag(record: bytes) -> str:
@@ -596,8 +606,9 @@ class OuterGather(ServedOnLoop):
             MalformedMessage: a record over ``ROUND_RECORD_MAX_BYTES`` (the peer is named).
             RemoteProtocolError (rate-limited), TimeoutError and hivemind's errors: no answer within ``timeout_s``.
         """
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(self.ask_record(peer, group, known), timeout_s),
-                                                self.loop).result(timeout_s + 1)
+        # Past the bound the question is left to end on its own, never cancelled: hivemind 1.1.12's reader of unary
+        # answers stops for good on an answer that comes to a call cancelled a moment before.
+        return asyncio.run_coroutine_threadsafe(self.ask_record(peer, group, known), self.loop).result(timeout_s)
 
     async def ask_record(self, peer: str, group: str, known: bytes) -> bytes:
         """``watch_record``'s question, in the node's event loop, with no bound of its own."""
