@@ -424,13 +424,15 @@ class ContributionServicer(ServicerBase):
 
 class RecordWatch:
     """The rounds records of a group's live peers, each asked of the peer itself with a question held there
-    (``OuterGather.ask_record``: answered as soon as the record changes, or as it is after ``RECORD_WAIT_S``) and asked
-    again at each answer, while a round of this node's runs: a change is known as it is made, where the DHT shows it
-    after the sender's store and the next read. A question not answered within ``RECORD_WAIT_S + RECORD_ANSWER_S``
-    (a busy peer, or this node's own event loop held up) drops what that peer last gave and is asked again: its record
-    is read from the DHT meanwhile. A peer that refuses the question, or answers past the bounds, is not asked again
-    until the next round. One question at a time per peer, at most one every ``poll_s`` (a peer that answers at once
-    with what the asker holds is not asked in a loop).
+    (``OuterGather.ask_record``: answered as soon as the record changes, or as it is after ``RECORD_WAIT_S``) and
+    asked again at each answer, while a round of this node's runs: a change is known as it is made, where the DHT
+    shows it after the sender's store and the next read. A question not answered within ``RECORD_WAIT_S +
+    RECORD_ANSWER_S`` (a busy peer, or this node's own event loop held up) is waited for on; the peer's last answer
+    stands meanwhile (its post reaches the question before its DHT store begins, so the DHT holds nothing newer that
+    the answer will not bring; reading one and then the other, a round would see the peer's contributions leave and
+    come back). A peer that refuses the question, or answers past the bounds, is not asked again until the next
+    round. One question at a time per peer, at most one every ``poll_s`` (a peer that answers at once with what the
+    asker holds is not asked in a loop).
 
     Args:
         gather: asks the questions (in its event loop).
@@ -502,10 +504,9 @@ class RecordWatch:
                     self.gather.ask_record(peer, self.group, known))
                 question.add_done_callback(_retrieved)
             while not (await asyncio.wait({question}, timeout=RECORD_WAIT_S + RECORD_ANSWER_S))[0]:
-                with self._lock:  # not answered in time: read from the DHT until it answers
+                with self._lock:  # not answered in time: its last answer stands until it answers
                     if not self._current(peer, token):
                         return
-                    self._records.pop(peer, None)
             try:
                 record = question.result()
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
