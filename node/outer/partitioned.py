@@ -385,29 +385,27 @@ class PartsMerge:
     def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
                       deadline: float, committed: threading.Event) -> dict[int, torch.Tensor] | None:
         """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
-        ``participants`` and the root of its blocks (``committed`` is set then, or as it is given up); None (this node
-        merges them itself) when it merges another set, merged one or withdrew, does not name the set by ``named_by``
-        or publishes no root by ``deadline``. Its record is as it last answered the round's question for it (known as
-        it changes), read from the DHT while it does not answer (``entries_of``)."""
-        try:
-            net = self.config.net
-            peer, round_id = split_pair(name)
-            while True:
-                timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
-                entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
-                named = entry is not None and entry.participants == participants
-                if entry is not None and named and entry.merged:
-                    committed.set()
-                    return self._fetch_merged(name, want, entry.merged, participants)
-                if entry is not None and not named and (entry.fingerprint or entry.participants):
-                    return None  # it merges another set, merged one, or withdrew
-                if time.monotonic() >= (deadline if named else named_by):
-                    logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
-                                n, peer)
-                    return None
-                time.sleep(POLL_S)
-        finally:
-            committed.set()
+        ``participants`` and the root of its blocks (``committed`` is set then; ``_await_mergers`` sets it as the
+        wait ends, whatever ends it); None (this node merges them itself) when it merges another set, merged one or
+        withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its record is as it
+        last answered the round's question for it (known as it changes), read from the DHT while it does not answer
+        (``entries_of``)."""
+        net = self.config.net
+        peer, round_id = split_pair(name)
+        while True:
+            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
+            entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
+            named = entry is not None and entry.participants == participants
+            if entry is not None and named and entry.merged:
+                committed.set()
+                return self._fetch_merged(name, want, entry.merged, participants)
+            if entry is not None and not named and (entry.fingerprint or entry.participants):
+                return None  # it merges another set, merged one, or withdrew
+            if time.monotonic() >= (deadline if named else named_by):
+                logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
+                            n, peer)
+                return None
+            time.sleep(POLL_S)
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:

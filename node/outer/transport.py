@@ -80,8 +80,8 @@ RECORD_WAIT_S = 0.5
 asker holds, else once it changes or after this long: a watch learns of a change as it is made, and asks about twice a
 second while nothing changes."""
 RECORD_ANSWER_S = 1.0
-"""How much longer than ``RECORD_WAIT_S`` an asker waits for the answer: a peer slower than that is read from the DHT
-instead (a slow answer must not hold a round's loop)."""
+"""How much longer than ``RECORD_WAIT_S`` ``OuterGather.watch_record`` waits for an answer before it gives up (the
+question itself runs on: never cancelled)."""
 _RECORD_TAG_BYTES = 16
 WITHDRAWN = b"withdrawn"
 """The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
@@ -426,13 +426,12 @@ class RecordWatch:
     """The rounds records of a group's live peers, each asked of the peer itself with a question held there
     (``OuterGather.ask_record``: answered as soon as the record changes, or as it is after ``RECORD_WAIT_S``) and
     asked again at each answer, while a round of this node's runs: a change is known as it is made, where the DHT
-    shows it after the sender's store and the next read. A question not answered within ``RECORD_WAIT_S +
-    RECORD_ANSWER_S`` (a busy peer, or this node's own event loop held up) is waited for on; the peer's last answer
-    stands meanwhile (its post reaches the question before its DHT store begins, so the DHT holds nothing newer that
-    the answer will not bring; reading one and then the other, a round would see the peer's contributions leave and
-    come back). A peer that refuses the question, or answers past the bounds, is not asked again until the next
-    round. One question at a time per peer, at most one every ``poll_s`` (a peer that answers at once with what the
-    asker holds is not asked in a loop).
+    shows it after the sender's store and the next read. A question not answered in time (a busy peer, or this
+    node's own event loop held up) is waited for on; the peer's last answer stands meanwhile (its post reaches the
+    question before its DHT store begins, so the DHT holds nothing newer that the answer will not bring; reading one
+    and then the other, a round would see the peer's contributions leave and come back). A peer that refuses the
+    question, or answers past the bounds, is not asked again until the next round. One question at a time per peer,
+    at most one every ``poll_s`` (a peer that answers at once with what the asker holds is not asked in a loop).
 
     Args:
         gather: asks the questions (in its event loop).
@@ -495,20 +494,15 @@ class RecordWatch:
     async def _ask(self, peer: str, token: object) -> None:
         known = b""
         while True:
-            # The question runs as a task of its own that nothing cancels (withdrawing this loop, or a bound passed,
-            # leaves it to end): hivemind 1.1.12's reader of unary answers stops for good, and every later call of
-            # the node with it, on an answer that comes to a call cancelled a moment before.
+            # The question runs as a task of its own that nothing cancels (withdrawing this loop leaves it to end):
+            # hivemind 1.1.12's reader of unary answers stops for good, and every later call of the node with it, on
+            # an answer that comes to a call cancelled a moment before.
             question = self._questions.get(peer)
             if question is None or question.done():  # one at a time per peer, an earlier round's too
                 question = self._questions[peer] = asyncio.ensure_future(
                     self.gather.ask_record(peer, self.group, known))
-                question.add_done_callback(_retrieved)
-            while not (await asyncio.wait({question}, timeout=RECORD_WAIT_S + RECORD_ANSWER_S))[0]:
-                with self._lock:  # not answered in time: its last answer stands until it answers
-                    if not self._current(peer, token):
-                        return
-            try:
-                record = question.result()
+            try:  # however long it takes, the peer's last answer standing meanwhile; withdrawn, it runs on (shielded)
+                record = await asyncio.shield(question)
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
                 logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
                             self.group, e)
@@ -527,12 +521,6 @@ class RecordWatch:
                     self._changed.notify_all()
             known = record
             await asyncio.sleep(self.poll_s)
-
-
-def _retrieved(task: asyncio.Future[bytes]) -> None:
-    """Take a finished question's error, if any, so that one nobody waits for any more is not reported as lost."""
-    if not task.cancelled():
-        task.exception()
 
 
 def record_tag(record: bytes) -> str:
