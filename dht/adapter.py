@@ -34,6 +34,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils import get_dht_time
 
 from parallax.errors import DHTError
@@ -113,6 +114,34 @@ def quiet_orphaned_requests() -> None:
         target = logging.getLogger(name)
         if not any(isinstance(f, OrphanedRequests) for f in target.filters):
             target.addFilter(OrphanedRequests())
+
+
+def _read_past_late_replies(read: Callable[..., Any]) -> Callable[..., Any]:
+    async def read_on(self: ControlClient, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                await read(self, reader)
+                return
+            except asyncio.InvalidStateError as e:  # the whole message was read: the next one is read as before
+                logger.debug("a reply to a call given up on is dropped: %s", e)
+
+    read_on.reads_past_late_replies = True  # type: ignore[attr-defined]
+    return read_on
+
+
+def read_past_late_replies() -> None:
+    """Keep hivemind's P2P daemon connections reading when a reply lands on a call given up on, in this process and
+    the ones it forks later.
+
+    hivemind 1.1.12 answers a unary call by setting the result of the call's future, which a cancellation (the
+    caller's timeout: hivemind's own DHT requests are bounded this way) may have cancelled a moment before the
+    reply was read and before the call was forgotten. Setting it raises ``InvalidStateError`` and ends the
+    connection's one reader for good: every later call of that P2P handle (a replica, or the DHT process's own)
+    waits forever. Here the reply is dropped and the reader goes on to the next message.
+    """
+    read = ControlClient._read_from_persistent_conn
+    if not getattr(read, "reads_past_late_replies", False):
+        ControlClient._read_from_persistent_conn = _read_past_late_replies(read)
 
 
 _forking_dht = threading.Event()
@@ -493,6 +522,7 @@ class SwarmDHT:
         """
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
         quiet_orphaned_requests()
+        read_past_late_replies()  # inherited by the DHT process forked below
         start_shared_memory_manager()
         created: dict[str, Any] = {}
         if config.identity_path is not None and not config.identity_path.exists():

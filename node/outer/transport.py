@@ -495,8 +495,7 @@ class RecordWatch:
         known = b""
         while True:
             # The question runs as a task of its own that nothing cancels (withdrawing this loop leaves it to end):
-            # hivemind 1.1.12's reader of unary answers stops for good, and every later call of the node with it, on
-            # an answer that comes to a call cancelled a moment before.
+            # the peer holds it until its record changes, and the answer, however late, is its record all the same.
             question = self._questions.get(peer)
             if question is None or question.done():  # one at a time per peer, an earlier round's too
                 question = self._questions[peer] = asyncio.ensure_future(
@@ -595,8 +594,7 @@ class OuterGather(ServedOnLoop):
             MalformedMessage: a record over ``ROUND_RECORD_MAX_BYTES`` (the peer is named).
             RemoteProtocolError (rate-limited), TimeoutError and hivemind's errors: no answer within ``timeout_s``.
         """
-        # Past the bound the question is left to end on its own, never cancelled: hivemind 1.1.12's reader of unary
-        # answers stops for good on an answer that comes to a call cancelled a moment before.
+        # Past the bound the question is left to end on its own, never cancelled (as ``RecordWatch``'s).
         return asyncio.run_coroutine_threadsafe(self.ask_record(peer, group, known), self.loop).result(timeout_s)
 
     async def ask_record(self, peer: str, group: str, known: bytes) -> bytes:
