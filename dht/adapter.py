@@ -123,7 +123,7 @@ def _read_past_late_replies(read: Callable[..., Any]) -> Callable[..., Any]:
                 await read(self, reader)
                 return
             except asyncio.InvalidStateError as e:  # the whole message was read: the next one is read as before
-                logger.debug("a reply to a call given up on is dropped: %s", e)
+                logger.info("a reply to a call given up on is dropped (%s); the P2P connection reads on", e)
 
     read_on.reads_past_late_replies = True  # type: ignore[attr-defined]
     return read_on

@@ -36,6 +36,7 @@ import threading
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import msgpack
 import numpy as np
@@ -447,7 +448,7 @@ class RecordWatch:
         # peer -> (the question's token, its task): a question withdrawn (``follow``, ``stop``) writes nothing more
         self._asking: dict[str, tuple[object, concurrent.futures.Future[None]]] = {}
         self._silent: set[str] = set()  # refused a question this round
-        self._questions: dict[str, asyncio.Future[bytes]] = {}  # peer -> the latest question (the event loop's own)
+        self._questions: dict[str, asyncio.Future[bytes]] = {}  # peer -> its question still open (the event loop's own)
         self.version = 0
         """Counts the records that changed (``wait``)."""
 
@@ -487,6 +488,11 @@ class RecordWatch:
             self._records.clear()
             self._silent.clear()
 
+    def _forget(self, peer: str, question: asyncio.Future[bytes]) -> None:
+        """Drop ``peer``'s question once it ended, unless another took its place (in the event loop)."""
+        if self._questions.get(peer) is question:
+            del self._questions[peer]
+
     def _current(self, peer: str, token: object) -> bool:
         """Whether ``token``'s question is still the one held at ``peer`` (under the lock)."""
         return self._asking.get(peer, (None,))[0] is token
@@ -500,6 +506,7 @@ class RecordWatch:
             if question is None or question.done():  # one at a time per peer, an earlier round's too
                 question = self._questions[peer] = asyncio.ensure_future(
                     self.gather.ask_record(peer, self.group, known))
+                question.add_done_callback(partial(self._forget, peer))
             try:  # however long it takes, the peer's last answer standing meanwhile; withdrawn, it runs on (shielded)
                 record = await asyncio.shield(question)
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound

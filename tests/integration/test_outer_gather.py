@@ -316,7 +316,8 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
 def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
     """A ``RecordWatch`` holds a question at each peer it follows and knows each one's latest record as it is
     posted (a wait for a change ends with it), with no DHT store or read; a peer that holds none is left to the DHT;
-    a peer no longer followed, and every answer once the round stopped, is dropped."""
+    a peer no longer followed, and every answer once the round stopped, is dropped, and no question is kept once it
+    ended."""
     watch = RecordWatch(peers[1].gather, "followed", 0.05)
     server, empty = peers[0].dht.peer_id, peers[2].dht.peer_id
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
@@ -334,6 +335,9 @@ def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
         wait_until(lambda: watch.follow([server]) == {server: second}, timeout=10)  # followed again
         watch.stop()
         assert watch.follow([server]) == {}  # asked anew: nothing the stopped round heard is kept
+        watch.stop()
+        wait_until(lambda: not watch._questions, timeout=10,  # each withdrawn question forgotten as it ends
+                   explain=lambda: repr(watch._questions))
     finally:
         watch.stop()
 
