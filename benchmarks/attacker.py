@@ -562,6 +562,73 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
     return side
 
 
+def forged_heartbeat(real: Any, identity: Any) -> bytes:
+    """A composer's heartbeat for ``identity`` that copies what the attacked node announces (its step, versions,
+    run and capacity) and names a libp2p peer id nobody runs (the sha2-256 multihash of the key)."""
+    from hivemind.p2p import PeerID
+
+    from parallax.dht.adapter import dht_time
+    from parallax.dht.membership import heartbeat_value
+    from parallax.protocol.messages import Heartbeat
+
+    peer_id = PeerID(b"\x12\x20" + hashlib.sha256(identity.public_key).digest()).to_base58()
+    return heartbeat_value(Heartbeat(peer_id=peer_id, addresses=(), role="composer", capacity=real.presence.capacity,
+                                     shards=(), step=real._step, versions=dict(real._versions),
+                                     run=real.presence.run_digest, sent=dht_time()))
+
+
+def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float | None) -> Callable[[Attacker], None]:
+    """One DHT peer that signs for any key (``ManyKeysValidator``) writes ``count`` composers' heartbeats once work
+    reached the attacked node, in the members key's part each key's node reads at the attacked node's write levels.
+    ``ttl_s``: how long each lives (None: the attacked node's own TTL); they are written again before they expire
+    when ``keys_every_s`` is None, else written once and replaced by ``count`` fresh keys every ``keys_every_s``."""
+
+    def side(attacker: Attacker) -> None:
+        from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
+        from parallax.dht.keys import member_part, members_key, protected_keys
+        from parallax.dht.records import owner_subkey
+        from parallax.dht.testing import ManyKeysValidator
+        from parallax.node.config.train import SHARED_GROUPS
+        from parallax.protocol.identity import Identity
+
+        real = attacker.membership
+        while not real._progress.work_began and not attacker.stop.wait(0.5):
+            pass
+        ttl = ttl_s if ttl_s is not None else real._timing.heartbeat_ttl_s
+        validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
+            attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
+        dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
+                                       host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+        attacker.peer_ids.append(str(dht.peer_id))
+        try:
+            identities: list[Identity] = []
+            fresh_at = 0.0
+            while not attacker.stop.is_set():
+                now = time.monotonic()
+                if not identities or (keys_every_s is not None and now >= fresh_at):
+                    identities, fresh_at = [Identity.generate() for _ in range(count)], now + (keys_every_s or 0.0)
+                    for identity in identities:
+                        validator.add(identity)
+                        attacker.fingerprints.append(identity.fingerprint)
+                    attacker.write_ids()
+                elif keys_every_s is not None:  # written once: the next keys come at their time
+                    attacker.stop.wait(max(0.0, fresh_at - now))
+                    continue
+                for identity in identities:
+                    if attacker.stop.is_set():
+                        break
+                    keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
+                            for level in sorted(real._write_levels)]
+                    dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
+                                   dht_time() + ttl, timeout_s=10.0)
+                if keys_every_s is None:
+                    attacker.stop.wait(ttl / 2)
+        finally:
+            dht.shutdown()
+
+    return side
+
+
 # --- the DHT and the streams ---
 
 
@@ -663,6 +730,12 @@ ATTACKS: dict[str, Attack] = {
                          side=_extra_identities(5, squat=False)),
     "fresh-phantoms-5": Attack("5 identities like phantoms-5 that appear once rounds merge, replaced by fresh keys "
                                "every 8 s (under idle_s)", side=_fresh_phantoms(5, renew_s=8.0)),
+    "member-flood-300": Attack("300 composers' heartbeats from fresh keys, validly signed by one DHT peer once rounds "
+                               "merge, each living 120 s and written again every 60 s", side=_signed_heartbeats(
+                                   300, ttl_s=120.0, keys_every_s=None)),
+    "heartbeats-once-8": Attack("8 composers' heartbeats from fresh keys, each signed once and never renewed (the "
+                                "node's TTL), 8 fresh keys again every 60 s", side=_signed_heartbeats(
+                                    8, ttl_s=None, keys_every_s=60.0)),
     "peer-id-squatter": Attack("an identity whose heartbeats name an honest node's libp2p peer id",
                                side=_extra_identities(1, squat=True)),
     "plain-values": Attack("a stock hivemind client writes plain values under every key of the run",

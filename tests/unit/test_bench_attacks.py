@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
+
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
-from parallax.benchmarks.attacker import ATTACKS, SERVING, Attacker, alie, alie_z, inner_product_manipulation
+from parallax.benchmarks.attacker import (
+    ATTACKS,
+    SERVING,
+    Attacker,
+    alie,
+    alie_z,
+    forged_heartbeat,
+    inner_product_manipulation,
+)
 from parallax.benchmarks.attacks import (
     Layout,
     _attacker_experts,
@@ -19,7 +31,10 @@ from parallax.benchmarks.attacks import (
     whole_merges,
 )
 from parallax.node.peer.local_swarm import NodeProcess
+from parallax.dht.records import unpack_message
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
+from parallax.protocol.identity import Identity
+from parallax.protocol.messages import Heartbeat
 
 
 class _Node:
@@ -295,3 +310,15 @@ def test_a_partitioned_merges_shares_sum_to_the_whole_once_each_and_a_gathered_m
                for a, b in zip(x, y, strict=True))
     assert merge_harm(whole, lambda _: True) == pytest.approx(merge_harm({**expected, "senders": ["a", "b", "c"],
                                                                           "weights": [1.0] * 3}, lambda _: True))
+
+
+def test_a_forged_heartbeat_copies_the_attacked_nodes_announcement_under_a_peer_id_nobody_runs():
+    real = SimpleNamespace(presence=SimpleNamespace(capacity=1.0, run_digest=b"r" * 16), _step=420,
+                           _versions={"router": 3})
+    identity = Identity.from_seed(b"f" * 32)
+    beat = unpack_message(forged_heartbeat(real, identity), (Heartbeat,), peer="test")
+    assert (beat.role, beat.step, beat.versions, beat.run, beat.shards) == ("composer", 420, {"router": 3},
+                                                                             b"r" * 16, ())
+    assert PeerID.from_base58(beat.peer_id).to_bytes() == b"\x12\x20" + hashlib.sha256(identity.public_key).digest()
+    assert not beat.probation  # a liar does not say it has shown no work
+
