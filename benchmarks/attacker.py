@@ -526,13 +526,15 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
     def side(attacker: Attacker) -> None:
         from parallax.dht.adapter import DHTConfig, SwarmDHT
         from parallax.dht.keys import protected_keys
-        from parallax.dht.testing import ManyKeysValidator
+        from parallax.dht.testing import ManyKeysValidator, sign_for
         from parallax.node.config.train import SHARED_GROUPS
         from parallax.protocol.identity import Identity
 
         real, phantom_class = attacker.membership, _phantom_class()
         while not real._progress.work_began and not attacker.stop.wait(0.5):
             pass
+        if attacker.stop.is_set():
+            return
         validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
             attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
         dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
@@ -541,9 +543,8 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
         try:
             while not attacker.stop.is_set():
                 identities = [Identity.generate() for _ in range(count)]
-                for identity in identities:
-                    validator.add(identity)
-                    attacker.fingerprints.append(identity.fingerprint)
+                sign_for(dht, identities)
+                attacker.fingerprints.extend(identity.fingerprint for identity in identities)
                 attacker.write_ids()
                 phantoms = [phantom_class(dht, identity, real.config, shards=real.shards) for identity in identities]
                 try:
@@ -572,28 +573,32 @@ def forged_heartbeat(real: Any, identity: Any) -> bytes:
     from parallax.protocol.messages import Heartbeat
 
     peer_id = PeerID(b"\x12\x20" + hashlib.sha256(identity.public_key).digest()).to_base58()
+    with real._lock:
+        step, versions = real._step, dict(real._versions)
     return heartbeat_value(Heartbeat(peer_id=peer_id, addresses=(), role="composer", capacity=real.presence.capacity,
-                                     shards=(), step=real._step, versions=dict(real._versions),
-                                     run=real.presence.run_digest, sent=dht_time()))
+                                     shards=(), step=step, versions=versions, run=real.presence.run_digest,
+                                     sent=dht_time()))
 
 
 def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float | None) -> Callable[[Attacker], None]:
     """One DHT peer that signs for any key (``ManyKeysValidator``) writes ``count`` composers' heartbeats once work
     reached the attacked node, in the members key's part each key's node reads at the attacked node's write levels.
-    ``ttl_s``: how long each lives (None: the attacked node's own TTL); they are written again before they expire
-    when ``keys_every_s`` is None, else written once and replaced by ``count`` fresh keys every ``keys_every_s``."""
+    ``ttl_s``: how long each lives (None: the attacked node's own TTL); they are written again every half of it when
+    ``keys_every_s`` is None, else written once and replaced by ``count`` fresh keys every ``keys_every_s``."""
 
     def side(attacker: Attacker) -> None:
         from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
         from parallax.dht.keys import member_part, members_key, protected_keys
         from parallax.dht.records import owner_subkey
-        from parallax.dht.testing import ManyKeysValidator
+        from parallax.dht.testing import ManyKeysValidator, sign_for
         from parallax.node.config.train import SHARED_GROUPS
         from parallax.protocol.identity import Identity
 
         real = attacker.membership
         while not real._progress.work_began and not attacker.stop.wait(0.5):
             pass
+        if attacker.stop.is_set():
+            return
         ttl = ttl_s if ttl_s is not None else real._timing.heartbeat_ttl_s
         validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
             attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
@@ -604,25 +609,28 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
             identities: list[Identity] = []
             fresh_at = 0.0
             while not attacker.stop.is_set():
-                now = time.monotonic()
-                if not identities or (keys_every_s is not None and now >= fresh_at):
-                    identities, fresh_at = [Identity.generate() for _ in range(count)], now + (keys_every_s or 0.0)
-                    for identity in identities:
-                        validator.add(identity)
-                        attacker.fingerprints.append(identity.fingerprint)
+                began = time.monotonic()
+                if not identities or (keys_every_s is not None and began >= fresh_at):
+                    identities, fresh_at = [Identity.generate() for _ in range(count)], began + (keys_every_s or 0.0)
+                    sign_for(dht, identities)
+                    attacker.fingerprints.extend(identity.fingerprint for identity in identities)
                     attacker.write_ids()
                 elif keys_every_s is not None:  # written once: the next keys come at their time
-                    attacker.stop.wait(max(0.0, fresh_at - now))
+                    attacker.stop.wait(fresh_at - began)
                     continue
+                refused = 0
                 for identity in identities:
                     if attacker.stop.is_set():
                         break
                     keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
                             for level in sorted(real._write_levels)]
-                    dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
-                                   dht_time() + ttl, timeout_s=10.0)
+                    stored = dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
+                                            dht_time() + ttl, timeout_s=10.0)
+                    refused += not all(stored.values())
+                if refused:
+                    logger.warning("%d of %d forged heartbeats were not stored", refused, len(identities))
                 if keys_every_s is None:
-                    attacker.stop.wait(ttl / 2)
+                    attacker.stop.wait(max(0.0, began + ttl / 2 - time.monotonic()))
         finally:
             dht.shutdown()
 

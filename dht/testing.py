@@ -7,6 +7,7 @@ Every peer binds port 0 on 127.0.0.1; later peers bootstrap from the first, the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
 import msgpack
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from hivemind.dht.validation import DHTRecord
 
 from parallax.dht.adapter import DHTConfig, SwarmDHT
@@ -58,7 +60,9 @@ def agreed(views: Sequence[SwarmView], gone: str | None = None, now: float | Non
 
 class ManyKeysValidator(Ed25519RecordValidator):
     """An attacker's DHT peer (tests and ``bench attacks``): it signs each record with the key its subkey names, so
-    one peer writes validly signed records for any number of identities (``add`` them, before or while it runs)."""
+    one peer writes validly signed records for any number of identities. Records are signed in the DHT process,
+    which hivemind forks with the validator as it is then: ``add`` identities before the peer starts, ``sign_for``
+    once it runs."""
 
     def __init__(self, identities: Sequence[Identity], **kwargs: Any) -> None:
         super().__init__(identities[0], **kwargs)
@@ -72,6 +76,23 @@ class ManyKeysValidator(Ed25519RecordValidator):
     def sign_value(self, record: DHTRecord) -> bytes:
         self._identity, self._own_subkey_bytes = self._keys[record.subkey], record.subkey
         return super().sign_value(record)
+
+
+def sign_for(dht: SwarmDHT, identities: Sequence[Identity], timeout_s: float = 30.0) -> None:
+    """Make the running ``dht``'s ``ManyKeysValidator`` sign for ``identities`` too (in its DHT process).
+
+    Raises:
+        TimeoutError: the DHT process did not take them within ``timeout_s``.
+    """
+    seeds = [i.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()) for i in identities]
+    dht.hivemind_dht.run_coroutine(functools.partial(_sign_for, seeds), return_future=True).result(timeout_s)
+
+
+async def _sign_for(seeds: Sequence[bytes], _: Any, node: Any) -> None:
+    for validator in node.protocol.record_validator._validators:
+        if isinstance(validator, ManyKeysValidator):
+            for seed in seeds:
+                validator.add(Identity.from_seed(seed))
 
 
 def fixed_identity(i: int) -> Identity:

@@ -21,7 +21,8 @@ from parallax.dht.records import (
     sign_record_for_test,
     stored_value,
 )
-from parallax.dht.testing import LocalSwarm, agreed, fixed_identity, wait_until
+from parallax.dht.testing import LocalSwarm, ManyKeysValidator, agreed, fixed_identity, sign_for, wait_until
+from parallax.protocol.identity import Identity
 from parallax.protocol.messages import Heartbeat, ShardClaim
 
 RUN = "itest"
@@ -136,3 +137,29 @@ def test_replay_of_an_older_genuine_record_cannot_roll_the_victim_back(arena):
         entry = p.dht.local_dict(key).get(sub)
         assert entry is not None and entry[1] > now + 0.5  # hivemind keeps the strictly later record
     assert _genuine_heartbeat_everywhere(honest, victim)
+
+
+def test_an_attackers_peer_signs_for_keys_given_once_it_runs_and_the_honest_peers_take_them(swarm: LocalSwarm):
+    """``ManyKeysValidator`` signs in the DHT process, forked with the keys it held: a key added there afterwards
+    only (the parent's copy) signs nothing; ``sign_for`` gives it to the running peer, whose heartbeats under it
+    every honest view then shows (the tool the heartbeat-flood attacks of ``bench attacks`` write with)."""
+    honest = [swarm.add(i, shards=SHARDS, **FAST) for i in range(2)]
+    first, later = fixed_identity(200), fixed_identity(201)
+    validator = ManyKeysValidator([first])
+    writer = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [validator])
+    try:
+        beat = pack_message(Heartbeat(peer_id=str(writer.peer_id), addresses=(), role="composer", capacity=1.0,
+                                      shards=(), step=0))
+
+        def store(identity: Identity) -> bool:
+            return writer.store(members_key(swarm.run_id), owner_subkey(identity.public_key), beat,
+                                dht_time() + 30, timeout_s=10)
+
+        validator.add(later)  # the parent's copy only
+        assert not store(later)
+        sign_for(writer, [later])
+        assert store(later) and store(first)
+        wait_until(lambda: all({first.fingerprint, later.fingerprint} <= set(p.membership.view().alive())
+                               for p in honest), timeout=20)
+    finally:
+        writer.shutdown()

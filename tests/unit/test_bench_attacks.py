@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -30,8 +31,8 @@ from parallax.benchmarks.attacks import (
     run_attacks,
     whole_merges,
 )
-from parallax.node.peer.local_swarm import NodeProcess
 from parallax.dht.records import unpack_message
+from parallax.node.peer.local_swarm import NodeProcess
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import Heartbeat
@@ -314,7 +315,7 @@ def test_a_partitioned_merges_shares_sum_to_the_whole_once_each_and_a_gathered_m
 
 def test_a_forged_heartbeat_copies_the_attacked_nodes_announcement_under_a_peer_id_nobody_runs():
     real = SimpleNamespace(presence=SimpleNamespace(capacity=1.0, run_digest=b"r" * 16), _step=420,
-                           _versions={"router": 3})
+                           _versions={"router": 3}, _lock=threading.Lock())
     identity = Identity.from_seed(b"f" * 32)
     beat = unpack_message(forged_heartbeat(real, identity), (Heartbeat,), peer="test")
     assert (beat.role, beat.step, beat.versions, beat.run, beat.shards) == ("composer", 420, {"router": 3},
