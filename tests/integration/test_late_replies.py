@@ -8,7 +8,11 @@ the reply on the cancelled call's future, which raises in its one reader of the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
+import socket
+import time
+import typing
 
 import pytest
 from hivemind.p2p import PeerID
@@ -32,6 +36,30 @@ async def _call(p2p: object, peer: PeerID, uid: str) -> runtime_pb2.ExpertRespon
         peer, ECHO, runtime_pb2.ExpertRequest(uid=uid), runtime_pb2.ExpertResponse)
 
 
+def _hold_until_a_whole_message_waits(connection: typing.Any) -> None:
+    """Block (the caller's event loop with it) until a whole length-prefixed message waits unread on ``connection``
+    (asyncio's wrapper of the daemon connection's socket: peeked through a duplicate of it)."""
+    deadline = time.monotonic() + ANSWER_S
+    with socket.fromfd(connection.fileno(), connection.family, connection.type) as peek:
+        while True:
+            assert select.select([peek], [], [], max(0.0, deadline - time.monotonic()))[0], \
+                "no whole reply reached the daemon connection"
+            if _framed_length(peek.recv(1 << 16, socket.MSG_PEEK)) is not None:
+                return
+            time.sleep(0.001)
+
+
+def _framed_length(waiting: bytes) -> int | None:
+    """The length of the message at the head of ``waiting`` with its varint prefix, when all of it is there."""
+    length = 0
+    for i, byte in enumerate(waiting):
+        length |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            whole = i + 1 + length
+            return whole if len(waiting) >= whole else None
+    return None
+
+
 async def _give_up_as_the_reply_is_read(p2p: object, peer: PeerID, turns: int) -> None:
     """Cancel a call after its reply reached this process's daemon connection, ``turns`` turns of the loop later
     (two puts the reader's wake-up ahead of the cancelled call's own)."""
@@ -40,8 +68,7 @@ async def _give_up_as_the_reply_is_read(p2p: object, peer: PeerID, turns: int) -
     call = asyncio.create_task(_call(p2p, peer, "late"))
     for _ in range(3):  # the request is written to the daemon
         await asyncio.sleep(0)
-    readable, _, _ = select.select([connection], [], [], ANSWER_S)  # holds the loop: the reply waits unread
-    assert readable, "the reply never reached the daemon connection"
+    _hold_until_a_whole_message_waits(connection)  # holds the loop: the reply waits unread
     for _ in range(turns):
         await asyncio.sleep(0)
     call.cancel()
@@ -52,8 +79,8 @@ async def _give_up_as_the_reply_is_read(p2p: object, peer: PeerID, turns: int) -
     assert answer.metadata == f"after {turns}".encode()
 
 
-def test_a_reply_to_a_call_given_up_on_leaves_later_calls_answered() -> None:
-    with LocalSwarm("late-replies") as swarm:
+def test_a_reply_to_a_call_given_up_on_leaves_later_calls_answered(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="parallax.dht.adapter"), LocalSwarm("late-replies") as swarm:
         server, client = swarm.add_dht(fixed_identity(0)), swarm.add_dht(fixed_identity(1))
         loops = [NetworkLoop(server.dht, "server"), NetworkLoop(client.dht, "client")]
         try:
@@ -65,3 +92,5 @@ def test_a_reply_to_a_call_given_up_on_leaves_later_calls_answered() -> None:
         finally:
             for loop in loops:
                 loop.close()
+    dropped = [r for r in caplog.records if "a reply to a call given up on is dropped" in r.getMessage()]
+    assert dropped, "no reply landed on a call given up on: the race was not met"
