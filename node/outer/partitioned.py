@@ -23,11 +23,12 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    blocks its root does not lead to, has its blocks merged by this node itself, from the contributions: a gathered
    round's cost for that share, so a round degrades to the gathered round's bytes, never to merging nothing.
 5. It recomputes blocks of the others' shares drawn at random from the contributions (``rechecks``: a body's worth
-   of fetches, a block of each merger in turn, all fetched in one request per contribution and merged at once) once
-   their mergers published their roots, while their shares come, and compares each share with them (``agrees``): a
-   block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger (``Evidence.MISMERGED``), whose blocks
-   this node then merges itself; a recomputed block of a share that does not come is used as it is. Rechecks that
-   cannot be made (a contribution's block does not arrive) are skipped: the shares are here.
+   of fetches, a block of each merger in turn), fetched in one request per contribution for the shares whose mergers
+   published their roots by then and merged at once, while the other shares come, and compares each share with them
+   (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
+   (``Evidence.MISMERGED``), whose blocks this node then merges itself; a recomputed block of a share that does not
+   come is used as it is. Rechecks that cannot be made (a contribution's block does not arrive) are skipped: the
+   shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
 took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
@@ -52,7 +53,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -187,8 +188,27 @@ def round_bytes(block_sizes: Sequence[Sequence[int]], merged_sizes: Sequence[int
     return round(to_mergers + (n - 1) * sum(merged_sizes) + checks * (n - 1) * mean_block)
 
 
-def _set_when_done(event: threading.Event, _: Future[Any]) -> None:
-    event.set()
+class Commits:
+    """The other mergers of a round (their contributions' names) that published the root of their merged blocks, or
+    whose wait for it ended whatever ended it, in the order they did."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._marked: list[str] = []
+
+    def mark(self, name: str, *_: object) -> None:
+        """``name`` committed (or was given up); also a future's done callback."""
+        with self._changed:
+            if name not in self._marked:
+                self._marked.append(name)
+                self._changed.notify_all()
+
+    def marked_among(self, names: Collection[str]) -> list[str]:
+        """Wait until one of ``names`` is marked (each merger's wait is bounded, and its end marks it); those marked
+        by then, in the order they were."""
+        with self._changed:
+            self._changed.wait_for(lambda: any(name in names for name in self._marked))
+            return [name for name in self._marked if name in names]
 
 
 class Unmergeable(Exception):
@@ -276,16 +296,14 @@ class PartsMerge:
             blocks.update(got)
         published = time.monotonic()
         others = {name: want for name, want in owners.items() if name != me and want}
-        committed = {name: threading.Event() for name in others}
-        flights = self._await_mergers(n, others, participants, committed)
+        commits = Commits()
+        flights = self._await_mergers(n, others, participants, commits)
         # While the others' shares come: this node's own merge of blocks of theirs drawn at random, to check the
-        # shares against (and to use for any share that does not come). Its requests go out once every merger of a
-        # drawn block published its root (or was given up): a merger learns which of its blocks are checked only
-        # after it committed to them.
+        # shares against (and to use for any share that does not come). The blocks of a merger's share are asked of
+        # their senders once that merger published its root (or was given up): a merger learns which of its blocks
+        # are checked only after it committed to them.
         picks = self._picks(others, len(participants))[:MAX_BLOCKS]  # one request per contribution holds these
-        for name in {name for name, _ in picks}:
-            committed[name].wait()
-        again = self._recompute(n, me, picks, participants, claims, mine, weights, spans)
+        again = self._recheck(n, me, picks, commits, participants, claims, mine, weights, spans)
         rechecked = time.monotonic()
         taken: dict[str, list[int]] = {}
         for name, flight in flights.items():
@@ -296,7 +314,7 @@ class PartsMerge:
         shared = time.monotonic()
         redo = {i for name, want in others.items() if name not in taken for i in want}
         redo |= self._compare(n, picks, again, taken, blocks)
-        known = {i: again[i] for i in redo if again is not None and i in again}  # merged here already
+        known = {i: again[i] for i in redo if i in again}  # merged here already
         blocks.update(known)
         if redo:
             logger.info("outer round %s/%d: this node merges %d blocks of %d others' shares itself (%d of them merged "
@@ -314,36 +332,40 @@ class PartsMerge:
                     time.monotonic() - shared)
         return assemble(blocks, self.shapes), audit, geometry
 
-    def _recompute(self, n: int, me: str, picks: Sequence[tuple[str, int]], participants: tuple[str, ...],
-                   claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor], weights: Sequence[float],
-                   spans: Sequence[float] | None) -> dict[int, torch.Tensor] | None:
-        """The blocks ``picks`` names (merger, block) merged here, all at once: each contribution's picked blocks
-        come in one request, and each block is merged on its own, as its merger merges it. None when there are none,
-        no contribution had weight, or a contribution's blocks do not arrive (the rechecks are then skipped: the
-        shares are here)."""
-        if not picks:
-            return None
-        try:
-            again, _, _ = self._merge_here(me, sorted({i for _, i in picks}), participants, claims, mine, weights,
-                                           spans)
-        except Unmergeable as e:
-            logger.info("outer round %s/%d: %d rechecks skipped: %s", self.group, n, len(picks), e)
-            return None
+    def _recheck(self, n: int, me: str, picks: Sequence[tuple[str, int]], commits: Commits,
+                 participants: tuple[str, ...], claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor],
+                 weights: Sequence[float], spans: Sequence[float] | None) -> dict[int, torch.Tensor]:
+        """The blocks ``picks`` names (merger, block) merged here, the shares' of the mergers marked in ``commits`` by
+        then at each turn, while the others still merge: each contribution's picked blocks of those shares come in
+        one request, and each block is merged on its own, as its merger merges it. None are left when no
+        contribution had weight; when a contribution's blocks do not arrive, the rest of the rechecks are skipped
+        (each needs every contribution's block; the shares are here)."""
+        pending: dict[str, list[int]] = {}
+        for name, i in picks:
+            pending.setdefault(name, []).append(i)
+        again: dict[int, torch.Tensor] = {}
+        while pending:
+            want = sorted(i for name in commits.marked_among(pending) for i in pending.pop(name))
+            try:
+                got, _, _ = self._merge_here(me, want, participants, claims, mine, weights, spans)
+            except Unmergeable as e:
+                skipped = len(want) + sum(map(len, pending.values()))
+                logger.info("outer round %s/%d: %d rechecks skipped: %s", self.group, n, skipped, e)
+                break
+            again.update(got or {})
         return again
 
-    def _compare(self, n: int, picks: Sequence[tuple[str, int]], again: Mapping[int, torch.Tensor] | None,
+    def _compare(self, n: int, picks: Sequence[tuple[str, int]], again: Mapping[int, torch.Tensor],
                  taken: dict[str, list[int]], blocks: Mapping[int, torch.Tensor]) -> set[int]:
         """Check the shares that came (``taken``: merger -> its blocks, which ``blocks`` holds as served) against this
         node's recomputation ``again`` of the blocks ``picks`` drew. A merger with a block off by more than
         ``RECHECK_TOLERANCE`` is evidence (``Evidence.MISMERGED``), leaves ``taken``, and its blocks are returned for
         this node to merge itself."""
-        if again is None:
-            return set()
-        self.rechecked += sum(1 for name, _ in picks if name in taken)
+        self.rechecked += sum(1 for name, i in picks if name in taken and i in again)
         redo: set[int] = set()
         for name, i in picks:
-            if name not in taken or agrees(again[i], blocks[i]):
-                continue  # right, did not come (merged here), or another of its blocks disagreed: merged here already
+            if name not in taken or i not in again or agrees(again[i], blocks[i]):
+                continue  # right, not recomputed, did not come (merged here), or another of its blocks disagreed
             self.mismerged += 1
             peer = split_pair(name)[0]
             if self.scores is not None:
@@ -368,28 +390,28 @@ class PartsMerge:
                 if odds >= 1 or draw.random() < odds]
 
     def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
-                       committed: Mapping[str, threading.Event]) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
+                       commits: Commits) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
         """Watch each other merger (``others``: contribution -> its blocks) until it publishes the root of its merged
-        blocks of ``participants``, and fetch them (``_await_merger``; ``committed``: set for each as it published
+        blocks of ``participants``, and fetch them (``_await_merger``; each is marked in ``commits`` as it published
         its root or was given up)."""
         net = self.config.net
         named_by = time.monotonic() + net.verify_timeout_s
         deadline = named_by + net.allreduce_timeout_s
         flights = {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline,
-                                          committed[name])
+                                          commits)
                    for name, want in others.items()}
         for name, flight in flights.items():  # also when it is dropped before it runs (the node closes)
-            flight.add_done_callback(functools.partial(_set_when_done, committed[name]))
+            flight.add_done_callback(functools.partial(commits.mark, name))
         return flights
 
     def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
-                      deadline: float, committed: threading.Event) -> dict[int, torch.Tensor] | None:
+                      deadline: float, commits: Commits) -> dict[int, torch.Tensor] | None:
         """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
-        ``participants`` and the root of its blocks (``committed`` is set then; ``_await_mergers`` sets it as the
-        wait ends, whatever ends it); None (this node merges them itself) when it merges another set, merged one or
-        withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its record is as it
-        last answered the round's question for it (known as it changes), read from the DHT while it does not answer
-        (``entries_of``)."""
+        ``participants`` and the root of its blocks (``name`` is marked in ``commits`` then; ``_await_mergers`` marks
+        it as the wait ends, whatever ends it); None (this node merges them itself) when it merges another set,
+        merged one or withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its
+        record is as it last answered the round's question for it (known as it changes), read from the DHT while it
+        does not answer (``entries_of``)."""
         net = self.config.net
         peer, round_id = split_pair(name)
         while True:
@@ -397,7 +419,7 @@ class PartsMerge:
             entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
             named = entry is not None and entry.participants == participants
             if entry is not None and named and entry.merged:
-                committed.set()
+                commits.mark(name)
                 return self._fetch_merged(name, want, entry.merged, participants)
             if entry is not None and not named and (entry.fingerprint or entry.participants):
                 return None  # it merges another set, merged one, or withdrew

@@ -392,11 +392,13 @@ _NotingBlocks.__name__ = ContributionServicer.__name__
 
 
 def test_a_merger_is_asked_for_the_blocks_rechecked_in_its_share_only_once_it_published_their_root(peers):
-    """Peer 0 publishes the root of its share a second late. Every other sender draws one of its blocks to recheck
-    and merges the drawn blocks while the shares come; no question for a block of peer 0's share reaches peer 0
-    before its root is out (a merger that knew which of its blocks are checked could lie on the others), and all
-    apply the merge one process makes. Measured in a second round: in the first, each node probes one block of peer
-    0's contribution at random before the set is known (a sender not yet heard from serves a block first)."""
+    """Peer 0 publishes the root of its share two seconds late. Every other sender draws one block of each other
+    merger's share to recheck and merges the drawn blocks while the shares come; no question for a block of peer 0's
+    share reaches peer 0 before its root is out (a merger that knew which of its blocks are checked could lie on the
+    others), while the shares committed on time are rechecked meanwhile (peer 0, a sender of every block, is asked
+    for their blocks before its root is out), and all apply the merge one process makes. Measured in a second round:
+    in the first, each node probes one block of peer 0's contribution at random before the set is known (a sender
+    not yet heard from serves a block first)."""
     with _gathers(peers, "gather-noted", 0, _NotingBlocks) as gathers, \
             _averagers(peers, "parts-noted", compression="int4", aggregation="parts", shapes=PARTS,
                        gathers=gathers) as averagers:
@@ -406,7 +408,7 @@ def test_a_merger_is_asked_for_the_blocks_rechecked_in_its_share_only_once_it_pu
 
         def announce(n: int, participants: tuple[str, ...], root: bytes) -> None:
             if root:
-                time.sleep(1.0)
+                time.sleep(2.0)
                 rooted.append(time.monotonic())
             honest(n, participants, root)
 
@@ -421,10 +423,14 @@ def test_a_merger_is_asked_for_the_blocks_rechecked_in_its_share_only_once_it_pu
                 assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
                 assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
         participants = tuple(sorted(pair(p.dht.peer_id, 4) for p in peers))
-        share = set(assignment(participants, len(block_layout(PARTS)))[pair(peers[0].dht.peer_id, 4)])
+        shares = assignment(participants, len(block_layout(PARTS)))
+        share = set(shares[pair(peers[0].dht.peer_id, 4)])
         asked = [(at, wanted) for at, wanted in gathers[0].servicer.asked if at >= began]
         rechecks = [at for at, wanted in asked if share & set(wanted)]
         assert len(rechecks) == 3 and min(rechecks) >= rooted[-1], (rooted, asked, share)
+        merges = [sorted(shares[pair(p.dht.peer_id, 4)]) for p in peers[1:]]  # each merger's fetch of its share
+        early = [wanted for at, wanted in asked if at < rooted[-1] and sorted(wanted) not in merges]
+        assert early, (rooted, asked, merges)  # the shares committed on time were rechecked while peer 0 merged
 
 
 class _NoBlocks(ContributionServicer):
