@@ -489,7 +489,10 @@ class RecordWatch:
             self._silent.clear()
 
     def _forget(self, peer: str, question: asyncio.Future[bytes]) -> None:
-        """Drop ``peer``'s question once it ended, unless another took its place (in the event loop)."""
+        """Drop ``peer``'s question once it ended, unless another took its place (in the event loop). Its error is
+        taken here: the round that asked it may have withdrawn, and its ``_ask`` logged the peer's silence if not."""
+        if not question.cancelled():
+            question.exception()
         if self._questions.get(peer) is question:
             del self._questions[peer]
 
