@@ -518,28 +518,41 @@ def _extra_identities(count: int, *, squat: bool) -> Callable[[Attacker], None]:
     return side
 
 
+def _signer_once_work_began(attacker: Attacker) -> Any:
+    """Once work reached the attacked node: a DHT peer of the attacker's that signs for any key given to it
+    (``ManyKeysValidator``, ``sign_for``); None when the attack stopped first."""
+    from parallax.dht.adapter import DHTConfig, SwarmDHT
+    from parallax.dht.keys import protected_keys
+    from parallax.dht.testing import ManyKeysValidator
+    from parallax.node.config.train import SHARED_GROUPS
+    from parallax.protocol.identity import Identity
+
+    real = attacker.membership
+    while not real._progress.work_began and not attacker.stop.wait(0.5):
+        pass
+    if attacker.stop.is_set():
+        return None
+    validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
+        attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
+    dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
+                                   host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
+    attacker.peer_ids.append(str(dht.peer_id))
+    return dht
+
+
 def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
     """``count`` composers' heartbeats that appear once work reached the attacked node (a merged round), announcing
     its step and settings, all of them replaced by fresh keys every ``renew_s`` seconds; one DHT node of the
     attacker's signs for every key (a validator that signs each record with the key its subkey names)."""
 
     def side(attacker: Attacker) -> None:
-        from parallax.dht.adapter import DHTConfig, SwarmDHT
-        from parallax.dht.keys import protected_keys
-        from parallax.dht.testing import ManyKeysValidator, sign_for
-        from parallax.node.config.train import SHARED_GROUPS
+        from parallax.dht.testing import sign_for
         from parallax.protocol.identity import Identity
 
         real, phantom_class = attacker.membership, _phantom_class()
-        while not real._progress.work_began and not attacker.stop.wait(0.5):
-            pass
-        if attacker.stop.is_set():
+        dht = _signer_once_work_began(attacker)
+        if dht is None:
             return
-        validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
-            attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
-        dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
-                                       host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
-        attacker.peer_ids.append(str(dht.peer_id))
         try:
             while not attacker.stop.is_set():
                 identities = [Identity.generate() for _ in range(count)]
@@ -587,24 +600,17 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
     ``keys_every_s`` is None, else written once and replaced by ``count`` fresh keys every ``keys_every_s``."""
 
     def side(attacker: Attacker) -> None:
-        from parallax.dht.adapter import DHTConfig, SwarmDHT, dht_time
-        from parallax.dht.keys import member_part, members_key, protected_keys
+        from parallax.dht.adapter import dht_time
+        from parallax.dht.keys import member_part, members_key
         from parallax.dht.records import owner_subkey
-        from parallax.dht.testing import ManyKeysValidator, sign_for
-        from parallax.node.config.train import SHARED_GROUPS
+        from parallax.dht.testing import sign_for
         from parallax.protocol.identity import Identity
 
         real = attacker.membership
-        while not real._progress.work_began and not attacker.stop.wait(0.5):
-            pass
-        if attacker.stop.is_set():
-            return
         ttl = ttl_s if ttl_s is not None else real._timing.heartbeat_ttl_s
-        validator = ManyKeysValidator([Identity.generate()], protected_keys=protected_keys(
-            attacker.run_id, real.shards.n_layers, SHARED_GROUPS), learn_protected=False)
-        dht = SwarmDHT.start(DHTConfig(initial_peers=tuple(attacker.initial_peers),
-                                       host_maddrs=("/ip4/127.0.0.1/tcp/0",)), [validator])
-        attacker.peer_ids.append(str(dht.peer_id))
+        dht = _signer_once_work_began(attacker)
+        if dht is None:
+            return
         try:
             identities: list[Identity] = []
             fresh_at = 0.0
