@@ -12,13 +12,12 @@ The transport and the pure parts are in ``transport``; this is the round itself,
    contribution in. The quorum counts, beside the composers whose work reached this node, the senders of the
    contributions on offer (one record every node reads); a node holding a quorum merges at once only when its
    contribution ranks first among those on offer, and otherwise gives that one's sender ``verify_timeout_s`` to
-   publish a set naming ours. While the round runs, the record of every live peer that shows work is asked of the
-   peer itself and known as it changes (``transport.RecordWatch``), read from the DHT for the other peers and those
-   that do not answer: the contributions on offer and the sets are seen as they are made. Without a quorum, a node
-   that trains on meanwhile (``due``) keeps its contribution on offer until it is told to end (``background``: a few
-   of its group's periods at most): composers of unequal pace then find one another's contributions on offer
-   whenever they come, not only during a wait of their own; when a quorum then comes, it waits
-   ``min_matchmaking_time_s`` more for the rest. Without
+   publish a set naming ours. While the round runs, every live peer's record is asked of the peer itself and known as
+   it changes (``transport.RecordWatch``), read from the DHT for the peers that do not answer: the contributions on
+   offer and the sets are seen as they are made. Without a quorum, a node that trains on meanwhile (``due``) keeps
+   its contribution on offer until it is told to end (``background``: a few of its group's periods at most):
+   composers of unequal pace then find one another's contributions on offer whenever they come, not only during a
+   wait of their own; when a quorum then comes, it waits ``min_matchmaking_time_s`` more for the rest. Without
    ``due`` the round gives up after ``matchmaking_timeout_s``. Giving up takes the contribution off offer; when a
    peer had fetched it, this node watches the records for ``verify_timeout_s`` for a set naming it (a peer that read
    it on offer just before may be merging it) and takes that set, so that no peer applies a merge of its contribution
@@ -151,7 +150,7 @@ class GatheredRounds:
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
-        self._watch = RecordWatch(gather, records.group, POLL_S)  # working peers' records while a round runs
+        self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
         self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
         self._read_all_at = 0.0  # when ``_entries_of`` next reads every peer's record from the DHT
         self.parts: PartsMerge | None = None
@@ -588,12 +587,10 @@ class GatheredRounds:
             return set(self._held)
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        """The live peers' entries by round (``_entries_of``), each of those that show work asked for its record
-        while the round runs (``RecordWatch.follow``); the others' records come from the DHT, where one read holds
-        every peer's (heartbeats from a flood of fresh keys would otherwise each cost every node a question, and
-        libp2p a lookup of a peer nobody runs, every round)."""
+        """The live peers' entries by round (``_entries_of``), each live peer asked for its record while the round
+        runs (``RecordWatch.follow``)."""
         live = self._live()
-        self._watch.follow(self._working())
+        self._watch.follow(live)
         return self._entries_of(sorted(live), timeout_s)
 
     def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:

@@ -255,24 +255,6 @@ def test_the_first_ranked_senders_set_is_seen_in_its_own_answer_before_the_dht_s
         node.close()
 
 
-def test_only_the_peers_that_show_work_are_asked_and_the_others_records_come_from_the_dht() -> None:
-    """As above with D live beside them, a heartbeat whose work never reached A (a fresh key of a flood, say): A asks
-    B and C for their records and not D, whose record every read still takes from the DHT."""
-    names = _ranked("B", "A", "C")
-    on_offer = _open(names["B"], names["C"])
-    ours = tuple(sorted((names["A"], names["B"])))
-    record = encode_record(list(_entry("B", split_pair(names["B"])[1], ours).values()))
-    node = _Scripted([on_offer], RoundPeers(lambda: ["A", "B", "C", "D"], lambda: ["A", "B", "C"]),
-                     asked={"B": record}, verify_timeout_s=30.0, matchmaking_timeout_s=60.0)
-    try:
-        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {names["A"]: ({"w": torch.zeros(4)}, 1.0)}
-        assert node._collect(names["A"], found) == ours
-        assert node.answers.followed == {"B", "C"}
-        assert node.read_peers and all("D" in peers for peers in node.read_peers), node.read_peers
-    finally:
-        node.close()
-
-
 def test_a_peers_answer_stands_for_its_record_and_is_shown_to_the_witness_once() -> None:
     """B answers A's question with its record, C does not: every read takes B's entries from its answer and C's
     from the DHT (a read for C alone, but once a second for both: the witness sees what B stores too), and the witness
