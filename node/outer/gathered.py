@@ -59,6 +59,7 @@ from parallax.node.outer.partitioned import PartsMerge, Unmergeable
 from parallax.node.outer.records import (
     IDLE_POLL_S,
     POLL_S,
+    RETRY_S,
     SLOW_POLL_S,
     LatestRecord,
     RoundDue,
@@ -111,7 +112,6 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
-_RETRY_S = 0.5  # a contribution whose fetch failed without evidence against its sender is asked for again after this
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
@@ -790,7 +790,7 @@ class GatheredRounds:
                 if bad or set_aside:
                     self._refused[name] = repr(e)
                 else:  # not held (yet), a timeout, a broken stream: asked again after a pause
-                    self._retry_at[name] = time.monotonic() + _RETRY_S
+                    self._retry_at[name] = time.monotonic() + RETRY_S
                 self._failing[peer] = None
                 for kept in (self._refused, self._retry_at, self._failing):
                     while len(kept) > _REFUSED_KEPT:

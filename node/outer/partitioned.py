@@ -27,8 +27,8 @@ the result's fingerprint verified by a majority of them. What changes is who mer
    published their roots by then and merged at once, while the other shares come, and compares each share with them
    (``agrees``): a block off by more than ``RECHECK_TOLERANCE`` is evidence against its merger
    (``Evidence.MISMERGED``), whose blocks this node then merges itself; a recomputed block of a share that does not
-   come is used as it is. Rechecks that cannot be made (a contribution's block does not arrive) are skipped: the
-   shares are here.
+   come is used as it is. Rechecks that cannot be made (a contribution's block does not arrive, asked for twice when
+   the cause is no evidence) are skipped: the shares are here.
 
 Every block anyone applies went through ``MERGED_WIRE`` once (the merger's own blocks included), so the peers that
 took a set's blocks from its mergers, or merged some themselves, apply the same tensors.
@@ -69,7 +69,7 @@ from parallax.node.outer.blocks import (
     blocks_cap,
     decode_block,
 )
-from parallax.node.outer.records import POLL_S
+from parallax.node.outer.records import POLL_S, RETRY_S
 from parallax.node.outer.transport import (
     OuterGather,
     RoundEntry,
@@ -95,6 +95,10 @@ RECHECK_TOLERANCE = 1e-2
 """A recomputed block agrees with a merger's when their difference is at most this share of its norm: far above
 the rounding of two machines' float arithmetic through ``MERGED_WIRE``, below any change that moves a round."""
 
+
+_NOT_ASKED_AGAIN = (BlockMismatch, MalformedMessage, NonFiniteTensor, StalledStream, SlowStream, TimeoutError)
+"""Why a recheck's blocks did not arrive that asking again would not mend: evidence against their sender, or a bound
+spent already."""
 
 Entries = Mapping[int, RoundEntry]
 """One peer's rounds record: round -> entry."""
@@ -347,13 +351,32 @@ class PartsMerge:
         while pending:
             want = sorted(i for name in commits.marked_among(pending) for i in pending.pop(name))
             try:
-                got, _, _ = self._merge_here(me, want, participants, claims, mine, weights, spans)
+                got = self._merged_again(n, me, want, participants, claims, mine, weights, spans)
             except Unmergeable as e:
                 skipped = len(want) + sum(map(len, pending.values()))
                 logger.info("outer round %s/%d: %d rechecks skipped: %s", self.group, n, skipped, e)
                 break
             again.update(got or {})
         return again
+
+    def _merged_again(self, n: int, me: str, want: list[int], participants: tuple[str, ...],
+                      claims: Mapping[str, RoundEntry], mine: Mapping[str, torch.Tensor], weights: Sequence[float],
+                      spans: Sequence[float] | None) -> dict[int, torch.Tensor] | None:
+        """Blocks ``want`` merged here (``_merge_here``) as a recheck: asked for once more after ``RETRY_S`` when a
+        contribution's blocks did not arrive for a cause that is no evidence and cost no bound (not held, a stream
+        broken or refused on the way: every sender of the set held its contribution when the set was merged).
+
+        Raises:
+            Unmergeable: they did not arrive usable (twice, for such a cause).
+        """
+        try:
+            return self._merge_here(me, want, participants, claims, mine, weights, spans)[0]
+        except Unmergeable as e:
+            if isinstance(e.__cause__, _NOT_ASKED_AGAIN):
+                raise
+            logger.info("outer round %s/%d: rechecks asked for again in %g s: %s", self.group, n, RETRY_S, e)
+        time.sleep(RETRY_S)
+        return self._merge_here(me, want, participants, claims, mine, weights, spans)[0]
 
     def _compare(self, n: int, picks: Sequence[tuple[str, int]], again: Mapping[int, torch.Tensor],
                  taken: dict[str, list[int]], blocks: Mapping[int, torch.Tensor]) -> set[int]:

@@ -36,6 +36,9 @@ SLOW_POLL_S = 1.0
 """How often a wait that has gone past its first bound reads the records (a waiting contribution, a verification
 whose other senders still gather): a result is seen within about this long, and the DHT is not read twenty times a
 second for as long as it waits."""
+RETRY_S = 0.5
+"""A fetch that failed without evidence against its server (not held yet, a stream broken or refused) is asked for
+again after this."""
 
 
 class RoundDue(threading.Event):

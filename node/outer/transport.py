@@ -398,8 +398,8 @@ class ContributionServicer(ServicerBase):
         asked = parse_wanted(request.uid)
         body = None if asked is None else self._store.get(asked[0], asked[1])
         if asked is None or not isinstance(body, BlockedBody) or asked[2][-1] >= len(body.blobs):
-            if asked is None:
-                logger.debug("bad contribution blocks request %r from %s", request.uid[:80], context.remote_id)
+            logger.debug("%s contribution blocks request %r from %s", "bad" if asked is None else "unheld",
+                         request.uid[:80], context.remote_id)
             return
         answer = body.answer(asked[2])
         for message in _messages(answer):

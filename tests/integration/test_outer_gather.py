@@ -433,6 +433,58 @@ def test_a_merger_is_asked_for_the_blocks_rechecked_in_its_share_only_once_it_pu
         assert early, (rooted, asked, merges)  # the shares committed on time were rechecked while peer 0 merged
 
 
+class _DropsARecheck(ContributionServicer):
+    """Serves its blocks as a node does, but once ``dropping``, ends each asker's first question for blocks outside
+    the asker's own share of ``parts-drops`` unanswered (a stream broken on the way reads as "not held")."""
+
+    def __init__(self, store: ContributionStore) -> None:
+        super().__init__(store)
+        self.dropping: dict[str, set[int]] = {}  # asker -> its own share of the round, once dropping
+        self.dropped: set[str] = set()
+
+    async def rpc_blocks(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
+        asker, asked = str(context.remote_id), parse_wanted(request.uid)
+        own = self.dropping.get(asker)
+        if asked is not None and asked[0] == "parts-drops" and own is not None and asker not in self.dropped \
+                and not set(asked[2]) <= own:
+            self.dropped.add(asker)
+            return
+        async for message in super().rpc_blocks(request, context):
+            yield message
+
+
+_DropsARecheck.__name__ = ContributionServicer.__name__
+
+
+def test_a_recheck_whose_blocks_did_not_come_for_no_fault_is_asked_for_again(peers, caplog):
+    """Peer 0, a sender of every block, answers each other node's first question for blocks to recheck with nothing
+    (a stream broken on the way reads as "not held"): each asks again a moment later and makes all its rechecks, and
+    all apply the merge one process makes. In a second round: the first has each node probe peer 0 at random."""
+    with caplog.at_level("INFO", logger="parallax.node.outer.partitioned"), \
+            _gathers(peers, "gather-drops", 0, _DropsARecheck) as gathers, \
+            _averagers(peers, "parts-drops", compression="int4", aggregation="parts", shapes=PARTS,
+                       gathers=gathers) as averagers:
+        _run(averagers, _deltas(4, seed=6, shapes=PARTS), [CAP] * 4, round_id=1)
+        participants = tuple(sorted(pair(p.dht.peer_id, 2) for p in peers))
+        shares = assignment(participants, len(block_layout(PARTS)))
+        servicer = typing.cast(_DropsARecheck, gathers[0].servicer)
+        servicer.dropping = {p.dht.peer_id: set(shares[pair(p.dht.peer_id, 2)]) for p in peers[1:]}
+        parts = [a._gathered.parts if a._gathered is not None else None for a in averagers[1:]]
+        before = [p.rechecked if p is not None else 0 for p in parts]
+        deltas = _deltas(4, seed=7, shapes=PARTS)
+        results = _run(averagers, deltas, [CAP] * 4, round_id=2)
+        reference = _merged_in_blocks(peers, deltas, [CAP] * 4)
+        for a, merged in zip(averagers, results, strict=True):
+            assert a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 4, a.last_report
+            assert merged is not None and all(torch.equal(merged[n], reference[n]) for n in PARTS)
+        assert servicer.dropped == set(servicer.dropping)
+        # a block of each other merger's share, each recomputed and compared
+        assert [p.rechecked - b if p is not None else 0 for p, b in zip(parts, before, strict=True)] == [3, 3, 3]
+    assert caplog.text.count("rechecks asked for again") == 3 and "skipped" not in caplog.text, caplog.text
+
+
 class _NoBlocks(ContributionServicer):
     """Announces its contributions and serves none of their blocks (every answer says "not held")."""
 
