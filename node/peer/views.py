@@ -56,8 +56,11 @@ class SwarmViews:
 
     def fresh(self) -> SwarmView | None:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
-        expired heartbeats prove nothing and no decision should follow from them."""
+        expired heartbeats prove nothing and no decision should follow from them, but one: a view whose majority ran
+        out (``SwarmView.majority_until``) is this node cut off, and dropping its experts trains none twice."""
         view, m = self.membership.view(), self.membership
+        if view.quorum is QuorumState.LOST:
+            return view
         return view if dht_time() - view.read_at <= m.read_s + 2 * m.timing.refresh_s + 1.0 else None
 
     def owner_key(self, eid: ExpertId) -> bytes | None:

@@ -37,6 +37,7 @@ from parallax.dht.membership import (
     QuorumState,
     SwarmView,
     heartbeat_value,
+    majority_until,
     merge_views,
     parse_members,
     read_view,
@@ -326,6 +327,56 @@ def test_a_node_whose_reads_fail_keeps_its_view_judged_at_most_a_ttl_ago():
     clock[0] = 111.0  # reads failed for over a TTL (6 s): judged at 111.1 - 6, the read's time kept
     assert not m._refresh() and m.view().read_at == 100.0 and m.view().judged_at == pytest.approx(105.1)
     assert set(m.view().alive()) == {bob.fingerprint}
+
+
+def test_a_node_whose_reads_fail_is_cut_off_once_the_heartbeats_that_held_its_majority_expired(caplog):
+    """A side cut off by a partition learns it from reads that then wait out their timeouts. The heartbeats it last
+    read hold its majority until half of the most composers seen are past their expiry; past that and the quorum's
+    grace, with no read since, it is cut off (the others take its experts from their side's view of the same
+    expiries), and a read that shows the others again brings it back."""
+    me, *others = (Identity.from_seed(bytes([c]) * 32) for c in b"mabc")
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    beats = {owner_subkey(i.public_key): (_beat(1), 106.0 + k) for k, i in enumerate([me, *others])}
+    dht.answer = dict(beats)
+    assert m._refresh() and m.view().quorum is QuorumState.HELD
+    assert m.view().majority_until == 109.0  # two of four alive (this node and the last other) until its expiry
+    # its own heartbeat outlives its side's majority and the grace: the others take its experts only after it
+    # dropped them (a TTL from now, 106, would be earlier)
+    assert m._heartbeat_expiry(100.0) == 111.0 and m._heartbeat_expiry(106.0) == 112.0
+    dht.answer = None
+    clock[0] = 110.9  # within the quorum's grace (a heartbeat period, 2 s) of it: nothing is decided on failed reads
+    assert not m._refresh() and m.view().quorum is QuorumState.HELD
+    clock[0] = 111.1
+    with caplog.at_level("WARNING", logger="parallax.dht.membership"):
+        assert not m._refresh() and m.view().quorum is QuorumState.LOST and m.view().quorum is QuorumState.LOST
+    assert caplog.text.count("cut off from the swarm") == 1, caplog.text  # said once
+    dht.answer = {key: (value, 115.0) for key, (value, _) in beats.items()}
+    with caplog.at_level("WARNING", logger="parallax.dht.membership"):
+        assert m._refresh() and m.view().quorum is QuorumState.HELD and m.view().majority_until == 115.0
+    assert "back in the swarm's majority" in caplog.text
+    # Reads that come back with this node's heartbeat alone: short since the others' expired, the grace counted
+    # from then, not from the read that showed it.
+    dht.answer = {owner_subkey(me.public_key): (_beat(1), 125.0)}
+    clock[0] = 116.0
+    assert m._refresh() and m.view().quorum is QuorumState.DOUBT and m.view().majority_until == 115.0
+    clock[0] = 117.5
+    assert m._refresh() and m.view().quorum is QuorumState.LOST
+
+
+def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_expiry():
+    me = "m"
+    members = dict(_composer(i) for i in range(4))
+    fps = sorted(members)
+    ends = dict(zip(fps, (110.0, 120.0, 130.0, 140.0), strict=True))
+    members = {fp: dataclasses.replace(m, expires_at=ends[fp]) for fp, m in members.items()}
+    view = SwarmView(run_id="r", read_at=100.0, members=members, grace_s=1.5)
+    assert majority_until(view, [*fps, me], me, 5) == 131.5  # three of five: this node and the two latest
+    assert majority_until(view, [*fps, me], me, 4) == 141.5  # two of four
+    assert majority_until(view, [fps[0], me], me, 6) == -math.inf  # short now
+    assert majority_until(view, [], me, 4) == math.inf and majority_until(view, [me], me, 1) == math.inf
+    assert majority_until(view, ["unknown", me], me, 4) == -math.inf  # a composer the view has no heartbeat of
 
 
 def test_a_node_whose_reads_are_slow_stretches_its_periods_and_keeps_full_pace_peers_in_its_view():
