@@ -35,21 +35,22 @@ class Evidence(Enum):
     per pair (a restart from a checkpoint, once in a while; a new session for each fetcher, from a liar). A
     ``proof`` (two claims its sender signed for one round, or a block it signed with non-finite values:
     ``outer.witness``) bans at once, whatever the score: anyone can check it, so it is shared, and every peer that
-    checks it bans the same sender."""
+    checks it bans the same sender. ``link`` evidence (a held fetch) is what a link broken on this node's own side also
+    gives (``PeerScores``' ``own_link_doubtful``)."""
 
     OUTLIER = ("outlier outer contribution", 1.0)
     NON_FINITE = ("non-finite outer contribution", 1.0)
     ZERO_WEIGHT = ("zero weight outer contribution", 1.0)
     FORGED = ("forged or malformed outer contribution", 2.0)
-    STALLED = ("outer contribution fetch accepted and then held", 0.5)
+    STALLED = ("outer contribution fetch accepted and then held", 0.5, False, True)
     SURROGATE_GROWTH = ("surrogate update past the growth bound", 2.0)
     RESTARTED = ("a round claimed again in another session", 0.5)
     MISMERGED = ("merged blocks of a partitioned round that its contributions do not give", 2.0)
     EQUIVOCATION = ("two signed contributions for one round", 2.5, True)
     BAD_BLOCK = ("a signed contribution block with non-finite values", 2.5, True)
 
-    def __init__(self, reason: str, weight: float, proof: bool = False) -> None:
-        self.reason, self.weight, self.proof = reason, weight, proof
+    def __init__(self, reason: str, weight: float, proof: bool = False, link: bool = False) -> None:
+        self.reason, self.weight, self.proof, self.link = reason, weight, proof, link
 
 
 @dataclass
@@ -69,20 +70,29 @@ class PeerScores:
         half_life_s: how fast evidence fades.
         clock: monotonic seconds (injected for tests).
         on_ban: called with (peer, reasons) when a ban begins.
+        own_link_doubtful: whether this node's own link may be what broke a stream now (its side of the swarm holds
+            no majority: a partition, or its uplink down): evidence a broken link also gives (``Evidence.link``) is
+            not counted then. Each peer behind the cut held every fetch this node had begun, and a ban would have
+            the node ignore them once the link healed.
     """
 
     def __init__(self, threshold: float = 2.5, ban_s: float = 600.0, half_life_s: float = 600.0, *,
                  clock: Callable[[], float] = time.monotonic,
-                 on_ban: Callable[[str, dict[str, int]], None] | None = None) -> None:
+                 on_ban: Callable[[str, dict[str, int]], None] | None = None,
+                 own_link_doubtful: Callable[[], bool] | None = None) -> None:
         if not (threshold > 0 and ban_s > 0 and half_life_s > 0):
             raise ValueError("threshold, ban_s and half_life_s must be > 0")
         self.threshold, self.ban_s, self.half_life_s = threshold, ban_s, half_life_s
-        self._clock, self._on_ban = clock, on_ban
+        self._clock, self._on_ban, self._own_link_doubtful = clock, on_ban, own_link_doubtful
         self._peers: dict[str, _Record] = {}
         self._lock = threading.Lock()
 
     def record(self, peer: str, evidence: Evidence) -> bool:
         """Add ``evidence`` against ``peer``; True when this starts (or extends) a ban."""
+        if evidence.link and self._own_link_doubtful is not None and self._own_link_doubtful():
+            logger.info("not counted against peer %s while this node's side of the swarm holds no majority (its own "
+                        "link may be the cause): %s", peer, evidence.reason)
+            return False
         now = self._clock()
         with self._lock:
             rec = self._peers.setdefault(peer, _Record(at=now))

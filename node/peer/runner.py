@@ -37,7 +37,7 @@ from pathlib import Path
 
 from parallax.dht.adapter import SwarmDHT, dht_time
 from parallax.dht.claims import ShardConfig
-from parallax.dht.membership import Membership, PeerState, Presence
+from parallax.dht.membership import Membership, PeerState, Presence, QuorumState
 from parallax.errors import NodeError
 from parallax.node.config.peer import NodeConfig
 from parallax.node.config.train import SHARED_GROUPS, TrainConfig, run_settings
@@ -306,7 +306,8 @@ class Node:
         if self._observer is not None:
             self._observer.view_source = membership.view
         self._online_at = time.monotonic()
-        scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons))
+        scores = PeerScores(on_ban=lambda peer, reasons: telemetry.event("banned", peer=peer, reasons=reasons),
+                            own_link_doubtful=lambda: membership.view().quorum is not QuorumState.HELD)
         views = SwarmViews(membership, self.identity.fingerprint, c.node.snapshot_every, telemetry.event, scores)
         loop = NetworkLoop(dht, "parallax-net")
         stack.callback(loop.close)

@@ -34,6 +34,22 @@ def test_evidence_bans_past_the_threshold_for_a_while_and_fades() -> None:
     assert len(bans) == 1
 
 
+def test_held_fetches_count_for_nothing_while_this_node_s_own_link_is_in_doubt() -> None:
+    """Cut off, every fetch this node had begun is held: those are not counted (each peer behind the cut would be
+    banned, and ignored once the link heals); what no broken link gives still is, and held fetches count again once
+    the node's side holds a majority."""
+    doubtful = [True]
+    scores = PeerScores(threshold=2.5, ban_s=100.0, half_life_s=1e9, clock=Clock(),
+                        own_link_doubtful=lambda: doubtful[0])
+    for _ in range(10):
+        assert not scores.record("behind the cut", Evidence.STALLED)
+    assert "behind the cut" not in scores.snapshot()
+    assert not scores.record("liar", Evidence.FORGED) and scores.record("liar", Evidence.FORGED)
+    doubtful[0] = False
+    assert not any(scores.record("holder", Evidence.STALLED) for _ in range(4))
+    assert scores.record("holder", Evidence.STALLED)
+
+
 def test_settings_must_be_positive() -> None:
     for bad in (dict(threshold=0), dict(ban_s=0), dict(half_life_s=-1)):
         with pytest.raises(ValueError):
