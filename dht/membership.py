@@ -11,9 +11,7 @@ Each node runs one ``Membership`` with explicit states:
 
 A heartbeat record expires ``heartbeat_ttl_s`` after it is stored (default 2 s period, 6 s TTL): its expiration
 adds how long the node's heartbeats take to land (``Membership.store_lag_s``, at most a TTL), so a node on a slow
-link or a loaded host stays in the views while it heartbeats, and lasts at least as long as the heartbeats that keep
-its side half of the swarm (``Membership._heartbeat_expiry``: a cut-off node drops its experts before the others
-take them). Liveness is judged when the view's read began (what
+link or a loaded host stays in the views while it heartbeats. Liveness is judged when the view's read began (what
 the DHT held then), not when the view is asked: a record that expires while a read runs, or until the next read,
 belongs to a node that may have re-announced meanwhile, which only the next read can tell. A node killed without a
 deathrattle drops out of every view at the first read that begins after its last heartbeat expired (and after the
@@ -29,8 +27,7 @@ Reads and writes run in two threads because on a loaded host each DHT call may t
 (four nodes and their averagers on two cores). In one loop, a tick of a read, a heartbeat and a claim
 per layer takes several such calls, so views go stale and heartbeats lapse: live nodes drop out of each
 other's views and experts move for nothing. What a node owns follows only
-from a read that succeeded: a failed read proves nobody dead, but once the heartbeats it last read no longer keep its
-side half of the swarm, it is cut off however its reads go (``SwarmView.majority_until``).
+from a read that succeeded: a failed read proves nobody dead.
 
 The view (``SwarmView``) is an immutable snapshot replaced whole by the reader thread; readers (the training
 loop, the CLI) never block on the network. Records that fail to parse, or whose content does not
@@ -279,11 +276,11 @@ class SwarmView:
     lasts to the next read as at full pace."""
     aged_to: float = -math.inf
     """A view kept while its node's reads fail or stall is judged no earlier than this (``Membership.view``)."""
-    majority_until: float = math.inf
-    """The DHT time at which the heartbeats of this view alone leave this node's side short of half the swarm
-    (``Quorum``: of the live composers that count, against the most seen at one time; each heartbeat counted
-    ``grace_s`` past its expiry); inf where no quorum is kept. Past it, with the quorum's grace on top, and no read
-    since that brought newer heartbeats, the node is cut off (``Membership.view``)."""
+    short_since: float = math.inf
+    """The DHT time since which this node's side has been short of half the swarm by the heartbeats its reads brought
+    (``Quorum``: of the live composers that count, against the most seen at one time): the expiry that left it short,
+    as the last view that held half gave it (``majority_until``); inf while the side holds half. Past it and the
+    quorum's grace the node is cut off (``Membership.view``), whenever it looks, not at its next read's end."""
 
     @property
     def judged_at(self) -> float:
@@ -435,9 +432,9 @@ _READS_JUDGED = 8
 
 
 def majority_until(view: SwarmView, alive: Collection[str], me: str, most: int) -> float:
-    """``SwarmView.majority_until`` of ``view``: the DHT time until which its heartbeats keep at least half of
-    ``most`` of the composers ``alive`` (those that count; ``me`` always) alive, as ``Quorum`` counts them; -inf
-    when they do not now, inf when nothing is counted."""
+    """The DHT time until which the heartbeats of ``view`` keep at least half of ``most`` of the composers ``alive``
+    (those that count; ``me`` always) alive, as ``Quorum`` counts them (each heartbeat ``grace_s`` past its expiry);
+    -inf when they do not now, inf when nothing is counted."""
     need = (most + 1) // 2
     if not alive or need <= 0:
         return math.inf
@@ -794,7 +791,8 @@ class Membership:
         self._grace_s = 0.0  # SwarmView.grace_s of the next view
         self._progress = Progress(config.stall_s, config.idle_s)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
-        self._lapsed = False  # the last view's majority ran out with no read since (``view``), logged
+        self._lapsed = False  # ``view`` said this node is cut off before its quorum did (logged once)
+        self._majority_until = math.inf  # ``majority_until`` of the last view that held half
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
         self._probation_since: float | None = None  # Heartbeat.probation while set (``enter_probation``)
         self._shown_work = False
@@ -820,15 +818,14 @@ class Membership:
         floor = now - self._timing.heartbeat_ttl_s
         if view.read_at > 0 and view.judged_at < floor:
             view = dataclasses.replace(view, aged_to=floor)
-        if view.quorum is not QuorumState.LOST and now > view.majority_until + self._quorum.grace_s:
-            # A side cut off by a partition learns it from reads, and its reads then wait out their timeouts: the
-            # heartbeats it last read tell when its majority ended, and the others take its experts from then on.
+        if view.quorum is not QuorumState.LOST and now > view.short_since + self._quorum.grace_s:
+            # A cut-off side learns of the cut from reads that wait out their timeouts: the heartbeats it read tell
+            # since when its side is short, and the others take its experts from then on.
             if not self._lapsed:
                 self._lapsed = True
-                logger.warning("cut off from the swarm: the heartbeats that kept this node's side at least half of it "
-                               "expired %.1f s ago, and no read since brought newer ones; it trains no expert until a "
-                               "read shows a majority again (the other side of a partition trains them)",
-                               now - view.majority_until)
+                logger.warning("cut off from the swarm: this node's side has been short of half of it since the "
+                               "heartbeats that kept it there expired %.1f s ago; it trains no expert until it sees a "
+                               "majority again (the other side of a partition trains them)", now - view.short_since)
             view = dataclasses.replace(view, quorum=QuorumState.LOST)
         return view
 
@@ -1092,17 +1089,6 @@ class Membership:
         self._claimed = claimed
         self._next_claims = now + self._timing.heartbeat_period_s
 
-    def _heartbeat_expiry(self, now: float) -> float:
-        """When a heartbeat sent ``now`` expires: a TTL after the store ends, and no earlier than this node's side
-        would be cut off on the heartbeats it holds (``SwarmView.majority_until`` and the quorum's grace): peers
-        whose TTL is longer (their periods stretched for slow reads) keep its side half of the swarm for longer,
-        and the others must not take its experts while it still trains them. At most two TTLs: a peer's heartbeat
-        that claims a far expiry stretches no one's."""
-        ttl = self._timing.heartbeat_ttl_s
-        until = self._view.majority_until
-        fenced = until + self._quorum.grace_s if math.isfinite(until) else -math.inf  # inf: no side to keep
-        return min(max(now + ttl + self.store_lag_s, fenced), now + 2 * ttl + self.store_lag_s)
-
     def _send_heartbeat(self) -> bool:
         now = self._clock()
         shards = tuple(sorted((layer, e) for layer, es in self._owned.items() for e in es))
@@ -1115,7 +1101,7 @@ class Membership:
             )
         value = heartbeat_value(hb)
         ttl, started = self._timing.heartbeat_ttl_s, time.monotonic()
-        ok = self._store_member(value, self._write_levels, self._heartbeat_expiry(now), self._timing.request_timeout_s)
+        ok = self._store_member(value, self._write_levels, now + ttl + self.store_lag_s, self._timing.request_timeout_s)
         self.store_lag_s = min(ttl, max(time.monotonic() - started, self.store_lag_s / 2))
         if ok:
             self.heartbeats_sent += 1
@@ -1177,10 +1163,13 @@ class Membership:
         quorum = self._check_quorum(merged, counted, work_began)
         until = majority_until(merged, counted, self.fingerprint, self._quorum.seen()) \
             if self.presence.role == "composer" else math.inf
-        if until == -math.inf:  # short now: since the heartbeats held before ran out, or as of this read
-            until = min(self._view.majority_until, merged.judged_at)
+        short_since = math.inf
+        if until == -math.inf:  # short now: since the heartbeats the last view that held half gave ran out
+            short_since = min(self._majority_until, merged.judged_at)
+        else:
+            self._majority_until = until
         self._view = dataclasses.replace(merged, stalled=stalled, joining=self._joining(merged), quorum=quorum,
-                                         majority_until=until)
+                                         short_since=short_since)
         self._end_probation_when_alone(work_began)
         return True
 

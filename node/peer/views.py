@@ -56,8 +56,9 @@ class SwarmViews:
 
     def fresh(self) -> SwarmView | None:
         """The membership view, or None when our own reads have been failing (an overloaded host): then
-        expired heartbeats prove nothing and no decision should follow from them, but one: a view whose majority ran
-        out (``SwarmView.majority_until``) is this node cut off, and dropping its experts trains none twice."""
+        expired heartbeats prove nothing and no decision should follow from them, but one: a view that shows this node
+        cut off (``SwarmView.short_since``) stands however late the next read comes, and dropping its experts trains
+        none twice."""
         view, m = self.membership.view(), self.membership
         if view.quorum is QuorumState.LOST:
             return view

@@ -329,40 +329,36 @@ def test_a_node_whose_reads_fail_keeps_its_view_judged_at_most_a_ttl_ago():
     assert set(m.view().alive()) == {bob.fingerprint}
 
 
-def test_a_node_whose_reads_fail_is_cut_off_once_the_heartbeats_that_held_its_majority_expired(caplog):
-    """A side cut off by a partition learns it from reads that then wait out their timeouts. The heartbeats it last
-    read hold its majority until half of the most composers seen are past their expiry; past that and the quorum's
-    grace, with no read since, it is cut off (the others take its experts from their side's view of the same
-    expiries), and a read that shows the others again brings it back."""
+def test_a_node_is_cut_off_a_grace_after_the_heartbeats_that_kept_its_side_half_of_the_swarm_expired(caplog):
+    """A side cut off by a partition learns it from reads that then wait out their timeouts. Its quorum's grace is
+    counted from the expiry that left it short, as the heartbeats it read give it, not from the read that showed it,
+    and it is cut off when it looks past that, not at its next read's end. Reads that fail prove nothing: the view
+    stands. A read that shows the others again brings it back."""
     me, *others = (Identity.from_seed(bytes([c]) * 32) for c in b"mabc")
     clock = [100.0]
     dht = _SlowReads(clock, read_s=0.1)
     m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
     beats = {owner_subkey(i.public_key): (_beat(1), 106.0 + k) for k, i in enumerate([me, *others])}
     dht.answer = dict(beats)
-    assert m._refresh() and m.view().quorum is QuorumState.HELD
-    assert m.view().majority_until == 109.0  # two of four alive (this node and the last other) until its expiry
-    # its own heartbeat outlives its side's majority and the grace: the others take its experts only after it
-    # dropped them (a TTL from now, 106, would be earlier)
-    assert m._heartbeat_expiry(100.0) == 111.0 and m._heartbeat_expiry(106.0) == 112.0
+    assert m._refresh() and m.view().quorum is QuorumState.HELD and m.view().short_since == math.inf
     dht.answer = None
-    clock[0] = 110.9  # within the quorum's grace (a heartbeat period, 2 s) of it: nothing is decided on failed reads
+    clock[0] = 112.0  # the others' heartbeats all expired (the last at 109), but no read says so
     assert not m._refresh() and m.view().quorum is QuorumState.HELD
-    clock[0] = 111.1
+    dht.answer = {owner_subkey(me.public_key): (_beat(1), 118.0)}  # a read that finds this node's own alone
+    assert m._refresh() and m.view().short_since == 109.0  # two of four (this node and the last other) until then
     with caplog.at_level("WARNING", logger="parallax.dht.membership"):
-        assert not m._refresh() and m.view().quorum is QuorumState.LOST and m.view().quorum is QuorumState.LOST
+        assert m.view().quorum is QuorumState.LOST and m.view().quorum is QuorumState.LOST  # 3 s past: > the 2 s grace
     assert caplog.text.count("cut off from the swarm") == 1, caplog.text  # said once
-    dht.answer = {key: (value, 115.0) for key, (value, _) in beats.items()}
+    dht.answer = {key: (value, 125.0) for key, (value, _) in beats.items()}
     with caplog.at_level("WARNING", logger="parallax.dht.membership"):
-        assert m._refresh() and m.view().quorum is QuorumState.HELD and m.view().majority_until == 115.0
+        assert m._refresh() and m.view().quorum is QuorumState.HELD and m.view().short_since == math.inf
     assert "back in the swarm's majority" in caplog.text
-    # Reads that come back with this node's heartbeat alone: short since the others' expired, the grace counted
-    # from then, not from the read that showed it.
-    dht.answer = {owner_subkey(me.public_key): (_beat(1), 125.0)}
-    clock[0] = 116.0
-    assert m._refresh() and m.view().quorum is QuorumState.DOUBT and m.view().majority_until == 115.0
-    clock[0] = 117.5
-    assert m._refresh() and m.view().quorum is QuorumState.LOST
+    # Short again: within the grace of the expiry the side doubts, past it it is cut off without another read.
+    dht.answer = {owner_subkey(me.public_key): (_beat(1), 135.0)}
+    clock[0] = 126.0
+    assert m._refresh() and m.view().quorum is QuorumState.DOUBT and m.view().short_since == 125.0
+    clock[0] = 127.5
+    assert m.view().quorum is QuorumState.LOST
 
 
 def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_expiry():
