@@ -431,15 +431,32 @@ _READS_JUDGED = 8
 """Reads whose median decides a stretch for slow reads (then as many again at the new pace before the next)."""
 
 
-def majority_until(view: SwarmView, alive: Collection[str], me: str, most: int) -> float:
+def majority_until(view: SwarmView, alive: Collection[str], me: str, most: int, ttl: float) -> float:
     """The DHT time until which the heartbeats of ``view`` keep at least half of ``most`` of the composers ``alive``
     (those that count; ``me`` always) alive, as ``Quorum`` counts them (each heartbeat ``grace_s`` past its expiry);
-    -inf when they do not now, inf when nothing is counted."""
+    -inf when they do not now, inf when nothing is counted.
+
+    A heartbeat whose TTL is longer than ``ttl`` (this node's: its sender's periods stretched for slow reads) counts
+    for ``ttl`` or two thirds of its own, the longer: the others see this node's heartbeat expire a TTL of its own
+    after its last one reached them, and a stretched peer's one heartbeat must not keep this node's side half of the
+    swarm long after (it still counts past its sender's next period: two thirds of a TTL of three periods). Its
+    sender's clock sets both its expiry and its ``sent``: their difference is its TTL, whatever the clocks' skew."""
     need = (most + 1) // 2
     if not alive or need <= 0:
         return math.inf
-    ends = sorted((math.inf if fp == me else view.members[fp].expires_at if fp in view.members else -math.inf
-                   for fp in alive), reverse=True)
+
+    def counted_until(fp: str) -> float:
+        if fp == me:
+            return math.inf
+        member = view.members.get(fp)
+        if member is None:
+            return -math.inf
+        own = member.expires_at - member.heartbeat.sent
+        if member.heartbeat.sent <= 0 or own <= ttl:
+            return member.expires_at
+        return member.expires_at - own + max(ttl, 2 * own / 3)
+
+    ends = sorted((counted_until(fp) for fp in alive), reverse=True)
     return ends[need - 1] + view.grace_s if len(ends) >= need else -math.inf
 
 
@@ -1161,7 +1178,7 @@ class Membership:
         self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
-        until = majority_until(merged, counted, self.fingerprint, self._quorum.seen()) \
+        until = majority_until(merged, counted, self.fingerprint, self._quorum.seen(), self._timing.heartbeat_ttl_s) \
             if self.presence.role == "composer" else math.inf
         short_since = math.inf
         if until == -math.inf:  # short now: since the heartbeats the last view that held half gave ran out

@@ -368,11 +368,18 @@ def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_e
     ends = dict(zip(fps, (110.0, 120.0, 130.0, 140.0), strict=True))
     members = {fp: dataclasses.replace(m, expires_at=ends[fp]) for fp, m in members.items()}
     view = SwarmView(run_id="r", read_at=100.0, members=members, grace_s=1.5)
-    assert majority_until(view, [*fps, me], me, 5) == 131.5  # three of five: this node and the two latest
-    assert majority_until(view, [*fps, me], me, 4) == 141.5  # two of four
-    assert majority_until(view, [fps[0], me], me, 6) == -math.inf  # short now
-    assert majority_until(view, [], me, 4) == math.inf and majority_until(view, [me], me, 1) == math.inf
-    assert majority_until(view, ["unknown", me], me, 4) == -math.inf  # a composer the view has no heartbeat of
+    assert majority_until(view, [*fps, me], me, 5, 6.0) == 131.5  # three of five: this node and the two latest
+    assert majority_until(view, [*fps, me], me, 4, 6.0) == 141.5  # two of four
+    assert majority_until(view, [fps[0], me], me, 6, 6.0) == -math.inf  # short now
+    assert majority_until(view, [], me, 4, 6.0) == math.inf and majority_until(view, [me], me, 1, 6.0) == math.inf
+    assert majority_until(view, ["unknown", me], me, 4, 6.0) == -math.inf  # a composer the view has no heartbeat of
+    # A peer whose periods are stretched (a TTL of 12 s, sent at 100) counts for 8 s here, where a TTL is 6 s: the
+    # others see this node's own heartbeat expire 6 s after its last one reached them.
+    stretched = {fp: dataclasses.replace(m, expires_at=112.0, heartbeat=dataclasses.replace(m.heartbeat, sent=100.0))
+                 for fp, m in members.items()}
+    view = SwarmView(run_id="r", read_at=100.0, members=stretched)
+    assert majority_until(view, [fps[0], me], me, 4, 6.0) == 108.0
+    assert majority_until(view, [fps[0], me], me, 4, 12.0) == 112.0  # no longer than this node's own TTL
 
 
 def test_a_node_whose_reads_are_slow_stretches_its_periods_and_keeps_full_pace_peers_in_its_view():
