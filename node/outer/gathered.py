@@ -624,6 +624,7 @@ class GatheredRounds:
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
+        unreached: set[tuple[str, ...]] = set()  # sets taken whose bodies did not arrive: not taken again this round
         heard = self._watch.version  # the records' changes seen (``RecordWatch.wait``)
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
@@ -632,10 +633,16 @@ class GatheredRounds:
             read_at = time.monotonic()
             offered = self._offered(entries)
             quorum = self._quorum(offered)
-            taken, _ = self._merged_with_ours(entries, me, quorum)
-            if taken is not None and self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
-                                                     entries):
-                return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
+            taken, _ = self._merged_with_ours(entries, me, quorum, unreached)
+            if taken is not None:
+                fetched = self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s, entries)
+                if fetched:
+                    return taken  # the others merged ours already: their set, if its bodies arrive within a message's
+                    # bound
+                if fetched is False:
+                    # Tried once: a set naming a sender that serves nothing would otherwise cost every pass its bound,
+                    # and hide the sets ranked after it (another set of the same members among them).
+                    unreached.add(taken)
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
@@ -687,14 +694,15 @@ class GatheredRounds:
             if hurried or (due is None and now >= give_up):
                 return None
 
-    def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str,
-                          quorum: int) -> tuple[tuple[str, ...] | None, bool]:
+    def _merged_with_ours(self, entries: Mapping[str, Mapping[int, RoundEntry]], me: str, quorum: int,
+                          unreached: Collection[tuple[str, ...]] = ()) -> tuple[tuple[str, ...] | None, bool]:
         """(the set of at least ``quorum`` contributions, ours among them, that most of its members merged, if any
-        peer merged one; whether any peer merged a set naming ours, of any size)."""
+        peer merged one, but the ``unreached``; whether any peer merged a set naming ours, of any size)."""
         # the adoptable peers read once a pass; partitioned, a set its senders announce is taken before it is merged:
         # its mergers wait for each other's blocks
         sets = merged_sets(entries, me, self._adoptable().__contains__, announced=self.parts is not None)
-        return best_set({members: votes for members, votes in sets.items() if len(members) >= quorum}), bool(sets)
+        return best_set({members: votes for members, votes in sets.items()
+                         if len(members) >= quorum and members not in unreached}), bool(sets)
 
     def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    ) -> tuple[tuple[str, ...] | None, bool]:
@@ -867,10 +875,15 @@ class GatheredRounds:
         return self._zero_digest
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
-                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool:
+                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool | None:
         """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
-        fetch failed for now, waiting for those in flight until then (the fetches go on after it); True when all
-        are held."""
+        fetch failed for now, waiting for those in flight until then (the fetches go on after it). True when all
+        are held; None when a claim of the set is not read here yet; False when a body did not arrive: refused, its
+        bound spent, or not at the first try from a sender whose latest fetch here had failed (the try made now, or
+        the one that failed within ``RETRY_S``): such a sender counts in no quorum until it serves one (``_offered``),
+        and a set naming it costs no bound either."""
+        with self._lock:
+            failing = {name for name in names if split_pair(name)[0] in self._failing}
         while True:
             missing = [name for name in names if name not in found]
             if not missing:
@@ -881,12 +894,16 @@ class GatheredRounds:
                 entries = self._entries_of_live(min(self.config.net.dht_timeout_s, deadline - time.monotonic()))
             announced = [(name, entry_of(entries, name)) for name in missing]
             if any(entry is None for _, entry in announced):
-                return False
-            flights = self._flights.start([(n, e) for n, e in announced if e is not None and self._may_ask(n)])
-            self._flights.take(flights, found, max(POLL_S, deadline - time.monotonic()), every=True)
+                return None
+            asked = [(n, e) for n, e in announced if e is not None and self._may_ask(n)]
+            if failing - {name for name, _ in asked} - found.keys():
+                return False  # a sender that had failed before was asked within ``RETRY_S`` and failed again
+            flights = self._flights.start(asked)
+            if flights:
+                self._flights.take(flights, found, max(POLL_S, deadline - time.monotonic()), every=True)
             if all(name in found for name in names):
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or any(name in failing and name not in found for name in flights):
                 return False
             retry = min((self._retry_at.get(name, 0.0) for name in missing if name not in found), default=0.0)
             time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
