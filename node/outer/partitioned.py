@@ -53,7 +53,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -414,43 +414,61 @@ class PartsMerge:
 
     def _await_mergers(self, n: int, others: Mapping[str, list[int]], participants: tuple[str, ...],
                        commits: Commits) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
-        """Watch each other merger (``others``: contribution -> its blocks) until it publishes the root of its merged
-        blocks of ``participants``, and fetch them (``_await_merger``; each is marked in ``commits`` as it published
-        its root or was given up)."""
+        """Watch the other mergers (``others``: contribution -> its blocks) until each publishes the root of its merged
+        blocks of ``participants``, and fetch them: one watch of them all (``_watch_mergers``: a set of n senders holds
+        one of the pool's threads while it waits, not n - 1), each fetch on the pool once its root is known. Each
+        merger is marked in ``commits`` as it published its root or was given up; its future gives its merged blocks,
+        or None (this node merges them itself)."""
         net = self.config.net
         named_by = time.monotonic() + net.verify_timeout_s
         deadline = named_by + net.allreduce_timeout_s
-        flights = {name: self.pool.submit(self._await_merger, n, name, want, participants, named_by, deadline,
-                                          commits)
-                   for name, want in others.items()}
-        for name, flight in flights.items():  # also when it is dropped before it runs (the node closes)
+        flights: dict[str, Future[dict[int, torch.Tensor] | None]] = {name: Future() for name in others}
+        for name, flight in flights.items():
             flight.add_done_callback(functools.partial(commits.mark, name))
+        watch = self.pool.submit(self._watch_mergers, n, dict(others), participants, named_by, deadline, commits,
+                                 flights)
+        watch.add_done_callback(functools.partial(_dropped, flights.values()))
         return flights
 
-    def _await_merger(self, n: int, name: str, want: list[int], participants: tuple[str, ...], named_by: float,
-                      deadline: float, commits: Commits) -> dict[int, torch.Tensor] | None:
-        """The merged blocks ``want`` of the sender of contribution ``name``, fetched once its record names
-        ``participants`` and the root of its blocks (``name`` is marked in ``commits`` then; ``_await_mergers`` marks
-        it as the wait ends, whatever ends it); None (this node merges them itself) when it merges another set,
-        merged one or withdrew, does not name the set by ``named_by`` or publishes no root by ``deadline``. Its
-        record is as it last answered the round's question for it (known as it changes), read from the DHT while it
-        does not answer (``entries_of``)."""
+    def _watch_mergers(self, n: int, waiting: dict[str, list[int]], participants: tuple[str, ...], named_by: float,
+                       deadline: float, commits: Commits,
+                       flights: Mapping[str, Future[dict[int, torch.Tensor] | None]]) -> None:
+        """Read the records of the mergers ``waiting`` for (contribution -> its blocks) until each names
+        ``participants`` and the root of its blocks, then fetch them (``_fetch_merged``, marked in ``commits`` as it
+        starts) into its flight; None when it merges another set, merged one or withdrew, does not name the set by
+        ``named_by`` or publishes no root by ``deadline``. Each record is as its merger last answered the round's
+        question for it (known as it changes), read from the DHT while it does not answer (``entries_of``)."""
         net = self.config.net
-        peer, round_id = split_pair(name)
-        while True:
-            timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
-            entry = self.entries_of([peer], timeout_s).get(peer, {}).get(round_id)
-            named = entry is not None and entry.participants == participants
-            if entry is not None and named and entry.merged:
-                commits.mark(name)
-                return self._fetch_merged(name, want, entry.merged, participants)
-            if entry is not None and not named and (entry.fingerprint or entry.participants):
-                return None  # it merges another set, merged one, or withdrew
-            if time.monotonic() >= (deadline if named else named_by):
-                logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time", self.group,
-                            n, peer)
-                return None
-            time.sleep(POLL_S)
+        try:
+            while waiting:
+                timeout_s = max(0.1, min(net.dht_timeout_s, deadline - time.monotonic()))
+                entries = self.entries_of(sorted(split_pair(name)[0] for name in waiting), timeout_s)
+                now = time.monotonic()
+                for name in list(waiting):
+                    peer, round_id = split_pair(name)
+                    entry = entries.get(peer, {}).get(round_id)
+                    named = entry is not None and entry.participants == participants
+                    if entry is not None and named and entry.merged:
+                        commits.mark(name)
+                        fetch = self.pool.submit(self._fetch_merged, name, waiting[name], entry.merged, participants)
+                        del waiting[name]
+                        fetch.add_done_callback(functools.partial(_pass_on, flights[name]))
+                    elif entry is not None and not named and (entry.fingerprint or entry.participants):
+                        _settle(flights[name], None)  # it merges another set, merged one, or withdrew
+                        del waiting[name]
+                    elif now >= (deadline if named else named_by):
+                        logger.info("outer round %s/%d: peer %s published no merged blocks of the set in time",
+                                    self.group, n, peer)
+                        _settle(flights[name], None)
+                        del waiting[name]
+                if waiting:
+                    time.sleep(POLL_S)
+        except Exception as e:  # the pool shut down (the node closes), or a read failed in a way none should
+            logger.warning("outer round %s/%d: the watch of the other mergers ended (%r): this node merges the "
+                           "blocks of the %d it waited for itself", self.group, n, e, len(waiting))
+        finally:
+            for name in waiting:
+                _settle(flights[name], None)
 
     def _fetch_merged(self, name: str, want: list[int], root: bytes,
                       participants: tuple[str, ...]) -> dict[int, torch.Tensor] | None:
@@ -550,3 +568,21 @@ class PartsMerge:
             self.worked(peer, claim.digest)
         return out
 
+
+def _settle(flight: Future[Any], value: Any) -> None:
+    """End ``flight`` with ``value`` unless it has ended."""
+    if not flight.done():
+        flight.set_result(value)
+
+
+def _dropped(flights: Iterable[Future[Any]], watch: Future[Any]) -> None:
+    """End ``flights`` with None (their mergers' blocks merged here) when their ``watch`` was dropped before it ran
+    (the node closes)."""
+    if watch.cancelled():
+        for flight in flights:
+            _settle(flight, None)
+
+
+def _pass_on(flight: Future[Any], source: Future[Any]) -> None:
+    """End ``flight`` with what ``source`` gave (None when it failed or was dropped)."""
+    _settle(flight, None if source.cancelled() or source.exception() is not None else source.result())
