@@ -635,13 +635,13 @@ class GatheredRounds:
             quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum, unreached)
             if taken is not None:
+                # the others merged ours already: their set, if its bodies arrive within a message's bound
                 fetched = self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s, entries)
                 if fetched:
-                    return taken  # the others merged ours already: their set, if its bodies arrive within a message's
-                    # bound
+                    return taken
                 if fetched is False:
-                    # Tried once: a set naming a sender that serves nothing would otherwise cost every pass its bound,
-                    # and hide the sets ranked after it (another set of the same members among them).
+                    # Tried once: a set naming a sender that serves nothing would otherwise be taken every pass and
+                    # hide the sets ranked after it (another set of the same members among them).
                     unreached.add(taken)
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
@@ -718,14 +718,19 @@ class GatheredRounds:
         cfg = self.config
         deadline = time.monotonic() + cfg.net.verify_timeout_s
         seen = False
+        unreached: set[tuple[str, ...]] = set()  # as in ``_collect``
         while time.monotonic() < deadline:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, deadline - time.monotonic()))
-            taken, any_set = self._merged_with_ours(entries, me, self._quorum(self._offered(entries)))
+            taken, any_set = self._merged_with_ours(entries, me, self._quorum(self._offered(entries)), unreached)
             seen = seen or any_set
-            if taken is not None and self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries):
-                logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it came "
-                            "off offer; this node merges it too", self.group, n, len(taken))
-                return taken, True
+            if taken is not None:
+                fetched = self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries)
+                if fetched:
+                    logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it "
+                                "came off offer; this node merges it too", self.group, n, len(taken))
+                    return taken, True
+                if fetched is False:
+                    unreached.add(taken)
             time.sleep(POLL_S)
         return None, seen
 
@@ -877,11 +882,15 @@ class GatheredRounds:
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool | None:
         """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
-        fetch failed for now, waiting for those in flight until then (the fetches go on after it). True when all
-        are held; None when a claim of the set is not read here yet; False when a body did not arrive: refused, its
-        bound spent, or not at the first try from a sender whose latest fetch here had failed (the try made now, or
-        the one that failed within ``RETRY_S``): such a sender counts in no quorum until it serves one (``_offered``),
-        and a set naming it costs no bound either."""
+        fetch failed for now, waiting for those in flight until then (the fetches go on after it). A sender whose
+        latest fetch here had failed gets one try (once it may be asked again, ``RETRY_S``): it counts in no quorum
+        until it serves one (``_offered``), and a set naming it costs no more than that try either.
+
+        Returns:
+            True when all are held; None when a claim of the set is not read here yet, or the bound passed with a
+            fetch of another sender still running (a later pass may find its body); False when a body did not arrive:
+            refused, failed at a failing sender's one try, or not there at the bound.
+        """
         with self._lock:
             failing = {name for name in names if split_pair(name)[0] in self._failing}
         while True:
@@ -895,16 +904,16 @@ class GatheredRounds:
             announced = [(name, entry_of(entries, name)) for name in missing]
             if any(entry is None for _, entry in announced):
                 return None
-            asked = [(n, e) for n, e in announced if e is not None and self._may_ask(n)]
-            if failing - {name for name, _ in asked} - found.keys():
-                return False  # a sender that had failed before was asked within ``RETRY_S`` and failed again
-            flights = self._flights.start(asked)
+            flights = self._flights.start([(n, e) for n, e in announced if e is not None and self._may_ask(n)])
             if flights:
                 self._flights.take(flights, found, max(POLL_S, deadline - time.monotonic()), every=True)
             if all(name in found for name in names):
                 return True
-            if time.monotonic() >= deadline or any(name in failing and name not in found for name in flights):
-                return False
+            if any(name in failing and name not in found for name in flights):
+                return False  # a failing sender's one try
+            if time.monotonic() >= deadline:
+                return None if any(not flight.done() for name, flight in flights.items() if name not in failing) \
+                    else False
             retry = min((self._retry_at.get(name, 0.0) for name in missing if name not in found), default=0.0)
             time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
 

@@ -416,7 +416,7 @@ class PartsMerge:
                        commits: Commits) -> dict[str, Future[dict[int, torch.Tensor] | None]]:
         """Watch the other mergers (``others``: contribution -> its blocks) until each publishes the root of its merged
         blocks of ``participants``, and fetch them: one watch of them all (``_watch_mergers``: a set of n senders holds
-        one of the pool's threads while it waits, not n - 1), each fetch on the pool once its root is known. Each
+        one of the pool's threads while it waits, whatever n), each fetch on the pool once its root is known. Each
         merger is marked in ``commits`` as it published its root or was given up; its future gives its merged blocks,
         or None (this node merges them itself)."""
         net = self.config.net
@@ -425,6 +425,8 @@ class PartsMerge:
         flights: dict[str, Future[dict[int, torch.Tensor] | None]] = {name: Future() for name in others}
         for name, flight in flights.items():
             flight.add_done_callback(functools.partial(commits.mark, name))
+        if not flights:
+            return flights
         watch = self.pool.submit(self._watch_mergers, n, dict(others), participants, named_by, deadline, commits,
                                  flights)
         watch.add_done_callback(functools.partial(_dropped, flights.values()))
@@ -435,9 +437,10 @@ class PartsMerge:
                        flights: Mapping[str, Future[dict[int, torch.Tensor] | None]]) -> None:
         """Read the records of the mergers ``waiting`` for (contribution -> its blocks) until each names
         ``participants`` and the root of its blocks, then fetch them (``_fetch_merged``, marked in ``commits`` as it
-        starts) into its flight; None when it merges another set, merged one or withdrew, does not name the set by
-        ``named_by`` or publishes no root by ``deadline``. Each record is as its merger last answered the round's
-        question for it (known as it changes), read from the DHT while it does not answer (``entries_of``)."""
+        starts) into its flight. Its flight gives None when it merges another set, merged one or withdrew, does not
+        name the set by ``named_by`` or publishes no root by ``deadline``, and when the watch itself fails. Each
+        record is as its merger last answered the round's question for it (known as it changes), read from the DHT
+        while it does not answer (``entries_of``)."""
         net = self.config.net
         try:
             while waiting:
