@@ -153,6 +153,7 @@ class GatheredRounds:
         self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
         self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
         self._read_all_at = 0.0  # when ``_entries_of`` next reads every peer's record from the DHT
+        self._recorded: set[str] = set()  # the live peers whose rounds records were found (``_entries_of_live``)
         self.parts: PartsMerge | None = None
         """The merge shared among a set's senders (``sync.aggregation = "parts"``); None: each merges it all."""
         self._claims: dict[str, dict[str, RoundEntry]] = {}  # partitioned: peer -> its checked claims, latest last
@@ -587,11 +588,19 @@ class GatheredRounds:
             return set(self._held)
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        """The live peers' entries by round (``_entries_of``), each live peer asked for its record while the round
-        runs (``RecordWatch.follow``)."""
-        live = self._live()
-        self._watch.follow(live)
-        return self._entries_of(sorted(live), timeout_s)
+        """The live peers' entries by round (``_entries_of``), each live peer that shows work (``_working``) or whose
+        rounds record was found here asked for it while the round runs (``RecordWatch.follow``). The others are read
+        from the DHT alone: identities that heartbeat and never contribute, however many, cost a round no question
+        each (the DHT read is one request whoever it names)."""
+        live, working = self._live(), self._working()
+        with self._lock:
+            self._recorded &= live
+            asked = (working & live) | self._recorded
+        self._watch.follow(asked)
+        out = self._entries_of(sorted(live), timeout_s)
+        with self._lock:
+            self._recorded |= out.keys()
+        return out
 
     def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         """``peers``' entries by round: of those that answer this round's questions (``RecordWatch``) as they last

@@ -25,6 +25,7 @@ worker thread and blocks it, bounded by its timeout.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -365,6 +366,8 @@ class ContributionServicer(ServicerBase):
         self.bytes_served = 0
         self.records_served = 0
         """Bytes of rounds records answered (``rpc_record``), apart from the bodies' and blocks'."""
+        self.records_asked: collections.Counter[str] = collections.Counter()
+        """Questions for a rounds record received (``rpc_record``), by group."""
         self._loop: asyncio.AbstractEventLoop | None = None  # where questions are held (set by the first)
         self._posted: dict[str, asyncio.Event] = {}  # group -> set at its next post (``rpc_record``)
         store.listen(self._on_post)
@@ -410,6 +413,7 @@ class ContributionServicer(ServicerBase):
         """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
         asker's), or as it is after ``RECORD_WAIT_S``."""
         group, _, known = request.uid.rpartition("/")
+        self.records_asked[group] += 1
         loop = self._loop = asyncio.get_running_loop()
         until = loop.time() + RECORD_WAIT_S
         while True:

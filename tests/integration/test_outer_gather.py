@@ -598,14 +598,18 @@ def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the
 
 def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):
     """Two of four live composers contribute; the two that never do are idle (left out of ``working``): the
-    round merges the two without waiting on a quorum of four, and each tells the other's work."""
+    rounds merge the two without waiting on a quorum of four, and each tells the other's work. The idle two have no
+    rounds record, and are asked for none (the DHT read shows that, whoever it names)."""
     ids = [p.dht.peer_id for p in peers]
     seen: list[str] = []
     with _averagers(peers[:2], "idle", round_peers=RoundPeers(lambda: ids, lambda: ids[:2], seen.append)) as avg:
-        results = _run(avg, _deltas(2, seed=5), [CAP, CAP], round_id=1)
-        assert all(r is not None for r in results), [a.last_report for a in avg]
-        assert all(a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 2 for a in avg)
+        for round_id in (1, 2):
+            results = _run(avg, _deltas(2, seed=round_id), [CAP, CAP], round_id=round_id)
+            assert all(r is not None for r in results), [a.last_report for a in avg]
+            assert all(a.last_report.status is RoundStatus.OK and len(a.last_report.participants) == 2 for a in avg)
     assert sorted(set(seen)) == sorted(ids[:2])  # each fetched the other's contribution: evidence of its work
+    assert [p.gather.servicer.records_asked["idle"] for p in peers[2:]] == [0, 0]
+    assert all(p.gather.servicer.records_asked["idle"] > 0 for p in peers[:2])  # the contributors were followed
 
 
 def test_an_all_zero_contribution_is_merged_but_shows_no_work(peers):

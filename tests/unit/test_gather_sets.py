@@ -110,7 +110,8 @@ def test_a_verification_waits_on_while_enough_senders_still_gather_to_make_a_maj
 
 
 class _Answers:
-    """``RecordWatch`` for ``_Scripted``: the peers in ``asked`` answer with their record, the others do not."""
+    """``RecordWatch`` for ``_Scripted``: the peers in ``asked`` answer with their record once followed, the others
+    do not."""
 
     def __init__(self, asked: dict[str, bytes]) -> None:
         self.asked = asked
@@ -126,7 +127,8 @@ class _Answers:
         return self.heard(peers)
 
     def heard(self, peers) -> dict[str, bytes]:
-        return {peer: record for peer, record in self.asked.items() if record and peer in peers}
+        return {peer: record for peer, record in self.asked.items()
+                if record and peer in peers and peer in self.followed}
 
     def stop(self) -> None:
         pass
@@ -267,6 +269,21 @@ def test_a_peers_answer_stands_for_its_record_and_is_shown_to_the_witness_once()
         for _ in range(3):
             assert node._entries_of_live(1.0) == {"B": decode_entries(record), **_open(pair("C", 6))}
         assert node.read_peers == [["B", "C"], ["C"], ["C"]] and shown == [{"B": record}]
+    finally:
+        node.close()
+
+
+def test_a_live_peer_that_shows_no_work_is_asked_for_its_record_once_one_is_found() -> None:
+    """B shows work, C and D do not: B is asked for its record from the first read, C once a read found one of its,
+    D (none found) never: it is read from the DHT, in the one request that reads the others."""
+    node = _Scripted([{}, _open(pair("C", 2))], RoundPeers(lambda: ["A", "B", "C", "D"], lambda: ["B"]))
+    try:
+        node._entries_of_live(1.0)
+        assert node.answers.followed == {"B"}
+        node._entries_of_live(1.0)  # C's record shows
+        assert node.answers.followed == {"B"}
+        node._entries_of_live(1.0)
+        assert node.answers.followed == {"B", "C"} and all("D" in peers for peers in node.read_peers)
     finally:
         node.close()
 
