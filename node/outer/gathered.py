@@ -589,17 +589,20 @@ class GatheredRounds:
 
     def _entries_of_live(self, timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
         """The live peers' entries by round (``_entries_of``), each live peer that shows work (``_working``) or whose
-        rounds record was found here asked for it while the round runs (``RecordWatch.follow``). The others are read
-        from the DHT alone: identities that heartbeat and never contribute, however many, cost a round no question
-        each (the DHT read is one request whoever it names)."""
+        rounds record a read here found asked for it while the round runs (``RecordWatch.follow``), from the read that
+        found it on. The others are read from the DHT alone: identities that heartbeat and never contribute, however
+        many, cost a round no question each (the DHT read is one request whoever it names)."""
         live, working = self._live(), self._working()
+        heard = self._watch.heard(live).keys()  # an answer that came since the last read
         with self._lock:
-            self._recorded &= live
+            self._recorded = (self._recorded | heard) & live
             asked = (working & live) | self._recorded
         self._watch.follow(asked)
         out = self._entries_of(sorted(live), timeout_s)
         with self._lock:
             self._recorded |= out.keys()
+        if new := (out.keys() & live) - asked:  # asked from now on: a set taken on this read names it, perhaps
+            self._watch.follow(asked | new)
         return out
 
     def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
