@@ -355,6 +355,12 @@ class ContributionStore:
             return (group, round_id) in self._served
 
 
+_GROUPS_COUNTED = 256
+_GROUP_NAME_COUNTED = 200
+"""``ContributionServicer.records_asked`` counts questions apart for at most this many group names of at most
+this many characters."""
+
+
 class ContributionServicer(ServicerBase):
     """Streams a held contribution: request ``uid`` = ``{group}/{round}`` for a whole body, ``{group}/{round}/{i,j}``
     for blocks of one held in blocks (``blocks.wanted_uid``), ``{group}#proofs/{number}`` for a proof the node shares
@@ -367,7 +373,8 @@ class ContributionServicer(ServicerBase):
         self.records_served = 0
         """Bytes of rounds records answered (``rpc_record``), apart from the bodies' and blocks'."""
         self.records_asked: collections.Counter[str] = collections.Counter()
-        """Questions for a rounds record received (``rpc_record``), by group."""
+        """Questions for a rounds record received (``rpc_record``), by group: the first ``_GROUPS_COUNTED`` group
+        names asked for (a peer names any it likes), the others' questions together under ""."""
         self._loop: asyncio.AbstractEventLoop | None = None  # where questions are held (set by the first)
         self._posted: dict[str, asyncio.Event] = {}  # group -> set at its next post (``rpc_record``)
         store.listen(self._on_post)
@@ -413,7 +420,9 @@ class ContributionServicer(ServicerBase):
         """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
         asker's), or as it is after ``RECORD_WAIT_S``."""
         group, _, known = request.uid.rpartition("/")
-        self.records_asked[group] += 1
+        counted = group in self.records_asked or (len(self.records_asked) < _GROUPS_COUNTED
+                                                   and len(group) <= _GROUP_NAME_COUNTED)
+        self.records_asked[group if counted else ""] += 1
         loop = self._loop = asyncio.get_running_loop()
         until = loop.time() + RECORD_WAIT_S
         while True:
