@@ -572,9 +572,9 @@ class GatheredRounds:
         """The live composers but this node and the peers it bans."""
         return {p for p in self.peers.live() if p != self.peer_id and not self._banned(p)}
 
-    def _working(self) -> set[str]:
-        """Those of ``_live`` that show work: a round waits for them."""
-        live = self._live()
+    def _working(self, live: set[str] | None = None) -> set[str]:
+        """Those of ``_live`` (``live`` when given: read already) that show work: a round waits for them."""
+        live = self._live() if live is None else live
         return live if self.peers.working is None else live & set(self.peers.working())
 
     def _expected(self) -> set[str]:
@@ -592,16 +592,16 @@ class GatheredRounds:
         rounds record a read here found asked for it while the round runs (``RecordWatch.follow``), from the read that
         found it on. The others are read from the DHT alone: identities that heartbeat and never contribute, however
         many, cost a round no question each (the DHT read is one request whoever it names)."""
-        live, working = self._live(), self._working()
+        live = self._live()
         heard = self._watch.heard(live).keys()  # an answer that came since the last read
         with self._lock:
             self._recorded = (self._recorded | heard) & live
-            asked = (working & live) | self._recorded
+            asked = self._working(live) | self._recorded
         self._watch.follow(asked)
-        out = self._entries_of(sorted(live), timeout_s)
+        out = self._entries_of(sorted(live), timeout_s)  # of ``live`` only
         with self._lock:
             self._recorded |= out.keys()
-        if new := (out.keys() & live) - asked:  # asked from now on: a set taken on this read names it, perhaps
+        if new := out.keys() - asked:  # asked from now on: a set taken on this read names it, perhaps
             self._watch.follow(asked | new)
         return out
 
@@ -636,7 +636,7 @@ class GatheredRounds:
         wait_until, give_up = now + cfg.net.min_matchmaking_time_s, now + cfg.net.matchmaking_timeout_s
         late_quorum = False
         defer_until: float | None = None  # a quorum held, the first-ranked contribution's sender merges first
-        unreached: set[tuple[str, ...]] = set()  # sets taken whose bodies did not arrive: not taken again this round
+        unreached: set[tuple[str, ...]] = set()  # sets taken whose bodies did not arrive (``_take_set``)
         heard = self._watch.version  # the records' changes seen (``RecordWatch.wait``)
         while True:
             timeout_s = cfg.net.dht_timeout_s if due is not None else min(cfg.net.dht_timeout_s,
@@ -646,15 +646,9 @@ class GatheredRounds:
             offered = self._offered(entries)
             quorum = self._quorum(offered)
             taken, _ = self._merged_with_ours(entries, me, quorum, unreached)
-            if taken is not None:
-                # the others merged ours already: their set, if its bodies arrive within a message's bound
-                fetched = self._fetch_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s, entries)
-                if fetched:
-                    return taken
-                if fetched is False:
-                    # Tried once: a set naming a sender that serves nothing would otherwise be taken every pass and
-                    # hide the sets ranked after it (another set of the same members among them).
-                    unreached.add(taken)
+            if taken is not None and self._take_set(taken, found, time.monotonic() + cfg.net.next_chunk_timeout_s,
+                                                    entries, unreached):
+                return taken  # the others merged ours already: their set, if its bodies arrive within a message's bound
             if isinstance(due, RoundDue) and due.withdrawn:
                 return None  # told to merge nothing of its own making (``background.rebase``)
             current = open_contributions(entries)
@@ -730,19 +724,16 @@ class GatheredRounds:
         cfg = self.config
         deadline = time.monotonic() + cfg.net.verify_timeout_s
         seen = False
-        unreached: set[tuple[str, ...]] = set()  # as in ``_collect``
+        unreached: set[tuple[str, ...]] = set()  # sets taken whose bodies did not arrive (``_take_set``)
         while time.monotonic() < deadline:
             entries = self._entries_of_live(min(cfg.net.dht_timeout_s, deadline - time.monotonic()))
             taken, any_set = self._merged_with_ours(entries, me, self._quorum(self._offered(entries)), unreached)
             seen = seen or any_set
-            if taken is not None:
-                fetched = self._fetch_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries)
-                if fetched:
-                    logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it "
-                                "came off offer; this node merges it too", self.group, n, len(taken))
-                    return taken, True
-                if fetched is False:
-                    unreached.add(taken)
+            if taken is not None and self._take_set(taken, found, deadline + cfg.net.next_chunk_timeout_s, entries,
+                                                    unreached):
+                logger.info("outer round %s/%d: a set of %d contributions naming this node's was merged as it came "
+                            "off offer; this node merges it too", self.group, n, len(taken))
+                return taken, True
             time.sleep(POLL_S)
         return None, seen
 
@@ -890,6 +881,18 @@ class GatheredRounds:
             zeros = {name: torch.zeros(shape) for name, shape in self.shapes.items()}
             self._zero_digest = encode_blocks(zeros, self.config.compression).digest
         return self._zero_digest
+
+    def _take_set(self, taken: tuple[str, ...], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+                  deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]],
+                  unreached: set[tuple[str, ...]]) -> bool:
+        """Whether the set ``taken`` (one others merged naming ours) can be merged here: its bodies fetched into
+        ``found`` by ``deadline`` (``_fetch_set``). One whose bodies did not arrive goes into ``unreached``, and the
+        round does not take it again: a set naming a sender that serves nothing would otherwise be taken every pass
+        and hide the sets ranked after it (another set of the same members among them)."""
+        fetched = self._fetch_set(taken, found, deadline, entries)
+        if fetched is False:
+            unreached.add(taken)
+        return bool(fetched)
 
     def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool | None:
