@@ -70,6 +70,11 @@ class Attack:
     composes: bool = True
     """Whether its node is a composer of the attacked run: the composers that start with it wait for it, so that
     every run begins from the same shard assignment."""
+    crafts: bool = False
+    """Whether it changes what its node contributes to outer rounds (the bodies, or the tokens declared for them).
+    A merge is judged by how well it points along its honest senders' update (``attacks.merge_harm``): the senders
+    of an attack that crafts nothing send honest contributions, and count among them, as their places do in a clean
+    run."""
 
 
 # --- outer-round contributions ---
@@ -722,20 +727,21 @@ def _oversized_streams(attacker: Attacker) -> None:
 
 ATTACKS: dict[str, Attack] = {
     "scale-1000": Attack("its outer pseudo-gradient x1000",
-                         _tamper_contributions(lambda _, t: 1000 * t)),
-    "scale-neg10": Attack("its outer pseudo-gradient x(-10)", _tamper_contributions(lambda _, t: -10 * t)),
+                         _tamper_contributions(lambda _, t: 1000 * t), crafts=True),
+    "scale-neg10": Attack("its outer pseudo-gradient x(-10)", _tamper_contributions(lambda _, t: -10 * t), crafts=True),
     "random-10x": Attack("a random direction at 10x its pseudo-gradient's norm",
-                         _tamper_contributions(_random_direction)),
-    "nan": Attack("NaN pseudo-gradients", _nan_contributions(one=False)),
+                         _tamper_contributions(_random_direction), crafts=True),
+    "nan": Attack("NaN pseudo-gradients", _nan_contributions(one=False), crafts=True),
     "nan-block": Attack("one block of each pseudo-gradient NaN, drawn at random (a gathered round's body: one tensor)",
-                        _nan_contributions(one=True)),
-    "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12)),
-    "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({}))),
+                        _nan_contributions(one=True), crafts=True),
+    "weight-1e12": Attack("declares 1e12 tokens per round", _declared_weight(1e12), crafts=True),
+    "stale-replay": Attack("replays its first pseudo-gradient in every round", _tamper_contributions(_replay({})),
+                           crafts=True),
     "held-fetches": Attack("accepts every fetch of its outer contributions and sends nothing", _held_fetches),
     "trickled-fetches": Attack("answers every fetch of its outer contributions 64 bytes at a time, each just inside "
                                "the wait for the next message", _trickled_fetches),
     "equivocation": Attack("signs a second, different contribution for each round after its first fetch",
-                           _equivocation),
+                           _equivocation, crafts=True),
     "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),
     "surrogate-at-bound": Attack("surrogate deltas that make each copy 3.8x longer, refresh after refresh",
                                  _surrogates_at_the_bound),
@@ -758,9 +764,11 @@ ATTACKS: dict[str, Attack] = {
     "oversized-streams": Attack("streams announcing 256 MiB to every handler of every composer",
                                 side=_oversized_streams),
     "alie-2": Attack("one of 2 colluders, each sending their honest pseudo-gradients' mean less z standard deviations "
-                     "(ALIE; z for the composers in its view, 0.32 for 2 of 8)", _colluding(alie(2)), colluders=2),
+                     "(ALIE; z for the composers in its view, 0.32 for 2 of 8)", _colluding(alie(2)), colluders=2,
+                     crafts=True),
     "ipm-2": Attack("one of 2 colluders, each sending -0.1 x their honest pseudo-gradients' mean (inner-product "
-                    "manipulation)", _colluding(inner_product_manipulation(0.1)), colluders=2),
+                    "manipulation)", _colluding(inner_product_manipulation(0.1)), colluders=2,
+                    crafts=True),
 }
 
 

@@ -17,14 +17,20 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   counted here too, as in the clean runs);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
 - ``merge_cosine``: how well each merge an honest composer applied points along its honest senders' update h (their
-  contributions' mean by the capped weights), the mean over every such merge of the run (``merge_harm``;
+  contributions' mean by the capped weights; an attacker's node that crafts nothing it contributes, ``Attack.crafts``,
+  is an honest sender, as its place is in a clean run), the mean over every such merge of the run (``merge_harm``;
   ``merge_progress``: the merges' length along h), against the clean runs' (``merge_cosine_ratio``, with
   ``merge_clean_spread``). A merge is a deterministic function of what arrived, so this judges an attack on the
   merge's content finer than the final loss, which moves with which rounds completed. A partitioned round's merge is
   the shares its honest mergers recorded, put together (``whole_merges``);
-- ``honest_owned_fraction``: the share of expert-time, from the first honest step to the first composer's end of
-  training, during which an honest composer owned the expert (availability: an attacker that takes experts or
-  makes honest composers give theirs up lowers it);
+- ``honest_owned_share``: the share of expert-time, from the first honest step to the first composer's end of
+  training, during which a composer that is not the attack's owned the expert (the unused attackers' places
+  included; every composer in a clean run). ``honest_owned_fraction``: that share against the clean runs' share of
+  the same places (``honest_owned_clean``: the composers but the attack's colluders, or every composer for an attack
+  whose node is not a composer of the run). An attacking composer that trains keeps its fair share, as its place
+  does in a clean run, so 1 is a run whose attack cost the honest composers no expert-time; an attacker that takes
+  experts, or makes honest composers give theirs up, lowers it; a banned attacker's experts going to honest
+  composers raise it past 1;
 - ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
 - ``crashed``: an honest composer exited with an error or did not evaluate;
@@ -157,8 +163,11 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
         kept = run["merge_cosine"] / clean_kept if run["merge_cosine"] is not None and clean_kept else None
+        owned_clean = honest_places_owned(run["name"], layout, runs[:clean_runs])
+        owned = run["honest_owned_share"] / owned_clean if run["honest_owned_share"] is not None and owned_clean \
+            else None
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
-                     "merge_cosine_ratio": kept,
+                     "merge_cosine_ratio": kept, "honest_owned_clean": owned_clean, "honest_owned_fraction": owned,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
@@ -194,7 +203,7 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *
     for i in layout.nodes:  # the same identities (the attackers' too), so the same data order and shards, every run
         if (keys / f"node-{i}").exists():
             shutil.copytree(keys / f"node-{i}", folder / f"node-{i}", dirs_exist_ok=True)
-    hostile = () if is_clean(name) else layout.attacker_places[:ATTACKS[name].colluders]
+    hostile = hostile_places(name, layout)
     ids_paths = [folder / f"attacker-{i}.json" for i in hostile]
     started = time.monotonic()
     attacker_spawned = time.time()
@@ -229,6 +238,20 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *
     return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total)
 
 
+def hostile_places(name: str, layout: Layout) -> tuple[int, ...]:
+    """The places that run run ``name``'s attack: none in a clean run, the first of the attackers' places for each of
+    its colluders otherwise."""
+    return () if is_clean(name) else layout.attacker_places[:ATTACKS[name].colluders]
+
+
+def honest_places_owned(name: str, layout: Layout, clean_runs: list[dict[str, Any]]) -> float | None:
+    """``honest_owned_clean`` for run ``name``: the clean runs' mean share of expert-time owned by the places that
+    are honest in it (every composer for a clean run or an attack whose node is not a composer of the run)."""
+    colluders = 0 if is_clean(name) or not ATTACKS[name].composes else len(hostile_places(name, layout))
+    return _mean([(r["owned_without_places"] or [None] * (colluders + 1))[colluders] for r in clean_runs]) \
+        if clean_runs else None
+
+
 def _past(nodes: list[NodeProcess], step: int) -> bool:
     return all(n.step >= step for n in nodes)
 
@@ -254,7 +277,9 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         for key in ids:
             ids[key] += said.get(key, [])
     clean = is_clean(name)
-    attackers = frozenset() if clean else frozenset(ids["peer_ids"])
+    hostile = hostile_places(name, layout)
+    window = _window(records, honest)
+    attackers = frozenset() if clean or not ATTACKS[name].crafts else frozenset(ids["peer_ids"])
     events = [r for n in honest for r in records[n.index] if r.get("kind") == "merge"]
     merges = [harm for r in whole_merges(events) if (harm := merge_harm(r, lambda peer: peer not in attackers))
               is not None]
@@ -279,7 +304,12 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "val_losses": losses, "attackers": len(ids_paths),
         "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
         "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
-        "honest_owned_fraction": _honest_owned(records, honest, total),
+        "honest_owned_share": _owned(records, [i for i in layout.nodes if i not in hostile], total, window),
+        # In a clean run, the same share for the places each attack leaves honest: every composer but the first k
+        # attackers' places, for k from 0 to all of them.
+        "owned_without_places": [_owned(records, [i for i in layout.nodes if i not in layout.attacker_places[:k]],
+                                        total, window) for k in range(len(layout.attacker_places) + 1)]
+        if clean else None,
         "rounds_ok": statistics.median(rounds_ok),
         "merges": len(merges),
         "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,
@@ -364,10 +394,11 @@ def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[Nod
     return total - len(owned)
 
 
-def _honest_owned(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> float | None:
-    """``honest_owned_fraction`` (module docstring), over the whole ``_window``."""
-    window = _window(records, honest)
-    return None if window is None else owned_fraction([records[n.index] for n in honest], total, *window)
+def _owned(records: dict[int, list[dict[str, Any]]], places: list[int], total: int,
+           window: tuple[float, float] | None) -> float | None:
+    """The share of the ``total`` experts' time over ``window`` (``_window``) during which one of ``places`` owned
+    the expert (None without a window)."""
+    return None if window is None else owned_fraction([records[i] for i in places], total, *window)
 
 
 def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess]) -> tuple[float, float] | None:
@@ -394,8 +425,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"apart).",
         "",
         "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge cosine / clean "
-        "| experts the attackers held | honest-owned expert-time | rounds OK (clean) | named | banned (after) "
-        "| surrogates refused | crashed |",
+        "| experts the attackers held | honest-owned expert-time (/ clean) | rounds OK (clean) | named "
+        "| banned (after) | surrogates refused | crashed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report["attacks"]]:
@@ -405,7 +436,9 @@ def markdown(report: dict[str, Any]) -> str:
         joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
         banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
-        owned = "-" if r.get("honest_owned_fraction") is None else f"{100 * r['honest_owned_fraction']:.0f}%"
+        owned = "-" if r.get("honest_owned_share") is None else f"{100 * r['honest_owned_share']:.0f}%"
+        if r.get("honest_owned_fraction") is not None:
+            owned += f" ({r['honest_owned_fraction']:.2f})"
         attackers = r.get("attackers", 0 if is_clean(r["name"]) else 1)
         kept = "-" if r.get("merge_cosine_ratio") is None else f"{r['merge_cosine_ratio']:.4f}"
         lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | {kept} | "

@@ -22,9 +22,12 @@ from parallax.benchmarks.attacker import (
 from parallax.benchmarks.attacks import (
     Layout,
     _attacker_experts,
-    _honest_owned,
+    _owned,
+    _window,
     clean_names,
     fits,
+    honest_places_owned,
+    hostile_places,
     is_clean,
     markdown,
     merge_harm,
@@ -61,11 +64,15 @@ def test_experts_the_attacker_held_are_those_no_honest_composer_owned_four_fifth
     assert _attacker_experts({0: [], 1: [], 3: []}, honest, total=8) is None
     # Over the whole window 0-100 s, of 8 experts: 0.0 and 1.0 for 94 s each, 0.1 for 49 s; 1.1 and 0.2 for none
     # (a node's ownership ends with its last record: composer 1's at 50 s, composer 3's at 60 s).
-    assert _honest_owned(records, honest, total=8) == pytest.approx((94 + 94 + 49) / 800)
+    window = _window(records, honest)
+    assert window == (0.0, 100.0)
+    assert _owned(records, [0, 1, 3], 8, window) == pytest.approx((94 + 94 + 49) / 800)
+    assert _owned(records, [0, 1, 3], 8, None) is None
 
 
 def test_the_table_marks_rows_past_the_target():
-    row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "honest_owned_fraction": 0.75, "rounds_ok": 30,
+    row = {"val_loss_ratio": 1.0, "attacker_experts": 2, "honest_owned_share": 0.75, "honest_owned_fraction": 0.98,
+           "rounds_ok": 30,
            "rounds_ok_clean": 30,
            "attacker_named": False, "attacker_banned": False, "banned_after_s": None, "surrogates_refused": 0,
            "crashed": False, "within_target": True}
@@ -80,11 +87,29 @@ def test_the_table_marks_rows_past_the_target():
     report["false_bans"] = 1
     report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
-    row = "| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% | 30 (30) | yes | yes (14 s) | 0 | no |"
+    row = ("| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% (0.98) | 30 (30) | yes | yes (14 s) "
+           "| 0 | no |")
     assert row in text
     assert "| clean | 0 | no attacker | 1.000 | - | 1.0000 |" in text and "2.00% apart" in text
     assert "against the clean runs' 0.9800 (they are 0.10% apart)" in text
     assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
+
+
+def test_an_attacks_honest_owned_expert_time_is_judged_against_the_same_places_in_the_clean_runs():
+    """A composing attack's colluders keep their fair share, as their places do in a clean run: its honest places are
+    the composers but the colluders'. An attack whose node is not a composer leaves every composer's share to the
+    honest ones."""
+    layout = Layout(8, 2)
+    clean = [{"owned_without_places": [0.98, 0.85, 0.72]}, {"owned_without_places": [0.96, 0.87, 0.74]}]
+    assert hostile_places("clean-2", layout) == () and hostile_places("nan", layout) == (5,)
+    assert hostile_places("alie-2", layout) == (5, 6)
+    assert honest_places_owned("clean", layout, clean) == pytest.approx(0.97)
+    assert honest_places_owned("nan", layout, clean) == pytest.approx(0.86)
+    assert honest_places_owned("alie-2", layout, clean) == pytest.approx(0.73)
+    assert not ATTACKS["mismatched-preset"].composes
+    assert honest_places_owned("mismatched-preset", layout, clean) == pytest.approx(0.97)
+    assert honest_places_owned("nan", layout, []) is None
+    assert honest_places_owned("nan", layout, [*clean, {"owned_without_places": [None, None, None]}]) is None
 
 
 def test_clean_runs_are_named_in_order_and_told_from_attacks():
