@@ -451,12 +451,12 @@ class GroupAverager:
         self._averager.state_provider = provider
         self._averager.allow_state_sharing = provider is not None
 
-    def hear_proofs(self, timeout_s: float) -> None:
+    def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the group's rounds records once and wait up to ``timeout_s`` for the proofs they refer to
         (``witness``): a node about to take the group's state from peers, a joiner above all, has run no round yet
-        in which it could have heard that one of them is proven a liar."""
-        if self._gathered is not None:
-            self._gathered.hear_proofs(timeout_s)
+        in which it could have heard that one of them is proven a liar. Returns the live peers whose contributions
+        the records show merged by others (``transport.vouched``; none without gathered rounds)."""
+        return set() if self._gathered is None else self._gathered.hear_proofs(timeout_s)
 
     def load_state_from_peers(self, timeout_s: float = 60.0) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state another peer serves (``serve_state``); None when nobody answered in time."""

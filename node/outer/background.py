@@ -490,13 +490,14 @@ class BackgroundRounds:
             return [] if found is None else [found]
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
         started = time.monotonic()
-        try:  # no state from a proven liar
-            self.sync.groups[group].hear_proofs(min(_PROOFS_WAIT_S, timeout_s / 3))
+        vouched: set[str] = set()
+        try:  # no state from a proven liar; the peers whose work others merged asked first
+            vouched = self.sync.groups[group].hear_proofs(min(_PROOFS_WAIT_S, timeout_s / 3))
         except Exception as e:  # the download goes on without: proofs are heard in rounds too
             logger.warning("outer group %s: reading the proofs its peers show before downloading its state failed: %r",
                            group, e)
         left = max(timeout_s - (time.monotonic() - started), 2 * timeout_s / 3)
-        return self.states.candidates(group, shapes, left, sources=sources)
+        return self.states.candidates(group, shapes, left, sources=sources, first=vouched)
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:

@@ -88,6 +88,7 @@ from parallax.node.outer.transport import (
     open_contributions,
     pair,
     split_pair,
+    vouched,
 )
 from parallax.node.outer.wire import (
     ANCHOR_TOLERANCE,
@@ -369,14 +370,17 @@ class GatheredRounds:
         if self.parts is not None:
             self.parts.pool.shutdown(wait=False, cancel_futures=True)
 
-    def hear_proofs(self, timeout_s: float) -> None:
+    def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
-        wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked."""
+        wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns the live peers
+        the records vouch for (``transport.vouched``): where a download of the group's state asks first."""
         deadline = time.monotonic() + timeout_s
         live = sorted(self._live())
-        if live:
-            self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
-            self.witness.asks_ended(deadline - time.monotonic())
+        if not live:
+            return set()
+        records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
+        self.witness.asks_ended(deadline - time.monotonic())
+        return vouched(latest_entries(records)) & set(live)
 
     def _serve_proof(self, number: int, data: bytes) -> None:
         """Serve the bytes of a proof this node shares (``witness.BadBlock``), its latest few."""

@@ -2,12 +2,12 @@
 
 hivemind's averager hands its state out by each peer's self-declared priority, so a peer that declares the
 highest one serves every joiner and every peer that reloads, whatever it serves. Here the state comes from
-several live composers at once (up to ``SOURCES``, chosen at random; one that does not answer, as a peer that
-just left, is replaced by another): each answer is decoded with the
-group's names and shapes and checked finite, and the one taken is the nearest to the coordinate-wise median of
-the sources' anchors (``candidate_states``): one liar among three is outvoted. A node with a single live peer takes
-its state and says so. Of two sources that disagree, nothing here says which is right: a node that trains hands both
-to its held-out probe (``background.best_of``), an export takes neither.
+several live composers at once (up to ``SOURCES``, chosen at random, those whose contributions others merged
+first: ``source_order``; one that does not answer, as a peer that just left, is replaced by the next): each answer
+is decoded with the group's names and shapes and checked finite, and the one taken is the nearest to the
+coordinate-wise median of the sources' anchors (``candidate_states``): one liar among three is outvoted. A node
+with a single live peer takes its state and says so. Of two sources that disagree, nothing here says which is
+right: a node that trains hands both to its held-out probe (``background.best_of``), an export takes neither.
 
 Wire (``StateServicer.rpc_state``, request ``uid`` = group): the first message is msgpack metadata (group,
 round, step, names, momentum), the rest a msgpack list of raw float32 tensor blobs, in 1 MiB chunks.
@@ -21,7 +21,7 @@ import math
 import random
 import threading
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -119,19 +119,19 @@ class StateExchange(ServedOnLoop):
                 self.servicer.providers[group] = provider
 
     def download(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
-                 sources: Sequence[str] | None = None) -> State | None:
+                 sources: Sequence[str] | None = None, first: Collection[str] = ()) -> State | None:
         """The group's state as at least two sources agree on it (or the only source's); None when nobody served
         one that checks out, or two sources disagree. Sources are drawn at random from the live composers (those of
-        them in ``sources``, when given); one that fails is replaced by another (``_fetch_all``). Blocks the calling
-        thread (not the loop) for at most ``timeout_s``."""
-        found = self.candidates(group, shapes, timeout_s, sources=sources)
+        them in ``sources``, when given), those in ``first`` before the others (``source_order``); one that fails
+        is replaced by the next (``_fetch_all``). Blocks the calling thread (not the loop) for at most
+        ``timeout_s``."""
+        found = self.candidates(group, shapes, timeout_s, sources=sources, first=first)
         return found[0] if len(found) == 1 else None
 
     def candidates(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
-                   sources: Sequence[str] | None = None) -> list[State]:
+                   sources: Sequence[str] | None = None, first: Collection[str] = ()) -> list[State]:
         """As ``download``, but two sources that disagree are both returned (``candidate_states``)."""
-        peers = [p for p in self.peers() if p != self.own_peer_id and (sources is None or p in sources)]
-        random.shuffle(peers)
+        peers = source_order(self.peers(), own=self.own_peer_id, sources=sources, first=first)
         if not peers:
             return []
         future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s), self.loop)
@@ -206,6 +206,20 @@ class StateExchange(ServedOnLoop):
             return None
         meta_bytes, body = parts[0], b"".join(parts[1:])
         return decode_state(group, meta_bytes, body, shapes, peer=peer)
+
+
+def source_order(live: Iterable[str], *, own: str, sources: Collection[str] | None = None,
+                 first: Collection[str] = ()) -> list[str]:
+    """The order in which a download asks ``live`` composers (``own`` left out; only those in ``sources`` when
+    given) for a group's state: those in ``first`` before the others, each part in random order. Any identity that
+    heartbeats is a live composer, so a few hundred of them made up by one attacker, each naming a peer id nobody
+    runs, would take every turn of a download drawn from all alike (each failing only once its dial does);
+    ``first`` names the peers with something to show for themselves (contributions others merged:
+    ``transport.vouched``), and the rest are asked only when those do not yield ``SOURCES`` states."""
+    peers = [p for p in live if p != own and (sources is None or p in sources)]
+    random.shuffle(peers)
+    peers.sort(key=lambda p: p not in first)  # stable: each part stays in its random order
+    return peers
 
 
 def state_bytes_cap(shapes: Mapping[str, Sequence[int]]) -> int:

@@ -1071,7 +1071,11 @@ def test_a_sender_whose_signed_blocks_are_not_finite_is_banned_by_every_honest_p
         gathered._offer = poisoned  # type: ignore[method-assign]
         _rounds_until_two_ban(averagers, scores, reason, seed=60, shapes=PARTS)
         # One read of the records each time (it may come back empty on a busy machine); banned once it returns.
-        wait_until(lambda: averagers[3].hear_proofs(10) or scores[3].banned(liar), 60,
+        def banned_on_reading() -> bool:
+            averagers[3].hear_proofs(10)
+            return scores[3].banned(liar)
+
+        wait_until(banned_on_reading, 60,
                    explain=lambda: repr(scores[3].snapshot()))
         assert scores[3].snapshot()[liar]["reasons"] == {reason: 1}, scores[3].snapshot()
         assert found == [] and True in heard, (found, heard)  # on the proof it heard of, not on a block of its own

@@ -4,15 +4,17 @@ it: a peer serving a poisoned anchor (or one of another shape) is outvoted. Real
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from parallax.dht.testing import LocalSwarm, fixed_identity
 from parallax.node.net.network import NetworkLoop
-from parallax.node.outer.state import StateExchange
+from parallax.node.outer.state import StateExchange, source_order
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,10 +29,11 @@ def _state(scale: float, *, shapes=SHAPES, round_id: int = 4) -> tuple[dict, lis
 
 
 @contextlib.contextmanager
-def _swarm(n: int) -> Iterator[list[StateExchange]]:
+def _swarm(n: int, made_up: Sequence[str] = ()) -> Iterator[list[StateExchange]]:
+    """``n`` peers, each with a state exchange whose live composers are the ``n`` and the ``made_up`` peer ids."""
     with LocalSwarm("state") as swarm, contextlib.ExitStack() as stack:
         dhts = [swarm.add_dht(fixed_identity(i)).dht for i in range(n)]
-        ids = [d.peer_id for d in dhts]
+        ids = [d.peer_id for d in dhts] + list(made_up)
         exchanges = []
         for d in dhts:
             loop = NetworkLoop(d, f"net-{d.peer_id[-4:]}")
@@ -91,6 +94,33 @@ def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted(cap
         for _ in range(6):
             got = joiner.download("router", SHAPES, timeout_s=20)
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
+
+
+def test_the_peers_put_first_are_asked_first_each_part_in_random_order() -> None:
+    live = [f"p{i}" for i in range(40)]
+    orders = [source_order(live, own="p0", first={"p7", "p9", "p0", "gone"}) for _ in range(20)]
+    assert all(set(o[:2]) == {"p7", "p9"} and sorted(o) == sorted(live[1:]) for o in orders)
+    assert len({tuple(o[2:]) for o in orders}) > 1  # the rest drawn at random
+    assert source_order(live, own="p0", sources={"p3", "p9"}, first={"p9"}) == ["p9", "p3"]
+
+
+def test_a_download_asks_the_peers_vouched_for_before_identities_nobody_runs(caplog) -> None:
+    """Any identity that heartbeats is a live composer: here 40 whose peer ids nobody runs stand beside two honest
+    sources and a liar. A download asks the peers the rounds records vouch for first and, as they answer, none of
+    the others (drawn from all alike, nearly every draw of three would hold made-up ones, each failing only once its
+    dial does)."""
+    caplog.set_level(logging.INFO, logger="parallax.node.outer.state")
+    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
+    with _swarm(4, made_up) as (joiner, honest_a, honest_b, liar):
+        honest_a.serve("router", lambda: _state(1.0))
+        honest_b.serve("router", lambda: _state(1.0))
+        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        first = {honest_a.own_peer_id, honest_b.own_peer_id, liar.own_peer_id}
+        for _ in range(3):
+            got = joiner.download("router", SHAPES, timeout_s=20, first=first)
+            assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
+    asked = [p for p in made_up if p in caplog.text]
+    assert not asked, f"{len(asked)} made-up peers asked"
 
 
 def test_a_source_whose_request_failed_in_transit_is_asked_once_more() -> None:

@@ -28,6 +28,7 @@ from parallax.node.outer.transport import (
     open_contributions,
     pair,
     split_pair,
+    vouched,
 )
 from parallax.node.outer.wire import OuterSyncConfig, encode_fingerprint, round_tag
 
@@ -335,3 +336,18 @@ def test_a_fetched_contribution_its_sender_merged_in_a_set_naming_ours_is_kept_u
     assert _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": without_ours}, mine=mine)
     on_offer = {3: RoundEntry(3, bytes(32), 100, 1.0)}
     assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": on_offer}, mine=mine)
+
+
+def test_a_peer_is_vouched_for_by_another_peers_merged_round_that_names_it_never_by_its_own() -> None:
+    open_entry = {7: RoundEntry(7, bytes(32), 100, 1.0)}  # on offer, not merged: it vouches for nobody
+    entries = {
+        "A": _entry("A", 4, (pair("A", 4), pair("B", 4))),
+        "C": {**_entry("C", 5, (pair("C", 5), pair("D", 3))), **open_entry},
+        "S": _entry("S", 4, (pair("S", 4),)),  # a merge of itself alone
+        "T": open_entry | {3: RoundEntry(3, bytes(32), 100, 1.0, participants=(pair("U", 3),))},  # no fingerprint
+    }
+    assert vouched(entries) == {"B", "D"}
+    assert vouched({"A": _entry("A", 4, (pair("A", 4), pair("C", 4))),
+                    "C": _entry("C", 4, (pair("A", 4), pair("C", 4)))}) == {"A", "C"}
+    assert vouched({}) == set()
+

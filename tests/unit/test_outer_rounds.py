@@ -278,8 +278,9 @@ class _WaitingAverager:
     def serve_state(self, provider: object) -> None:
         pass
 
-    def hear_proofs(self, timeout_s: float) -> None:
+    def hear_proofs(self, timeout_s: float) -> set[str]:
         self.heard += 1
+        return set()
 
     def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
         self.started.append(round_id)
@@ -326,8 +327,9 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
     served = [group_state(other, group="router", round_id=9, step=0), None]
     averager = _WaitingAverager()
 
-    def candidates(group, shapes, timeout_s, sources=None):  # type: ignore[no-untyped-def]
+    def candidates(group, shapes, timeout_s, sources=None, first=()):  # type: ignore[no-untyped-def]
         assert averager.heard == 3 - len(served)  # the proofs the others show, heard before each download
+        assert first == set()  # the peers the records vouch for (none here) asked first
         found = served.pop(0)
         return [] if found is None else [found]
 
