@@ -134,7 +134,9 @@ class StateExchange(ServedOnLoop):
         peers = source_order(self.peers(), own=self.own_peer_id, sources=sources, first=first)
         if not peers:
             return []
-        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s), self.loop)
+        vouched = sum(1 for p in peers if p in first)
+        future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s, vouched=vouched),
+                                                  self.loop)
         try:
             states, asked = future.result(timeout_s + 2)
         except Exception as e:
@@ -143,19 +145,25 @@ class StateExchange(ServedOnLoop):
         return candidate_states(group, states, shapes, asked=asked)
 
     async def _fetch_all(self, group: str, candidates: Sequence[str], shapes: Mapping[str, Sequence[int]],
-                         timeout_s: float) -> tuple[dict[str, State], int]:
+                         timeout_s: float, *, vouched: int = 0) -> tuple[dict[str, State], int]:
         """The states of up to ``SOURCES`` of ``candidates``, asked in order, ``SOURCES`` at once: one that does not
         answer with a usable state (a peer that just left, one that serves none) is replaced by the next candidate
-        while time is left, so that a view with departed peers in it still yields three sources to compare. A source
-        whose request failed in transit (a stream reset or a dial that failed on a loaded host; not one whose bytes
-        were refused, nor one that answered it serves nothing) is asked once more after the others, while time is
-        left. Returns the states and how many candidates were asked."""
+        while time is left, so that a view with departed peers in it still yields three sources to compare. Past the
+        first ``vouched`` candidates (``source_order``), at most ``SOURCES`` of the others are asked while a vouched
+        one has not answered yet, or once they gave two states (a third is sought among them): the rest may be
+        identities nobody runs, each costing a dial that fails. The rest are asked when the vouched ones gave fewer
+        than two. A source whose request failed in transit (a stream reset or a dial that failed on a loaded host; not
+        one whose bytes were refused, nor one that answered it serves nothing) is asked once more after the others,
+        while time is left. Returns the states and how many candidates were asked."""
         deadline = self.loop.time() + timeout_s
         queue = iter(candidates)
         again: list[str] = []  # failed in transit, to be asked once more
         retried: set[str] = set()
         pending: set[asyncio.Task[tuple[str, State | None]]] = set()
+        states: dict[str, State] = {}
         asked = 0
+        first = set(candidates[:vouched])
+        ended: set[str] = set()  # asked, and answered or failed
 
         async def one(peer: str) -> tuple[str, State | None]:
             if peer in retried:
@@ -172,7 +180,11 @@ class StateExchange(ServedOnLoop):
 
         def ask_next() -> None:
             nonlocal asked
-            peer = next(queue, None)
+            enough = (bool(vouched) and asked >= vouched + SOURCES
+                      and (len(states) >= 2 or not first <= ended))
+            peer = None if enough else next(queue, None)
+            if enough:  # only the vouched-for are asked again
+                again[:] = [p for p in again if p in first]
             retry = peer is None and bool(again)
             if retry:
                 peer = again.pop(0)
@@ -186,11 +198,11 @@ class StateExchange(ServedOnLoop):
 
         for _ in range(SOURCES):
             ask_next()
-        states: dict[str, State] = {}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 peer, state = task.result()
+                ended.add(peer)
                 if state is not None:
                     states[peer] = state
                 elif len(states) + len(pending) < SOURCES:

@@ -123,6 +123,23 @@ def test_a_download_asks_the_peers_vouched_for_before_identities_nobody_runs(cap
     assert not asked, f"{len(asked)} made-up peers asked"
 
 
+def test_past_the_peers_vouched_for_a_download_asks_a_few_others_for_a_third_state(caplog) -> None:
+    """Two peers vouched for serve agreeing states; the liar and 40 identities nobody runs are the others. A third
+    state is asked of at most three of them (the liar's, when drawn, is outvoted), never of all."""
+    caplog.set_level(logging.INFO, logger="parallax.node.outer.state")
+    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
+    with _swarm(4, made_up) as (joiner, honest_a, honest_b, liar):
+        honest_a.serve("router", lambda: _state(1.0))
+        honest_b.serve("router", lambda: _state(1.0))
+        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        for _ in range(3):
+            caplog.clear()
+            got = joiner.download("router", SHAPES, timeout_s=20, first={honest_a.own_peer_id, honest_b.own_peer_id})
+            assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
+            asked = [p for p in made_up if p in caplog.text]
+            assert len(asked) <= 3, f"{len(asked)} made-up peers asked"
+
+
 def test_a_source_whose_request_failed_in_transit_is_asked_once_more() -> None:
     """An honest source whose answer broke off (here its handler fails once) is asked again after the others: one
     unlucky stream must not leave the liar's state beside a single honest one, with nobody to outvote it."""
