@@ -227,7 +227,7 @@ def source_order(live: Iterable[str], *, own: str, sources: Collection[str] | No
     heartbeats is a live composer, so a few hundred of them made up by one attacker, each naming a peer id nobody
     runs, would take every turn of a download drawn from all alike (each failing only once its dial does);
     ``first`` names the peers with something to show for themselves (contributions others merged:
-    ``transport.vouched``), and the rest are asked only when those do not yield ``SOURCES`` states."""
+    ``transport.vouched``), and ``StateExchange._fetch_all`` asks few of the rest while those answer."""
     peers = [p for p in live if p != own and (sources is None or p in sources)]
     random.shuffle(peers)
     peers.sort(key=lambda p: p not in first)  # stable: each part stays in its random order

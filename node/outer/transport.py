@@ -711,11 +711,12 @@ def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEnt
 
 
 def vouched(entries: Mapping[str, Mapping[int, RoundEntry]]) -> set[str]:
-    """The peers named among the senders of a merged round (an entry with its fingerprint) in another peer's record:
-    peers whose contributions others merged. Each record is signed by its own peer's key, so a peer cannot vouch
-    for itself; identities that vouch for each other can, and this is a priority (``state.source_order``), never a
-    reason to take what a peer serves."""
-    return {peer for sender, rounds in entries.items() for entry in rounds.values() if entry.fingerprint
+    """The peers named among the senders of a merged round (an entry with its fingerprint, not ``WITHDRAWN``) in
+    another peer's record: peers whose contributions others merged. Each record is signed by its own peer's key, so
+    a peer cannot vouch for itself; identities that vouch for each other can, and this is a priority
+    (``state.source_order``), never a reason to take what a peer serves."""
+    return {peer for sender, rounds in entries.items() for entry in rounds.values()
+            if entry.fingerprint and entry.fingerprint != WITHDRAWN
             for peer in (split_pair(name)[0] for name in entry.participants) if peer != sender}
 
 

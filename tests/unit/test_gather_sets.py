@@ -345,6 +345,7 @@ def test_a_peer_is_vouched_for_by_another_peers_merged_round_that_names_it_never
         "C": {**_entry("C", 5, (pair("C", 5), pair("D", 3))), **open_entry},
         "S": _entry("S", 4, (pair("S", 4),)),  # a merge of itself alone
         "T": open_entry | {3: RoundEntry(3, bytes(32), 100, 1.0, participants=(pair("U", 3),))},  # no fingerprint
+        "W": {2: RoundEntry(2, bytes(32), 100, 1.0, fingerprint=WITHDRAWN, participants=(pair("V", 2),))},
     }
     assert vouched(entries) == {"B", "D"}
     assert vouched({"A": _entry("A", 4, (pair("A", 4), pair("C", 4))),
