@@ -148,13 +148,17 @@ class StateExchange(ServedOnLoop):
                          timeout_s: float, *, vouched: int = 0) -> tuple[dict[str, State], int]:
         """The states of up to ``SOURCES`` of ``candidates``, asked in order, ``SOURCES`` at once: one that does not
         answer with a usable state (a peer that just left, one that serves none) is replaced by the next candidate
-        while time is left, so that a view with departed peers in it still yields three sources to compare. Past the
-        first ``vouched`` candidates (``source_order``), at most ``SOURCES`` of the others are asked while a vouched
-        one has not answered yet, or once they gave two states (a third is sought among them): the rest may be
-        identities nobody runs, each costing a dial that fails. The rest are asked when the vouched ones gave fewer
-        than two. A source whose request failed in transit (a stream reset or a dial that failed on a loaded host; not
-        one whose bytes were refused, nor one that answered it serves nothing) is asked once more after the others,
-        while time is left. Returns the states and how many candidates were asked."""
+        while time is left, so that a view with departed peers in it still yields three sources to compare.
+
+        Past the first ``vouched`` candidates (``source_order``), at most ``SOURCES`` of the others are asked while
+        one of those has not answered yet, or once two states are in hand (a third is sought among them): the rest
+        may be identities nobody runs, each costing a dial that fails. When the vouched-for candidates ended with
+        fewer than two states, the rest are asked in turn, ``SOURCES`` at once.
+
+        A source whose request failed in transit (a stream reset or a dial that failed on a loaded host; not one
+        whose bytes were refused, nor one that answered it serves nothing) is asked once more: a vouched-for one
+        before any candidate not asked yet, the others after all of them, while time is left. Returns the states and
+        how many candidates were asked."""
         deadline = self.loop.time() + timeout_s
         queue = iter(candidates)
         again: list[str] = []  # failed in transit, to be asked once more
@@ -178,26 +182,37 @@ class StateExchange(ServedOnLoop):
                     again.append(peer)
             return peer, None
 
-        def ask_next() -> None:
+        def next_peer() -> tuple[str, bool] | None:
+            """The next source to ask and whether it is asked again; None when none may be asked now."""
+            vouched_again = next((p for p in again if p in first), None)
+            if vouched_again is not None:
+                again.remove(vouched_again)
+                return vouched_again, True
+            if vouched and asked >= vouched + SOURCES and (len(states) >= 2 or not first <= ended):
+                return None
+            peer = next(queue, None)
+            if peer is not None:
+                return peer, False
+            return (again.pop(0), True) if again else None
+
+        def ask_next() -> bool:
             nonlocal asked
-            enough = (bool(vouched) and asked >= vouched + SOURCES
-                      and (len(states) >= 2 or not first <= ended))
-            peer = None if enough else next(queue, None)
-            if enough:  # only the vouched-for are asked again
-                again[:] = [p for p in again if p in first]
-            retry = peer is None and bool(again)
-            if retry:
-                peer = again.pop(0)
-            if peer is None or self.loop.time() >= deadline:
-                return
+            found = None if self.loop.time() >= deadline else next_peer()
+            if found is None:
+                return False
+            peer, retry = found
             if retry:
                 retried.add(peer)
             else:
                 asked += 1
             pending.add(asyncio.ensure_future(one(peer)))
+            return True
 
-        for _ in range(SOURCES):
-            ask_next()
+        def fill() -> None:
+            while len(states) + len(pending) < SOURCES and ask_next():
+                pass
+
+        fill()
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -205,8 +220,7 @@ class StateExchange(ServedOnLoop):
                 ended.add(peer)
                 if state is not None:
                     states[peer] = state
-                elif len(states) + len(pending) < SOURCES:
-                    ask_next()
+            fill()
         return states, asked
 
     async def _fetch(self, peer: str, group: str, shapes: Mapping[str, Sequence[int]]) -> State | None:
@@ -226,7 +240,7 @@ def source_order(live: Iterable[str], *, own: str, sources: Collection[str] | No
     given) for a group's state: those in ``first`` before the others, each part in random order. Any identity that
     heartbeats is a live composer, so a few hundred of them made up by one attacker, each naming a peer id nobody
     runs, would take every turn of a download drawn from all alike (each failing only once its dial does);
-    ``first`` names the peers with something to show for themselves (contributions others merged:
+    ``first`` names the peers with something to show for themselves (contributions two other peers merged:
     ``transport.vouched``), and ``StateExchange._fetch_all`` asks few of the rest while those answer."""
     peers = [p for p in live if p != own and (sources is None or p in sources)]
     random.shuffle(peers)

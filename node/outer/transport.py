@@ -710,14 +710,20 @@ def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEnt
     return out
 
 
-def vouched(entries: Mapping[str, Mapping[int, RoundEntry]]) -> set[str]:
-    """The peers named among the senders of a merged round (an entry with its fingerprint, not ``WITHDRAWN``) in
-    another peer's record: peers whose contributions others merged. Each record is signed by its own peer's key, so
-    a peer cannot vouch for itself; identities that vouch for each other can, and this is a priority
-    (``state.source_order``), never a reason to take what a peer serves."""
-    return {peer for sender, rounds in entries.items() for entry in rounds.values()
-            if entry.fingerprint and entry.fingerprint != WITHDRAWN
-            for peer in (split_pair(name)[0] for name in entry.participants) if peer != sender}
+def vouched(entries: Mapping[str, Mapping[int, RoundEntry]], least: int = 2) -> set[str]:
+    """The peers named among the senders of a merged round (an entry with its fingerprint, not ``WITHDRAWN``) in the
+    records of at least ``least`` other peers: peers whose contributions others merged. Each record is signed by its
+    own peer's key, so a peer cannot vouch for itself, and one node cannot vouch alone for the identities it makes up
+    (its record could name them all as the senders of a round it says it merged); ``least`` nodes together can, and
+    this is a priority (``state.source_order``), never a reason to take what a peer serves."""
+    vouchers: dict[str, set[str]] = {}
+    for sender, rounds in entries.items():
+        for entry in rounds.values():
+            if entry.fingerprint and entry.fingerprint != WITHDRAWN:
+                for peer in (split_pair(name)[0] for name in entry.participants):
+                    if peer != sender:
+                        vouchers.setdefault(peer, set()).add(sender)
+    return {peer for peer, by in vouchers.items() if len(by) >= least}
 
 
 def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]], *,

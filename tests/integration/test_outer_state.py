@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -138,6 +139,25 @@ def test_past_the_peers_vouched_for_a_download_asks_a_few_others_for_a_third_sta
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
             asked = [p for p in made_up if p in caplog.text]
             assert len(asked) <= 3, f"{len(asked)} made-up peers asked"
+
+
+def test_when_the_peers_vouched_for_give_fewer_than_two_states_the_others_are_asked_in_turn() -> None:
+    """The one peer vouched for answers late, while three others are asked and identities nobody runs fail; it gives
+    one state, and the others are then asked, three at once, until two honest peers nobody vouched for yet agree
+    with it."""
+    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
+
+    def late() -> tuple[dict, list[torch.Tensor]]:
+        time.sleep(2.0)  # holds this source's own network loop: it answers after the others were asked
+        return _state(1.0)
+
+    with _swarm(4, made_up) as (joiner, vouched_for, honest_b, honest_c):
+        vouched_for.serve("router", late)
+        honest_b.serve("router", lambda: _state(1.0))
+        honest_c.serve("router", lambda: _state(1.0))
+        for _ in range(3):
+            got = joiner.download("router", SHAPES, timeout_s=30, first={vouched_for.own_peer_id})
+            assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
 
 
 def test_a_source_whose_request_failed_in_transit_is_asked_once_more() -> None:

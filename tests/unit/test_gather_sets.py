@@ -338,17 +338,19 @@ def test_a_fetched_contribution_its_sender_merged_in_a_set_naming_ours_is_kept_u
     assert not _off_offer(pair("B", 3), live={"B", "C"}, entries={"B": on_offer}, mine=mine)
 
 
-def test_a_peer_is_vouched_for_by_another_peers_merged_round_that_names_it_never_by_its_own() -> None:
+def test_a_peer_is_vouched_for_by_two_other_peers_merged_rounds_that_name_it_never_by_its_own() -> None:
     open_entry = {7: RoundEntry(7, bytes(32), 100, 1.0)}  # on offer, not merged: it vouches for nobody
     entries = {
-        "A": _entry("A", 4, (pair("A", 4), pair("B", 4))),
-        "C": {**_entry("C", 5, (pair("C", 5), pair("D", 3))), **open_entry},
+        "A": _entry("A", 4, (pair("A", 4), pair("B", 4), pair("D", 4))),
+        "C": {**_entry("C", 5, (pair("C", 5), pair("D", 3), pair("B", 5))), **open_entry},
         "S": _entry("S", 4, (pair("S", 4),)),  # a merge of itself alone
         "T": open_entry | {3: RoundEntry(3, bytes(32), 100, 1.0, participants=(pair("U", 3),))},  # no fingerprint
         "W": {2: RoundEntry(2, bytes(32), 100, 1.0, fingerprint=WITHDRAWN, participants=(pair("V", 2),))},
+        # One node naming identities it made up as the senders of a round it says it merged vouches for none alone.
+        "X": _entry("X", 6, tuple(pair(f"Sybil{i}", 6) for i in range(30))),
     }
     assert vouched(entries) == {"B", "D"}
-    assert vouched({"A": _entry("A", 4, (pair("A", 4), pair("C", 4))),
-                    "C": _entry("C", 4, (pair("A", 4), pair("C", 4)))}) == {"A", "C"}
+    assert vouched(entries, least=1) == {"B", "D", *(f"Sybil{i}" for i in range(30))}
+    two = {"A": _entry("A", 4, (pair("A", 4), pair("C", 4))), "C": _entry("C", 4, (pair("A", 4), pair("C", 4)))}
+    assert vouched(two) == set() and vouched(two, least=1) == {"A", "C"}
     assert vouched({}) == set()
-
