@@ -153,7 +153,7 @@ class StateExchange(ServedOnLoop):
         Past the first ``vouched`` candidates (``source_order``), at most ``SOURCES`` of the others are asked while
         one of those has not answered yet, or once two states are in hand (a third is sought among them): the rest
         may be identities nobody runs, each costing a dial that fails. When the vouched-for candidates ended with
-        fewer than two states, the rest are asked in turn, ``SOURCES`` at once.
+        fewer than two states, the rest are asked in turn until ``SOURCES`` states are in hand.
 
         A source whose request failed in transit (a stream reset or a dial that failed on a loaded host; not one
         whose bytes were refused, nor one that answered it serves nothing) is asked once more: a vouched-for one
@@ -217,7 +217,8 @@ class StateExchange(ServedOnLoop):
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 peer, state = task.result()
-                ended.add(peer)
+                if peer not in again:  # one to be asked again has not ended
+                    ended.add(peer)
                 if state is not None:
                     states[peer] = state
             fill()

@@ -463,6 +463,7 @@ class RecordWatch:
         self._asking: dict[str, tuple[object, concurrent.futures.Future[None]]] = {}
         self._silent: set[str] = set()  # refused a question this round
         self._questions: dict[str, asyncio.Future[bytes]] = {}  # peer -> its question still open (the event loop's own)
+        self._asked_with: dict[str, bytes] = {}  # peer -> the record its open question was asked with (the loop's own)
         self.version = 0
         """Counts the records that changed (``wait``)."""
 
@@ -509,6 +510,7 @@ class RecordWatch:
             question.exception()
         if self._questions.get(peer) is question:
             del self._questions[peer]
+            self._asked_with.pop(peer, None)
 
     def _current(self, peer: str, token: object) -> bool:
         """Whether ``token``'s question is still the one held at ``peer`` (under the lock)."""
@@ -523,7 +525,16 @@ class RecordWatch:
             if question is None or question.done():  # one at a time per peer, an earlier round's too
                 question = self._questions[peer] = asyncio.ensure_future(
                     self.gather.ask_record(peer, self.group, known))
+                self._asked_with[peer] = known
                 question.add_done_callback(partial(self._forget, peer))
+            elif not known and (held := self._asked_with.get(peer)):
+                # An earlier round's question, still open: the peer answers at once when its record differs from the
+                # one asked with, so that record stands until the answer (up to ``RECORD_WAIT_S`` when it stands still).
+                with self._changed:
+                    if self._current(peer, token) and peer not in self._records:
+                        self._records[peer] = held
+                        self.version += 1
+                        self._changed.notify_all()
             try:  # however long it takes, the peer's last answer standing meanwhile; withdrawn, it runs on (shielded)
                 record = await asyncio.shield(question)
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
@@ -714,9 +725,10 @@ def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEnt
 def vouched(entries: Mapping[str, Mapping[int, RoundEntry]], least: int = 2) -> set[str]:
     """The peers named among the senders of a merged round (an entry with its fingerprint, not ``WITHDRAWN``) in the
     records of at least ``least`` other peers: peers whose contributions others merged. Each record is signed by its
-    own peer's key, so a peer cannot vouch for itself, and one node cannot vouch alone for the identities it makes up
-    (its record could name them all as the senders of a round it says it merged); ``least`` nodes together can, and
-    this is a priority (``state.source_order``), never a reason to take what a peer serves."""
+    own peer's key, so a peer cannot vouch for itself, and one record cannot vouch for identities by naming them all
+    as the senders of a round it says it merged; records stored under ``least`` identities can (an attacker holding
+    the keys of its flood can write them), and this is a priority (``state.source_order``), never a reason to take
+    what a peer serves."""
     vouchers: dict[str, set[str]] = {}
     for sender, rounds in entries.items():
         for entry in rounds.values():

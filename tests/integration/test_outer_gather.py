@@ -32,6 +32,7 @@ from parallax.dht.keys import outer_rounds_key
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.net.network import NetworkLoop
 from parallax.node.net.scores import PeerScores
+from parallax.node.outer import transport
 from parallax.node.outer.averager import GroupAverager, RoundStatus
 from parallax.node.outer.blocks import BlockedBody, block_layout, decode_all, encode_blocks, parse_wanted
 from parallax.node.outer.partitioned import MERGED_WIRE, Unmergeable, assignment, merge_in_blocks
@@ -290,10 +291,12 @@ def test_a_sender_that_never_merges_its_share_costs_the_others_that_share_not_th
     assert caplog.text.count("(1 of them merged here already as rechecks)") == 3, caplog.text
 
 
-def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_change(peers):
+def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_change(peers, monkeypatch):
     """A node serves its rounds record of a group to whoever asks: the one it holds now when the asker holds
     another, as it is after the wait when the asker holds it (a change meanwhile is answered as it is made: the
-    benchmarks time that); a record past the bound is refused, its server named."""
+    benchmarks time that); a record past the bound is refused, its server named. The wait is half a second here
+    (five by default) so that each unchanged answer comes well within the test's bounds."""
+    monkeypatch.setattr(transport, "RECORD_WAIT_S", 0.5)
     server, asker = peers[0], peers[1].gather
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
     second = encode_record([RoundEntry(2, b"e" * 32, 10, CAP)])
@@ -313,11 +316,13 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
     assert refused.value.peer == peer
 
 
-def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
+def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers, monkeypatch):
     """A ``RecordWatch`` holds a question at each peer it follows and knows each one's latest record as it is
     posted (a wait for a change ends with it), with no DHT store or read; a peer that holds none is left to the DHT;
-    a peer no longer followed, and every answer once the round stopped, is dropped, and no question is kept once it
-    ended."""
+    a peer no longer followed, and every answer once the round stopped, is dropped; a peer followed again while its
+    question is still open is known by the record that question was asked with; no question is kept once it ended.
+    Unchanged records are answered after half a second here (five by default)."""
+    monkeypatch.setattr(transport, "RECORD_WAIT_S", 0.5)
     watch = RecordWatch(peers[1].gather, "followed", 0.05)
     server, empty = peers[0].dht.peer_id, peers[2].dht.peer_id
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
@@ -334,9 +339,11 @@ def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers):
         assert watch.follow([empty]) == {}  # the server no longer followed: its record dropped
         wait_until(lambda: watch.follow([server]) == {server: second}, timeout=10)  # followed again
         watch.stop()
-        assert watch.follow([server]) == {}  # asked anew: nothing the stopped round heard is kept
+        assert watch.heard([server]) == {}  # nothing the stopped round heard is kept
+        # Asked anew: by the question still open (the record it was asked with), or a new one.
+        wait_until(lambda: watch.follow([server]) == {server: second}, timeout=10)
         watch.stop()
-        wait_until(lambda: not watch._questions, timeout=10,  # each withdrawn question forgotten as it ends
+        wait_until(lambda: not watch._questions and not watch._asked_with, timeout=10,  # each forgotten as it ends
                    explain=lambda: repr(watch._questions))
     finally:
         watch.stop()

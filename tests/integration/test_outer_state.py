@@ -143,8 +143,8 @@ def test_past_the_peers_vouched_for_a_download_asks_a_few_others_for_a_third_sta
 
 def test_when_the_peers_vouched_for_give_fewer_than_two_states_the_others_are_asked_in_turn() -> None:
     """The one peer vouched for answers late, while three others are asked and identities nobody runs fail; it gives
-    one state, and the others are then asked, three at once, until two honest peers nobody vouched for yet agree
-    with it."""
+    one state, and the others are then asked in turn until states that agree with it are in hand (from the two honest
+    peers nobody vouched for yet)."""
     made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
 
     def late() -> tuple[dict, list[torch.Tensor]]:
