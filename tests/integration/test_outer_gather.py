@@ -297,23 +297,24 @@ def test_a_peers_rounds_record_is_asked_of_it_and_a_watch_answers_with_the_chang
     benchmarks time that); a record past the bound is refused, its server named. The wait is half a second here
     (five by default) so that each unchanged answer comes well within the test's bounds."""
     monkeypatch.setattr(transport, "RECORD_WAIT_S", 0.5)
-    server, asker = peers[0], peers[1].gather
     first = encode_record([RoundEntry(1, b"d" * 32, 10, CAP)])
     second = encode_record([RoundEntry(2, b"e" * 32, 10, CAP)])
-    peer = server.dht.peer_id
-    assert asker.watch_record(peer, "watched", b"", 10) == b""  # none: the wait ends with none
-    server.gather.store.post_record("watched", first)
-    counted = asker.records_fetched
-    assert asker.watch_record(peer, "watched", b"", 10) == first
-    assert asker.records_fetched - counted == len(first)  # outer traffic, apart from the bodies'
-    assert asker.watch_record(peer, "watched", first, 10) == first  # unchanged: as it is after the wait
-    server.gather.store.post_record("watched", second)
-    assert asker.watch_record(peer, "watched", first, 10) == second
-    assert decode_entries(asker.watch_record(peer, "watched", second, 10)).keys() == {2}
-    server.gather.store.post_record("watched", b"x" * (ROUND_RECORD_MAX_BYTES + 1))
-    with pytest.raises(MalformedMessage) as refused:
-        asker.watch_record(peer, "watched", b"", 10)
-    assert refused.value.peer == peer
+    peer = peers[0].dht.peer_id
+    # Servers and fetchers of this test's own: the module's count the questions other tests left to end.
+    with _gathers(peers[:2], "watched", 0, ContributionServicer) as (server, asker):
+        assert asker.watch_record(peer, "watched", b"", 10) == b""  # none: the wait ends with none
+        server.store.post_record("watched", first)
+        counted = asker.records_fetched
+        assert asker.watch_record(peer, "watched", b"", 10) == first
+        assert asker.records_fetched - counted == len(first)  # outer traffic, apart from the bodies'
+        assert asker.watch_record(peer, "watched", first, 10) == first  # unchanged: as it is after the wait
+        server.store.post_record("watched", second)
+        assert asker.watch_record(peer, "watched", first, 10) == second
+        assert decode_entries(asker.watch_record(peer, "watched", second, 10)).keys() == {2}
+        server.store.post_record("watched", b"x" * (ROUND_RECORD_MAX_BYTES + 1))
+        with pytest.raises(MalformedMessage) as refused:
+            asker.watch_record(peer, "watched", b"", 10)
+        assert refused.value.peer == peer
 
 
 def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers, monkeypatch):

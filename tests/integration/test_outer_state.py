@@ -29,6 +29,17 @@ def _state(scale: float, *, shapes=SHAPES, round_id: int = 4) -> tuple[dict, lis
     return meta, anchor
 
 
+MADE_UP = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
+"""40 libp2p peer ids nobody runs (the multihashes of made-up keys): live composers in a view, as a flood's are."""
+
+
+def _honest_pair_and_liar(honest_a: StateExchange, honest_b: StateExchange, liar: StateExchange) -> None:
+    """Two sources serve the honest state of router, the liar a poisoned one from a far later round."""
+    honest_a.serve("router", lambda: _state(1.0))
+    honest_b.serve("router", lambda: _state(1.0))
+    liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+
+
 @contextlib.contextmanager
 def _swarm(n: int, made_up: Sequence[str] = ()) -> Iterator[list[StateExchange]]:
     """``n`` peers, each with a state exchange whose live composers are the ``n`` and the ``made_up`` peer ids."""
@@ -47,9 +58,7 @@ def _swarm(n: int, made_up: Sequence[str] = ()) -> Iterator[list[StateExchange]]
 
 def test_a_poisoned_state_is_outvoted_and_an_unvouched_one_is_not_taken() -> None:
     with _swarm(4) as (joiner, honest_a, honest_b, liar):
-        honest_a.serve("router", lambda: _state(1.0))
-        honest_b.serve("router", lambda: _state(1.0))
-        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        _honest_pair_and_liar(honest_a, honest_b, liar)
         got = joiner.download("router", SHAPES, timeout_s=20)
         assert got is not None and got[0]["round"] == 4
         assert torch.equal(got[1][0], _state(1.0)[1][0])
@@ -89,9 +98,7 @@ def test_sources_that_do_not_answer_are_replaced_so_a_liar_is_still_outvoted(cap
     # beside the liar's: no two that agree, nothing taken).
     caplog.set_level(logging.INFO, logger="parallax.node.outer.state")  # a failure then says why each source failed
     with _swarm(6) as (joiner, honest_a, honest_b, liar, _silent, _gone):
-        honest_a.serve("router", lambda: _state(1.0))
-        honest_b.serve("router", lambda: _state(1.0))
-        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+        _honest_pair_and_liar(honest_a, honest_b, liar)
         for _ in range(6):
             got = joiner.download("router", SHAPES, timeout_s=20)
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
@@ -111,16 +118,13 @@ def test_a_download_asks_the_peers_vouched_for_before_identities_nobody_runs(cap
     the others (drawn from all alike, nearly every draw of three would hold made-up ones, each failing only once its
     dial does)."""
     caplog.set_level(logging.INFO, logger="parallax.node.outer.state")
-    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
-    with _swarm(4, made_up) as (joiner, honest_a, honest_b, liar):
-        honest_a.serve("router", lambda: _state(1.0))
-        honest_b.serve("router", lambda: _state(1.0))
-        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+    with _swarm(4, MADE_UP) as (joiner, honest_a, honest_b, liar):
+        _honest_pair_and_liar(honest_a, honest_b, liar)
         first = {honest_a.own_peer_id, honest_b.own_peer_id, liar.own_peer_id}
         for _ in range(3):
             got = joiner.download("router", SHAPES, timeout_s=20, first=first)
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
-    asked = [p for p in made_up if p in caplog.text]
+    asked = [p for p in MADE_UP if p in caplog.text]
     assert not asked, f"{len(asked)} made-up peers asked"
 
 
@@ -128,16 +132,13 @@ def test_past_the_peers_vouched_for_a_download_asks_a_few_others_for_a_third_sta
     """Two peers vouched for serve agreeing states; the liar and 40 identities nobody runs are the others. A third
     state is asked of at most three of them (the liar's, when drawn, is outvoted), never of all."""
     caplog.set_level(logging.INFO, logger="parallax.node.outer.state")
-    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
-    with _swarm(4, made_up) as (joiner, honest_a, honest_b, liar):
-        honest_a.serve("router", lambda: _state(1.0))
-        honest_b.serve("router", lambda: _state(1.0))
-        liar.serve("router", lambda: _state(1000.0, round_id=10**6))
+    with _swarm(4, MADE_UP) as (joiner, honest_a, honest_b, liar):
+        _honest_pair_and_liar(honest_a, honest_b, liar)
         for _ in range(3):
             caplog.clear()
             got = joiner.download("router", SHAPES, timeout_s=20, first={honest_a.own_peer_id, honest_b.own_peer_id})
             assert got is not None and got[0]["round"] == 4 and torch.equal(got[1][0], _state(1.0)[1][0])
-            asked = [p for p in made_up if p in caplog.text]
+            asked = [p for p in MADE_UP if p in caplog.text]
             assert len(asked) <= 3, f"{len(asked)} made-up peers asked"
 
 
@@ -145,13 +146,12 @@ def test_when_the_peers_vouched_for_give_fewer_than_two_states_the_others_are_as
     """The one peer vouched for answers late, while three others are asked and identities nobody runs fail; it gives
     one state, and the others are then asked in turn until states that agree with it are in hand (from the two honest
     peers nobody vouched for yet)."""
-    made_up = [PeerID(b"\x12\x20" + hashlib.sha256(bytes([i])).digest()).to_base58() for i in range(40)]
 
     def late() -> tuple[dict, list[torch.Tensor]]:
         time.sleep(2.0)  # holds this source's own network loop: it answers after the others were asked
         return _state(1.0)
 
-    with _swarm(4, made_up) as (joiner, vouched_for, honest_b, honest_c):
+    with _swarm(4, MADE_UP) as (joiner, vouched_for, honest_b, honest_c):
         vouched_for.serve("router", late)
         honest_b.serve("router", lambda: _state(1.0))
         honest_c.serve("router", lambda: _state(1.0))
