@@ -344,7 +344,9 @@ class Progress:
       honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a round merged
       its contribution, so that it gives itself no experts either.
 
-    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused).
+    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused). A node that
+    joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
+    (``vouched``): the rules then run from those.
     """
 
     def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
@@ -353,14 +355,36 @@ class Progress:
         """fingerprint -> (its step, since when, whether it moved since this node first saw it)."""
         self._first: dict[str, float] = {}
         self._work: dict[str, float] = {}
-        self._work_began: float | None = None  # when the first work of anyone arrived
+        self._work_began: float | None = None  # when the first work of anyone arrived, or the records vouched
+        self._arrived = False  # whether work itself reached this node (not only the records' word)
+        self._vouching = False  # the rules run from the records' word (``vouched``)
 
     def worked(self, fingerprint: str, now: float) -> None:
         """Evidence of ``fingerprint``'s work arrived at ``now``."""
         if self._work_began is None:
             self._work_began = now
+        self._arrived = True
         self._work[fingerprint] = now
         _forget_oldest(self._work)
+
+    def vouched(self, fingerprints: Iterable[str], now: float) -> bool:
+        """The swarm's rounds records vouch for ``fingerprints`` (others merged their work:
+        ``outer.transport.vouched``) before any work reached this node: it joins, or comes back to, a swarm that
+        trains. The rules then run from the records: those vouched for count as having worked at ``now`` (each
+        has one idle period to show work of its own), and every other composer is unproven until its own work
+        arrives, those this node saw in its first read beside the swarm's composers no less than those it sees
+        later (a flood of identities written before it joined earns nothing either). Once work has reached this
+        node it judges by what arrived. True when it took them."""
+        fingerprints = set(fingerprints)
+        if self._arrived or not fingerprints:
+            return False
+        if self._work_began is None:
+            self._work_began = now
+        self._vouching = True
+        for fp in fingerprints:
+            self._work.setdefault(fp, now)
+        _forget_oldest(self._work)
+        return True
 
     def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:
         """The composers of ``steps`` (fingerprint -> announced step) that show no work by either rule."""
@@ -401,20 +425,27 @@ class Progress:
         return now - self._first.get(fingerprint, now)
 
     def unproven(self, fingerprint: str) -> bool:
-        """Whether ``fingerprint`` was first seen after anyone's work reached this node and none of its own has
-        (the unproven rule; for the log)."""
+        """Whether ``fingerprint`` was first seen after anyone's work reached this node (or at any time, once the
+        records vouched: ``vouched``) and none of its own has (the unproven rule; for the log)."""
         began = self._work_began
-        return fingerprint not in self._work and began is not None and self._first.get(fingerprint, began) > began
+        return fingerprint not in self._work and began is not None and (
+            self._vouching or self._first.get(fingerprint, began) > began)
 
     @property
     def work_began(self) -> bool:
-        """Whether any composer's work has reached this node."""
+        """Whether any composer's work has reached this node, or the records vouched for some (``vouched``)."""
         return self._work_began is not None
 
+    @property
+    def work_arrived(self) -> bool:
+        """Whether any composer's work itself has reached this node."""
+        return self._arrived
+
     def counted(self, composers: Iterable[str], me: str) -> frozenset[str]:
-        """The ``composers`` that count in the quorum: this node (``me``) and those whose work has reached it; all
-        of them before anyone's work has (heartbeats are then all there is to count). Heartbeats are free to sign:
-        identities that only send them, however many, neither cut a node off nor make up its side."""
+        """The ``composers`` that count in the quorum: this node (``me``) and those whose work has reached it (or
+        that the records vouched for: ``vouched``); all of them before anyone's work has (heartbeats are then all
+        there is to count). Heartbeats are free to sign: identities that only send them, however many, neither cut
+        a node off nor make up its side."""
         composers = frozenset(composers)
         if self._work_began is None:
             return composers
@@ -913,8 +944,8 @@ class Membership:
                  if m.heartbeat.role == "composer" and fp != self.fingerprint]
         return bool(steps) and statistics.median_high(steps) > 0
 
-    def _end_probation_when_alone(self, work_began: bool) -> None:
-        """``enter_probation``'s last two ends, judged at each read."""
+    def _end_probation_when_alone(self, arrived: bool) -> None:
+        """``enter_probation``'s last two ends, judged at each read (``arrived``: ``Progress.work_arrived``)."""
         since = self._probation_since
         if since is None:
             return
@@ -922,7 +953,7 @@ class Membership:
         self._alone_reads = 0 if others or self._view.quorum is not QuorumState.HELD else self._alone_reads + 1
         if self._alone_reads >= _ALONE_READS:
             why = "no other composer counts in its view: nobody else would train the experts"
-        elif not work_began and time.monotonic() - since >= self._timing.idle_s:
+        elif not arrived and time.monotonic() - since >= self._timing.idle_s:
             why = f"no composer's work reached it in {self._timing.idle_s:.0f} s: the others announce steps only"
         else:
             return
@@ -1174,7 +1205,7 @@ class Membership:
         composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
         with self._lock:
             counted = self._progress.counted(composers, self.fingerprint)
-            work_began = self._progress.work_began
+            work_began, arrived = self._progress.work_began, self._progress.work_arrived
         self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
@@ -1187,7 +1218,7 @@ class Membership:
             self._majority_until = until
         self._view = dataclasses.replace(merged, stalled=stalled, joining=self._joining(merged), quorum=quorum,
                                          short_since=short_since)
-        self._end_probation_when_alone(work_began)
+        self._end_probation_when_alone(arrived)
         return True
 
     def _joining(self, view: SwarmView) -> frozenset[str]:
@@ -1324,6 +1355,18 @@ class Membership:
         """Evidence of a composer's work reached this node (thread-safe; ``Progress``)."""
         with self._lock:
             self._progress.worked(fingerprint, time.monotonic())
+
+    def vouched(self, fingerprints: Collection[str]) -> None:
+        """The swarm's rounds records vouch for these composers (thread-safe; ``Progress.vouched``): before any
+        work reached this node, they are the composers that count, and the others count once their work arrives."""
+        with self._lock:
+            took = self._progress.vouched(fingerprints, time.monotonic())
+            others = len({fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
+                         - set(fingerprints) - {self.fingerprint})
+        if took:
+            logger.info("%s: the swarm's rounds records vouch for %d composer(s); until their work reaches this node "
+                        "they count, and the %d other(s) count once theirs does", self.fingerprint,
+                        len(fingerprints), others)
 
     def _stalled(self, view: SwarmView) -> frozenset[str]:
         live = {fp: m.heartbeat.step for fp, m in view.alive().items() if m.heartbeat.role == "composer"}

@@ -373,14 +373,18 @@ class GatheredRounds:
     def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
         wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns the live peers
-        the records vouch for (``transport.vouched``): where a download of the group's state asks first."""
+        the records vouch for (``transport.vouched``): where a download of the group's state asks first, and whom
+        ``RoundPeers.vouched`` is told of."""
         deadline = time.monotonic() + timeout_s
         live = sorted(self._live())
         if not live:
             return set()
         records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
+        found = vouched(latest_entries(records)) & set(live)
+        if found and self.peers.vouched is not None:
+            self.peers.vouched(found)
         self.witness.asks_ended(deadline - time.monotonic())
-        return vouched(latest_entries(records)) & set(live)
+        return found
 
     def _serve_proof(self, number: int, data: bytes) -> None:
         """Serve the bytes of a proof this node shares (``witness.BadBlock``), its latest few."""

@@ -176,6 +176,9 @@ class RoundPeers:
     them, so identities that never contribute cannot stall it (None: every live composer)."""
     worked: Callable[[str], None] | None = None
     """Told of every contribution fetched and decoded: evidence of its sender's work."""
+    vouched: Callable[[set[str]], None] | None = None
+    """Told of the peers the rounds records vouch for (``vouched``), read before a download of the group's state:
+    whose work others merged, before any reached this node."""
 
 
 

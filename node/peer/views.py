@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from parallax.dht.adapter import dht_time
 from parallax.dht.keys import ExpertId
@@ -233,3 +233,8 @@ class SwarmViews:
         member = self.member(peer_id)
         if member is not None:
             self.membership.worked(member.fingerprint)
+
+    def vouched(self, peer_ids: Collection[str]) -> None:
+        """The rounds records vouch for the composers at ``peer_ids`` (``Membership.vouched``)."""
+        members = (self.member(peer) for peer in peer_ids)
+        self.membership.vouched({m.fingerprint for m in members if m is not None})

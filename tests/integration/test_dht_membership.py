@@ -330,6 +330,45 @@ def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_
         flooder.shutdown()
 
 
+def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written_before_it_came(swarm: LocalSwarm):
+    """Three composers whose work reaches each other; a peer writes 40 signed heartbeats from fresh keys; then a
+    fourth composer starts. Its first read shows the flood beside the three, no work has reached it, and each
+    would count for a grace period (``idle_s``, 120 s here): the flood would own most experts in its view and
+    make up most of its round quorum. Once the rounds records vouch for the three (before it downloads a group's
+    state), its view counts them alone and holds its quorum."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
+    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
+    for p in honest:
+        for other in honest:
+            p.membership.worked(other.fp)
+    names = {p.fp for p in honest}
+    fresh = [Identity.from_seed((3000 + i).to_bytes(4, "big") * 8) for i in range(40)]
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
+    try:
+        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
+                                         shards=(), step=50, sent=dht_time()))
+        _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
+        flood = {i.fingerprint for i in fresh}
+        joiner = swarm.add(3, shards=SHARDS, **timing)
+        wait_until(lambda: flood | names <= set(joiner.membership.view().composers()), timeout=30)
+        joiner.membership.vouched(names)
+
+        def counts_the_three() -> bool:
+            view = joiner.membership.view()
+            return flood <= set(view.alive()) and set(view.composers()) - {joiner.fp} == names
+
+        wait_until(counts_the_three, timeout=10)
+        view = joiner.membership.view()
+        assert view.quorum is QuorumState.HELD and not flood & set(view.assignment().peers)
+        joiner.membership.worked(honest[0].fp)
+        joiner.membership.vouched(flood)  # once work arrived, the node judges by it, not by the records' word
+        before = joiner.membership.view().read_at
+        wait_until(lambda: joiner.membership.view().read_at > before + 0.5, timeout=10)
+        assert set(joiner.membership.view().composers()) - {joiner.fp} == names
+    finally:
+        flooder.shutdown()
+
+
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
     a, b, liar = (swarm.add(i, shards=SHARDS, **timing) for i in range(3))

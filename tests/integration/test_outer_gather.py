@@ -634,6 +634,20 @@ def test_an_all_zero_contribution_is_merged_but_shows_no_work(peers):
     assert sorted(set(seen)) == sorted(ids[:2])
 
 
+def test_a_node_reading_the_records_before_a_download_is_told_whom_they_vouch_for(peers):
+    """Three peers merge a round; the fourth took no part. Reading the records before it downloads the group's state
+    (``hear_proofs``), it is told the three (each named among the merged senders by the two others' records): its
+    membership counts them before any work reached it (``dht.membership.Progress.vouched``)."""
+    ids = [p.dht.peer_id for p in peers]
+    told: list[set[str]] = []
+    views = [RoundPeers(lambda: ids, lambda: ids[:3])] * 3 + [RoundPeers(lambda: ids, vouched=told.append)]
+    with _averagers(peers, "vouching", round_peers=views) as averagers:
+        results = _run(averagers[:3], _deltas(3, seed=11), [CAP] * 3, round_id=1)
+        assert all(r is not None for r in results), [a.last_report for a in averagers[:3]]
+        wait_until(lambda: averagers[3].hear_proofs(10) == set(ids[:3]), 60)
+    assert told and told[-1] == set(ids[:3])
+
+
 def test_a_node_whose_view_of_work_is_narrow_waits_for_the_contributions_on_offer(peers, caplog):
     """Only peer 1's work has reached peer 0 (crowded nodes fetch slowly); the others see everyone's. Peer 0 counts
     the contributions on offer in its quorum, so it merges the set of four the others merge from the first, not a

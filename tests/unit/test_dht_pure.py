@@ -623,6 +623,28 @@ def test_a_composer_first_seen_after_work_began_counts_only_once_its_work_arrive
     assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1}, now=71.0) == {"a", "founder"}
 
 
+def test_a_node_joining_a_training_swarm_counts_whom_the_records_vouch_for_and_no_identity_beside_them():
+    """A joiner's first read shows the swarm's composers beside 300 identities written before it came: no work has
+    reached it, so each would count for a grace period. The records vouch for the composers whose work others
+    merged: they count, each until one idle period passes without work of its own, and the rest count once theirs
+    arrives."""
+    progress = Progress(stall_s=1e9, idle_s=60.0)
+    flood = {f"key{i}": 7 for i in range(300)}
+    steps = {"a": 7, "b": 7, "c": 7, "d": 7, **flood}  # d trains too, and no record vouches for it yet
+    assert progress.stalled(steps, now=0.0) == frozenset()  # nobody is judged before evidence
+    assert not progress.vouched([], now=4.0) and not progress.work_began
+    assert progress.vouched(["a", "b", "c"], now=5.0)
+    assert progress.work_began and not progress.work_arrived  # the records' word, not work that arrived
+    assert progress.stalled(steps, now=6.0) == {"d", *flood}
+    assert progress.unproven("d") and progress.unproven("key0") and not progress.unproven("a")
+    assert progress.counted([*steps, "me"], "me") == {"me", "a", "b", "c"}
+    progress.worked("d", 20.0)  # its contribution arrived
+    progress.worked("a", 30.0)
+    assert progress.work_arrived and progress.stalled(steps, now=21.0) == set(flood)
+    assert not progress.vouched(["key0"], now=31.0)  # work arrived: the node judges by it
+    assert progress.stalled(steps, now=66.0) == {"b", "c", *flood}  # no work of their own one idle period on
+
+
 def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1}
