@@ -374,15 +374,14 @@ class Progress:
         has one idle period to show work of its own), and every other composer is unproven until its own work
         arrives, those this node saw in its first read beside the swarm's composers no less than those it sees
         later (a flood of identities written before it joined earns nothing either). Once work has reached this
-        node it judges by what arrived. True when it took them."""
-        fingerprints = set(fingerprints)
-        if self._arrived or not fingerprints:
+        node it judges by what arrived. True when it took any it had not."""
+        new = set(fingerprints) - self._work.keys()
+        if self._arrived or not new:
             return False
         if self._work_began is None:
             self._work_began = now
         self._vouching = True
-        for fp in fingerprints:
-            self._work.setdefault(fp, now)
+        self._work.update(dict.fromkeys(new, now))
         _forget_oldest(self._work)
         return True
 

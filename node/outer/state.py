@@ -134,7 +134,7 @@ class StateExchange(ServedOnLoop):
         peers = source_order(self.peers(), own=self.own_peer_id, sources=sources, first=first)
         if not peers:
             return []
-        vouched = sum(1 for p in peers if p in first)
+        vouched = {p for p in peers if p in first}
         future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s, vouched=vouched),
                                                   self.loop)
         try:
@@ -145,15 +145,15 @@ class StateExchange(ServedOnLoop):
         return candidate_states(group, states, shapes, asked=asked)
 
     async def _fetch_all(self, group: str, candidates: Sequence[str], shapes: Mapping[str, Sequence[int]],
-                         timeout_s: float, *, vouched: int = 0) -> tuple[dict[str, State], int]:
+                         timeout_s: float, *, vouched: Collection[str] = ()) -> tuple[dict[str, State], int]:
         """The states of up to ``SOURCES`` of ``candidates``, asked in order, ``SOURCES`` at once: one that does not
         answer with a usable state (a peer that just left, one that serves none) is replaced by the next candidate
         while time is left, so that a view with departed peers in it still yields three sources to compare.
 
-        Past the first ``vouched`` candidates (``source_order``), at most ``SOURCES`` of the others are asked while
-        one of those has not answered yet, or once two states are in hand (a third is sought among them): the rest
-        may be identities nobody runs, each costing a dial that fails. When the vouched-for candidates ended with
-        fewer than two states, the rest are asked in turn until ``SOURCES`` states are in hand.
+        Past the ``vouched`` candidates (first in order: ``source_order``), at most ``SOURCES`` of the others are
+        asked while one of those has not answered yet, or once two states are in hand (a third is sought among them):
+        the rest may be identities nobody runs, each costing a dial that fails. When the vouched-for candidates ended
+        with fewer than two states, the rest are asked in turn until ``SOURCES`` states are in hand.
 
         A source whose request failed in transit (a stream reset or a dial that failed on a loaded host; not one
         whose bytes were refused, nor one that answered it serves nothing) is asked once more: a vouched-for one
@@ -166,7 +166,7 @@ class StateExchange(ServedOnLoop):
         pending: set[asyncio.Task[tuple[str, State | None]]] = set()
         states: dict[str, State] = {}
         asked = 0
-        first = set(candidates[:vouched])
+        first = set(vouched)
         ended: set[str] = set()  # asked, and answered or failed
 
         async def one(peer: str) -> tuple[str, State | None]:
@@ -188,7 +188,7 @@ class StateExchange(ServedOnLoop):
             if vouched_again is not None:
                 again.remove(vouched_again)
                 return vouched_again, True
-            if vouched and asked >= vouched + SOURCES and (len(states) >= 2 or not first <= ended):
+            if first and asked >= len(first) + SOURCES and (len(states) >= 2 or not first <= ended):
                 return None
             peer = next(queue, None)
             if peer is not None:

@@ -533,11 +533,7 @@ class RecordWatch:
             elif not known and (held := self._asked_with.get(peer)):
                 # An earlier round's question, still open: the peer answers at once when its record differs from the
                 # one asked with, so that record stands until the answer (up to ``RECORD_WAIT_S`` when it stands still).
-                with self._changed:
-                    if self._current(peer, token) and peer not in self._records:
-                        self._records[peer] = held
-                        self.version += 1
-                        self._changed.notify_all()
+                self._note(peer, token, held, first=True)
             try:  # however long it takes, the peer's last answer standing meanwhile; withdrawn, it runs on (shielded)
                 record = await asyncio.shield(question)
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
@@ -549,15 +545,22 @@ class RecordWatch:
                         self._asking.pop(peer)
                         self._records.pop(peer, None)
                 return
-            with self._changed:
-                if not self._current(peer, token):
-                    return
-                if self._records.get(peer) != record:
-                    self._records[peer] = record
-                    self.version += 1
-                    self._changed.notify_all()
+            if not self._note(peer, token, record):
+                return
             known = record
             await asyncio.sleep(self.poll_s)
+
+    def _note(self, peer: str, token: object, record: bytes, *, first: bool = False) -> bool:
+        """Take ``record`` as ``peer``'s (``first``: only when none stands yet), waking the waiters when it changed;
+        False when the question ``token`` names is no longer the current one."""
+        with self._changed:
+            if not self._current(peer, token):
+                return False
+            if self._records.get(peer) != record and not (first and peer in self._records):
+                self._records[peer] = record
+                self.version += 1
+                self._changed.notify_all()
+            return True
 
 
 def record_tag(record: bytes) -> str:
