@@ -369,12 +369,13 @@ class Progress:
 
     def vouched(self, fingerprints: Iterable[str], now: float) -> bool:
         """The swarm's rounds records vouch for ``fingerprints`` (others merged their work:
-        ``outer.transport.vouched``) before any work reached this node: it joins, or comes back to, a swarm that
-        trains. The rules then run from the records: those vouched for count as having worked at ``now`` (each
-        has one idle period to show work of its own), and every other composer is unproven until its own work
-        arrives, those this node saw in its first read beside the swarm's composers no less than those it sees
-        later (a flood of identities written before it joined earns nothing either). Once work has reached this
-        node it judges by what arrived. True when it took any it had not."""
+        ``outer.transport.vouched``) before any work reached this node: it joins a swarm that trains (a joiner
+        reads them before it downloads the shared groups' state). The rules then run from the records: those
+        vouched for count as having worked at ``now`` (each has one idle period to show work of its own), and every
+        other composer is unproven until its own work arrives, those this node saw in its first read beside the
+        swarm's composers no less than those it sees later (a flood of identities written before it joined earns
+        nothing either). Once work has reached this node it judges by what arrived. True when it took any it had
+        not."""
         new = set(fingerprints) - self._work.keys()
         if self._arrived or not new:
             return False
@@ -1239,7 +1240,7 @@ class Membership:
         if self.without_work >= max(2 * self._named_without_work, _FLOOD_NAMED_AT):
             self._named_without_work = self.without_work
             logger.warning("%d composers heartbeat in this node's view without any of their work reaching it (%d "
-                           "whose work did): fresh identities, or a flood of them. They set no pace and count in no "
+                           "that count): fresh identities, or a flood of them. They set no pace and count in no "
                            "quorum (net.membership.idle_s leaves them out of the assignment)", self.without_work,
                            counted)
         elif self.without_work < self._named_without_work // 2:
@@ -1360,12 +1361,11 @@ class Membership:
         work reached this node, they are the composers that count, and the others count once their work arrives."""
         with self._lock:
             took = self._progress.vouched(fingerprints, time.monotonic())
-            others = len({fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
-                         - set(fingerprints) - {self.fingerprint})
         if took:
-            logger.info("%s: the swarm's rounds records vouch for %d composer(s); until their work reaches this node "
-                        "they count, and the %d other(s) count once theirs does", self.fingerprint,
-                        len(fingerprints), others)
+            composers = {fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
+            logger.info("%s: the swarm's rounds records vouch for %s; until their work reaches this node they count, "
+                        "and the %d other composer(s) in its view count once theirs does", self.fingerprint,
+                        ", ".join(sorted(fingerprints)), len(composers - set(fingerprints) - {self.fingerprint}))
 
     def _stalled(self, view: SwarmView) -> frozenset[str]:
         live = {fp: m.heartbeat.step for fp, m in view.alive().items() if m.heartbeat.role == "composer"}

@@ -380,10 +380,10 @@ class GatheredRounds:
         if not live:
             return set()
         records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
-        found = vouched(latest_entries(records)) & set(live)
+        self.witness.asks_ended(deadline - time.monotonic())
+        found = vouched(latest_entries(records)) & self._live()  # not a peer the proofs just heard convicted
         if found and self.peers.vouched is not None:
             self.peers.vouched(found)
-        self.witness.asks_ended(deadline - time.monotonic())
         return found
 
     def _serve_proof(self, number: int, data: bytes) -> None:

@@ -32,6 +32,7 @@ from parallax.dht.membership import (
 )
 from parallax.dht.records import owner_subkey, subkey_owner
 from parallax.dht.testing import LocalSwarm, ManyKeysValidator, agreed, fixed_identity, wait_until
+from parallax.node.peer.views import SwarmViews
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Heartbeat
 
@@ -351,7 +352,8 @@ def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written
         flood = {i.fingerprint for i in fresh}
         joiner = swarm.add(3, shards=SHARDS, **timing)
         wait_until(lambda: flood | names <= set(joiner.membership.view().composers()), timeout=30)
-        joiner.membership.vouched(names)
+        views = SwarmViews(joiner.membership, joiner.fp, snapshot_every=10, event=lambda *_, **__: None)
+        views.vouched([str(p.dht.peer_id) for p in honest])  # as the rounds records name them: by peer id
 
         def counts_the_three() -> bool:
             view = joiner.membership.view()

@@ -639,8 +639,8 @@ def test_a_node_joining_a_training_swarm_counts_whom_the_records_vouch_for_and_n
     assert progress.unproven("d") and progress.unproven("key0") and not progress.unproven("a")
     assert progress.counted([*steps, "me"], "me") == {"me", "a", "b", "c"}
     progress.worked("d", 20.0)  # its contribution arrived
-    progress.worked("a", 30.0)
     assert progress.work_arrived and progress.stalled(steps, now=21.0) == set(flood)
+    progress.worked("a", 30.0)
     assert not progress.vouched(["key0"], now=31.0)  # work arrived: the node judges by it
     assert progress.stalled(steps, now=66.0) == {"b", "c", *flood}  # no work of their own one idle period on
 
