@@ -31,7 +31,7 @@ from parallax.dht.membership import (
     read_view,
 )
 from parallax.dht.records import owner_subkey, subkey_owner
-from parallax.dht.testing import LocalSwarm, ManyKeysValidator, agreed, fixed_identity, wait_until
+from parallax.dht.testing import LocalPeer, LocalSwarm, ManyKeysValidator, agreed, fixed_identity, wait_until
 from parallax.node.peer.views import SwarmViews
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Heartbeat
@@ -217,10 +217,7 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
     moment ago and give up their experts within a heartbeat period (0.5 s); the quorum counts composers whose work
     arrived, so none is cut off."""
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
-    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
-    for p in honest:
-        for other in honest:
-            p.membership.worked(other.fp)
+    honest = _working(swarm, 3, **timing)
     wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
     # One DHT peer writes the eight heartbeats in a row, within the TTL, each signed by its identity and naming a
     # peer id of its own.
@@ -250,6 +247,15 @@ def test_eight_heartbeats_signed_once_cut_no_composer_off(swarm: LocalSwarm):
         writer.shutdown()
 
 
+def _working(swarm: LocalSwarm, n: int, **timing: float) -> list[LocalPeer]:
+    """``n`` composers, each told of the others' work (as their fetched contributions would tell it)."""
+    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(n)]
+    for p in honest:
+        for other in honest:
+            p.membership.worked(other.fp)
+    return honest
+
+
 def _write(writer: SwarmDHT, run_id: str, beats: dict[Identity, bytes], *, ttl_s: float) -> None:
     """Store each identity's heartbeat in the run's members key, as an attacker would: a store that timed out (a
     loaded machine) is tried again."""
@@ -267,10 +273,7 @@ def test_a_flood_of_heartbeats_from_fresh_keys_stretches_no_honest_period_and_is
     and see a death 16x later. Only members whose work arrived set the pace: the three keep their periods, their
     views stay fresh, and the flood is named."""
     timing = dict(full_pace_members=8)
-    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
-    for p in honest:
-        for other in honest:
-            p.membership.worked(other.fp)
+    honest = _working(swarm, 3, **timing)
     wait_until(lambda: all(len(p.membership.view().composers()) == 3 for p in honest), timeout=10)
     fresh = [Identity.from_seed((1000 + i).to_bytes(4, "big") * 8) for i in range(100)]
     flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
@@ -298,10 +301,7 @@ def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_
     work began, they take none: every honest view keeps the three's assignment, read after read. The one fresh key
     whose work then reaches the three counts at once."""
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
-    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
-    for p in honest:
-        for other in honest:
-            p.membership.worked(other.fp)
+    honest = _working(swarm, 3, **timing)
     names = {p.fp for p in honest}
     wait_until(lambda: all(set(p.membership.view().composers()) == names for p in honest), timeout=10)
     # What each owns once the three settled together (one assignment, every expert claimed by its owners).
@@ -338,10 +338,7 @@ def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written
     make up most of its round quorum. Once the rounds records vouch for the three (before it downloads a group's
     state), its view counts them alone and holds its quorum."""
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
-    honest = [swarm.add(i, shards=SHARDS, **timing) for i in range(3)]
-    for p in honest:
-        for other in honest:
-            p.membership.worked(other.fp)
+    honest = _working(swarm, 3, **timing)
     names = {p.fp for p in honest}
     fresh = [Identity.from_seed((3000 + i).to_bytes(4, "big") * 8) for i in range(40)]
     flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
