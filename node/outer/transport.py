@@ -733,8 +733,9 @@ def vouched(entries: Mapping[str, Mapping[int, RoundEntry]], least: int = 2) -> 
     records of at least ``least`` other peers: peers whose contributions others merged. Each record is signed by its
     own peer's key, so a peer cannot vouch for itself, and one record cannot vouch for identities by naming them all
     as the senders of a round it says it merged; records stored under ``least`` identities can (an attacker holding
-    the keys of its flood can write them), and this is a priority (``state.source_order``), never a reason to take
-    what a peer serves."""
+    the keys of its flood can write them). Two uses, neither a reason to take what a peer serves: a download asks
+    them first (``state.source_order``), and a node no work has reached yet counts them as working until their own
+    work arrives (``RoundPeers.vouched``, ``dht.membership.Progress.vouched``)."""
     vouchers: dict[str, set[str]] = {}
     for sender, rounds in entries.items():
         for entry in rounds.values():
