@@ -57,7 +57,7 @@ from parallax.benchmarks.attacker import ATTACKS
 from parallax.benchmarks.report import write_report
 from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
-from parallax.node.peer.timeline import owned_fraction
+from parallax.node.peer.timeline import owned_fraction, shard_at
 
 CLEAN_RUNS = 3
 
@@ -388,9 +388,7 @@ def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[Nod
     cut = start + 0.8 * (end - start)
     owned: set[tuple[int, int]] = set()
     for n in honest:
-        shards = [r for r in records[n.index] if r.get("kind") == "shard" and r["t"] <= cut]
-        if shards:
-            owned |= {(e[0], e[1]) for e in shards[-1]["experts"]}
+        owned |= shard_at(records[n.index], cut)
     return total - len(owned)
 
 

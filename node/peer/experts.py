@@ -73,6 +73,7 @@ class Experts:
 
     def reconcile(self) -> None:
         """Follow the live assignment: release what we lost, take over what we gained, progress hand-overs."""
+        self._hold(not self.membership.confirmed())
         view = self.views.fresh()
         # As of the read, like its quorum: a view aging while the next read is slow (a peer that stopped
         # answering) loses members one expiry at a time, and each would move experts.
@@ -172,9 +173,29 @@ class Experts:
         else:
             self.adopt(eid, local[0] if local else None, source=local[1] if local else "init")
 
+    def _hold(self, paused: bool) -> None:
+        """Pause the owned experts' training while no read confirms this node's side holds half of the swarm
+        (``Membership.confirmed``), and resume it once one does."""
+        composer = self.composer
+        if paused == composer.paused:
+            return
+        composer.pause(paused)
+        held = len(list(composer.owned_experts()))
+        if paused:
+            logger.warning("no DHT read has shown this node's side holding half of the swarm since its heartbeats "
+                           "stopped doing so: it holds its %d experts without training them until a read tells "
+                           "(cut off, the others train them; its reads slow, it trains them again)", held)
+        else:
+            logger.info("a DHT read shows this node's side holding half of the swarm again: it trains its %d "
+                        "experts again", held)
+        self.telemetry.status.paused = paused
+        self.telemetry.event("paused" if paused else "resumed", step=composer.step, experts=held)
+        self.shard_event()
+
     def shard_event(self) -> None:
+        """The experts this node owns now, and whether it holds them without training them (``_hold``)."""
         self.telemetry.event("shard", step=self.composer.step,
-                             experts=[list(eid) for eid in self.composer.owned_experts()])
+                             experts=[list(eid) for eid in self.composer.owned_experts()], paused=self.composer.paused)
 
     def adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str) -> None:
         """Train ``eid`` from ``snapshot`` (None: from the initialisation); a snapshot the composer refuses is

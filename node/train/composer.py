@@ -139,6 +139,8 @@ class Composer:
             self.model.set_sketcher(self.sketcher.attach)
         self.recorder: ActivationRecorder | None = None
         self.publishers: dict[ExpertId, ErrorFeedbackPublisher] = {}
+        self.paused = False
+        """The owned experts are held without training (``pause``)."""
         if cfg.surrogate.non_owned == "surrogate":
             self.recorder = ActivationRecorder(cfg.surrogate.buffer_tokens, cfg.model.d_latent)
             self.model.set_recorder(self.recorder)
@@ -155,6 +157,12 @@ class Composer:
         for layer, experts in enumerate(self.owned):
             for expert in sorted(experts):
                 yield layer, expert
+
+    def pause(self, paused: bool) -> None:
+        """Hold the owned experts without training them (``optimizer_step`` leaves them as they are, and no offload
+        sketch is taken of them), or train them again. Nothing else changes: they still run in the forward pass,
+        their snapshots and surrogates are served, and their optimizer state waits."""
+        self.paused = paused
 
     # ---- the step (no I/O) ------------------------------------------------------------------------
 
@@ -209,7 +217,12 @@ class Composer:
                 group["lr"] = base * factor(step)
 
     def optimizer_step(self) -> None:
-        """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches)."""
+        """Clip and apply the gradients left by ``forward_backward`` (and any absorbed sketches); the owned experts'
+        are left out while they are paused (``pause``)."""
+        if self.paused:
+            for eid in self.owned_experts():
+                for p in self.model.expert_parameters(*eid).values():
+                    p.grad = None  # the optimizers step only the parameters that have a gradient
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.optim.grad_clip)
         for optimizer in self._optimizers():
@@ -265,6 +278,8 @@ class Composer:
         direct ownership clips it. Call after ``forward_backward``, before anything else adds gradient."""
         assert self.sketcher is not None, "offload needs cfg.offload.enabled"
         sketches = self.sketcher.take(self.offloaded_experts())
+        if self.paused:
+            return {}  # taken and dropped: a paused expert's worker gets no work
         coefficient = self.clip_coefficient() if self.cfg.offload.clip_sketches else 1.0
         if coefficient == 1.0:
             return sketches

@@ -105,6 +105,23 @@ def test_an_adopted_expert_trains(train):
     assert float(c.expert_snapshot((0, 3))["adam.step"]) == 1
 
 
+def test_a_paused_composer_holds_its_experts_as_they_are_and_trains_the_rest(train):
+    c = _composer(train, OWNED_B)
+    eid = (1, 2)
+    _advance(c, 1)
+    experts, adam = _expert_weights(c, eid), float(c.expert_snapshot(eid)["adam.step"])
+    backbone = {n: p.detach().clone() for n, p in c.model.named_parameters() if "blocks.0.attn" in n}
+    assert backbone
+    c.pause(True)
+    _advance(c, 2)
+    _assert_same(_expert_weights(c, eid), experts)
+    assert float(c.expert_snapshot(eid)["adam.step"]) == adam  # its optimizer state waits too
+    assert all(not torch.equal(p, backbone[n]) for n, p in c.model.named_parameters() if n in backbone)
+    c.pause(False)
+    _advance(c, 1)
+    assert all(not torch.equal(p, experts[n]) for n, p in _expert_weights(c, eid).items())
+
+
 @pytest.mark.parametrize("non_owned", ["surrogate", "drop"])
 def test_ownership_changes_give_the_composer_built_with_the_new_ownership(train, non_owned):
     cfg = _cfg(**{"surrogate.non_owned": non_owned})

@@ -361,6 +361,27 @@ def test_a_node_is_cut_off_a_grace_after_the_heartbeats_that_kept_its_side_half_
     assert m.view().quorum is QuorumState.LOST
 
 
+def test_a_node_whose_reads_fail_holds_its_experts_unconfirmed_a_grace_after_its_majoritys_heartbeats_expired():
+    """Failed reads decide nothing about the quorum, but they stop confirming it: once the heartbeats that kept its
+    side half of the swarm expired, the node cannot tell a cut from slow reads (the others may have taken its
+    experts), until a read tells."""
+    me, *others = (Identity.from_seed(bytes([c]) * 32) for c in b"mabc")
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    assert m.confirmed()  # nothing read yet: nothing to doubt
+    beats = {owner_subkey(i.public_key): (_beat(1), 106.0 + k) for k, i in enumerate([me, *others])}
+    dht.answer = dict(beats)
+    assert m._refresh() and m.confirmed()
+    dht.answer = None
+    clock[0] = 108.9  # half of four (this node and the last other) until 109
+    assert not m._refresh() and m.confirmed()
+    clock[0] = 109.1
+    assert not m._refresh() and not m.confirmed() and m.view().quorum is QuorumState.HELD
+    dht.answer = {key: (value, 120.0) for key, (value, _) in beats.items()}
+    assert m._refresh() and m.confirmed()
+
+
 def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_expiry():
     me = "m"
     members = dict(_composer(i) for i in range(4))

@@ -30,6 +30,13 @@ def test_longest_double_ownership_is_clipped_to_the_window():
     assert longest_double_ownership([A, B], 10.0, 100.0) == (0.0, None)
 
 
+def test_experts_held_paused_count_as_trained_by_nobody():
+    c = [_shard(0.0, (0, 0)), {**_shard(8.0, (0, 0)), "paused": True}, _shard(12.0), {"t": 30.0, "kind": "step"}]
+    assert shard_at(c, 7.9) == {(0, 0)} and shard_at(c, 8.0) == set()
+    assert ownership(c) == {(0, 0): [(0.0, 8.0)]}
+    assert longest_double_ownership([A, c], 0.0, 100.0) == (8.0, (0, 0))  # A held it from 0 to 10, c trained it to 8
+
+
 def test_tc_rates_in_bytes_per_second():
     assert rate_bytes_per_s("20mbit") == 2.5e6 and rate_bytes_per_s("800kbit") == 1e5
     with pytest.raises(ValueError, match="rate"):
