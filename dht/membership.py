@@ -879,14 +879,14 @@ class Membership:
 
     def confirmed(self) -> bool:
         """Whether a read has shown, lately enough, that this composer's side holds half of the swarm: until the
-        heartbeats of its last such view stop holding half (``majority_until``; always before the first read, and
-        for a role that owns nothing).
+        heartbeats of its last such view stop holding half (``majority_until``; always before the first read that
+        shows half, and for a role that owns nothing).
 
         A cut-off side learns of the cut from reads that wait out their timeouts, and it is cut off a quorum grace
         after that time; the others take its experts once its own last heartbeats expire by their clocks. Past
         this time, with no read since to say the others are still there, the node holds its experts without
-        training them (``Composer.pause``) until a read tells. No grace: holding is undone by the next read that
-        shows the others, and a loaded host whose reads time out loses a stretch of its experts' training, never
+        training them (``Composer.pause``) until a read tells. No grace: holding is undone by the next read whose
+        heartbeats hold half, and a loaded host whose reads time out loses a stretch of its experts' training, never
         the experts."""
         return self._clock() <= self._majority_until
 

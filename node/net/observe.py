@@ -78,8 +78,8 @@ NODE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("parallax_expert_adoptions_total", "Experts this node took over.", "counter", "adoptions"),
     ("parallax_expert_releases_total", "Experts this node handed over.", "counter", "releases"),
     ("parallax_cut_off", "1 while this node's side of a partition holds no quorum.", "gauge", "cut_off"),
-    ("parallax_experts_paused", "1 while no read confirms this node's side holds a quorum: its experts are held "
-     "without training.", "gauge", "paused"),
+    ("parallax_experts_paused", "1 while no read confirms this node's side holds half of the swarm: its experts "
+     "are held without training.", "gauge", "paused"),
 )
 
 

@@ -81,7 +81,7 @@ class NodeStatus:
     cut_off: bool = False
     """This node's side of a partition holds no quorum: it trains no expert (``dht.membership.Quorum``)."""
     paused: bool = False
-    """No read confirms this node's side holds a quorum: it holds its experts without training them
+    """No read confirms this node's side holds half of the swarm: it holds its experts without training them
     (``Membership.confirmed``)."""
     val_loss: float | None = None
     owned_experts: list[list[int]] = field(default_factory=list)

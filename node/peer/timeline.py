@@ -2,8 +2,8 @@
 two nodes owned one expert at once. Read by the swarm tests and ``parallax bench wan``.
 
 Times are the DHT clock the nodes stamp on every record (``t``); a node's ownership changes are its ``shard``
-events (the whole owned set after each change). An expert counts as owned while the node trains it: a ``shard`` event
-with ``paused`` set holds its experts without training them (``Composer.pause``), and counts as none.
+events (the whole owned set after each change). A ``shard`` event with ``paused`` set holds its experts without
+training them (``Composer.pause``): owned, trained by nobody (``ownership(trained=True)``).
 """
 
 from __future__ import annotations
@@ -22,28 +22,28 @@ def events(records: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]
     return [r for r in records if r.get("kind") == kind]
 
 
-def trained(shard: dict[str, Any]) -> set[ExpertId]:
-    """The experts a ``shard`` event says the node trains from then on (none while paused)."""
-    return set() if shard.get("paused") else {(int(layer), int(e)) for layer, e in shard["experts"]}
+def _experts(shard: dict[str, Any], trained: bool = False) -> set[ExpertId]:
+    """The experts a ``shard`` event says the node owns from then on (with ``trained``: none while paused)."""
+    return set() if trained and shard.get("paused") else {(int(layer), int(e)) for layer, e in shard["experts"]}
 
 
 def shard_at(records: Sequence[dict[str, Any]], t: float) -> set[ExpertId]:
-    """The experts a node owned and trained at time ``t`` (its last ``shard`` event at or before ``t``)."""
+    """The experts a node owned at time ``t`` (its last ``shard`` event at or before ``t``)."""
     owned: set[ExpertId] = set()
     for r in events(records, "shard"):
         if r["t"] <= t:
-            owned = trained(r)
+            owned = _experts(r)
     return owned
 
 
-def ownership(records: Sequence[dict[str, Any]]) -> dict[ExpertId, list[Interval]]:
-    """When the node owned and trained each expert: intervals from its ``shard`` events; one still open at its last
-    record ends there (the node left or was stopped)."""
+def ownership(records: Sequence[dict[str, Any]], trained: bool = False) -> dict[ExpertId, list[Interval]]:
+    """When the node owned each expert (with ``trained``: owned and not paused): intervals from its ``shard``
+    events; one still open at its last record ends there (the node left or was stopped)."""
     end = max((r["t"] for r in records if "t" in r), default=0.0)
     held: dict[ExpertId, float] = {}
     out: dict[ExpertId, list[Interval]] = {}
     for r in events(records, "shard"):
-        now = trained(r)
+        now = _experts(r, trained)
         for eid in held.keys() - now:
             out.setdefault(eid, []).append((held.pop(eid), r["t"]))
         for eid in now - held.keys():
@@ -56,9 +56,9 @@ def ownership(records: Sequence[dict[str, Any]]) -> dict[ExpertId, list[Interval
 def longest_double_ownership(nodes: Sequence[Sequence[dict[str, Any]]], start: float, end: float,
                              ) -> tuple[float, ExpertId | None]:
     """The longest stretch within [``start``, ``end``] during which two of ``nodes`` (their metrics records)
-    owned one expert at once, and that expert (None: never)."""
+    trained one expert at once (owned it, not paused), and that expert (None: never)."""
     longest: tuple[float, ExpertId | None] = (0.0, None)
-    held = [ownership(records) for records in nodes]
+    held = [ownership(records, trained=True) for records in nodes]
     for a, b in itertools.combinations(held, 2):
         for eid in a.keys() & b.keys():
             for (a0, a1), (b0, b1) in itertools.product(a[eid], b[eid]):

@@ -159,9 +159,10 @@ class Composer:
                 yield layer, expert
 
     def pause(self, paused: bool) -> None:
-        """Hold the owned experts without training them (``optimizer_step`` leaves them as they are, and no offload
-        sketch is taken of them), or train them again. Nothing else changes: they still run in the forward pass,
-        their snapshots and surrogates are served, and their optimizer state waits."""
+        """Hold the owned experts without training them, or train them again. Held, ``optimizer_step`` leaves them
+        and their optimizer state, no offload sketch is taken of them, and a replicated expert's tokens do not count
+        toward its next outer round (its co-owners' merges still apply). Results an offload worker was already
+        asked for still land. They still run in the forward pass, and their snapshots and surrogates are served."""
         self.paused = paused
 
     # ---- the step (no I/O) ------------------------------------------------------------------------
@@ -189,7 +190,8 @@ class Composer:
         self.step += 1
         self.tokens_seen += tokens
         for group in self.tokens_since_merge:
-            self.tokens_since_merge[group] += tokens
+            if not (self.paused and group.startswith(EXPERT_GROUP_PREFIX)):  # a held expert learned from none
+                self.tokens_since_merge[group] += tokens
         counts_LE = out.tokens_per_expert.cpu()
         self.selections_total += int(counts_LE.sum())
         self.selections_owned += sum(int(counts_LE[layer, list(experts)].sum())

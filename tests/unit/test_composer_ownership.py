@@ -122,6 +122,17 @@ def test_a_paused_composer_holds_its_experts_as_they_are_and_trains_the_rest(tra
     assert all(not torch.equal(p, experts[n]) for n, p in _expert_weights(c, eid).items())
 
 
+def test_a_paused_replicated_expert_counts_no_tokens_toward_its_outer_round(train):
+    c = _replicated(train, OWNED_B, 4)
+    group = expert_group((1, 2))
+    c.pause(True)
+    _advance(c, 2)
+    assert c.tokens_since_merge[group] == 0 and c.tokens_since_merge["backbone"] > 0
+    c.pause(False)
+    _advance(c, 1)
+    assert c.tokens_since_merge[group] == c.tokens_since_merge["backbone"] // 3
+
+
 @pytest.mark.parametrize("non_owned", ["surrogate", "drop"])
 def test_ownership_changes_give_the_composer_built_with_the_new_ownership(train, non_owned):
     cfg = _cfg(**{"surrogate.non_owned": non_owned})

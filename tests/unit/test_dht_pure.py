@@ -361,7 +361,7 @@ def test_a_node_is_cut_off_a_grace_after_the_heartbeats_that_kept_its_side_half_
     assert m.view().quorum is QuorumState.LOST
 
 
-def test_a_node_whose_reads_fail_holds_its_experts_unconfirmed_a_grace_after_its_majoritys_heartbeats_expired():
+def test_a_node_whose_reads_fail_is_unconfirmed_once_the_heartbeats_that_kept_its_side_half_expired():
     """Failed reads decide nothing about the quorum, but they stop confirming it: once the heartbeats that kept its
     side half of the swarm expired, the node cannot tell a cut from slow reads (the others may have taken its
     experts), until a read tells."""

@@ -30,10 +30,10 @@ def test_longest_double_ownership_is_clipped_to_the_window():
     assert longest_double_ownership([A, B], 10.0, 100.0) == (0.0, None)
 
 
-def test_experts_held_paused_count_as_trained_by_nobody():
+def test_experts_held_paused_are_owned_and_trained_by_nobody():
     c = [_shard(0.0, (0, 0)), {**_shard(8.0, (0, 0)), "paused": True}, _shard(12.0), {"t": 30.0, "kind": "step"}]
-    assert shard_at(c, 7.9) == {(0, 0)} and shard_at(c, 8.0) == set()
-    assert ownership(c) == {(0, 0): [(0.0, 8.0)]}
+    assert shard_at(c, 8.0) == {(0, 0)} and shard_at(c, 12.0) == set()
+    assert ownership(c) == {(0, 0): [(0.0, 12.0)]} and ownership(c, trained=True) == {(0, 0): [(0.0, 8.0)]}
     assert longest_double_ownership([A, c], 0.0, 100.0) == (8.0, (0, 0))  # A held it from 0 to 10, c trained it to 8
 
 
