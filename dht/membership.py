@@ -370,7 +370,8 @@ class Progress:
     def vouched(self, fingerprints: Iterable[str], now: float) -> bool:
         """The swarm's rounds records vouch for ``fingerprints`` (others merged their work:
         ``outer.transport.vouched``) before any work reached this node: it joins a swarm that trains (a joiner
-        reads them before it downloads the shared groups' state). The rules then run from the records: those
+        reads them before it downloads the shared groups' state, and counts those of the peers that served it the
+        state: ``GatheredRounds.vouch``). The rules then run from the records: those
         vouched for count as having worked at ``now`` (each has one idle period to show work of its own), and every
         other composer is unproven until its own work arrives, those this node saw in its first read beside the
         swarm's composers no less than those it sees later (a flood of identities written before it joined earns

@@ -58,7 +58,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -457,6 +457,11 @@ class GroupAverager:
         in which it could have heard that one of them is proven a liar. Returns the live peers whose contributions
         the records show merged by others (``transport.vouched``; none without gathered rounds)."""
         return set() if self._gathered is None else self._gathered.hear_proofs(timeout_s)
+
+    def vouch(self, served: Collection[str]) -> set[str]:
+        """After a download of the group's state: the live peers the records ``hear_proofs`` read vouch for, counting
+        only the records of the peers in ``served`` (``GatheredRounds.vouch``; none without gathered rounds)."""
+        return set() if self._gathered is None else self._gathered.vouch(served)
 
     def load_state_from_peers(self, timeout_s: float = 60.0) -> tuple[Any, list[torch.Tensor]] | None:
         """Download the state another peer serves (``serve_state``); None when nobody answered in time."""

@@ -486,8 +486,8 @@ class BackgroundRounds:
     def _download(self, group: str, timeout_s: float, sources: Sequence[str] | None = None) -> list[State]:
         """The states worth taking of ``group`` (``StateExchange.candidates``; ``best_of`` chooses among them)."""
         if self.states is None:
-            found = self.sync.groups[group].load_state_from_peers(timeout_s)
-            return [] if found is None else [found]
+            state = self.sync.groups[group].load_state_from_peers(timeout_s)
+            return [] if state is None else [state]
         shapes = {name: tuple(t.shape) for name, t in self.composer.outer[group].anchor.items()}
         started = time.monotonic()
         vouched: set[str] = set()
@@ -497,7 +497,13 @@ class BackgroundRounds:
             logger.warning("outer group %s: reading the proofs its peers show before downloading its state failed: %r",
                            group, e)
         left = max(timeout_s - (time.monotonic() - started), 2 * timeout_s / 3)
-        return self.states.candidates(group, shapes, left, sources=sources, first=vouched)
+        found = self.states.candidates(group, shapes, left, sources=sources, first=vouched)
+        try:  # whom the records of the peers that served it vouch for (a joiner counts them as working)
+            self.sync.groups[group].vouch(found.served)
+        except Exception as e:  # the states stand: work that arrives is counted anyway
+            logger.warning("outer group %s: reading the records of the peers that served its state failed: %r", group,
+                           e)
+        return found.states
 
     def _start_serving(self, group: str) -> None:
         if group not in self._serving:

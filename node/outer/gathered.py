@@ -373,15 +373,25 @@ class GatheredRounds:
     def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
         wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns the live peers
-        the records vouch for (``transport.vouched``): where a download of the group's state asks first, and whom
-        ``RoundPeers.vouched`` is told of."""
+        the records vouch for (``transport.vouched``): where a download of the group's state asks first."""
         deadline = time.monotonic() + timeout_s
         live = sorted(self._live())
         if not live:
             return set()
         records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
         self.witness.asks_ended(deadline - time.monotonic())
-        found = vouched(latest_entries(records)) & self._live()  # not a peer the proofs just heard convicted
+        return vouched(latest_entries(records)) & self._live()  # not a peer the proofs just heard convicted
+
+    def vouch(self, served: Collection[str]) -> set[str]:
+        """The live peers that the rounds records of the peers in ``served`` (those that served this node the group's
+        state, each from its own peer id: they run) vouch for, read now; ``RoundPeers.vouched`` is told of them.
+        Named by two of those records, or by one for a peer that served too. Records stored under identities nobody
+        runs, each naming the others, vouch for nobody here."""
+        runs = set(served) & self._live()  # not a peer banned meanwhile
+        if not runs:
+            return set()
+        entries = latest_entries(self.records.read(sorted(runs), self.config.net.dht_timeout_s))
+        found = (vouched(entries, by=runs) | (vouched(entries, least=1, by=runs) & runs)) & self._live()
         if found and self.peers.vouched is not None:
             self.peers.vouched(found)
         return found

@@ -51,6 +51,16 @@ StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 State = tuple[dict[str, Any], list[torch.Tensor]]
 
 
+class Candidates(typing.NamedTuple):
+    """What a download of a group's state found."""
+
+    states: list[State]
+    """The states worth taking (``candidate_states``): one, none, or two that disagree."""
+    served: frozenset[str]
+    """The peers that served a well-formed state (the group's names and shapes, finite), each from its own peer id:
+    they run (whether or not their state was the one chosen)."""
+
+
 class StateServicer(ServicerBase):
     """Streams the state a provider publishes for a group; an empty stream when it serves none, or to a peer
     ``may_fetch`` refuses. Do not rename (protocol id).
@@ -125,15 +135,16 @@ class StateExchange(ServedOnLoop):
         them in ``sources``, when given), those in ``first`` before the others (``source_order``); one that fails
         is replaced by the next (``_fetch_all``). Blocks the calling thread (not the loop) for at most
         ``timeout_s``."""
-        found = self.candidates(group, shapes, timeout_s, sources=sources, first=first)
+        found = self.candidates(group, shapes, timeout_s, sources=sources, first=first).states
         return found[0] if len(found) == 1 else None
 
     def candidates(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
-                   sources: Sequence[str] | None = None, first: Collection[str] = ()) -> list[State]:
-        """As ``download``, but two sources that disagree are both returned (``candidate_states``)."""
+                   sources: Sequence[str] | None = None, first: Collection[str] = ()) -> Candidates:
+        """As ``download``, but two sources that disagree are both returned (``candidate_states``), with the peers
+        that served a usable state."""
         peers = source_order(self.peers(), own=self.own_peer_id, sources=sources, first=first)
         if not peers:
-            return []
+            return Candidates([], frozenset())
         vouched = {p for p in peers if p in first}
         future = asyncio.run_coroutine_threadsafe(self._fetch_all(group, peers, shapes, timeout_s, vouched=vouched),
                                                   self.loop)
@@ -141,8 +152,8 @@ class StateExchange(ServedOnLoop):
             states, asked = future.result(timeout_s + 2)
         except Exception as e:
             logger.info("downloading the state of %s failed: %r", group, e)
-            return []
-        return candidate_states(group, states, shapes, asked=asked)
+            return Candidates([], frozenset())
+        return Candidates(candidate_states(group, states, shapes, asked=asked), frozenset(states))
 
     async def _fetch_all(self, group: str, candidates: Sequence[str], shapes: Mapping[str, Sequence[int]],
                          timeout_s: float, *, vouched: Collection[str] = ()) -> tuple[dict[str, State], int]:

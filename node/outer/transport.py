@@ -177,8 +177,8 @@ class RoundPeers:
     worked: Callable[[str], None] | None = None
     """Told of every contribution fetched and decoded: evidence of its sender's work."""
     vouched: Callable[[set[str]], None] | None = None
-    """Told of the peers the rounds records vouch for (``vouched``), read before a download of the group's state:
-    whose work others merged, before any reached this node."""
+    """Told, after a download of the group's state, of the peers that the rounds records of the peers that served
+    it vouch for (``vouched``): whose work others that run merged, before any reached this node."""
 
 
 
@@ -728,22 +728,26 @@ def latest_entries(records: Mapping[str, bytes]) -> dict[str, dict[int, RoundEnt
     return out
 
 
-def vouched(entries: Mapping[str, Mapping[int, RoundEntry]], least: int = 2) -> set[str]:
+def vouched(entries: Mapping[str, Mapping[int, RoundEntry]], least: int = 2, *,
+            by: Collection[str] | None = None) -> set[str]:
     """The peers named among the senders of a merged round (an entry with its fingerprint, not ``WITHDRAWN``) in the
-    records of at least ``least`` other peers: peers whose contributions others merged. Each record is signed by its
-    own peer's key, so a peer cannot vouch for itself, and one record cannot vouch for identities by naming them all
-    as the senders of a round it says it merged; records stored under ``least`` identities can (an attacker holding
-    the keys of its flood can write them). Two uses, neither a reason to take what a peer serves: a download asks
-    them first (``state.source_order``), and a node no work has reached yet counts them as working until their own
-    work arrives (``RoundPeers.vouched``, ``dht.membership.Progress.vouched``)."""
+    records of at least ``least`` other peers (of those in ``by``, when given): peers whose contributions others
+    merged. Each record is signed by its own peer's key, so a peer cannot vouch for itself, and one record cannot
+    vouch for identities by naming them all as the senders of a round it says it merged; records stored under
+    ``least`` identities can (an attacker holding the keys of its flood can write them). Two uses, neither a reason
+    to take what a peer serves: a download asks them first (``state.source_order``), and a node no work has reached
+    yet counts as working, until their own work arrives, those that the records of peers that served it the group's
+    state vouch for (``by``: peers that run; ``GatheredRounds.vouch``, ``dht.membership.Progress.vouched``)."""
     vouchers: dict[str, set[str]] = {}
     for sender, rounds in entries.items():
+        if by is not None and sender not in by:
+            continue
         for entry in rounds.values():
             if entry.fingerprint and entry.fingerprint != WITHDRAWN:
                 for peer in (split_pair(name)[0] for name in entry.participants):
                     if peer != sender:
                         vouchers.setdefault(peer, set()).add(sender)
-    return {peer for peer, by in vouchers.items() if len(by) >= least}
+    return {peer for peer, named_by in vouchers.items() if len(named_by) >= least}
 
 
 def open_contributions(entries: Mapping[str, Mapping[int, RoundEntry]], *,

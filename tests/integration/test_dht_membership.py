@@ -335,8 +335,8 @@ def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written
     """Three composers whose work reaches each other; a peer writes 40 signed heartbeats from fresh keys; then a
     fourth composer starts. Its first read shows the flood beside the three, no work has reached it, and each
     would count for a grace period (``idle_s``, 120 s here): the flood would own most experts in its view and
-    make up most of its round quorum. Once the rounds records vouch for the three (before it downloads a group's
-    state), its view counts them alone and holds its quorum."""
+    make up most of its round quorum. Once the rounds records of the peers that served it a group's state vouch
+    for the three, its view counts them alone and holds its quorum."""
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
     honest = _working(swarm, 3, **timing)
     names = {p.fp for p in honest}

@@ -634,10 +634,13 @@ def test_an_all_zero_contribution_is_merged_but_shows_no_work(peers):
     assert sorted(set(seen)) == sorted(ids[:2])
 
 
-def test_a_node_reading_the_records_before_a_download_is_told_whom_they_vouch_for(peers):
+def test_a_node_is_told_whom_the_records_of_the_peers_that_served_it_vouch_for(peers):
     """Three peers merge a round; the fourth took no part. Reading the records before it downloads the group's state
-    (``hear_proofs``), it is told the three (each named among the merged senders by the two others' records): its
-    membership counts them before any work reached it (``dht.membership.Progress.vouched``)."""
+    (``hear_proofs``), it finds the three vouched for (each named among the merged senders by the two others'
+    records), to be asked first. Once the download is done it is told whom the records of the peers that served it
+    vouch for (``vouch``: named by two of them, or by one for a peer that served too), and its membership counts them
+    before any work reached it (``dht.membership.Progress.vouched``); the records of peers that served it nothing
+    vouch for nobody."""
     ids = [p.dht.peer_id for p in peers]
     told: list[set[str]] = []
     views = [RoundPeers(lambda: ids, lambda: ids[:3])] * 3 + [RoundPeers(lambda: ids, vouched=told.append)]
@@ -645,7 +648,11 @@ def test_a_node_reading_the_records_before_a_download_is_told_whom_they_vouch_fo
         results = _run(averagers[:3], _deltas(3, seed=11), [CAP] * 3, round_id=1)
         assert all(r is not None for r in results), [a.last_report for a in averagers[:3]]
         wait_until(lambda: averagers[3].hear_proofs(10) == set(ids[:3]), 60)
-    assert told and told[-1] == set(ids[:3])
+        assert not told  # the records' word alone
+        assert averagers[3].vouch({ids[0]}) == set() and not told  # one record: the others served nothing
+        assert averagers[3].vouch({ids[1], ids[2]}) == set(ids[:3])  # 0 named by both, 1 and 2 by each other
+        assert averagers[3].vouch({ids[3]}) == set() and averagers[3].vouch(set()) == set()
+    assert told == [set(ids[:3])]
 
 
 def test_a_node_whose_view_of_work_is_narrow_waits_for_the_contributions_on_offer(peers, caplog):

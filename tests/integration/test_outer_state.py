@@ -83,7 +83,9 @@ def test_two_sources_that_disagree_prove_nothing_and_close_ones_are_taken() -> N
         one.serve("router", lambda: _state(1.0))
         other.serve("router", lambda: _state(50.0))
         assert joiner.download("router", SHAPES, timeout_s=20) is None
-        both = joiner.candidates("router", SHAPES, timeout_s=20)
+        found = joiner.candidates("router", SHAPES, timeout_s=20)
+        both = found.states
+        assert found.served == {one.own_peer_id, other.own_peer_id}  # they run, whichever state is right
         assert sorted(meta["source"] for meta, _ in both) == sorted([one.own_peer_id, other.own_peer_id])
         assert sorted(float(t[0].norm() / _state(1.0)[1][0].norm()) for _, t in both) == pytest.approx([1.0, 50.0])
         other.serve("router", lambda: _state(1.05, round_id=5))  # an honest peer a round further

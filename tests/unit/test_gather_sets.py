@@ -354,3 +354,17 @@ def test_a_peer_is_vouched_for_by_two_other_peers_merged_rounds_that_name_it_nev
     two = {"A": _entry("A", 4, (pair("A", 4), pair("C", 4))), "C": _entry("C", 4, (pair("A", 4), pair("C", 4)))}
     assert vouched(two) == set() and vouched(two, least=1) == {"A", "C"}
     assert vouched({}) == set()
+
+
+def test_only_the_records_of_peers_that_run_vouch_when_they_are_named() -> None:
+    """Records stored under identities nobody runs, each naming the others among the senders of a round it merged,
+    vouch for each other; counted only from the peers that served a state (``by``), they vouch for nobody."""
+    honest = {p: _entry(p, 4, (pair("A", 4), pair("B", 4), pair("C", 4))) for p in "ABC"}
+    sybils = [f"Sybil{i}" for i in range(5)]
+    clique = {s: _entry(s, 4, tuple(pair(t, 4) for t in sybils)) for s in sybils}
+    entries = {**honest, **clique}
+    assert vouched(entries) == {"A", "B", "C", *sybils}
+    assert vouched(entries, by={"A", "B", "C"}) == {"A", "B", "C"}
+    assert vouched(entries, by={"A", "B"}) == {"C"}  # A and B name each other once each: one voucher apiece
+    assert vouched(entries, by={"A", "Sybil0", "Sybil1"}) == {"Sybil2", "Sybil3", "Sybil4"}  # Sybils that run
+    assert vouched(entries, by=set()) == set()

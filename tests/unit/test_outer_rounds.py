@@ -22,6 +22,7 @@ from parallax.node.outer.background import (
     take_anchor,
     take_state,
 )
+from parallax.node.outer.state import Candidates
 from parallax.node.train.outer import OuterOptimizer
 
 
@@ -282,6 +283,9 @@ class _WaitingAverager:
         self.heard += 1
         return set()
 
+    def vouch(self, served: object) -> set[str]:
+        return set()
+
     def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
         self.started.append(round_id)
         assert due.wait(timeout=30)
@@ -331,7 +335,7 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
         assert averager.heard == 3 - len(served)  # the proofs the others show, heard before each download
         assert first == set()  # the peers the records vouch for (none here) asked first
         found = served.pop(0)
-        return [] if found is None else [found]
+        return Candidates([] if found is None else [found], frozenset())
 
     states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
