@@ -1376,6 +1376,8 @@ class Membership:
         with self._lock:
             took = self._progress.vouched(fingerprints, time.monotonic())
         if took:
+            # Counted from now, not from the next read: a joiner's first rounds begin as its download ends.
+            self._view = dataclasses.replace(self._view, stalled=self._stalled(self._view))
             composers = {fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
             logger.info("%s: the swarm's rounds records vouch for %s; until their work reaches this node they count, "
                         "and the %d other composer(s) in its view count once theirs does", self.fingerprint,

@@ -666,6 +666,19 @@ def test_a_node_joining_a_training_swarm_counts_whom_the_records_vouch_for_and_n
     assert progress.stalled(steps, now=66.0) == {"b", "c", *flood}  # no work of their own one idle period on
 
 
+def test_the_composers_the_records_vouch_for_are_a_joiners_working_set_at_once_not_from_its_next_read():
+    """A joiner's first rounds begin as its download ends, and the records are counted then: the composers they vouch
+    for, and no identity beside them, are whom its view shows working from that moment."""
+    me, alice, bob, *flood = (Identity.from_seed(bytes([c]) * 32) for c in b"mabxyz")
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    dht.answer = {owner_subkey(i.public_key): (_beat(40), 130.0) for i in (alice, bob, *flood)}
+    assert m._refresh() and len(m.view().composers()) == 5  # no work has reached it: each has a grace period
+    m.vouched({alice.fingerprint, bob.fingerprint})
+    assert set(m.view().composers()) == {alice.fingerprint, bob.fingerprint}
+
+
 def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1}
