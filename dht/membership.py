@@ -344,9 +344,8 @@ class Progress:
       honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a round merged
       its contribution, so that it gives itself no experts either.
 
-    The first two name nobody while nobody shows what they look for (a swarm starting up, or paused); the unproven
-    rule holds once work began, whoever works now (a node whose working peers all left counts no flood). A node
-    that joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
+    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused). A node that
+    joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
     (``vouched``): the rules then run from those.
     """
 
@@ -410,15 +409,12 @@ class Progress:
         stalled = steps.keys() - fresh if moving else set()
         if self.idle_s > 0:
             working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
-            # Identities whose work never came, though others' did, stay out while nobody works, too: a node whose
-            # working peers all left must not count a flood again.
-            stalled |= {fp for fp in steps.keys() - working if self.unproven(fp)}
             if working:
                 # The grace period runs from first sight, and not before work began to flow: the first
                 # contribution fetched must not make everyone else idle at once.
                 began = self._work_began if self._work_began is not None else now
                 stalled |= {fp for fp in steps.keys() - working
-                            if now - max(self._first.get(fp, now), began) >= self.idle_s}
+                            if now - max(self._first.get(fp, now), began) >= self.idle_s or self.unproven(fp)}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:
