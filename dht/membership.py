@@ -839,6 +839,8 @@ class Membership:
         self._pacing = 1  # the members the pace was last set by
         self._grace_s = 0.0  # SwarmView.grace_s of the next view
         self._progress = Progress(config.stall_s, config.idle_s)
+        self._view_lock = threading.Lock()  # installing a view: the reader's, or ``vouched``'s update of it
+        self._vouchings = 0  # ``vouched`` calls that took composers (a read judged across one is judged again)
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._lapsed = False  # ``view`` said this node is cut off before its quorum did (logged once)
         self._majority_until = math.inf  # ``majority_until`` of the last view that held half
@@ -1221,6 +1223,7 @@ class Membership:
             counted = self._progress.counted(composers, self.fingerprint)
             work_began, arrived = self._progress.work_began, self._progress.work_arrived
         self._pace(self._pacing_members(len(alive), len(composers), len(counted)))
+        vouchings = self._vouchings
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
         until = majority_until(merged, counted, self.fingerprint, self._quorum.seen(), self._timing.heartbeat_ttl_s) \
@@ -1230,8 +1233,11 @@ class Membership:
             short_since = min(self._majority_until, merged.judged_at)
         else:
             self._majority_until = until
-        self._view = dataclasses.replace(merged, stalled=stalled, joining=self._joining(merged), quorum=quorum,
-                                         short_since=short_since)
+        with self._view_lock:
+            if self._vouchings != vouchings:  # the records vouched while this read was judged
+                stalled = self._stalled(merged)
+            self._view = dataclasses.replace(merged, stalled=stalled, joining=self._joining(merged), quorum=quorum,
+                                             short_since=short_since)
         self._end_probation_when_alone(arrived)
         return True
 
@@ -1375,9 +1381,16 @@ class Membership:
         work reached this node, they are the composers that count, and the others count once their work arrives."""
         with self._lock:
             took = self._progress.vouched(fingerprints, time.monotonic())
+            if took:
+                self._vouchings += 1
         if took:
-            # Counted from now, not from the next read: a joiner's first rounds begin as its download ends.
-            self._view = dataclasses.replace(self._view, stalled=self._stalled(self._view))
+            # The view's working set follows at once (a joiner's first rounds begin as its download ends), unless
+            # the reader installed a newer view meanwhile, judged with them (``_refresh``).
+            view = self._view
+            stalled = self._stalled(view)
+            with self._view_lock:
+                if self._view is view:
+                    self._view = dataclasses.replace(view, stalled=stalled)
             composers = {fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
             logger.info("%s: the swarm's rounds records vouch for %s; until their work reaches this node they count, "
                         "and the %d other composer(s) in its view count once theirs does", self.fingerprint,
