@@ -459,8 +459,8 @@ class GroupAverager:
         return set() if self._gathered is None else self._gathered.hear_proofs(timeout_s)
 
     def vouch(self, served: Collection[str]) -> set[str]:
-        """After a download of the group's state: the live peers the records ``hear_proofs`` read vouch for, counting
-        only the records of the peers in ``served`` (``GatheredRounds.vouch``; none without gathered rounds)."""
+        """After a download of the group's state: the live peers that the rounds records of the peers in ``served``
+        (those that served it) vouch for (``GatheredRounds.vouch``; none without gathered rounds)."""
         return set() if self._gathered is None else self._gathered.vouch(served)
 
     def load_state_from_peers(self, timeout_s: float = 60.0) -> tuple[Any, list[torch.Tensor]] | None:

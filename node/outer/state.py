@@ -141,7 +141,7 @@ class StateExchange(ServedOnLoop):
     def candidates(self, group: str, shapes: Mapping[str, Sequence[int]], timeout_s: float, *,
                    sources: Sequence[str] | None = None, first: Collection[str] = ()) -> Candidates:
         """As ``download``, but two sources that disagree are both returned (``candidate_states``), with the peers
-        that served a usable state."""
+        that served a well-formed state (``Candidates.served``)."""
         peers = source_order(self.peers(), own=self.own_peer_id, sources=sources, first=first)
         if not peers:
             return Candidates([], frozenset())
