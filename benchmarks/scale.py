@@ -33,6 +33,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,9 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
             "node": i, "joiner": i == joiner.index, "exit_code": codes[i], "steps": n_steps,
             "val_loss": (e[-1]["val_loss"] if (e := events(r, "final_eval")) else None),
             "rounds": len(rounds), "rounds_ok": len(ok),
+            "round_statuses": dict(Counter(x["status"] for x in rounds)),
+            "round_s_median": {k: statistics.median(v) if (v := [x[k] for x in rounds if k in x]) else None
+                               for k in ("waited_s", "allreduce_s", "merge_s", "verify_s", "total_s")},
             "outer_bytes_per_round": outer / len(ok) if ok else None,
             **composer_bytes(r),
             "dht_requests_per_s": final.get("dht_requests", 0) / alive_s if alive_s else None,
@@ -236,6 +240,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         "death_seen_by_all_s": _until_all(seen_death, killed_at),
         "death_seen_by": sum(1 for t in seen_death if t is not None), "survivors": len(survivors),
         "rounds_ok_fraction": sum(n["rounds_ok"] for n in per_node) / all_rounds if all_rounds else None,
+        "round_statuses": dict(sum((Counter(n["round_statuses"]) for n in per_node), Counter())),
         "join_to_first_step_s": joiner_first[0]["seconds"] if joiner_first else None,
         "start_to_first_step_s": med("first_step_s", firsts),
         "peak_rss_mb": med("peak_rss_mb"), "peak_rss_mb_max": max((n["peak_rss_mb"] or 0) for n in per_node),
@@ -247,13 +252,15 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
 
 
 def _in_process(composers: int, steps: int, batch_size: int, changes: Mapping[str, str]) -> float:
-    from parallax.node.config.train import train_config
-    from parallax.node.config.typed import apply_changes
+    from parallax.node.config.train import TrainConfig, train_config
+    from parallax.node.config.typed import apply_changes, field_types
     from parallax.node.sim.simulator import RunSpec, run
     from parallax.node.train.data import load_corpus, split_corpus
 
+    # the training settings of ``changes``; a node's own (``net.``, ``node.``, ``peer.``) have no in-process twin
+    trained = {path: value for path, value in changes.items() if path.split(".")[0] in field_types(TrainConfig)}
     cfg = apply_changes(train_config("tiny", steps=steps), {"sync.periods": PERIODS, "batch_size": batch_size,
-                                                            **changes})
+                                                            **trained})
     result = run(RunSpec(name="scale", kind="parallax", cfg=cfg, composers=composers),
                  *split_corpus(load_corpus(None), seq_len=cfg.model.seq_len))
     return float(result.val_loss)
@@ -290,6 +297,7 @@ ROWS = [
     ("death seen by every survivor, s", "death_seen_by_all_s", "{:.2f}"),
     ("survivors that saw the death", "death_seen_by", "{:.0f}"),
     ("outer rounds completed", "rounds_ok_fraction", "{:.1%}"),
+    ("outer rounds by status, all survivors", "round_statuses", "{}"),
     ("node start to first step (median), s", "start_to_first_step_s", "{:.2f}"),
     ("joiner: node start to first step, s", "join_to_first_step_s", "{:.2f}"),
     ("peak RSS per node (median), MB", "peak_rss_mb", "{:,.0f}"),
@@ -302,6 +310,13 @@ ROWS = [
 ]
 
 
+def _text(value: Any) -> Any:
+    """A table cell: counts by name as "name n, ..." (largest first), anything else as it is."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in sorted(value.items(), key=lambda kv: -kv[1]))
+    return value
+
+
 def markdown(report: dict[str, Any]) -> str:
     sizes = report["sizes"]
     lines = [f"Swarms of the {report['preset']} preset, {report['steps']} steps of {report['batch_size']} sequences, "
@@ -309,7 +324,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"on {report['cores']} cores and {report['memory_gb']} GB: one joiner, one node killed",
              "", "| composers | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for label, key, fmt in ROWS:
-        cells = ["-" if s.get(key) is None else fmt.format(s[key]) for s in sizes.values()]
+        cells = ["-" if s.get(key) is None else fmt.format(_text(s[key])) for s in sizes.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
