@@ -62,6 +62,7 @@ from parallax.node.outer.records import (
     RETRY_S,
     SLOW_POLL_S,
     LatestRecord,
+    Records,
     RoundDue,
     RoundRecords,
     RoundStatus,
@@ -282,7 +283,7 @@ class GatheredRounds:
             status, agreeing, answered, other = self.records.await_majority(
                 fp, participants, functools.partial(_entry_fingerprint, tag=tag, anchors=anchors), deadline=deadline,
                 other_set=functools.partial(self._better_set, mine=me, current=participants),
-                readers=self._live, moved_on=functools.partial(_moved_on, tag=tag),
+                readers=self._live, moved_on=functools.partial(_moved_on, tag=tag), source=self._records_of,
                 extend=None if due is None else functools.partial(_may_yet_agree, participants=participants,
                                                                   due=due))
             _add_time(common, "verify_s", verifying)
@@ -624,10 +625,15 @@ class GatheredRounds:
         return out
 
     def _entries_of(self, peers: Sequence[str], timeout_s: float) -> dict[str, dict[int, RoundEntry]]:
-        """``peers``' entries by round: of those that answer this round's questions (``RecordWatch``) as they last
-        answered (shown to the witness as a read's are, once each), of the others as the DHT gives them within
-        ``timeout_s``. The DHT is still read for all of them every ``SLOW_POLL_S``: the witness sees what a peer
-        stores beside what it answers (two claims of one round signed apart are a proof, ``witness``)."""
+        """``peers``' entries by round (``_records_of``)."""
+        return latest_entries(self._records_of(peers, timeout_s))
+
+    def _records_of(self, peers: Sequence[str], timeout_s: float) -> Records:
+        """``peers``' records: of those that answer this round's questions (``RecordWatch``) as they last answered
+        (shown to the witness as a read's are, once each), of the others as the DHT gives them within ``timeout_s``
+        (``Records.failed`` when that read failed). The DHT is still read for all of them every ``SLOW_POLL_S``: the
+        witness sees what a peer stores beside what it answers (two claims of one round signed apart are a proof,
+        ``witness``)."""
         with self._lock:
             heard = self._watch.heard(peers)
             fresh = {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}
@@ -638,7 +644,10 @@ class GatheredRounds:
         if fresh:
             self._read(fresh)
         rest = list(peers) if whole else [peer for peer in peers if peer not in heard]
-        return latest_entries({**(self.records.read(rest, timeout_s) if rest else {}), **heard})
+        read = self.records.read(rest, timeout_s) if rest else Records()
+        out = Records({**read, **heard})
+        out.failed = read.failed
+        return out
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
                  due: threading.Event | None = None, seen: dict[str, float] | None = None) -> tuple[str, ...] | None:

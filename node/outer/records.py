@@ -26,7 +26,7 @@ from parallax.node.outer.wire import FingerprintSigner, OuterSyncConfig, majorit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LatestRecord", "RoundDue", "RoundRecords", "RoundReport", "RoundStatus"]
+__all__ = ["LatestRecord", "Records", "RoundDue", "RoundRecords", "RoundReport", "RoundStatus"]
 
 POLL_S = 0.05
 IDLE_POLL_S = 0.25
@@ -39,6 +39,13 @@ second for as long as it waits."""
 RETRY_S = 0.5
 """A fetch that failed without evidence against its server (not held yet, a stream broken or refused) is asked for
 again after this."""
+
+
+class Records(dict[str, bytes]):
+    """peer -> its raw rounds record, as one read found them. ``failed``: the DHT read behind it failed (timed out on
+    a loaded host), so a peer missing here is unknown, not without a record: such a read decides nothing."""
+
+    failed: bool = False
 
 
 class RoundDue(threading.Event):
@@ -219,11 +226,13 @@ class RoundRecords:
         return self._dht.store(self.key, self._own_subkey, value, dht_time() + self.config.net.fingerprint_ttl_s,
                                timeout_s=self.config.net.dht_timeout_s)
 
-    def read(self, peers: Sequence[str], timeout_s: float) -> dict[str, bytes]:
-        """peer -> its raw record, for the peers whose key the membership names."""
+    def read(self, peers: Sequence[str], timeout_s: float) -> Records:
+        """peer -> its raw record, for the peers whose key the membership names (``Records.failed`` when the read
+        failed)."""
         found = self._dht.get_dicts([self.key], latest=True, timeout_s=max(0.1, timeout_s))
         records = (found or {}).get(self.key, {})
-        out = {}
+        out = Records()
+        out.failed = found is None
         for peer in peers:
             subkey = self.subkey_of(peer)
             if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
@@ -253,9 +262,13 @@ class RoundRecords:
         readers: Callable[[], set[str]] = set,
         moved_on: Callable[[str, Mapping[int, RoundEntry]], bool] | None = None,
         extend: Callable[[int, Mapping[str, Mapping[int, RoundEntry]]], bool] | None = None,
+        source: Callable[[Sequence[str], float], Records] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
         """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now, and
-        past it while ``extend`` holds).
+        past it while ``extend`` holds). A read that failed decides nothing: past the deadline, the wait ends on the
+        first read that succeeds, or ``allreduce_timeout_s`` after the deadline (on a loaded host a DHT read can take
+        longer than the verification's bound; the verdict of a read that found nobody would withdraw this node's vote
+        from a set its other senders are verifying).
 
         Args:
             participants: the round's participants; in a gathered round, contributions named "peer@round".
@@ -267,6 +280,8 @@ class RoundRecords:
                 finished the participant's round without merging our set: its vote is never coming.
             extend: a gathered round's (participants agreeing so far, the senders' entries by round) -> True to wait
                 on past ``deadline`` (the records are then read once every ``SLOW_POLL_S``).
+            source: (peers, timeout) -> their records (default ``read``: the DHT); a gathered round's gives the
+                answers of the peers that answer its questions as they come, and the DHT's for the others.
 
         Returns:
             (OK, DIVERGED when those who answered outvoted us, UNVERIFIED when too few answered, or
@@ -277,13 +292,16 @@ class RoundRecords:
         """
         cfg = self.config
         deadline = time.monotonic() + cfg.net.verify_timeout_s if deadline is None else deadline
+        source = self.read if source is None else source
         others: dict[str, tuple[float, ...]] = {}
         mine = [p for p in participants if split_pair(p)[0] == self.peer_id] if other_set else [self.peer_id]
         wanted = [p for p in participants if p not in mine]
         while True:
             remaining = deadline - time.monotonic()
             senders = {split_pair(p)[0] if other_set else p: p for p in wanted}
-            records = self.read(sorted(set(senders) | readers()), min(cfg.net.dht_timeout_s, remaining))
+            # past the deadline, a read gets a DHT read's whole bound: it is the one that decides
+            timeout_s = min(cfg.net.dht_timeout_s, remaining) if remaining > 0 else cfg.net.dht_timeout_s
+            records = source(sorted(set(senders) | readers()), timeout_s)
             for sender, name in senders.items():
                 decoded = read(name, records[sender]) if sender in records else None
                 if decoded is not None:
@@ -304,7 +322,9 @@ class RoundRecords:
             if 2 * disagreeing >= len(participants) or len(others) == len(wanted):
                 # A majority is out of reach whoever answers later.
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
-            late = time.monotonic() >= deadline
-            if late and not (extend is not None and extend(agreeing, entries)):
+            now = time.monotonic()
+            late = now >= deadline
+            undecided = records.failed and now < deadline + cfg.net.allreduce_timeout_s
+            if late and not undecided and not (extend is not None and extend(agreeing, entries)):
                 return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
             time.sleep(SLOW_POLL_S if late else POLL_S)

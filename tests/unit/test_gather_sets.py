@@ -17,7 +17,7 @@ from parallax.node.outer.gathered import (
     _moved_on,
     _off_offer,
 )
-from parallax.node.outer.records import POLL_S
+from parallax.node.outer.records import POLL_S, Records
 from parallax.node.outer.transport import (
     WITHDRAWN,
     RoundEntry,
@@ -152,11 +152,11 @@ class _Scripted(GatheredRounds):
         self.read_peers: list[list[str]] = []
         """The peers each DHT read was for."""
 
-    def _dht_read(self, peers: list[str], timeout_s: float) -> dict[str, bytes]:
+    def _dht_read(self, peers: list[str], timeout_s: float) -> Records:
         self.reads += 1
         self.read_peers.append(list(peers))
         entries = self.script[min(self.reads, len(self.script)) - 1]
-        return {peer: encode_record(list(entries[peer].values())) for peer in peers if peer in entries}
+        return Records({peer: encode_record(list(entries[peer].values())) for peer in peers if peer in entries})
 
     def _fetch(self, name: str, entry: RoundEntry) -> tuple[dict[str, torch.Tensor], float]:
         return {"w": torch.zeros(4)}, 1.0
