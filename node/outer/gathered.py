@@ -631,9 +631,9 @@ class GatheredRounds:
     def _records_of(self, peers: Sequence[str], timeout_s: float) -> Records:
         """``peers``' records: of those that answer this round's questions (``RecordWatch``) as they last answered
         (shown to the witness as a read's are, once each), of the others as the DHT gives them within ``timeout_s``
-        (``Records.failed`` when that read failed). The DHT is still read for all of them every ``SLOW_POLL_S``: the
-        witness sees what a peer stores beside what it answers (two claims of one round signed apart are a proof,
-        ``witness``)."""
+        (those of them in ``Records.unknown`` when that read failed). The DHT is still read for all of them every
+        ``SLOW_POLL_S``: the witness sees what a peer stores beside what it answers (two claims of one round signed
+        apart are a proof, ``witness``)."""
         with self._lock:
             heard = self._watch.heard(peers)
             fresh = {peer: record for peer, record in heard.items() if self._shown.get(peer) != record}
@@ -646,7 +646,7 @@ class GatheredRounds:
         rest = list(peers) if whole else [peer for peer in peers if peer not in heard]
         read = self.records.read(rest, timeout_s) if rest else Records()
         out = Records({**read, **heard})
-        out.failed = read.failed
+        out.unknown = read.unknown - heard.keys()
         return out
 
     def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],

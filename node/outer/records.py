@@ -42,10 +42,10 @@ again after this."""
 
 
 class Records(dict[str, bytes]):
-    """peer -> its raw rounds record, as one read found them. ``failed``: the DHT read behind it failed (timed out on
-    a loaded host), so a peer missing here is unknown, not without a record: such a read decides nothing."""
+    """peer -> its raw rounds record, as one read found them. ``unknown``: the peers asked of a DHT read that failed
+    (timed out on a loaded host) and not heard otherwise: missing here, they are unknown, not without a record."""
 
-    failed: bool = False
+    unknown: frozenset[str] = frozenset()
 
 
 class RoundDue(threading.Event):
@@ -227,12 +227,13 @@ class RoundRecords:
                                timeout_s=self.config.net.dht_timeout_s)
 
     def read(self, peers: Sequence[str], timeout_s: float) -> Records:
-        """peer -> its raw record, for the peers whose key the membership names (``Records.failed`` when the read
-        failed)."""
+        """peer -> its raw record, for the peers whose key the membership names (all of ``peers`` in
+        ``Records.unknown`` when the read failed)."""
         found = self._dht.get_dicts([self.key], latest=True, timeout_s=max(0.1, timeout_s))
         records = (found or {}).get(self.key, {})
         out = Records()
-        out.failed = found is None
+        if found is None:
+            out.unknown = frozenset(peers)
         for peer in peers:
             subkey = self.subkey_of(peer)
             if subkey is not None and subkey in records and isinstance(records[subkey][0], bytes):
@@ -265,10 +266,11 @@ class RoundRecords:
         source: Callable[[Sequence[str], float], Records] | None = None,
     ) -> tuple[RoundStatus, int, int, tuple[str, ...] | None]:
         """Wait for a majority verdict on our fingerprint (until ``deadline``, default verify_timeout_s from now, and
-        past it while ``extend`` holds). A read that failed decides nothing: past the deadline, the wait ends on the
-        first read that succeeds, or ``allreduce_timeout_s`` after the deadline (on a loaded host a DHT read can take
-        longer than the verification's bound; the verdict of a read that found nobody would withdraw this node's vote
-        from a set its other senders are verifying).
+        past it while ``extend`` holds). A read that left a sender whose fingerprint is still missing unknown (its
+        DHT read failed) decides nothing: past the deadline, such reads extend the wait by at most
+        ``verify_timeout_s`` more (``OuterSyncConfig.round_budget_s`` counts it). On a loaded host a DHT read can take
+        longer than the verification's bound, and a verdict on a read that found nobody takes this node's vote back
+        from a set its other senders may be verifying.
 
         Args:
             participants: the round's participants; in a gathered round, contributions named "peer@round".
@@ -309,8 +311,11 @@ class RoundRecords:
             verdict, agreeing = majority_agrees(fp, others, len(participants), cfg.tolerance)
             if verdict:
                 return RoundStatus.OK, agreeing, len(others) + 1, None
+            missing = {sender for sender, name in senders.items() if name not in others}
+            unknown = bool(records.unknown & missing)  # a sender still owed was not read: this read decides nothing
             entries = latest_entries(records) if other_set is not None or moved_on is not None or extend else {}
-            other = other_set(entries) if other_set is not None else None
+            # another set's votes are counted on a read that holds every sender's record, not on part of them
+            other = other_set(entries) if other_set is not None and not records.unknown else None
             if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
             disagreeing = len(others) + 1 - agreeing
@@ -324,7 +329,7 @@ class RoundRecords:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, None
             now = time.monotonic()
             late = now >= deadline
-            undecided = records.failed and now < deadline + cfg.net.allreduce_timeout_s
+            undecided = unknown and now < deadline + cfg.net.verify_timeout_s
             if late and not undecided and not (extend is not None and extend(agreeing, entries)):
                 return RoundStatus.UNVERIFIED, agreeing, len(others) + 1, None
             time.sleep(SLOW_POLL_S if late else POLL_S)

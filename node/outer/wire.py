@@ -137,10 +137,11 @@ class OuterSyncConfig:
 
     @property
     def round_budget_s(self) -> float:
-        """The longest ``run_round`` blocks: matchmaking, all-reduce, verification, and slack."""
+        """The longest ``run_round`` blocks: matchmaking, all-reduce, verification (twice its bound when reads fail:
+        ``RoundRecords.await_majority``), and slack."""
         net = self.net
-        return (net.matchmaking_timeout_s + net.allreduce_timeout_s + net.verify_timeout_s + 2 * net.dht_timeout_s
-                + BUFFER_LOCK_TIMEOUT_S)
+        return (net.matchmaking_timeout_s + net.allreduce_timeout_s + 2 * net.verify_timeout_s
+                + 2 * net.dht_timeout_s + BUFFER_LOCK_TIMEOUT_S)
 
     def hivemind_compression(self) -> CompressionBase:
         return wire_compression(self.compression)
