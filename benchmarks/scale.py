@@ -324,7 +324,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"on {report['cores']} cores and {report['memory_gb']} GB: one joiner, one node killed",
              "", "| composers | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for label, key, fmt in ROWS:
-        cells = ["-" if s.get(key) is None else fmt.format(_text(s[key])) for s in sizes.values()]
+        cells = ["-" if s.get(key) in (None, {}) else fmt.format(_text(s[key])) for s in sizes.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
