@@ -314,7 +314,7 @@ class RoundRecords:
             missing = {sender for sender, name in senders.items() if name not in others}
             unknown = bool(records.unknown & missing)  # a sender still owed was not read: this read decides nothing
             entries = latest_entries(records) if other_set is not None or moved_on is not None or extend else {}
-            # another set's votes are counted on a read that holds every sender's record, not on part of them
+            # another set's votes are counted on a read that left no peer it asked unknown, not on part of them
             other = other_set(entries) if other_set is not None and not records.unknown else None
             if other is not None:
                 return RoundStatus.DIVERGED, agreeing, len(others) + 1, other
