@@ -457,6 +457,8 @@ _ALONE_READS = 3
 """Fresh reads in a row without another composer that counts after which a node's probation ends (one read that
 misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
+_STORED_KEPT = 64
+"""Heartbeats stored that ``majority_worked_until`` looks back over (64 periods: far past any TTL)."""
 _FLOOD_NAMED_AT = 8
 """Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
 _READS_JUDGED = 8
@@ -490,6 +492,29 @@ def majority_until(view: SwarmView, alive: Collection[str], me: str, most: int, 
 
     ends = sorted((counted_until(fp) for fp in alive), reverse=True)
     return ends[need - 1] + view.grace_s if len(ends) >= need else -math.inf
+
+
+def majority_worked_until(arrived: Mapping[str, float], alive: Collection[str], me: str, most: int,
+                          stored: Sequence[tuple[float, float]]) -> float:
+    """The DHT time until which work that reached this node shows its side holding at least half of ``most`` of the
+    composers ``alive`` (``me`` always), read or no read (``Membership.confirmed``); -inf when it does not, inf when
+    nothing is counted.
+
+    ``arrived``: when each composer's latest work reached this node (``Membership.worked``: a contribution fetched, a
+    surrogate update applied); at ``w``, the time by which half of them had sent some, this node was on their side of
+    any cut. ``stored``: (sent, TTL) of this node's heartbeats stored, oldest first. The others count this node alive
+    until the last of them stored by ``w`` expires, so they cannot have taken its experts before then: that is the
+    bound, however slow its reads."""
+    need = (most + 1) // 2
+    if not alive or need <= 0:
+        return math.inf
+    times = sorted((math.inf if fp == me else arrived.get(fp, -math.inf) for fp in alive), reverse=True)
+    if len(times) < need or times[need - 1] == -math.inf:
+        return -math.inf
+    w = times[need - 1]
+    if w == math.inf:
+        return math.inf
+    return max((sent + ttl for sent, ttl in stored if sent <= w), default=-math.inf)
 
 
 class Quorum:
@@ -844,6 +869,12 @@ class Membership:
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._lapsed = False  # ``view`` said this node is cut off before its quorum did (logged once)
         self._majority_until = math.inf  # ``majority_until`` of the last view that held half
+        self._arrived: dict[str, float] = {}  # composer -> when its latest work reached this node (DHT time)
+        self._stored: collections.deque[tuple[float, float]] = collections.deque(maxlen=_STORED_KEPT)
+        """(sent, TTL) of this node's latest heartbeats stored (``majority_worked_until``)."""
+        self._counted: frozenset[str] = frozenset()  # the composers the quorum counted at the last read
+        self._most = 0  # the most of them alive at one time then (``Quorum.seen``)
+        self._by_work = False  # confirmed by work alone, no read (logged once until a read confirms)
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
         self._probation_since: float | None = None  # Heartbeat.probation while set (``enter_probation``)
         self._shown_work = False
@@ -891,7 +922,20 @@ class Membership:
         training them (``Composer.pause``) until a read tells. No grace: holding is undone by the next read whose
         heartbeats hold half, and a loaded host whose reads time out loses a stretch of its experts' training, never
         the experts."""
-        return self._clock() <= self._majority_until
+        now = self._clock()
+        if now <= self._majority_until:
+            self._by_work = False
+            return True
+        with self._lock:
+            until = majority_worked_until(self._arrived, self._counted, self.fingerprint, self._most, self._stored)
+        if now > until:
+            return False
+        if not self._by_work:
+            self._by_work = True
+            logger.info("no read of the swarm for %.0f s has shown this node's side holding half of it, but work from "
+                        "half of it has reached this node since its heartbeats last did: it trains on (its reads are "
+                        "slow; the others count it alive %.0f s more)", now - self._view.read_at, until - now)
+        return True
 
     @property
     def timing(self) -> MembershipConfig:
@@ -1169,6 +1213,8 @@ class Membership:
         self.store_lag_s = min(ttl, max(time.monotonic() - started, self.store_lag_s / 2))
         if ok:
             self.heartbeats_sent += 1
+            with self._lock:
+                self._stored.append((now, ttl))
             self._next_heartbeat = now + self._timing.heartbeat_period_s
         else:
             logger.debug("heartbeat store failed; retrying at the next tick")
@@ -1226,6 +1272,7 @@ class Membership:
         vouchings = self._vouchings
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
+        self._counted, self._most = counted, self._quorum.seen()
         until = majority_until(merged, counted, self.fingerprint, self._quorum.seen(), self._timing.heartbeat_ttl_s) \
             if self.presence.role == "composer" else math.inf
         short_since = math.inf
@@ -1375,6 +1422,8 @@ class Membership:
         """Evidence of a composer's work reached this node (thread-safe; ``Progress``)."""
         with self._lock:
             self._progress.worked(fingerprint, time.monotonic())
+            self._arrived[fingerprint] = self._clock()
+            _forget_oldest(self._arrived)
 
     def vouched(self, fingerprints: Collection[str]) -> None:
         """The swarm's rounds records vouch for these composers (thread-safe; ``Progress.vouched``): before any

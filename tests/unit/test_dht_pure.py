@@ -38,6 +38,7 @@ from parallax.dht.membership import (
     SwarmView,
     heartbeat_value,
     majority_until,
+    majority_worked_until,
     merge_views,
     parse_members,
     read_view,
@@ -286,6 +287,12 @@ class _SlowReads:
     joined_s = 0.0
     """How long the read a call joins had been running when the call came (``SwarmDHT.get_dicts``)."""
 
+    stores_ok = True
+    """Whether stores succeed (``store_many``: every key stored, or none)."""
+
+    def store_many(self, keys, subkey, value, expiration, *, timeout_s: float, **_kwargs):
+        return {key: self.stores_ok for key in keys}
+
     def relayed_maddrs(self) -> list[str]:
         return []
 
@@ -380,6 +387,57 @@ def test_a_node_whose_reads_fail_is_unconfirmed_once_the_heartbeats_that_kept_it
     assert not m._refresh() and not m.confirmed() and m.view().quorum is QuorumState.HELD
     dht.answer = {key: (value, 120.0) for key, (value, _) in beats.items()}
     assert m._refresh() and m.confirmed()
+
+
+def test_work_from_half_of_the_swarm_confirms_a_node_whose_reads_are_slow_while_its_heartbeats_keep_it_alive():
+    """On a loaded host reads come late, and holding the experts until one does loses their training. Work that
+    reached the node (contributions, surrogate updates) from half of the swarm shows which side of any cut it was on
+    when the work came; the others count the node alive until its last heartbeat stored by then expires. So it
+    trains on until that expiry, and holds its experts past it like a node without work."""
+    me, *others = (Identity.from_seed(bytes([c]) * 32) for c in b"mabc")
+    a, b, c = (i.fingerprint for i in others)
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    beats = {owner_subkey(i.public_key): (_beat(1), 106.0) for i in [me, *others]}
+    dht.answer = dict(beats)
+    assert m._refresh() and m.confirmed()
+    assert m._send_heartbeat()  # stored at 100.1, TTL 6 s: the others count this node alive until 106.1
+    dht.answer = None
+    clock[0] = 103.0
+    m.worked(a)  # this node and one other: half of four
+    clock[0] = 107.0  # the heartbeats of the last read expired at 106 (and 106.1 by this node's own)
+    assert not m._refresh() and not m.confirmed()  # its latest heartbeat stored by 103 expired at 106.1
+    dht.stores_ok = True
+    assert m._send_heartbeat()  # stored at 107.1, TTL 6 s
+    clock[0] = 108.0
+    assert not m.confirmed()  # no work since that heartbeat: nothing shows it on the others' side after 103
+    m.worked(b)
+    assert m.confirmed()  # work at 108, after the heartbeat of 107.1
+    clock[0] = 113.0
+    assert m.confirmed()
+    clock[0] = 113.2  # past 107.1 + 6
+    assert not m.confirmed()
+    dht.stores_ok = False
+    assert not m._send_heartbeat()  # a heartbeat that did not store keeps nobody's view of this node alive
+    m.worked(c)
+    assert not m.confirmed()
+    dht.answer = {key: (value, 125.0) for key, (value, _) in beats.items()}
+    assert m._refresh() and m.confirmed()  # a read that shows the others
+
+
+def test_the_work_that_confirms_a_side_comes_from_half_of_the_most_composers_seen():
+    me, stored = "m", [(100.0, 6.0), (102.0, 6.0), (104.0, 12.0)]
+    arrived = {"a": 101.0, "b": 103.0, "c": 105.0}
+    alive = ["m", "a", "b", "c"]
+    assert majority_worked_until(arrived, alive, me, 4, stored) == 116.0  # half of four: me and c, at 105: 104's
+    assert majority_worked_until(arrived, alive, me, 6, stored) == 108.0  # three of six: at 103, the one of 102
+    assert majority_worked_until(arrived, alive, me, 8, stored) == 106.0  # four of eight: at 101, the one of 100
+    assert majority_worked_until(arrived, alive, me, 9, stored) == -math.inf  # five of nine: four counted
+    assert majority_worked_until({"a": 99.0}, ["m", "a"], me, 4, stored) == -math.inf  # no heartbeat stored by then
+    assert majority_worked_until(arrived, ["m", "x"], me, 4, stored) == -math.inf  # no work of the others counted
+    assert majority_worked_until({}, ["m"], me, 1, stored) == math.inf  # this node alone is half of one
+    assert majority_worked_until(arrived, [], me, 4, stored) == math.inf  # nothing counted
 
 
 def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_expiry():
