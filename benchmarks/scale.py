@@ -208,6 +208,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
             "view_age_s_median": statistics.median(a) if (a := [x["view_age_s"] for x in events(r, "step")
                                                                   if "view_age_s" in x]) else None,
             "first_step_s": first[0]["seconds"] if first else None,
+            "held_steps_fraction": held_steps(r) / n_steps if n_steps else None,
             "peak_rss_mb": peaks.node_mb.get(i), "p2pd_peak_rss_mb": peaks.p2pd_mb.get(i),
         })
 
@@ -234,6 +235,8 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
                                             for k in sorted({k for n in per_node
                                                              for k in n["dht_requests_by_kind_per_s"]})},
         "view_age_s_median": med("view_age_s_median"),
+        "held_steps_fraction": med("held_steps_fraction"),
+        "held_steps_fraction_max": max((n["held_steps_fraction"] or 0.0) for n in per_node),
         "members_read_bytes": members[0] if members else None, "members_read_entries": members[1] if members else None,
         "join_seen_by_all_s": _until_all(seen_join, joined_at),
         "join_seen_by": sum(1 for t in seen_join if t is not None),
@@ -249,6 +252,21 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         "val_loss_over_in_process": swarm_loss / reference if swarm_loss and reference else None,
         "per_node": per_node, "workdir": str(workdir),
     }
+
+
+def held_steps(records: list[dict[str, Any]]) -> int:
+    """The steps a node trained while it held its experts without training them (``shard`` events' ``paused``:
+    no read confirmed its side holding half of the swarm), to its last step if it still held them then."""
+    held, since = 0, None
+    for e in events(records, "shard"):
+        if e.get("paused") and since is None:
+            since = e["step"]
+        elif not e.get("paused") and since is not None:
+            held, since = held + e["step"] - since, None
+    if since is not None:
+        last = max((e["step"] for e in events(records, "step")), default=since)
+        held += last - since
+    return held
 
 
 def _in_process(composers: int, steps: int, batch_size: int, changes: Mapping[str, str]) -> float:
@@ -292,6 +310,8 @@ ROWS = [
     ("one read of the members key, bytes (signatures stripped)", "members_read_bytes", "{:,.0f}"),
     ("heartbeats in that read", "members_read_entries", "{:.0f}"),
     ("view age (median over steps and nodes), s", "view_age_s_median", "{:.2f}"),
+    ("steps with the experts held, no read confirming (median node)", "held_steps_fraction", "{:.1%}"),
+    ("steps with the experts held (most of any node)", "held_steps_fraction_max", "{:.1%}"),
     ("join seen by every node, s", "join_seen_by_all_s", "{:.2f}"),
     ("nodes that saw the joiner", "join_seen_by", "{:.0f}"),
     ("death seen by every survivor, s", "death_seen_by_all_s", "{:.2f}"),

@@ -134,3 +134,15 @@ def test_the_scale_report_has_a_column_per_size_and_a_dash_where_nothing_was_mea
     death = next(line for line in table if line.startswith("| death seen"))
     assert death.endswith("| 1.00 | - |")
     assert len(table) == 4 + len(ROWS)
+
+
+def test_the_scale_report_counts_the_steps_a_node_trained_with_its_experts_held():
+    from parallax.benchmarks.scale import held_steps
+
+    def shard(step: int, paused: bool) -> dict:
+        return {"kind": "shard", "t": float(step), "step": step, "paused": paused}
+
+    steps = [{"kind": "step", "t": float(s), "step": s} for s in range(1, 101)]
+    records = [shard(0, False), shard(10, True), shard(15, True), shard(30, False), shard(90, True), *steps]
+    assert held_steps(sorted(records, key=lambda e: e["t"])) == 20 + 10  # 10-30, and 90 to its last step
+    assert held_steps(steps) == 0
