@@ -458,7 +458,9 @@ _ALONE_READS = 3
 misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
 _STORED_KEPT = 64
-"""Heartbeats stored that ``majority_worked_until`` looks back over (64 periods: far past any TTL)."""
+"""Heartbeats stored that ``majority_heard_until`` looks back over (64 periods: far past any TTL)."""
+_ANSWERS_LOGGED_S = 60.0
+"""``Membership.confirmed`` says at most this often that answers alone keep the node training."""
 _FLOOD_NAMED_AT = 8
 """Composers without work in one view from which on the log names them (a few are joiners in their first round)."""
 _READS_JUDGED = 8
@@ -494,27 +496,28 @@ def majority_until(view: SwarmView, alive: Collection[str], me: str, most: int, 
     return ends[need - 1] + view.grace_s if len(ends) >= need else -math.inf
 
 
-def majority_worked_until(arrived: Mapping[str, float], alive: Collection[str], me: str, most: int,
-                          stored: Sequence[tuple[float, float]]) -> float:
-    """The DHT time until which work that reached this node shows its side holding at least half of ``most`` of the
-    composers ``alive`` (``me`` always), read or no read (``Membership.confirmed``); -inf when it does not, inf when
-    nothing is counted.
+def majority_heard_until(heard: Mapping[str, float], alive: Collection[str], me: str, most: int,
+                         stored: Sequence[tuple[float, float]]) -> float:
+    """The DHT time until which answers from the composers themselves show this node's side holding at least half of
+    ``most`` of the composers ``alive`` (``me`` always), read or no read (``Membership.confirmed``); -inf when they do
+    not, inf when nothing is counted.
 
-    ``arrived``: when each composer's latest work reached this node (``Membership.worked``: a contribution fetched, a
-    surrogate update applied); at ``w``, the time by which half of them had sent some, this node was on their side of
-    any cut. ``stored``: (sent, TTL) of this node's heartbeats stored, oldest first. The others count this node alive
-    until the last of them stored by ``w`` expires, so they cannot have taken its experts before then: that is the
-    bound, however slow its reads."""
+    ``heard``: when an answer of each composer last came from it directly (``Membership.heard``: a contribution or
+    its blocks fetched from their sender, a rounds record it answered); at ``w``, the latest time by which half of
+    them had answered, this node was on their side of any cut. Only the composers the last read counted count (a
+    read that showed the side short counted too few). ``stored``: (when each of this node's heartbeats was stored,
+    when it expires), in any order: the others count this node alive until the last heartbeat stored by ``w``
+    expires, so they cannot have taken its experts before then, however slow its reads."""
     need = (most + 1) // 2
     if not alive or need <= 0:
         return math.inf
-    times = sorted((math.inf if fp == me else arrived.get(fp, -math.inf) for fp in alive), reverse=True)
+    times = sorted((math.inf if fp == me else heard.get(fp, -math.inf) for fp in alive), reverse=True)
     if len(times) < need or times[need - 1] == -math.inf:
         return -math.inf
     w = times[need - 1]
     if w == math.inf:
         return math.inf
-    return max((sent + ttl for sent, ttl in stored if sent <= w), default=-math.inf)
+    return max((expires for at, expires in stored if at <= w), default=-math.inf)
 
 
 class Quorum:
@@ -869,12 +872,12 @@ class Membership:
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._lapsed = False  # ``view`` said this node is cut off before its quorum did (logged once)
         self._majority_until = math.inf  # ``majority_until`` of the last view that held half
-        self._arrived: dict[str, float] = {}  # composer -> when its latest work reached this node (DHT time)
+        self._heard: dict[str, float] = {}  # composer -> when an answer last came from it directly (DHT time)
         self._stored: collections.deque[tuple[float, float]] = collections.deque(maxlen=_STORED_KEPT)
-        """(sent, TTL) of this node's latest heartbeats stored (``majority_worked_until``)."""
-        self._counted: frozenset[str] = frozenset()  # the composers the quorum counted at the last read
-        self._most = 0  # the most of them alive at one time then (``Quorum.seen``)
-        self._by_work = False  # confirmed by work alone, no read (logged once until a read confirms)
+        """(when stored, when it expires) of this node's latest heartbeats stored (``majority_heard_until``)."""
+        self._counted: tuple[frozenset[str], int] = (frozenset(), 0)
+        """The composers the quorum counted at the last read, and the most of them alive at one time (``Quorum``)."""
+        self._by_answers_logged = -math.inf  # when ``confirmed`` last said answers alone confirm it
         self._counting_work = False  # the quorum counts only composers whose work arrived (once any did)
         self._probation_since: float | None = None  # Heartbeat.probation while set (``enter_probation``)
         self._shown_work = False
@@ -912,29 +915,32 @@ class Membership:
         return view
 
     def confirmed(self) -> bool:
-        """Whether a read has shown, lately enough, that this composer's side holds half of the swarm: until the
-        heartbeats of its last such view stop holding half (``majority_until``; always before the first read that
-        shows half, and for a role that owns nothing).
+        """Whether this composer's side is shown, lately enough, to hold half of the swarm: by a read, until the
+        heartbeats of its last view that held half stop holding it (``majority_until``; always before the first read
+        that shows half, and for a role that owns nothing); or by answers from half of the swarm themselves, until
+        the last heartbeat of this node stored before them expires (``majority_heard_until``).
 
         A cut-off side learns of the cut from reads that wait out their timeouts, and it is cut off a quorum grace
         after that time; the others take its experts once its own last heartbeats expire by their clocks. Past
-        this time, with no read since to say the others are still there, the node holds its experts without
-        training them (``Composer.pause``) until a read tells. No grace: holding is undone by the next read whose
-        heartbeats hold half, and a loaded host whose reads time out loses a stretch of its experts' training, never
-        the experts."""
+        both times, with nothing since to say the others are still there, the node holds its experts without
+        training them (``Composer.pause``) until a read or their answers tell. No grace: holding is undone by the
+        next read whose heartbeats hold half, or answers from half of the swarm after a heartbeat of this node was
+        stored; a loaded host whose reads and stores both lag loses a stretch of its experts' training, never the
+        experts."""
         now = self._clock()
         if now <= self._majority_until:
-            self._by_work = False
             return True
         with self._lock:
-            until = majority_worked_until(self._arrived, self._counted, self.fingerprint, self._most, self._stored)
+            counted, most = self._counted
+            until = majority_heard_until(self._heard, counted, self.fingerprint, most, self._stored)
         if now > until:
             return False
-        if not self._by_work:
-            self._by_work = True
-            logger.info("no read of the swarm for %.0f s has shown this node's side holding half of it, but work from "
-                        "half of it has reached this node since its heartbeats last did: it trains on (its reads are "
-                        "slow; the others count it alive %.0f s more)", now - self._view.read_at, until - now)
+        if now - self._by_answers_logged > _ANSWERS_LOGGED_S:
+            self._by_answers_logged = now
+            logger.info("no read of the swarm has shown this node's side holding half of it lately (its last view was "
+                        "read %.0f s ago), but half of the swarm answered it directly since a heartbeat of its own "
+                        "was stored: it trains on for %.0f s, while the others still count that heartbeat",
+                        now - self._view.read_at, until - now)
         return True
 
     @property
@@ -1213,8 +1219,8 @@ class Membership:
         self.store_lag_s = min(ttl, max(time.monotonic() - started, self.store_lag_s / 2))
         if ok:
             self.heartbeats_sent += 1
-            with self._lock:
-                self._stored.append((now, ttl))
+            with self._lock:  # counted from its sending, stored once the store returned
+                self._stored.append((self._clock(), now + ttl))
             self._next_heartbeat = now + self._timing.heartbeat_period_s
         else:
             logger.debug("heartbeat store failed; retrying at the next tick")
@@ -1272,7 +1278,8 @@ class Membership:
         vouchings = self._vouchings
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
-        self._counted, self._most = counted, self._quorum.seen()
+        with self._lock:
+            self._counted = (counted, self._quorum.seen())
         until = majority_until(merged, counted, self.fingerprint, self._quorum.seen(), self._timing.heartbeat_ttl_s) \
             if self.presence.role == "composer" else math.inf
         short_since = math.inf
@@ -1422,8 +1429,14 @@ class Membership:
         """Evidence of a composer's work reached this node (thread-safe; ``Progress``)."""
         with self._lock:
             self._progress.worked(fingerprint, time.monotonic())
-            self._arrived[fingerprint] = self._clock()
-            _forget_oldest(self._arrived)
+
+    def heard(self, fingerprint: str) -> None:
+        """An answer came from this composer itself just now (thread-safe; ``majority_heard_until``): a contribution
+        or its blocks fetched from it, a rounds record it answered. Not a surrogate update, which any holder may
+        serve and the training thread takes in later."""
+        with self._lock:
+            self._heard[fingerprint] = self._clock()
+            _forget_oldest(self._heard)
 
     def vouched(self, fingerprints: Collection[str]) -> None:
         """The swarm's rounds records vouch for these composers (thread-safe; ``Progress.vouched``): before any

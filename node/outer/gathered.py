@@ -152,7 +152,8 @@ class GatheredRounds:
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
-        self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
+        # the live peers' records while a round runs
+        self._watch = RecordWatch(gather, records.group, POLL_S, on_answer=self.peers.heard)
         self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
         self._read_all_at = 0.0  # when ``_entries_of`` next reads every peer's record from the DHT
         self._recorded: set[str] = set()  # the live peers whose rounds records were found (``_entries_of_live``)
@@ -866,6 +867,8 @@ class GatheredRounds:
         """A contribution of ``peer`` arrived usable (whole: its ``tensors``, or blocks of the contribution whose
         claim signed ``digest``): it holds no fetch and fails none now, and it shows work, unless it is all zeros (a
         body any identity can send without training)."""
+        if self.peers.heard is not None:
+            self.peers.heard(peer)  # fetched from the sender itself
         room = self._peers_kept() if digest is not None else 0
         with self._lock:
             self._held.pop(peer, None)

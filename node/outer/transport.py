@@ -176,6 +176,9 @@ class RoundPeers:
     them, so identities that never contribute cannot stall it (None: every live composer)."""
     worked: Callable[[str], None] | None = None
     """Told of every contribution fetched and decoded: evidence of its sender's work."""
+    heard: Callable[[str], None] | None = None
+    """Told of every answer that came from a peer itself (a contribution or its blocks fetched from their sender, a
+    rounds record the peer answered): when this node last reached it (``Membership.heard``)."""
     vouched: Callable[[set[str]], None] | None = None
     """Told, after a download of the group's state, of the peers that the rounds records of the peers that served
     it vouch for (``vouched``): whose work others that run merged, before any reached this node."""
@@ -455,10 +458,12 @@ class RecordWatch:
         gather: asks the questions (in its event loop).
         group: the shared group.
         poll_s: the least time between two questions to one peer.
+        on_answer: told of each peer that answered (in the event loop: it must be quick and not raise).
     """
 
-    def __init__(self, gather: OuterGather, group: str, poll_s: float) -> None:
-        self.gather, self.group, self.poll_s = gather, group, poll_s
+    def __init__(self, gather: OuterGather, group: str, poll_s: float,
+                 on_answer: Callable[[str], None] | None = None) -> None:
+        self.gather, self.group, self.poll_s, self.on_answer = gather, group, poll_s, on_answer
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, bytes] = {}  # peer -> its latest answer
@@ -545,6 +550,11 @@ class RecordWatch:
                         self._asking.pop(peer)
                         self._records.pop(peer, None)
                 return
+            if self.on_answer is not None:
+                try:
+                    self.on_answer(peer)
+                except Exception:  # the questions go on whatever the listener does
+                    logger.exception("the listener to peer %s's answers failed", peer)
             if not self._note(peer, token, record):
                 return
             known = record

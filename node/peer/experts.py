@@ -174,20 +174,20 @@ class Experts:
             self.adopt(eid, local[0] if local else None, source=local[1] if local else "init")
 
     def _hold(self, paused: bool) -> None:
-        """Pause the owned experts' training while no read confirms this node's side holds half of the swarm
-        (``Membership.confirmed``), and resume it once one does."""
+        """Pause the owned experts' training while nothing confirms this node's side holds half of the swarm
+        (``Membership.confirmed``: a read, or answers from half of it), and resume it once something does."""
         composer = self.composer
         if paused == composer.paused:
             return
         composer.pause(paused)
         held = len(list(composer.owned_experts()))
         if paused:
-            logger.warning("no DHT read has shown this node's side holding half of the swarm since its heartbeats "
-                           "stopped doing so: it holds its %d experts without training them until a read tells "
-                           "(cut off, the others train them; its reads slow, it trains them again)", held)
+            logger.warning("neither a DHT read nor answers from half of the swarm show this node's side holding half "
+                           "of it any longer: it holds its %d experts without training them until one does (cut off, "
+                           "the others train them; its reads and stores slow, it trains them again)", held)
         else:
-            logger.info("a DHT read shows this node's side holding half of the swarm again: it trains its %d "
-                        "experts again", held)
+            logger.info("a DHT read or answers from half of the swarm show this node's side holding half of it again: "
+                        "it trains its %d experts again", held)
         self.telemetry.status.paused = paused
         self.telemetry.event("paused" if paused else "resumed", step=composer.step, experts=held)
         self.shard_event()

@@ -334,7 +334,8 @@ class Node:
         caps = {g: float(cfg.batch_size * cfg.model.seq_len * p) for g, p in cfg.sync.periods.items()}
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
-                               peers=RoundPeers(views.composer_peers, views.working_peers, views.worked, views.vouched),
+                               peers=RoundPeers(views.composer_peers, views.working_peers, views.worked,
+                                                views.heard, views.vouched),
                                weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
         # An open run's merged state is anyone's who joins it; a private run's goes to its live members only.

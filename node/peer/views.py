@@ -234,6 +234,12 @@ class SwarmViews:
         if member is not None:
             self.membership.worked(member.fingerprint)
 
+    def heard(self, peer_id: str) -> None:
+        """An answer came from the live member at ``peer_id`` itself just now (``Membership.heard``)."""
+        member = self.member(peer_id)
+        if member is not None:
+            self.membership.heard(member.fingerprint)
+
     def vouched(self, peer_ids: Collection[str]) -> None:
         """The rounds records vouch for the composers at ``peer_ids`` (``Membership.vouched``)."""
         members = (self.member(peer) for peer in peer_ids)

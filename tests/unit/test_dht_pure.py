@@ -37,8 +37,8 @@ from parallax.dht.membership import (
     QuorumState,
     SwarmView,
     heartbeat_value,
+    majority_heard_until,
     majority_until,
-    majority_worked_until,
     merge_views,
     parse_members,
     read_view,
@@ -389,55 +389,70 @@ def test_a_node_whose_reads_fail_is_unconfirmed_once_the_heartbeats_that_kept_it
     assert m._refresh() and m.confirmed()
 
 
-def test_work_from_half_of_the_swarm_confirms_a_node_whose_reads_are_slow_while_its_heartbeats_keep_it_alive():
-    """On a loaded host reads come late, and holding the experts until one does loses their training. Work that
-    reached the node (contributions, surrogate updates) from half of the swarm shows which side of any cut it was on
-    when the work came; the others count the node alive until its last heartbeat stored by then expires. So it
-    trains on until that expiry, and holds its experts past it like a node without work."""
+def test_answers_from_half_of_the_swarm_confirm_a_node_whose_reads_are_slow_while_its_heartbeat_keeps_it_alive():
+    """On a loaded host reads come late, and holding the experts until one does loses their training. Answers that
+    came from half of the swarm themselves (contributions fetched from their senders, rounds records they answered)
+    show which side of any cut the node was on then; the others count it alive until its last heartbeat stored
+    before them expires. So it trains on until that expiry, and holds its experts past it like a node without
+    answers. Work that any holder may relay (surrogate updates) confirms nothing, nor do answers from composers a read
+    that showed its side short counted out."""
     me, *others = (Identity.from_seed(bytes([c]) * 32) for c in b"mabc")
     a, b, c = (i.fingerprint for i in others)
     clock = [100.0]
     dht = _SlowReads(clock, read_s=0.1)
     m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    for fp in (a, b, c):
+        m.worked(fp)  # the quorum counts the composers whose work arrived
     beats = {owner_subkey(i.public_key): (_beat(1), 106.0) for i in [me, *others]}
     dht.answer = dict(beats)
     assert m._refresh() and m.confirmed()
-    assert m._send_heartbeat()  # stored at 100.1, TTL 6 s: the others count this node alive until 106.1
+    assert m._send_heartbeat()  # sent at 100.1 (TTL 6 s): the others count this node alive until 106.1
     dht.answer = None
     clock[0] = 103.0
-    m.worked(a)  # this node and one other: half of four
-    clock[0] = 107.0  # the heartbeats of the last read expired at 106 (and 106.1 by this node's own)
-    assert not m._refresh() and not m.confirmed()  # its latest heartbeat stored by 103 expired at 106.1
-    dht.stores_ok = True
-    assert m._send_heartbeat()  # stored at 107.1, TTL 6 s
+    m.worked(b)  # a surrogate update: any holder may have served it
+    m.heard(a)  # this node and one other: half of four
+    clock[0] = 107.0  # the heartbeats of the last read expired at 106
+    assert not m._refresh() and not m.confirmed()  # its heartbeat stored before 103 expired at 106.1
+    assert m._send_heartbeat()  # sent at 107.1, stored as it returned (the same instant here)
     clock[0] = 108.0
-    assert not m.confirmed()  # no work since that heartbeat: nothing shows it on the others' side after 103
-    m.worked(b)
-    assert m.confirmed()  # work at 108, after the heartbeat of 107.1
+    assert not m.confirmed()  # nobody answered since that heartbeat was stored
+    m.worked(c)
+    assert not m.confirmed()  # work that arrived is not an answer from its author
+    m.heard(b)
+    assert m.confirmed()  # an answer at 108, after the heartbeat stored at 107.1
     clock[0] = 113.0
     assert m.confirmed()
     clock[0] = 113.2  # past 107.1 + 6
     assert not m.confirmed()
     dht.stores_ok = False
     assert not m._send_heartbeat()  # a heartbeat that did not store keeps nobody's view of this node alive
-    m.worked(c)
+    m.heard(c)
     assert not m.confirmed()
+    dht.stores_ok = True
+    dht.answer = {owner_subkey(me.public_key): (_beat(1), 125.0)}  # a read that finds this node's own alone
+    assert m._send_heartbeat() and m._refresh() and not m.confirmed()
+    clock[0] = 114.0
+    m.heard(a)
+    assert not m.confirmed()  # the read counted the others out: their answers make no half of it
     dht.answer = {key: (value, 125.0) for key, (value, _) in beats.items()}
     assert m._refresh() and m.confirmed()  # a read that shows the others
 
 
-def test_the_work_that_confirms_a_side_comes_from_half_of_the_most_composers_seen():
-    me, stored = "m", [(100.0, 6.0), (102.0, 6.0), (104.0, 12.0)]
-    arrived = {"a": 101.0, "b": 103.0, "c": 105.0}
+def test_the_answers_that_confirm_a_side_come_from_half_of_the_most_composers_seen():
+    me, stored = "m", [(100.0, 106.0), (102.0, 108.0), (104.0, 116.0)]
+    heard = {"a": 101.0, "b": 103.0, "c": 105.0}
     alive = ["m", "a", "b", "c"]
-    assert majority_worked_until(arrived, alive, me, 4, stored) == 116.0  # half of four: me and c, at 105: 104's
-    assert majority_worked_until(arrived, alive, me, 6, stored) == 108.0  # three of six: at 103, the one of 102
-    assert majority_worked_until(arrived, alive, me, 8, stored) == 106.0  # four of eight: at 101, the one of 100
-    assert majority_worked_until(arrived, alive, me, 9, stored) == -math.inf  # five of nine: four counted
-    assert majority_worked_until({"a": 99.0}, ["m", "a"], me, 4, stored) == -math.inf  # no heartbeat stored by then
-    assert majority_worked_until(arrived, ["m", "x"], me, 4, stored) == -math.inf  # no work of the others counted
-    assert majority_worked_until({}, ["m"], me, 1, stored) == math.inf  # this node alone is half of one
-    assert majority_worked_until(arrived, [], me, 4, stored) == math.inf  # nothing counted
+    assert majority_heard_until(heard, alive, me, 4, stored) == 116.0  # half of four: me and c, at 105: 104's
+    assert majority_heard_until(heard, alive, me, 6, stored) == 108.0  # three of six: at 103, the one of 102
+    assert majority_heard_until(heard, alive, me, 8, stored) == 106.0  # four of eight: at 101, the one of 100
+    assert majority_heard_until(heard, alive, me, 9, stored) == -math.inf  # five of nine: four counted
+    assert majority_heard_until({"a": 99.0}, ["m", "a"], me, 4, stored) == -math.inf  # no heartbeat stored by then
+    assert majority_heard_until(heard, ["m", "x"], me, 4, stored) == -math.inf  # none of the others counted answered
+    assert majority_heard_until({"x": 105.0}, ["m", "a"], me, 4, stored) == -math.inf  # x is not counted
+    # the latest expiry of those stored by then, whatever their order: a stretched heartbeat outlives a later one
+    assert majority_heard_until(heard, alive, me, 4, [(104.0, 110.0), (100.0, 130.0)]) == 130.0
+    assert majority_heard_until({}, ["m"], me, 1, stored) == math.inf  # this node alone is half of one
+    assert majority_heard_until(heard, [], me, 4, stored) == math.inf  # nothing counted
 
 
 def test_a_majority_lasts_until_half_of_the_most_composers_seen_are_past_their_expiry():
