@@ -176,7 +176,7 @@ class GatheredRounds:
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=self._entries_of, announce=self._announce,
                                     scores=scores, worked=self._worked, set_aside=self._set_aside,
-                                    proven=self.witness.convict_block, pool=pool)
+                                    proven=self.witness.convict_block, pool=pool, heard=self.peers.heard)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -814,6 +814,8 @@ class GatheredRounds:
                 return {}, entry.tokens
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
+            if self.peers.heard is not None:
+                self.peers.heard(peer)  # from the sender itself, as it arrived (before decoding)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now
@@ -867,8 +869,6 @@ class GatheredRounds:
         """A contribution of ``peer`` arrived usable (whole: its ``tensors``, or blocks of the contribution whose
         claim signed ``digest``): it holds no fetch and fails none now, and it shows work, unless it is all zeros (a
         body any identity can send without training)."""
-        if self.peers.heard is not None:
-            self.peers.heard(peer)  # fetched from the sender itself
         room = self._peers_kept() if digest is not None else 0
         with self._lock:
             self._held.pop(peer, None)

@@ -108,11 +108,14 @@ class SwarmViews:
         member = view.members.get(assignment.owner(*eid)) if assignment is not None else None
         return member.heartbeat.peer_id if member is not None else None
 
-    def member(self, peer_id: str | None) -> Member | None:
-        """The live member whose signed heartbeat names this libp2p peer id."""
+    def member(self, peer_id: str | None, *, live: bool = True) -> Member | None:
+        """The live member whose signed heartbeat names this libp2p peer id (``live`` False: any member of the view,
+        its heartbeat expired or not)."""
         if peer_id is None:
             return None
-        found = [m for m in self.membership.view().alive().values() if m.heartbeat.peer_id == peer_id]
+        view = self.membership.view()
+        members = view.alive() if live else view.members
+        found = [m for m in members.values() if m.heartbeat.peer_id == peer_id]
         if len(found) <= 1:
             return found[0] if found else None
         # Two identities claim one peer id: the one that proves it at that peer id (``whoami``), else neither.
@@ -235,8 +238,10 @@ class SwarmViews:
             self.membership.worked(member.fingerprint)
 
     def heard(self, peer_id: str) -> None:
-        """An answer came from the live member at ``peer_id`` itself just now (``Membership.heard``)."""
-        member = self.member(peer_id)
+        """An answer came from the member at ``peer_id`` itself just now (``Membership.heard``): of the view, alive
+        in it or not, since an aged view drops members whose heartbeats a slow read has not renewed; the last read's
+        quorum decides whom it counts."""
+        member = self.member(peer_id, live=False)
         if member is not None:
             self.membership.heard(member.fingerprint)
 

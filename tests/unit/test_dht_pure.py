@@ -289,8 +289,15 @@ class _SlowReads:
 
     stores_ok = True
     """Whether stores succeed (``store_many``: every key stored, or none)."""
+    store_s = 0.0
+    """How long a store takes, of the test's clock; ``during_store`` is called half-way through it."""
+    during_store = None
 
     def store_many(self, keys, subkey, value, expiration, *, timeout_s: float, **_kwargs):
+        self.clock[0] += self.store_s / 2
+        if self.during_store is not None:
+            self.during_store()
+        self.clock[0] += self.store_s / 2
         return {key: self.stores_ok for key in keys}
 
     def relayed_maddrs(self) -> list[str]:
@@ -413,14 +420,15 @@ def test_answers_from_half_of_the_swarm_confirm_a_node_whose_reads_are_slow_whil
     m.heard(a)  # this node and one other: half of four
     clock[0] = 107.0  # the heartbeats of the last read expired at 106
     assert not m._refresh() and not m.confirmed()  # its heartbeat stored before 103 expired at 106.1
-    assert m._send_heartbeat()  # sent at 107.1, stored as it returned (the same instant here)
+    dht.store_s, dht.during_store = 0.4, lambda: m.heard(c)
+    assert m._send_heartbeat()  # sent at 107.1, its store returned at 107.5; c answered at 107.3, meanwhile
+    dht.store_s, dht.during_store = 0.0, None
     clock[0] = 108.0
-    assert not m.confirmed()  # nobody answered since that heartbeat was stored
+    assert not m.confirmed()  # an answer before its store returned shows nothing of it: c's counts the one of 100.1
     m.worked(c)
     assert not m.confirmed()  # work that arrived is not an answer from its author
     m.heard(b)
-    assert m.confirmed()  # an answer at 108, after the heartbeat stored at 107.1
-    clock[0] = 113.0
+    assert m.confirmed()  # b answered at 108, after the heartbeat whose store returned at 107.5
     assert m.confirmed()
     clock[0] = 113.2  # past 107.1 + 6
     assert not m.confirmed()
