@@ -310,7 +310,7 @@ ROWS = [
     ("one read of the members key, bytes (signatures stripped)", "members_read_bytes", "{:,.0f}"),
     ("heartbeats in that read", "members_read_entries", "{:.0f}"),
     ("view age (median over steps and nodes), s", "view_age_s_median", "{:.2f}"),
-    ("steps with the experts held, no read confirming (median node)", "held_steps_fraction", "{:.1%}"),
+    ("steps with the experts held, nothing confirming (median node)", "held_steps_fraction", "{:.1%}"),
     ("steps with the experts held (most of any node)", "held_steps_fraction_max", "{:.1%}"),
     ("join seen by every node, s", "join_seen_by_all_s", "{:.2f}"),
     ("nodes that saw the joiner", "join_seen_by", "{:.0f}"),
