@@ -256,7 +256,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
 
 def held_steps(records: list[dict[str, Any]]) -> int:
     """The steps a node trained while it held its experts without training them (``shard`` events' ``paused``:
-    no read confirmed its side holding half of the swarm), to its last step if it still held them then."""
+    nothing confirmed its side holding half of the swarm), to its last step if it still held them then."""
     held, since = 0, None
     for e in events(records, "shard"):
         if e.get("paused") and since is None:
