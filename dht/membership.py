@@ -502,8 +502,8 @@ def majority_heard_until(heard: Mapping[str, float], alive: Collection[str], me:
     ``most`` of the composers ``alive`` (``me`` always), read or no read (``Membership.confirmed``); -inf when they do
     not, inf when nothing is counted.
 
-    ``heard``: when an answer of each composer last came from it directly (``Membership.heard``: a contribution or
-    its blocks fetched from their sender, a rounds record it answered); at ``w``, the latest time by which half of
+    ``heard``: when an answer of each composer last came from it directly (``Membership.heard``: a contribution,
+    blocks, a rounds record its outer transport answered); at ``w``, the latest time by which half of
     them had answered, this node was on their side of any cut. Only the composers the last read counted count (a
     read that showed the side short counted too few). ``stored``: (when each of this node's heartbeats was stored,
     when it expires), in any order: the others count this node alive until the last heartbeat stored by ``w``
@@ -1431,9 +1431,9 @@ class Membership:
             self._progress.worked(fingerprint, time.monotonic())
 
     def heard(self, fingerprint: str) -> None:
-        """An answer came from this composer itself just now (thread-safe; ``majority_heard_until``): a contribution
-        or its blocks fetched from it, a rounds record it answered. Not a surrogate update, which any holder may
-        serve and the training thread takes in later."""
+        """An answer came from this composer itself just now (thread-safe; ``majority_heard_until``): anything its
+        outer transport answered (``OuterGather.answered``). Not a surrogate update, which any holder may serve and
+        the training thread takes in later."""
         with self._lock:
             self._heard[fingerprint] = self._clock()
             _forget_oldest(self._heard)

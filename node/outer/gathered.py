@@ -152,8 +152,7 @@ class GatheredRounds:
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
-        # the live peers' records while a round runs
-        self._watch = RecordWatch(gather, records.group, POLL_S, on_answer=self.peers.heard)
+        self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
         self._shown: dict[str, bytes] = {}  # the records ``_watch`` gave that the witness was shown, this round
         self._read_all_at = 0.0  # when ``_entries_of`` next reads every peer's record from the DHT
         self._recorded: set[str] = set()  # the live peers whose rounds records were found (``_entries_of_live``)
@@ -176,7 +175,7 @@ class GatheredRounds:
             self.parts = PartsMerge(group=records.group, peer_id=records.peer_id, shapes=shapes, config=config,
                                     gather=gather, entries_of=self._entries_of, announce=self._announce,
                                     scores=scores, worked=self._worked, set_aside=self._set_aside,
-                                    proven=self.witness.convict_block, pool=pool, heard=self.peers.heard)
+                                    proven=self.witness.convict_block, pool=pool)
         else:
             self._body_cap = contribution_limit(shapes)
         self.session = new_session()
@@ -814,8 +813,6 @@ class GatheredRounds:
                 return {}, entry.tokens
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
-            if self.peers.heard is not None:
-                self.peers.heard(peer)  # from the sender itself, as it arrived (before decoding)
             tensors = decode_contribution(body, self.shapes, peer=peer)
             self._check_fresh(peer, entry, tensors)
         except Exception as e:  # a bad body, a held or broken stream: that contribution is out, or out for now

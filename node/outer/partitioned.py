@@ -245,7 +245,6 @@ class PartsMerge:
         proven: given each block a sender signed that decodes to non-finite values (``witness.BadBlock``); returns
             whether it holds as proof (the sender is then banned there, else this node scores it as a forged block).
         pool: runs the fetches.
-        heard: told of each contribution's sender whose blocks just came from it (``RoundPeers.heard``).
     """
 
     def __init__(self, *, group: str, peer_id: str, shapes: Mapping[str, Sequence[int]], config: OuterSyncConfig,
@@ -253,10 +252,8 @@ class PartsMerge:
                  announce: Callable[[int, tuple[str, ...], bytes], None], scores: PeerScores | None,
                  worked: Callable[[str, bytes], None] | None, pool: ThreadPoolExecutor,
                  set_aside: Callable[[str], None] | None = None,
-                 proven: Callable[[BadBlock], bool] | None = None,
-                 heard: Callable[[str], None] | None = None) -> None:
+                 proven: Callable[[BadBlock], bool] | None = None) -> None:
         self.group, self.peer_id, self.config, self.gather = group, peer_id, config, gather
-        self.heard = heard
         self.shapes = {name: tuple(s) for name, s in shapes.items()}
         self.layout = block_layout(self.shapes)
         self.count = len(self.layout)
@@ -557,8 +554,6 @@ class PartsMerge:
             answer = self.gather.fetch_blocks(peer, self.group, claim.round_id, claim.digest, size, want, self.count,
                                               net.allreduce_timeout_s if timeout_s is None else timeout_s,
                                               chunk_timeout_s=net.next_chunk_timeout_s)
-            if self.heard is not None:
-                self.heard(peer)  # as the answer arrived, before decoding
             out = {}
             for i in want:
                 try:

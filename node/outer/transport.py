@@ -176,9 +176,6 @@ class RoundPeers:
     them, so identities that never contribute cannot stall it (None: every live composer)."""
     worked: Callable[[str], None] | None = None
     """Told of every contribution fetched and decoded: evidence of its sender's work."""
-    heard: Callable[[str], None] | None = None
-    """Told of every answer that came from a peer itself (a contribution or its blocks fetched from their sender, a
-    rounds record the peer answered): when this node last reached it (``Membership.heard``)."""
     vouched: Callable[[set[str]], None] | None = None
     """Told, after a download of the group's state, of the peers that the rounds records of the peers that served
     it vouch for (``vouched``): whose work others that run merged, before any reached this node."""
@@ -458,12 +455,10 @@ class RecordWatch:
         gather: asks the questions (in its event loop).
         group: the shared group.
         poll_s: the least time between two questions to one peer.
-        on_answer: told of each peer that answered (in the event loop: it must be quick and not raise).
     """
 
-    def __init__(self, gather: OuterGather, group: str, poll_s: float,
-                 on_answer: Callable[[str], None] | None = None) -> None:
-        self.gather, self.group, self.poll_s, self.on_answer = gather, group, poll_s, on_answer
+    def __init__(self, gather: OuterGather, group: str, poll_s: float) -> None:
+        self.gather, self.group, self.poll_s = gather, group, poll_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, bytes] = {}  # peer -> its latest answer
@@ -550,11 +545,6 @@ class RecordWatch:
                         self._asking.pop(peer)
                         self._records.pop(peer, None)
                 return
-            if self.on_answer is not None:
-                try:
-                    self.on_answer(peer)
-                except Exception:  # the questions go on whatever the listener does
-                    logger.exception("the listener to peer %s's answers failed", peer)
             if not self._note(peer, token, record):
                 return
             known = record
@@ -613,6 +603,10 @@ class OuterGather(ServedOnLoop):
         self.records_fetched = 0
         """Bytes of rounds records asked of their peers (``watch_record``), apart from the bodies' and blocks'."""
         self._count_lock = threading.Lock()  # rounds fetch from several threads at once
+        self.answered: Callable[[str], None] | None = None
+        """Told of each peer whose answer arrived whole and checked (a body, blocks, a rounds record), as it is
+        counted: this node reached that peer itself just now (``Membership.heard``). Called in the fetching thread,
+        or in the event loop for a record: it must be quick."""
 
     def fetch(self, peer: str, group: str, entry: RoundEntry, timeout_s: float, *,
               chunk_timeout_s: float | None = None) -> bytes:
@@ -630,8 +624,7 @@ class OuterGather(ServedOnLoop):
         if len(body) != entry.size or body_digest(body) != entry.digest:
             raise ContributionMismatch(f"outer contribution of {len(body)} bytes does not match the announced "
                                        f"{entry.size} bytes and digest", peer=peer)
-        with self._count_lock:
-            self.bytes_fetched += len(body)
+        self._count(peer, len(body))
         return body
 
     def watch_record(self, peer: str, group: str, known: bytes,
@@ -655,8 +648,7 @@ class OuterGather(ServedOnLoop):
         record = bytes(answer.serialized_info)
         if len(record) > ROUND_RECORD_MAX_BYTES:
             raise MalformedMessage(f"a rounds record of {len(record)} bytes, over {ROUND_RECORD_MAX_BYTES}", peer=peer)
-        with self._count_lock:
-            self.records_fetched += len(record)
+        self._count(peer, len(record), record=True)
         return record
 
     def fetch_blocks(self, peer: str, key: str, round_id: int, digest: bytes, size: int, wanted: Sequence[int],
@@ -674,9 +666,21 @@ class OuterGather(ServedOnLoop):
         answer = self._bounded(peer, uid, answer_cap(size, len(wanted), count), timeout_s, chunk_timeout_s,
                                blocks=True)
         out = check_answer(answer, digest, wanted, count, peer=peer)
-        with self._count_lock:
-            self.bytes_fetched += len(answer)
+        self._count(peer, len(answer))
         return out
+
+    def _count(self, peer: str, size: int, *, record: bool = False) -> None:
+        """Count an answer of ``size`` bytes from ``peer`` and tell ``answered``."""
+        with self._count_lock:
+            if record:
+                self.records_fetched += size
+            else:
+                self.bytes_fetched += size
+        if self.answered is not None:
+            try:
+                self.answered(peer)
+            except Exception:  # a fetch goes on whatever the listener does
+                logger.exception("the listener to peer %s's answers failed", peer)
 
     def _bounded(self, peer: str, uid: str, size: int, timeout_s: float, chunk_timeout_s: float | None, *,
                  blocks: bool = False) -> bytes:

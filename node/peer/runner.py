@@ -329,13 +329,13 @@ class Node:
                                   chains=cfg.ownership.replicas == 1).start()
         stack.callback(exchange.close)
         gather = OuterGather(loop.p2p, loop.loop, c.peer.run_id).start()
+        gather.answered = views.heard  # each answer of a peer itself: its side of any cut (``Membership.heard``)
         stack.callback(gather.close)
         # A peer's declared tokens count up to what the schedule lets one composer process in a round.
         caps = {g: float(cfg.batch_size * cfg.model.seq_len * p) for g, p in cfg.sync.periods.items()}
         sync = TieredOuterSync(dht, c.peer.run_id, shapes.groups, outer_sync_config(c),
                                signer=FingerprintSigner(self.identity, views.public_key_of), gather=gather,
-                               peers=RoundPeers(views.composer_peers, views.working_peers, views.worked,
-                                                views.heard, views.vouched),
+                               peers=RoundPeers(views.composer_peers, views.working_peers, views.worked, views.vouched),
                                weight_caps=caps, scores=scores)
         stack.callback(sync.shutdown)
         # An open run's merged state is anyone's who joins it; a private run's goes to its live members only.
