@@ -260,6 +260,9 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
+LateMerge = Literal["progress", "drop", "freeze"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimConfig:
     """Levers that only the in-process simulator (``parallax sim``, ``parallax bench``) runs: a networked node has
@@ -283,12 +286,25 @@ class SimConfig:
     """A gathered round's robust merge computed as this many peers would share it, each merging its blocks of
     everyone's contributions (``train.parts``): a tensor larger than 1/outer_parts of the group's entries is merged
     in row blocks of its own. 0 or 1 = whole tensors, as the networked rounds merge."""
+    merge_lag: int = 0
+    """Inner steps between an outer round's contributions and its merge landing on the composers, the progress made
+    meanwhile kept (``OuterOptimizer.step_late``), as a node that merges in the background applies a round that took
+    that many of its steps; 0 = at once, the composers waiting for it (DiLoCo). The merges of the run's end and of
+    ``dense_steps``' split land at once. Below the shortest ``sync.periods``: a group's next round starts after its
+    last merge landed."""
+    late_merge: LateMerge = "progress"
+    """What a composer does with a group while its merge is on its way (``merge_lag``): "progress" trains it and keeps
+    what it trained on top of the new anchor when the merge lands (a node's background rounds); "drop" trains it and
+    the merge replaces what it trained meanwhile; "freeze" leaves it as it was when the round took its pseudo-gradient
+    (the other parameters train), so the merge lands on the parameters it was computed from."""
 
     def __post_init__(self) -> None:
         if self.outer_parts < 0:
             raise ValueError("sim.outer_parts must be >= 0 (0: whole tensors)")
-        if self.dense_steps < 0 or self.offload_delay < 0:
-            raise ValueError("sim.dense_steps and sim.offload_delay must be >= 0 steps")
+        if self.late_merge not in get_args(LateMerge):
+            raise ValueError(f"sim.late_merge must be one of {get_args(LateMerge)}, got {self.late_merge!r}")
+        if self.dense_steps < 0 or self.offload_delay < 0 or self.merge_lag < 0:
+            raise ValueError("sim.dense_steps, sim.offload_delay and sim.merge_lag must be >= 0 steps")
         if self.outer_group_size < 0 or self.outer_group_size == 1:
             raise ValueError("sim.outer_group_size must be 0 (every composer) or at least 2")
 
@@ -448,6 +464,9 @@ class TrainConfig:
         if self.compute.checkpoint and (self.offload.enabled or self.sim.sketch.enabled):
             raise ValueError("compute.checkpoint does not combine with offload or sketches (their hooks would run "
                              "again in the recomputation): set compute.checkpoint=false or turn those off")
+        if self.sim.merge_lag >= min(self.sync.periods.values()):
+            raise ValueError(f"sim.merge_lag={self.sim.merge_lag} must be below the shortest of sync.periods "
+                             f"{self.sync.periods}: a group's next round would start before its last merge landed")
         if self.offload.enabled and self.offload.private_layers > self.model.n_layers:
             raise ValueError(f"offload.private_layers={self.offload.private_layers} exceeds the model's "
                              f"{self.model.n_layers} layers")

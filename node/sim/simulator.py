@@ -2,7 +2,8 @@
 
 The same components as the P2P node (``Composer``, RDA merge, Nesterov outer optimizers, surrogate
 deltas with error feedback), driven in lock-step: every composer takes one inner step, then between
-steps owners publish surrogate deltas (every S steps) and the due shared groups merge (tiered periods).
+steps owners publish surrogate deltas (every S steps) and the due shared groups merge (tiered periods), each merge
+landing at once or ``sim.merge_lag`` steps later, as a node's background rounds land (``LateMerges``).
 At the end every group merges once more and owners publish final surrogates, so the composers' views
 and the assembled model are consistent.
 
@@ -211,6 +212,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
     in_flight: list[dict[int, dict[ExpertId, Sketch]]] = []  # sketches on their way, oldest first
     traffic = {"surrogates": 0, "outer": 0, "sketches": 0}
     stand_in_history: list[tuple[int, float, float]] = []
+    late = LateMerges(cfg.sim.merge_lag, cfg.sim.late_merge)
     steps_done = 0
     for step in range(1, cfg.steps + 1):
         steps_done = step
@@ -226,6 +228,7 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
             extra_flops += rows * 3 * 6 * cfg.model.d_latent * cfg.model.d_expert
         for c in composers:
             c.optimizer_step()
+        late.land(step)
         mean_loss = sum(losses) / len(losses)
         last = step == cfg.steps or (should_stop is not None and should_stop())
         if step % 10 == 0 or last:
@@ -245,11 +248,14 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         due = list(SHARED_GROUPS) if last or split_now else schedule.due(step)
         if (spec.kind == "diloco" or step <= dense_steps) and "backbone" in due:
             due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
+        if last or split_now:
+            late.land()  # every merge still on its way, then the last rounds, applied at once
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
                                              cfg.sync.aggregation, groups_of=cfg.sim.outer_group_size,
                                              seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()),
-                                             parts=cfg.sim.outer_parts)
+                                             parts=cfg.sim.outer_parts,
+                                             apply=None if last or split_now else functools.partial(late.send, step))
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
@@ -415,11 +421,50 @@ def distill_cost(owner: Composer, experts: Iterable[tuple[int, int]]) -> float:
     return total
 
 
+class LateMerges:
+    """Merges that land ``lag`` steps after their round (``SimConfig.merge_lag``), each composer's live parameters of
+    the group when the round took its pseudo-gradient kept with it. ``how`` (``SimConfig.late_merge``): "progress"
+    keeps what the composer trained meanwhile on top of the new anchor (``OuterOptimizer.step_late``, as a node's
+    background rounds apply it); "drop" lets the merge replace it; "freeze" holds the group at those parameters until
+    the merge lands (``hold``, after every step)."""
+
+    def __init__(self, lag: int, how: str = "progress") -> None:
+        self.lag, self.how = lag, how
+        self._on_the_way: list[tuple[int, OuterOptimizer, Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def send(self, step: int, outer: OuterOptimizer | OuterBundle, merged: Mapping[str, torch.Tensor]) -> None:
+        """The merge of a round taken at ``step``, for ``outer``: applied at once without a lag, else on its way."""
+        if self.lag == 0:
+            outer.step(merged)
+            return
+        if not isinstance(outer, OuterOptimizer):
+            raise TypeError("late merges are for the shared groups' outer optimizers, not replicated experts' bundles")
+        self._on_the_way.append((step + self.lag, outer, merged, outer.live_copy()))
+
+    def land(self, step: int | None = None) -> None:
+        """After inner step ``step``: hold the frozen groups, then apply the merges due by it (every one still on its
+        way when None), in the order they were sent."""
+        waiting = []
+        for due, outer, merged, submitted in self._on_the_way:
+            if self.how == "freeze":
+                outer.load_live(submitted)
+            if step is not None and due > step:
+                waiting.append((due, outer, merged, submitted))
+            elif self.how == "drop":
+                outer.step(merged)
+            else:
+                outer.step_late(merged, submitted)
+        self._on_the_way = waiting
+
+
 def merge_round(composers: Sequence[Composer], group: str, method: str, compression: str = "none",
-                aggregation: str = "allreduce", *, groups_of: int = 0, seed: int = 0, parts: int = 0) -> int:
+                aggregation: str = "allreduce", *, groups_of: int = 0, seed: int = 0, parts: int = 0,
+                apply: Callable[[OuterOptimizer | OuterBundle, Mapping[str, torch.Tensor]], None] | None = None,
+                ) -> int:
     """One outer round of ``group``: pseudo-gradients merged with token weights, Nesterov step everywhere
     (``merge_outer``); with ``groups_of``, within each of ``round_groups``' groups (drawn from ``seed``); a gathered
-    merge over the blocks of ``parts`` peers (``train.parts``). Returns the bytes all composers together send."""
+    merge over the blocks of ``parts`` peers (``train.parts``); ``apply`` (outer, merged) in place of the outer step
+    (``LateMerges.send``). Returns the bytes all composers together send."""
     if group not in composers[0].outer:
         return 0
     wire = OuterSyncConfig.of(merge=method, compression=compression, aggregation=aggregation)
@@ -427,7 +472,7 @@ def merge_round(composers: Sequence[Composer], group: str, method: str, compress
     for members in round_groups(len(composers), groups_of, seed):
         merging = [composers[i] for i in members]
         sent = merge_outer([c.outer[group] for c in merging], [float(c.tokens_since_merge[group]) for c in merging],
-                           wire, parts=parts)
+                           wire, parts=parts, apply=apply)
         if sent is None:
             continue
         for c in merging:
@@ -447,8 +492,11 @@ def round_groups(n: int, groups_of: int, seed: int) -> list[list[int]]:
 
 
 def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],
-                wire: OuterSyncConfig, *, parts: int = 0) -> int | None:
-    """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted.
+                wire: OuterSyncConfig, *, parts: int = 0,
+                apply: Callable[[OuterOptimizer | OuterBundle, Mapping[str, torch.Tensor]], None] | None = None,
+                ) -> int | None:
+    """One outer round among the participants holding ``outers`` (the same tensors each), token-weighted; each
+    participant's merge goes to ``apply`` (outer, merged) when given, else through its outer step at once.
 
     "allreduce": ``wire.compression`` rounds what crosses the wire as hivemind's all-reduce does
     (``wire.wire_roundtrip``): each participant's pseudo-gradient on the way in, and on the way back
@@ -468,6 +516,7 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     """
     if sum(weights) == 0:
         return None
+    apply_merge = apply or (lambda outer, merged: outer.step(merged))
     method, compression = wire.method, wire.compression
     n = len(outers)
     if wire.aggregation in ("gather", "parts"):
@@ -489,14 +538,14 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
         for o, p, r in zip(outers, pending, received, strict=True):
             if error_feedback(compression):
                 o.keep_unsent(p, r)
-            o.step(merged)
+            apply_merge(o, merged)
         return moved
     deltas = [o.pseudo_gradient() for o in outers]
     sent = deltas if compression == "none" else [
         {k: wire_roundtrip(t, compression) for k, t in d.items()} for d in deltas]
     merged = merge_groups(sent, list(weights), method=method)
     for o, local in zip(outers, deltas, strict=True):
-        o.step(merged if compression == "none" else {
+        apply_merge(o, merged if compression == "none" else {
             k: local[k] + wire_roundtrip(t - local[k], compression) for k, t in merged.items()})
     size = outer_payload_bytes({k: t.shape for k, t in merged.items()}, wire)
     return int(2 * (n - 1) * size)

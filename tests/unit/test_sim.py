@@ -10,6 +10,7 @@ from parallax.node.config import train as config
 from parallax.node.outer.transport import encode_contribution
 from parallax.node.outer.wire import SMALL_TENSOR_NUMEL, OuterSyncConfig
 from parallax.node.sim.simulator import (
+    LateMerges,
     RunSpec,
     assemble,
     bundle_outer,
@@ -23,6 +24,7 @@ from parallax.node.sim.simulator import (
 )
 from parallax.node.train.composer import Composer, evaluate
 from parallax.node.train.data import load_corpus, shard, split_corpus, val_batches
+from parallax.node.train.outer import OuterOptimizer
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +288,51 @@ def test_a_run_with_a_dense_start_up_pays_for_it_in_memory_traffic_and_flops(spl
         run(RunSpec(name="never", kind="parallax", cfg=never, composers=2), train, val)
     with pytest.raises(ValueError, match="dense_steps"):
         config.SimConfig(dense_steps=-1)
+
+
+@pytest.mark.parametrize("how", ["progress", "drop", "freeze"])
+def test_a_late_merge_lands_its_lag_later_on_what_the_group_did_meanwhile(how):
+    weight = torch.nn.Parameter(torch.zeros(3))
+    outer = OuterOptimizer({"w": weight}, lr=1.0, momentum=0.0)
+    late = LateMerges(2, how)
+    with torch.no_grad():
+        weight.add_(torch.tensor([1.0, 2.0, 3.0]))  # trained since the anchor: the round's pseudo-gradient is -that
+    late.send(10, outer, {"w": torch.tensor([-2.0, -2.0, -2.0])})
+    with torch.no_grad():
+        weight.add_(torch.tensor([0.5, 0.0, -0.5]))  # step 11, while the round is on its way
+    late.land(11)
+    held = [1.0, 2.0, 3.0] if how == "freeze" else [1.5, 2.0, 2.5]
+    assert torch.equal(weight.detach(), torch.tensor(held))  # not landed yet
+    assert torch.equal(outer.anchor["w"], torch.zeros(3))
+    with torch.no_grad():
+        weight.add_(torch.tensor([0.5, 0.0, -0.5]))  # step 12
+    late.land(12)
+    assert torch.equal(outer.anchor["w"], torch.tensor([2.0, 2.0, 2.0]))
+    progress = torch.tensor([1.0, 0.0, -1.0]) if how == "progress" else torch.zeros(3)
+    assert torch.equal(weight.detach(), torch.tensor([2.0, 2.0, 2.0]) + progress)
+    late.land(40)
+    assert torch.equal(weight.detach(), torch.tensor([2.0, 2.0, 2.0]) + progress)  # once only
+
+
+def test_without_a_lag_a_merge_lands_at_once():
+    weight = torch.nn.Parameter(torch.ones(2))
+    outer = OuterOptimizer({"w": weight}, lr=1.0, momentum=0.0)
+    LateMerges(0).send(5, outer, {"w": torch.tensor([0.5, -0.5])})
+    assert torch.equal(weight.detach(), torch.tensor([0.5, 1.5]))
+
+
+def test_a_run_whose_merges_land_late_trains_otherwise_and_ends_with_consistent_views(splits):
+    train, val = splits
+    cfg = _cfg(steps=12)
+    lagged = config.replace(cfg, sim=config.SimConfig(merge_lag=1))
+    on_time = run(RunSpec(name="on-time", kind="parallax", cfg=cfg, composers=2), train, val)
+    late = run(RunSpec(name="late", kind="parallax", cfg=lagged, composers=2), train, val)
+    assert late.composer_val_losses != on_time.composer_val_losses
+    assert late.loss_history[-1][1] < 5.3
+    # the last merges land at once after every one on its way: the views differ only in which experts are real
+    assert late.assembled_val_loss == pytest.approx(late.val_loss, abs=0.05)
+
+
+def test_a_merge_lag_of_a_whole_period_is_refused():
+    with pytest.raises(ValueError, match="sim.merge_lag=2 must be below the shortest"):
+        config.replace(_cfg(), sim=config.SimConfig(merge_lag=2))
