@@ -146,3 +146,18 @@ def test_the_scale_report_counts_the_steps_a_node_trained_with_its_experts_held(
     records = [shard(0, False), shard(10, True), shard(15, True), shard(30, False), shard(90, True), *steps]
     assert held_steps(sorted(records, key=lambda e: e["t"])) == 20 + 10  # 10-30, and 90 to its last step
     assert held_steps(steps) == 0
+
+
+def test_the_scale_report_times_each_merge_landing_and_the_loss_around_it():
+    from parallax.benchmarks.scale import merge_landings
+
+    steps = [{"kind": "step", "t": float(s), "step": s, "loss": 2.0 if s <= 130 else 3.0} for s in range(1, 201)]
+
+    def landed(t: float, group: str, round_id: int, status: str = "ok") -> dict:
+        return {"kind": "round", "t": t, "group": group, "round_id": round_id, "status": status}
+
+    records = sorted([*steps, landed(130.5, "backbone", 1), landed(60.5, "router", 2), landed(70.5, "router", 2,
+                                                                                                  "failed"),
+                      landed(10.5, "router", 0), landed(198.5, "latent", 3)], key=lambda e: e["t"])
+    found = merge_landings(records, {"router": 25, "latent": 50, "backbone": 100})
+    assert found == {"backbone": [(30, 1.5)], "router": [(10, 1.0)]}  # too early, failed or too late: left out
