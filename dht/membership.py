@@ -1278,9 +1278,10 @@ class Membership:
         vouchings = self._vouchings
         stalled = self._stalled(merged)
         quorum = self._check_quorum(merged, counted, work_began)
+        seen = self._quorum.seen()
         with self._lock:
-            self._counted = (counted, self._quorum.seen())
-        until = majority_until(merged, counted, self.fingerprint, self._quorum.seen(), self._timing.heartbeat_ttl_s) \
+            self._counted = (counted, seen)
+        until = majority_until(merged, counted, self.fingerprint, seen, self._timing.heartbeat_ttl_s) \
             if self.presence.role == "composer" else math.inf
         short_since = math.inf
         if until == -math.inf:  # short now: since the heartbeats the last view that held half gave ran out
