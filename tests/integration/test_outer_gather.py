@@ -224,6 +224,24 @@ def test_four_peers_share_a_partitioned_merge_and_apply_what_one_process_merges_
     assert "itself" not in caplog.text, caplog.text
 
 
+def test_each_peer_is_told_of_the_others_answers_as_they_arrive_and_never_of_its_own(peers):
+    """What a node's transport tells of each peer's answers (``OuterGather.answered``: the membership counts them as
+    the peer being there) names, in a partitioned round, every other sender whose blocks it fetched, and not itself."""
+    ids = [p.dht.peer_id for p in peers]
+    heard: list[list[str]] = [[] for _ in peers]
+    try:
+        for p, told in zip(peers, heard, strict=True):
+            p.gather.answered = told.append
+        with _averagers(peers, "heard", compression="int4", aggregation="parts", shapes=PARTS) as averagers:
+            results = _run(averagers, _deltas(4, seed=5, shapes=PARTS), [CAP] * 4, round_id=1)
+        assert all(r is not None for r in results), [a.last_report for a in averagers]
+    finally:
+        for p in peers:
+            p.gather.answered = None
+    for me, told in zip(ids, heard, strict=True):
+        assert set(told) == set(ids) - {me}, (me, told)
+
+
 def test_a_merger_whose_blocks_its_contributions_do_not_give_is_caught_and_its_share_merged_by_the_others(peers):
     """Peer 0 serves merged blocks three times what the contributions give: every honest peer's recheck (all
     blocks, here) catches it, scores it, and merges its share itself; the honest three apply the honest merge and
