@@ -253,7 +253,7 @@ def run_size(size: int, steps: int, batch_size: int, workdir: Path, progress: Pr
         "start_to_first_step_s": med("first_step_s", firsts),
         "peak_rss_mb": med("peak_rss_mb"), "peak_rss_mb_max": max((n["peak_rss_mb"] or 0) for n in per_node),
         "p2pd_peak_rss_mb": med("p2pd_peak_rss_mb"),
-        "merge_lag_steps": {g: statistics.median(lag for lag, _ in v) for g, v in sorted(landings.items())},
+        "merge_lag_steps": {g: round(statistics.median(lag for lag, _ in v)) for g, v in sorted(landings.items())},
         "merge_jump": {g: statistics.median(j for _, j in v) for g, v in sorted(landings.items())},
         "backbone_merge_jump_p90": (statistics.quantiles([j for _, j in landings["backbone"]], n=10)[-1]
                                     if len(landings.get("backbone", [])) >= 2 else None),
@@ -269,22 +269,25 @@ JUMP_BEFORE, JUMP_AFTER = 20, 5
 
 def merge_landings(records: list[dict[str, Any]], periods: Mapping[str, int]) -> dict[str, list[tuple[int, float]]]:
     """group -> (lag, jump) of each merge a node applied with ``JUMP_BEFORE`` steps before and ``JUMP_AFTER`` after
-    it: lag, the steps it trained between its contribution (the round's number times the group's period) and the
-    merge landing; jump, its training loss over the ``JUMP_AFTER`` steps after the landing over that of the
-    ``JUMP_BEFORE`` steps before (1: the merge cost nothing the node's next steps see)."""
+    it: lag, the steps it trained between the round's due step (its number times the group's period; a round started
+    later, once a waiting one ended, counts from there too) and the merge landing; jump, its training loss over the
+    ``JUMP_AFTER`` steps after the landing over that of the ``JUMP_BEFORE`` steps before (1: the merge cost nothing the
+    node's next steps see). A step logged at the landing's time came before it (the seam follows the step)."""
     steps = events(records, "step")
     times = [float(s["t"]) for s in steps]
     out: dict[str, list[tuple[int, float]]] = {}
     for r in events(records, "round"):
         if r["status"] != "ok" or r.get("group") not in periods or r.get("round_id") is None:
             continue
-        landed = bisect.bisect_left(times, float(r["t"]))  # the steps before it trained without the merge
+        landed = bisect.bisect_right(times, float(r["t"]))  # the steps before it trained without the merge
         before, after = steps[max(0, landed - JUMP_BEFORE):landed], steps[landed:landed + JUMP_AFTER]
         if len(before) < JUMP_BEFORE or len(after) < JUMP_AFTER:
             continue
+        was = statistics.fmean(s["loss"] for s in before)
+        if was <= 0:
+            continue
         lag = int(before[-1]["step"]) - int(r["round_id"]) * periods[r["group"]]
-        jump = statistics.fmean(s["loss"] for s in after) / statistics.fmean(s["loss"] for s in before)
-        out.setdefault(r["group"], []).append((lag, jump))
+        out.setdefault(r["group"], []).append((lag, statistics.fmean(s["loss"] for s in after) / was))
     return out
 
 
@@ -357,7 +360,7 @@ ROWS = [
     ("peak RSS per node (median), MB", "peak_rss_mb", "{:,.0f}"),
     ("peak RSS per node (max), MB", "peak_rss_mb_max", "{:,.0f}"),
     ("peak RSS per p2pd (median), MB", "p2pd_peak_rss_mb", "{:,.0f}"),
-    ("steps a merge lands after its contribution (median over merges)", "merge_lag_steps", "{}"),
+    ("steps a merge lands after its round was due (median over merges)", "merge_lag_steps", "{}"),
     ("training loss after a merge lands / before it (median over merges)", "merge_jump", "{}"),
     ("the same, backbone merges, 90th percentile", "backbone_merge_jump_p90", "{:.3f}"),
     ("final val loss (median own view)", "val_loss", "{:.4f}"),
@@ -368,7 +371,8 @@ ROWS = [
 
 
 def _text(value: Any) -> Any:
-    """A table cell: counts by name as "name n, ..." (largest first), anything else as it is."""
+    """A table cell: numbers by name as "name n, ..." (largest first; fractions to three places), anything else as
+    it is."""
     if isinstance(value, dict):
         return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in sorted(value.items(), key=lambda kv: -kv[1]))

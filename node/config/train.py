@@ -287,11 +287,12 @@ class SimConfig:
     everyone's contributions (``train.parts``): a tensor larger than 1/outer_parts of the group's entries is merged
     in row blocks of its own. 0 or 1 = whole tensors, as the networked rounds merge."""
     merge_lag: int = 0
-    """Inner steps between an outer round's contributions and its merge landing on the composers, the progress made
-    meanwhile kept (``OuterOptimizer.step_late``), as a node that merges in the background applies a round that took
-    that many of its steps; 0 = at once, the composers waiting for it (DiLoCo). The merges of the run's end and of
-    ``dense_steps``' split land at once. Below the shortest ``sync.periods``: a group's next round starts after its
-    last merge landed."""
+    """Inner steps between an outer round's contributions and its merge landing on the composers (every round's: the
+    shared groups' and the replicated experts'), as a node's background rounds land a round that took that many of
+    its steps; what the composer does with the group meanwhile is ``late_merge``'s. 0 = at once, the composers waiting
+    for it (DiLoCo). The merges of the run's end and of ``dense_steps``' split land at once. Below the shortest
+    ``sync.periods``: a node skips a group's round while the last one is on its way, which the simulator does not
+    model."""
     late_merge: LateMerge = "progress"
     """What a composer does with a group while its merge is on its way (``merge_lag``): "progress" trains it and keeps
     what it trained on top of the new anchor when the merge lands (a node's background rounds); "drop" trains it and
@@ -466,7 +467,8 @@ class TrainConfig:
                              "again in the recomputation): set compute.checkpoint=false or turn those off")
         if self.sim.merge_lag >= min(self.sync.periods.values()):
             raise ValueError(f"sim.merge_lag={self.sim.merge_lag} must be below the shortest of sync.periods "
-                             f"{self.sync.periods}: a group's next round would start before its last merge landed")
+                             f"{self.sync.periods}: a node skips a group's round while the last one is on its way, "
+                             "which the simulator does not model")
         if self.offload.enabled and self.offload.private_layers > self.model.n_layers:
             raise ValueError(f"offload.private_layers={self.offload.private_layers} exceeds the model's "
                              f"{self.model.n_layers} layers")

@@ -30,13 +30,14 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from parallax.dht.keys import ExpertId
 from parallax.dht.shards import assign_experts, expert_bundles
 from parallax.node.config import train as config_mod
-from parallax.node.config.train import SHARED_GROUPS, TrainConfig
+from parallax.node.config.train import SHARED_GROUPS, LateMerge, TrainConfig
 from parallax.node.model.flops import step_flops
 from parallax.node.model.lowrank import payload_bytes
 from parallax.node.model.sketch import Sketch
@@ -248,19 +249,19 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         due = list(SHARED_GROUPS) if last or split_now else schedule.due(step)
         if (spec.kind == "diloco" or step <= dense_steps) and "backbone" in due:
             due.append("expert")  # the DiLoCo reference (and a dense start-up) merge experts with the backbone
+        late_apply = None if last or split_now else functools.partial(late.send, step)
         if last or split_now:
             late.land()  # every merge still on its way, then the last rounds, applied at once
         for group in due:
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
                                              cfg.sync.aggregation, groups_of=cfg.sim.outer_group_size,
                                              seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()),
-                                             parts=cfg.sim.outer_parts,
-                                             apply=None if last or split_now else functools.partial(late.send, step))
+                                             parts=cfg.sim.outer_parts, apply=late_apply)
         if bundles and "backbone" in due:  # each set of owners merges the experts it shares
             for who in bundles:
                 weights = [float(composers[i].tokens_seen - merged_at[i]) for i in who]
                 traffic["outer"] += merge_outer([bundle_outer(composers[i], bundles[who]) for i in who], weights,
-                                                wire) or 0
+                                                wire, apply=late_apply) or 0
             merged_at = [c.tokens_seen for c in composers]
         if split_now:  # every composer holds the same experts now: split them into the shards
             dense_tokens = [c.tokens_seen for c in composers]
@@ -426,20 +427,22 @@ class LateMerges:
     the group when the round took its pseudo-gradient kept with it. ``how`` (``SimConfig.late_merge``): "progress"
     keeps what the composer trained meanwhile on top of the new anchor (``OuterOptimizer.step_late``, as a node's
     background rounds apply it); "drop" lets the merge replace it; "freeze" holds the group at those parameters until
-    the merge lands (``hold``, after every step)."""
+    the merge lands (``land``, after every step; the inner optimizer's moments still build from the gradients taken
+    there)."""
 
-    def __init__(self, lag: int, how: str = "progress") -> None:
+    def __init__(self, lag: int, how: LateMerge = "progress") -> None:
+        if how not in get_args(LateMerge):
+            raise ValueError(f"a late merge lands one of {get_args(LateMerge)} ways, not {how!r}")
         self.lag, self.how = lag, how
-        self._on_the_way: list[tuple[int, OuterOptimizer, Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        self._on_the_way: list[tuple[int, OuterOptimizer | OuterBundle, Mapping[str, torch.Tensor],
+                                     dict[str, torch.Tensor]]] = []
 
     def send(self, step: int, outer: OuterOptimizer | OuterBundle, merged: Mapping[str, torch.Tensor]) -> None:
         """The merge of a round taken at ``step``, for ``outer``: applied at once without a lag, else on its way."""
         if self.lag == 0:
             outer.step(merged)
-            return
-        if not isinstance(outer, OuterOptimizer):
-            raise TypeError("late merges are for the shared groups' outer optimizers, not replicated experts' bundles")
-        self._on_the_way.append((step + self.lag, outer, merged, outer.live_copy()))
+        else:
+            self._on_the_way.append((step + self.lag, outer, merged, outer.live_copy()))
 
     def land(self, step: int | None = None) -> None:
         """After inner step ``step``: hold the frozen groups, then apply the merges due by it (every one still on its

@@ -197,6 +197,11 @@ class OuterBundle:
     def live_copy(self) -> dict[str, torch.Tensor]:
         return {n: t for p in self.parts for n, t in p.live_copy().items()}
 
+    def load_live(self, values: Mapping[str, torch.Tensor]) -> None:
+        """``OuterOptimizer.load_live`` of every part with its tensors of ``values``."""
+        for p in self.parts:
+            p.load_live({n: values[n] for n in p.anchor})
+
     def with_unsent(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: t for p in self.parts for n, t in p.with_unsent({n: delta[n] for n in p.anchor}).items()}
 

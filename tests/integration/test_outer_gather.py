@@ -224,7 +224,7 @@ def test_four_peers_share_a_partitioned_merge_and_apply_what_one_process_merges_
     assert "itself" not in caplog.text, caplog.text
 
 
-def test_each_peer_is_told_of_the_others_answers_as_they_arrive_and_never_of_its_own(peers):
+def test_each_peer_is_told_of_the_others_answers_and_never_of_its_own(peers):
     """What a node's transport tells of each peer's answers (``OuterGather.answered``: the membership counts them as
     the peer being there) names, in a partitioned round, every other sender whose blocks it fetched, and not itself."""
     ids = [p.dht.peer_id for p in peers]

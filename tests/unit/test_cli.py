@@ -161,3 +161,6 @@ def test_the_scale_report_times_each_merge_landing_and_the_loss_around_it():
                       landed(10.5, "router", 0), landed(198.5, "latent", 3)], key=lambda e: e["t"])
     found = merge_landings(records, {"router": 25, "latent": 50, "backbone": 100})
     assert found == {"backbone": [(30, 1.5)], "router": [(10, 1.0)]}  # too early, failed or too late: left out
+    # a round logged in the millisecond of a step's line landed after that step (its seam follows the step)
+    assert merge_landings([*steps[:130], landed(130.0, "backbone", 1), *steps[130:]],
+                          {"backbone": 100}) == {"backbone": [(30, 1.5)]}
