@@ -346,7 +346,8 @@ class Progress:
 
     None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused). A node that
     joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
-    (``vouched``): the rules then run from those.
+    (``vouched``): the rules then run from those; a node that resumes its checkpoint counts, the same way, the
+    composers whose work had reached it when it was written (``working``).
     """
 
     def __init__(self, stall_s: float, idle_s: float = 0.0) -> None:
@@ -386,6 +387,14 @@ class Progress:
         self._work.update(dict.fromkeys(new, now))
         _forget_oldest(self._work)
         return True
+
+    def working(self, now: float) -> frozenset[str]:
+        """The composers whose work (or the records' word for it) reached this node within ``idle_s`` of ``now``
+        (every one it holds when the idle rule is off), the most recent ``_WORKING_KEPT``: what a checkpoint keeps so
+        that the node, resumed from it, counts them again (``Membership.remember``)."""
+        recent = sorted(((t, fp) for fp, t in self._work.items() if self.idle_s <= 0 or now - t < self.idle_s),
+                        reverse=True)
+        return frozenset(fp for _, fp in recent[:_WORKING_KEPT])
 
     def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:
         """The composers of ``steps`` (fingerprint -> announced step) that show no work by either rule."""
@@ -457,6 +466,8 @@ _ALONE_READS = 3
 """Fresh reads in a row without another composer that counts after which a node's probation ends (one read that
 misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
+_WORKING_KEPT = 256
+"""Composers a checkpoint names as having worked (``Progress.working``): a swarm's working set, not its history."""
 _STORED_KEPT = 64
 """Heartbeats stored that ``majority_heard_until`` looks back over (64 periods: far past any TTL)."""
 _ANSWERS_LOGGED_S = 60.0
@@ -869,6 +880,7 @@ class Membership:
         self._progress = Progress(config.stall_s, config.idle_s)
         self._view_lock = threading.Lock()  # installing a view: the reader's, or ``vouched``'s update of it
         self._vouchings = 0  # ``vouched`` calls that took composers (a read judged across one is judged again)
+        self._remembered: frozenset[str] = frozenset()  # ``remember``: counted while alive, until work arrives
         self._quorum = Quorum(config.quorum_window_s, grace_s=config.heartbeat_period_s)
         self._lapsed = False  # ``view`` said this node is cut off before its quorum did (logged once)
         self._majority_until = math.inf  # ``majority_until`` of the last view that held half
@@ -1271,6 +1283,7 @@ class Membership:
         merged = merge_views(self._view, dataclasses.replace(view, grace_s=self._grace_s))
         alive = merged.alive()
         composers = [fp for fp, m in alive.items() if m.heartbeat.role == "composer"]
+        self._vouch_remembered(composers)
         with self._lock:
             counted = self._progress.counted(composers, self.fingerprint)
             work_began, arrived = self._progress.work_began, self._progress.work_arrived
@@ -1442,11 +1455,7 @@ class Membership:
     def vouched(self, fingerprints: Collection[str]) -> None:
         """The swarm's rounds records vouch for these composers (thread-safe; ``Progress.vouched``): before any
         work reached this node, they are the composers that count, and the others count once their work arrives."""
-        with self._lock:
-            took = self._progress.vouched(fingerprints, time.monotonic())
-            if took:
-                self._vouchings += 1
-        if took:
+        if self._vouch(fingerprints):
             # The view's working set follows at once (a joiner's first rounds begin as its download ends), unless
             # the reader installed a newer view meanwhile, judged with them (``_refresh``).
             view = self._view
@@ -1454,10 +1463,43 @@ class Membership:
             with self._view_lock:
                 if self._view is view:
                     self._view = dataclasses.replace(view, stalled=stalled)
-            composers = {fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"}
-            logger.info("%s: the swarm's rounds records vouch for %s; until their work reaches this node they count, "
-                        "and the %d other composer(s) in its view count once theirs does", self.fingerprint,
-                        ", ".join(sorted(fingerprints)), len(composers - set(fingerprints) - {self.fingerprint}))
+            self._said_vouched(fingerprints, "the swarm's rounds records vouch for",
+                               [fp for fp, m in self._view.alive().items() if m.heartbeat.role == "composer"])
+
+    def remember(self, fingerprints: Collection[str]) -> None:
+        """This node resumes a checkpoint that names these composers as having worked when it was written
+        (``workers``). Until work reaches this node, each read counts those of them it shows alive as the records'
+        word counts for a joiner (``Progress.vouched``), so identities that only heartbeat, written while this
+        node was away, count once their own work arrives, not for a grace period. While none of them is alive,
+        nothing changes: a swarm that turned over meanwhile is judged as a node starting up judges one."""
+        with self._lock:
+            self._remembered = frozenset(fingerprints) - {self.fingerprint}
+
+    def workers(self) -> frozenset[str]:
+        """The other composers whose work reached this node lately (``Progress.working``), for its checkpoint."""
+        with self._lock:
+            return self._progress.working(time.monotonic()) - {self.fingerprint}
+
+    def _vouch(self, fingerprints: Collection[str]) -> bool:
+        with self._lock:
+            took = self._progress.vouched(fingerprints, time.monotonic())
+            if took:
+                self._vouchings += 1
+        return took
+
+    def _vouch_remembered(self, composers: Collection[str]) -> None:
+        """Count the composers this node's checkpoint remembers among the live ``composers`` (``remember``)."""
+        with self._lock:
+            alive = self._remembered & set(composers)
+            if self._progress.work_arrived:
+                self._remembered = frozenset()
+        if alive and self._vouch(alive):
+            self._said_vouched(alive, "the checkpoint this node resumes names as having worked", composers)
+
+    def _said_vouched(self, fingerprints: Collection[str], who: str, composers: Collection[str]) -> None:
+        logger.info("%s: %s %s; until their work reaches this node they count, and the %d other composer(s) in its "
+                    "view count once theirs does", self.fingerprint, who, ", ".join(sorted(fingerprints)),
+                    len(set(composers) - set(fingerprints) - {self.fingerprint}))
 
     def _stalled(self, view: SwarmView) -> frozenset[str]:
         live = {fp: m.heartbeat.step for fp, m in view.alive().items() if m.heartbeat.role == "composer"}

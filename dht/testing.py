@@ -11,7 +11,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
@@ -162,15 +162,17 @@ class LocalSwarm:
         capacity: float = 1.0,
         role: str = "composer",
         manifest: RunManifest | None = None,
+        remember: Collection[str] = (),
         **timing: Unpack[MembershipTiming],
     ) -> LocalPeer:
         """Start a peer with ``fixed_identity(i)`` and its announcer (JOINING -> ONLINE), training by
-        ``manifest`` when given."""
+        ``manifest`` when given; ``remember``: the composers a checkpoint it resumes names (``Membership.remember``)."""
         peer = self.add_dht(fixed_identity(i))
         presence = Presence(run_id=self.run_id, capacity=capacity, role=role, manifest=manifest)
         try:
             peer.membership = Membership(peer.dht, peer.identity, presence, MembershipConfig(**timing),
                                          shards=shards)
+            peer.membership.remember(remember)
             peer.membership.start()
         except BaseException:  # a peer that did not come online leaves no DHT process or p2pd behind
             self.peers.remove(peer)

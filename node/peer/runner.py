@@ -202,7 +202,8 @@ class Node:
             resumed_at = loaded.step
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         telemetry.phase("joining")
-        net = self._start_network(dict(info.versions) if info is not None else {}, worked_before=resumed_at > 0)
+        net = self._start_network(dict(info.versions) if info is not None else {}, worked_before=resumed_at > 0,
+                                  workers=info.workers if info is not None else frozenset())
         telemetry.event("network_started", seconds=self._seconds())
         owned, joining = self._wait_for_shard(net.membership)
         telemetry.event("shard_offered", seconds=self._seconds(), probation=net.membership.probation)
@@ -276,11 +277,13 @@ class Node:
         self.telemetry.event("resume_from", path=str(found), skipped=[str(f) for f, _ in skipped])
         return found
 
-    def _start_network(self, versions: dict[tuple[int, int], int], *, worked_before: bool = False) -> _Network:
+    def _start_network(self, versions: dict[tuple[int, int], int], *, worked_before: bool = False,
+                       workers: frozenset[str] = frozenset()) -> _Network:
         """DHT, membership, then the network loop, gossip, snapshot exchange and outer averagers: their
         averagers take seconds to start while the announcer thread settles the shard assignment.
         ``worked_before``: this identity resumes its own checkpoint of the run, so the others that saw its work give
-        it the grace period of a restart, and it takes no probation (``Membership.enter_probation``)."""
+        it the grace period of a restart, and it takes no probation (``Membership.enter_probation``). ``workers``:
+        the composers its checkpoint names as having worked, counted until work reaches it (``Membership.remember``)."""
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
         manifest = peer_manifest(c.peer, self.identity, run_settings(cfg), self._tokenizer.digest)
@@ -301,6 +304,7 @@ class Node:
                                                   replicas=cfg.ownership.replicas))
         if worked_before:
             membership.shown_work()
+        membership.remember(workers)
         membership.start()
         stack.callback(_leave_quietly, membership)
         if self._observer is not None:

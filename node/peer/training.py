@@ -312,7 +312,7 @@ class Training:
         assert settings.checkpoint_dir is not None
         path = save_checkpoint(settings.checkpoint_dir, self.composer, run_id=self.config.peer.run_id,
                                keep_last=settings.keep_checkpoints,
-                               versions=self.gossip.versions(), data=self.data)
+                               versions=self.gossip.versions(), data=self.data, workers=self.membership.workers())
         self.telemetry.event("checkpoint", step=self.composer.step, path=str(path),
                              state_hash=state_hash(self.composer))
 

@@ -87,6 +87,8 @@ another machine with other choices."""
 OLDER = "use an older checkpoint (parallax checkpoints list DIR, then --resume DIR/step-N)"
 """What every message about a corrupt or incomplete checkpoint ends with."""
 
+_FINGERPRINT_CHARS = 128
+"""The longest identity fingerprint a manifest's ``workers`` may hold."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 
@@ -118,13 +120,16 @@ class CheckpointInfo:
     """Training tokens the composer had processed."""
     data: CorpusInfo | None = None
     """What it trained on, where its writer said."""
+    workers: frozenset[str] = frozenset()
+    """The composers whose work had reached the node lately (``Membership.workers``): what it counts, resumed, until
+    work reaches it again (``Membership.remember``)."""
 
 
 # ---- saving ---------------------------------------------------------------------------------------
 
 def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id: str,
                     versions: Mapping[ExpertId, int] | None = None, keep_last: int = 3,
-                    data: CorpusInfo | None = None) -> Path:
+                    data: CorpusInfo | None = None, workers: Iterable[str] = ()) -> Path:
     """Write ``root/step-<composer.step>/`` atomically, point ``root/latest`` at it, prune old ones.
 
     Args:
@@ -134,6 +139,7 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
         versions: (layer, expert) -> surrogate version the node has applied (returned by the load).
         keep_last: complete checkpoints kept, newest by step; the one just written is always kept.
         data: the corpus the composer trains on (the model card names it).
+        workers: fingerprints of the composers whose work had reached the node lately (``CheckpointInfo.workers``).
 
     Returns:
         The folder of the new checkpoint.
@@ -166,6 +172,8 @@ def save_checkpoint(root: str | os.PathLike[str], composer: Composer, *, run_id:
         }
         if data is not None:
             body["data"] = dataclasses.asdict(data)
+        if workers := sorted(workers):
+            body["workers"] = workers
         _write_file(tmp / MANIFEST, _manifest_bytes(body))
         fsync(tmp)
         if final.exists():  # the same step saved again (after a resume): move the old one aside first
@@ -274,9 +282,17 @@ def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
             versions={(int(l), int(e)): int(v) for l, e, v in body["versions"]},
             config=body["config"], saved_unix_s=float(body["saved_unix_s"]),
             tokens_seen=int(body["state"]["counters"]["tokens_seen"]), data=CorpusInfo.from_json(body.get("data")),
+            workers=_fingerprints(body.get("workers", [])),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: malformed manifest ({e!r})") from e
+
+
+def _fingerprints(found: Any) -> frozenset[str]:
+    if not isinstance(found, list) or not all(isinstance(fp, str) and 0 < len(fp) <= _FINGERPRINT_CHARS
+                                              for fp in found):
+        raise ValueError(f"its workers are not a list of fingerprints: {str(found)[:200]}")
+    return frozenset(found)
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,31 @@ def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written
         flooder.shutdown()
 
 
+def test_a_node_resuming_its_checkpoint_counts_the_composers_it_names_not_a_flood_written_while_it_was_away(
+        swarm: LocalSwarm):
+    """Three composers whose work reaches each other; a peer writes 40 signed heartbeats from fresh keys; then a
+    fourth composer resumes a checkpoint that names the three as having worked. It downloads no state and reads no
+    rounds records, and no work has reached it: without its checkpoint's word every identity in its first read
+    would count for a grace period (``idle_s``, 120 s here). It counts the three alone from its first read."""
+    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
+    honest = _working(swarm, 3, **timing)
+    names = {p.fp for p in honest}
+    fresh = [Identity.from_seed((4000 + i).to_bytes(4, "big") * 8) for i in range(40)]
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
+    try:
+        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
+                                         shards=(), step=50, sent=dht_time()))
+        _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
+        flood = {i.fingerprint for i in fresh}
+        resumed = swarm.add(3, shards=SHARDS, remember=names, **timing)
+        wait_until(lambda: flood | names <= set(resumed.membership.view().alive()), timeout=30)
+        view = resumed.membership.view()
+        assert set(view.composers()) - {resumed.fp} == names and view.quorum is QuorumState.HELD
+        assert not flood & set(view.assignment().peers) and resumed.membership.without_work >= len(flood)
+    finally:
+        flooder.shutdown()
+
+
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
     timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25)
     a, b, liar = (swarm.add(i, shards=SHARDS, **timing) for i in range(3))

@@ -29,6 +29,7 @@ from parallax.node.export.folder import CONFIG, WEIGHTS, read_model
 from parallax.node.export.use import evaluate_on
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, latest, read_metrics
 from parallax.node.peer.timeline import events
+from parallax.node.train.checkpoint import read_info
 from parallax.protocol.identity import Identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -125,6 +126,8 @@ def test_a_join_keeps_the_first_nodes_progress_and_two_nodes_export(tmp_path: Pa
         # The checkpoints are written: the nodes leave, and the export from them has the machine to itself.
         codes = swarm.stop_nodes()
         assert codes == [0, 0], swarm.describe()
+        # Resumed, each would count the other from its first read (``Membership.remember``).
+        assert [read_info(tmp_path / f"ckpt-{i}").workers for i in range(2)] == [{keys[1]}, {keys[0]}]
         from_checkpoints, checkpoint_card = _export([a for f in folders for a in ("--from-checkpoints", str(f))],
                                                     tmp_path / "checkpoint-model")
         assert not checkpoint_card["missing"], checkpoint_card

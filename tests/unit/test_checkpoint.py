@@ -239,6 +239,21 @@ def test_newer_format_version_is_refused(train, two_checkpoints):
         load_checkpoint(newer, _composer(train))
 
 
+def test_the_composers_that_worked_are_kept_and_a_malformed_list_is_refused(train, tmp_path):
+    c = _composer(train)
+    _advance(c, 1)
+    path = save_checkpoint(tmp_path, c, run_id=RUN, workers={"b" * 12, "a" * 12})
+    assert read_info(path).workers == {"a" * 12, "b" * 12}
+    body = json.loads((path / "manifest.json").read_text())["body"]
+    assert body["workers"] == ["a" * 12, "b" * 12]
+    assert read_info(save_checkpoint(tmp_path / "none", c, run_id=RUN)).workers == frozenset()
+    for bad in ("a" * 12, [1], ["x" * 129], [""]):
+        body["workers"] = bad
+        (path / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
+        with pytest.raises(CheckpointError, match="its workers are not a list of fingerprints"):
+            read_info(path)
+
+
 def test_config_mismatch_names_the_field(train, two_checkpoints, tmp_path):
     def refuse(fresh):
         with pytest.raises(CheckpointMismatch) as err:

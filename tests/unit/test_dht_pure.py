@@ -761,6 +761,37 @@ def test_the_composers_the_records_vouch_for_are_a_joiners_working_set_at_once_n
     assert set(m.view().composers()) == {alice.fingerprint, bob.fingerprint}
 
 
+def test_a_node_resuming_its_checkpoint_counts_the_composers_it_names_not_a_flood_written_while_it_was_away():
+    """A resumed node's first read shows the swarm's composers beside identities that only heartbeat: its checkpoint
+    names the composers whose work had reached it, and those alive count at once, the rest once their work arrives.
+    While none it names is alive (a swarm that turned over), every composer counts, as at a start."""
+    me, alice, bob, carol, *flood = (Identity.from_seed(bytes([c]) * 32) for c in b"mabcxyz")
+    clock = [100.0]
+    dht = _SlowReads(clock, read_s=0.1)
+    m = Membership(dht, me, Presence(run_id="r"), clock=lambda: clock[0])  # type: ignore[arg-type]
+    m.remember({alice.fingerprint, carol.fingerprint, me.fingerprint})
+    dht.answer = {owner_subkey(i.public_key): (_beat(40), 130.0) for i in (bob, *flood)}
+    assert m._refresh() and len(m.view().composers()) == 4  # nobody it names is alive: each has a grace period
+    dht.answer[owner_subkey(alice.public_key)] = (_beat(40), 130.0)
+    assert m._refresh() and set(m.view().composers()) == {alice.fingerprint}
+    dht.answer[owner_subkey(carol.public_key)] = (_beat(40), 130.0)  # back before any work arrived: it counts
+    assert m._refresh() and set(m.view().composers()) == {alice.fingerprint, carol.fingerprint}
+    m.worked(bob.fingerprint)
+    assert m._refresh() and set(m.view().composers()) == {alice.fingerprint, bob.fingerprint, carol.fingerprint}
+    assert m.workers() == {bob.fingerprint, alice.fingerprint, carol.fingerprint}
+
+
+def test_the_working_set_a_checkpoint_keeps_is_whose_work_arrived_within_one_idle_period():
+    progress = Progress(stall_s=1e9, idle_s=60.0)
+    progress.worked("a", 10.0)
+    progress.worked("b", 50.0)
+    assert progress.working(65.0) == {"a", "b"} and progress.working(80.0) == {"b"}
+    assert Progress(stall_s=1e9).working(1e6) == frozenset()
+    progress = Progress(stall_s=1e9)  # no idle rule: every composer whose work arrived
+    progress.worked("a", 10.0)
+    assert progress.working(1e6) == {"a"}
+
+
 def test_nobody_is_idle_while_nobody_s_work_arrives_nor_at_once_when_it_begins():
     progress = Progress(stall_s=1e9, idle_s=60.0)
     steps = {"a": 1, "b": 1}
