@@ -12,7 +12,9 @@ node serves, from a thread-safe ``SnapshotStore``:
 and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir*
 of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. The heir asks with
 the place of its copy on the owner's chain (``snapshot_chain``): the owner answers with ternary links from there
-(an ``ExpertSnapshotLinks``), or a keyframe; a leaving owner answers with its exact final snapshot. When the
+(an ``ExpertSnapshotLinks``), or a keyframe; a leaving owner answers with its exact final snapshot. A node that
+released the expert and holds no copy pulled since asks from its final snapshot: the new owner's chain starts at the
+copy it adopted, most often that one, and the releaser is most often its heir. When the
 owner dies, the heir already holds its expert and loses at most the steps since that snapshot. A node that is
 no longer an expert's heir (a joiner took that role in its view) keeps its copy ``keep_s`` longer and serves it:
 under churn the new heir may not have pulled a copy yet (the owner's view may not have it), may leave before it
@@ -57,7 +59,7 @@ from hivemind.proto import runtime_pb2
 from parallax.dht.keys import ExpertId, expert_id, parse_expert_id
 from parallax.node.config.net import ExchangeConfig
 from parallax.node.net.network import RateLimiter, rate_limited, read_answer
-from parallax.node.net.snapshot_chain import MAX_NORM, Chain, ChainMismatch, HeirCopy, rebuild
+from parallax.node.net.snapshot_chain import MAX_NORM, Chain, ChainMismatch, HeirCopy, rebuild, released_copy
 from parallax.protocol.codec import TensorLimits, encode
 from parallax.protocol.envelope import Opener, Sealer
 from parallax.protocol.errors import ProtocolError, RemoteProtocolError
@@ -389,7 +391,8 @@ class ExpertExchange:
                 self._chains[eid] = chain
 
     def stop_pulling(self) -> None:
-        """Pull no more heir copies (this node is leaving: it takes nothing over); those held are still served."""
+        """Pull no more heir copies (this node is leaving: it takes nothing over); those held are still served. Its
+        heirs get links still, and no keyframe: its exact final snapshots follow within the leave."""
         self._pulling = False
 
     def unchained(self, owned: Iterable[ExpertId]) -> list[ExpertId]:
@@ -431,16 +434,29 @@ class ExpertExchange:
         heir = self.take_heir_copy(eid)
         if heir is not None:
             found.append((heir, "heir copy"))
-        entry = self.store.get(eid)
-        if entry is not None and entry[1]:
-            try:
-                own = decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
-                                      signer=self.sealer.identity.public_key, surrogate_shapes=self.surrogate_shapes)
-                found.append((dataclasses.replace(own, age_s=entry[3], taken_at=time.monotonic() - entry[3]),
-                              "own release"))
-            except ProtocolError as e:  # our own encoding: only a bug gets here
-                logger.warning("own final snapshot of %s does not decode: %s", eid, e)
+        own = self._own_release(eid)
+        if own is not None:
+            found.append((own, "own release"))
         return max(found, key=lambda f: f[0].taken_at, default=None)
+
+    def _own_release(self, eid: ExpertId) -> Snapshot | None:
+        """This node's final snapshot of ``eid`` while it serves it (it released the expert), or None."""
+        entry = self.store.get(eid)
+        if entry is None or not entry[1]:
+            return None
+        try:
+            own = decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
+                                  signer=self.sealer.identity.public_key, surrogate_shapes=self.surrogate_shapes)
+        except ProtocolError as e:  # our own encoding: only a bug gets here
+            logger.warning("own final snapshot of %s does not decode: %s", eid, e)
+            return None
+        return dataclasses.replace(own, age_s=entry[3], taken_at=time.monotonic() - entry[3])
+
+    def _released_position(self, eid: ExpertId) -> HeirCopy | None:
+        """Where this node stands on the chain of ``eid``'s new owner when it released the expert and holds no copy
+        pulled since: version 0 of the chain its final snapshot starts (``snapshot_chain.released_copy``)."""
+        own = self._own_release(eid)
+        return None if own is None else released_copy(own.tensors, tuple(self.expert_shapes))
 
     def forget_heir_copies(self, keep: set[ExpertId]) -> None:
         """``keep``: the experts this node inherits now; a copy of another is dropped ``keep_s`` after it was
@@ -467,7 +483,10 @@ class ExpertExchange:
                 chain = self._chains.get(eid)
             if chain is None:  # its first link is still being made: the heir asks again at its next poll
                 return None
-            return chain.step, False, self._chain_answer(eid, chain, ask), time.monotonic() - chain.taken, True
+            base = chain.base_for(None if ask[0] == 0 else (ask[0], ask[1]), init=ask[2])
+            if base is None and not self._pulling:
+                return None  # leaving: its exact final snapshot follows within the leave, a keyframe now is waste
+            return chain.step, False, self._chain_answer(eid, chain, base), time.monotonic() - chain.taken, True
         with self._lock:
             heir = self._heirs.get(eid)
             sealed = self._sealed.get(eid)
@@ -483,10 +502,9 @@ class ExpertExchange:
                     self._sealed[eid] = sealed
         return heir.step, False, sealed[1], age_s, False
 
-    def _chain_answer(self, eid: ExpertId, chain: Chain, ask: HeirAsk) -> bytes:
-        """The sealed answer to ``ask``; each kind (a keyframe, the links from each base) is encoded and sealed once
-        per version, whoever asks how often."""
-        base = chain.base_for(None if ask[0] == 0 else (ask[0], ask[1]), init=ask[2])
+    def _chain_answer(self, eid: ExpertId, chain: Chain, base: int | None) -> bytes:
+        """The sealed answer from version ``base`` (None: a keyframe, ``Chain.base_for``); each kind (a keyframe,
+        the links from each base) is encoded and sealed once per version, whoever asks how often."""
         key = -1 if base is None else base
         with self._lock:
             version, bodies = self._answers.get(eid, (None, {}))
@@ -548,6 +566,8 @@ class ExpertExchange:
         with the copy's new place on the chain (None: an exact copy, on no chain)."""
         with self._lock:
             held = self._positions.get(eid)
+        if held is None and self.store.get(eid) is not None:
+            held = await asyncio.to_thread(self._released_position, eid)
         init = self.initial_weights is not None and eid not in self._keyframes_only
         ask = msgpack.packb([0, 0, init] if held is None else [held.chain, held.version, init])
         got = await self._fetch_or_none(peer, eid, ask)

@@ -10,8 +10,11 @@ training traffic. A chain sends the change since the copy the heir holds instead
   the decoded change to ``ref``: one *link*. What the code leaves out stays in ``weights - ref`` and goes with the
   next link (error feedback), so the copy never drifts: it lags the owner by one link's rounding.
 - Version 0 of a chain is the expert's seeded initialisation when the owner had never stepped it (every peer can
-  draw that), else the owner's weights then. An heir that holds nothing the chain can continue gets a *keyframe*:
-  ``ref`` itself, raw.
+  draw that), else the owner's weights then. A chain is named after its version 0 (``chain_id``): an heir that
+  holds an exact copy of it continues the chain from there. That is the common hand-over: a new owner starts its
+  chain at the seam where it adopted the previous owner's final snapshot, and its heir is then the previous owner
+  (the owner in the assignment without the new one), which holds that snapshot. An heir that holds nothing the
+  chain can continue gets a *keyframe*: ``ref`` itself, raw.
 - The AdamW state travels as the second moment factored into its row and column means (Adafactor's estimate) and
   the step. The first moment does not travel: a copy rebuilt from a chain starts it at zero (AdamW's bias
   correction no longer scales it up, so the first steps after a take-over are shorter).
@@ -26,7 +29,6 @@ leaving) stays an exact ``ExpertSnapshot``.
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -66,6 +68,20 @@ def weights_digest(ref: Mapping[str, Array]) -> bytes:
         h.update(name.encode())
         h.update(np.ascontiguousarray(ref[name], dtype=np.float32).tobytes())
     return h.digest()
+
+
+def chain_id(digest: bytes) -> int:
+    """The name of a chain whose version 0 has ``digest`` (``weights_digest``): a positive 63-bit number. Two chains
+    from the same copy share it, and their links from version 0 apply to it alike; an heir that holds a later
+    version of the other is caught by the digest check (``ChainMismatch``) and asks for a keyframe."""
+    return int.from_bytes(digest[:8], "big") >> 1 or 1
+
+
+def released_copy(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> HeirCopy:
+    """An exact copy of an expert's weights (``names`` of ``tensors``) as version 0 of the chain a new owner starts
+    from it: what the releaser of an expert holds of its new owner's chain."""
+    ref = {name: _array(tensors[name]) for name in names}
+    return HeirCopy(chain_id(weights_digest(ref)), 0, ref)
 
 
 def _array(t: torch.Tensor) -> Array:
@@ -120,8 +136,8 @@ class Chain:
     def start(cls, step: int, tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], *, taken: float) -> Chain:
         """Version 0 from an owner's snapshot (``tensors``: weights by ``names``, and its AdamW state once stepped)."""
         ref = {name: _array(tensors[name]) for name in names}
-        return cls(secrets.randbits(63) or 1, 0, step, taken, ADAM_STEP not in tensors, ref, weights_digest(ref), (),
-                   _state(tensors, names))
+        digest = weights_digest(ref)
+        return cls(chain_id(digest), 0, step, taken, ADAM_STEP not in tensors, ref, digest, (), _state(tensors, names))
 
     def advance(self, step: int, tensors: Mapping[str, torch.Tensor], *, taken: float) -> Chain:
         """The next version: a link from ``ref`` towards the weights in ``tensors``."""

@@ -232,6 +232,30 @@ def test_an_heir_restores_from_the_chain_after_the_owner_dies(pair) -> None:
     assert torch.allclose(copy.tensors["adam.exp_avg_sq.w_up.weight"], torch.full((6, 4), 1e-4))
 
 
+def test_the_releaser_of_an_expert_continues_its_new_owners_chain_without_a_keyframe(pair) -> None:
+    """The heir trained the expert and released it; the owner adopted its final snapshot and starts its chain there.
+    The heir, which holds that snapshot, pulls links from version 0: no keyframe crosses."""
+    owner, heir, ids = pair
+    released = snapshot(6.0)
+    heir.put(EID, 6, released, final=True)
+    owner.put(EID, 0, {n: t.clone() for n, t in released.items()})  # its first snapshot, at the seam it adopted
+    chain = _chain(owner)
+    keyframe = owner.served(EID, (0, 0, False))
+    assert keyframe is not None
+    served = owner.servicer.chain_bytes_served
+    ids["targets"][EID] = (ids["peer"], 0)
+    wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
+    assert 0 < owner.servicer.chain_bytes_served - served < len(keyframe[2])
+    assert heir._positions[EID].chain == chain.chain
+    trained = {**released, **{n: torch.full(s, 7.5) for n, s in SHAPES.items()}}
+    owner.put(EID, 10, trained)
+    wait_until(lambda: _chain(owner).version == 1, timeout=15)
+    ids["targets"][EID] = (ids["peer"], 10)
+    wait_until(lambda: heir.heir_copy(EID) is not None and heir.heir_copy(EID).step == 10, timeout=15)
+    copy = heir.heir_copy(EID)
+    assert all(torch.equal(copy.tensors[n], torch.from_numpy(_chain(owner).ref[n])) for n in SHAPES)
+
+
 def test_each_kind_of_chain_answer_is_its_own(pair) -> None:
     owner, _, _ = pair
     owner.put(EID, 0, dict(INIT))
@@ -246,6 +270,20 @@ def test_each_kind_of_chain_answer_is_its_own(pair) -> None:
     assert owner.served(EID, (0, 0, False))[2] is keyframe[2]  # sealed once per version  # type: ignore[index]
     exact = owner.served(EID)
     assert exact is not None and not exact[4]
+
+
+def test_a_leaving_owner_sends_its_heirs_links_and_no_keyframe(pair) -> None:
+    owner, _, _ = pair
+    owner.put(EID, 0, dict(INIT))
+    owner.put(EID, 10, {n: t + 1.0 for n, t in INIT.items()})
+    wait_until(lambda: _chain(owner).version == 1, timeout=15)
+    owner.stop_pulling()  # it leaves
+    assert owner.served(EID, (0, 0, False)) is None  # its exact final snapshot follows within the leave
+    links = owner.served(EID, (0, 0, True))
+    assert links is not None and links[4]
+    owner.put(EID, 12, {n: t + 2.0 for n, t in INIT.items()}, final=True)
+    final = owner.served(EID, (0, 0, False))
+    assert final is not None and final[1] and not final[4]
 
 
 def _chain(exchange: ExpertExchange):

@@ -16,6 +16,7 @@ from parallax.node.net.snapshot_chain import (
     HeirCopy,
     factored_second_moment,
     rebuild,
+    released_copy,
 )
 from parallax.node.train.composer import check_adam_state
 from parallax.protocol.codec import encode
@@ -125,13 +126,35 @@ def test_keyframes_for_another_chain_a_stepped_start_or_an_heir_that_cannot_draw
     msg, (held, tensors) = _pull(stepped, None, owner)
     assert msg.base == msg.version == 0 and all(n in msg.tensors for n in NAMES)
     assert all(torch.equal(tensors[n], owner.weights[n]) for n in NAMES)  # a keyframe of version 0 is exact
-    restarted = Chain.start(5, owner.snapshot(), NAMES, taken=0.0)  # the owner restarted: a new chain
+    owner.train(5)
+    restarted = Chain.start(10, owner.snapshot(), NAMES, taken=0.0)  # the owner restarted elsewhere: a new chain
+    assert restarted.chain != stepped.chain
     msg, _ = _pull(restarted, held, owner)
     assert all(n in msg.tensors for n in NAMES)
     fresh = Owner()
     from_init = Chain.start(0, fresh.snapshot(), NAMES, taken=0.0)
     msg, _ = _pull(from_init, None, fresh, init=False)
     assert all(n in msg.tensors for n in NAMES)
+
+
+def test_the_releaser_of_an_expert_continues_the_chain_its_new_owner_starts_from_the_released_copy() -> None:
+    """A new owner starts its chain at the copy it adopted, the previous owner's final snapshot; the previous
+    owner, its heir now, holds that copy exactly and rebuilds every version from links alone."""
+    previous = Owner(seed=1)
+    previous.train(30)
+    final = previous.snapshot()
+    chain = Chain.start(0, final, NAMES, taken=0.0)  # the new owner's step counts from its own start
+    held = released_copy(final, NAMES)
+    assert held.chain == chain.chain and held.version == 0
+    for _ in range(2):
+        previous.train(10)  # the new owner trains it on
+        chain = chain.advance(previous.steps, previous.snapshot(), taken=0.0)
+    msg, (copy, tensors) = _pull(chain, held, previous, init=False)
+    assert (msg.base, msg.version) == (0, 2) and not set(NAMES) & set(msg.tensors)  # links, no keyframe
+    assert copy.version == 2 and all(np.array_equal(copy.ref[n], chain.ref[n]) for n in NAMES)
+    other = released_copy(Owner(seed=2).snapshot(), NAMES)  # a copy the new owner did not adopt: a keyframe
+    msg, _ = _pull(chain, other, previous, init=False)
+    assert msg.base == msg.version and all(n in msg.tensors for n in NAMES)
 
 
 def test_the_restored_adam_state_is_one_adamw_accepts() -> None:
