@@ -359,6 +359,7 @@ class Progress:
         self._work_began: float | None = None  # when the first work of anyone arrived, or the records vouched
         self._arrived = False  # whether work itself reached this node (not only the records' word)
         self._vouching = False  # the rules run from the records' word (``vouched``)
+        self._word: set[str] = set()  # of ``_work``: those only vouched for, whose own work has not arrived
 
     def worked(self, fingerprint: str, now: float) -> None:
         """Evidence of ``fingerprint``'s work arrived at ``now``."""
@@ -366,6 +367,7 @@ class Progress:
             self._work_began = now
         self._arrived = True
         self._work[fingerprint] = now
+        self._word.discard(fingerprint)
         _forget_oldest(self._work)
 
     def vouched(self, fingerprints: Iterable[str], now: float) -> bool:
@@ -385,15 +387,17 @@ class Progress:
             self._work_began = now
         self._vouching = True
         self._work.update(dict.fromkeys(new, now))
+        self._word |= new
         _forget_oldest(self._work)
         return True
 
     def working(self, now: float) -> frozenset[str]:
-        """The composers whose work (or the records' word for it) reached this node within ``idle_s`` of ``now``
-        (every one it holds when the idle rule is off), the most recent ``_WORKING_KEPT``: what a checkpoint keeps so
-        that the node, resumed from it, counts them again (``Membership.remember``)."""
-        recent = sorted(((t, fp) for fp, t in self._work.items() if self.idle_s <= 0 or now - t < self.idle_s),
-                        reverse=True)
+        """The composers whose own work reached this node within ``idle_s`` of ``now`` (every one whose work did,
+        when the idle rule is off), the most recent ``_WORKING_KEPT``: what a checkpoint keeps so that the node,
+        resumed from it, counts them again (``Membership.remember``). Not those only vouched for: a node that
+        restarts again and again must not carry an identity's grace period forward without its work."""
+        recent = sorted(((t, fp) for fp, t in self._work.items()
+                         if fp not in self._word and (self.idle_s <= 0 or now - t < self.idle_s)), reverse=True)
         return frozenset(fp for _, fp in recent[:_WORKING_KEPT])
 
     def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:

@@ -9,16 +9,16 @@ node serves, from a thread-safe ``SnapshotStore``:
 - a *final* snapshot of every expert it just released (a joiner took it over), kept for ``keep_s``;
 - the *heir copy* it holds of an expert it does not own, when that is newer than its own final one.
 
-and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir*
-of (the node that owns the expert if its owner leaves), whenever the owner's step advanced. The heir asks with
-the place of its copy on the owner's chain (``snapshot_chain``): the owner answers with ternary links from there
-(an ``ExpertSnapshotLinks``), or a keyframe; a leaving owner answers with its exact final snapshot. A node that
-released the expert and holds no copy pulled since asks from its final snapshot: the new owner's chain starts at the
-copy it adopted, most often that one, and the releaser is most often its heir. When the
-owner dies, the heir already holds its expert and loses at most the steps since that snapshot. A node that is
-no longer an expert's heir (a joiner took that role in its view) keeps its copy ``keep_s`` longer and serves it:
-under churn the new heir may not have pulled a copy yet (the owner's view may not have it), may leave before it
-does, or the views may name another new owner, which then finds the copy by asking the live composers.
+and pulls, in the background every ``poll_s``, the periodic snapshot of every expert it is the *heir* of (the node
+that owns the expert if its owner leaves), whenever the owner's step advanced. The heir asks with the place of its
+copy on the owner's chain (``snapshot_chain``): the owner answers with ternary links from there (an
+``ExpertSnapshotLinks``), or a keyframe; a leaving owner answers with its exact final snapshot. A node that released
+the expert and holds no place on a chain of it asks from its final snapshot: the new owner's chain starts at the
+copy it adopted, most often that one, and the releaser is most often its heir. When the owner dies, the heir already
+holds its expert and loses at most the steps since that snapshot. A node that is no longer an expert's heir (a
+joiner took that role in its view) keeps its copy ``keep_s`` longer and serves it: under churn the new heir may not
+have pulled a copy yet (the owner's view may not have it), may leave before it does, or the views may name another
+new owner, which then finds the copy by asking the live composers.
 
 Trust: a snapshot is a signed envelope (``protocol.envelope``), sealed once when the owner takes it, and is
 asked for by peer id from the node the signed membership names as the expert's owner (or previous owner, or
@@ -324,6 +324,7 @@ class ExpertExchange:
         self._heirs: dict[ExpertId, Snapshot] = {}
         self._positions: dict[ExpertId, HeirCopy] = {}  # where each heir copy stands on its owner's chain
         self._keyframes_only: set[ExpertId] = set()  # a chain from the initialisation did not rebuild here
+        self._released: dict[ExpertId, tuple[bytes, HeirCopy]] = {}  # ``_released_position``, by final snapshot
         self._chains: dict[ExpertId, Chain] = {}  # owned experts' chains (training thread writes, loop reads)
         # Sealed chain answers of each expert's latest version, by the base they start from (-1: a keyframe).
         self._answers: dict[ExpertId, tuple[tuple[int, int], dict[int, bytes]]] = {}
@@ -434,16 +435,14 @@ class ExpertExchange:
         heir = self.take_heir_copy(eid)
         if heir is not None:
             found.append((heir, "heir copy"))
-        own = self._own_release(eid)
+        entry = self.store.get(eid)
+        own = None if entry is None or not entry[1] else self._own_release(eid, entry)
         if own is not None:
             found.append((own, "own release"))
         return max(found, key=lambda f: f[0].taken_at, default=None)
 
-    def _own_release(self, eid: ExpertId) -> Snapshot | None:
-        """This node's final snapshot of ``eid`` while it serves it (it released the expert), or None."""
-        entry = self.store.get(eid)
-        if entry is None or not entry[1]:
-            return None
+    def _own_release(self, eid: ExpertId, entry: tuple[int, bool, bytes, float]) -> Snapshot | None:
+        """This node's final snapshot of ``eid`` (``entry``, its store's), decoded; None if it does not decode."""
         try:
             own = decode_snapshot(entry[2], eid, self.expert_shapes, final=True, opener=self.opener,
                                   signer=self.sealer.identity.public_key, surrogate_shapes=self.surrogate_shapes)
@@ -453,10 +452,22 @@ class ExpertExchange:
         return dataclasses.replace(own, age_s=entry[3], taken_at=time.monotonic() - entry[3])
 
     def _released_position(self, eid: ExpertId) -> HeirCopy | None:
-        """Where this node stands on the chain of ``eid``'s new owner when it released the expert and holds no copy
-        pulled since: version 0 of the chain its final snapshot starts (``snapshot_chain.released_copy``)."""
-        own = self._own_release(eid)
-        return None if own is None else released_copy(own.tensors, tuple(self.expert_shapes))
+        """Where this node stands on the chain of ``eid``'s new owner when it released the expert and holds no place
+        on a chain of it: version 0 of the chain its final snapshot starts (``snapshot_chain.released_copy``), made
+        once per final snapshot."""
+        entry = self.store.get(eid)
+        if entry is None or not entry[1]:
+            return None
+        with self._lock:
+            cached = self._released.get(eid)
+        if cached is not None and cached[0] is entry[2]:
+            return cached[1]
+        own = self._own_release(eid, entry)
+        position = None if own is None else released_copy(own.tensors, tuple(self.expert_shapes))
+        if position is not None:
+            with self._lock:
+                self._released[eid] = entry[2], position
+        return position
 
     def forget_heir_copies(self, keep: set[ExpertId]) -> None:
         """``keep``: the experts this node inherits now; a copy of another is dropped ``keep_s`` after it was
@@ -470,6 +481,12 @@ class ExpertExchange:
                     del self._heirs[eid], self._former[eid]
                     self._sealed.pop(eid, None)
                     self._positions.pop(eid, None)
+            released = dict(self._released)
+        gone = [eid for eid, (body, _) in released.items()
+                if eid not in keep or (entry := self.store.get(eid)) is None or entry[2] is not body]
+        with self._lock:
+            for eid in gone:
+                self._released.pop(eid, None)
 
     def served(self, eid: ExpertId, ask: HeirAsk | None = None) -> Served | None:
         """What this node serves of ``eid``: to its heir (``ask``) the links of its chain from the copy the heir
@@ -555,6 +572,7 @@ class ExpertExchange:
                                 self._positions.pop(eid, None)
                             else:
                                 self._positions[eid] = position
+                                self._released.pop(eid, None)  # a place on the chain: the released copy is past
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad view or a dying daemon must not end the heir loop

@@ -73,7 +73,8 @@ def weights_digest(ref: Mapping[str, Array]) -> bytes:
 def chain_id(digest: bytes) -> int:
     """The name of a chain whose version 0 has ``digest`` (``weights_digest``): a positive 63-bit number. Two chains
     from the same copy share it, and their links from version 0 apply to it alike; an heir that holds a later
-    version of the other is caught by the digest check (``ChainMismatch``) and asks for a keyframe."""
+    version of the other is caught by the digest check (``ChainMismatch``), drops its place and asks again as an
+    heir that holds nothing."""
     return int.from_bytes(digest[:8], "big") >> 1 or 1
 
 
@@ -152,11 +153,9 @@ class Chain:
     def base_for(self, held: tuple[int, int] | None, *, init: bool = True) -> int | None:
         """The version the links to an heir that holds version ``held[1]`` of chain ``held[0]`` start from (None: no
         copy; ``init``: it can draw the initialisation), or None for a keyframe."""
-        if held is None:
-            return 0 if init and self.from_init and self.first_base == 0 else None
-        if held[0] == self.chain and self.first_base <= held[1] <= self.version:
+        if held is not None and held[0] == self.chain and self.first_base <= held[1] <= self.version:
             return held[1]
-        return None
+        return 0 if init and self.from_init and self.first_base == 0 else None
 
     def answer(self, base: int | None, layer: int, expert: int) -> ExpertSnapshotLinks:
         """The links from version ``base`` (``base_for``), or a keyframe (None)."""

@@ -73,7 +73,7 @@ from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry
 from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
-from parallax.node.train.checkpoint import load_checkpoint, read_info, sound_checkpoint, state_hash
+from parallax.node.train.checkpoint import CheckpointInfo, load_checkpoint, read_info, sound_checkpoint, state_hash
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import CorpusInfo, load_corpus, val_batches
 from parallax.node.train.device import device_of
@@ -203,7 +203,7 @@ class Node:
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         telemetry.phase("joining")
         net = self._start_network(dict(info.versions) if info is not None else {}, worked_before=resumed_at > 0,
-                                  workers=info.workers if info is not None else frozenset())
+                                  workers=self._workers(info))
         telemetry.event("network_started", seconds=self._seconds())
         owned, joining = self._wait_for_shard(net.membership)
         telemetry.event("shard_offered", seconds=self._seconds(), probation=net.membership.probation)
@@ -254,6 +254,20 @@ class Node:
                                                net.gather.bytes_fetched + net.gather.records_fetched),
                         replicas=replicas,
                         data=CorpusInfo.of(c.node.data, corpus))
+
+    def _workers(self, info: CheckpointInfo | None) -> frozenset[str]:
+        """The composers the resumed checkpoint names as having worked (``Membership.remember``), while it is younger
+        than ``net.membership.idle_s``: older, they would have been idle by the rule that names them, and the swarm's
+        working set may have turned over."""
+        idle_s = self.config.net.membership.idle_s
+        if info is None or not info.workers or idle_s <= 0:
+            return frozenset()
+        age_s = time.time() - info.saved_unix_s
+        if not 0 <= age_s < idle_s:
+            logger.info("the checkpoint was written %.0f s ago, more than net.membership.idle_s (%.0f s): the "
+                        "composers it names as having worked count as any others do at a start", age_s, idle_s)
+            return frozenset()
+        return info.workers
 
     def _checkpoint(self) -> Path | None:
         """The checkpoint ``--resume`` names: with ``latest``, the newest sound one of ``--checkpoint-dir`` (those

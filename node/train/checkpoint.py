@@ -89,6 +89,8 @@ OLDER = "use an older checkpoint (parallax checkpoints list DIR, then --resume D
 
 _FINGERPRINT_CHARS = 128
 """The longest identity fingerprint a manifest's ``workers`` may hold."""
+_WORKERS_KEPT = 1024
+"""The most fingerprints a manifest's ``workers`` may hold (a node writes at most 256)."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 
@@ -289,8 +291,8 @@ def _info(folder: Path, body: Mapping[str, Any]) -> CheckpointInfo:
 
 
 def _fingerprints(found: Any) -> frozenset[str]:
-    if not isinstance(found, list) or not all(isinstance(fp, str) and 0 < len(fp) <= _FINGERPRINT_CHARS
-                                              for fp in found):
+    if not isinstance(found, list) or len(found) > _WORKERS_KEPT or not all(
+            isinstance(fp, str) and 0 < len(fp) <= _FINGERPRINT_CHARS for fp in found):
         raise ValueError(f"its workers are not a list of fingerprints: {str(found)[:200]}")
     return frozenset(found)
 

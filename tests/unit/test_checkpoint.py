@@ -247,7 +247,7 @@ def test_the_composers_that_worked_are_kept_and_a_malformed_list_is_refused(trai
     body = json.loads((path / "manifest.json").read_text())["body"]
     assert body["workers"] == ["a" * 12, "b" * 12]
     assert read_info(save_checkpoint(tmp_path / "none", c, run_id=RUN)).workers == frozenset()
-    for bad in ("a" * 12, [1], ["x" * 129], [""]):
+    for bad in ("a" * 12, [1], ["x" * 129], [""], [f"{i:012d}" for i in range(1025)]):
         body["workers"] = bad
         (path / "manifest.json").write_bytes(ckpt._manifest_bytes(body))
         with pytest.raises(CheckpointError, match="its workers are not a list of fingerprints"):

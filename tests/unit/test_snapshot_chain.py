@@ -126,10 +126,14 @@ def test_keyframes_for_another_chain_a_stepped_start_or_an_heir_that_cannot_draw
     msg, (held, tensors) = _pull(stepped, None, owner)
     assert msg.base == msg.version == 0 and all(n in msg.tensors for n in NAMES)
     assert all(torch.equal(tensors[n], owner.weights[n]) for n in NAMES)  # a keyframe of version 0 is exact
+    restarted = Chain.start(5, owner.snapshot(), NAMES, taken=0.0)  # restarted from the same copy: the same chain
+    assert restarted.chain == stepped.chain
+    msg, (same, _) = _pull(restarted, held, owner)
+    assert msg.base == msg.version == 0 and not set(NAMES) & set(msg.tensors) and same == held
     owner.train(5)
-    restarted = Chain.start(10, owner.snapshot(), NAMES, taken=0.0)  # the owner restarted elsewhere: a new chain
-    assert restarted.chain != stepped.chain
-    msg, _ = _pull(restarted, held, owner)
+    moved = Chain.start(10, owner.snapshot(), NAMES, taken=0.0)  # restarted from other weights: a new chain
+    assert moved.chain != stepped.chain
+    msg, _ = _pull(moved, held, owner)
     assert all(n in msg.tensors for n in NAMES)
     fresh = Owner()
     from_init = Chain.start(0, fresh.snapshot(), NAMES, taken=0.0)
@@ -155,6 +159,34 @@ def test_the_releaser_of_an_expert_continues_the_chain_its_new_owner_starts_from
     other = released_copy(Owner(seed=2).snapshot(), NAMES)  # a copy the new owner did not adopt: a keyframe
     msg, _ = _pull(chain, other, previous, init=False)
     assert msg.base == msg.version and all(n in msg.tensors for n in NAMES)
+
+
+def test_two_chains_from_one_copy_share_a_name_and_a_later_version_of_the_other_is_a_mismatch() -> None:
+    """An owner restarted from the copy its chain started at trains it another way: the heir's place on the first
+    chain names a version the second has too, its links do not rebuild the signed copy, and the heir, asking again
+    with nothing, is answered from the initialisation while the chain is young, else with a keyframe."""
+    owner = Owner()
+    first = Chain.start(0, owner.snapshot(), NAMES, taken=0.0)
+    second = Chain.start(0, owner.snapshot(), NAMES, taken=0.0)
+    owner.train(10)
+    first = first.advance(10, owner.snapshot(), taken=0.0)
+    _, (held, _) = _pull(first, None, owner)
+    other = Owner(seed=7)
+    other.init = owner.init
+    other.weights = {n: t.clone() for n, t in owner.init.items()}
+    for _ in range(2):
+        other.train(10)
+        second = second.advance(other.steps, other.snapshot(), taken=0.0)
+    assert (held.chain, held.version) == (second.chain, 1)
+    with pytest.raises(ChainMismatch):
+        _pull(second, held, owner)
+    msg, (copy, _) = _pull(second, None, owner)
+    assert msg.base == 0 and copy.version == 2 and all(np.array_equal(copy.ref[n], second.ref[n]) for n in NAMES)
+    for _ in range(KEPT_LINKS):
+        other.train(10)
+        second = second.advance(other.steps, other.snapshot(), taken=0.0)
+    msg, _ = _pull(second, held, owner)  # a place the kept links no longer reach, another chain's or not
+    assert all(n in msg.tensors for n in NAMES)
 
 
 def test_the_restored_adam_state_is_one_adamw_accepts() -> None:
