@@ -77,8 +77,6 @@ class _InFlight:
     withdrawn by ``rebase``."""
     passed: int = 0
     """The group's due rounds skipped while this one waited."""
-    lagging: bool = False
-    """Submitted while the group lagged (``BackgroundRounds._lagging``)."""
 
 
 @dataclass
@@ -291,10 +289,6 @@ class BackgroundRounds:
                                                            thread_name_prefix="parallax-outer")
         self._in_flight: dict[str, _InFlight] = {}
         self._owed: dict[str, int] = {}  # group -> a round due once the waiting round it ended is over (``owed``)
-        self._lagging: set[str] = set()
-        """Groups of which a due round was skipped while a round waited for a quorum, since their last round found
-        this node's anchor among its peers' or their last state taken: the others may have merged the skipped round,
-        and the anchor this node's next merge lands on lack it (``wire.anchor_majority``'s ``lagging``)."""
         self._reloads: dict[str, concurrent.futures.Future[list[State]]] = {}
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
@@ -322,7 +316,6 @@ class BackgroundRounds:
         flight = self._in_flight.get(group)
         if flight is not None:
             flight.passed += 1
-            self._lagging.add(group)
             if flight.passed < OFFER_PERIODS and group not in self._owed:
                 self.counts.skipped_busy += 1
                 logger.info("outer round %s/%d skipped: round %d still waits for a quorum, its contribution on offer",
@@ -347,9 +340,8 @@ class BackgroundRounds:
         averager = self.sync.groups[group]
         anchor = [outer.anchor[name] for name in averager.shapes]  # left alone until the round is collected
         due = RoundDue()
-        lagging = group in self._lagging
-        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due, lagging)
-        self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future, due, lagging=lagging)
+        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due)
+        self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future, due)
         self.counts.submitted += 1
         return True
 
@@ -401,8 +393,6 @@ class BackgroundRounds:
                 self.rounds_ok[group] += 1
                 self.publish_state(group)
                 self._start_serving(group)
-                if flight.lagging and not report.apart_from and not flight.passed:
-                    self._lagging.discard(group)  # no group of the others that answered held another anchor
                 if report.apart_from:  # our anchor drifted from theirs: take theirs, keep our progress since it
                     # A few rounds' steps at most: what missed rounds move an anchor by (``take_anchor``).
                     sync = self.composer.cfg.sync
@@ -448,7 +438,6 @@ class BackgroundRounds:
                 self.counts.refused += 1
                 continue
             self.counts.reloads += 1
-            self._lagging.discard(group)
             self.publish_state(group)
             self._start_serving(group)
         self._start_rebases()

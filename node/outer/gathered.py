@@ -187,7 +187,7 @@ class GatheredRounds:
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
             anchor: Sequence[torch.Tensor] | None = None,
-            due: threading.Event | None = None, lagging: bool = False) -> dict[str, torch.Tensor] | None:
+            due: threading.Event | None = None) -> dict[str, torch.Tensor] | None:
         """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
 
         ``due``: set to end the round's wait (``background``: after a few of the group's periods, alone for good, or
@@ -197,15 +197,13 @@ class GatheredRounds:
         ``anchor``: the group's anchor the merge will be applied to, in the group's order (not changed while the round
         runs). Its fingerprint goes out with the result's; when the anchors of a strict majority of the participants
         agree and this node's is not theirs, the report names them (``RoundReport.apart_from``): the round still
-        applies, and the node then takes the group's state from them. ``lagging``: this node skipped a round of the
-        group since it last merged one with its peers' anchor; the largest group of others that agree on another
-        anchor is followed short of a majority too (``wire.anchor_majority``).
+        applies, and the node then takes the group's state from them.
 
         Returns:
             The merged pseudo-gradient, or None (the report says why).
         """
         try:
-            return self._round(delta, tokens, n, fault, started, anchor, due, lagging)
+            return self._round(delta, tokens, n, fault, started, anchor, due)
         finally:
             self._watch.stop()  # the round's questions to its peers
             with self._lock:
@@ -213,8 +211,7 @@ class GatheredRounds:
 
     def _round(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
                fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
-               anchor: Sequence[torch.Tensor] | None, due: threading.Event | None,
-               lagging: bool = False) -> dict[str, torch.Tensor] | None:
+               anchor: Sequence[torch.Tensor] | None, due: threading.Event | None) -> dict[str, torch.Tensor] | None:
         cfg = self.config
         if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
             self.report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
@@ -293,8 +290,7 @@ class GatheredRounds:
             common.update(agreeing=agreeing, began_allreduce=self.gather.store.served(self.group, n))
             if status is RoundStatus.OK:
                 if mine_anchor is not None:
-                    common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline,
-                                                            lagging=lagging)
+                    common["apart_from"] = self._apart_from(n, mine_anchor, anchors, participants, tag, deadline)
                 if cfg.net.record_merges:
                     weights = [common["tokens"][split_pair(p)[0]] for p in participants]
                     geometry = share
@@ -340,8 +336,7 @@ class GatheredRounds:
         return None
 
     def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
-                    participants: Sequence[str], tag: bytes, deadline: float, *, lagging: bool = False,
-                    ) -> tuple[str, ...]:
+                    participants: Sequence[str], tag: bytes, deadline: float) -> tuple[str, ...]:
         """The peers of the strict majority of ``participants`` that hold one anchor, when this node's (``mine``)
         is not theirs (``wire.anchor_majority``); named in the log. ``anchors``: those found while the round verified;
         while they neither settle it nor show ours held by a majority, the others' records are read again until
@@ -349,7 +344,7 @@ class GatheredRounds:
         others = [name for name in participants if split_pair(name)[0] != self.peer_id]
         while True:
             found = {name: anchors[name] for name in others if name in anchors}
-            apart = anchor_majority(mine, found, len(participants), lagging=lagging)
+            apart = anchor_majority(mine, found, len(participants))
             ours = 1 + sum(fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) for fp in found.values())
             if apart or 2 * ours > len(participants) or len(found) == len(others) or time.monotonic() >= deadline:
                 break

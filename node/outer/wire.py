@@ -303,8 +303,8 @@ def anchor_fingerprint(anchor: Sequence[torch.Tensor]) -> tuple[float, ...]:
     return fingerprint(anchor, [0.0] * len(anchor), slots=ANCHOR_SLOTS)
 
 
-def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]], n_participants: int, *,
-                    lagging: bool = False) -> tuple[str, ...]:
+def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]], n_participants: int,
+                    ) -> tuple[str, ...]:
     """The participants of a round whose anchors agree with one another and make a strict majority of its
     ``n_participants`` (this node included) while ``mine`` is not among them: this node's anchor is apart from the
     swarm's. Empty when mine is the majority's, or when no majority holds one anchor.
@@ -313,24 +313,12 @@ def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]]
         mine: this node's ``anchor_fingerprint`` before the round.
         others: the anchor fingerprints found of the other participants, by participant.
         n_participants: how many took part in the round, this node included.
-        lagging: this node skipped a round of the group since it last merged one with its peers' anchor (a round of
-            its waited for a quorum meanwhile): its anchor may lack a round the others applied. Short of a
-            majority, the largest group of other participants that agree on one anchor not this node's is followed
-            too, when it counts at least two and more than hold this node's.
     """
     for fp in others.values():
         agreeing = [p for p, other in others.items() if fingerprints_agree(fp, other, ANCHOR_TOLERANCE)]
         if 2 * len(agreeing) > n_participants:
             return () if fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) else tuple(sorted(agreeing))
-    if not lagging:
-        return ()
-    ours = sum(fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) for fp in others.values())
-    best: list[str] = []
-    for fp in others.values():
-        if not fingerprints_agree(mine, fp, ANCHOR_TOLERANCE):
-            agreeing = [p for p, other in others.items() if fingerprints_agree(fp, other, ANCHOR_TOLERANCE)]
-            best = max(best, agreeing, key=len)
-    return tuple(sorted(best)) if len(best) >= 2 and len(best) > ours else ()
+    return ()
 
 
 def round_tag(round_id: int, participants: Sequence[str]) -> bytes:

@@ -625,26 +625,6 @@ def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the
     assert set(rounds[3].report.apart_from) == {p.dht.peer_id for p in peers[:3]}
 
 
-def test_a_peer_that_skipped_a_round_follows_the_largest_group_of_anchors_short_of_a_majority(peers):
-    """Two of four participants hold one anchor, a third another: no anchor is held by a majority. The fourth, which
-    skipped a round while one of its rounds waited (``lagging``), follows the two; a peer that skipped nothing does
-    not."""
-    g = torch.Generator().manual_seed(4)
-    anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]
-    other = [anchor[0] - 0.05 * torch.randn(anchor[0].shape, generator=g), anchor[1]]
-    stale = [anchor[0] + 0.05 * torch.randn(anchor[0].shape, generator=g), anchor[1]]
-    anchors = [anchor, anchor, other, stale]
-    with _averagers(peers, "router-lagging") as averagers:
-        deltas, tokens = _deltas(4, seed=6), [CAP] * 4
-        with ThreadPoolExecutor(4) as pool:
-            rounds = [f.result(timeout=60) for f in [
-                pool.submit(a.round, d, t, 3, anchors[i], None, i >= 2)
-                for i, (a, d, t) in enumerate(zip(averagers, deltas, tokens, strict=True))]]
-    assert all(r.merged is not None and r.report.status is RoundStatus.OK for r in rounds), [r.report for r in rounds]
-    assert [r.report.apart_from for r in rounds[:2]] == [(), ()]
-    assert set(rounds[2].report.apart_from) == set(rounds[3].report.apart_from) == {p.dht.peer_id for p in peers[:2]}
-
-
 def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):
     """Two of four live composers contribute; the two that never do are idle (left out of ``working``): the
     rounds merge the two without waiting on a quorum of four, and each tells the other's work. The idle two have no
