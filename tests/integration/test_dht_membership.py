@@ -7,6 +7,7 @@ agreed by every view, within 8 s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -14,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from hivemind.p2p import PeerID
@@ -331,23 +333,34 @@ def test_fresh_keys_that_heartbeat_into_a_working_swarm_own_nothing_until_their_
         flooder.shutdown()
 
 
+FLOOD_TIMING = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
+
+
+@contextlib.contextmanager
+def _three_working_and_a_flood(swarm: LocalSwarm, seed: int) -> Iterator[tuple[list[LocalPeer], set[str]]]:
+    """Three composers whose work reaches each other, and 40 signed heartbeats from fresh keys (drawn from ``seed``)
+    written once by a peer of their DHT, alive for 120 s: yields the three and the flood's fingerprints."""
+    honest = _working(swarm, 3, **FLOOD_TIMING)
+    fresh = [Identity.from_seed((seed + i).to_bytes(4, "big") * 8) for i in range(40)]
+    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
+    try:
+        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
+                                         shards=(), step=50, sent=dht_time()))
+        _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
+        yield honest, {i.fingerprint for i in fresh}
+    finally:
+        flooder.shutdown()
+
+
 def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written_before_it_came(swarm: LocalSwarm):
     """Three composers whose work reaches each other; a peer writes 40 signed heartbeats from fresh keys; then a
     fourth composer starts. Its first read shows the flood beside the three, no work has reached it, and each
     would count for a grace period (``idle_s``, 120 s here): the flood would own most experts in its view and
     make up most of its round quorum. Once the rounds records of the peers that served it a group's state vouch
     for the three, its view counts them alone and holds its quorum."""
-    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
-    honest = _working(swarm, 3, **timing)
-    names = {p.fp for p in honest}
-    fresh = [Identity.from_seed((3000 + i).to_bytes(4, "big") * 8) for i in range(40)]
-    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
-    try:
-        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
-                                         shards=(), step=50, sent=dht_time()))
-        _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
-        flood = {i.fingerprint for i in fresh}
-        joiner = swarm.add(3, shards=SHARDS, **timing)
+    with _three_working_and_a_flood(swarm, seed=3000) as (honest, flood):
+        names = {p.fp for p in honest}
+        joiner = swarm.add(3, shards=SHARDS, **FLOOD_TIMING)
         wait_until(lambda: flood | names <= set(joiner.membership.view().composers()), timeout=30)
         views = SwarmViews(joiner.membership, joiner.fp, snapshot_every=10, event=lambda *_, **__: None)
         views.vouched([str(p.dht.peer_id) for p in honest])  # as the rounds records name them: by peer id
@@ -364,8 +377,6 @@ def test_a_joiner_counts_the_composers_the_records_vouch_for_not_a_flood_written
         before = joiner.membership.view().read_at
         wait_until(lambda: joiner.membership.view().read_at > before + 0.5, timeout=10)
         assert set(joiner.membership.view().composers()) - {joiner.fp} == names
-    finally:
-        flooder.shutdown()
 
 
 def test_a_node_resuming_its_checkpoint_counts_the_composers_it_names_not_a_flood_written_while_it_was_away(
@@ -374,23 +385,13 @@ def test_a_node_resuming_its_checkpoint_counts_the_composers_it_names_not_a_floo
     fourth composer resumes a checkpoint that names the three as having worked. It downloads no state and reads no
     rounds records, and no work has reached it: without its checkpoint's word every identity in its first read
     would count for a grace period (``idle_s``, 120 s here). It counts the three alone from its first read."""
-    timing = dict(heartbeat_period_s=0.5, heartbeat_ttl_s=1.5, refresh_s=0.25, idle_s=120.0)
-    honest = _working(swarm, 3, **timing)
-    names = {p.fp for p in honest}
-    fresh = [Identity.from_seed((4000 + i).to_bytes(4, "big") * 8) for i in range(40)]
-    flooder = SwarmDHT.start(DHTConfig(initial_peers=tuple(honest[0].dht.visible_maddrs())), [ManyKeysValidator(fresh)])
-    try:
-        beat = heartbeat_value(Heartbeat(peer_id=str(flooder.peer_id), addresses=(), role="composer", capacity=1.0,
-                                         shards=(), step=50, sent=dht_time()))
-        _write(flooder, swarm.run_id, dict.fromkeys(fresh, beat), ttl_s=120.0)
-        flood = {i.fingerprint for i in fresh}
-        resumed = swarm.add(3, shards=SHARDS, remember=names, **timing)
+    with _three_working_and_a_flood(swarm, seed=4000) as (honest, flood):
+        names = {p.fp for p in honest}
+        resumed = swarm.add(3, shards=SHARDS, remember=names, **FLOOD_TIMING)
         wait_until(lambda: flood | names <= set(resumed.membership.view().alive()), timeout=30)
         view = resumed.membership.view()
         assert set(view.composers()) - {resumed.fp} == names and view.quorum is QuorumState.HELD
         assert not flood & set(view.assignment().peers) and resumed.membership.without_work >= len(flood)
-    finally:
-        flooder.shutdown()
 
 
 def test_a_composer_this_node_bans_owns_nothing_in_its_view(swarm: LocalSwarm):
