@@ -1494,9 +1494,9 @@ class Membership:
     def _vouch_remembered(self, composers: Collection[str]) -> None:
         """Count the composers this node's checkpoint remembers among the live ``composers`` (``remember``)."""
         with self._lock:
-            alive = self._remembered & set(composers)
-            if self._progress.work_arrived:
+            if self._progress.work_arrived:  # the node judges by what arrives from now on
                 self._remembered = frozenset()
+            alive = self._remembered & set(composers)
         if alive and self._vouch(alive):
             self._said_vouched(alive, "the checkpoint this node resumes names as having worked", composers)
 
