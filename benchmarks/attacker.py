@@ -374,6 +374,82 @@ def _equivocation(_: Attacker) -> None:
     _serving(wrap)
 
 
+def _late_uploads(_: Attacker) -> None:
+    """Every contribution is offered late: the node trains honestly, then holds each round's contribution back for
+    the others' whole wait for the contributions still missing (``net.min_matchmaking_time_s``) before it offers it,
+    so that it arrives at the edge of every round the others run."""
+    from parallax.node.outer.gathered import GatheredRounds
+
+    honest = GatheredRounds._offer
+
+    @functools.wraps(honest)
+    def offer(self: Any, n: int, delta: Any) -> Any:
+        time.sleep(self.config.net.min_matchmaking_time_s)
+        return honest(self, n, delta)
+
+    GatheredRounds._offer = offer  # type: ignore[method-assign]
+
+
+def _copied_work(_: Attacker) -> None:
+    """A free rider: its node's weights never change (its optimizer steps nothing, so its experts never train), and
+    each contribution it offers is the newest contribution of another composer it has seen, fetched whole from that
+    composer and sent with 1% noise (no two bodies alike bit for bit), under its own signed claim."""
+    from parallax.node.outer.blocks import assemble, block_layout, decode_block
+    from parallax.node.outer.gathered import GatheredRounds
+    from parallax.node.outer.transport import decode_contribution, split_pair
+    from parallax.node.train.composer import Composer
+
+    honest_step = Composer.optimizer_step
+
+    @functools.wraps(honest_step)
+    def optimizer_step(self: Any) -> None:
+        for optimizer in self._optimizers():
+            optimizer.zero_grad(set_to_none=True)  # the optimizers step only the parameters that have a gradient
+        honest_step(self)
+
+    Composer.optimizer_step = optimizer_step  # type: ignore[method-assign]
+
+    newest: dict[str, tuple[str, Any]] = {}  # group -> (peer, claim): the newest claim of another composer checked
+    honest_fetch, honest_offer = GatheredRounds._fetch, GatheredRounds._offer
+
+    @functools.wraps(honest_fetch)
+    def fetch(self: Any, name: str, entry: Any) -> Any:
+        got = honest_fetch(self, name, entry)
+        peer = split_pair(name)[0]
+        held = newest.get(self.group)
+        if got is not None and peer != self.peer_id and (held is None or entry.round_id >= held[1].round_id):
+            newest[self.group] = (peer, entry)
+        return got
+
+    def copied(self: Any) -> dict[str, torch.Tensor] | None:
+        if self.group not in newest:
+            return None
+        peer, entry = newest[self.group]
+        timeout = self.config.net.allreduce_timeout_s
+        if self.parts is None:
+            return decode_contribution(self.gather.fetch(peer, self.group, entry, timeout), self.shapes, peer=peer)
+        layout = block_layout(self.shapes)
+        answer = self.gather.fetch_blocks(peer, self.group, entry.round_id, entry.digest, entry.size,
+                                          list(range(len(layout))), len(layout), timeout)
+        return assemble({i: decode_block(answer.blobs[i], b, self.shapes[b.name], peer=peer)
+                         for i, b in enumerate(layout)}, self.shapes)
+
+    @functools.wraps(honest_offer)
+    def offer(self: Any, n: int, delta: Any) -> Any:
+        try:
+            theirs = copied(self)
+        except Exception as e:  # not served (any more): its own (unchanged) pseudo-gradient this round
+            logger.info("copying a contribution failed: %r", e)
+            theirs = None
+        if theirs is not None:
+            delta = {name: t + 0.01 * torch.linalg.vector_norm(t) / math.sqrt(max(1, t.numel())) * torch.randn_like(t)
+                     for name, t in theirs.items()}
+        return honest_offer(self, n, delta)
+
+    GatheredRounds._fetch = fetch  # type: ignore[method-assign]
+    GatheredRounds._offer = offer  # type: ignore[method-assign]
+
+
 def _poisoned_state(_: Attacker) -> None:
     """Every group state this node serves to a joiner is its anchor x3."""
     from parallax.node.outer.state import StateExchange
@@ -742,6 +818,10 @@ ATTACKS: dict[str, Attack] = {
                                "the wait for the next message", _trickled_fetches),
     "equivocation": Attack("signs a second, different contribution for each round after its first fetch",
                            _equivocation, crafts=True),
+    "late-uploads": Attack("trains honestly and offers each contribution only after the others' whole wait for "
+                           "missing contributions", _late_uploads),
+    "copied-work": Attack("trains nothing and offers another composer's newest contribution, plus 1% noise, as its "
+                          "own", _copied_work, crafts=True),
     "poisoned-state": Attack("serves its anchor x3 as the group state a joiner loads", _poisoned_state),
     "surrogate-at-bound": Attack("surrogate deltas that make each copy 3.8x longer, refresh after refresh",
                                  _surrogates_at_the_bound),

@@ -348,3 +348,67 @@ def test_a_forged_heartbeat_copies_the_attacked_nodes_announcement_under_a_peer_
     assert PeerID.from_base58(beat.peer_id).to_bytes() == b"\x12\x20" + hashlib.sha256(identity.public_key).digest()
     assert not beat.probation  # a liar does not say it has shown no work
 
+
+
+def test_the_late_uploads_attack_offers_each_contribution_after_the_others_wait_for_missing_ones(monkeypatch):
+    import time
+
+    from parallax.node.outer.gathered import GatheredRounds
+
+    offered: list[tuple[int, float]] = []
+    monkeypatch.setattr(GatheredRounds, "_offer", lambda self, n, delta: offered.append((n, time.monotonic())))
+    patch = ATTACKS["late-uploads"].patch
+    assert patch is not None and not ATTACKS["late-uploads"].crafts
+    patch(None)  # type: ignore[arg-type]
+    node = SimpleNamespace(config=SimpleNamespace(net=SimpleNamespace(min_matchmaking_time_s=0.2)))
+    began = time.monotonic()
+    GatheredRounds._offer(node, 3, {})  # type: ignore[arg-type]
+    assert offered[0][0] == 3 and offered[0][1] - began >= 0.2
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_the_copied_work_attack_trains_nothing_and_offers_another_composers_newest_contribution(monkeypatch, parts):
+    from parallax.node.outer.blocks import check_answer, encode_blocks
+    from parallax.node.outer.gathered import GatheredRounds
+    from parallax.node.outer.transport import RoundEntry, encode_contribution
+    from parallax.node.train.composer import Composer
+
+    shapes = {"w": (64, 80), "b": (8,)}
+    g = torch.Generator().manual_seed(0)
+    theirs = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    own = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    blocked, whole = encode_blocks(theirs, "none"), encode_contribution(theirs, "none")
+    claim = RoundEntry(4, blocked.digest if parts else b"d", blocked.size if parts else len(whole), 1.0)
+
+    def fetch_blocks(peer, key, round_id, digest, size, wanted, count, timeout_s):
+        assert (peer, key, round_id, digest) == ("victim", "backbone", 4, blocked.digest)
+        return check_answer(blocked.answer(wanted), digest, wanted, count, peer=peer)
+
+    gather = SimpleNamespace(fetch=lambda peer, group, entry, timeout_s: whole, fetch_blocks=fetch_blocks)
+    node = SimpleNamespace(group="backbone", peer_id="copier", parts=object() if parts else None, shapes=shapes,
+                           gather=gather, config=SimpleNamespace(net=SimpleNamespace(allreduce_timeout_s=5.0)))
+    offered: list[dict[str, torch.Tensor]] = []
+    stepped: list[bool] = []
+    monkeypatch.setattr(GatheredRounds, "_offer", lambda self, n, delta: offered.append(dict(delta)))
+    monkeypatch.setattr(GatheredRounds, "_fetch", lambda self, name, entry: ({}, entry.tokens))
+    monkeypatch.setattr(Composer, "optimizer_step", lambda self: stepped.append(all(
+        p.grad is None for o in self._optimizers() for group in o.param_groups for p in group["params"])))
+    patch = ATTACKS["copied-work"].patch
+    assert patch is not None and ATTACKS["copied-work"].crafts
+    patch(None)  # type: ignore[arg-type]
+
+    GatheredRounds._offer(node, 3, own)  # type: ignore[arg-type]
+    assert offered[-1] is not own and all(torch.equal(offered[-1][n], own[n]) for n in shapes)  # nothing seen yet
+    GatheredRounds._fetch(node, "copier@4", claim)  # type: ignore[arg-type]  # its own: not copied
+    GatheredRounds._offer(node, 4, own)  # type: ignore[arg-type]
+    assert all(torch.equal(offered[-1][n], own[n]) for n in shapes)
+    GatheredRounds._fetch(node, "victim@4", claim)  # type: ignore[arg-type]
+    GatheredRounds._offer(node, 5, own)  # type: ignore[arg-type]
+    for name, t in theirs.items():
+        off = float(torch.linalg.vector_norm(offered[-1][name] - t) / torch.linalg.vector_norm(t))
+        assert 0 < off < 0.03, (name, off)  # the copy, with noise: no bit-for-bit match
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    Composer.optimizer_step(SimpleNamespace(_optimizers=lambda: [torch.optim.AdamW([weight])]))  # type: ignore[arg-type]
+    assert stepped == [True] and weight.grad is None
