@@ -657,16 +657,21 @@ def _fresh_phantoms(count: int, renew_s: float) -> Callable[[Attacker], None]:
     return side
 
 
-def forged_heartbeat(real: Any, identity: Any) -> bytes:
-    """A composer's heartbeat for ``identity`` that copies what the attacked node announces (its step, versions,
-    run and capacity) and names a libp2p peer id nobody runs (the sha2-256 multihash of the key)."""
+def unrun_peer_id(identity: Any) -> str:
+    """A libp2p peer id for ``identity`` that nobody runs: the sha2-256 multihash of its key."""
     from hivemind.p2p import PeerID
 
+    return str(PeerID(b"\x12\x20" + hashlib.sha256(identity.public_key).digest()).to_base58())
+
+
+def forged_heartbeat(real: Any, identity: Any) -> bytes:
+    """A composer's heartbeat for ``identity`` that copies what the attacked node announces (its step, versions,
+    run and capacity) and names a libp2p peer id nobody runs (``unrun_peer_id``)."""
     from parallax.dht.adapter import dht_time
     from parallax.dht.membership import heartbeat_value
     from parallax.protocol.messages import Heartbeat
 
-    peer_id = PeerID(b"\x12\x20" + hashlib.sha256(identity.public_key).digest()).to_base58()
+    peer_id = unrun_peer_id(identity)
     with real._lock:
         step, versions = real._step, dict(real._versions)
     return heartbeat_value(Heartbeat(peer_id=peer_id, addresses=(), role="composer", capacity=real.presence.capacity,
@@ -722,6 +727,87 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
             dht.shutdown()
 
     return side
+
+
+def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
+    """``count`` composers' heartbeats from fresh keys once work reached the attacked node (as ``_signed_heartbeats``,
+    renewed every half TTL), each with a rounds record of every shared group that names all of them, the attacked
+    node too, as the senders of a round it merged: its latest merged round's number and fingerprint, under a claim
+    of its own signed by its key. Each Sybil is then named by the records of ``count - 1`` others, as an honest
+    composer is by the records of the peers that merged its contributions."""
+
+    def side(attacker: Attacker) -> None:
+        import os
+
+        from parallax.dht.adapter import dht_time
+        from parallax.dht.keys import member_part, members_key
+        from parallax.dht.records import owner_subkey
+        from parallax.dht.testing import sign_for
+        from parallax.node.outer.transport import RoundEntry, encode_record, pair
+        from parallax.node.outer.witness import new_session, sign
+        from parallax.protocol.identity import Identity
+
+        real = attacker.membership
+        ttl = real._timing.heartbeat_ttl_s
+        dht = _signer_once_work_began(attacker)
+        if dht is None:
+            return
+        try:
+            identities = [Identity.generate() for _ in range(count)]
+            sign_for(dht, identities)
+            peers = {identity.fingerprint: unrun_peer_id(identity) for identity in identities}
+            attacker.fingerprints.extend(identity.fingerprint for identity in identities)
+            attacker.peer_ids.extend(peers.values())
+            attacker.write_ids()
+            sessions = {identity.fingerprint: new_session() for identity in identities}
+            claims: dict[tuple[str, str, int], RoundEntry] = {}  # one claim per round: two would be equivocation
+            while not attacker.stop.is_set():
+                began = time.monotonic()
+                for identity in identities:
+                    keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
+                            for level in sorted(real._write_levels)]
+                    dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
+                                   dht_time() + ttl, timeout_s=10.0)
+                for rounds in list(_ROUNDS.values()):
+                    merged = [e for e in list(rounds._entries.values()) if e.fingerprint]
+                    if not merged:
+                        continue
+                    latest = max(merged, key=lambda e: e.round_id)
+                    n = latest.round_id
+                    named = tuple(sorted([pair(rounds.peer_id, n), *(pair(p, n) for p in peers.values())]))
+                    for identity in identities:
+                        key = (identity.fingerprint, rounds.group, n)
+                        if key not in claims:
+                            claims[key] = sign(identity, attacker.run_id, rounds.group, RoundEntry(
+                                n, os.urandom(32), latest.size, latest.tokens, session=sessions[identity.fingerprint]))
+                        claim = claims[key]
+                        entry = RoundEntry(n, claim.digest, claim.size, claim.tokens, latest.fingerprint, named,
+                                           claim.session, claim.signature, latest.anchor)
+                        dht.store(rounds.records.key, owner_subkey(identity.public_key), encode_record([entry]),
+                                  dht_time() + rounds.config.net.fingerprint_ttl_s, timeout_s=10.0)
+                attacker.stop.wait(max(0.0, began + min(ttl / 2, 10.0) - time.monotonic()))
+        finally:
+            dht.shutdown()
+
+    return side
+
+
+_ROUNDS: dict[str, Any] = {}
+"""group -> the attacked node's gathered rounds of it (``_capture_rounds``)."""
+
+
+def _capture_rounds(_: Attacker) -> None:
+    """Keep each gathered rounds instance the node makes in ``_ROUNDS`` (what a side activity reads its rounds from)."""
+    from parallax.node.outer.gathered import GatheredRounds
+
+    honest_init = GatheredRounds.__init__
+
+    @functools.wraps(honest_init)
+    def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
+        honest_init(self, records, *args, **kwargs)
+        _ROUNDS[records.group] = self
+
+    GatheredRounds.__init__ = init  # type: ignore[method-assign]
 
 
 # --- the DHT and the streams ---
@@ -836,6 +922,9 @@ ATTACKS: dict[str, Attack] = {
     "heartbeats-once-8": Attack("8 composers' heartbeats from fresh keys, each signed once and never renewed (the "
                                 "node's TTL), 8 fresh keys again every 60 s", side=_signed_heartbeats(
                                     8, ttl_s=None, keys_every_s=60.0)),
+    "sybils-vouching-5": Attack("5 composers' heartbeats from fresh keys once rounds merge, renewed, whose rounds "
+                                "records each name the 5 and its node as the senders of its latest merged round",
+                                _capture_rounds, side=_vouching_sybils(5)),
     "peer-id-squatter": Attack("an identity whose heartbeats name an honest node's libp2p peer id",
                                side=_extra_identities(1, squat=True)),
     "plain-values": Attack("a stock hivemind client writes plain values under every key of the run",
