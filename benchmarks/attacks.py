@@ -121,7 +121,7 @@ def is_clean(name: str) -> bool:
 
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 2000, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS,
-                composers: int = 4) -> dict[str, Any]:
+                composers: int = 4, lockstep: bool = False) -> dict[str, Any]:
     """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false
     positives; with none, no ratio) and one run per attack (module docstring) among ``composers``, with as many
     attackers' places as the attacks' most colluders; returns the report (JSON-able)."""
@@ -145,7 +145,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     total = model.n_layers * model.n_experts
     args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
             "--set", f"net.membership.idle_s={IDLE_S}", "--set", "net.outer.record_merges=true", "--final-eval",
-            "--snapshot-every", "20"]
+            "--snapshot-every", "20", *(["--set", "node.lockstep=true"] if lockstep else [])]
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
@@ -171,6 +171,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
+            "lockstep": lockstep,
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "clean_merge_cosine": clean_kept,

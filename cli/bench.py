@@ -354,6 +354,9 @@ def attacks(
                                   help="Composers per run: the attackers' places (as many as the attacks' most "
                                        "colluders), an honest joiner, the rest honest from the start."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
+    lockstep: bool = typer.Option(False, "--lockstep",
+                                  help="Nodes apply each outer round before their next step (node.lockstep): runs "
+                                       "that differ in an attack's content, not in when the rounds landed."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:
@@ -367,7 +370,7 @@ def attacks(
         names = [a.strip() for a in runs.split(",") if a.strip()]
         report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs,
-                             composers=composers)
+                             composers=composers, lockstep=lockstep)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     write(report, json_path)

@@ -308,6 +308,21 @@ class BackgroundRounds:
     def busy(self, group: str) -> bool:
         return group in self._in_flight
 
+    def settle(self, stop: threading.Event, quorum_wait_s: float) -> None:
+        """Wait until every round in flight has ended, and every download of a group's state, or until ``stop`` is
+        set (``node.lockstep``); ``collect`` then applies them. A round still waiting for a quorum after
+        ``quorum_wait_s`` is told to end, as when its offer runs out (no due round passes while the node waits:
+        ``OFFER_PERIODS``); every other wait ends within its own bounds."""
+        ends = time.monotonic() + quorum_wait_s
+        while not stop.is_set():
+            futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
+            futures += self._reloads.values()
+            if all(f.done() for f in futures):
+                return
+            if time.monotonic() >= ends:
+                self._end_all()
+            concurrent.futures.wait(futures, timeout=0.2)
+
     def submit(self, group: str, round_id: int) -> bool:
         """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (its
         contribution stays on offer: this round is skipped, or, the ``OFFER_PERIODS``-th skipped, it is told to end and

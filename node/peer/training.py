@@ -174,6 +174,8 @@ class Training:
             if view is not None and view.quorum is QuorumState.HELD:
                 self._rebase_due = False
                 rounds.rebase()  # what it trained of the shared groups alone goes, as its own experts' copies did
+        if self.config.node.lockstep:
+            rounds.settle(self.stop_event, self.config.net.outer.matchmaking_timeout_s)
         for report in rounds.collect():
             self._round_event(report)
             self.gate.round_done(report.group, report.status is RoundStatus.OK, composer.step)

@@ -294,12 +294,17 @@ class _WaitingAverager:
         return RoundResult(None, RoundReport("router", RoundStatus.NO_GROUP, round_id), None)
 
 
-def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_the_due_round_carries_both():
-    params, outer = make()
+def _waiting_rounds() -> tuple[_WaitingAverager, SimpleNamespace, BackgroundRounds]:
+    """Background rounds of one group whose rounds never find a quorum: (its averager, the composer, the rounds)."""
+    _, outer = make()
     averager = _WaitingAverager()
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
     composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
-    rounds = BackgroundRounds(sync, composer)  # type: ignore[arg-type]
+    return averager, composer, BackgroundRounds(sync, composer)  # type: ignore[arg-type]
+
+
+def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_the_due_round_carries_both():
+    averager, composer, rounds = _waiting_rounds()
     try:
         assert rounds.submit("router", 1)
         composer.tokens_since_merge["router"] = 40  # trained while round 1 waits
@@ -397,5 +402,23 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
         rounds.wait(timeout_s=30)  # leaving: a rebase asked for now starts no download
         rounds.rebase()
         assert not rounds._reloads
+    finally:
+        rounds.shutdown()
+
+
+def test_lockstep_settles_every_round_before_the_next_step_and_ends_one_still_waiting_for_a_quorum():
+    import threading
+
+    averager, _, rounds = _waiting_rounds()
+    stop = threading.Event()
+    try:
+        assert rounds.submit("router", 1)
+        rounds.settle(stop, quorum_wait_s=0.2)  # no step passes while it waits: its wait for a quorum is ended
+        assert averager.started == [1]
+        assert [r.status for r in rounds.collect()] == [RoundStatus.NO_GROUP] and not rounds.busy("router")
+        assert rounds.submit("router", 2)
+        stop.set()
+        rounds.settle(stop, quorum_wait_s=30)  # Ctrl+C ends the wait at once
+        assert rounds.busy("router")
     finally:
         rounds.shutdown()
