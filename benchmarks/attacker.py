@@ -391,9 +391,11 @@ def _late_uploads(_: Attacker) -> None:
 
 
 def _copied_work(_: Attacker) -> None:
-    """A free rider: its node's weights never change (its optimizer steps nothing, so its experts never train), and
+    """A free rider: its optimizer steps nothing (its experts never train; only merges move its shared groups), and
     each contribution it offers is the newest contribution of another composer it has seen, fetched whole from that
-    composer and sent with 1% noise (no two bodies alike bit for bit), under its own signed claim."""
+    composer and sent with 1% noise (no two bodies alike bit for bit), under its own signed claim; an all-zero one
+    while it has none to copy. (What it offers is not its own pseudo-gradient: the wire's error feedback keeps the
+    difference, which it never sends.)"""
     from parallax.node.outer.blocks import assemble, block_layout, decode_block
     from parallax.node.outer.gathered import GatheredRounds
     from parallax.node.outer.transport import decode_contribution, split_pair
@@ -438,10 +440,12 @@ def _copied_work(_: Attacker) -> None:
     def offer(self: Any, n: int, delta: Any) -> Any:
         try:
             theirs = copied(self)
-        except Exception as e:  # not served (any more): its own (unchanged) pseudo-gradient this round
+        except Exception as e:  # not served (any more): nothing to copy this round
             logger.info("copying a contribution failed: %r", e)
             theirs = None
-        if theirs is not None:
+        if theirs is None:
+            delta = {name: torch.zeros_like(t) for name, t in delta.items()}
+        else:
             delta = {name: t + 0.01 * torch.linalg.vector_norm(t) / math.sqrt(max(1, t.numel())) * torch.randn_like(t)
                      for name, t in theirs.items()}
         return honest_offer(self, n, delta)
@@ -729,22 +733,48 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
     return side
 
 
+def sybil_records(identities: list[Any], run_id: str, group: str, entries: list[Any],
+                  claims: dict[tuple[str, str], Any]) -> dict[str, bytes]:
+    """fingerprint -> the rounds record of ``group`` each of ``identities`` keeps (``_vouching_sybils``): the newest
+    round the attacked node merged (of its ``entries``; not one it withdrew), with its fingerprint, naming every one
+    of the identities (each under a peer id nobody runs) as its senders, and each identity's claim of it, signed by
+    its key. ``claims`` (fingerprint, group) -> the claim made: one claim per identity and round, the same each time
+    it is written again (a second, different claim of a round would be an equivocation, another defence). Empty while
+    the node merged nothing."""
+    from parallax.node.outer.transport import WITHDRAWN, RoundEntry, encode_record, pair
+    from parallax.node.outer.witness import new_session, sign
+
+    merged = [e for e in entries if e.fingerprint and e.fingerprint != WITHDRAWN]
+    if not merged:
+        return {}
+    latest = max(merged, key=lambda e: e.round_id)
+    n = latest.round_id
+    named = tuple(sorted(pair(unrun_peer_id(identity), n) for identity in identities))
+    out = {}
+    for identity in identities:
+        held = claims.get((identity.fingerprint, group))
+        if held is None or held.round_id != n:
+            held = claims[(identity.fingerprint, group)] = sign(identity, run_id, group, RoundEntry(
+                n, hashlib.sha256(identity.public_key + group.encode() + n.to_bytes(8, "big")).digest(), latest.size,
+                latest.tokens, session=new_session()))
+        out[identity.fingerprint] = encode_record([RoundEntry(n, held.digest, held.size, held.tokens,
+                                                              latest.fingerprint, named, held.session,
+                                                              held.signature, latest.anchor)])
+    return out
+
+
 def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
     """``count`` composers' heartbeats from fresh keys once work reached the attacked node (as ``_signed_heartbeats``,
-    renewed every half TTL), each with a rounds record of every shared group that names all of them, the attacked
-    node too, as the senders of a round it merged: its latest merged round's number and fingerprint, under a claim
-    of its own signed by its key. Each Sybil is then named by the records of ``count - 1`` others, as an honest
-    composer is by the records of the peers that merged its contributions."""
+    renewed every half TTL, at most every 10 s), each with a rounds record of every shared group that names all of
+    them as the senders of a round the node merged (``sybil_records``). Each Sybil is then named by the records of
+    ``count - 1`` others, as an honest composer is by the records of the peers that merged its contributions; the
+    sets they name hold no honest contribution, so no honest node would merge them."""
 
     def side(attacker: Attacker) -> None:
-        import os
-
         from parallax.dht.adapter import dht_time
         from parallax.dht.keys import member_part, members_key
         from parallax.dht.records import owner_subkey
         from parallax.dht.testing import sign_for
-        from parallax.node.outer.transport import RoundEntry, encode_record, pair
-        from parallax.node.outer.witness import new_session, sign
         from parallax.protocol.identity import Identity
 
         real = attacker.membership
@@ -755,12 +785,11 @@ def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
         try:
             identities = [Identity.generate() for _ in range(count)]
             sign_for(dht, identities)
-            peers = {identity.fingerprint: unrun_peer_id(identity) for identity in identities}
             attacker.fingerprints.extend(identity.fingerprint for identity in identities)
-            attacker.peer_ids.extend(peers.values())
+            attacker.peer_ids.extend(unrun_peer_id(identity) for identity in identities)
             attacker.write_ids()
-            sessions = {identity.fingerprint: new_session() for identity in identities}
-            claims: dict[tuple[str, str, int], RoundEntry] = {}  # one claim per round: two would be equivocation
+            keys_of = {identity.fingerprint: identity.public_key for identity in identities}
+            claims: dict[tuple[str, str], Any] = {}
             while not attacker.stop.is_set():
                 began = time.monotonic()
                 for identity in identities:
@@ -769,21 +798,10 @@ def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
                     dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
                                    dht_time() + ttl, timeout_s=10.0)
                 for rounds in list(_ROUNDS.values()):
-                    merged = [e for e in list(rounds._entries.values()) if e.fingerprint]
-                    if not merged:
-                        continue
-                    latest = max(merged, key=lambda e: e.round_id)
-                    n = latest.round_id
-                    named = tuple(sorted([pair(rounds.peer_id, n), *(pair(p, n) for p in peers.values())]))
-                    for identity in identities:
-                        key = (identity.fingerprint, rounds.group, n)
-                        if key not in claims:
-                            claims[key] = sign(identity, attacker.run_id, rounds.group, RoundEntry(
-                                n, os.urandom(32), latest.size, latest.tokens, session=sessions[identity.fingerprint]))
-                        claim = claims[key]
-                        entry = RoundEntry(n, claim.digest, claim.size, claim.tokens, latest.fingerprint, named,
-                                           claim.session, claim.signature, latest.anchor)
-                        dht.store(rounds.records.key, owner_subkey(identity.public_key), encode_record([entry]),
+                    records = sybil_records(identities, attacker.run_id, rounds.group,
+                                            list(rounds._entries.values()), claims)
+                    for fingerprint, record in records.items():
+                        dht.store(rounds.records.key, owner_subkey(keys_of[fingerprint]), record,
                                   dht_time() + rounds.config.net.fingerprint_ttl_s, timeout_s=10.0)
                 attacker.stop.wait(max(0.0, began + min(ttl / 2, 10.0) - time.monotonic()))
         finally:
@@ -923,7 +941,7 @@ ATTACKS: dict[str, Attack] = {
                                 "node's TTL), 8 fresh keys again every 60 s", side=_signed_heartbeats(
                                     8, ttl_s=None, keys_every_s=60.0)),
     "sybils-vouching-5": Attack("5 composers' heartbeats from fresh keys once rounds merge, renewed, whose rounds "
-                                "records each name the 5 and its node as the senders of its latest merged round",
+                                "records each name the 5 as the senders of the node's latest merged round",
                                 _capture_rounds, side=_vouching_sybils(5)),
     "peer-id-squatter": Attack("an identity whose heartbeats name an honest node's libp2p peer id",
                                side=_extra_identities(1, squat=True)),

@@ -412,7 +412,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Attacks: {report['composers']} composers (up to {report.get('attackers', 1)} of them attackers, one an "
         f"honest joiner once the others passed step {report['join_at']}), preset {report['preset']}, "
-        f"{report['steps']} steps, periods {report['periods']}, net.membership.idle_s {report['idle_s']} "
+        f"{report['steps']} steps, periods {report['periods']}, net.membership.idle_s {report['idle_s']}"
+        f"{', in lockstep (node.lockstep)' if report.get('lockstep') else ''} "
         f"({report['wall_s'] / 60:.1f} min). Val loss: the honest composers that train from the start, against the "
         f"clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "

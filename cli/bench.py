@@ -355,8 +355,9 @@ def attacks(
                                        "colluders), an honest joiner, the rest honest from the start."),
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     lockstep: bool = typer.Option(False, "--lockstep",
-                                  help="Nodes apply each outer round before their next step (node.lockstep): runs "
-                                       "that differ in an attack's content, not in when the rounds landed."),
+                                  help="Nodes wait for each outer round they started and apply it one step after "
+                                       "it was due (node.lockstep): runs that differ in an attack's content, not in "
+                                       "when the rounds landed."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:

@@ -153,10 +153,10 @@ class NodeSettings:
     final_eval: bool = False
     """Evaluate this node's own view on the validation split when it leaves (metrics event final_eval)."""
     lockstep: bool = False
-    """Wait for each outer round to end and apply it before the next step, so that every node applies each merge
-    at the step after it was due, as the in-process simulator does (``parallax bench attacks --lockstep``: runs that
-    differ only in an attack). False: training goes on while a round runs and its merge lands a few steps later
-    (``node.outer.background``); lockstep is slower by every round's time."""
+    """At each step, wait for the shared groups' outer rounds started at the step before to end, and apply them: every
+    node applies each merge one step after it was due (``parallax bench attacks --lockstep``: runs that differ in an
+    attack, not in when their rounds landed). False: training goes on while a round runs and its merge lands a few
+    steps later (``node.outer.background``); lockstep is slower by every round's time."""
     train_nice: int = 10
     """How much lower (Linux nice steps, 0-19) the training thread runs than the node's network threads, its DHT
     process and p2pd, from its first step on: on a crowded CPU the bulk compute yields to heartbeats, rounds and

@@ -152,7 +152,8 @@ class Training:
             self.views.worked(owner)
 
     def seam(self) -> None:
-        """The one place the training loop meets the network (module docstring). Never waits on it."""
+        """The one place the training loop meets the network (module docstring). Never waits on it, but for the
+        rounds in flight with ``node.lockstep``."""
         composer, gossip, rounds = self.composer, self.gossip, self.rounds
         owned_now = set(composer.owned_experts())
         typical: dict[int, dict[str, float]] = {}  # per layer, once a seam

@@ -376,7 +376,7 @@ def test_the_copied_work_attack_trains_nothing_and_offers_another_composers_newe
     shapes = {"w": (64, 80), "b": (8,)}
     g = torch.Generator().manual_seed(0)
     theirs = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
-    own = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    own = {name: torch.ones(shape) for name, shape in shapes.items()}  # what the wire would send: not sent
     blocked, whole = encode_blocks(theirs, "none"), encode_contribution(theirs, "none")
     claim = RoundEntry(4, blocked.digest if parts else b"d", blocked.size if parts else len(whole), 1.0)
 
@@ -398,10 +398,10 @@ def test_the_copied_work_attack_trains_nothing_and_offers_another_composers_newe
     patch(None)  # type: ignore[arg-type]
 
     GatheredRounds._offer(node, 3, own)  # type: ignore[arg-type]
-    assert offered[-1] is not own and all(torch.equal(offered[-1][n], own[n]) for n in shapes)  # nothing seen yet
+    assert all(not offered[-1][n].any() for n in shapes)  # nothing seen yet: zeros, whatever it would send
     GatheredRounds._fetch(node, "copier@4", claim)  # type: ignore[arg-type]  # its own: not copied
     GatheredRounds._offer(node, 4, own)  # type: ignore[arg-type]
-    assert all(torch.equal(offered[-1][n], own[n]) for n in shapes)
+    assert all(not offered[-1][n].any() for n in shapes)
     GatheredRounds._fetch(node, "victim@4", claim)  # type: ignore[arg-type]
     GatheredRounds._offer(node, 5, own)  # type: ignore[arg-type]
     for name, t in theirs.items():
@@ -412,3 +412,30 @@ def test_the_copied_work_attack_trains_nothing_and_offers_another_composers_newe
     weight.grad = torch.ones(3)
     Composer.optimizer_step(SimpleNamespace(_optimizers=lambda: [torch.optim.AdamW([weight])]))  # type: ignore[arg-type]
     assert stepped == [True] and weight.grad is None
+
+
+def test_sybil_records_name_only_the_sybils_in_the_nodes_latest_merged_round_and_claim_each_round_once():
+    from parallax.benchmarks.attacker import sybil_records, unrun_peer_id
+    from parallax.node.outer.transport import WITHDRAWN, RoundEntry, decode_entries, pair, vouched
+    from parallax.node.outer.witness import signed_by
+
+    sybils = [Identity.generate() for _ in range(3)]
+    merged = RoundEntry(4, b"d" * 32, 100, 5.0, b"f" * 8, ("QmNode@4",))
+    withdrawn = RoundEntry(5, b"e" * 32, 100, 5.0, WITHDRAWN, ())
+    assert sybil_records(sybils, "run", "router", [withdrawn], {}) == {}  # nothing merged yet
+    claims: dict = {}
+    records = sybil_records(sybils, "run", "router", [merged, withdrawn], claims)
+    again = sybil_records(sybils, "run", "router", [merged, withdrawn], claims)
+    assert records == again  # the same claim each time: no second claim of a round
+    entries = {}
+    for sybil in sybils:
+        (entry,) = decode_entries(records[sybil.fingerprint]).values()
+        assert entry.round_id == 4 and entry.fingerprint == merged.fingerprint
+        assert entry.participants == tuple(sorted(pair(unrun_peer_id(s), 4) for s in sybils))  # not the node's
+        assert signed_by(sybil.public_key, "run", "router", entry)
+        entries[unrun_peer_id(sybil)] = {4: entry}
+    assert vouched(entries) == set(entries)  # each named by two others' records
+    later = RoundEntry(6, b"g" * 32, 100, 5.0, b"h" * 8, ("QmNode@6",))
+    newer = sybil_records(sybils, "run", "router", [merged, later], claims)
+    assert {e.round_id for r in newer.values() for e in decode_entries(r).values()} == {6}
+    assert len(claims) == len(sybils)  # one claim kept per identity and group

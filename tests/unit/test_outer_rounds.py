@@ -417,8 +417,12 @@ def test_lockstep_settles_every_round_before_the_next_step_and_ends_one_still_wa
         assert averager.started == [1]
         assert [r.status for r in rounds.collect()] == [RoundStatus.NO_GROUP] and not rounds.busy("router")
         assert rounds.submit("router", 2)
-        stop.set()
-        rounds.settle(stop, quorum_wait_s=30)  # Ctrl+C ends the wait at once
-        assert rounds.busy("router")
+        waiting = threading.Thread(target=rounds.settle, args=(stop, 60.0))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive()  # its round waits for a quorum, and the wait for it with it
+        stop.set()  # Ctrl+C ends the wait
+        waiting.join(timeout=30)
+        assert not waiting.is_alive() and rounds.busy("router")
     finally:
         rounds.shutdown()
