@@ -80,16 +80,17 @@ class Attack:
 # --- outer-round contributions ---
 
 
-def _offering(change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
-    """Every contribution the node offers is ``change(delta)`` of its honest pseudo-gradient, whatever the run's
-    aggregation: the body or blocks the others fetch and the digest announced for them, both."""
+def _offering(change: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Every contribution the node offers is ``change(rounds, delta)`` of what it would offer (``rounds``: the
+    group's ``GatheredRounds``), whatever the run's aggregation: the body or blocks the others fetch and the digest
+    announced for them, both."""
     from parallax.node.outer.gathered import GatheredRounds
 
     honest = GatheredRounds._offer
 
     @functools.wraps(honest)
     def offer(self: Any, n: int, delta: Any) -> Any:
-        return honest(self, n, change(dict(delta)))
+        return honest(self, n, change(self, dict(delta)))
 
     GatheredRounds._offer = offer  # type: ignore[method-assign]
 
@@ -98,7 +99,7 @@ def _tamper_contributions(change: Callable[[str, torch.Tensor], torch.Tensor]) -
     """Every contribution the node serves is ``change(name, tensor)`` of the honest one (``_offering``)."""
 
     def patch(_: Attacker) -> None:
-        _offering(lambda delta: {name: change(name, t) for name, t in delta.items()})
+        _offering(lambda _rounds, delta: {name: change(name, t) for name, t in delta.items()})
 
     return patch
 
@@ -148,7 +149,7 @@ def _colluding(craft: Callable[[list[torch.Tensor], int], torch.Tensor]) -> Call
         folder.mkdir(exist_ok=True)
         me = attacker.ids_path.stem
 
-        def tampered(delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def tampered(_rounds: Any, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             group = hashlib.sha256("\0".join(sorted(delta)).encode()).hexdigest()[:12]  # one file per shared group
             own = {name: t.detach().to(torch.float32).clone() for name, t in delta.items()}
             written = folder / f".{group}-{me}.tmp"
@@ -303,12 +304,29 @@ def _trickled_fetches(_: Attacker) -> None:
     _serving(wrap)
 
 
-def _equivocation(_: Attacker) -> None:
+_ROUNDS: dict[str, Any] = {}
+"""group -> the attacked node's gathered rounds of it (``_capture_rounds``)."""
+
+
+def _capture_rounds(_: Attacker) -> None:
+    """Keep each gathered rounds instance the node makes in ``_ROUNDS`` (what a side activity reads its rounds from)."""
+    from parallax.node.outer.gathered import GatheredRounds
+
+    honest_init = GatheredRounds.__init__
+
+    @functools.wraps(honest_init)
+    def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
+        honest_init(self, records, *args, **kwargs)
+        _ROUNDS[records.group] = self
+
+    GatheredRounds.__init__ = init  # type: ignore[method-assign]
+
+
+def _equivocation(attacker: Attacker) -> None:
     """After the first fetch of each round's contribution (its body, or blocks of it), signs a claim of another
     body for the same round (the body x1.5, its session unchanged) and serves that one: every fetcher's digest
     check passes, on a body of its own."""
     from parallax.node.outer.blocks import BlockedBody, decode_all, encode_blocks, parse_wanted
-    from parallax.node.outer.gathered import GatheredRounds
     from parallax.node.outer.transport import (
         RoundEntry,
         body_digest,
@@ -318,17 +336,10 @@ def _equivocation(_: Attacker) -> None:
     )
     from parallax.node.outer.witness import sign
 
-    rounds: dict[str, Any] = {}
     switched: set[tuple[str, int]] = set()
-    honest_init = GatheredRounds.__init__
-
-    @functools.wraps(honest_init)
-    def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
-        honest_init(self, records, *args, **kwargs)
-        rounds[records.group] = self
 
     def switch(group: str, n: int) -> None:
-        gathered = rounds.get(group)  # None for a partitioned round's merged blocks: those are not its claim
+        gathered = _ROUNDS.get(group)  # None for a partitioned round's merged blocks: those are not its claim
         if gathered is None or gathered.records.signer is None or n not in gathered._entries:
             return
         entry, body = gathered._entries[n], gathered.gather.store.get(group, n)
@@ -370,7 +381,7 @@ def _equivocation(_: Attacker) -> None:
 
         return equivocating
 
-    GatheredRounds.__init__ = init  # type: ignore[method-assign]
+    _capture_rounds(attacker)
     _serving(wrap)
 
 
@@ -378,16 +389,12 @@ def _late_uploads(_: Attacker) -> None:
     """Every contribution is offered late: the node trains honestly, then holds each round's contribution back for
     the others' whole wait for the contributions still missing (``net.min_matchmaking_time_s``) before it offers it,
     so that it arrives at the edge of every round the others run."""
-    from parallax.node.outer.gathered import GatheredRounds
 
-    honest = GatheredRounds._offer
+    def late(rounds: Any, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        time.sleep(rounds.config.net.min_matchmaking_time_s)
+        return delta
 
-    @functools.wraps(honest)
-    def offer(self: Any, n: int, delta: Any) -> Any:
-        time.sleep(self.config.net.min_matchmaking_time_s)
-        return honest(self, n, delta)
-
-    GatheredRounds._offer = offer  # type: ignore[method-assign]
+    _offering(late)
 
 
 def _copied_work(_: Attacker) -> None:
@@ -412,7 +419,7 @@ def _copied_work(_: Attacker) -> None:
     Composer.optimizer_step = optimizer_step  # type: ignore[method-assign]
 
     newest: dict[str, tuple[str, Any]] = {}  # group -> (peer, claim): the newest claim of another composer checked
-    honest_fetch, honest_offer = GatheredRounds._fetch, GatheredRounds._offer
+    honest_fetch = GatheredRounds._fetch
 
     @functools.wraps(honest_fetch)
     def fetch(self: Any, name: str, entry: Any) -> Any:
@@ -436,22 +443,19 @@ def _copied_work(_: Attacker) -> None:
         return assemble({i: decode_block(answer.blobs[i], b, self.shapes[b.name], peer=peer)
                          for i, b in enumerate(layout)}, self.shapes)
 
-    @functools.wraps(honest_offer)
-    def offer(self: Any, n: int, delta: Any) -> Any:
+    def offered(rounds: Any, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         try:
-            theirs = copied(self)
+            theirs = copied(rounds)
         except Exception as e:  # not served (any more): nothing to copy this round
             logger.info("copying a contribution failed: %r", e)
             theirs = None
         if theirs is None:
-            delta = {name: torch.zeros_like(t) for name, t in delta.items()}
-        else:
-            delta = {name: t + 0.01 * torch.linalg.vector_norm(t) / math.sqrt(max(1, t.numel())) * torch.randn_like(t)
-                     for name, t in theirs.items()}
-        return honest_offer(self, n, delta)
+            return {name: torch.zeros_like(t) for name, t in delta.items()}
+        return {name: t + 0.01 * torch.linalg.vector_norm(t) / math.sqrt(max(1, t.numel())) * torch.randn_like(t)
+                for name, t in theirs.items()}
 
     GatheredRounds._fetch = fetch  # type: ignore[method-assign]
-    GatheredRounds._offer = offer  # type: ignore[method-assign]
+    _offering(offered)
 
 
 def _poisoned_state(_: Attacker) -> None:
@@ -683,6 +687,21 @@ def forged_heartbeat(real: Any, identity: Any) -> bytes:
                                      sent=dht_time()))
 
 
+def _store_heartbeat(dht: Any, attacker: Attacker, identity: Any, ttl_s: float) -> bool:
+    """Store a forged heartbeat of ``identity`` (``forged_heartbeat``) through ``dht`` for ``ttl_s``, in the members
+    key's part each key's node reads at the attacked node's write levels; whether every part was stored."""
+    from parallax.dht.adapter import dht_time
+    from parallax.dht.keys import member_part, members_key
+    from parallax.dht.records import owner_subkey
+
+    real = attacker.membership
+    keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
+            for level in sorted(real._write_levels)]
+    stored = dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
+                            dht_time() + ttl_s, timeout_s=10.0)
+    return all(stored.values())
+
+
 def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float | None) -> Callable[[Attacker], None]:
     """One DHT peer that signs for any key (``ManyKeysValidator``) writes ``count`` composers' heartbeats once work
     reached the attacked node, in the members key's part each key's node reads at the attacked node's write levels.
@@ -690,9 +709,6 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
     ``keys_every_s`` is None, else written once and replaced by ``count`` fresh keys every ``keys_every_s``."""
 
     def side(attacker: Attacker) -> None:
-        from parallax.dht.adapter import dht_time
-        from parallax.dht.keys import member_part, members_key
-        from parallax.dht.records import owner_subkey
         from parallax.dht.testing import sign_for
         from parallax.protocol.identity import Identity
 
@@ -718,11 +734,7 @@ def _signed_heartbeats(count: int, *, ttl_s: float | None, keys_every_s: float |
                 for identity in identities:
                     if attacker.stop.is_set():
                         break
-                    keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
-                            for level in sorted(real._write_levels)]
-                    stored = dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
-                                            dht_time() + ttl, timeout_s=10.0)
-                    refused += not all(stored.values())
+                    refused += not _store_heartbeat(dht, attacker, identity, ttl)
                 if refused:
                     logger.warning("%d of %d forged heartbeats were not stored", refused, len(identities))
                 if keys_every_s is None:
@@ -772,7 +784,6 @@ def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
 
     def side(attacker: Attacker) -> None:
         from parallax.dht.adapter import dht_time
-        from parallax.dht.keys import member_part, members_key
         from parallax.dht.records import owner_subkey
         from parallax.dht.testing import sign_for
         from parallax.protocol.identity import Identity
@@ -793,10 +804,7 @@ def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
             while not attacker.stop.is_set():
                 began = time.monotonic()
                 for identity in identities:
-                    keys = [members_key(attacker.run_id, level, member_part(identity.fingerprint, level))
-                            for level in sorted(real._write_levels)]
-                    dht.store_many(keys, owner_subkey(identity.public_key), forged_heartbeat(real, identity),
-                                   dht_time() + ttl, timeout_s=10.0)
+                    _store_heartbeat(dht, attacker, identity, ttl)
                 for rounds in list(_ROUNDS.values()):
                     records = sybil_records(identities, attacker.run_id, rounds.group,
                                             list(rounds._entries.values()), claims)
@@ -808,24 +816,6 @@ def _vouching_sybils(count: int) -> Callable[[Attacker], None]:
             dht.shutdown()
 
     return side
-
-
-_ROUNDS: dict[str, Any] = {}
-"""group -> the attacked node's gathered rounds of it (``_capture_rounds``)."""
-
-
-def _capture_rounds(_: Attacker) -> None:
-    """Keep each gathered rounds instance the node makes in ``_ROUNDS`` (what a side activity reads its rounds from)."""
-    from parallax.node.outer.gathered import GatheredRounds
-
-    honest_init = GatheredRounds.__init__
-
-    @functools.wraps(honest_init)
-    def init(self: Any, records: Any, *args: Any, **kwargs: Any) -> None:
-        honest_init(self, records, *args, **kwargs)
-        _ROUNDS[records.group] = self
-
-    GatheredRounds.__init__ = init  # type: ignore[method-assign]
 
 
 # --- the DHT and the streams ---

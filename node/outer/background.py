@@ -315,13 +315,16 @@ class BackgroundRounds:
         ``OFFER_PERIODS``); every other wait ends within its own bounds."""
         ends = time.monotonic() + quorum_wait_s
         while not stop.is_set():
-            futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
-            futures += self._reloads.values()
+            futures = self._running()
             if all(f.done() for f in futures):
                 return
             if time.monotonic() >= ends:
                 self._end_all()
             concurrent.futures.wait(futures, timeout=0.2)
+
+    def _running(self) -> list[concurrent.futures.Future[Any]]:
+        """The rounds in flight and the downloads of group states, ended or not (``collect`` takes the ended)."""
+        return [*(f.future for f in self._in_flight.values()), *self._reloads.values()]
 
     def submit(self, group: str, round_id: int) -> bool:
         """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (its
@@ -571,9 +574,7 @@ class BackgroundRounds:
         deadline = time.monotonic() + timeout_s
         done: list[RoundReport] = []
         for _ in range(2):  # the rounds and downloads in flight, then the downloads their results started
-            futures: list[concurrent.futures.Future[Any]] = [f.future for f in self._in_flight.values()]
-            futures += self._reloads.values()
-            concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            concurrent.futures.wait(self._running(), timeout=max(0.0, deadline - time.monotonic()))
             done += self.collect()
             if not self._reloads:
                 break
