@@ -373,15 +373,20 @@ class GatheredRounds:
 
     def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
-        wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns the live peers
-        the records vouch for (``transport.vouched``): where a download of the group's state asks first."""
+        wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns where a download
+        of the group's state asks first: once work reached this node, the peers whose work did (``_working``) and
+        those their records vouch for; before, the live peers the records vouch for (``transport.vouched``), which
+        identities that name each other in their records can be. Either way not a peer the proofs just convicted."""
         deadline = time.monotonic() + timeout_s
         live = sorted(self._live())
         if not live:
             return set()
         records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
         self.witness.asks_ended(deadline - time.monotonic())
-        return vouched(latest_entries(records)) & self._live()  # not a peer the proofs just heard convicted
+        entries = latest_entries(records)
+        working = self._working() if self.peers.working is not None else set()
+        found = working | vouched(entries, least=1, by=working) if working else vouched(entries)
+        return found & self._live()
 
     def vouch(self, served: Collection[str]) -> set[str]:
         """The live peers that the rounds records of the peers in ``served`` (those that served this node the group's

@@ -34,6 +34,7 @@ import logging
 import math
 import re
 import threading
+import time
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -85,6 +86,13 @@ runs: at half a second, an 8-composer swarm of the tiny preset ran 1.5x slower o
 RECORD_ANSWER_S = 1.0
 """How much longer than ``RECORD_WAIT_S`` ``OuterGather.watch_record`` waits for an answer before it gives up (the
 question itself runs on: never cancelled)."""
+SILENT_FIRST_S = 30.0
+"""A peer that did not answer a question for its rounds record (``RecordWatch``) is not asked again for this long,
+twice as long after each further silence, up to ``SILENT_MAX_S``, and at once again after an answer: its record is
+read from the DHT meanwhile. Identities whose records name peer ids nobody runs cost each node one failed dial each
+per this backoff, not one each per round."""
+SILENT_MAX_S = 600.0
+_SILENT_KEPT = 1024  # peers remembered as silent (the longest-silent first forgotten)
 _RECORD_TAG_BYTES = 16
 WITHDRAWN = b"withdrawn"
 """The fingerprint field of an entry whose round merged nothing here: its contribution is no longer on offer."""
@@ -448,7 +456,8 @@ class RecordWatch:
     node's own event loop held up) is waited for on; the peer's last answer stands meanwhile (its post reaches the
     question before its DHT store begins, so the DHT holds nothing newer that the answer will not bring; reading one
     and then the other, a round would see the peer's contributions leave and come back). A peer that refuses the
-    question, or answers past the bounds, is not asked again until the next round. One question at a time per peer,
+    question, or answers past the bounds, is not asked again for ``SILENT_FIRST_S``, a backoff that doubles at each
+    further silence, over rounds (``stop`` keeps it), and ends at an answer. One question at a time per peer,
     at most one every ``poll_s`` (a peer that answers at once with what the asker holds is not asked in a loop).
 
     Args:
@@ -464,21 +473,22 @@ class RecordWatch:
         self._records: dict[str, bytes] = {}  # peer -> its latest answer
         # peer -> (the question's token, its task): a question withdrawn (``follow``, ``stop``) writes nothing more
         self._asking: dict[str, tuple[object, concurrent.futures.Future[None]]] = {}
-        self._silent: set[str] = set()  # refused a question this round
+        self._silent: dict[str, tuple[float, float]] = {}  # peer -> (asked again from, backoff s): refused a question
         self._questions: dict[str, asyncio.Future[bytes]] = {}  # peer -> its question still open (the event loop's own)
         self._asked_with: dict[str, bytes] = {}  # peer -> the record its open question was asked with (the loop's own)
         self.version = 0
         """Counts the records that changed (``wait``)."""
 
     def follow(self, peers: Collection[str]) -> dict[str, bytes]:
-        """Hold a question at each of ``peers`` (but those that refused one this round) and at no other; returns
-        ``heard(peers)``."""
+        """Hold a question at each of ``peers`` (but those that refused one within their backoff) and at no other;
+        returns ``heard(peers)``."""
+        now = time.monotonic()
         with self._lock:
             for peer in [p for p in self._asking if p not in peers]:
                 self._asking.pop(peer)[1].cancel()
                 self._records.pop(peer, None)
             for peer in peers:
-                if peer not in self._asking and peer not in self._silent:
+                if peer not in self._asking and self._silent.get(peer, (now,))[0] <= now:
                     token = object()
                     self._asking[peer] = token, asyncio.run_coroutine_threadsafe(self._ask(peer, token),
                                                                                  self.gather.loop)
@@ -498,13 +508,21 @@ class RecordWatch:
             return self.version
 
     def stop(self) -> None:
-        """Withdraw every question (the round ended): the next round asks every peer anew."""
+        """Withdraw every question (the round ended): the next round asks every peer anew, but those silent within
+        their backoff."""
         with self._lock:
             for _, flight in self._asking.values():
                 flight.cancel()
             self._asking.clear()
             self._records.clear()
-            self._silent.clear()
+
+    def _fell_silent(self, peer: str) -> float:
+        """``peer`` did not answer: its backoff starts, or doubles (under the lock); returns it."""
+        backoff = min(SILENT_MAX_S, 2 * self._silent.pop(peer, (0.0, SILENT_FIRST_S / 2))[1])
+        self._silent[peer] = time.monotonic() + backoff, backoff
+        while len(self._silent) > _SILENT_KEPT:
+            del self._silent[next(iter(self._silent))]
+        return backoff
 
     def _forget(self, peer: str, question: asyncio.Future[bytes]) -> None:
         """Drop ``peer``'s question once it ended, unless another took its place (in the event loop). Its error is
@@ -537,13 +555,14 @@ class RecordWatch:
             try:  # however long it takes, the peer's last answer standing meanwhile; withdrawn, it runs on (shielded)
                 record = await asyncio.shield(question)
             except Exception as e:  # unreachable directly, rate-limited, or a record past the bound
-                logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT", peer,
-                            self.group, e)
                 with self._lock:
-                    if self._current(peer, token):
-                        self._silent.add(peer)
+                    backoff = self._fell_silent(peer) if self._current(peer, token) else None
+                    if backoff is not None:
                         self._asking.pop(peer)
                         self._records.pop(peer, None)
+                if backoff is not None:
+                    logger.info("peer %s did not give its rounds record of %s (%r); it is read from the DHT, and asked "
+                                "again in %.0f s at the earliest", peer, self.group, e, backoff)
                 return
             if not self._note(peer, token, record):
                 return
@@ -556,6 +575,8 @@ class RecordWatch:
         with self._changed:
             if not self._current(peer, token):
                 return False
+            if not first:
+                self._silent.pop(peer, None)  # it answered
             if self._records.get(peer) != record and not (first and peer in self._records):
                 self._records[peer] = record
                 self.version += 1

@@ -22,7 +22,7 @@ import hivemind
 import numpy as np
 import pytest
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from parallax.benchmarks.attacks import whole_merges
@@ -364,6 +364,24 @@ def test_a_watch_knows_each_followed_peers_record_as_the_peer_changes_it(peers, 
         watch.stop()
         wait_until(lambda: not watch._questions and not watch._asked_with, timeout=10,  # each forgotten as it ends
                    explain=lambda: repr(watch._questions))
+    finally:
+        watch.stop()
+
+
+def test_a_watch_asks_a_silent_peer_again_only_after_a_backoff_that_doubles_over_rounds(peers, monkeypatch):
+    """A peer id nobody runs does not answer a watch's question: it is not asked again when the round stops and the
+    next one follows it, until its backoff ends; asked then and silent again, its backoff doubles."""
+    monkeypatch.setattr(transport, "SILENT_FIRST_S", 3.0)
+    watch = RecordWatch(peers[1].gather, "silent", 0.05)
+    nobody = str(PeerID(b"\x12\x20" + bytes(range(32))).to_base58())
+    try:
+        watch.follow([nobody])
+        wait_until(lambda: nobody in watch._silent, timeout=30, explain=lambda: repr(watch._asking))
+        assert watch._silent[nobody][1] == 3.0
+        watch.stop()
+        assert watch.follow([nobody]) == {} and nobody not in watch._asking  # within its backoff: not asked
+        wait_until(lambda: watch.follow([nobody]) == {} and watch._silent.get(nobody, (0, 0))[1] == 6.0, timeout=30,
+                   explain=lambda: repr(watch._silent))
     finally:
         watch.stop()
 
