@@ -58,6 +58,20 @@ def _run_set(bench: Any, run: Any, opts: RunOptions, runs: str) -> None:
     typer.echo(bench.markdown(report))
 
 
+@bench_app.command("own-data")
+@with_run_options
+def own_data(
+    opts: RunOptions,
+    runs: str = typer.Option("", "--runs", show_default=False,
+                             help="Comma-separated runs: honest, copier (default: both)."),
+) -> None:
+    """Can a peer tell work from a copy? Each composer's pseudo-gradient against the merged one, on the batches its
+    seeded sampler drew, in the simulator with and without a copier (tiny preset, 600 steps: about 3 min)."""
+    from parallax.benchmarks import own_data as bench
+
+    _run_set(bench, bench.run_own_data, opts, runs)
+
+
 @bench_app.command("horizon")
 def horizon(
     reports: list[str] = typer.Argument(..., help="Quality JSON files (parallax bench quality --json ...)."),

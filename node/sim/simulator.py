@@ -163,7 +163,8 @@ def bundle_outer(composer: Composer, experts: Sequence[ExpertId]) -> OuterBundle
 
 def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: ProgressFn | None = None,
         device: torch.device | str = "cpu", checkpoint_dir: Path | None = None,
-        should_stop: Callable[[], bool] | None = None, data: CorpusInfo | None = None) -> RunResult:
+        should_stop: Callable[[], bool] | None = None, data: CorpusInfo | None = None,
+        before_merge: Callable[[Sequence[Composer], str, int], None] | None = None) -> RunResult:
     """Train one run to completion and evaluate it.
 
     Args:
@@ -177,6 +178,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         data: the corpus ``train`` and ``val`` come from, named in those checkpoints.
         should_stop: polled after every step; True makes that step the last (the final merges and evaluation
             still run, so a stopped run is a complete, shorter one).
+        before_merge: called with (composers, group, step) before each outer round of a shared group (what a
+            benchmark measures of the pseudo-gradients, or changes in them, before they merge).
     """
     cfg, C = spec.cfg, spec.composers
     if spec.kind == "offload":
@@ -253,6 +256,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         if last or split_now:
             late.land()  # every merge still on its way, then the last rounds, applied at once
         for group in due:
+            if before_merge is not None:
+                before_merge(composers, group, step)
             traffic["outer"] += merge_round(composers, group, cfg.sync.merge, cfg.sync.compression,
                                              cfg.sync.aggregation, groups_of=cfg.sim.outer_group_size,
                                              seed=zlib.crc32(f"{cfg.seed}/{step}/{group}".encode()),

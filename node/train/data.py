@@ -217,6 +217,17 @@ class BatchSampler:
         self.step += 1
         return windows_BT1[:, :-1], windows_BT1[:, 1:]
 
+    def replay(self, first: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches this sampler's stream hands out as its draws ``first`` to ``first + count - 1`` (counting from
+        0), from its seed alone: what another peer that knows the seed and the draw count can rebuild of the data a
+        sampler's owner trained on. Leaves this sampler where it is."""
+        if first < 0 or count < 0:
+            raise ValueError(f"draws must be non-negative, got first={first}, count={count}")
+        twin = BatchSampler(self.tokens, self.batch_size, self.seq_len, self.seed)
+        for _ in range(first):
+            torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=twin._gen)
+        return [twin.next_batch() for _ in range(count)]
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the exact stream: generator state, step count, shape."""
         return {"generator": self._gen.get_state(), "step": self.step, "seed": self.seed,

@@ -102,6 +102,19 @@ def test_sampler_resumes_exact_stream():
         BatchSampler(tokens, 4, 8, seed=1).load_state_dict(state)
 
 
+def test_a_sampler_replays_any_of_its_draws_from_its_seed_and_stays_where_it_is():
+    tokens = torch.randint(0, 256, (500,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    a = BatchSampler(tokens, 3, 8, seed=7)
+    drawn = [a.next_batch() for _ in range(9)]
+    for (ex, ey), (gx, gy) in zip(drawn[4:7], a.replay(4, 3), strict=True):
+        assert torch.equal(ex, gx) and torch.equal(ey, gy)
+    assert a.step == 9 and a.replay(2, 0) == []
+    following = BatchSampler(tokens, 3, 8, seed=7).replay(9, 1)[0]
+    assert torch.equal(a.next_batch()[0], following[0])
+    with pytest.raises(ValueError, match="non-negative"):
+        a.replay(-1, 2)
+
+
 def test_sampler_rejects_short_stream():
     with pytest.raises(ValueError):
         BatchSampler(torch.arange(8), 2, 8, seed=0)

@@ -1,0 +1,171 @@
+"""Work on one's own data: can a peer tell a composer that trains from one that copies another's contribution?
+
+A composer's data stream is a seeded sampler (``data.BatchSampler``), so any peer that knows the seed and how many
+batches the composer drew rebuilds the batches it trained on (``BatchSampler.replay``). A pseudo-gradient trained on
+those batches lowers the loss on them by more than the swarm's merged update does: it holds what the composer learnt
+of its own batches, which the merge dilutes n-fold. A copy of another composer's pseudo-gradient (plus noise) holds
+nothing of the copier's batches, and lowers the loss on them less than the merge, which averages the noise out.
+
+For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge``), and each composer, on the last
+``batches`` batches it drew (of the round's period), with its own experts and surrogates:
+
+- ``own``: the loss on them at the group's anchor minus the loss with the composer's offered pseudo-gradient applied;
+- ``merged``: the same with the mean of the other composers' offered pseudo-gradients applied (but any within
+  ``DUPLICATE_COSINE`` of the composer's: a copy of it, or the one it copies);
+- ``margin``: ``(own - merged) / |merged|``.
+
+Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
+and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
+does). Reported per composer: the rounds audited, the share of positive margins, the median margin, and for a rule
+that judges a composer on its last ``WINDOW`` audits (not working on its data when fewer than half are positive) the
+share of windows that judge it so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from parallax.benchmarks.quality import _preset_name
+from parallax.benchmarks.report import write_report
+from parallax.node.config.train import TrainConfig
+from parallax.node.sim.simulator import ProgressFn, RunSpec, run
+from parallax.node.train.composer import Composer
+from parallax.node.train.data import load_corpus, split_corpus
+
+DEFAULT_RUNS = ("honest", "copier")
+GROUP = "backbone"
+BATCHES = 16
+"""Batches of its latest period each composer is audited on (at most the period)."""
+WINDOW = 8
+"""Audits a judgement looks back on."""
+DUPLICATE_COSINE = 0.99
+"""Another composer's pseudo-gradient this close to the audited one (a copy of it, or the one it copies) is left out
+of what it is compared with: a copy would otherwise pull the merge toward the composer it copied."""
+NOISE = 0.01
+"""The copier's noise, relative to the RMS of the pseudo-gradient it copies."""
+
+
+def gains(composer: Composer, group: str, deltas: Sequence[dict[str, torch.Tensor]],
+          batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """How much each of ``deltas`` (pseudo-gradients of ``group``: anchor - parameters) lowers ``composer``'s loss
+    on ``batches`` from the group's anchor; the composer's live parameters are left as they were."""
+    outer = composer.outer[group]
+    live = outer.live_copy()
+    try:
+        outer.load_live(outer.anchor)
+        at_anchor = composer.evaluate(batches)
+        out = []
+        for delta in deltas:
+            outer.load_live({name: outer.anchor[name] - delta[name] for name in outer.anchor})
+            out.append(at_anchor - composer.evaluate(batches))
+        return out
+    finally:
+        outer.load_live(live)
+
+
+class _Audit:
+    """The ``before_merge`` of one run: the copier's offer, then each composer's margin at each ``GROUP`` round."""
+
+    def __init__(self, copier: bool, period: int, seed: int) -> None:
+        self.copier, self.period = copier, period
+        self.noise = torch.Generator().manual_seed(seed)
+        self.margins: dict[int, list[float]] = {}
+        self._idle = False
+
+    def __call__(self, composers: Sequence[Composer], group: str, step: int) -> None:
+        if group not in composers[0].outer:
+            return
+        offered = [c.outer[group].pseudo_gradient() for c in composers]
+        if self.copier:
+            if not self._idle:  # trains nothing from here on: no parameter of it moves again
+                composers[-1].optimizer_step = lambda: None  # type: ignore[method-assign]
+                self._idle = True
+            offered[-1] = {name: t + NOISE * t.pow(2).mean().sqrt() * torch.randn(t.shape, generator=self.noise)
+                           for name, t in offered[0].items()}
+            anchor = composers[-1].outer[group].anchor
+            composers[-1].outer[group].load_live({name: anchor[name] - offered[-1][name] for name in anchor})
+        if group != GROUP:
+            return
+        count = min(BATCHES, self.period)
+        for i, composer in enumerate(composers):
+            drawn = composer.sampler.step
+            others = [d for j, d in enumerate(offered) if j != i and _cosine(d, offered[i]) < DUPLICATE_COSINE]
+            if drawn < count or not others:
+                continue
+            merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
+            batches = composer.sampler.replay(drawn - count, count)
+            own, whole = gains(composer, group, [offered[i], merged], batches)
+            self.margins.setdefault(i, []).append((own - whole) / max(abs(whole), 1e-9))
+
+
+def _cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+    norms = (sum(float(a[n].double().pow(2).sum()) for n in a) * sum(float(b[n].double().pow(2).sum()) for n in a))
+    return dot / max(norms ** 0.5, 1e-30)
+
+
+def judged_idle(margins: Sequence[float], window: int = WINDOW) -> float | None:
+    """The share of ``window``-long runs of consecutive audits in which fewer than half the margins are positive
+    (None with fewer audits than a window)."""
+    windows = [margins[i:i + window] for i in range(len(margins) - window + 1)]
+    if not windows:
+        return None
+    return sum(sum(m > 0 for m in w) * 2 < len(w) for w in windows) / len(windows)
+
+
+def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = DEFAULT_RUNS,
+                 progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Run the benchmark and return its JSON-able report."""
+    if composers < 3:
+        raise ValueError(f"the benchmark needs at least 3 composers (two honest beside the copier), got {composers}")
+    unknown = sorted(set(runs) - set(DEFAULT_RUNS))
+    if unknown:
+        raise ValueError(f"unknown runs {unknown}; choose among {', '.join(DEFAULT_RUNS)}")
+    if GROUP not in cfg.sync.periods:
+        raise ValueError(f"the run merges no {GROUP} group (sync.periods {dict(cfg.sync.periods)})")
+    train, val = split_corpus(load_corpus(data))
+    report: dict[str, Any] = {"preset": _preset_name(cfg), "composers": composers, "steps": cfg.steps,
+                              "periods": dict(cfg.sync.periods), "group": GROUP,
+                              "batches": min(BATCHES, cfg.sync.periods[GROUP]), "window": WINDOW, "noise": NOISE,
+                              "runs": {}}
+    started = time.perf_counter()
+    for name in runs:
+        audit = _Audit(name == "copier", cfg.sync.periods[GROUP], cfg.seed)
+        result = run(RunSpec(name=name, kind="parallax", cfg=cfg, composers=composers), train, val,
+                     progress=progress, before_merge=audit)
+        rows = []
+        for i in range(composers):
+            margins = audit.margins.get(i, [])
+            rows.append({"composer": i, "copier": name == "copier" and i == composers - 1, "audits": len(margins),
+                         "positive": sum(m > 0 for m in margins) / len(margins) if margins else None,
+                         "median_margin": statistics.median(margins) if margins else None,
+                         "judged_idle": judged_idle(margins), "margins": margins})
+        report["runs"][name] = {"val_loss": result.val_loss, "composers": rows}
+    report["wall_s"] = time.perf_counter() - started
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"Work on one's own data: {report['composers']} composers, preset {report['preset']}, "
+             f"{report['steps']} steps, periods {report['periods']}; each {report['group']} round, every composer's "
+             f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches; judged "
+             f"on its last {report['window']} audits.", "",
+             "| run | composer | audits | margins > 0 | median margin | windows judging it idle |",
+             "|---|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        for row in r["composers"]:
+            who = f"{row['composer']} (copier)" if row["copier"] else str(row["composer"])
+            positive = "-" if row["positive"] is None else f"{row['positive']:.0%}"
+            median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
+            idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
+            lines.append(f"| {name} | {who} | {row['audits']} | {positive} | {median} | {idle} |")
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], json_path: Any) -> None:
+    write_report(report, markdown(report), json_path)
