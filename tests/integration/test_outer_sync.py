@@ -1,5 +1,5 @@
 """Tiered outer sync over real hivemind DHT peers and averagers on loopback: the all-reduce rounds
-(``aggregation="allreduce"``; the gathered ones are in test_outer_gather.py).
+(``aggregation="allreduce"``; the gathered ones are in test_outer_gather*.py).
 
 Three DHT peers live for the whole module; each test starts its own averagers under its own run id
 (so rounds of different tests never meet) and shuts them down in ``finally``. Rounds of the peers
