@@ -91,11 +91,13 @@ class _Audit:
             composers[-1].outer[group].load_live({name: anchor[name] - offered[-1][name] for name in anchor})
         if group != GROUP:
             return
-        count = min(BATCHES, self.period)
         for i, composer in enumerate(composers):
             drawn = composer.sampler.step
+            # The batches since the group's last merge (a round off its schedule, the run's last, comes early).
+            since = composer.tokens_since_merge[group] // (composer.batch_size * composer.cfg.model.seq_len)
+            count = min(BATCHES, self.period, since)
             others = [d for j, d in enumerate(offered) if j != i and _cosine(d, offered[i]) < DUPLICATE_COSINE]
-            if drawn < count or not others:
+            if count < 1 or drawn < count or not others:
                 continue
             merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
             batches = composer.sampler.replay(drawn - count, count)

@@ -65,8 +65,9 @@ def own_data(
     runs: str = typer.Option("", "--runs", show_default=False,
                              help="Comma-separated runs: honest, copier (default: both)."),
 ) -> None:
-    """Can a peer tell work from a copy? Each composer's pseudo-gradient against the merged one, on the batches its
-    seeded sampler drew, in the simulator with and without a copier (tiny preset, 600 steps: about 3 min)."""
+    """Can a peer tell work from a copy? Each composer's pseudo-gradient against the others' merge, on the batches
+    its seeded sampler drew, in the simulator with and without a copier (--preset tiny --steps 2000: about 5 min on
+    2 cores; a judgement needs 8 backbone rounds)."""
     from parallax.benchmarks import own_data as bench
 
     _run_set(bench, bench.run_own_data, opts, runs)

@@ -150,6 +150,7 @@ class GatheredRounds:
         # usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
+        self._work_arrived: dict[str, None] = {}  # peers whose contribution, not all zeros, arrived here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
         self._watch = RecordWatch(gather, records.group, POLL_S)  # the live peers' records while a round runs
@@ -374,9 +375,10 @@ class GatheredRounds:
     def hear_proofs(self, timeout_s: float) -> set[str]:
         """Read the live composers' rounds records (the witness takes in their claims and the proofs they show) and
         wait up to ``timeout_s`` in all for the proofs asked for to arrive and be checked. Returns where a download
-        of the group's state asks first: once work reached this node, the peers whose work did (``_working``) and
-        those their records vouch for; before, the live peers the records vouch for (``transport.vouched``), which
-        identities that name each other in their records can be. Either way not a peer the proofs just convicted."""
+        of the group's state asks first: once work reached this node in this group, the live peers whose work did
+        (a contribution not all zeros, fetched and decoded here) and those their records vouch for; before, the live
+        peers the records vouch for (``transport.vouched``), which identities that name each other in their records
+        can be. Either way not a peer the proofs just convicted."""
         deadline = time.monotonic() + timeout_s
         live = sorted(self._live())
         if not live:
@@ -384,9 +386,11 @@ class GatheredRounds:
         records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
         self.witness.asks_ended(deadline - time.monotonic())
         entries = latest_entries(records)
-        working = self._working() if self.peers.working is not None else set()
-        found = working | vouched(entries, least=1, by=working) if working else vouched(entries)
-        return found & self._live()
+        live = self._live()
+        with self._lock:
+            arrived = self._work_arrived.keys() & live
+        found = (arrived | vouched(entries, least=1, by=arrived)) if arrived else vouched(entries)
+        return found & live
 
     def vouch(self, served: Collection[str]) -> set[str]:
         """The live peers that the rounds records of the peers in ``served`` (those that served this node the group's
@@ -871,17 +875,18 @@ class GatheredRounds:
         """A contribution of ``peer`` arrived usable (whole: its ``tensors``, or blocks of the contribution whose
         claim signed ``digest``): it holds no fetch and fails none now, and it shows work, unless it is all zeros (a
         body any identity can send without training)."""
-        room = self._peers_kept() if digest is not None else 0
+        room = self._peers_kept()
+        zeros = (not any(bool(t.any()) for t in tensors.values()) if tensors is not None
+                 else digest is not None and digest == self._zeros())
         with self._lock:
             self._held.pop(peer, None)
             self._failing.pop(peer, None)
-            if digest is not None:
-                self._served.pop(peer, None)
-                self._served[peer] = None
-                while len(self._served) > room:
-                    del self._served[next(iter(self._served))]
-        zeros = (not any(bool(t.any()) for t in tensors.values()) if tensors is not None
-                 else digest is not None and digest == self._zeros())
+            for kept, noted in ((self._served, digest is not None), (self._work_arrived, not zeros)):
+                if noted:
+                    kept.pop(peer, None)
+                    kept[peer] = None
+                    while len(kept) > room:
+                        del kept[next(iter(kept))]
         if self.peers.worked is not None and not zeros:
             self.peers.worked(peer)
 

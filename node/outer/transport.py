@@ -573,10 +573,10 @@ class RecordWatch:
         """Take ``record`` as ``peer``'s (``first``: only when none stands yet), waking the waiters when it changed;
         False when the question ``token`` names is no longer the current one."""
         with self._changed:
+            if not first:
+                self._silent.pop(peer, None)  # it answered (a withdrawn question's answer too)
             if not self._current(peer, token):
                 return False
-            if not first:
-                self._silent.pop(peer, None)  # it answered
             if self._records.get(peer) != record and not (first and peer in self._records):
                 self._records[peer] = record
                 self.version += 1

@@ -199,18 +199,22 @@ def test_contributions_on_offer_count_in_the_quorum_of_a_node_whose_view_of_work
 
 def test_a_download_asks_first_the_peers_whose_work_arrived_and_those_their_records_vouch_for() -> None:
     """S1-S3 name each other as the senders of a merged round (identities one attacker holds can): before any work
-    reached A, the records vouch for them as for B, C and D, who merged each other's; once B's work arrived, a
-    download asks first B and the peers B's record names, not those only the others' records name."""
+    reached A, the records vouch for them as for B, C and D, who merged each other's, though every live composer
+    counts as working then (nobody is judged before work flows); once B's contribution arrived, a download asks
+    first B and the peers B's record names, not those only the others' records name. A contribution of zeros shows
+    no work."""
     honest, sybils = _names("B", "C", "D"), ("S1@1", "S2@1", "S3@1")
     entries = {peer: _entry(peer, 1, honest) for peer in "BCD"} | {s[:2]: _entry(s[:2], 1, sybils) for s in sybils}
     live = ["A", "B", "C", "D", "S1", "S2", "S3"]
-    node, unseen = (_Scripted([entries], RoundPeers(lambda: live, working)) for working in (lambda: ["B"], lambda: []))
+    node = _Scripted([entries], RoundPeers(lambda: live, lambda: live))
     try:
-        assert unseen.hear_proofs(1.0) == {"B", "C", "D", "S1", "S2", "S3"}
+        assert node.hear_proofs(1.0) == {"B", "C", "D", "S1", "S2", "S3"}
+        node._worked("S1", tensors={"w": torch.zeros(4)})
+        assert node.hear_proofs(1.0) == {"B", "C", "D", "S1", "S2", "S3"}
+        node._worked("B", tensors={"w": torch.ones(4)})
         assert node.hear_proofs(1.0) == {"B", "C", "D"}
     finally:
         node.close()
-        unseen.close()
 
 
 def test_one_contribution_on_offer_ranks_first_on_every_node_and_another_one_next_round() -> None:
