@@ -380,13 +380,13 @@ class GatheredRounds:
         peers the records vouch for (``transport.vouched``), which identities that name each other in their records
         can be. Either way not a peer the proofs just convicted."""
         deadline = time.monotonic() + timeout_s
-        live = sorted(self._live())
-        if not live:
+        peers = sorted(self._live())
+        if not peers:
             return set()
-        records = self.records.read(live, min(timeout_s, self.config.net.dht_timeout_s))
+        records = self.records.read(peers, min(timeout_s, self.config.net.dht_timeout_s))
         self.witness.asks_ended(deadline - time.monotonic())
         entries = latest_entries(records)
-        live = self._live()
+        live = self._live()  # not a peer the proofs just heard convicted
         with self._lock:
             arrived = self._work_arrived.keys() & live
         found = (arrived | vouched(entries, least=1, by=arrived)) if arrived else vouched(entries)
