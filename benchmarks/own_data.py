@@ -36,6 +36,7 @@ from parallax.node.config.train import TrainConfig
 from parallax.node.sim.simulator import ProgressFn, RunSpec, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.robust import merge_geometry
 
 DEFAULT_RUNS = ("honest", "copier")
 GROUP = "backbone"
@@ -91,24 +92,20 @@ class _Audit:
             composers[-1].outer[group].load_live({name: anchor[name] - offered[-1][name] for name in anchor})
         if group != GROUP:
             return
+        gram = merge_geometry(offered, offered[0])["gram"]
         for i, composer in enumerate(composers):
             drawn = composer.sampler.step
             # The batches since the group's last merge (a round off its schedule, the run's last, comes early).
             since = composer.tokens_since_merge[group] // (composer.batch_size * composer.cfg.model.seq_len)
             count = min(BATCHES, self.period, since)
-            others = [d for j, d in enumerate(offered) if j != i and _cosine(d, offered[i]) < DUPLICATE_COSINE]
+            others = [d for j, d in enumerate(offered)
+                      if j != i and gram[i][j] < DUPLICATE_COSINE * max((gram[i][i] * gram[j][j]) ** 0.5, 1e-30)]
             if count < 1 or drawn < count or not others:
                 continue
             merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
             batches = composer.sampler.replay(drawn - count, count)
             own, whole = gains(composer, group, [offered[i], merged], batches)
             self.margins.setdefault(i, []).append((own - whole) / max(abs(whole), 1e-9))
-
-
-def _cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
-    norms = (sum(float(a[n].double().pow(2).sum()) for n in a) * sum(float(b[n].double().pow(2).sum()) for n in a))
-    return dot / max(norms ** 0.5, 1e-30)
 
 
 def judged_idle(margins: Sequence[float], window: int = WINDOW) -> float | None:

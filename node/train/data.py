@@ -211,8 +211,7 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns: (x [B, T], y [B, T]) int64 on CPU, y[:, t] = x[:, t + 1] in the stream."""
-        # Highest start is N - T - 1 so that the target window (one further) still fits.
-        starts_B = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
+        starts_B = self._starts()
         windows_BT1 = self.tokens[starts_B[:, None] + self._offsets_T1].long()
         self.step += 1
         return windows_BT1[:, :-1], windows_BT1[:, 1:]
@@ -225,8 +224,13 @@ class BatchSampler:
             raise ValueError(f"draws must be non-negative, got first={first}, count={count}")
         twin = BatchSampler(self.tokens, self.batch_size, self.seq_len, self.seed)
         for _ in range(first):
-            torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=twin._gen)
+            twin._starts()
         return [twin.next_batch() for _ in range(count)]
+
+    def _starts(self) -> torch.Tensor:
+        """The next batch's window starts [B], drawn from the generator (all a draw takes of it)."""
+        # Highest start is N - T - 1 so that the target window (one further) still fits.
+        return torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the exact stream: generator state, step count, shape."""
