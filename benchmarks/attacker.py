@@ -490,9 +490,10 @@ def _surrogates_at_the_bound(_: Attacker) -> None:
     held: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     factor = 0.95 * gossip.MAX_GROWTH
 
-    def publish(self: Any, layer: int, expert: int, version: int, factors: Any, full: Any = None) -> Any:
+    def publish(self: Any, layer: int, expert: int, version: int, factors: Any, full: Any = None, *,
+                step: int = 0) -> Any:
         if full is None:
-            return honest(self, layer, expert, version, factors, full)
+            return honest(self, layer, expert, version, factors, full, step=step)
         eid = (layer, expert)
         theirs = held.setdefault(eid, {n: full[n] - change_of(f).reshape(full[n].shape) for n, f in factors.items()})
         scaled, new_full = {}, {}
@@ -504,7 +505,7 @@ def _surrogates_at_the_bound(_: Attacker) -> None:
             scaled[name] = (u * scale, v)
             new_full[name] = old + scale * change
         held[eid] = new_full
-        return honest(self, layer, expert, version, scaled, new_full)
+        return honest(self, layer, expert, version, scaled, new_full, step=step)
 
     gossip.SurrogateGossip.publish = publish  # type: ignore[method-assign]
 

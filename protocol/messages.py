@@ -217,7 +217,9 @@ class ShardRelease(Message):
 class SurrogateDelta(Message):
     """Announcement (in the DHT) of a surrogate update; the payload is served over a P2P stream.
 
-    ``digest`` is the sha256 of the payload message's encoded body, ``size`` its length in bytes.
+    ``digest`` is the sha256 of the payload message's encoded body, ``size`` its length in bytes. ``step`` is the
+    owner's step when it published: receivers in lockstep (``node.lockstep``) apply the update a fixed number of
+    their own steps after it, wherever gossip brought it sooner; others ignore it.
     """
 
     KIND: ClassVar[str] = "surrogate_delta"
@@ -230,6 +232,7 @@ class SurrogateDelta(Message):
     rank: int = wire(Int(1, 4096))
     digest: bytes = wire(_DIGEST)
     size: int = wire(Int(0, 1024 * MiB))
+    step: int = wire(_COUNT, 0)
 
     def _validate(self) -> None:
         if self.base_version >= self.version:

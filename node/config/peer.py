@@ -155,8 +155,10 @@ class NodeSettings:
     lockstep: bool = False
     """At each step, wait for the shared groups' outer rounds started at the step before to end, and apply them: every
     node applies each merge one step after it was due (``parallax bench attacks --lockstep``: runs that differ in an
-    attack, not in when their rounds landed). False: training goes on while a round runs and its merge lands a few
-    steps later (``node.outer.background``); lockstep is slower by every round's time."""
+    attack, not in when their rounds landed). Surrogate updates land a refresh period after their owner published them
+    (``node.peer.lockstep``), and each composer trains at its own point of the learning-rate schedule. False: training
+    goes on while a round runs and its merge lands a few steps later (``node.outer.background``), and updates land when
+    gossip brings them; lockstep is slower by every round's time."""
     train_nice: int = 10
     """How much lower (Linux nice steps, 0-19) the training thread runs than the node's network threads, its DHT
     process and p2pd, from its first step on: on a crowded CPU the bulk compute yields to heartbeats, rounds and

@@ -106,13 +106,15 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class SurrogateUpdate:
-    """One ready-to-apply update: a delta (``factors``) or a full copy (``state``) at ``version``."""
+    """One ready-to-apply update: a delta (``factors``) or a full copy (``state``) at ``version``, published at the
+    owner's ``step`` (``SurrogateDelta.step``)."""
 
     layer: int
     expert: int
     version: int
     factors: Mapping[str, Factors] | None = None
     state: Mapping[str, torch.Tensor] | None = None
+    step: int = 0
 
     @property
     def is_full(self) -> bool:
@@ -446,6 +448,8 @@ class SurrogateGossip:
         version: int,
         factors: Mapping[str, Factors],
         full: Mapping[str, torch.Tensor] | None = None,
+        *,
+        step: int = 0,
     ) -> SurrogateDelta:
         """Owner side: serve this delta (and the full copy after it, if given) and announce it.
 
@@ -455,6 +459,7 @@ class SurrogateGossip:
             factors: from ``ErrorFeedbackPublisher.delta`` (CPU float32).
             full: the state receivers hold after this delta, ``ErrorFeedbackPublisher.full()``; lets
                 late joiners catch up. Without it the latest full copy given stays announced.
+            step: the owner's step now (``SurrogateDelta.step``).
 
         Returns:
             The announcement (what goes into the DHT record).
@@ -476,18 +481,18 @@ class SurrogateGossip:
         except LocalProtocolError as e:
             raise ValueError(f"surrogate {eid} v{version} cannot be encoded: {e}") from e
         rank = max([u.shape[-1] for u, v in factors.values() if v.numel()] + [1])
-        return self._publish_bodies(eid, version, rank, body, full_body)
+        return self._publish_bodies(eid, version, rank, body, full_body, step=step)
 
     def _publish_bodies(self, eid: ExpertId, version: int, rank: int, body: bytes,
-                        full_body: bytes | None) -> SurrogateDelta:
+                        full_body: bytes | None, *, step: int = 0) -> SurrogateDelta:
         # Split from publish() so tests can serve deliberately bad payloads under a valid announcement.
         ann = SurrogateDelta(layer=eid[0], expert=eid[1], version=version, base_version=version - 1,
-                             rank=min(rank, 4096), digest=payload_digest(body), size=len(body))
+                             rank=min(rank, 4096), digest=payload_digest(body), size=len(body), step=step)
         self.store.put(ann, body, full=False, owned=True)
         self._held[eid] = version  # the owner holds what it publishes (if it stops owning, it follows from here)
         if full_body is not None:
             fann = SurrogateDelta(layer=eid[0], expert=eid[1], version=version, base_version=0,
-                                  rank=ann.rank, digest=payload_digest(full_body), size=len(full_body))
+                                  rank=ann.rank, digest=payload_digest(full_body), size=len(full_body), step=step)
             self.store.put(fann, full_body, full=True, owned=True)
         self._poke()
         return ann
@@ -648,10 +653,10 @@ class SurrogateGossip:
         try:
             if full:
                 update = SurrogateUpdate(eid[0], eid[1], ann.version, state=decode_full(
-                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer))
+                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer), step=ann.step)
             else:
                 update = SurrogateUpdate(eid[0], eid[1], ann.version, factors=decode_delta(
-                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer))
+                    body, eid, ann.version, self.shapes, self._limits, peer=offer.owner_peer), step=ann.step)
         except RemoteProtocolError as e:
             self._bad.add(ann.digest)
             self._refuse("bad_payload", "refused surrogate %s %s v%d signed by its owner: %s",

@@ -319,7 +319,8 @@ class Experts:
         """Publish a surrogate change of an owned expert (the first after a take-over jumps versions)."""
         eid = (layer, expert)
         version = self.gossip.next_version(layer, expert, adopted=eid in self._adopted)
-        self.gossip.publish(layer, expert, version, factors, full=self.composer.publishers[eid].full())
+        self.gossip.publish(layer, expert, version, factors, full=self.composer.publishers[eid].full(),
+                            step=self.composer.step)
         self._adopted.discard(eid)
 
     def push_final_snapshots(self, deadline: float) -> None:

@@ -27,6 +27,7 @@ from parallax.node.outer.background import BackgroundRounds, next_round_in
 from parallax.node.outer.replicas import ReplicaRounds
 from parallax.node.outer.wire import payload_bytes
 from parallax.node.peer.experts import Experts
+from parallax.node.peer.lockstep import LockstepSurrogates
 from parallax.node.peer.processes import lower_thread_priority
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import Telemetry
@@ -72,6 +73,8 @@ class Training:
         self._refit_took = 0.0  # seconds of surrogate refits in the current seam
         self._past_schedule = False  # warned that the run's learning-rate schedule has ended
         self._rebase_due = False  # cut off and back: the shared groups take the others' state once its side holds
+        self._lockstep = (LockstepSurrogates(config.train.surrogate.refresh_every) if config.node.lockstep
+                          else None)
 
     # --- the loop ---
 
@@ -157,7 +160,7 @@ class Training:
         composer, gossip, rounds = self.composer, self.gossip, self.rounds
         owned_now = set(composer.owned_experts())
         typical: dict[int, dict[str, float]] = {}  # per layer, once a seam
-        for update in gossip.drain():
+        for update in self._surrogate_updates():
             eid = (update.layer, update.expert)
             if eid not in self.experts.led:  # a co-owner follows the lead's surrogate as any receiver does
                 if eid[0] not in typical:  # only surrogates received from owners: a joiner's are still at init
@@ -194,13 +197,46 @@ class Training:
         if unchained:  # an expert's first snapshot starts its heir's chain (before its first step: at the init)
             self.experts.serve_snapshots(experts=unchained)
         run_step = self.views.run_step()
-        if run_step is not None:  # a composer slower than the others trains at their point of the schedule
-            composer.follow_schedule(run_step)
+        if run_step is not None and self._lockstep is None:  # lockstep: every composer at its own point
+            composer.follow_schedule(run_step)  # a composer slower than the others trains at their point
         versions = gossip.versions()
         suspects, banned = self.scores.suspects(MAX_SUSPECTS) if self.scores is not None else ({}, ())
         self.membership.update(step=step, loss=self.telemetry.status.loss, suspects=suspects, banned=banned,
                                versions={"max": max(versions.values(), default=0), "held": len(versions)})
         self._refresh_status()
+
+    def _surrogate_updates(self) -> list[SurrogateUpdate]:
+        """The surrogate updates to apply now: every one that arrived; in lockstep, those due at this step
+        (``LockstepSurrogates``), after a wait, at a refresh step, for those the owners published one refresh
+        before (bounded by ``net.outer.matchmaking_timeout_s``, as the rounds' wait)."""
+        updates = self.gossip.drain()
+        if self._lockstep is None:
+            return updates
+        step, lockstep = self.composer.step, self._lockstep
+        lockstep.add(updates, step)
+        missing = lockstep.missing(step, lockstep.expect(step, self._followed()))
+        ends = time.monotonic() + self.config.net.outer.matchmaking_timeout_s
+        while missing and not self.stop_event.is_set() and time.monotonic() < ends:
+            self.stop_event.wait(0.05)
+            lockstep.add(self.gossip.drain(), step)
+            missing = lockstep.missing(step, missing)
+        if missing:
+            logger.info("lockstep: no surrogate update published at step %d arrived for %s; not waited for again "
+                        "until one does", step - lockstep.lag, sorted(missing))
+            lockstep.late(missing)
+        return lockstep.due(step)
+
+    def _followed(self) -> dict[tuple[int, int], str]:
+        """Expert -> its owner in the live assignment, where that is another node, not banned: the surrogates this
+        node follows."""
+        owned = set(self.composer.owned_experts())
+        model = self.config.train.model
+        out = {}
+        for eid in ((layer, e) for layer in range(model.n_layers) for e in range(model.n_experts)):
+            owner = self.views.owner_peer(eid) if eid not in owned else None
+            if owner is not None and owner != self.dht.peer_id and not self.views.banned(owner):
+                out[eid] = owner
+        return out
 
     def _collect_replicas(self) -> None:
         """Apply the replicated experts' finished rounds and serve the merged experts' snapshots at once: an owner

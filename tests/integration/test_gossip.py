@@ -46,6 +46,7 @@ class Node:
     gossip: SurrogateGossip
     held: dict = field(default_factory=dict)
     applied: list = field(default_factory=list)  # (eid, version, full) in the order applied
+    steps: dict = field(default_factory=dict)  # (eid, version) -> the owner's step it was published at
 
     def pump(self) -> None:
         """What the training loop does between steps: drain and apply."""
@@ -53,6 +54,7 @@ class Node:
             eid = (u.layer, u.expert)
             u.apply(self.held.setdefault(eid, initial()))
             self.applied.append((eid, u.version, u.is_full))
+            self.steps[(eid, u.version)] = u.step
 
     def version(self, eid) -> int:
         self.pump()
@@ -70,7 +72,8 @@ class Owner:
     def publish(self) -> SurrogateDelta:
         self.version += 1
         factors = self.publisher.delta(target(self.version))
-        return self.node.gossip.publish(*self.eid, self.version, factors, full=self.publisher.full())
+        return self.node.gossip.publish(*self.eid, self.version, factors, full=self.publisher.full(),
+                                        step=10 * self.version)
 
 
 @pytest.fixture
@@ -153,6 +156,7 @@ def test_a_late_joiner_catches_up_with_the_full_copy_then_follows_deltas(world):
     wait_until(lambda: late.version(E0) == 6, WAIT_S)
     assert late.applied[-1] == (E0, 6, False)
     assert same(late.held[E0], owner.publisher.published)
+    assert late.steps == {(E0, 5): 50, (E0, 6): 60}  # the owner's steps travel with the full copy and the delta
 
 
 def _nan_payload(eid, version: int) -> bytes:
