@@ -11,7 +11,11 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   mean) over the mean of the clean runs' (target <= 1.02 for every attack on training); the clean runs' own
   ratios and ``clean_spread`` show the noise between runs. The joiner's (``joiner_val_loss_ratio``) is apart:
   its start-up takes about 20 s beside the others on two cores, so in a run of the default 2,000 steps it arrives
-  about a third into the others' training (at 500 steps, as they end);
+  about a third into the others' training (at 500 steps, as they end). In lockstep (``--lockstep``,
+  ``node.lockstep``) the composers from the start train the same steps in every clean run, bit for bit, until the
+  joiner comes, and when it comes moves by tens of their steps from run to run: there it comes once they passed
+  ``steps``, they are judged by their evaluation at ``steps`` and train ``lockstep_window`` steps more beside it
+  (``JoinPlan``);
 - ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
@@ -140,18 +144,20 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     layout = Layout(composers, max((ATTACKS[n].colluders for n in names), default=1))
     if join_at >= steps:
         raise ValueError(f"the joiner must come before the end: join_at {join_at} >= steps {steps}")
+    plan = JoinPlan.lockstep(steps) if lockstep else JoinPlan(steps, join_at, steps - join_at)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="parallax-bench-attacks-"))
     model = get_preset(preset)
     total = model.n_layers * model.n_experts
     args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
             "--set", f"net.membership.idle_s={IDLE_S}", "--set", "net.outer.record_merges=true", "--final-eval",
-            "--snapshot-every", "20", *(["--set", "node.lockstep=true"] if lockstep else [])]
+            "--snapshot-every", "20",
+            *(["--set", "node.lockstep=true", "--set", f"train.eval_every={steps}"] if lockstep else [])]
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
     for name in [*clean, *names]:
         progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
-        run = _run(name, workdir / name, keys, args, layout, steps=steps, join_at=join_at, total=total)
+        run = _run(name, workdir / name, keys, args, layout, plan, total=total)
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
                  f"{run['wall_s']:.0f} s")
@@ -170,8 +176,9 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
                      "merge_cosine_ratio": kept, "honest_owned_clean": owned_clean, "honest_owned_fraction": owned,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
-    return {"preset": preset, "steps": steps, "join_at": join_at, "periods": json.loads(PERIODS), "idle_s": IDLE_S,
-            "lockstep": lockstep,
+    return {"preset": preset, "steps": steps, "join_at": plan.join_at, "judged_at": plan.judged_at,
+            "founders_steps": plan.steps, "joiner_steps": plan.joiner_steps, "periods": json.loads(PERIODS),
+            "idle_s": IDLE_S, "lockstep": lockstep,
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "clean_merge_cosine": clean_kept,
@@ -196,11 +203,37 @@ def _spread(values: list[float | None]) -> float | None:
     return (max(known) - min(known)) / mean if mean else None
 
 
-def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *, steps: int, join_at: int,
+@dataclass(frozen=True)
+class JoinPlan:
+    """When the joiner comes and what the composers from the start are judged by: they train ``steps``; the joiner
+    starts once they passed ``join_at`` and trains ``joiner_steps``; their val loss is their final evaluation, or with
+    ``judged_at`` their evaluation at that step."""
+
+    steps: int
+    join_at: int
+    joiner_steps: int
+    judged_at: int | None = None
+
+    @classmethod
+    def lockstep(cls, steps: int) -> JoinPlan:
+        """In lockstep the composers from the start train the same steps in every run until a joiner comes, and when
+        it comes differs by tens of steps from run to run (its start-up takes seconds). So it comes once they passed
+        ``steps``, where they are judged (``judged_at``), and they train ``lockstep_window(steps)`` more beside it."""
+        window = lockstep_window(steps)
+        return cls(steps + window, steps, window, judged_at=steps)
+
+
+def lockstep_window(steps: int) -> int:
+    """Steps the composers from the start train past ``steps`` in lockstep: the joiner's start-up (about 100 of their
+    steps on 2 cores) and its training beside them."""
+    return max(300, steps // 4)
+
+
+def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, plan: JoinPlan, *,
          total: int) -> dict[str, Any]:
     # One run id for every run: experts go to composers by a hash of it (``dht.shards``), so the same identities own
     # the same experts in every run. Each run has a bootstrap peer of its own.
-    swarm = LocalSwarm(folder, run_id="attack", node_args=[*args, "--steps", str(steps)])
+    swarm = LocalSwarm(folder, run_id="attack", node_args=[*args, "--steps", str(plan.steps)])
     for i in layout.nodes:  # the same identities (the attackers' too), so the same data order and shards, every run
         if (keys / f"node-{i}").exists():
             shutil.copytree(keys / f"node-{i}", folder / f"node-{i}", dirs_exist_ok=True)
@@ -221,11 +254,11 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *
                 swarm.add_node("--min-peers", together)
         deadline = time.monotonic() + 900
         first = [swarm.nodes[i] for i in layout.from_the_start]
-        while time.monotonic() < deadline and not _past(first, join_at):
+        while time.monotonic() < deadline and not _past(first, plan.join_at):
             if any(not n.alive for n in first):
                 break
             time.sleep(0.5)
-        swarm.add_node("--steps", str(steps - join_at))
+        swarm.add_node("--steps", str(plan.joiner_steps))
         if not _wait(swarm, layout.honest, deadline):
             raise RuntimeError(f"{name}: the honest composers did not finish within 15 minutes; see {folder}")
     finally:
@@ -236,7 +269,8 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, *
             saved.mkdir(parents=True)
             for key in (folder / f"node-{i}").glob("node.key*"):
                 shutil.copy2(key, saved / key.name)
-    return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total)
+    return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total,
+                    judged_at=plan.judged_at)
 
 
 def hostile_places(name: str, layout: Layout) -> tuple[int, ...]:
@@ -266,11 +300,14 @@ def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:
 
 
 def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: list[Path], attacker_spawned: float,
-             wall_s: float, total: int) -> dict[str, Any]:
+             wall_s: float, total: int, *, judged_at: int | None = None) -> dict[str, Any]:
     records = {n.index: read_metrics(n.metrics) for n in nodes}
     honest = [n for n in nodes if n.index in layout.honest]
     evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
-    losses = [evals[i][-1]["val_loss"] for i in layout.from_the_start if evals[i]]
+    judged = evals if judged_at is None else {
+        n.index: [r for r in records[n.index] if r.get("kind") == "eval" and r.get("step") == judged_at]
+        for n in honest}
+    losses = [judged[i][-1]["val_loss"] for i in layout.from_the_start if judged[i]]
     crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
     ids: dict[str, list[str]] = {"peer_ids": [], "fingerprints": []}
     for path in ids_paths:  # each colluder's
@@ -407,13 +444,20 @@ def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess])
     return (min(starts), min(ends)) if ends and starts else None
 
 
+def _lockstep_words(report: dict[str, Any]) -> str:
+    if not report.get("lockstep"):
+        return ""
+    return (f", in lockstep (node.lockstep): the composers from the start are judged by their val loss at step "
+            f"{report.get('judged_at')}, before the joiner comes, and train {report.get('founders_steps')} steps")
+
+
 def markdown(report: dict[str, Any]) -> str:
     spread = report["clean_spread"]
     lines = [
         f"Attacks: {report['composers']} composers (up to {report.get('attackers', 1)} of them attackers, one an "
         f"honest joiner once the others passed step {report['join_at']}), preset {report['preset']}, "
         f"{report['steps']} steps, periods {report['periods']}, net.membership.idle_s {report['idle_s']}"
-        f"{', in lockstep (node.lockstep)' if report.get('lockstep') else ''} "
+        f"{_lockstep_words(report)} "
         f"({report['wall_s'] / 60:.1f} min). Val loss: the honest composers that train from the start, against the "
         f"clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "

@@ -371,8 +371,9 @@ def attacks(
     workdir: str | None = typer.Option(None, "--workdir", help="Folder for the processes' files (default: temp)."),
     lockstep: bool = typer.Option(False, "--lockstep",
                                   help="Nodes wait for each outer round they started and apply it one step after "
-                                       "it was due (node.lockstep): runs that differ in an attack's content, not in "
-                                       "when the rounds landed."),
+                                       "it was due, and each surrogate update a refresh after it was published "
+                                       "(node.lockstep): clean runs train the same steps until the joiner comes, "
+                                       "which is then once the others passed --steps, where they are judged."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:

@@ -20,6 +20,7 @@ from parallax.benchmarks.attacker import (
     inner_product_manipulation,
 )
 from parallax.benchmarks.attacks import (
+    JoinPlan,
     Layout,
     _attacker_experts,
     _owned,
@@ -110,6 +111,11 @@ def test_an_attacks_honest_owned_expert_time_is_judged_against_the_same_places_i
     assert honest_places_owned("mismatched-preset", layout, clean) == pytest.approx(0.97)
     assert honest_places_owned("nan", layout, []) is None
     assert honest_places_owned("nan", layout, [*clean, {"owned_without_places": [None, None, None]}]) is None
+
+
+def test_in_lockstep_the_joiner_comes_after_the_step_the_others_are_judged_at_and_they_train_on_beside_it():
+    assert JoinPlan.lockstep(500) == JoinPlan(steps=800, join_at=500, joiner_steps=300, judged_at=500)
+    assert JoinPlan.lockstep(2000) == JoinPlan(steps=2500, join_at=2000, joiner_steps=500, judged_at=2000)
 
 
 def test_clean_runs_are_named_in_order_and_told_from_attacks():
