@@ -308,7 +308,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         n.index: [r for r in records[n.index] if r.get("kind") == "eval" and r.get("step") == judged_at]
         for n in honest}
     losses = [judged[i][-1]["val_loss"] for i in layout.from_the_start if judged[i]]
-    crashed = any(n.process.returncode != 0 or not evals[n.index] for n in honest)
+    crashed = any(n.process.returncode != 0 or not evals[n.index]
+                  or (n.index in layout.from_the_start and not judged[n.index]) for n in honest)
     ids: dict[str, list[str]] = {"peer_ids": [], "fingerprints": []}
     for path in ids_paths:  # each colluder's
         said = json.loads(path.read_text()) if path.exists() else {}

@@ -364,7 +364,9 @@ def attacks(
     preset: PresetName = "tiny",
     steps: int = typer.Option(2000, "--steps", min=50,
                               help="Inner steps per composer (at 2,000 the joiner, whose start-up takes about 20 s "
-                                   "beside the others on 2 cores, arrives a third into a run of the tiny preset)."),
+                                   "beside the others on 2 cores, arrives a third into a run of the tiny preset; "
+                                   "with --lockstep it comes once the others passed --steps, and they train "
+                                   "max(300, steps / 4) more beside it)."),
     composers: int = typer.Option(4, "--composers", min=4, max=16,
                                   help="Composers per run: the attackers' places (as many as the attacks' most "
                                        "colluders), an honest joiner, the rest honest from the start."),

@@ -31,6 +31,7 @@ from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSIO
 from parallax.node.net.gossip import SurrogateGossip
 from parallax.node.offload.session import OffloadSession
 from parallax.node.peer.handover import Ask, Finish, Handover, Served
+from parallax.node.peer.lockstep import LockstepSurrogates
 from parallax.node.peer.ownership import Side, leads, owners_of, plan_ownership, previous_owner
 from parallax.node.peer.telemetry import Telemetry
 from parallax.node.peer.views import LEAVING, SwarmViews
@@ -68,6 +69,9 @@ class Experts:
         """The owned experts whose surrogate this node publishes (all of them with one owner per expert)."""
         self._assignment: Assignment | None = None  # as of the last reconcile
         self._resyncs: dict[ExpertId, Future[Snapshot | None]] = {}  # lead copies asked for (``resync``)
+        self.lockstep = LockstepSurrogates(composer.cfg.surrogate.refresh_every) if settings.lockstep else None
+        """With ``node.lockstep``: the surrogate updates drained from gossip and held until due (``Training`` applies
+        them); a snapshot's surrogate passes those it holds already."""
 
     # --- ownership changes ---
 
@@ -213,7 +217,7 @@ class Experts:
         self.telemetry.event("adopted", layer=eid[0], expert=eid[1], source=source,
                              snapshot_step=snapshot.step if snapshot else None,
                              snapshot_age_s=None if taken is None else round(time.monotonic() - taken, 3),
-                             surrogate_version=self.gossip.versions().get(eid, 0))
+                             surrogate_version=self.surrogate_versions().get(eid, 0))
         if self._assignment is not None and self._assignment.owner(*eid) != self.fingerprint:
             return  # a co-owner: the lead publishes the surrogate; this node follows its updates
         # Publish at once: every receiver switches to this node's copy of the surrogate (a full copy at a
@@ -243,7 +247,10 @@ class Experts:
                 for n, p in composer.model.surrogate_parameters(*eid).items():
                     p.copy_(surrogate[n])
             composer.reset_publisher(eid)
-            self.gossip.hold(eid, int(snapshot.tensors[SURROGATE_VERSION]))
+            version = int(snapshot.tensors[SURROGATE_VERSION])
+            self.gossip.hold(eid, version)
+            if self.lockstep is not None:
+                self.lockstep.replaced(eid, version)
         return True
 
     def release(self, eid: ExpertId) -> None:
@@ -275,7 +282,7 @@ class Experts:
                 {n: p.detach().clone() for n, p in self.composer.model.surrogate_parameters(*eid).items()})
         for name, t in held.items():
             tensors[f"{SURROGATE_PREFIX}{name}"] = t
-        tensors[SURROGATE_VERSION] = torch.tensor(float(self.gossip.versions().get(eid, 0)))
+        tensors[SURROGATE_VERSION] = torch.tensor(float(self.surrogate_versions().get(eid, 0)))
         return tensors
 
     def serve_snapshots(self, *, final: bool = False, experts: Iterable[ExpertId] | None = None) -> None:
@@ -315,6 +322,12 @@ class Experts:
             self.telemetry.event("resync", layer=eid[0], expert=eid[1], snapshot_step=snapshot.step,
                                  step=self.composer.step)
 
+    def surrogate_versions(self) -> dict[ExpertId, int]:
+        """The version of each followed surrogate as this node's model holds it (in lockstep, updates held back are
+        not in it yet): what checkpoints, snapshots and heartbeats name."""
+        versions = self.gossip.versions()
+        return versions if self.lockstep is None else self.lockstep.applied(versions)
+
     def publish(self, layer: int, expert: int, factors: Any) -> None:
         """Publish a surrogate change of an owned expert (the first after a take-over jumps versions)."""
         eid = (layer, expert)
@@ -333,7 +346,7 @@ class Experts:
         experts = list(self.composer.owned_experts())
         if not self.views.heirs_of(experts):
             return
-        versions = self.gossip.versions()
+        versions = self.surrogate_versions()
         self.membership.update(step=self.composer.step, versions={"max": max(versions.values(), default=0),
                                                                    "held": len(versions), LEAVING: 1})
         while self.clock() < deadline:

@@ -27,7 +27,6 @@ from parallax.node.outer.background import BackgroundRounds, next_round_in
 from parallax.node.outer.replicas import ReplicaRounds
 from parallax.node.outer.wire import payload_bytes
 from parallax.node.peer.experts import Experts
-from parallax.node.peer.lockstep import LockstepSurrogates
 from parallax.node.peer.processes import lower_thread_priority
 from parallax.node.peer.refits import RefitGate
 from parallax.node.peer.telemetry import Telemetry
@@ -73,8 +72,6 @@ class Training:
         self._refit_took = 0.0  # seconds of surrogate refits in the current seam
         self._past_schedule = False  # warned that the run's learning-rate schedule has ended
         self._rebase_due = False  # cut off and back: the shared groups take the others' state once its side holds
-        self._lockstep = (LockstepSurrogates(config.train.surrogate.refresh_every) if config.node.lockstep
-                          else None)
 
     # --- the loop ---
 
@@ -155,9 +152,9 @@ class Training:
             self.views.worked(owner)
 
     def seam(self) -> None:
-        """The one place the training loop meets the network (module docstring). Never waits on it, but for the
-        rounds in flight with ``node.lockstep``."""
-        composer, gossip, rounds = self.composer, self.gossip, self.rounds
+        """The one place the training loop meets the network (module docstring). Never waits on it, but with
+        ``node.lockstep`` for the rounds in flight and, at refresh steps, the surrogate updates due."""
+        composer, rounds = self.composer, self.rounds
         owned_now = set(composer.owned_experts())
         typical: dict[int, dict[str, float]] = {}  # per layer, once a seam
         for update in self._surrogate_updates():
@@ -197,9 +194,9 @@ class Training:
         if unchained:  # an expert's first snapshot starts its heir's chain (before its first step: at the init)
             self.experts.serve_snapshots(experts=unchained)
         run_step = self.views.run_step()
-        if run_step is not None and self._lockstep is None:  # lockstep: every composer at its own point
+        if run_step is not None and self.experts.lockstep is None:  # lockstep: each composer at its own point
             composer.follow_schedule(run_step)  # a composer slower than the others trains at their point
-        versions = gossip.versions()
+        versions = self.experts.surrogate_versions()
         suspects, banned = self.scores.suspects(MAX_SUSPECTS) if self.scores is not None else ({}, ())
         self.membership.update(step=step, loss=self.telemetry.status.loss, suspects=suspects, banned=banned,
                                versions={"max": max(versions.values(), default=0), "held": len(versions)})
@@ -209,21 +206,21 @@ class Training:
         """The surrogate updates to apply now: every one that arrived; in lockstep, those due at this step
         (``LockstepSurrogates``), after a wait, at a refresh step, for those the owners published one refresh
         before (bounded by ``net.outer.matchmaking_timeout_s``, as the rounds' wait)."""
-        updates = self.gossip.drain()
-        if self._lockstep is None:
+        updates, lockstep = self.gossip.drain(), self.experts.lockstep
+        if lockstep is None:
             return updates
-        step, lockstep = self.composer.step, self._lockstep
+        step = self.composer.step
         lockstep.add(updates, step)
-        missing = lockstep.missing(step, lockstep.expect(step, self._followed()))
+        missing = lockstep.missing(step, lockstep.expect(step, self._followed))
         ends = time.monotonic() + self.config.net.outer.matchmaking_timeout_s
         while missing and not self.stop_event.is_set() and time.monotonic() < ends:
             self.stop_event.wait(0.05)
             lockstep.add(self.gossip.drain(), step)
             missing = lockstep.missing(step, missing)
-        if missing:
+        if missing and not self.stop_event.is_set():
             logger.info("lockstep: no surrogate update published at step %d arrived for %s; not waited for again "
                         "until one does", step - lockstep.lag, sorted(missing))
-            lockstep.late(missing)
+            lockstep.late(missing, step)
         return lockstep.due(step)
 
     def _followed(self) -> dict[tuple[int, int], str]:
@@ -351,7 +348,8 @@ class Training:
         assert settings.checkpoint_dir is not None
         path = save_checkpoint(settings.checkpoint_dir, self.composer, run_id=self.config.peer.run_id,
                                keep_last=settings.keep_checkpoints,
-                               versions=self.gossip.versions(), data=self.data, workers=self.membership.workers())
+                               versions=self.experts.surrogate_versions(), data=self.data,
+                               workers=self.membership.workers())
         self.telemetry.event("checkpoint", step=self.composer.step, path=str(path),
                              state_hash=state_hash(self.composer))
 
@@ -364,7 +362,7 @@ class Training:
         s.without_work = self.membership.without_work
         s.view_age_s = max(0.0, dht_time() - view.read_at)
         s.owned = sum(len(es) for es in self.composer.owned)
-        versions = self.gossip.versions()
+        versions = self.experts.surrogate_versions()
         s.surrogates_held = len(versions)
         s.surrogate_version_max = max(versions.values(), default=0)
         st = self.gossip.stats

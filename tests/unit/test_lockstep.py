@@ -33,23 +33,45 @@ def test_an_experts_later_deltas_wait_behind_one_not_due_and_others_pass() -> No
 def test_a_refresh_step_waits_for_the_updates_of_one_refresh_before_until_they_come_or_are_late() -> None:
     held = LockstepSurrogates(10)
     followed = {(0, 1): "a", (0, 2): "a", (1, 0): "b"}
-    assert held.expect(10, followed) == set()  # owners first publish at step 10
-    assert held.expect(15, followed) == set()
-    expected = held.expect(20, followed)
+    assert held.expect(10, lambda: followed) == set()  # owners first publish at step 10
+    assert held.expect(15, lambda: pytest.fail("asked between refresh steps")) == set()
+    expected = held.expect(20, lambda: followed)
     assert held.missing(20, expected) == set(followed)  # nothing of step 10 yet
     held.add([_update(1, 1, step=10), _update(2, 1, step=10)], step=20)
     assert held.missing(20, expected) == {(1, 0)}
-    held.late({(1, 0)})
-    assert held.missing(30, held.expect(30, followed)) == {(0, 1), (0, 2)}  # a late expert is not waited for...
-    held.add([_update(0, 1, step=30, layer=1)], step=30)
-    assert held.missing(40, held.expect(40, followed)) == {(0, 1), (0, 2)}  # ...until one of its updates comes
+    held.late({(1, 0)}, step=20)
+    assert held.missing(30, held.expect(30, lambda: followed)) == {(0, 1), (0, 2)}  # a late expert is not waited...
+    held.add([_update(0, 1, step=20, layer=1)], step=30)
+    assert held.missing(40, held.expect(40, lambda: followed)) == {(0, 1), (0, 2), (1, 0)}  # ...until it catches up
+
+
+def test_an_owner_that_announces_old_steps_is_waited_for_once_not_at_every_refresh() -> None:
+    held = LockstepSurrogates(10)
+    followed = {(0, 1): "a"}
+    held.expect(10, lambda: followed)
+    assert held.missing(20, held.expect(20, lambda: followed)) == {(0, 1)}
+    held.late({(0, 1)}, step=20)
+    for step in (30, 40, 50):
+        held.add([_update(1, step // 10, step=0)], step=step)  # step 0 again and again: never one refresh before
+        assert held.expect(step, lambda: followed) == set()
 
 
 def test_an_expert_whose_owner_changed_since_the_last_refresh_is_not_waited_for() -> None:
     held = LockstepSurrogates(10)
-    held.expect(10, {(0, 1): "a", (0, 2): "a"})
-    assert held.expect(20, {(0, 1): "c", (0, 2): "a"}) == {(0, 2)}  # c adopted it: its first update comes when it can
-    assert held.expect(30, {(0, 1): "c", (0, 2): "a"}) == {(0, 1), (0, 2)}
+    held.expect(10, lambda: {(0, 1): "a", (0, 2): "a"})
+    assert held.expect(20, lambda: {(0, 1): "c", (0, 2): "a"}) == {(0, 2)}  # c's first update comes when it adopted
+    assert held.expect(30, lambda: {(0, 1): "c", (0, 2): "a"}) == {(0, 1), (0, 2)}
+
+
+def test_updates_a_snapshot_holds_already_are_not_applied_again_and_versions_name_what_is_applied() -> None:
+    held = LockstepSurrogates(10)
+    held.add([_update(1, 3, step=10), _update(1, 4, step=20), _update(2, 7, step=20)], step=21)
+    assert held.applied({(0, 1): 4, (0, 2): 7, (0, 3): 2}) == {(0, 3): 2}  # the held ones are not in the model yet
+    assert [u.version for u in held.due(20)] == [3]
+    assert held.applied({(0, 1): 4, (0, 2): 7}) == {(0, 1): 3}
+    held.replaced((0, 1), 4)  # a snapshot set the surrogate at version 4
+    assert [(u.expert, u.version) for u in held.due(30)] == [(2, 7)]
+    assert held.applied({(0, 1): 4, (0, 2): 7}) == {(0, 1): 4, (0, 2): 7}
 
 
 def test_a_step_announced_far_ahead_delays_its_update_by_a_bounded_number_of_steps() -> None:
