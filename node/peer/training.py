@@ -219,7 +219,7 @@ class Training:
             missing = lockstep.missing(step, missing)
         if missing and not self.stop_event.is_set():
             logger.info("lockstep: no surrogate update published at step %d arrived for %s; not waited for again "
-                        "until one does", step - lockstep.lag, sorted(missing))
+                        "until one as recent does", step - lockstep.lag, sorted(missing))
             lockstep.late(missing, step)
         return lockstep.due(step)
 
