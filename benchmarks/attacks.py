@@ -15,7 +15,11 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   ``node.lockstep``) the composers from the start train the same steps in every clean run, bit for bit, until the
   joiner comes, and when it comes moves by tens of their steps from run to run: there it comes once they passed
   ``steps``, they are judged by their evaluation at ``steps`` and train ``lockstep_window`` steps more beside it
-  (``JoinPlan``);
+  (``JoinPlan``). In lockstep any change in the swarm early in a run (a composer leaving, an attacker banned at
+  step 10 or 30) moves this loss by 0.5-3% at step 500, so an attack whose attacker an honest composer banned is
+  judged against departures beside the clean runs (``left_at``: runs without an attacker in which the first
+  attacker's place leaves at a step, gracefully, as a banned attacker leaves the honest views at once):
+  ``within_reference``, its loss at most the largest of theirs; ``banned_at_step`` says where its ban came;
 - ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
@@ -123,14 +127,33 @@ def is_clean(name: str) -> bool:
     return name == "clean" or (name.startswith("clean-") and name[6:].isdigit())
 
 
+def departure_name(step: int) -> str:
+    """The name of the run in which the first attacker's place, honest, leaves at ``step``."""
+    return f"left-{step}"
+
+
+def departs_at(name: str) -> int | None:
+    """The step at which the first attacker's place leaves in run ``name`` (``departure_name``), None in others."""
+    return int(name[5:]) if name.startswith("left-") and name[5:].isdigit() else None
+
+
+def without_attacker(name: str) -> bool:
+    """A clean run or a departure: every composer honest."""
+    return is_clean(name) or departs_at(name) is not None
+
+
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 2000, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS,
-                composers: int = 4, lockstep: bool = False) -> dict[str, Any]:
+                composers: int = 4, lockstep: bool = False, left_at: tuple[int, ...] = ()) -> dict[str, Any]:
     """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false
-    positives; with none, no ratio) and one run per attack (module docstring) among ``composers``, with as many
-    attackers' places as the attacks' most colluders; returns the report (JSON-able)."""
+    positives; with none, no ratio), one departure run per step of ``left_at`` (module docstring: the reference of
+    a banned attacker's run) and one run per attack among ``composers``, with as many attackers' places as the
+    attacks' most colluders; returns the report (JSON-able)."""
     if clean_runs < 0:
         raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
+    if any(not 0 < step < steps for step in left_at):
+        raise ValueError(f"a departure must come between the first step and step {steps}, got {list(left_at)}")
+    departures = [departure_name(step) for step in sorted(set(left_at))]
     clean = clean_names(clean_runs)
     names = [n for n, a in ATTACKS.items() if fits(a.colluders, composers)] if attacks is None else attacks
     unknown = [n for n in names if n not in ATTACKS]
@@ -155,7 +178,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
-    for name in [*clean, *names]:
+    for name in [*clean, *departures, *names]:
         progress(f"{name}: starting ({time.monotonic() - started:.0f} s into the benchmark)")
         run = _run(name, workdir / name, keys, args, layout, plan, total=total)
         runs.append(run)
@@ -163,6 +186,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
                  f"{run['wall_s']:.0f} s")
     clean_loss, clean_joiner, clean_kept = (_mean([r[key] for r in runs[:clean_runs]])
                                             for key in ("val_loss", "joiner_val_loss", "merge_cosine"))
+    references = {"clean": [r["val_loss"] for r in runs[:clean_runs]],
+                  "departures": [r["val_loss"] for r in runs[:clean_runs + len(departures)]]}
     rows = []
     for run in runs:
         ratio = run["val_loss"] / clean_loss if run["val_loss"] and clean_loss else None
@@ -175,6 +200,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
                      "merge_cosine_ratio": kept, "honest_owned_clean": owned_clean, "honest_owned_fraction": owned,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
+                     **_against_references(run, references, bool(departures)),
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": plan.join_at, "judged_at": plan.judged_at,
             "founders_steps": plan.steps, "joiner_steps": plan.joiner_steps, "periods": json.loads(PERIODS),
@@ -186,9 +212,25 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
             "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
             "composers": layout.composers, "attackers": layout.attackers, "target": TARGET,
             "wall_s": time.monotonic() - started,
+            "departed_val_loss": _mean([r["val_loss"] for r in rows if r["name"] in departures]),
+            "reference_spread": _spread(references["departures"]) if departures else None,
             "clean": [r for r in rows if r["name"] in clean],
-            "attacks": [r for r in rows if r["name"] not in clean],
+            "departures": [r for r in rows if r["name"] in departures],
+            "attacks": [r for r in rows if not without_attacker(r["name"])],
             "workdir": str(workdir)}
+
+
+def _against_references(run: dict[str, Any], references: dict[str, list[float | None]],
+                        departures: bool) -> dict[str, Any]:
+    """Which runs without an attacker judge ``run``'s honest loss: the clean runs', and the departures' beside them
+    for an attack whose attacker an honest composer banned (the swarm lost a composer there too); whether the loss
+    is at most the largest of theirs (``within_reference``; None without an attack or a known loss)."""
+    if without_attacker(run["name"]):
+        return {}
+    reference = "departures" if departures and run["attacker_banned"] else "clean"
+    known = [v for v in references[reference] if v is not None]
+    within = run["val_loss"] <= max(known) if run["val_loss"] is not None and known else None
+    return {"reference": reference, "within_reference": within and not run["crashed"]}
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -245,11 +287,13 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, p
         swarm.start_bootstrap()
         # Those that start together wait for each other (an attacker whose node is not a composer of the run
         # aside): each takes its first shard from the whole assignment, not from the part of it its first read showed.
-        together = str(len(layout.nodes) - 1 - (0 if is_clean(name) or ATTACKS[name].composes else len(hostile)))
+        together = str(len(layout.nodes) - 1 - (0 if not hostile or ATTACKS[name].composes else len(hostile)))
         for i in layout.nodes[:-1]:
             if i in hostile:
                 swarm.add_node("--min-peers", together, launcher=(
                     "-m", "parallax.benchmarks.attacker", name, str(folder / f"attacker-{i}.json")))
+            elif i == layout.attacker_places[0] and departs_at(name) is not None:
+                swarm.add_node("--min-peers", together, "--steps", str(departs_at(name)))
             else:
                 swarm.add_node("--min-peers", together)
         deadline = time.monotonic() + 900
@@ -276,13 +320,13 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, p
 def hostile_places(name: str, layout: Layout) -> tuple[int, ...]:
     """The places that run run ``name``'s attack: none in a clean run, the first of the attackers' places for each of
     its colluders otherwise."""
-    return () if is_clean(name) else layout.attacker_places[:ATTACKS[name].colluders]
+    return () if without_attacker(name) else layout.attacker_places[:ATTACKS[name].colluders]
 
 
 def honest_places_owned(name: str, layout: Layout, clean_runs: list[dict[str, Any]]) -> float | None:
     """``honest_owned_clean`` for run ``name``: the clean runs' mean share of expert-time owned by the places that
     are honest in it (every composer for a clean run or an attack whose node is not a composer of the run)."""
-    colluders = 0 if is_clean(name) or not ATTACKS[name].composes else len(hostile_places(name, layout))
+    colluders = 0 if without_attacker(name) or not ATTACKS[name].composes else len(hostile_places(name, layout))
     return _mean([(r["owned_without_places"] or [None] * (colluders + 1))[colluders] for r in clean_runs]) \
         if clean_runs else None
 
@@ -315,7 +359,7 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         said = json.loads(path.read_text()) if path.exists() else {}
         for key in ids:
             ids[key] += said.get(key, [])
-    clean = is_clean(name)
+    clean = without_attacker(name)
     hostile = hostile_places(name, layout)
     window = _window(records, honest)
     attackers = frozenset() if clean or not ATTACKS[name].crafts else frozenset(ids["peer_ids"])
@@ -338,7 +382,7 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
     rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
                  for n in honest]
     return {
-        "name": name, "description": "no attacker" if is_clean(name) else ATTACKS[name].description,
+        "name": name, "description": _description(name), "banned_at_step": _step_at(records, bans),
         "val_loss": statistics.mean(losses) if len(losses) == len(layout.from_the_start) else None,
         "val_losses": losses, "attackers": len(ids_paths),
         "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
@@ -360,6 +404,21 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
+
+
+def _description(name: str) -> str:
+    if is_clean(name):
+        return "no attacker"
+    step = departs_at(name)
+    return f"no attacker; the first attacker's place leaves at step {step}" if step is not None \
+        else ATTACKS[name].description
+
+
+def _step_at(records: dict[int, list[dict[str, Any]]], events: list[dict[str, Any]]) -> int | None:
+    """The earliest step at which a composer recorded one of ``events`` (its last step before the event's time)."""
+    steps = [max((r["step"] for r in records[i] if r.get("kind") == "step" and r["t"] <= e["t"]), default=0)
+             for i, rs in records.items() for e in events if any(e is r for r in rs)]
+    return min(steps, default=None)
 
 
 def whole_merges(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -467,30 +526,43 @@ def markdown(report: dict[str, Any]) -> str:
         f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge cosine: how "
         f"well the merges the honest composers applied point along their honest senders' mean update, against the "
         f"clean runs' {_opt(report.get('clean_merge_cosine'))} (they are {_percent(report.get('merge_clean_spread'))} "
-        f"apart).",
+        f"apart).{_departure_words(report)}",
         "",
         "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge cosine / clean "
         "| experts the attackers held | honest-owned expert-time (/ clean) | rounds OK (clean) | named "
-        "| banned (after) | surrogates refused | crashed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| banned (after, step) | surrogates refused | crashed | loss at most the reference's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in [*report["clean"], *report["attacks"]]:
+    for r in [*report["clean"], *report.get("departures", []), *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
-        if not is_clean(r["name"]) and not r["within_target"]:
+        if not without_attacker(r["name"]) and not r["within_target"]:
             ratio = f"**{ratio}**"
         joiner = "-" if r.get("joiner_val_loss_ratio") is None else f"{r['joiner_val_loss_ratio']:.3f}"
-        banned = f"yes ({r['banned_after_s']:.0f} s)" if r["attacker_banned"] else "no"
+        banned = f"yes ({r['banned_after_s']:.0f} s, {_opt(r.get('banned_at_step'))})" if r["attacker_banned"] \
+            else "no"
+        within = "-" if r.get("within_reference") is None else \
+            f"{'yes' if r['within_reference'] else '**no**'} ({r['reference']})"
         clean_ok = "-" if r["rounds_ok_clean"] is None else f"{r['rounds_ok_clean']:g}"
         owned = "-" if r.get("honest_owned_share") is None else f"{100 * r['honest_owned_share']:.0f}%"
         if r.get("honest_owned_fraction") is not None:
             owned += f" ({r['honest_owned_fraction']:.2f})"
-        attackers = r.get("attackers", 0 if is_clean(r["name"]) else 1)
+        attackers = r.get("attackers", 0 if without_attacker(r["name"]) else 1)
         kept = "-" if r.get("merge_cosine_ratio") is None else f"{r['merge_cosine_ratio']:.4f}"
         lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | {kept} | "
                      f"{_opt(r['attacker_experts'])} | "
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
-                     f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} |")
+                     f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} | {within} |")
     return "\n".join(lines)
+
+
+def _departure_words(report: dict[str, Any]) -> str:
+    if not report.get("departures"):
+        return ""
+    steps = ", ".join(str(departs_at(r["name"])) for r in report["departures"])
+    return (f" Departures: runs without an attacker in which the first attacker's place leaves at step {steps} "
+            f"(mean honest val loss {_opt(report.get('departed_val_loss'))}); with the clean runs they end "
+            f"{_percent(report.get('reference_spread'))} apart, and an attack whose attacker was banned is judged "
+            f"against the largest of their losses, the others against the clean runs'.")
 
 
 def _percent(x: float | None) -> str:

@@ -376,6 +376,10 @@ def attacks(
                                        "it was due, and each surrogate update a refresh after it was published "
                                        "(node.lockstep): clean runs train the same steps until the joiner comes, "
                                        "which is then once the others passed --steps, where they are judged."),
+    left_at: str = typer.Option("", "--left-at",
+                                help="Comma-separated steps: a run without an attacker for each, in which the first "
+                                     "attacker's place leaves at that step; a banned attacker's run is judged against "
+                                     "them beside the clean runs (e.g. 10,20,30 with --lockstep)."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:
@@ -389,7 +393,8 @@ def attacks(
         names = [a.strip() for a in runs.split(",") if a.strip()]
         report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs,
-                             composers=composers, lockstep=lockstep)
+                             composers=composers, lockstep=lockstep,
+                             left_at=tuple(int(step) for step in left_at.split(",") if step.strip()))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     write(report, json_path)

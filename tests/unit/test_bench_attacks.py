@@ -22,10 +22,14 @@ from parallax.benchmarks.attacker import (
 from parallax.benchmarks.attacks import (
     JoinPlan,
     Layout,
+    _against_references,
     _attacker_experts,
     _owned,
+    _step_at,
     _window,
     clean_names,
+    departs_at,
+    departure_name,
     fits,
     honest_places_owned,
     hostile_places,
@@ -34,6 +38,7 @@ from parallax.benchmarks.attacks import (
     merge_harm,
     run_attacks,
     whole_merges,
+    without_attacker,
 )
 from parallax.dht.records import unpack_message
 from parallax.node.peer.local_swarm import NodeProcess
@@ -84,13 +89,19 @@ def test_the_table_marks_rows_past_the_target():
               "attacks": [{**row, "name": "nan", "description": ATTACKS["nan"].description, "val_loss_ratio": 1.1,
                            "merge_cosine_ratio": 0.95,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
-                           "attacker_named": True}]}
+                           "banned_at_step": 10, "attacker_named": True, "within_reference": False,
+                           "reference": "departures"}],
+              "departures": [{**row, "name": "left-10", "description": "no attacker; the first attacker's place "
+                              "leaves at step 10", "merge_cosine_ratio": 1.0, "val_loss_ratio": 1.012}],
+              "departed_val_loss": 2.73, "reference_spread": 0.012}
     report["false_bans"] = 1
     report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
-    row = ("| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% (0.98) | 30 (30) | yes | yes (14 s) "
-           "| 0 | no |")
+    row = ("| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% (0.98) | 30 (30) | yes "
+           "| yes (14 s, 10) | 0 | no | **no** (departures) |")
     assert row in text
+    assert "| left-10 | 0 | no attacker; the first attacker's place leaves at step 10 | 1.012 |" in text
+    assert "leaves at step 10 (mean honest val loss 2.7300); with the clean runs they end 1.20% apart" in text
     assert "| clean | 0 | no attacker | 1.000 | - | 1.0000 |" in text and "2.00% apart" in text
     assert "against the clean runs' 0.9800 (they are 0.10% apart)" in text
     assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
@@ -121,7 +132,31 @@ def test_in_lockstep_the_joiner_comes_after_the_step_the_others_are_judged_at_an
 def test_clean_runs_are_named_in_order_and_told_from_attacks():
     assert clean_names(0) == [] and clean_names(3) == ["clean", "clean-2", "clean-3"] and len(clean_names(20)) == 20
     assert all(is_clean(n) for n in clean_names(20))
-    assert not any(is_clean(n) for n in (*ATTACKS, "clean-", "clean-x", "cleaner"))
+    assert not any(is_clean(n) for n in (*ATTACKS, "clean-", "clean-x", "cleaner", "left-10"))
+    assert departure_name(30) == "left-30" and departs_at("left-30") == 30
+    assert all(departs_at(n) is None for n in (*ATTACKS, "clean", "left-", "left-x"))
+    assert without_attacker("left-10") and without_attacker("clean-2") and not without_attacker("nan")
+    assert hostile_places("left-10", Layout()) == ()
+
+
+def test_a_banned_attackers_run_is_judged_against_the_departures_and_the_clean_runs_and_others_against_clean():
+    references = {"clean": [2.50, 2.50], "departures": [2.50, 2.50, 2.52, 2.54]}
+    banned = {"name": "nan", "val_loss": 2.53, "attacker_banned": True, "crashed": False}
+    assert _against_references(banned, references, True) == {"reference": "departures", "within_reference": True}
+    assert _against_references(banned, references, False) == {"reference": "clean", "within_reference": False}
+    kept = {**banned, "attacker_banned": False}
+    assert _against_references(kept, references, True) == {"reference": "clean", "within_reference": False}
+    assert _against_references({**banned, "crashed": True}, references, True)["within_reference"] is False
+    assert _against_references({**banned, "val_loss": None}, references, True)["within_reference"] is None
+    assert _against_references({**banned, "name": "left-10"}, references, True) == {}
+
+
+def test_a_ban_is_placed_at_the_banning_composers_last_step_before_it():
+    ban = {"t": 5.5, "kind": "banned", "peer": "x"}
+    records = {0: [{"t": float(s), "kind": "step", "step": s} for s in range(1, 10)] + [ban],
+               1: [{"t": float(s), "kind": "step", "step": 2 * s} for s in range(1, 10)]}
+    assert _step_at(records, [ban]) == 5
+    assert _step_at(records, []) is None
 
 
 def test_the_held_fetches_attack_serves_a_handler_hivemind_accepts_and_never_answers(monkeypatch):
@@ -193,6 +228,8 @@ def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_co
     assert fits(1, 4) and not fits(2, 4) and fits(2, 5)
     with pytest.raises(ValueError, match="needs --composers 5 or more"):  # before any process starts
         run_attacks(attacks=["alie-2"], composers=4)
+    with pytest.raises(ValueError, match="a departure must come between"):
+        run_attacks(attacks=["nan"], steps=500, left_at=(10, 500))
 
 
 def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points_against_it():
