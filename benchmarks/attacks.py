@@ -42,9 +42,10 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
 - ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
 - ``crashed``: an honest composer exited with an error or did not evaluate;
-- ``honest_bans``: bans of honest peers (every composer is honest in a clean run; in an attack run, any peer id
-  the attacker does not speak with), each with the banning composer and the reasons; ``false_bans`` sums them
-  over the clean runs (target 0: statistical evidence alone must not ban an honest peer).
+- ``honest_bans``: bans of honest peers (every composer is honest in a clean run and a departure; in an attack
+  run, any peer id the attacker does not speak with), each with the banning composer and the reasons;
+  ``false_bans`` sums them over the clean runs and the departures (target 0: statistical evidence alone must not
+  ban an honest peer).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
                      "merge_cosine_ratio": kept, "honest_owned_clean": owned_clean, "honest_owned_fraction": owned,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
-                     **_against_references(run, references, bool(departures)),
+                     **_against_references(run, references, max(left_at, default=0)),
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": plan.join_at, "judged_at": plan.judged_at,
             "founders_steps": plan.steps, "joiner_steps": plan.joiner_steps, "periods": json.loads(PERIODS),
@@ -209,7 +210,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "clean_merge_cosine": clean_kept,
             "merge_clean_spread": _spread([r["merge_cosine"] for r in runs[:clean_runs]]),
-            "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs]),
+            "false_bans": sum(len(r["honest_bans"]) for r in runs[:clean_runs + len(departures)]),
             "composers": layout.composers, "attackers": layout.attackers, "target": TARGET,
             "wall_s": time.monotonic() - started,
             "departed_val_loss": _mean([r["val_loss"] for r in rows if r["name"] in departures]),
@@ -221,16 +222,22 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
 
 
 def _against_references(run: dict[str, Any], references: dict[str, list[float | None]],
-                        departures: bool) -> dict[str, Any]:
+                        last_departure: int) -> dict[str, Any]:
     """Which runs without an attacker judge ``run``'s honest loss: the clean runs', and the departures' beside them
-    for an attack whose attacker an honest composer banned (the swarm lost a composer there too); whether the loss
-    is at most the largest of theirs (``within_reference``; None without an attack or a known loss)."""
+    for an attack of one composing attacker that an honest composer banned at or before ``last_departure`` (the
+    last step a departure left at; 0: none): the swarm lost one composer early there too. Whether the loss is at
+    most the largest of theirs (``within_reference``: False for a run with a crash, None without an attack or a
+    known loss)."""
     if without_attacker(run["name"]):
         return {}
-    reference = "departures" if departures and run["attacker_banned"] else "clean"
+    attack = ATTACKS[run["name"]]
+    # a departure stands for one composer leaving the honest views, before the last departure's step
+    lost_one = attack.composes and attack.colluders == 1 and run["banned_at_step"] is not None \
+        and run["banned_at_step"] <= last_departure
+    reference = "departures" if lost_one else "clean"
     known = [v for v in references[reference] if v is not None]
     within = run["val_loss"] <= max(known) if run["val_loss"] is not None and known else None
-    return {"reference": reference, "within_reference": within and not run["crashed"]}
+    return {"reference": reference, "within_reference": False if run["crashed"] else within}
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -361,7 +368,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
             ids[key] += said.get(key, [])
     clean = without_attacker(name)
     hostile = hostile_places(name, layout)
-    window = _window(records, honest)
+    # a departing place's end is not the run's: the window runs to the first end of the others
+    window = _window(records, honest, leaving=layout.attacker_places[:1] if departs_at(name) is not None else ())
     attackers = frozenset() if clean or not ATTACKS[name].crafts else frozenset(ids["peer_ids"])
     events = [r for n in honest for r in records[n.index] if r.get("kind") == "merge"]
     merges = [harm for r in whole_merges(events) if (harm := merge_harm(r, lambda peer: peer not in attackers))
@@ -386,7 +394,7 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "val_loss": statistics.mean(losses) if len(losses) == len(layout.from_the_start) else None,
         "val_losses": losses, "attackers": len(ids_paths),
         "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
-        "attacker_experts": _attacker_experts(records, honest, total), "experts": total,
+        "attacker_experts": _attacker_experts(records, honest, total, window), "experts": total,
         "honest_owned_share": _owned(records, [i for i in layout.nodes if i not in hostile], total, window),
         # In a clean run, the same share for the places each attack leaves honest: every composer but the first k
         # attackers' places, for k from 0 to all of them.
@@ -476,10 +484,10 @@ def _peer_id(records: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int) -> int | None:
-    """Experts no honest composer owned four fifths of the way from the first honest step to the first composer's
-    end of training (late enough for the defences to act, before departures move experts around)."""
-    window = _window(records, honest)
+def _attacker_experts(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess], total: int,
+                      window: tuple[float, float] | None) -> int | None:
+    """Experts no honest composer owned four fifths into ``window`` (``_window``: late enough for the defences to
+    act, before departures move experts around)."""
     if window is None:
         return None
     start, end = window
@@ -497,9 +505,12 @@ def _owned(records: dict[int, list[dict[str, Any]]], places: list[int], total: i
     return None if window is None else owned_fraction([records[i] for i in places], total, *window)
 
 
-def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess]) -> tuple[float, float] | None:
-    """From the first honest step to the first composer's end of training (None before either)."""
-    ends = [r["t"] for rs in records.values() for r in rs if r.get("kind") in ("final_eval", "left")]
+def _window(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess],
+            leaving: tuple[int, ...] = ()) -> tuple[float, float] | None:
+    """From the first honest step to the first end of training of a composer but those ``leaving`` early (None
+    before either)."""
+    ends = [r["t"] for i, rs in records.items() if i not in leaving for r in rs
+            if r.get("kind") in ("final_eval", "left")]
     starts = [r["t"] for n in honest for r in records[n.index] if r.get("kind") == "first_step"]
     return (min(starts), min(ends)) if ends and starts else None
 
@@ -522,8 +533,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"clean runs' mean "
         f"{_opt(report['clean_val_loss'])} "
         f"(the clean runs end {_percent(spread)} apart); target <= "
-        f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in {len(report['clean'])} clean "
-        f"runs, {sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge cosine: how "
+        f"{report['target']}. Bans of honest peers: {report.get('false_bans', 0)} in "
+        f"{len(report['clean']) + len(report.get('departures', []))} runs without an attacker, "
+        f"{sum(len(r.get('honest_bans', [])) for r in report['attacks'])} in the attack runs. Merge cosine: how "
         f"well the merges the honest composers applied point along their honest senders' mean update, against the "
         f"clean runs' {_opt(report.get('clean_merge_cosine'))} (they are {_percent(report.get('merge_clean_spread'))} "
         f"apart).{_departure_words(report)}",

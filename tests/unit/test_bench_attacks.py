@@ -66,12 +66,13 @@ def test_experts_the_attacker_held_are_those_no_honest_composer_owned_four_fifth
     }
     honest: list[NodeProcess] = [_Node(i) for i in (0, 1, 3)]  # type: ignore[misc]
     # The cut is at 80 s: the departure churn at 95 s does not count; 5 of 8 owned by honest composers.
-    assert _attacker_experts(records, honest, total=8) == 3
-    assert _attacker_experts({0: [], 1: [], 3: []}, honest, total=8) is None
+    window = _window(records, honest)
+    assert _attacker_experts(records, honest, 8, window) == 3
+    assert _attacker_experts({0: [], 1: [], 3: []}, honest, 8, _window({0: [], 1: [], 3: []}, honest)) is None
     # Over the whole window 0-100 s, of 8 experts: 0.0 and 1.0 for 94 s each, 0.1 for 49 s; 1.1 and 0.2 for none
     # (a node's ownership ends with its last record: composer 1's at 50 s, composer 3's at 60 s).
-    window = _window(records, honest)
     assert window == (0.0, 100.0)
+    assert _window(records, honest, leaving=(0,)) == (0.0, 110.0)  # a place that leaves early does not end it
     assert _owned(records, [0, 1, 3], 8, window) == pytest.approx((94 + 94 + 49) / 800)
     assert _owned(records, [0, 1, 3], 8, None) is None
 
@@ -104,7 +105,7 @@ def test_the_table_marks_rows_past_the_target():
     assert "leaves at step 10 (mean honest val loss 2.7300); with the clean runs they end 1.20% apart" in text
     assert "| clean | 0 | no attacker | 1.000 | - | 1.0000 |" in text and "2.00% apart" in text
     assert "against the clean runs' 0.9800 (they are 0.10% apart)" in text
-    assert "Bans of honest peers: 1 in 1 clean runs, 2 in the attack runs." in text
+    assert "Bans of honest peers: 1 in 2 runs without an attacker, 2 in the attack runs." in text
 
 
 def test_an_attacks_honest_owned_expert_time_is_judged_against_the_same_places_in_the_clean_runs():
@@ -141,14 +142,20 @@ def test_clean_runs_are_named_in_order_and_told_from_attacks():
 
 def test_a_banned_attackers_run_is_judged_against_the_departures_and_the_clean_runs_and_others_against_clean():
     references = {"clean": [2.50, 2.50], "departures": [2.50, 2.50, 2.52, 2.54]}
-    banned = {"name": "nan", "val_loss": 2.53, "attacker_banned": True, "crashed": False}
-    assert _against_references(banned, references, True) == {"reference": "departures", "within_reference": True}
-    assert _against_references(banned, references, False) == {"reference": "clean", "within_reference": False}
-    kept = {**banned, "attacker_banned": False}
-    assert _against_references(kept, references, True) == {"reference": "clean", "within_reference": False}
-    assert _against_references({**banned, "crashed": True}, references, True)["within_reference"] is False
-    assert _against_references({**banned, "val_loss": None}, references, True)["within_reference"] is None
-    assert _against_references({**banned, "name": "left-10"}, references, True) == {}
+    banned = {"name": "nan", "val_loss": 2.53, "attacker_banned": True, "banned_at_step": 12, "crashed": False}
+    assert _against_references(banned, references, 30) == {"reference": "departures", "within_reference": True}
+    assert _against_references(banned, references, 0) == {"reference": "clean", "within_reference": False}
+    # banned after the last departure, or not at all: the swarm kept its composer longer than any departure's
+    assert _against_references({**banned, "banned_at_step": 31}, references, 30)["reference"] == "clean"
+    kept = {**banned, "attacker_banned": False, "banned_at_step": None}
+    assert _against_references(kept, references, 30) == {"reference": "clean", "within_reference": False}
+    # two colluders banned are two composers lost; an attack that is not a composer leaves none
+    assert _against_references({**banned, "name": "alie-2"}, references, 30)["reference"] == "clean"
+    assert not ATTACKS["mismatched-preset"].composes
+    assert _against_references({**banned, "name": "mismatched-preset"}, references, 30)["reference"] == "clean"
+    assert _against_references({**banned, "crashed": True}, references, 30)["within_reference"] is False
+    assert _against_references({**banned, "val_loss": None}, references, 30)["within_reference"] is None
+    assert _against_references({**banned, "name": "left-10"}, references, 30) == {}
 
 
 def test_a_ban_is_placed_at_the_banning_composers_last_step_before_it():
