@@ -18,8 +18,10 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   (``JoinPlan``). In lockstep any change in the swarm early in a run (a composer leaving, an attacker banned at
   step 10 or 30) moves this loss by 0.5-3% at step 500, so an attack whose attacker an honest composer banned is
   judged against departures beside the clean runs (``left_at``: runs without an attacker in which the first
-  attacker's place leaves at a step, gracefully, as a banned attacker leaves the honest views at once):
-  ``within_reference``, its loss at most the largest of theirs; ``banned_at_step`` says where its ban came;
+  attacker's place leaves at a step, gracefully, as a banned attacker leaves the honest views at once; an attack of
+  one composing attacker banned by the last departure's step): ``within_reference``, its loss at most the largest
+  of theirs. ``banned_at_step``: the earliest step of an honest composer from the start at a ban of the attacker
+  (the joiner's bans come at its own first steps);
 - ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
@@ -390,7 +392,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
     rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
                  for n in honest]
     return {
-        "name": name, "description": _description(name), "banned_at_step": _step_at(records, bans),
+        "name": name, "description": _description(name),
+        "banned_at_step": _step_at({i: records[i] for i in layout.from_the_start}, bans),
         "val_loss": statistics.mean(losses) if len(losses) == len(layout.from_the_start) else None,
         "val_losses": losses, "attackers": len(ids_paths),
         "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
