@@ -347,6 +347,11 @@ class ContributionStore:
                 del self._bodies[(group, n)]
                 self._served.discard((group, n))
 
+    def rounds(self, group: str) -> list[int]:
+        """The rounds of ``group`` whose bodies are held."""
+        with self._lock:
+            return sorted(n for g, n in self._bodies if g == group)
+
     def get(self, group: str, round_id: int) -> bytes | BlockedBody | None:
         """The body of a round, counted as served (a peer may merge it)."""
         with self._lock:
@@ -419,9 +424,15 @@ class ContributionServicer(ServicerBase):
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
         asked = parse_wanted(request.uid)
         body = None if asked is None else self._store.get(asked[0], asked[1])
-        if asked is None or not isinstance(body, BlockedBody) or asked[2][-1] >= len(body.blobs):
-            logger.debug("%s contribution blocks request %r from %s", "bad" if asked is None else "unheld",
-                         request.uid[:80], context.remote_id)
+        if asked is None:
+            logger.debug("bad contribution blocks request %r from %s", request.uid[:80], context.remote_id)
+            return
+        if not isinstance(body, BlockedBody) or asked[2][-1] >= len(body.blobs):
+            # answered empty ("not held"): a round withdrawn or past ``keep`` is one; the rest name a fault
+            why = ("not held" if body is None else "held whole, not in blocks" if isinstance(body, bytes)
+                   else f"past its {len(body.blobs)} blocks")
+            logger.info("peer %s asked for blocks %s of %s round %d: %s (rounds held: %s)", context.remote_id,
+                        asked[2], asked[0][:80], asked[1], why, self._store.rounds(asked[0])[-4:])
             return
         answer = body.answer(asked[2])
         for message in _messages(answer):
