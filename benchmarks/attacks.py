@@ -26,6 +26,9 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
 - outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
+- ``time_to_judged_s``: the seconds the honest composers from the start took from their first step to the step
+  they are judged at (their median; ``time_ratio`` against the clean runs'). In lockstep an attack that stalls
+  rounds costs this, where the asynchronous nodes train on and lose the rounds;
 - ``merge_cosine``: how well each merge an honest composer applied points along its honest senders' update h (their
   contributions' mean by the capped weights; an attacker's node that crafts nothing it contributes, ``Attack.crafts``,
   is an honest sender, as its place is in a clean run), the mean over every such merge of the run (``merge_harm``;
@@ -196,6 +199,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         ratio = run["val_loss"] / clean_loss if run["val_loss"] and clean_loss else None
         joiner = run["joiner_val_loss"] / clean_joiner if run["joiner_val_loss"] and clean_joiner else None
         rounds_clean = statistics.median(r["rounds_ok"] for r in runs[:clean_runs]) if clean_runs else None
+        time_clean = _median([r.get("time_to_judged_s") for r in runs[:clean_runs]])
         kept = run["merge_cosine"] / clean_kept if run["merge_cosine"] is not None and clean_kept else None
         owned_clean = honest_places_owned(run["name"], layout, runs[:clean_runs])
         owned = run["honest_owned_share"] / owned_clean if run["honest_owned_share"] is not None and owned_clean \
@@ -203,6 +207,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         rows.append({**run, "val_loss_ratio": ratio, "joiner_val_loss_ratio": joiner, "rounds_ok_clean": rounds_clean,
                      "merge_cosine_ratio": kept, "honest_owned_clean": owned_clean, "honest_owned_fraction": owned,
                      "rounds_ok_ratio": run["rounds_ok"] / rounds_clean if rounds_clean else None,
+                     "time_ratio": run["time_to_judged_s"] / time_clean
+                     if run.get("time_to_judged_s") is not None and time_clean else None,
                      **_against_references(run, references, max(left_at, default=0)),
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": plan.join_at, "judged_at": plan.judged_at,
@@ -240,6 +246,25 @@ def _against_references(run: dict[str, Any], references: dict[str, list[float | 
     known = [v for v in references[reference] if v is not None]
     within = run["val_loss"] <= max(known) if run["val_loss"] is not None and known else None
     return {"reference": reference, "within_reference": False if run["crashed"] else within}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known and len(known) == len(values) else None
+
+
+def time_to_step(records: dict[int, list[dict[str, Any]]], step: int) -> float | None:
+    """Seconds the composers of ``records`` took from their first step to ``step`` (their median; None when one did
+    not reach it): where every node waits for the rounds it started (``node.lockstep``), an attack that stalls them
+    costs this time, not rounds."""
+    took = []
+    for rs in records.values():
+        first = next((r["t"] for r in rs if r.get("kind") == "first_step"), None)
+        reached = next((r["t"] for r in rs if r.get("kind") == "step" and r["step"] >= step), None)
+        if first is None or reached is None:
+            return None
+        took.append(reached - first)
+    return statistics.median(took) if took else None
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -323,7 +348,7 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, p
             for key in (folder / f"node-{i}").glob("node.key*"):
                 shutil.copy2(key, saved / key.name)
     return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total,
-                    judged_at=plan.judged_at)
+                    judged_at=plan.judged_at, until=plan.judged_at or plan.steps)
 
 
 def hostile_places(name: str, layout: Layout) -> tuple[int, ...]:
@@ -353,7 +378,7 @@ def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:
 
 
 def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: list[Path], attacker_spawned: float,
-             wall_s: float, total: int, *, judged_at: int | None = None) -> dict[str, Any]:
+             wall_s: float, total: int, *, judged_at: int | None = None, until: int | None = None) -> dict[str, Any]:
     records = {n.index: read_metrics(n.metrics) for n in nodes}
     honest = [n for n in nodes if n.index in layout.honest]
     evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
@@ -405,6 +430,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
                                         total, window) for k in range(len(layout.attacker_places) + 1)]
         if clean else None,
         "rounds_ok": statistics.median(rounds_ok),
+        "time_to_judged_s": None if until is None else time_to_step({i: records[i] for i in layout.from_the_start},
+                                                                    until),
         "merges": len(merges),
         "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,
         "merge_progress": statistics.mean(p for _, p in merges) if merges else None,
@@ -545,8 +572,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| run | attackers | what each does | honest val loss / clean | joiner's / clean | merge cosine / clean "
         "| experts the attackers held | honest-owned expert-time (/ clean) | rounds OK (clean) | named "
-        "| banned (after, step) | surrogates refused | crashed | loss at most the reference's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| banned (after, step) | surrogates refused | crashed | loss at most the reference's "
+        "| time to the judged step (/ clean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in [*report["clean"], *report.get("departures", []), *report["attacks"]]:
         ratio = "-" if r["val_loss_ratio"] is None else f"{r['val_loss_ratio']:.3f}"
@@ -566,7 +594,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | {attackers} | {r['description']} | {ratio} | {joiner} | {kept} | "
                      f"{_opt(r['attacker_experts'])} | "
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
-                     f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} | {within} |")
+                     f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} | {within} | "
+                     f"{_seconds(r.get('time_to_judged_s'), r.get('time_ratio'))} |")
     return "\n".join(lines)
 
 
@@ -578,6 +607,12 @@ def _departure_words(report: dict[str, Any]) -> str:
             f"(mean honest val loss {_opt(report.get('departed_val_loss'))}); with the clean runs they end "
             f"{_percent(report.get('reference_spread'))} apart, and an attack whose attacker was banned is judged "
             f"against the largest of their losses, the others against the clean runs'.")
+
+
+def _seconds(took: float | None, ratio: float | None) -> str:
+    if took is None:
+        return "-"
+    return f"{took:.0f} s" + ("" if ratio is None else f" ({ratio:.2f})")
 
 
 def _percent(x: float | None) -> str:

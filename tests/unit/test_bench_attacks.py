@@ -37,6 +37,7 @@ from parallax.benchmarks.attacks import (
     markdown,
     merge_harm,
     run_attacks,
+    time_to_step,
     whole_merges,
     without_attacker,
 )
@@ -91,7 +92,7 @@ def test_the_table_marks_rows_past_the_target():
                            "merge_cosine_ratio": 0.95,
                            "within_target": False, "attacker_banned": True, "banned_after_s": 14.0,
                            "banned_at_step": 10, "attacker_named": True, "within_reference": False,
-                           "reference": "departures"}],
+                           "reference": "departures", "time_to_judged_s": 102.4, "time_ratio": 2.01}],
               "departures": [{**row, "name": "left-10", "description": "no attacker; the first attacker's place "
                               "leaves at step 10", "merge_cosine_ratio": 1.0, "val_loss_ratio": 1.012}],
               "departed_val_loss": 2.73, "reference_spread": 0.012}
@@ -99,7 +100,7 @@ def test_the_table_marks_rows_past_the_target():
     report["attacks"][0]["honest_bans"] = [{"by": 0, "peer": "12D3KooWx", "reasons": {}}] * 2
     text = markdown(report)
     row = ("| nan | 1 | NaN pseudo-gradients | **1.100** | - | 0.9500 | 2 | 75% (0.98) | 30 (30) | yes "
-           "| yes (14 s, 10) | 0 | no | **no** (departures) |")
+           "| yes (14 s, 10) | 0 | no | **no** (departures) | 102 s (2.01) |")
     assert row in text
     assert "| left-10 | 0 | no attacker; the first attacker's place leaves at step 10 | 1.012 |" in text
     assert "leaves at step 10 (mean honest val loss 2.7300); with the clean runs they end 1.20% apart" in text
@@ -156,6 +157,17 @@ def test_a_banned_attackers_run_is_judged_against_the_departures_and_the_clean_r
     assert _against_references({**banned, "crashed": True}, references, 30)["within_reference"] is False
     assert _against_references({**banned, "val_loss": None}, references, 30)["within_reference"] is None
     assert _against_references({**banned, "name": "left-10"}, references, 30) == {}
+
+
+def test_the_time_to_a_step_is_the_composers_median_from_their_first_step_and_none_when_one_did_not_reach_it():
+    def steps(first: float, per_step: float, last: int) -> list[dict]:
+        return [{"t": first, "kind": "first_step"}] + [{"t": first + per_step * s, "kind": "step", "step": s}
+                                                      for s in range(1, last + 1)]
+
+    records = {0: steps(10.0, 0.5, 100), 1: steps(12.0, 0.25, 100), 2: steps(11.0, 1.0, 100)}
+    assert time_to_step(records, 100) == pytest.approx(50.0)  # 50, 25 and 100 s
+    assert time_to_step({**records, 3: steps(9.0, 0.5, 80)}, 100) is None
+    assert time_to_step({0: records[0][1:]}, 10) is None  # no first step
 
 
 def test_a_ban_is_placed_at_the_banning_composers_last_step_before_it():
