@@ -232,10 +232,10 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
 def _against_references(run: dict[str, Any], references: dict[str, list[float | None]],
                         last_departure: int) -> dict[str, Any]:
     """Which runs without an attacker judge ``run``'s honest loss: the clean runs', and the departures' beside them
-    for an attack of one composing attacker that an honest composer banned at or before ``last_departure`` (the
-    last step a departure left at; 0: none): the swarm lost one composer early there too. Whether the loss is at
-    most the largest of theirs (``within_reference``: False for a run with a crash, None without an attack or a
-    known loss)."""
+    for an attack of one composing attacker that the honest composers from the start banned at or before
+    ``last_departure`` (``banned_at_step``; the last step a departure left at, 0: none): the swarm lost one
+    composer early there too. Whether the loss is at most the largest of theirs (``within_reference``: False for a
+    run with a crash, None without an attack or a known loss)."""
     if without_attacker(run["name"]):
         return {}
     attack = ATTACKS[run["name"]]
@@ -605,8 +605,9 @@ def _departure_words(report: dict[str, Any]) -> str:
     steps = ", ".join(str(departs_at(r["name"])) for r in report["departures"])
     return (f" Departures: runs without an attacker in which the first attacker's place leaves at step {steps} "
             f"(mean honest val loss {_opt(report.get('departed_val_loss'))}); with the clean runs they end "
-            f"{_percent(report.get('reference_spread'))} apart, and an attack whose attacker was banned is judged "
-            f"against the largest of their losses, the others against the clean runs'.")
+            f"{_percent(report.get('reference_spread'))} apart, and an attack of one composing attacker banned by step "
+            f"{departs_at(report['departures'][-1]['name'])} is judged against the largest of their losses, the "
+            f"others against the clean runs'.")
 
 
 def _seconds(took: float | None, ratio: float | None) -> str:
