@@ -46,7 +46,8 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
   composers raise it past 1;
 - ``attacker_named``: a warning in an honest log names one of the attacker's peer ids or fingerprints;
   ``attacker_banned``: an honest composer banned one of its peer ids, and how long after the attacker started;
-- ``crashed``: an honest composer exited with an error or did not evaluate;
+- ``crashed``: an honest composer exited with an error or did not evaluate, or the run outlasted its 15 minutes
+  (``timed_out``: its composers were stopped there and it is measured as far as it went);
 - ``honest_bans``: bans of honest peers (every composer is honest in a clean run and a departure; in an attack
   run, any peer id the attacker does not speak with), each with the banning composer and the reasons;
   ``false_bans`` sums them over the clean runs and the departures (target 0: statistical evidence alone must not
@@ -117,6 +118,8 @@ def fits(colluders: int, composers: int) -> bool:
 
 
 TARGET = 1.02
+RUN_BOUND_S = 900.0
+"""A run's bound: one still going then is stopped and reported as it went (``timed_out``)."""
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
 IDLE_S = 10
 """``net.membership.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
@@ -189,7 +192,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
         run = _run(name, workdir / name, keys, args, layout, plan, total=total)
         runs.append(run)
         progress(f"{name}: honest val loss {run['val_losses']}, attacker held {run['attacker_experts']} experts, "
-                 f"{run['wall_s']:.0f} s")
+                 f"{run['wall_s']:.0f} s" + (f" (stopped: not finished within {RUN_BOUND_S:.0f} s; see "
+                                             f"{workdir / name})" if run["timed_out"] else ""))
     clean_loss, clean_joiner, clean_kept = (_mean([r[key] for r in runs[:clean_runs]])
                                             for key in ("val_loss", "joiner_val_loss", "merge_cosine"))
     references = {"clean": [r["val_loss"] for r in runs[:clean_runs]],
@@ -330,15 +334,15 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, p
                 swarm.add_node("--min-peers", together, "--steps", str(departs_at(name)))
             else:
                 swarm.add_node("--min-peers", together)
-        deadline = time.monotonic() + 900
+        deadline = time.monotonic() + RUN_BOUND_S
         first = [swarm.nodes[i] for i in layout.from_the_start]
         while time.monotonic() < deadline and not _past(first, plan.join_at):
             if any(not n.alive for n in first):
                 break
             time.sleep(0.5)
         swarm.add_node("--steps", str(plan.joiner_steps))
-        if not _wait(swarm, layout.honest, deadline):
-            raise RuntimeError(f"{name}: the honest composers did not finish within 15 minutes; see {folder}")
+        # a run that outlasts the bound is stopped and reported (crashed, timed out), and the benchmark goes on
+        finished = _wait(swarm, layout.honest, deadline)
     finally:
         swarm.close()
     for i in layout.nodes:
@@ -347,8 +351,9 @@ def _run(name: str, folder: Path, keys: Path, args: list[str], layout: Layout, p
             saved.mkdir(parents=True)
             for key in (folder / f"node-{i}").glob("node.key*"):
                 shutil.copy2(key, saved / key.name)
-    return _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total,
-                    judged_at=plan.judged_at, until=plan.judged_at or plan.steps)
+    run = _measure(name, swarm.nodes, layout, ids_paths, attacker_spawned, time.monotonic() - started, total,
+                   judged_at=plan.judged_at, until=plan.judged_at or plan.steps)
+    return {**run, "timed_out": not finished, "crashed": run["crashed"] or not finished}
 
 
 def hostile_places(name: str, layout: Layout) -> tuple[int, ...]:

@@ -501,3 +501,37 @@ def test_sybil_records_name_only_the_sybils_in_the_nodes_latest_merged_round_and
     newer = sybil_records(sybils, "run", "router", [merged, later], claims)
     assert {e.round_id for r in newer.values() for e in decode_entries(r).values()} == {6}
     assert len(claims) == len(sybils)  # one claim kept per identity and group
+
+
+def test_a_run_that_outlasts_its_bound_is_stopped_and_reported_and_the_benchmark_goes_on(monkeypatch, tmp_path):
+    """Composers that never finish (a stand-in for the process swarm: the pure bookkeeping of ``_run``)."""
+    import parallax.benchmarks.attacks as attacks
+
+    closed: list[bool] = []
+
+    class Swarm:
+        def __init__(self, folder, **_: object) -> None:
+            self.folder, self.nodes = folder, []
+
+        def start_bootstrap(self) -> None:
+            pass
+
+        def add_node(self, *_: object, **__: object) -> None:
+            i = len(self.nodes)
+            (self.folder / f"node-{i}").mkdir(parents=True, exist_ok=True)
+            self.nodes.append(SimpleNamespace(index=i, step=0, alive=True, metrics=self.folder / f"node-{i}" / "m",
+                                              log=self.folder / f"node-{i}" / "log",
+                                              process=SimpleNamespace(returncode=None)))
+
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(attacks, "LocalSwarm", Swarm)
+    monkeypatch.setattr(attacks, "RUN_BOUND_S", 0.0)
+    said: list[str] = []
+    report = run_attacks(attacks=["nan"], steps=100, clean_runs=1, workdir=tmp_path, progress=said.append)
+    assert len(closed) == 2  # both runs ran, each stopped at its bound
+    for row in (*report["clean"], *report["attacks"]):
+        assert row["timed_out"] and row["crashed"] and row["val_loss"] is None, row
+    assert any("stopped: not finished within 0 s" in line for line in said), said
+    assert "| nan |" in markdown(report)
