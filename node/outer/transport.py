@@ -360,6 +360,16 @@ class ContributionStore:
                 self._served.add((group, round_id))
             return body
 
+    def peek(self, group: str, round_id: int) -> bytes | BlockedBody | None:
+        """The body of a round, not counted as served (``mark_served`` once a peer's request for it holds)."""
+        with self._lock:
+            return self._bodies.get((group, round_id))
+
+    def mark_served(self, group: str, round_id: int) -> None:
+        with self._lock:
+            if (group, round_id) in self._bodies:
+                self._served.add((group, round_id))
+
     def drop(self, group: str, round_id: int) -> None:
         """Stop serving a round's body (its round merged nothing here: it is withdrawn)."""
         with self._lock:
@@ -372,6 +382,8 @@ class ContributionStore:
             return (group, round_id) in self._served
 
 
+_UNSERVED_LOG_S = 1.0
+"""Blocks requests answered empty for a fault are logged at most once in this many seconds (``_unserved``)."""
 _GROUPS_COUNTED = 256
 _GROUP_NAME_COUNTED = 200
 """``ContributionServicer.records_asked`` counts questions apart for at most this many group names of at most
@@ -394,6 +406,8 @@ class ContributionServicer(ServicerBase):
         names asked for (a peer names any it likes), the others' questions together under ""."""
         self._loop: asyncio.AbstractEventLoop | None = None  # where questions are held (set by the first)
         self._posted: dict[str, asyncio.Event] = {}  # group -> set at its next post (``rpc_record``)
+        self._unserved_quiet_until = 0.0  # ``_unserved``: no line before then
+        self._unserved_quiet = 0  # requests not logged since the last line
         store.listen(self._on_post)
 
     def _on_post(self, group: str) -> None:
@@ -412,9 +426,10 @@ class ContributionServicer(ServicerBase):
         if not (group and re.fullmatch(r"[0-9]{1,18}", n)):
             logger.debug("bad contribution request %r from %s", request.uid[:80], context.remote_id)
             return
-        body = self._store.get(group, int(n))
+        body = self._store.peek(group, int(n))
         if not isinstance(body, bytes):
             return
+        self._store.mark_served(group, int(n))
         for message in _messages(body):
             yield message
         self.bytes_served += len(body)
@@ -423,21 +438,40 @@ class ContributionServicer(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertInfo]:  # noqa: UP006 - hivemind reads typing's AsyncIterator
         asked = parse_wanted(request.uid)
-        body = None if asked is None else self._store.get(asked[0], asked[1])
         if asked is None:
             logger.debug("bad contribution blocks request %r from %s", request.uid[:80], context.remote_id)
             return
-        if not isinstance(body, BlockedBody) or asked[2][-1] >= len(body.blobs):
-            # answered empty ("not held"): a round withdrawn or past ``keep`` is one; the rest name a fault
-            why = ("not held" if body is None else "held whole, not in blocks" if isinstance(body, bytes)
-                   else f"past its {len(body.blobs)} blocks")
-            logger.info("peer %s asked for blocks %s of %s round %d: %s (rounds held: %s)", context.remote_id,
-                        asked[2], asked[0][:80], asked[1], why, self._store.rounds(asked[0])[-4:])
+        group, n, wanted = asked
+        body = self._store.peek(group, n)
+        if not isinstance(body, BlockedBody) or wanted[-1] >= len(body.blobs):
+            self._unserved(context.remote_id, group, n, wanted, body)
             return
-        answer = body.answer(asked[2])
+        self._store.mark_served(group, n)
+        answer = body.answer(wanted)
         for message in _messages(answer):
             yield message
         self.bytes_served += len(answer)
+
+    def _unserved(self, peer: object, group: str, n: int, wanted: list[int], body: bytes | BlockedBody | None) -> None:
+        """Log why a blocks request is answered empty ("not held"). A round withdrawn or past ``keep`` is the
+        usual reason (debug); a round asked for beyond the newest held, a body held whole, or blocks past the body's
+        are logged at most once every ``_UNSERVED_LOG_S`` (a peer names any group and blocks it likes)."""
+        held = self._store.rounds(group)
+        if body is None and held and n < held[-1]:
+            logger.debug("peer %s asked for blocks of %r round %d: withdrawn, or past the rounds kept", peer,
+                         group[:80], n)
+            return
+        why = ("not held" if body is None else "held whole, not in blocks" if isinstance(body, bytes)
+               else f"past its {len(body.blobs)} blocks")
+        now = time.monotonic()
+        if now < self._unserved_quiet_until:
+            self._unserved_quiet += 1
+            return
+        self._unserved_quiet_until = now + _UNSERVED_LOG_S
+        more, self._unserved_quiet = self._unserved_quiet, 0
+        logger.info("peer %s asked for %d blocks (%d-%d) of %r round %d: %s (rounds held: %s)%s", peer, len(wanted),
+                    wanted[0], wanted[-1], group[:80], n, why, held[-4:],
+                    f"; {more} such requests not logged before it" if more else "")
 
     async def rpc_record(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """``uid`` = ``{group}/{tag}``: this node's record of ``group`` once its ``record_tag`` is not ``tag`` (the
