@@ -253,8 +253,8 @@ def _against_references(run: dict[str, Any], references: dict[str, list[float | 
 
 
 def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known and len(known) == len(values) else None
+    known = _all_known(values)
+    return statistics.median(known) if known else None
 
 
 def time_to_step(records: dict[int, list[dict[str, Any]]], step: int) -> float | None:
@@ -271,9 +271,15 @@ def time_to_step(records: dict[int, list[dict[str, Any]]], step: int) -> float |
     return statistics.median(took) if took else None
 
 
-def _mean(values: list[float | None]) -> float | None:
+def _all_known(values: list[float | None]) -> list[float] | None:
+    """``values`` when there are some and none is None (a run that did not measure it), else None."""
     known = [v for v in values if v is not None]
-    return statistics.mean(known) if known and len(known) == len(values) else None
+    return known if known and len(known) == len(values) else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = _all_known(values)
+    return statistics.mean(known) if known else None
 
 
 def _spread(values: list[float | None]) -> float | None:
@@ -385,6 +391,7 @@ def _wait(swarm: LocalSwarm, indices: tuple[int, ...], deadline: float) -> bool:
 def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: list[Path], attacker_spawned: float,
              wall_s: float, total: int, *, judged_at: int | None = None, until: int | None = None) -> dict[str, Any]:
     records = {n.index: read_metrics(n.metrics) for n in nodes}
+    founders = {i: records[i] for i in layout.from_the_start}  # the honest composers from the start
     honest = [n for n in nodes if n.index in layout.honest]
     evals = {n.index: [r for r in records[n.index] if r.get("kind") == "final_eval"] for n in honest}
     judged = evals if judged_at is None else {
@@ -423,7 +430,7 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
                  for n in honest]
     return {
         "name": name, "description": _description(name),
-        "banned_at_step": _step_at({i: records[i] for i in layout.from_the_start}, bans),
+        "banned_at_step": _step_at(founders, bans),
         "val_loss": statistics.mean(losses) if len(losses) == len(layout.from_the_start) else None,
         "val_losses": losses, "attackers": len(ids_paths),
         "joiner_val_loss": evals[layout.joiner][-1]["val_loss"] if evals[layout.joiner] else None,
@@ -435,8 +442,7 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
                                         total, window) for k in range(len(layout.attacker_places) + 1)]
         if clean else None,
         "rounds_ok": statistics.median(rounds_ok),
-        "time_to_judged_s": None if until is None else time_to_step({i: records[i] for i in layout.from_the_start},
-                                                                    until),
+        "time_to_judged_s": None if until is None else time_to_step(founders, until),
         "merges": len(merges),
         "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,
         "merge_progress": statistics.mean(p for _, p in merges) if merges else None,
