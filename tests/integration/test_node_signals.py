@@ -5,7 +5,6 @@ killed the hard way still gets its node to leave."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 import pytest
+
+from parallax.node.peer.local_swarm import read_metrics
 
 
 def _sessions_of(marker: str) -> dict[int, int]:
@@ -43,7 +44,7 @@ def _alive(pid: int) -> bool:
 
 
 def _events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_metrics(path)  # a line the node is writing is skipped
 
 
 def _join_and_train(folder: Path, *flags: str, steps: int) -> subprocess.Popen[bytes]:
