@@ -355,7 +355,7 @@ def _equivocation(attacker: Attacker) -> None:
         else:
             return
         gathered.gather.store.put(group, n, other)
-        claim = RoundEntry(n, digest, size, entry.tokens, session=entry.session)
+        claim = RoundEntry(n, digest, size, entry.tokens, session=entry.session, base=entry.base)
         # The round's entry replaced in place (its thread publishes it again later), and the record stored now.
         gathered._entries[n] = sign(gathered.records.signer.identity, gathered.records.run_id, group, claim)
         entries = dict(gathered._entries)
@@ -769,10 +769,9 @@ def sybil_records(identities: list[Any], run_id: str, group: str, entries: list[
         if held is None or held.round_id != n:
             held = claims[(identity.fingerprint, group)] = sign(identity, run_id, group, RoundEntry(
                 n, hashlib.sha256(identity.public_key + group.encode() + n.to_bytes(8, "big")).digest(), latest.size,
-                latest.tokens, session=new_session()))
-        out[identity.fingerprint] = encode_record([RoundEntry(n, held.digest, held.size, held.tokens,
-                                                              latest.fingerprint, named, held.session,
-                                                              held.signature, latest.anchor)])
+                latest.tokens, session=new_session(), base=latest.base))
+        out[identity.fingerprint] = encode_record([replace(held, fingerprint=latest.fingerprint,
+                                                              participants=named)])
     return out
 
 

@@ -426,8 +426,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
     warnings = [line for n in honest if n.log.exists() for line in n.log.read_text(errors="replace").splitlines()
                 if " WARN" in line or " ERROR" in line]
     named = any(w in line for line in warnings for w in words)
-    rounds_ok = [sum(1 for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok")
-                 for n in honest]
+    ok = [[r for r in records[n.index] if r.get("kind") == "round" and r.get("status") == "ok"] for n in honest]
+    rounds_ok = [len(rounds) for rounds in ok]
     return {
         "name": name, "description": _description(name),
         "banned_at_step": _step_at(founders, bans),
@@ -442,6 +442,9 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
                                         total, window) for k in range(len(layout.attacker_places) + 1)]
         if clean else None,
         "rounds_ok": statistics.median(rounds_ok),
+        # contributions the honest composers' applied rounds left out: taken from another anchor than their set's
+        # majority's (``wire.off_anchor``)
+        "left_out": statistics.median(sum(r.get("left_out", 0) for r in rounds) for rounds in ok),
         "time_to_judged_s": None if until is None else time_to_step(founders, until),
         "merges": len(merges),
         "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,

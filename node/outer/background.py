@@ -404,19 +404,28 @@ class BackgroundRounds:
                                                                   detail=repr(e)), None)
             if merged is not None:
                 outer = self.composer.outer[group]
-                keep_unsent(outer, flight.pending, sent, self.sync.config.compression)
-                outer.step_late(merged, flight.submitted)
+                if report.ours_left_out:  # the merge holds nothing of ours: all this node trained stays its own
+                    outer.step_kept(merged)
+                    self.composer.tokens_since_merge[group] += flight.tokens
+                else:
+                    keep_unsent(outer, flight.pending, sent, self.sync.config.compression)
+                    outer.step_late(merged, flight.submitted)
                 outer.round = report.round_id if report.round_id is not None else flight.round_id
                 self.counts.applied += 1
                 self.rounds_ok[group] += 1
                 self.publish_state(group)
                 self._start_serving(group)
-                if report.apart_from:  # our anchor drifted from theirs: take theirs, keep our progress since it
+                # Our anchor drifted from theirs (our contribution, taken from it, was left out as well): take theirs,
+                # keep our progress since it.
+                holders = report.apart_from
+                if not holders and report.ours_left_out:
+                    holders = tuple(p for p in report.participants if p not in report.left_out)
+                if holders:
                     # A few rounds' steps at most: what missed rounds move an anchor by (``take_anchor``).
                     sync = self.composer.cfg.sync
                     self._resync[group] = MAX_SPAN * sync.outer_lr / (1 - sync.outer_momentum) * math.sqrt(
                         sum(float(t.square().sum()) for t in merged.values()))
-                    self._start_reload(group, sources=report.apart_from)
+                    self._start_reload(group, sources=holders)
             else:
                 self.counts.failed += 1
                 if report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already

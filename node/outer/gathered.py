@@ -101,6 +101,7 @@ from parallax.node.outer.wire import (
     encode_fingerprint,
     fingerprint,
     fingerprints_agree,
+    off_anchor,
     round_tag,
 )
 from parallax.node.outer.witness import ASKS_AT_ONCE, Witness, new_session, proofs_key, sign
@@ -150,6 +151,7 @@ class GatheredRounds:
         # usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
+        self._bases: dict[str, bytes] = {}  # contributions fetched -> the anchor each claim names (latest last)
         self._work_arrived: dict[str, None] = {}  # peers whose contribution, not all zeros, arrived here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
@@ -223,7 +225,9 @@ class GatheredRounds:
             return None
         mine, digest, size = self._offer(n, delta)  # mine: the tensors the others will merge
         self.last_sent = mine
-        entry = RoundEntry(n, digest, size, float(tokens), session=self.session)
+        mine_anchor = anchor_fingerprint(anchor) if anchor is not None else None
+        entry = RoundEntry(n, digest, size, float(tokens), session=self.session,
+                           base=encode_fingerprint(mine_anchor) if mine_anchor else b"")
         if self.records.signer is not None:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)
@@ -243,7 +247,6 @@ class GatheredRounds:
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
-        mine_anchor: tuple[float, ...] | None = None
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
@@ -274,11 +277,8 @@ class GatheredRounds:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)
             tag = round_tag(0, participants)
-            if anchor is not None and mine_anchor is None:
-                mine_anchor = anchor_fingerprint(anchor)
             self._publish(dataclasses.replace(self._entries[n], fingerprint=encode_fingerprint(fp, tag),
-                                              participants=participants,
-                                              anchor=encode_fingerprint(mine_anchor) if mine_anchor else b""))
+                                              participants=participants))
             anchors: dict[str, tuple[float, ...]] = {}
             verifying = time.monotonic()
             status, agreeing, answered, other = self.records.await_majority(
@@ -473,9 +473,12 @@ class GatheredRounds:
         cap = self.weight_cap
         weights = cap_weights(declared, cap) if cap is not None else declared
         spans = [span_of(t, cap) for t in declared] if cap is not None else None
-        common.update(participants=tuple(split_pair(p)[0] for p in participants),
-                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)})
         me = pair(self.peer_id, n)
+        left_out = self._left_out(n, me, participants)
+        weights = [0.0 if p in left_out else w for p, w in zip(participants, weights, strict=True)]
+        common.update(participants=tuple(split_pair(p)[0] for p in participants),
+                      tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
+                      left_out=tuple(sorted(split_pair(p)[0] for p in left_out)), ours_left_out=me in left_out)
         audit: MergeAudit | None
         if self.parts is None:
             merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
@@ -503,7 +506,7 @@ class GatheredRounds:
                 return None
         suspects = []
         for name, a in zip(participants, audit.contributions if audit is not None else (), strict=False):
-            if a.suspicious:
+            if a.suspicious and name not in left_out:
                 peer = split_pair(name)[0]
                 suspects.append(peer)
                 if self.scores is not None and peer != self.peer_id:
@@ -513,6 +516,18 @@ class GatheredRounds:
                                a.norm_scale, a.clip, found[name][1])
         common["suspects"] = tuple(suspects)
         return merged
+
+    def _left_out(self, n: int, me: str, participants: Sequence[str]) -> set[str]:
+        """The contributions of ``participants`` (sorted pairs) that the merge leaves out: taken from another anchor
+        than the set's majority's (``wire.off_anchor``, by the anchors their signed claims name). Named in the log."""
+        with self._lock:
+            bases = {p: self._entries[n].base if p == me else self._bases.get(p, b"") for p in participants}
+        left_out = off_anchor({p: decode_fingerprint(b) if b else None for p, b in bases.items()})
+        if left_out:
+            logger.info("outer round %s/%d: leaving out of the merge the contributions of %s: taken from another "
+                        "anchor than the %d others'", self.group, n, ", ".join(sorted(left_out)),
+                        len(participants) - len(left_out))
+        return left_out
 
     def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],
                    merged_elsewhere: bool | None = None) -> None:
@@ -798,6 +813,12 @@ class GatheredRounds:
                 error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
+            room = self._peers_kept()
+            with self._lock:  # the anchor it names, signed: which merges leave it out (``_left_out``)
+                self._bases.pop(name, None)
+                self._bases[name] = entry.base
+                while len(self._bases) > ROUNDS_KEPT * room:
+                    del self._bases[next(iter(self._bases))]
             if self.parts is not None:
                 # Partitioned: the claim checked is the contribution found; its blocks are fetched by those who
                 # merge them (``partitioned``), and they are the evidence of its sender's work. A sender whose
@@ -809,7 +830,6 @@ class GatheredRounds:
                     suspect = peer in self._failing or peer in self._held or peer not in self._served
                 if suspect:
                     self.parts.probe(name, entry)
-                room = self._peers_kept()
                 with self._lock:
                     held = self._claims.pop(peer, {})  # reinserted last: the peers heard from least lately go first
                     held[name] = entry
@@ -1031,12 +1051,12 @@ def _usable(flight: Future[Fetched | None]) -> bool:
 
 def _entry_fingerprint(name: str, record: bytes, tag: bytes,
                        anchors: dict[str, tuple[float, ...]] | None = None) -> tuple[float, ...] | None:
-    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record; the anchor
-    fingerprint beside it goes in ``anchors`` under ``name``."""
+    """The fingerprint, tagged ``tag``, of contribution ``name``'s round in its sender's rounds record; the fingerprint
+    of the anchor its merge is applied to (the contribution's ``base``) goes in ``anchors`` under ``name``."""
     entry = decode_entries(record).get(split_pair(name)[1])
     fp = decode_fingerprint(entry.fingerprint, tag) if entry is not None and entry.fingerprint else None
-    if fp is not None and anchors is not None and entry is not None and entry.anchor:
-        anchor = decode_fingerprint(entry.anchor)
+    if fp is not None and anchors is not None and entry is not None and entry.base:
+        anchor = decode_fingerprint(entry.base)
         if anchor is not None:
             anchors[name] = anchor
     return fp

@@ -140,6 +140,12 @@ class RoundReport:
     apart_from: tuple[str, ...] = ()
     """An applied round whose other participants hold another anchor than this node's (gathered rounds): the peers
     of the strict majority that hold one; this node takes the group's state from them."""
+    left_out: tuple[str, ...] = ()
+    """Participants whose contributions the merge left out: taken from another anchor than the set's majority's
+    (gathered rounds, ``wire.off_anchor``)."""
+    ours_left_out: bool = False
+    """This node's own contribution is among ``left_out``: the merge holds nothing of it, so what this node trained
+    stays its own (``background``)."""
     detail: str = ""
 
     @property

@@ -76,6 +76,7 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
+_CLAIM_FIELDS = 7  # ``RoundEntry.claim_to_wire``
 PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer id
 _PAIR_RE = re.compile(PEER_ID_RE.pattern + r"@[0-9]{1,18}")  # a peer id, "@", its round number
 RECORD_WAIT_S = 5.0
@@ -196,10 +197,11 @@ class RoundEntry:
     merged, its fingerprint (``wire.encode_fingerprint``, tagged) and the participants it merged.
 
     The contribution's part (``claim``) is signed on its own by the sender (``signature``, over the run, the group
-    and the claim): a statement any peer can show to others. ``session`` names the sender's round-taking instance
-    (microseconds since the epoch when it started): within one session an honest sender claims one contribution
-    per round, so two different signed claims of one round and session prove it equivocated
-    (``witness.Equivocation``)."""
+    and the claim): a statement any peer can show to others. It names the anchor the pseudo-gradient was taken from
+    (``base``): a merge leaves out contributions taken from another anchor than its set's majority's
+    (``wire.off_anchor``). ``session`` names the sender's round-taking instance (microseconds since the epoch when it
+    started): within one session an honest sender claims one contribution per round, so two different signed claims
+    of one round and session prove it equivocated (``witness.Equivocation``)."""
 
     round_id: int
     digest: bytes
@@ -209,50 +211,51 @@ class RoundEntry:
     participants: tuple[str, ...] = ()
     session: int = 0
     signature: bytes = b""
-    anchor: bytes = b""
-    """The fingerprint of the sender's anchor that its merge of this round is applied to (``wire.anchor_fingerprint``,
-    encoded untagged), once merged: who holds the swarm's anchor and who drifted from it."""
+    base: bytes = b""
+    """The fingerprint of the sender's anchor this contribution's pseudo-gradient was taken from, which its merge of
+    the round is applied to (``wire.anchor_fingerprint``, encoded untagged): who holds the swarm's anchor and who
+    drifted from it. Empty where the rounds name no anchor (replicated experts)."""
     merged: bytes = b""
     """In a partitioned round (``partitioned``): the root (``blocks.BlockedBody.digest``) of the blocks of
     ``participants``' merge that this sender merged and serves; empty until then, and in a gathered round."""
 
     def to_wire(self) -> list[object]:
-        return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.anchor, self.merged]
+        return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.merged]
 
     def claim_to_wire(self) -> list[object]:
-        """The signed part: round, digest, size, tokens, session and the signature."""
-        return [self.round_id, self.digest, self.size, self.tokens, self.session, self.signature]
+        """The signed part: round, digest, size, tokens, session, base and the signature."""
+        return [self.round_id, self.digest, self.size, self.tokens, self.session, self.base, self.signature]
 
-    def claim(self) -> tuple[int, bytes, int, float, int]:
+    def claim(self) -> tuple[int, bytes, int, float, int, bytes]:
         """What the signature covers besides the run and the group."""
-        return self.round_id, self.digest, self.size, self.tokens, self.session
+        return self.round_id, self.digest, self.size, self.tokens, self.session, self.base
 
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
         """None for anything malformed (a peer's record is data, not trusted)."""
-        if not (isinstance(obj, list) and len(obj) in (9, 10)):
+        if not (isinstance(obj, list) and len(obj) == _CLAIM_FIELDS + 3):
             return None
-        claim = cls.claim_from_wire(obj[:6])
-        fp, who, anchor, merged = obj[6:] if len(obj) == 10 else [*obj[6:], b""]  # 9: a peer without partitioned rounds
-        if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024 and isinstance(anchor, bytes)
-                                 and len(anchor) <= 1024 and isinstance(who, list) and len(who) <= _MAX_PARTICIPANTS
+        claim = cls.claim_from_wire(obj[:_CLAIM_FIELDS])
+        fp, who, merged = obj[_CLAIM_FIELDS:]
+        if claim is None or not (isinstance(fp, bytes) and len(fp) <= 1024
+                                 and isinstance(who, list) and len(who) <= _MAX_PARTICIPANTS
                                  and all(isinstance(p, str) and _PAIR_RE.fullmatch(p) for p in who)
                                  and isinstance(merged, bytes) and len(merged) in (0, 32)):
             return None
-        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who), anchor=anchor, merged=merged)
+        return dataclasses.replace(claim, fingerprint=fp, participants=tuple(who), merged=merged)
 
     @classmethod
     def claim_from_wire(cls, obj: object) -> RoundEntry | None:
         """An entry holding only a claim (``claim_to_wire``); None for anything malformed."""
-        if not (isinstance(obj, list) and len(obj) == 6):
+        if not (isinstance(obj, list) and len(obj) == _CLAIM_FIELDS):
             return None
-        n, digest, size, tokens, session, signature = obj
+        n, digest, size, tokens, session, base, signature = obj
         if not (type(n) is int and 0 <= n < 2**62 and isinstance(digest, bytes) and len(digest) == 32
                 and type(size) is int and 0 < size < 2**40 and isinstance(tokens, float) and math.isfinite(tokens)
-                and type(session) is int and 0 <= session < 2**62
+                and type(session) is int and 0 <= session < 2**62 and isinstance(base, bytes) and len(base) <= 1024
                 and isinstance(signature, bytes) and len(signature) <= SIGNATURE_BYTES):
             return None
-        return cls(n, digest, size, tokens, session=session, signature=signature)
+        return cls(n, digest, size, tokens, session=session, base=base, signature=signature)
 
 
 ROUND_RECORD_MAX_BYTES = 5 * 1024

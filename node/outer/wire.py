@@ -314,11 +314,32 @@ def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]]
         others: the anchor fingerprints found of the other participants, by participant.
         n_participants: how many took part in the round, this node included.
     """
-    for fp in others.values():
-        agreeing = [p for p, other in others.items() if fingerprints_agree(fp, other, ANCHOR_TOLERANCE)]
-        if 2 * len(agreeing) > n_participants:
-            return () if fingerprints_agree(mine, fp, ANCHOR_TOLERANCE) else tuple(sorted(agreeing))
-    return ()
+    held = _held_by_majority(others, n_participants)
+    if held is None or fingerprints_agree(mine, held[0], ANCHOR_TOLERANCE):
+        return ()
+    return tuple(sorted(held[1]))
+
+
+def off_anchor(bases: Mapping[str, Sequence[float] | None]) -> set[str]:
+    """The contributions of a set that its merge leaves out: those not taken from the anchor a strict majority of the
+    set's contributions were taken from (``RoundEntry.base``; None: none named, or malformed). A pseudo-gradient is a
+    step from the anchor it was taken from; merged into a step from another (its sender missed rounds the others
+    applied, or offers its contributions rounds late), it moves every peer's anchor by a stale step at full weight.
+    Empty when no anchor holds a strict majority: the set is merged whole. The same on every peer that holds the
+    set's signed claims."""
+    held = _held_by_majority({name: fp for name, fp in bases.items() if fp is not None}, len(bases))
+    return set() if held is None else set(bases) - set(held[1])
+
+
+def _held_by_majority(fingerprints: Mapping[str, Sequence[float]], n: int,
+                      ) -> tuple[Sequence[float], list[str]] | None:
+    """(an anchor fingerprint, the names of ``fingerprints`` that agree with it) when they make a strict majority of
+    ``n``; None when no anchor does."""
+    for fp in fingerprints.values():
+        agreeing = [name for name, other in fingerprints.items() if fingerprints_agree(fp, other, ANCHOR_TOLERANCE)]
+        if 2 * len(agreeing) > n:
+            return fp, agreeing
+    return None
 
 
 def round_tag(round_id: int, participants: Sequence[str]) -> bytes:

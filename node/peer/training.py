@@ -287,11 +287,12 @@ class Training:
     def _round_event(self, report: RoundReport) -> None:
         # The others merged our contribution: they count us (``Progress``), and our probation ends.
         merged_ours = (report.status is RoundStatus.OK and self.dht.peer_id in report.participants
-                       and len(report.participants) > 1)
+                       and len(report.participants) > 1 and not report.ours_left_out)
         if merged_ours and self.membership.shown_work():
             self.telemetry.event("probation_over", group=report.group, round_id=report.round_id)
         self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
-                             participants=len(report.participants), allreduce_s=round(report.allreduce_s, 4),
+                             participants=len(report.participants), left_out=len(report.left_out),
+                             allreduce_s=round(report.allreduce_s, 4),
                              waited_s=round(report.waited_s, 4), merge_s=round(report.merge_s, 4),
                              verify_s=round(report.verify_s, 4), total_s=round(report.total_s, 4),
                              bytes_est=self._round_bytes(report))

@@ -107,6 +107,12 @@ class OuterOptimizer:
         for name, p in self.params.items():
             p.add_(drift[name].to(p.device, p.dtype))
 
+    def step_kept(self, merged: Mapping[str, torch.Tensor]) -> None:
+        """Apply a merge that left this node's pseudo-gradient out (taken from another anchor than the others'): all
+        it trained since its anchor stays on top of the new anchor, for its next round. What earlier rounds did not
+        send stays unsent: nothing of it was merged."""
+        self.step_late(merged, {name: a.clone() for name, a in self.anchor.items()})
+
     def live_copy(self) -> dict[str, torch.Tensor]:
         """Returns: name -> CPU float32 copy of the live parameters (``step_late``'s ``submitted``)."""
         return {name: self._live(name).clone() for name in self.anchor}

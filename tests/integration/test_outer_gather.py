@@ -532,19 +532,36 @@ def test_a_partitioned_rounds_recorded_shares_add_up_to_the_whole_merges_inner_p
     assert merge["square"] == pytest.approx(float(result @ result), rel=1e-6)
 
 
-def test_a_peer_whose_anchor_drifted_applies_the_round_and_is_told_who_holds_the_swarms(peers):
+@pytest.mark.parametrize("aggregation", ["gather", "parts"])
+def test_a_peer_whose_anchor_drifted_is_left_out_of_the_merge_applies_it_and_is_told_who_holds_the_swarms(
+        peers, aggregation):
+    """Its pseudo-gradient was taken from an anchor the others left: every peer merges the other three alone (the
+    anchors the signed claims name), and it is told so and whom to take the swarm's anchor from."""
+    shapes, compression = (SHAPES, "fp16") if aggregation == "gather" else (PARTS, "int4")
     g = torch.Generator().manual_seed(3)
-    anchor = [torch.randn(shape, generator=g) for shape in SHAPES.values()]
+    anchor = [torch.randn(shape, generator=g) for shape in shapes.values()]
     drifted = [anchor[0] + 0.05 * torch.randn(anchor[0].shape, generator=g), anchor[1]]  # it missed a round
-    with start_averagers(peers, "router-anchors") as averagers:
-        deltas, tokens = noisy_deltas(4, seed=5), [CAP] * 4
-        with ThreadPoolExecutor(4) as pool:
-            rounds = [f.result(timeout=60) for f in [
-                pool.submit(a.round, d, t, 3, drifted if i == 3 else anchor)
-                for i, (a, d, t) in enumerate(zip(averagers, deltas, tokens, strict=True))]]
+    deltas, tokens = noisy_deltas(4, seed=5, shapes=shapes), [CAP] * 4
+    with start_averagers(peers, f"router-anchors-{aggregation}", compression=compression, aggregation=aggregation,
+                         shapes=shapes) as averagers, ThreadPoolExecutor(4) as pool:
+        rounds = [f.result(timeout=60) for f in [
+            pool.submit(a.round, d, t, 3, drifted if i == 3 else anchor)
+            for i, (a, d, t) in enumerate(zip(averagers, deltas, tokens, strict=True))]]
     assert all(r.merged is not None and r.report.status is RoundStatus.OK for r in rounds), [r.report for r in rounds]
     assert [r.report.apart_from for r in rounds[:3]] == [(), (), ()]
     assert set(rounds[3].report.apart_from) == {p.dht.peer_id for p in peers[:3]}
+    assert all(r.report.left_out == (peers[3].dht.peer_id,) for r in rounds), [r.report for r in rounds]
+    assert [r.report.ours_left_out for r in rounds] == [False, False, False, True]
+    assert not any(r.report.suspects for r in rounds)  # a stale anchor is no evidence
+    if aggregation == "gather":
+        received = [decode_contribution(encode_contribution(d, compression), shapes, peer="p") for d in deltas[:3]]
+        order = sorted(range(3), key=lambda i: peers[i].dht.peer_id)
+        reference, _ = robust_merge_groups([received[i] for i in order], [tokens[i] for i in order], "rda",
+                                           eps=OuterSyncConfig.of(compression=compression).rda_eps)
+    else:
+        reference = _merged_in_blocks(peers[:3], deltas[:3], tokens[:3])
+    assert reference is not None
+    assert all(torch.allclose(r.merged[n], reference[n], rtol=0, atol=1e-6) for r in rounds for n in shapes)
 
 
 def test_live_composers_that_never_contribute_stall_no_round_once_idle_and_contributions_are_work(peers):

@@ -348,7 +348,7 @@ def test_an_equivocating_peer_is_banned_by_every_honest_peer_and_the_others_merg
         other = encode_contribution({name: 1.5 * t for name, t in decode_contribution(body, SHAPES, peer=liar).items()},
                                     "fp16")
         gathers[0].store.put(group, n, other)
-        claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session)
+        claim = RoundEntry(n, body_digest(other), len(other), entry.tokens, session=entry.session, base=entry.base)
         gathered._entries[n] = sign(peers[0].signer.identity, "gather", group, claim)  # in place: beside its round
         entries = dict(gathered._entries)
         gathered.records.store(encode_record([entries[k] for k in sorted(entries)]))

@@ -324,6 +324,17 @@ def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_t
         rounds.shutdown()
 
 
+def _applying_rounds(averager: _WaitingAverager, outer: OuterOptimizer, candidates,  # type: ignore[no-untyped-def]
+                     compression: str = "fp16") -> tuple[SimpleNamespace, BackgroundRounds]:
+    """(the composer, its background rounds) of the group "router" of ``outer``, whose rounds ``averager`` runs and
+    whose downloads of the group's state ``candidates`` answers (with an outer learning rate of 1, no momentum)."""
+    states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
+    sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression=compression))
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0,
+                               cfg=SimpleNamespace(sync=SimpleNamespace(outer_lr=1.0, outer_momentum=0.0)))
+    return composer, BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
+
+
 def test_a_leave_waits_for_the_state_its_last_round_found_apart_before_it_ends():
     _, outer = make()
     _, other = make()
@@ -340,16 +351,49 @@ def test_a_leave_waits_for_the_state_its_last_round_found_apart_before_it_ends()
         assert sources == ("QmPeer",)  # the peers that hold the anchor the round found apart from this node's
         return Candidates([group_state(other, group="router", round_id=9, step=0)], frozenset())
 
-    states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
-    sync = SimpleNamespace(groups={"router": Apart()}, config=SimpleNamespace(compression="fp16"))
-    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0,
-                               cfg=SimpleNamespace(sync=SimpleNamespace(outer_lr=1.0, outer_momentum=0.0)))
-    rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
+    _, rounds = _applying_rounds(Apart(), outer, candidates)
     try:
         assert rounds.submit("router", 1)
         assert [r.status for r in rounds.wait(timeout_s=30)] == [RoundStatus.OK]
         assert rounds.counts.reloads == 1 and outer.round == 9
         assert all(torch.equal(outer.anchor[n], theirs[n]) for n in theirs)
+    finally:
+        rounds.shutdown()
+
+
+def test_a_merge_that_left_this_nodes_contribution_out_keeps_all_it_trained_and_takes_the_majoritys_anchor():
+    params, outer = make()
+    with torch.no_grad():
+        params["w"].add_(1.0)  # trained from its own anchor, which the others left behind
+    _, other = make()
+    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
+    for n, t in theirs.items():
+        other.anchor[n].copy_(t)
+    asked: list[object] = []
+
+    class LeftOut(_WaitingAverager):
+        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+            with torch.no_grad():
+                params["w"].add_(0.5)  # trained while the round ran
+            merged = {n: torch.full_like(t, -3.0) for n, t in delta.items()}  # the others' step, none of ours
+            report = RoundReport("router", RoundStatus.OK, round_id, participants=("QmMe", "QmA", "QmB"),
+                                 left_out=("QmMe",), ours_left_out=True)
+            return RoundResult(merged, report, {n: torch.ones_like(t) for n, t in delta.items()})
+
+    def candidates(group, shapes, timeout_s, sources=None, first=()):  # type: ignore[no-untyped-def]
+        asked.append(sources)
+        return Candidates([], frozenset())  # no state arrives: the node keeps what it has
+
+    composer, rounds = _applying_rounds(LeftOut(), outer, candidates, compression="int4")
+    try:
+        assert rounds.submit("router", 1)
+        assert [r.status for r in rounds.wait(timeout_s=30)] == [RoundStatus.OK]
+        wait_until(lambda: asked and not rounds._reloads, timeout=30)
+        assert asked == [("QmA", "QmB")]  # the senders the merge kept hold the anchor
+        assert torch.allclose(outer.anchor["w"], torch.full((3, 2), 3.0))  # the others' step applied
+        assert torch.allclose(params["w"].detach(), torch.full((3, 2), 4.5))  # and all this node trained kept
+        assert outer.unsent == {}  # nothing of its pending pseudo-gradient was sent: it is still in its weights
+        assert composer.tokens_since_merge["router"] == 100  # its tokens count in its next round
     finally:
         rounds.shutdown()
 

@@ -23,6 +23,7 @@ from parallax.node.outer.wire import (
     fingerprints_agree,
     majority_agrees,
     merged_from_components,
+    off_anchor,
     payload_bytes,
     round_fingerprint,
     round_tag,
@@ -172,6 +173,20 @@ def test_an_anchor_apart_from_the_majoritys_is_named_with_the_peers_that_hold_th
     assert anchor_majority(drifted, {"a": same}, 3) == ()  # one of three is no majority
     assert anchor_majority(drifted, {"a": same, "b": drifted}, 4) == ()  # two anchors, two each: nobody to follow
     assert len(anchor_fingerprint(swarm * 5)) == 16  # four slots at most: it travels in every round entry
+
+
+def test_a_merge_leaves_out_the_contributions_taken_from_another_anchor_than_its_sets_majoritys():
+    g = torch.Generator().manual_seed(1)
+    swarm = [torch.randn(300, 40, generator=g), torch.randn(40, generator=g)]
+    same, rounding = anchor_fingerprint(swarm), anchor_fingerprint([t * (1 + 1e-6) for t in swarm])
+    stale = anchor_fingerprint([swarm[0] + 0.02 * torch.randn(300, 40, generator=g), swarm[1]])
+    assert off_anchor({"a@1": same, "b@2": rounding, "c@1": stale}) == {"c@1"}
+    assert off_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None, "e@2": same}) == {"a@1", "d@4"}
+    assert off_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None}) == set()  # 2 of 4: no majority
+    assert off_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale}) == set()  # no majority: merged whole
+    assert off_anchor({"a@1": same, "b@2": None, "c@1": None}) == set()  # one of three names an anchor
+    assert off_anchor({"a@1": None, "b@2": None}) == set()  # rounds that name none (replicated experts)
+    assert off_anchor({"a@1": same, "b@2": same}) == set()
 
 
 def test_majority_counts_absent_and_disagreeing_participants_against_me():

@@ -133,7 +133,8 @@ def test_claims_are_signed_for_their_run_group_and_content() -> None:
     assert signed_by(key, RUN, GROUP, claim)
     assert not signed_by(KEYS[OTHER].public_key, RUN, GROUP, claim)
     assert not signed_by(key, "other run", GROUP, claim) and not signed_by(key, RUN, "backbone", claim)
-    for change in ({"size": 101}, {"digest": bytes(32)}, {"tokens": 11.0}, {"session": 8}, {"round_id": 4}):
+    for change in ({"size": 101}, {"digest": bytes(32)}, {"tokens": 11.0}, {"session": 8}, {"round_id": 4},
+                   {"base": b"another anchor"}):
         assert not signed_by(key, RUN, GROUP, dataclasses.replace(claim, **change))
     witness = _witness()
     assert witness.signed(LIAR, claim) and witness.signed(LIAR, claim)  # the second from the cache
@@ -141,6 +142,17 @@ def test_claims_are_signed_for_their_run_group_and_content() -> None:
     assert Witness(RUN, GROUP, None, None).signed(LIAR, dataclasses.replace(claim, signature=b""))  # unchecked mode
     forged = dataclasses.replace(claim, signature=bytes(64))
     assert not witness.signed(LIAR, forged) and not witness.signed(LIAR, forged)  # a failed check is kept too
+
+
+def test_two_claims_of_one_round_that_name_two_anchors_prove_an_equivocation() -> None:
+    """A sender that tells some peers its contribution was taken from the majority's anchor, and others another,
+    splits the merge (``wire.off_anchor`` leaves it out on one side only): that is two claims of one round."""
+    first = sign(KEYS[LIAR], RUN, GROUP, RoundEntry(3, bytes([1]) * 32, 100, 10.0, session=7, base=b"anchor a"))
+    second = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, base=b"anchor b"))
+    proof = Equivocation(LIAR, first, second)
+    assert proof.proves(KEYS[LIAR].public_key, RUN, GROUP)
+    assert Equivocation.from_wire(proof.to_wire()) == proof
+    assert decode_entries(_record(second)) == {3: second}
 
 
 def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> None:
