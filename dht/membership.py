@@ -344,7 +344,9 @@ class Progress:
       honest composer that joins a training swarm says so itself (``Heartbeat.probation``) until a round merged
       its contribution, so that it gives itself no experts either.
 
-    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused). A node that
+    None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused); the unproven
+    rule looks only for the identity's own work, once anyone's has arrived, so it holds while nobody's work is
+    recent (rounds slowed past ``idle_s``) as well. A node that
     joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
     (``vouched``): the rules then run from those; a node that resumes its checkpoint counts, the same way, the
     composers whose work had reached it when it was written (``working``).
@@ -427,7 +429,11 @@ class Progress:
                 # contribution fetched must not make everyone else idle at once.
                 began = self._work_began if self._work_began is not None else now
                 stalled |= {fp for fp in steps.keys() - working
-                            if now - max(self._first.get(fp, now), began) >= self.idle_s or self.unproven(fp)}
+                            if now - max(self._first.get(fp, now), began) >= self.idle_s}
+            # Unproven whether or not anyone's work is recent: when the rounds slow past ``idle_s`` (a loaded swarm,
+            # or one a flood of identities slows), counting hundreds of identities that never worked would raise
+            # every round's quorum past reach, and no work would arrive again.
+            stalled |= {fp for fp in steps.keys() - working if self.unproven(fp)}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:

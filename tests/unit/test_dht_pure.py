@@ -726,6 +726,21 @@ def test_a_composer_first_seen_after_work_began_counts_only_once_its_work_arrive
     assert progress.stalled({"a": 1, "b": 1, "founder": 1, "joiner": 1}, now=71.0) == {"a", "founder"}
 
 
+def test_fresh_keys_stay_unproven_while_nobodys_work_is_recent():
+    """Rounds that slow past ``idle_s`` leave no composer's work recent, and the idle rule names nobody then (a
+    paused swarm); identities that never worked still count for nothing, or their number would hold every round's
+    quorum out of reach and no work would arrive again."""
+    progress = Progress(stall_s=1e9, idle_s=10.0)
+    progress.stalled({"a": 1, "b": 1}, now=0.0)
+    progress.worked("a", 1.0)
+    progress.worked("b", 1.0)
+    flood = {f"key{i}": 1 for i in range(300)}
+    assert progress.stalled({"a": 1, "b": 1, **flood}, now=5.0) == set(flood)
+    assert progress.stalled({"a": 1, "b": 1, **flood}, now=30.0) == set(flood)  # a's and b's work 29 s old
+    progress.worked("key7", 31.0)  # one of them shows work: it counts
+    assert progress.stalled({"a": 1, "b": 1, **flood}, now=32.0) == set(flood) - {"key7"} | {"a", "b"}
+
+
 def test_a_node_joining_a_training_swarm_counts_whom_the_records_vouch_for_and_no_identity_beside_them():
     """A joiner's first read shows the swarm's composers beside 300 identities written before it came: no work has
     reached it, so each would count for a grace period. The records vouch for the composers whose work others
