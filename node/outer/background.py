@@ -428,7 +428,10 @@ class BackgroundRounds:
                     self._start_reload(group, sources=holders)
             else:
                 self.counts.failed += 1
-                if report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already
+                if report.needs_reload and report.ours_left_out:  # what peers may have applied holds none of ours
+                    self.composer.tokens_since_merge[group] += flight.tokens
+                    self._start_reload(group)
+                elif report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already
                     self._start_reload(group, since=(flight.submitted, flight.tokens))
                 else:  # no merge happened anywhere: our delta and its tokens go into the next round
                     self.composer.tokens_since_merge[group] += flight.tokens

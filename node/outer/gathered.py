@@ -5,8 +5,9 @@ robustly, verify. Partitioned ("parts"), step 3's merge is shared among the set'
 The transport and the pure parts are in ``transport``; this is the round itself, run by
 ``averager.GroupAverager`` in its round thread:
 
-1. publish this node's contribution (its entry: round, sha256, size, tokens and session, signed as a claim anyone can
-   check: ``witness``) and serve its body; a round this identity's earlier process claimed is skipped;
+1. publish this node's contribution (its entry: round, sha256, size, tokens, session and the anchor it was taken from,
+   signed as a claim anyone can check: ``witness``) and serve its body; a round this identity's earlier process
+   claimed is skipped;
 2. collect the live composers' *current* contributions (named ``peer@round``: composers reach a round at their own
    steps), waiting ``min_matchmaking_time_s`` for all of them; or take the set others already merged this node's
    contribution in. The quorum counts, beside the composers whose work reached this node, the senders of the
@@ -49,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -151,7 +152,6 @@ class GatheredRounds:
         # usable since (insertion order)
         self._failing: dict[str, None] = {}  # peers whose latest fetch failed, for any reason (insertion order)
         self._served: dict[str, None] = {}  # partitioned: peers whose blocks arrived usable here (latest last)
-        self._bases: dict[str, bytes] = {}  # contributions fetched -> the anchor each claim names (latest last)
         self._work_arrived: dict[str, None] = {}  # peers whose contribution, not all zeros, arrived here (latest last)
         self._lock = threading.Lock()  # the dicts above but _entries: contributions are fetched in parallel
         self._flights = _Flights(self._fetch, f"gather-{records.group}")
@@ -197,10 +197,11 @@ class GatheredRounds:
         leaving). Until then a round that has no quorum keeps its contribution on offer; None: it gives up after
         ``matchmaking_timeout_s``.
 
-        ``anchor``: the group's anchor the merge will be applied to, in the group's order (not changed while the round
-        runs). Its fingerprint goes out with the result's; when the anchors of a strict majority of the participants
-        agree and this node's is not theirs, the report names them (``RoundReport.apart_from``): the round still
-        applies, and the node then takes the group's state from them.
+        ``anchor``: the group's anchor ``delta`` was taken from and the merge will be applied to, in the group's order
+        (not changed while the round runs). Its fingerprint goes out with the claim: a merge leaves out the
+        contributions taken from another anchor than its set's majority's (``RoundReport.left_out``). When the anchors
+        of a strict majority of the participants agree and this node's is not theirs, the report names them
+        (``RoundReport.apart_from``): the round still applies, and the node then takes the group's state from them.
 
         Returns:
             The merged pseudo-gradient, or None (the report says why).
@@ -232,7 +233,7 @@ class GatheredRounds:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)
         me = pair(self.peer_id, n)
-        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {me: (mine, float(tokens))}
+        found = {me: Fetched(mine, float(tokens), entry.base)}
         pack_s = time.monotonic() - started
         seen: dict[str, float] = {}  # contribution -> when this node first read it on offer
         participants = self._collect(me, found, due, seen)
@@ -296,7 +297,7 @@ class GatheredRounds:
                     weights = [common["tokens"][split_pair(p)[0]] for p in participants]
                     geometry = share
                     if self.parts is None:
-                        geometry = merge_geometry([found[p][0] for p in participants], merged)
+                        geometry = merge_geometry([found[p].tensors for p in participants], merged)
                     if geometry is not None:
                         common["geometry"] = {**geometry, "weights": weights, "contributions": list(participants)}
                 self.report(RoundStatus.OK, started, **common)
@@ -462,26 +463,26 @@ class GatheredRounds:
             self._floor = max(earlier, default=-1)
         return self._floor
 
-    def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, tuple[dict[str, torch.Tensor], float]],
+    def _merge(self, n: int, participants: tuple[str, ...], found: Mapping[str, Fetched],
                common: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """The robust merge of the ``participants``' contributions (in sorted order, as on every peer), or with
         ``parts`` this node's share of it and the others' shares fetched; notes the capped weights and the suspects
         (of the blocks this node merged, with ``parts``) in ``common`` and names each suspect in the log. None: no
         contribution had weight, or (``common["failed"]``: its sender) a contribution's blocks did not arrive usable.
         """
-        declared = [found[p][1] for p in participants]
+        declared = [found[p].tokens for p in participants]
         cap = self.weight_cap
         weights = cap_weights(declared, cap) if cap is not None else declared
         spans = [span_of(t, cap) for t in declared] if cap is not None else None
         me = pair(self.peer_id, n)
-        left_out = self._left_out(n, me, participants)
+        left_out = self._left_out(n, me, {p: found[p].base for p in participants})
         weights = [0.0 if p in left_out else w for p, w in zip(participants, weights, strict=True)]
         common.update(participants=tuple(split_pair(p)[0] for p in participants),
                       tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
                       left_out=tuple(sorted(split_pair(p)[0] for p in left_out)), ours_left_out=me in left_out)
         audit: MergeAudit | None
         if self.parts is None:
-            merged, audit = robust_merge_groups([found[p][0] for p in participants], weights, self.config.method,
+            merged, audit = robust_merge_groups([found[p].tensors for p in participants], weights, self.config.method,
                                                 eps=self.config.rda_eps, spans=spans)
         else:
             with self._lock:
@@ -491,8 +492,9 @@ class GatheredRounds:
                 if forgotten is not None:  # its sender's later rounds, or many others' since: the set is long gone
                     raise Unmergeable(f"the claim of contribution {forgotten} is no longer held",
                                       split_pair(forgotten)[0])
-                merged, audit, geometry = self.parts.merge(
-                    n, participants, {p: c for p, c in claims.items() if c is not None}, found[me][0], weights, spans)
+                merged, audit, geometry = self.parts.merge(n, participants,
+                                                           {p: c for p, c in claims.items() if c is not None},
+                                                           found[me].tensors, weights, spans)
                 if geometry is not None:
                     common["geometry"] = geometry
             except Unmergeable as e:  # its contribution is out of this node's sets; its next one is probed first
@@ -513,20 +515,22 @@ class GatheredRounds:
                     self.scores.record(peer, _EVIDENCE.get(a.dropped, Evidence.OUTLIER))
                 logger.warning("outer round %s/%d: the contribution of peer %s was %s (norm x%.3g, pulled in "
                                "x%.3g, declared %.6g tokens)", self.group, n, peer, a.dropped or "clipped",
-                               a.norm_scale, a.clip, found[name][1])
+                               a.norm_scale, a.clip, found[name].tokens)
         common["suspects"] = tuple(suspects)
         return merged
 
-    def _left_out(self, n: int, me: str, participants: Sequence[str]) -> set[str]:
-        """The contributions of ``participants`` (sorted pairs) that the merge leaves out: taken from another anchor
-        than the set's majority's (``wire.off_anchor``, by the anchors their signed claims name). Named in the log."""
-        with self._lock:
-            bases = {p: self._entries[n].base if p == me else self._bases.get(p, b"") for p in participants}
+    def _left_out(self, n: int, me: str, bases: Mapping[str, bytes]) -> set[str]:
+        """The contributions of a set that its merge leaves out, given the anchor each one's signed claim names
+        (``bases``, by contribution): those taken from another anchor than the set's majority's (``wire.off_anchor``).
+        None in rounds that name no anchor (this node's names none: replicated experts), whatever others name.
+        Named in the log."""
+        if not bases[me]:
+            return set()
         left_out = off_anchor({p: decode_fingerprint(b) if b else None for p, b in bases.items()})
         if left_out:
             logger.info("outer round %s/%d: leaving out of the merge the contributions of %s: taken from another "
                         "anchor than the %d others'", self.group, n, ", ".join(sorted(left_out)),
-                        len(participants) - len(left_out))
+                        len(bases) - len(left_out))
         return left_out
 
     def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],
@@ -673,7 +677,7 @@ class GatheredRounds:
         out.unknown = read.unknown - heard.keys()
         return out
 
-    def _collect(self, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+    def _collect(self, me: str, found: dict[str, Fetched],
                  due: threading.Event | None = None, seen: dict[str, float] | None = None) -> tuple[str, ...] | None:
         """Fetch the open contributions of the live composers into ``found``, waiting up to
         ``min_matchmaking_time_s`` for every one to have one (and on while fewer than a quorum have: until ``due``
@@ -761,7 +765,7 @@ class GatheredRounds:
         return best_set({members: votes for members, votes in sets.items()
                          if len(members) >= quorum and members not in unreached}), bool(sets)
 
-    def _last_call(self, n: int, me: str, found: dict[str, tuple[dict[str, torch.Tensor], float]],
+    def _last_call(self, n: int, me: str, found: dict[str, Fetched],
                    ) -> tuple[tuple[str, ...] | None, bool]:
         """Round ``n`` had no quorum, or nobody else merged its set in time: its contribution (and any vote of ours)
         comes off offer at once (no new set takes it). A peer that read it on offer just before may be merging it
@@ -813,12 +817,6 @@ class GatheredRounds:
                 error = OtherTensors if self.other_tensors_blameless else ContributionMismatch
                 raise error(f"outer contribution announced at {entry.size} bytes, over the group's {self._body_cap}",
                             peer=peer)
-            room = self._peers_kept()
-            with self._lock:  # the anchor it names, signed: which merges leave it out (``_left_out``)
-                self._bases.pop(name, None)
-                self._bases[name] = entry.base
-                while len(self._bases) > ROUNDS_KEPT * room:
-                    del self._bases[next(iter(self._bases))]
             if self.parts is not None:
                 # Partitioned: the claim checked is the contribution found; its blocks are fetched by those who
                 # merge them (``partitioned``), and they are the evidence of its sender's work. A sender whose
@@ -830,6 +828,7 @@ class GatheredRounds:
                     suspect = peer in self._failing or peer in self._held or peer not in self._served
                 if suspect:
                     self.parts.probe(name, entry)
+                room = self._peers_kept()
                 with self._lock:
                     held = self._claims.pop(peer, {})  # reinserted last: the peers heard from least lately go first
                     held[name] = entry
@@ -839,7 +838,7 @@ class GatheredRounds:
                     while len(self._claims) > room:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
-                return {}, entry.tokens
+                return Fetched({}, entry.tokens, entry.base)
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
@@ -874,7 +873,7 @@ class GatheredRounds:
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)
-        return tensors, entry.tokens
+        return Fetched(tensors, entry.tokens, entry.base)
 
     def _peers_kept(self) -> int:
         """How many peers the partitioned round's per-peer state keeps (claims, senders whose blocks arrived): twice
@@ -939,7 +938,7 @@ class GatheredRounds:
             self._zero_digest = encode_blocks(zeros, self.config.compression).digest
         return self._zero_digest
 
-    def _take_set(self, taken: tuple[str, ...], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+    def _take_set(self, taken: tuple[str, ...], found: dict[str, Fetched],
                   deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]],
                   unreached: set[tuple[str, ...]]) -> bool:
         """Whether the set ``taken`` (one others merged naming ours) can be merged here: its bodies fetched into
@@ -951,7 +950,7 @@ class GatheredRounds:
             unreached.add(taken)
         return bool(fetched)
 
-    def _fetch_set(self, names: Sequence[str], found: dict[str, tuple[dict[str, torch.Tensor], float]],
+    def _fetch_set(self, names: Sequence[str], found: dict[str, Fetched],
                    deadline: float, entries: Mapping[str, Mapping[int, RoundEntry]] | None = None) -> bool | None:
         """Fetch every contribution of ``names`` not held yet, asking again until ``deadline`` for those whose
         fetch failed for now, waiting for those in flight until then (the fetches go on after it). A sender whose
@@ -990,8 +989,13 @@ class GatheredRounds:
             time.sleep(max(POLL_S, min(retry, deadline) - time.monotonic()))
 
 
-Fetched = tuple[dict[str, torch.Tensor], float]
-"""A usable contribution: its tensors and its sender's tokens."""
+class Fetched(NamedTuple):
+    """A usable contribution: its tensors (none yet in a partitioned round: its blocks are fetched as the set is
+    merged), its sender's tokens, and the anchor its signed claim names (``RoundEntry.base``)."""
+
+    tensors: dict[str, torch.Tensor]
+    tokens: float
+    base: bytes
 
 
 class _Flights:

@@ -504,17 +504,23 @@ class PartsMerge:
                     ) -> tuple[dict[int, torch.Tensor] | None, dict[int, bytes], MergeAudit]:
         """Blocks ``want`` merged here from every contribution's blocks (``me``: ours): (the merged blocks as
         ``MERGED_WIRE`` gives them back, or None when no contribution had weight; their encoded bytes; the robust
-        merge's audit). ``fetched``, when given, receives each participant's blocks in ``participants``' order.
+        merge's audit). ``fetched``, when given, receives each participant's blocks in ``participants``' order. The
+        blocks of a contribution without weight (left out: ``GatheredRounds._left_out``, or no tokens) are not
+        fetched: the merge drops it whatever they hold.
 
         Raises:
             Unmergeable: a contribution's blocks did not arrive usable.
         """
+        weighed = {name for name, w in zip(participants, weights, strict=True) if w > 0}
         flights = {name: self.pool.submit(self._fetch_blocks, name, claims[name], want)
-                   for name in participants if name != me}
+                   for name in participants if name != me and name in weighed}
         parts: dict[str, dict[int, torch.Tensor]] = {}
         for name, flight in flights.items():
             parts[name] = flight.result()
         parts[me] = {i: mine[self.layout[i].name][self.layout[i].start:self.layout[i].stop] for i in want}
+        for name in participants:
+            if name not in parts:
+                parts[name] = {i: torch.zeros_like(block) for i, block in parts[me].items()}
         if fetched is not None:
             fetched.extend(parts[name] for name in participants)
         return merge_blocks([parts[name] for name in participants], want, self.layout, self.shapes, weights,

@@ -57,7 +57,7 @@ from parallax.node.outer.blocks import (
     parse_wanted,
     wanted_uid,
 )
-from parallax.node.outer.wire import CODEC_OF, encode_wire
+from parallax.node.outer.wire import ANCHOR_FP_BYTES, CODEC_OF, encode_wire
 from parallax.node.train.outer import OuterBundle, OuterOptimizer
 from parallax.protocol.codec import TensorLimits, decode
 from parallax.protocol.errors import (
@@ -252,7 +252,8 @@ class RoundEntry:
         n, digest, size, tokens, session, base, signature = obj
         if not (type(n) is int and 0 <= n < 2**62 and isinstance(digest, bytes) and len(digest) == 32
                 and type(size) is int and 0 < size < 2**40 and isinstance(tokens, float) and math.isfinite(tokens)
-                and type(session) is int and 0 <= session < 2**62 and isinstance(base, bytes) and len(base) <= 1024
+                and type(session) is int and 0 <= session < 2**62 and isinstance(base, bytes)
+                and len(base) <= ANCHOR_FP_BYTES
                 and isinstance(signature, bytes) and len(signature) <= SIGNATURE_BYTES):
             return None
         return cls(n, digest, size, tokens, session=session, base=base, signature=signature)

@@ -297,6 +297,10 @@ ANCHOR_SLOTS = 4
 """An anchor's fingerprint has at most this many slots (64 bytes): it travels in every round entry."""
 
 
+ANCHOR_FP_BYTES = len(_FP_MAGIC) + _TAG_BYTES + 2 + 4 * _FP_FIELDS * ANCHOR_SLOTS
+"""The most bytes an encoded anchor fingerprint takes (``encode_fingerprint``): all a claim's ``base`` may hold."""
+
+
 def anchor_fingerprint(anchor: Sequence[torch.Tensor]) -> tuple[float, ...]:
     """``fingerprint`` of a group's anchor, the weights a round's merged pseudo-gradient is applied to (its scale is
     its own norm: compare with ``ANCHOR_TOLERANCE``), in ``ANCHOR_SLOTS`` slots: it travels in every round entry."""

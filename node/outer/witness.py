@@ -438,9 +438,9 @@ class Witness:
             if not counted and self.scores is not None:
                 self.scores.record(peer, Evidence.RESTARTED)
             return False
-        logger.warning("outer rounds %s: peer %s signed two different contributions for its round %d (digests "
-                       "%s and %s): banned, and the proof shared", self.group, peer, entry.round_id,
-                       first.digest.hex()[:12], entry.digest.hex()[:12])
+        logger.warning("outer rounds %s: peer %s signed two different claims of its round %d (digests %s and %s%s): "
+                       "banned, and the proof shared", self.group, peer, entry.round_id, first.digest.hex()[:12],
+                       entry.digest.hex()[:12], "" if first.base == entry.base else ", two anchors named")
         return self._convict(peer, Evidence.EQUIVOCATION, Equivocation(peer, first, entry).to_wire())
 
     def _hear(self, accuser: str, obj: object) -> bool:
@@ -460,8 +460,8 @@ class Witness:
                         "(not two different claims of one round and session under its key): ignored", self.group,
                         accuser, proof.peer)
             return False
-        logger.warning("outer rounds %s: peer %s shows that peer %s signed two different contributions for its "
-                       "round %d: banned", self.group, accuser, proof.peer, proof.first.round_id)
+        logger.warning("outer rounds %s: peer %s shows that peer %s signed two different claims of its round %d: "
+                       "banned", self.group, accuser, proof.peer, proof.first.round_id)
         return self._convict(proof.peer, Evidence.EQUIVOCATION, proof.to_wire())
 
     def _hear_of_block(self, accuser: str, obj: list[object]) -> None:

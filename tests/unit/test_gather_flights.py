@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from parallax.node.outer.gathered import _Flights
+from parallax.node.outer.gathered import Fetched, _Flights
 from parallax.node.outer.transport import RoundEntry
 
 
@@ -15,15 +15,15 @@ def test_a_claim_is_fetched_once_a_new_claim_of_its_name_anew_and_a_failed_fetch
     calls: list[tuple[str, bytes]] = []
     failing = threading.Event()
 
-    def fetch(name: str, entry: RoundEntry) -> tuple[dict[str, torch.Tensor], float] | None:
+    def fetch(name: str, entry: RoundEntry) -> Fetched | None:
         calls.append((name, entry.digest))
-        return None if failing.is_set() else ({"w": torch.zeros(2)}, 1.0)
+        return None if failing.is_set() else Fetched({"w": torch.zeros(2)}, 1.0, entry.base)
 
     flights = _Flights(fetch, "test")
     try:
         first = RoundEntry(3, bytes(32), 10, 1.0, session=1)
         restarted = RoundEntry(3, bytes([1] * 32), 10, 1.0, session=2)
-        found: dict[str, tuple[dict[str, torch.Tensor], float]] = {}
+        found: dict[str, Fetched] = {}
         flights.take(flights.start([("B@3", first)]), found, 5.0, every=True)
         flights.take(flights.start([("B@3", first)]), found, 5.0, every=True)  # a later pass or round
         assert calls == [("B@3", bytes(32))] and "B@3" in found

@@ -398,6 +398,37 @@ def test_a_merge_that_left_this_nodes_contribution_out_keeps_all_it_trained_and_
         rounds.shutdown()
 
 
+def test_a_failed_round_that_left_this_nodes_contribution_out_reloads_keeping_all_it_trained():
+    """Whatever set the others may have applied left ours out: the state downloaded keeps all this node trained since
+    its own anchor (no ``since``), and its tokens count in its next round."""
+    params, outer = make()
+    with torch.no_grad():
+        params["w"].add_(1.0)
+    _, other = make()
+    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
+    for n, t in theirs.items():
+        other.anchor[n].copy_(t)
+
+    class Diverged(_WaitingAverager):
+        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+            report = RoundReport("router", RoundStatus.DIVERGED, round_id, participants=("QmMe", "QmA", "QmB"),
+                                 left_out=("QmMe",), ours_left_out=True, began_allreduce=True)
+            return RoundResult(None, report, None)
+
+    def candidates(group, shapes, timeout_s, sources=None, first=()):  # type: ignore[no-untyped-def]
+        return Candidates([group_state(other, group="router", round_id=9, step=0)], frozenset())
+
+    composer, rounds = _applying_rounds(Diverged(), outer, candidates)
+    try:
+        assert rounds.submit("router", 1)
+        assert [r.status for r in rounds.wait(timeout_s=30)] == [RoundStatus.DIVERGED]
+        assert rounds.counts.reloads == 1 and composer.tokens_since_merge["router"] == 100
+        assert torch.allclose(outer.anchor["w"], theirs["w"])
+        assert torch.allclose(params["w"].detach(), theirs["w"] + 1.0)  # all it trained, on their anchor
+    finally:
+        rounds.shutdown()
+
+
 def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_others_state_for_its_lone_progress():
     params, outer = make()
     with torch.no_grad():

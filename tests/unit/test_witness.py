@@ -16,6 +16,7 @@ from parallax.dht.testing import fixed_identity
 from parallax.node.net.scores import Evidence, PeerScores
 from parallax.node.outer.blocks import BlockedBody, block_layout, encode_blocks
 from parallax.node.outer.transport import RoundEntry, decode_entries, encode_record, record_proofs
+from parallax.node.outer.wire import ANCHOR_FP_BYTES, encode_fingerprint
 from parallax.node.outer.witness import BadBlock, Equivocation, Witness, new_session, proof_cap, sign, signed_by
 
 RUN, GROUP = "run", "router"
@@ -153,6 +154,11 @@ def test_two_claims_of_one_round_that_name_two_anchors_prove_an_equivocation() -
     assert proof.proves(KEYS[LIAR].public_key, RUN, GROUP)
     assert Equivocation.from_wire(proof.to_wire()) == proof
     assert decode_entries(_record(second)) == {3: second}
+    # A base is an anchor's fingerprint, no longer: a claim padded to fill the records proofs travel in reads as junk.
+    padded = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, base=bytes(ANCHOR_FP_BYTES + 1)))
+    assert decode_entries(_record(padded)) == {} and RoundEntry.claim_from_wire(padded.claim_to_wire()) is None
+    fitting = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, base=encode_fingerprint([1.0] * 16)))
+    assert len(fitting.base) == ANCHOR_FP_BYTES and decode_entries(_record(fitting)) == {3: fitting}
 
 
 def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> None:
