@@ -335,7 +335,10 @@ class Progress:
 
     - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
     - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
-      fetched and decoded, a surrogate update applied: ``worked``) while another's did, ``idle_s`` after this
+      fetched and decoded, a surrogate update applied: ``worked``), or for twice the longest of the gaps between its
+      latest arrivals when that is longer, up to ``IDLE_STRETCH`` x ``idle_s`` (``idle_after``: a composer whose
+      work comes further apart than ``idle_s``, on a slow link or with late rounds, is not judged idle and working
+      again between each two arrivals, its experts handed over each time), while another's did, ``idle_s`` after this
       node first saw it and after anyone's work first arrived. Steps are self-declared: an identity that only
       sends heartbeats can make its step move, but it cannot make its work arrive;
     - *unproven* (when ``idle_s`` > 0): first seen after anyone's work reached this node, and none of its own
@@ -358,6 +361,7 @@ class Progress:
         """fingerprint -> (its step, since when, whether it moved since this node first saw it)."""
         self._first: dict[str, float] = {}
         self._work: dict[str, float] = {}
+        self._gaps: dict[str, collections.deque[float]] = {}  # of ``_work``: the gaps between its latest arrivals
         self._work_began: float | None = None  # when the first work of anyone arrived, or the records vouched
         self._arrived = False  # whether work itself reached this node (not only the records' word)
         self._vouching = False  # the rules run from the records' word (``vouched``)
@@ -368,9 +372,21 @@ class Progress:
         if self._work_began is None:
             self._work_began = now
         self._arrived = True
+        last = self._work.get(fingerprint)
+        if last is not None and fingerprint not in self._word:
+            self._gaps.setdefault(fingerprint, collections.deque(maxlen=_GAPS_KEPT)).append(now - last)
         self._work[fingerprint] = now
         self._word.discard(fingerprint)
         _forget_oldest(self._work)
+        for fp in self._gaps.keys() - self._work.keys():
+            del self._gaps[fp]
+
+    def idle_after(self, fingerprint: str) -> float:
+        """How long ``fingerprint`` may go without work reaching this node before the idle rule names it:
+        ``idle_s``, or twice the longest gap between its latest arrivals when that is longer, at most
+        ``IDLE_STRETCH`` x ``idle_s``."""
+        gaps = self._gaps.get(fingerprint, ())
+        return min(IDLE_STRETCH * self.idle_s, max(self.idle_s, 2 * max(gaps, default=0.0)))
 
     def vouched(self, fingerprints: Iterable[str], now: float) -> bool:
         """The swarm's rounds records vouch for ``fingerprints`` (others merged their work:
@@ -399,7 +415,8 @@ class Progress:
         resumed from it, counts them again (``Membership.remember``). Not those only vouched for: a node that
         restarts again and again must not carry an identity's grace period forward without its work."""
         recent = sorted(((t, fp) for fp, t in self._work.items()
-                         if fp not in self._word and (self.idle_s <= 0 or now - t < self.idle_s)), reverse=True)
+                         if fp not in self._word and (self.idle_s <= 0 or now - t < self.idle_after(fp))),
+                        reverse=True)
         return frozenset(fp for _, fp in recent[:_WORKING_KEPT])
 
     def stalled(self, steps: Mapping[str, int], now: float) -> frozenset[str]:
@@ -423,7 +440,7 @@ class Progress:
         moving = {fp for fp in fresh if self._seen[fp][2]}
         stalled = steps.keys() - fresh if moving else set()
         if self.idle_s > 0:
-            working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_s}
+            working = {fp for fp in steps if now - self._work.get(fp, -math.inf) < self.idle_after(fp)}
             if working:
                 # The grace period runs from first sight, and not before work began to flow: the first
                 # contribution fetched must not make everyone else idle at once.
@@ -437,8 +454,8 @@ class Progress:
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:
-        """Whether ``fingerprint``'s last work (if any) is older than ``idle_s`` (for the log)."""
-        return now - self._work.get(fingerprint, -math.inf) >= self.idle_s > 0
+        """Whether ``fingerprint``'s last work (if any) is older than ``idle_after`` (for the log)."""
+        return now - self._work.get(fingerprint, -math.inf) >= self.idle_after(fingerprint) > 0
 
     def seen_for(self, fingerprint: str, now: float) -> float:
         """How long ago this node first saw ``fingerprint`` (0 when it has not)."""
@@ -476,6 +493,11 @@ _ALONE_READS = 3
 """Fresh reads in a row without another composer that counts after which a node's probation ends (one read that
 misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
+_GAPS_KEPT = 16
+"""Arrivals of one composer's work whose gaps ``Progress.idle_after`` looks back on: a few rounds of each group."""
+IDLE_STRETCH = 3.0
+"""The most ``Progress.idle_after`` stretches ``idle_s`` for a composer whose work comes far apart: one that shows
+work at all, however rarely, still loses its experts within this many idle periods once it stops."""
 _WORKING_KEPT = 256
 """Composers a checkpoint names as having worked (``Progress.working``): a swarm's working set, not its history."""
 _STORED_KEPT = 64
@@ -1528,7 +1550,7 @@ class Membership:
                 continue
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else
                    f"none of its work (outer contributions, surrogate updates) reached this node for "
-                   f"{self._timing.idle_s:.0f} s or more while others' did" if fp in idle else
+                   f"{self._progress.idle_after(fp):.0f} s or more while others' did" if fp in idle else
                    f"it announced step {live[fp]} for {self._timing.stall_s:.0f} s or more while others trained")
             logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,
                            view.members[fp].heartbeat.peer_id, why)

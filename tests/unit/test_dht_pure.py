@@ -28,6 +28,7 @@ from parallax.dht.manifests import (
     settings_difference,
 )
 from parallax.dht.membership import (
+    IDLE_STRETCH,
     Member,
     Membership,
     MembershipConfig,
@@ -706,6 +707,28 @@ def test_composers_whose_work_never_arrives_own_nothing_after_the_grace_period()
     assert progress.stalled(steps, now=101.0) == {"b"}  # b's last work is 61 s old
     progress.worked("b", 102.0)
     assert progress.stalled(steps, now=103.0) == frozenset()
+
+
+def test_a_composer_whose_work_comes_further_apart_than_idle_s_is_not_judged_idle_between_arrivals():
+    """Work that arrives every 15 s against an idle_s of 10 s (late rounds, a slow link): judged idle once, then
+    given twice its longest recent gap, so its experts are not handed over and back at each arrival; one that stops
+    is idle within ``IDLE_STRETCH`` idle periods however far apart its work came."""
+    progress = Progress(stall_s=1e9, idle_s=10.0)
+    steps = {"fast": 1, "slow": 1}
+    progress.stalled(steps, now=0.0)
+    idle_at = []
+    for t in range(1, 200):
+        progress.worked("fast", float(t))
+        if t % 15 == 0 and t <= 60 or t == 120:
+            progress.worked("slow", float(t))
+        if progress.stalled(steps, now=t + 0.5) == {"slow"}:
+            idle_at.append(t)
+    # Idle past its grace period before its first work, and 10 s after its first arrival (no gap seen yet); counted
+    # from its second on while its arrivals come 15 s apart; idle again 30 s after it stopped at 60 s; back at 120 s,
+    # and idle 30 s on: the minute's gap stretches the wait to IDLE_STRETCH idle periods, not to two minutes.
+    assert idle_at == [*range(11, 15), *range(25, 30), *range(90, 120), *range(150, 200)]
+    assert progress.idle_after("slow") == IDLE_STRETCH * 10.0 and progress.idle_after("fast") == 10.0
+    assert Progress(stall_s=1e9, idle_s=0.0).idle_after("x") == 0.0
 
 
 def test_a_composer_first_seen_after_work_began_counts_only_once_its_work_arrives():
