@@ -335,8 +335,8 @@ class Progress:
 
     - *stalled*: its announced step has not moved for ``stall_s`` while another's has;
     - *idle* (when ``idle_s`` > 0): none of its work reached this node for ``idle_s`` (an outer contribution
-      fetched and decoded, a surrogate update applied: ``worked``), or for twice the longest of the gaps between its
-      latest arrivals when that is longer, up to ``IDLE_STRETCH`` x ``idle_s`` (``idle_after``: a composer whose
+      fetched and decoded, a surrogate update applied: ``worked``), or for twice the longest of the latest gaps
+      between its arrivals when that is longer, up to ``IDLE_STRETCH`` x ``idle_s`` (``idle_after``: a composer whose
       work comes further apart than ``idle_s``, on a slow link or with late rounds, is not judged idle and working
       again between each two arrivals, its experts handed over each time), while another's did, ``idle_s`` after this
       node first saw it and after anyone's work first arrived. Steps are self-declared: an identity that only
@@ -348,8 +348,8 @@ class Progress:
       its contribution, so that it gives itself no experts either.
 
     None of them names anybody while nobody shows what it looks for (a swarm starting up, or paused); the unproven
-    rule looks only for the identity's own work, once anyone's has arrived, so it holds while nobody's work is
-    recent (rounds slowed past ``idle_s``) as well. A node that
+    rule looks for the identity's own work once anyone's has arrived, and holds while nobody's work is recent (rounds
+    slowed past ``idle_s``) as long as a composer whose work did arrive is alive. A node that
     joins a swarm that trains has seen no work yet, but the swarm's records say whose work others merged
     (``vouched``): the rules then run from those; a node that resumes its checkpoint counts, the same way, the
     composers whose work had reached it when it was written (``working``).
@@ -373,7 +373,10 @@ class Progress:
             self._work_began = now
         self._arrived = True
         last = self._work.get(fingerprint)
-        if last is not None and fingerprint not in self._word:
+        # A gap under a second parts one burst (a round's groups, a refresh's experts); one past the stretch is an
+        # absence (the composer was judged idle over it), not its pace.
+        if last is not None and fingerprint not in self._word and _GAP_FLOOR_S <= now - last <= (
+                IDLE_STRETCH * self.idle_s):
             self._gaps.setdefault(fingerprint, collections.deque(maxlen=_GAPS_KEPT)).append(now - last)
         self._work[fingerprint] = now
         self._word.discard(fingerprint)
@@ -383,8 +386,8 @@ class Progress:
 
     def idle_after(self, fingerprint: str) -> float:
         """How long ``fingerprint`` may go without work reaching this node before the idle rule names it:
-        ``idle_s``, or twice the longest gap between its latest arrivals when that is longer, at most
-        ``IDLE_STRETCH`` x ``idle_s``."""
+        ``idle_s``, or twice the longest of its latest ``_GAPS_KEPT`` gaps between arrivals (those of a second to
+        ``IDLE_STRETCH`` x ``idle_s``) when that is longer, at most ``IDLE_STRETCH`` x ``idle_s``."""
         gaps = self._gaps.get(fingerprint, ())
         return min(IDLE_STRETCH * self.idle_s, max(self.idle_s, 2 * max(gaps, default=0.0)))
 
@@ -447,10 +450,14 @@ class Progress:
                 began = self._work_began if self._work_began is not None else now
                 stalled |= {fp for fp in steps.keys() - working
                             if now - max(self._first.get(fp, now), began) >= self.idle_s}
-            # Unproven whether or not anyone's work is recent: when the rounds slow past ``idle_s`` (a loaded swarm,
-            # or one a flood of identities slows), counting hundreds of identities that never worked would raise
-            # every round's quorum past reach, and no work would arrive again.
-            stalled |= {fp for fp in steps.keys() - working if self.unproven(fp)}
+            # Unproven while a composer that did work is alive, whether or not its work is recent: when the rounds
+            # slow past ``idle_s`` (a loaded swarm, or one a flood of identities slows), counting hundreds of
+            # identities that never worked would raise every round's quorum past reach, and no work would arrive
+            # again. Not once every composer that worked has left: a node that then merged alone would fetch nothing,
+            # and an honest newcomer whose work had not reached it would stay out of its view for good (while the
+            # newcomer's view shares the experts with it).
+            if working or any(fp in self._work for fp in steps):
+                stalled |= {fp for fp in steps.keys() - working if self.unproven(fp)}
         return frozenset(stalled)
 
     def idle(self, fingerprint: str, now: float) -> bool:
@@ -494,7 +501,9 @@ _ALONE_READS = 3
 misses the others on a loaded host must not end it)."""
 _PROGRESS_KEPT = 4096
 _GAPS_KEPT = 16
-"""Arrivals of one composer's work whose gaps ``Progress.idle_after`` looks back on: a few rounds of each group."""
+"""The gaps between one composer's arrivals of work that ``Progress.idle_after`` looks back on (a few rounds)."""
+_GAP_FLOOR_S = 1.0
+"""Arrivals closer than this are one burst: no gap between them is kept."""
 IDLE_STRETCH = 3.0
 """The most ``Progress.idle_after`` stretches ``idle_s`` for a composer whose work comes far apart: one that shows
 work at all, however rarely, still loses its experts within this many idle periods once it stops."""
@@ -1538,7 +1547,7 @@ class Membership:
         now = time.monotonic()
         with self._lock:
             stalled = self._progress.stalled(live, now) - {self.fingerprint}
-            idle = {fp for fp in stalled if self._progress.idle(fp, now)}
+            idle = {fp: self._progress.idle_after(fp) for fp in stalled if self._progress.idle(fp, now)}
             unproven = {fp for fp in idle if self._progress.unproven(fp)}
         ignored = {fp for fp in live if fp != self.fingerprint and self._ignores(fp, view)}
         stalled |= ignored
@@ -1550,7 +1559,7 @@ class Membership:
                 continue
             why = ("this node bans it or another identity proved its peer id" if fp in ignored else
                    f"none of its work (outer contributions, surrogate updates) reached this node for "
-                   f"{self._progress.idle_after(fp):.0f} s or more while others' did" if fp in idle else
+                   f"{idle[fp]:.0f} s or more while others' did" if fp in idle else
                    f"it announced step {live[fp]} for {self._timing.stall_s:.0f} s or more while others trained")
             logger.warning("composer %s (peer %s) owns nothing here until it shows work: %s", fp,
                            view.members[fp].heartbeat.peer_id, why)

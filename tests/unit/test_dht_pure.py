@@ -720,14 +720,18 @@ def test_a_composer_whose_work_comes_further_apart_than_idle_s_is_not_judged_idl
     for t in range(1, 200):
         progress.worked("fast", float(t))
         if t % 15 == 0 and t <= 60 or t == 120:
-            progress.worked("slow", float(t))
+            for burst in range(20):  # the experts of one refresh, each an arrival: one burst
+                progress.worked("slow", t + burst / 100)
         if progress.stalled(steps, now=t + 0.5) == {"slow"}:
             idle_at.append(t)
     # Idle past its grace period before its first work, and 10 s after its first arrival (no gap seen yet); counted
-    # from its second on while its arrivals come 15 s apart; idle again 30 s after it stopped at 60 s; back at 120 s,
-    # and idle 30 s on: the minute's gap stretches the wait to IDLE_STRETCH idle periods, not to two minutes.
+    # from its second on while its arrivals come 15 s apart; idle again 30 s after it stopped at 60 s; back at 120 s
+    # and idle 30 s on (the minute's absence is no gap it may take).
     assert idle_at == [*range(11, 15), *range(25, 30), *range(90, 120), *range(150, 200)]
-    assert progress.idle_after("slow") == IDLE_STRETCH * 10.0 and progress.idle_after("fast") == 10.0
+    assert progress.idle_after("slow") == pytest.approx(2 * 14.81) and progress.idle_after("fast") == 10.0
+    progress.worked("slow", 200.0)
+    progress.worked("slow", 225.0)  # 25 s apart: twice that is past the stretch
+    assert progress.idle_after("slow") == IDLE_STRETCH * 10.0
     assert Progress(stall_s=1e9, idle_s=0.0).idle_after("x") == 0.0
 
 
@@ -762,6 +766,17 @@ def test_fresh_keys_stay_unproven_while_nobodys_work_is_recent():
     assert progress.stalled({"a": 1, "b": 1, **flood}, now=30.0) == set(flood)  # a's and b's work 29 s old
     progress.worked("key7", 31.0)  # one of them shows work: it counts
     assert progress.stalled({"a": 1, "b": 1, **flood}, now=32.0) == set(flood) - {"key7"} | {"a", "b"}
+
+
+def test_a_node_whose_working_peers_all_left_counts_a_newcomer_whose_work_has_not_reached_it():
+    """Every composer whose work reached this node left: it would merge alone and fetch nothing, so a newcomer it did
+    not count would never prove itself here, while in the newcomer's view the two share the experts."""
+    progress = Progress(stall_s=1e9, idle_s=10.0)
+    progress.stalled({"a": 1}, now=0.0)
+    progress.worked("a", 1.0)
+    assert progress.stalled({"a": 1, "new": 1}, now=5.0) == {"new"}  # a works: the newcomer must show work
+    assert progress.stalled({"a": 1, "new": 1}, now=30.0) == {"new"}  # a alive, its work not recent: still
+    assert progress.stalled({"new": 1}, now=40.0) == frozenset()  # a left
 
 
 def test_a_node_joining_a_training_swarm_counts_whom_the_records_vouch_for_and_no_identity_beside_them():
