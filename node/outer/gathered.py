@@ -524,7 +524,7 @@ class GatheredRounds:
         (``bases``, by contribution): those taken from another anchor than the set's majority's (``wire.off_anchor``).
         None in rounds that name no anchor (this node's names none: replicated experts), whatever others name.
         Named in the log."""
-        if not bases[me]:
+        if not bases.get(me):
             return set()
         left_out = off_anchor({p: decode_fingerprint(b) if b else None for p, b in bases.items()})
         if left_out:

@@ -160,7 +160,10 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
             after = [s for s in steps_of(r) if s["t"] > killed_at]
             assert len(after) >= 10, f"node {i} stopped training after the kill"
             later = [x for x in events(r, "round") if x["status"] == "ok" and x["t"] > took_over]
-            assert later and all(x["participants"] <= 3 for x in later), f"node {i}: rounds after the kill {later}"
+            # Contributions merged: a set formed before the kill may still name the victim's stale contribution,
+            # left out of its merge (taken from another anchor: its blocks are not fetched).
+            assert later and all(x["participants"] - x["left_out"] <= 3 for x in later), \
+                f"node {i}: rounds after the kill {later}"
     finally:
         swarm.close()
     assert not swarm.leftovers(), "processes left behind"
