@@ -324,6 +324,16 @@ def test_a_round_without_a_quorum_stays_on_offer_for_its_periods_then_ends_and_t
         rounds.shutdown()
 
 
+def _peer_at(value: float) -> tuple[OuterOptimizer, dict[str, torch.Tensor]]:
+    """Another peer's outer optimizer of the group (the state it serves), its anchor ``value`` everywhere, and a copy
+    of that anchor."""
+    _, other = make()
+    with torch.no_grad():
+        for a in other.anchor.values():
+            a.fill_(value)
+    return other, {n: a.clone() for n, a in other.anchor.items()}
+
+
 def _applying_rounds(averager: _WaitingAverager, outer: OuterOptimizer, candidates,  # type: ignore[no-untyped-def]
                      compression: str = "fp16") -> tuple[SimpleNamespace, BackgroundRounds]:
     """(the composer, its background rounds) of the group "router" of ``outer``, whose rounds ``averager`` runs and
@@ -337,10 +347,7 @@ def _applying_rounds(averager: _WaitingAverager, outer: OuterOptimizer, candidat
 
 def test_a_leave_waits_for_the_state_its_last_round_found_apart_before_it_ends():
     _, outer = make()
-    _, other = make()
-    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
-    for n, t in theirs.items():
-        other.anchor[n].copy_(t)
+    other, theirs = _peer_at(2.0)
 
     class Apart(_WaitingAverager):
         def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
@@ -365,10 +372,6 @@ def test_a_merge_that_left_this_nodes_contribution_out_keeps_all_it_trained_and_
     params, outer = make()
     with torch.no_grad():
         params["w"].add_(1.0)  # trained from its own anchor, which the others left behind
-    _, other = make()
-    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
-    for n, t in theirs.items():
-        other.anchor[n].copy_(t)
     asked: list[object] = []
 
     class LeftOut(_WaitingAverager):
@@ -404,10 +407,7 @@ def test_a_failed_round_that_left_this_nodes_contribution_out_reloads_keeping_al
     params, outer = make()
     with torch.no_grad():
         params["w"].add_(1.0)
-    _, other = make()
-    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
-    for n, t in theirs.items():
-        other.anchor[n].copy_(t)
+    other, theirs = _peer_at(2.0)
 
     class Diverged(_WaitingAverager):
         def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
@@ -434,10 +434,7 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
     with torch.no_grad():
         for p in params.values():
             p.add_(5.0)  # what it trained alone, cut off from the others
-    _, other = make()
-    theirs = {n: torch.full_like(t, 2.0) for n, t in outer.anchor.items()}
-    for n, t in theirs.items():
-        other.anchor[n].copy_(t)
+    other, theirs = _peer_at(2.0)
     served = [group_state(other, group="router", round_id=9, step=0), None]
     averager = _WaitingAverager()
 
