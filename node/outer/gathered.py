@@ -508,7 +508,7 @@ class GatheredRounds:
                 return None
         suspects = []
         for name, a in zip(participants, audit.contributions if audit is not None else (), strict=False):
-            if a.suspicious and name not in left_out:
+            if a.suspicious:  # a contribution left out has no weight: dropped as such, never suspected
                 peer = split_pair(name)[0]
                 suspects.append(peer)
                 if self.scores is not None and peer != self.peer_id:
