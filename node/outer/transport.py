@@ -357,12 +357,11 @@ class ContributionStore:
             return sorted(n for g, n in self._bodies if g == group)
 
     def get(self, group: str, round_id: int) -> bytes | BlockedBody | None:
-        """The body of a round, counted as served (a peer may merge it)."""
-        with self._lock:
-            body = self._bodies.get((group, round_id))
-            if body is not None:
-                self._served.add((group, round_id))
-            return body
+        """The body of a round, counted as served (a peer may merge it): ``peek`` and ``mark_served``."""
+        body = self.peek(group, round_id)
+        if body is not None:
+            self.mark_served(group, round_id)
+        return body
 
     def peek(self, group: str, round_id: int) -> bytes | BlockedBody | None:
         """The body of a round, not counted as served (``mark_served`` once a peer's request for it holds)."""
