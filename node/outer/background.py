@@ -10,7 +10,9 @@ then due starts at the first seam after it ended, with the delta and tokens of b
 loop calls
 ``collect``, which applies every finished round (never half of one: a round that failed or did not
 verify applies nothing) and, when a round may have left this node behind the others, downloads the
-group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path).
+group's anchor from peers (``GroupAverager.load_state_from_peers``, the joiner's path). A node whose anchor an
+applied round found apart from the majority's downloads theirs while its rounds go on, and applies the merges of
+those rounds again on the state it gets (``replay``).
 
 The same class serves this node's outer state to joiners: after every applied round the training
 thread publishes an immutable copy of each group's anchor and momentum (``publish_state``), which the
@@ -36,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -44,6 +46,7 @@ from parallax.node.outer.averager import RoundReport, RoundResult, RoundStatus, 
 from parallax.node.outer.records import RoundDue
 from parallax.node.outer.state import State, StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
+from parallax.node.outer.wire import ANCHOR_TOLERANCE, anchor_fingerprint, fingerprints_agree
 from parallax.node.train.outer import OuterOptimizer, to_send
 from parallax.node.train.robust import MAX_SPAN
 
@@ -261,6 +264,44 @@ def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[
     return round_id
 
 
+class Replayed(NamedTuple):
+    """A merge this node applied while it downloaded its group's state from the holders of the majority's anchor."""
+
+    base: tuple[float, ...]
+    """The anchor the merge is a step from (``RoundReport.base``)."""
+    round_id: int
+    merged: dict[str, torch.Tensor]
+
+
+REPLAY_KEPT = 3
+"""The merges ``replay`` may apply again (the latest): the round whose result started a download and the few that
+merge while it runs. Each is a copy of the group."""
+
+
+@torch.no_grad()
+def replay(outer: OuterOptimizer, group: str, order: Sequence[str], applied: Sequence[Replayed]) -> int:
+    """Apply again, on the anchor just downloaded, the merges this node applied while downloading it that the anchor
+    does not hold yet: from the first that is a step from that anchor (its ``base``; names in ``order``, the
+    group's wire order) on, each as ``step_kept`` (what this node trained since its anchor stays on top).
+
+    A node whose anchor drifted from the majority's downloads theirs while the group's rounds go on: the state it
+    gets was served before those rounds merged, or before the one that started the download did at its source. Taken
+    as it is, it leaves the node a round or two behind the others, its next contribution is left out again, and a
+    download longer than the group's period keeps it there. The merges it applied meanwhile are the others' (their
+    results verified by a majority of their sets); stepped again from the anchor they were meant for, with the
+    momentum downloaded beside it, they bring it where the others are. Returns how many were applied."""
+    anchor = anchor_fingerprint([outer.anchor[n] for n in order])
+    start = next((i for i, r in enumerate(applied) if fingerprints_agree(anchor, r.base, ANCHOR_TOLERANCE)), None)
+    if start is None:
+        return 0
+    for r in applied[start:]:
+        outer.step_kept(r.merged)
+        outer.round = r.round_id
+    logger.info("outer group %s: applied again on the state downloaded the %d merge(s) it lacked (rounds %s)", group,
+                len(applied) - start, ", ".join(str(r.round_id) for r in applied[start:]))
+    return len(applied) - start
+
+
 class BackgroundRounds:
     """Runs the outer rounds of every shared group of one node in worker threads (module docstring).
 
@@ -293,6 +334,9 @@ class BackgroundRounds:
         # group -> (parameters, tokens) submitted to the round whose failure started the reload
         self._reload_since: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
+        # group -> the merges applied since its download from the peers holding the majority's anchor began
+        # (``replay``): its rounds go on meanwhile
+        self._caught_up: dict[str, list[Replayed]] = {}
         self._rebase: set[str] = set()  # groups whose state is taken from the others once their round ends (``rebase``)
         self._rebasing: set[str] = set()  # groups whose download runs for a rebase
         self._leaving = False  # set by ``wait``: no download starts that nobody would wait for
@@ -329,8 +373,8 @@ class BackgroundRounds:
     def submit(self, group: str, round_id: int) -> bool:
         """Start a round of ``group`` with the composer's current pseudo-gradient; False when one is running (its
         contribution stays on offer: this round is skipped, or, the ``OFFER_PERIODS``-th skipped, it is told to end and
-        ``round_id`` is owed), when a reload of the group runs, or when this node does not hold the swarm's state of the
-        group yet (it downloads it instead)."""
+        ``round_id`` is owed), when a reload of the group runs (but one from the holders of the majority's anchor:
+        ``replay``), or when this node does not hold the swarm's state of the group yet (it downloads it instead)."""
         flight = self._in_flight.get(group)
         if flight is not None:
             flight.passed += 1
@@ -342,7 +386,7 @@ class BackgroundRounds:
                 self.end_waiting(group, round_id)
             return False
         self._owed.pop(group, None)
-        if group in self._reloads or group in self._rebase:
+        if group in self._reloads and group not in self._caught_up or group in self._rebase:
             self.counts.skipped_busy += 1
             logger.info("outer round %s/%d skipped: the group's state is being downloaded", group, round_id)
             return False
@@ -426,6 +470,10 @@ class BackgroundRounds:
                     self._resync[group] = MAX_SPAN * sync.outer_lr / (1 - sync.outer_momentum) * math.sqrt(
                         sum(float(t.square().sum()) for t in merged.values()))
                     self._start_reload(group, sources=holders)
+                kept = self._caught_up.get(group)
+                if kept is not None and report.base is not None:  # this one's download runs: it may predate it
+                    kept.append(Replayed(report.base, outer.round, merged))
+                    del kept[:-REPLAY_KEPT]
             else:
                 self.counts.failed += 1
                 if report.needs_reload and report.ours_left_out:  # what peers may have applied holds none of ours
@@ -437,10 +485,12 @@ class BackgroundRounds:
                     self.composer.tokens_since_merge[group] += flight.tokens
             self.reports.append(report)
             done.append(report)
-        for group in [g for g, f in self._reloads.items() if f.done()]:
+        # A group's state is taken once no round of it runs (``replay``: the rounds go on while it downloads).
+        for group in [g for g, f in self._reloads.items() if f.done() and g not in self._in_flight]:
             future = self._reloads.pop(group)
             submitted, tokens = self._reload_since.pop(group, (None, 0))
             bound = self._resync.pop(group, None)
+            kept = self._caught_up.pop(group, [])
             rebasing = group in self._rebasing
             self._rebasing.discard(group)
             try:
@@ -458,7 +508,9 @@ class BackgroundRounds:
             try:
                 taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe,
                                    against_anchor=rebasing)
-                if taken is None and bound is not None:
+                if taken is not None and kept:
+                    replay(self.composer.outer[group], group, list(self.sync.groups[group].shapes), kept)
+                elif taken is None and bound is not None:
                     taken = take_anchor(self.composer.outer[group], group, *found, bound=bound)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
@@ -504,13 +556,17 @@ class BackgroundRounds:
 
     def _start_reload(self, group: str, since: tuple[dict[str, torch.Tensor], int] | None = None,
                       sources: Sequence[str] | None = None) -> None:
-        """Download the group's state in the background (``collect`` takes it); ``sources``: from these peers only
-        (None: any live composers)."""
+        """Download the group's state in the background (``collect`` takes it); ``sources``: from these peers only,
+        the holders of the anchor an applied round found the majority's: the group's rounds go on meanwhile and
+        their merges are applied again on the state downloaded (``replay``). None: any live composers, and the
+        group's rounds are skipped until it lands."""
+        if since is not None and group not in self._reload_since:  # a round that failed while the download runs too
+            self._reload_since[group] = since
+            logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
+                           group)
         if group not in self._reloads:
-            if since is not None:
-                self._reload_since[group] = since
-                logger.warning("outer group %s: reloading its state from peers after a round others may have "
-                               "applied", group)
+            if sources is not None:
+                self._caught_up[group] = []
             self._reloads[group] = self._pool.submit(self._download, group, 30.0, sources)
 
     def _download(self, group: str, timeout_s: float, sources: Sequence[str] | None = None) -> list[State]:

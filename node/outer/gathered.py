@@ -104,6 +104,7 @@ from parallax.node.outer.wire import (
     fingerprints_agree,
     off_anchor,
     round_tag,
+    set_anchor,
 )
 from parallax.node.outer.witness import ASKS_AT_ONCE, Witness, new_session, proofs_key, sign
 from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
@@ -475,11 +476,12 @@ class GatheredRounds:
         weights = cap_weights(declared, cap) if cap is not None else declared
         spans = [span_of(t, cap) for t in declared] if cap is not None else None
         me = pair(self.peer_id, n)
-        left_out = self._left_out(n, me, {p: found[p].base for p in participants})
+        base, left_out = self._left_out(n, me, {p: found[p].base for p in participants})
         weights = [0.0 if p in left_out else w for p, w in zip(participants, weights, strict=True)]
         common.update(participants=tuple(split_pair(p)[0] for p in participants),
                       tokens={split_pair(p)[0]: w for p, w in zip(participants, weights, strict=True)},
-                      left_out=tuple(sorted(split_pair(p)[0] for p in left_out)), ours_left_out=me in left_out)
+                      left_out=tuple(sorted(split_pair(p)[0] for p in left_out)), ours_left_out=me in left_out,
+                      base=base)
         audit: MergeAudit | None
         if self.parts is None:
             merged, audit = robust_merge_groups([found[p].tensors for p in participants], weights, self.config.method,
@@ -519,19 +521,21 @@ class GatheredRounds:
         common["suspects"] = tuple(suspects)
         return merged
 
-    def _left_out(self, n: int, me: str, bases: Mapping[str, bytes]) -> set[str]:
-        """The contributions of a set that its merge leaves out, given the anchor each one's signed claim names
-        (``bases``, by contribution): those taken from another anchor than the set's majority's (``wire.off_anchor``).
-        None in rounds that name no anchor (this node's names none: replicated experts), whatever others name.
-        Named in the log."""
+    def _left_out(self, n: int, me: str, bases: Mapping[str, bytes]) -> tuple[tuple[float, ...] | None, set[str]]:
+        """(the anchor the set's merge is a step from, ``wire.set_anchor``; the contributions it leaves out), given
+        the anchor each one's signed claim names (``bases``, by contribution): those taken from another anchor than
+        the set's majority's (``wire.off_anchor``). Neither in rounds that name no anchor (this node's names none:
+        replicated experts), whatever others name. Named in the log."""
         if not bases.get(me):
-            return set()
-        left_out = off_anchor({p: decode_fingerprint(b) if b else None for p, b in bases.items()})
+            return None, set()
+        decoded = {p: decode_fingerprint(b) if b else None for p, b in bases.items()}
+        left_out = off_anchor(decoded)
         if left_out:
             logger.info("outer round %s/%d: leaving out of the merge the contributions of %s: taken from another "
                         "anchor than the %d others'", self.group, n, ", ".join(sorted(left_out)),
                         len(bases) - len(left_out))
-        return left_out
+        base = set_anchor(decoded)
+        return None if base is None else tuple(base), left_out
 
     def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],
                    merged_elsewhere: bool | None = None) -> None:

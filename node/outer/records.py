@@ -146,6 +146,10 @@ class RoundReport:
     ours_left_out: bool = False
     """This node's own contribution is among ``left_out``: the merge holds nothing of it, so what this node trained
     stays its own (``background``)."""
+    base: tuple[float, ...] | None = None
+    """The ``wire.anchor_fingerprint`` of the anchor the merge is a step from: the one a strict majority of its set's
+    contributions were taken from (gathered rounds, ``wire.set_anchor``; None: none named, or no majority). A node
+    whose download of the group's state lands on that anchor applies the merge again on it (``background``)."""
     detail: str = ""
 
     @property

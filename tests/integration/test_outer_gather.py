@@ -52,7 +52,7 @@ from parallax.node.outer.transport import (
     encode_record,
     pair,
 )
-from parallax.node.outer.wire import OuterSyncConfig
+from parallax.node.outer.wire import ANCHOR_TOLERANCE, OuterSyncConfig, anchor_fingerprint, fingerprints_agree
 from parallax.node.train.robust import robust_merge_groups
 from parallax.protocol.codec import encode
 from parallax.protocol.errors import MalformedMessage
@@ -552,6 +552,9 @@ def test_a_peer_whose_anchor_drifted_is_left_out_of_the_merge_applies_it_and_is_
     assert set(rounds[3].report.apart_from) == {p.dht.peer_id for p in peers[:3]}
     assert all(r.report.left_out == (peers[3].dht.peer_id,) for r in rounds), [r.report for r in rounds]
     assert [r.report.ours_left_out for r in rounds] == [False, False, False, True]
+    # Every peer is told the merge is a step from the majority's anchor: where the drifted one's download lands.
+    assert all(r.report.base is not None and fingerprints_agree(r.report.base, anchor_fingerprint(anchor),
+                                                                ANCHOR_TOLERANCE) for r in rounds)
     assert not any(r.report.suspects for r in rounds)  # a stale anchor is no evidence
     if aggregation == "gather":
         received = [decode_contribution(encode_contribution(d, compression), shapes, peer="p") for d in deltas[:3]]

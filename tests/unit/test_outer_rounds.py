@@ -4,6 +4,7 @@ round-trips to a joiner and refuses what does not fit, or what would throw this 
 from __future__ import annotations
 
 import math
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from parallax.node.outer.background import (
     take_state,
 )
 from parallax.node.outer.state import Candidates
+from parallax.node.outer.wire import anchor_fingerprint
 from parallax.node.train.outer import OuterOptimizer
 
 
@@ -426,6 +428,65 @@ def test_a_failed_round_that_left_this_nodes_contribution_out_reloads_keeping_al
         assert torch.allclose(outer.anchor["w"], theirs["w"])
         assert torch.allclose(params["w"].detach(), theirs["w"] + 1.0)  # all it trained, on their anchor
     finally:
+        rounds.shutdown()
+
+
+@pytest.mark.parametrize("served_after", [0, 1])
+def test_a_node_left_out_contributes_while_it_downloads_and_applies_again_the_merges_the_state_lacks(served_after):
+    """Left out for its drifted anchor, a node downloads the majority's state while the group's rounds go on (the
+    next one is not skipped); the state, served before one or both of the rounds the node applied meanwhile, lands
+    with their merges applied again on it (``replay``): the node ends on the others' anchor and momentum, with all it
+    trained on top, instead of a round behind them."""
+    params, outer = make(momentum=0.5)
+    with torch.no_grad():
+        params["w"].add_(1.0)  # trained from its own anchor, which the others left behind
+    others = make(momentum=0.5)[1]
+    with torch.no_grad():
+        for a in others.anchor.values():
+            a.fill_(2.0)
+    order = list(_WaitingAverager.shapes)
+    steps = {k: {n: torch.full_like(a, -float(k)) for n, a in others.anchor.items()} for k in (1, 2)}
+    bases, served = {}, {}
+    for k in (1, 2):  # the others' rounds: each a step from the anchor they held before it
+        if k - 1 == served_after:
+            served["state"] = group_state(others, group="router", round_id=k - 1, step=0)
+        bases[k] = anchor_fingerprint([others.anchor[n] for n in order])
+        others.step(steps[k])
+    release = threading.Event()
+
+    class LeftOut(_WaitingAverager):
+        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+            self.started.append(round_id)
+            with torch.no_grad():
+                params["w"].add_(0.5)  # trained while the round ran
+            report = RoundReport("router", RoundStatus.OK, round_id, participants=("QmMe", "QmA", "QmB"),
+                                 left_out=("QmMe",), ours_left_out=True, base=bases[round_id])
+            return RoundResult({n: t.clone() for n, t in steps[round_id].items()}, report, None)
+
+    def candidates(group, shapes, timeout_s, sources=None, first=()):  # type: ignore[no-untyped-def]
+        assert sources == ("QmA", "QmB") and release.wait(timeout=30)  # lands after the second round
+        return Candidates([served["state"]], frozenset())
+
+    averager = LeftOut()
+    composer, rounds = _applying_rounds(averager, outer, candidates)
+    try:
+        for k in (1, 2):
+            assert rounds.submit("router", k)  # round 2 runs while the download does
+            wait_until(lambda: not rounds.busy("router") or rounds._in_flight["router"].future.done(), timeout=30)
+            assert [r.round_id for r in rounds.collect()] == [k]
+        assert averager.started == [1, 2] and rounds.counts.skipped_busy == 0
+        release.set()
+        wait_until(lambda: rounds._reloads["router"].done(), timeout=30)
+        rounds.collect()
+        assert rounds.counts.reloads == 1 and outer.round == 2
+        assert all(torch.allclose(outer.anchor[n], others.anchor[n]) for n in order)  # where the others are
+        momentum = {n: outer.optimizer.state[outer.anchor[n]]["momentum_buffer"] for n in order}
+        assert all(torch.allclose(momentum[n], others.optimizer.state[others.anchor[n]]["momentum_buffer"])
+                   for n in order)
+        assert torch.allclose(params["w"].detach(), others.anchor["w"] + 2.0)  # all it trained on top
+        assert composer.tokens_since_merge["router"] == 100  # its tokens count in its next round
+    finally:
+        release.set()
         rounds.shutdown()
 
 

@@ -27,6 +27,7 @@ from parallax.node.outer.wire import (
     payload_bytes,
     round_fingerprint,
     round_tag,
+    set_anchor,
     wire_roundtrip,
 )
 from parallax.node.train.merge_rules import merge_groups
@@ -187,6 +188,10 @@ def test_a_merge_leaves_out_the_contributions_taken_from_another_anchor_than_its
     assert off_anchor({"a@1": same, "b@2": None, "c@1": None}) == set()  # one of three names an anchor
     assert off_anchor({"a@1": None, "b@2": None}) == set()  # rounds that name none (replicated experts)
     assert off_anchor({"a@1": same, "b@2": same}) == set()
+    # The anchor the merge is a step from: the majority's, or none.
+    assert set_anchor({"a@1": stale, "b@2": same, "c@1": rounding}) in (same, rounding)
+    assert set_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale}) is None
+    assert set_anchor({"a@1": None, "b@2": None}) is None
 
 
 def test_majority_counts_absent_and_disagreeing_participants_against_me():
