@@ -171,19 +171,22 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
 
 def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
                since: dict[str, torch.Tensor] | None = None, probe: Callable[[], float] | None = None,
-               against_anchor: bool = False) -> int | None:
+               against_anchor: bool = False, then: Callable[[], object] | None = None) -> int | None:
     """``load_group_state``, unless the state makes ``probe()`` (this node's loss on fixed held-out batches) more
     than ``RELOAD_LOSS_BOUND`` times what it was: then everything is put back as it was, the source (``meta``'s
     ``source``) is named in the log, and None is returned. ``against_anchor``: what it was is the loss at this node's
     own anchor of the group, not at its live weights (a node that drops what it trained alone, ``rebase``, compares
     the state with where it last agreed with the swarm: its own lone progress fits its held-out batches better than
-    any merged state does).
+    any merged state does). ``then``: called once the state is loaded, before it is judged (``replay``).
 
     Raises:
         ValueError: as ``load_group_state`` (nothing changed).
     """
     if probe is None:
-        return load_group_state(outer, group, meta, tensors, since)
+        round_id = load_group_state(outer, group, meta, tensors, since)
+        if then is not None:
+            then()
+        return round_id
     saved, live = outer.state_dict(), outer.live_copy()
     if against_anchor:
         outer.load_live(outer.anchor)
@@ -192,6 +195,8 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
     else:
         before = probe()
     round_id = load_group_state(outer, group, meta, tensors, since)
+    if then is not None:
+        then()
     after = probe()
     if after <= RELOAD_LOSS_BOUND * before:
         return round_id
@@ -239,18 +244,21 @@ def best_of(outer: OuterOptimizer, group: str, candidates: Sequence[State], *,
 
 @torch.no_grad()
 def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor], *,
-                bound: float) -> int | None:
+                bound: float, then: Callable[[], object] | None = None) -> int | None:
     """A peer's anchor and momentum for ``group``, this node's live weights kept as they are, when the two anchors are
     at most ``bound`` apart: its next pseudo-gradient then carries their difference (a round one side applied and
     the other did not) into the merge, so neither side's progress is lost, and the anchors agree again. For a node
     whose anchor is apart from the one a majority of a round holds, when ``take_state`` refused theirs (it lacks a
-    round this node applied). Returns the state's round, or None (nothing changed).
+    round this node applied). ``then``: called once the state is loaded, before the anchors are compared (``replay``:
+    it moves the anchor; the weights are put back after). Returns the state's round, or None (nothing changed).
 
     Raises:
         ValueError: as ``load_group_state`` (nothing changed).
     """
     saved, live = outer.state_dict(), outer.live_copy()
     round_id = load_group_state(outer, group, meta, tensors)
+    if then is not None:
+        then()
     apart = math.sqrt(sum(float((outer.anchor[n] - a).square().sum()) for n, a in saved["anchor"].items()))
     if not apart <= bound:
         outer.load_state_dict(saved)
@@ -282,7 +290,8 @@ merge while it runs. Each is a copy of the group."""
 def replay(outer: OuterOptimizer, group: str, order: Sequence[str], applied: Sequence[Replayed]) -> int:
     """Apply again, on the anchor just downloaded, the merges this node applied while downloading it that the anchor
     does not hold yet: from the first that is a step from that anchor (its ``base``; names in ``order``, the
-    group's wire order) on, each as ``step_kept`` (what this node trained since its anchor stays on top).
+    group's wire order) on, each as ``step_kept`` (what this node trained since its anchor stays on top), while each is
+    a step from where the one before left the anchor (one missing between them: the rest are steps from elsewhere).
 
     A node whose anchor drifted from the majority's downloads theirs while the group's rounds go on: the state it
     gets was served before those rounds merged, or before the one that started the download did at its source. Taken
@@ -290,16 +299,21 @@ def replay(outer: OuterOptimizer, group: str, order: Sequence[str], applied: Seq
     download longer than the group's period keeps it there. The merges it applied meanwhile are the others' (their
     results verified by a majority of their sets); stepped again from the anchor they were meant for, with the
     momentum downloaded beside it, they bring it where the others are. Returns how many were applied."""
-    anchor = anchor_fingerprint([outer.anchor[n] for n in order])
-    start = next((i for i, r in enumerate(applied) if fingerprints_agree(anchor, r.base, ANCHOR_TOLERANCE)), None)
-    if start is None:
-        return 0
-    for r in applied[start:]:
+    def at(base: tuple[float, ...]) -> bool:
+        return fingerprints_agree(anchor_fingerprint([outer.anchor[n] for n in order]), base, ANCHOR_TOLERANCE)
+
+    start = next((i for i, r in enumerate(applied) if at(r.base)), None)
+    done: list[int] = []
+    for r in applied[start:] if start is not None else ():
+        if done and not at(r.base):  # a merge between them is missing here: the rest are steps from elsewhere
+            break
         outer.step_kept(r.merged)
         outer.round = r.round_id
-    logger.info("outer group %s: applied again on the state downloaded the %d merge(s) it lacked (rounds %s)", group,
-                len(applied) - start, ", ".join(str(r.round_id) for r in applied[start:]))
-    return len(applied) - start
+        done.append(r.round_id)
+    if done:
+        logger.info("outer group %s: applied again on the state downloaded the %d merge(s) it lacked (rounds %s)",
+                    group, len(done), ", ".join(map(str, done)))
+    return len(done)
 
 
 class BackgroundRounds:
@@ -476,7 +490,11 @@ class BackgroundRounds:
                     del kept[:-REPLAY_KEPT]
             else:
                 self.counts.failed += 1
-                if report.needs_reload and report.ours_left_out:  # what peers may have applied holds none of ours
+                if group in self._caught_up:
+                    # Taken from an anchor apart from the majority's while their state downloads: a set that merged
+                    # it with a majority left it out. Its tokens count in the next round; the download goes on.
+                    self.composer.tokens_since_merge[group] += flight.tokens
+                elif report.needs_reload and report.ours_left_out:  # what peers may have applied holds none of ours
                     self.composer.tokens_since_merge[group] += flight.tokens
                     self._start_reload(group)
                 elif report.needs_reload:  # the all-reduce ran: peers may have applied our delta and tokens already
@@ -505,13 +523,14 @@ class BackgroundRounds:
                                group)
                 self.composer.tokens_since_merge[group] += tokens  # our delta is still ours to send
                 continue
+            outer = self.composer.outer[group]
+            then = functools.partial(replay, outer, group, list(self.sync.groups[group].shapes), kept) if kept \
+                else None
             try:
-                taken = take_state(self.composer.outer[group], group, *found, since=submitted, probe=self.probe,
-                                   against_anchor=rebasing)
-                if taken is not None and kept:
-                    replay(self.composer.outer[group], group, list(self.sync.groups[group].shapes), kept)
-                elif taken is None and bound is not None:
-                    taken = take_anchor(self.composer.outer[group], group, *found, bound=bound)
+                taken = take_state(outer, group, *found, since=submitted, probe=self.probe, against_anchor=rebasing,
+                                   then=then)
+                if taken is None and bound is not None:
+                    taken = take_anchor(outer, group, *found, bound=bound, then=then)
             except ValueError as e:
                 logger.warning("outer group %s: refused a peer's state: %s", group, e)
                 taken = None
@@ -560,11 +579,11 @@ class BackgroundRounds:
         the holders of the anchor an applied round found the majority's: the group's rounds go on meanwhile and
         their merges are applied again on the state downloaded (``replay``). None: any live composers, and the
         group's rounds are skipped until it lands."""
-        if since is not None and group not in self._reload_since:  # a round that failed while the download runs too
-            self._reload_since[group] = since
-            logger.warning("outer group %s: reloading its state from peers after a round others may have applied",
-                           group)
         if group not in self._reloads:
+            if since is not None:
+                self._reload_since[group] = since
+                logger.warning("outer group %s: reloading its state from peers after a round others may have "
+                               "applied", group)
             if sources is not None:
                 self._caught_up[group] = []
             self._reloads[group] = self._pool.submit(self._download, group, 30.0, sources)
