@@ -112,8 +112,18 @@ def test_a_worker_started_for_one_run_leaves_once_its_composers_have(tmp_path: P
             assert doc["node"]["counters"] == {"onboarded": 0, "updates": 0, "refused": 0}
             assert {p["role"] for p in doc["swarm"]["peers"]} == {"composer", "worker"}
             assert composer.membership is not None
-            composer.membership.leave("done")  # the run's last composer leaves (deathrattle)
-            wait_until(lambda: proc.poll() is not None, 60)
+            stored = composer.membership.leave("done")  # the run's last composer leaves (deathrattle)
+
+            def explain() -> str:
+                try:
+                    seen = [(p["role"], p.get("fingerprint")) for p in (_status(url.group(0))["swarm"] or {})
+                            .get("peers", [])]
+                except Exception as e:  # the worker may be leaving
+                    seen = [repr(e)]
+                return (f"deathrattle stored: {stored}; peers the worker's page shows: {seen}\n"
+                        + (tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+
+            wait_until(lambda: proc.poll() is not None, 60, explain=explain)
             assert proc.returncode == 0
             assert any(r.get("kind") == "idle_leave" for r in read_metrics(metrics))
             assert "Traceback" not in (tmp_path / "worker.log").read_text()
