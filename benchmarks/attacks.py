@@ -25,7 +25,10 @@ Reported per attack, from the honest composers' JSONL metrics and logs:
 - ``attacker_experts``: experts no measured honest composer owned four fifths into the run (the attackers'
   places' fair share: an unused place, in a run whose attack has fewer colluders than others, is an honest composer
   counted here too, as in the clean runs);
-- outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``);
+- outer rounds OK per honest composer (median), against the clean runs' (``rounds_ok_ratio``); ``left_out``: the
+  contributions their applied rounds left out (median), taken from another anchor than their set's majority's;
+  ``behind_streak``: the most applied rounds of one group in a row in which an honest composer's own anchor was apart
+  from its set's majority's (``longest_behind``: how long it took to catch up);
 - ``time_to_judged_s``: the seconds the honest composers from the start took from their first step to the step
   they are judged at (their median; ``time_ratio`` against the clean runs'). In lockstep an attack that stalls
   rounds costs this, where the asynchronous nodes train on and lose the rounds;
@@ -442,9 +445,8 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
                                         total, window) for k in range(len(layout.attacker_places) + 1)]
         if clean else None,
         "rounds_ok": statistics.median(rounds_ok),
-        # contributions the honest composers' applied rounds left out: taken from another anchor than their set's
-        # majority's (``wire.off_anchor``)
         "left_out": statistics.median(sum(r.get("left_out", 0) for r in rounds) for rounds in ok),
+        "behind_streak": max((longest_behind(rounds) for rounds in ok), default=0),
         "time_to_judged_s": None if until is None else time_to_step(founders, until),
         "merges": len(merges),
         "merge_cosine": statistics.mean(c for c, _ in merges) if merges else None,
@@ -456,6 +458,18 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
+
+
+def longest_behind(rounds: list[dict[str, Any]]) -> int:
+    """The most applied rounds of one group in a row (``rounds``: one composer's ``round`` records) in which its anchor
+    was apart from the one its set's majority held (``behind``): how long it took to catch up with the others."""
+    run: dict[str, int] = {}
+    longest = 0
+    for r in rounds:
+        group = str(r.get("group"))
+        run[group] = run.get(group, 0) + 1 if r.get("behind") else 0
+        longest = max(longest, run[group])
+    return longest
 
 
 def _description(name: str) -> str:

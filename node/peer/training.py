@@ -292,6 +292,7 @@ class Training:
             self.telemetry.event("probation_over", group=report.group, round_id=report.round_id)
         self.telemetry.event("round", group=report.group, status=report.status.value, round_id=report.round_id,
                              participants=len(report.participants), left_out=len(report.left_out),
+                             behind=bool(report.apart_from) or report.ours_left_out,
                              allreduce_s=round(report.allreduce_s, 4),
                              waited_s=round(report.waited_s, 4), merge_s=round(report.merge_s, 4),
                              verify_s=round(report.verify_s, 4), total_s=round(report.total_s, 4),

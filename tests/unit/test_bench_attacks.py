@@ -34,6 +34,7 @@ from parallax.benchmarks.attacks import (
     honest_places_owned,
     hostile_places,
     is_clean,
+    longest_behind,
     markdown,
     merge_harm,
     run_attacks,
@@ -168,6 +169,17 @@ def test_the_time_to_a_step_is_the_composers_median_from_their_first_step_and_no
     assert time_to_step(records, 100) == pytest.approx(50.0)  # 50, 25 and 100 s
     assert time_to_step({**records, 3: steps(9.0, 0.5, 80)}, 100) is None
     assert time_to_step({0: records[0][1:]}, 10) is None  # no first step
+
+
+def test_the_longest_time_behind_counts_one_groups_applied_rounds_in_a_row_whose_anchor_was_apart():
+    def rounds(group: str, behind: list[int]) -> list[dict]:
+        return [{"kind": "round", "group": group, "status": "ok", "behind": bool(b)} for b in behind]
+
+    router, latent = rounds("router", [0, 1, 1, 0, 1, 1, 1, 0]), rounds("latent", [1, 0, 1, 1])
+    # Interleaved, the groups do not break each other's runs.
+    assert longest_behind([r for pair in zip(router, latent + latent, strict=True) for r in pair]) == 3
+    assert longest_behind(latent) == 2
+    assert longest_behind(rounds("router", [0, 0])) == 0 and longest_behind([{"group": "router"}]) == 0
 
 
 def test_a_ban_is_placed_at_the_banning_composers_last_step_before_it():
