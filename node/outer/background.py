@@ -350,7 +350,7 @@ class BackgroundRounds:
         self._resync: dict[str, float] = {}  # group -> how far the anchor it reloads may be from ours (``take_anchor``)
         # group -> the merges applied since its download from the peers holding the majority's anchor began
         # (``replay``): its rounds go on meanwhile
-        self._caught_up: dict[str, list[Replayed]] = {}
+        self._replayable: dict[str, list[Replayed]] = {}
         self._rebase: set[str] = set()  # groups whose state is taken from the others once their round ends (``rebase``)
         self._rebasing: set[str] = set()  # groups whose download runs for a rebase
         self._leaving = False  # set by ``wait``: no download starts that nobody would wait for
@@ -400,7 +400,7 @@ class BackgroundRounds:
                 self.end_waiting(group, round_id)
             return False
         self._owed.pop(group, None)
-        if group in self._reloads and group not in self._caught_up or group in self._rebase:
+        if (group in self._reloads and group not in self._replayable) or group in self._rebase:
             self.counts.skipped_busy += 1
             logger.info("outer round %s/%d skipped: the group's state is being downloaded", group, round_id)
             return False
@@ -484,13 +484,13 @@ class BackgroundRounds:
                     self._resync[group] = MAX_SPAN * sync.outer_lr / (1 - sync.outer_momentum) * math.sqrt(
                         sum(float(t.square().sum()) for t in merged.values()))
                     self._start_reload(group, sources=holders)
-                kept = self._caught_up.get(group)
+                kept = self._replayable.get(group)
                 if kept is not None and report.base is not None:  # this one's download runs: it may predate it
                     kept.append(Replayed(report.base, outer.round, merged))
                     del kept[:-REPLAY_KEPT]
             else:
                 self.counts.failed += 1
-                if group in self._caught_up:
+                if group in self._replayable:
                     # Taken from an anchor apart from the majority's while their state downloads: a set that merged
                     # it with a majority left it out. Its tokens count in the next round; the download goes on.
                     self.composer.tokens_since_merge[group] += flight.tokens
@@ -508,7 +508,7 @@ class BackgroundRounds:
             future = self._reloads.pop(group)
             submitted, tokens = self._reload_since.pop(group, (None, 0))
             bound = self._resync.pop(group, None)
-            kept = self._caught_up.pop(group, [])
+            kept = self._replayable.pop(group, [])
             rebasing = group in self._rebasing
             self._rebasing.discard(group)
             try:
@@ -585,7 +585,7 @@ class BackgroundRounds:
                 logger.warning("outer group %s: reloading its state from peers after a round others may have "
                                "applied", group)
             if sources is not None:
-                self._caught_up[group] = []
+                self._replayable[group] = []
             self._reloads[group] = self._pool.submit(self._download, group, 30.0, sources)
 
     def _download(self, group: str, timeout_s: float, sources: Sequence[str] | None = None) -> list[State]:
