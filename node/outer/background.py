@@ -283,7 +283,7 @@ class Replayed(NamedTuple):
 
 REPLAY_KEPT = 3
 """The merges ``replay`` may apply again (the latest): the round whose result started a download and the few that
-merge while it runs. Each is a copy of the group."""
+merge while it runs. Each is the size of the group."""
 
 
 @torch.no_grad()
@@ -491,8 +491,9 @@ class BackgroundRounds:
             else:
                 self.counts.failed += 1
                 if group in self._replayable:
-                    # Taken from an anchor apart from the majority's while their state downloads: a set that merged
-                    # it with a majority left it out. Its tokens count in the next round; the download goes on.
+                    # Taken from an anchor apart from the majority's while their state downloads: a set whose strict
+                    # majority names another anchor left it out. Its tokens count in the next round; the download
+                    # goes on (docs/decisions.md: a set without one may have merged it, and it is sent again).
                     self.composer.tokens_since_merge[group] += flight.tokens
                 elif report.needs_reload and report.ours_left_out:  # what peers may have applied holds none of ours
                     self.composer.tokens_since_merge[group] += flight.tokens

@@ -451,24 +451,27 @@ def _the_others_rounds(k_last: int) -> tuple[OuterOptimizer, dict[int, dict[str,
     return others, merges, bases, states
 
 
-@pytest.mark.parametrize(("served_after", "second"), [(0, "applied"), (1, "applied"), (0, "failed")])
+@pytest.mark.parametrize(("served_after", "second"), [(0, "applied"), (1, "applied"), (0, "failed"), (0, "held")])
 def test_a_node_left_out_contributes_while_it_downloads_and_applies_again_the_merges_the_state_lacks(served_after,
                                                                                                     second):
     """Left out for its drifted anchor, a node downloads the majority's state while the group's rounds go on (the
     next one is not skipped); the state, served before one or both of the rounds the node applied meanwhile, lands
     with their merges applied again on it (``replay``): the node ends on the others' anchor and momentum, with all it
     trained on top, instead of a round behind them. A round that fails meanwhile was taken from the drifted anchor:
-    its tokens come back and nothing it trained is dropped."""
+    its tokens come back and nothing it trained is dropped. A state that lands while a round runs waits for it: the
+    round was taken from the anchor the state replaces."""
     params, outer = make(momentum=0.5)
     with torch.no_grad():
         params["w"].add_(1.0)  # trained from its own anchor, which the others left behind
     others, merges, bases, states = _the_others_rounds(2)
     order = list(_WaitingAverager.shapes)
-    release = threading.Event()
+    release, hold = threading.Event(), threading.Event()
 
     class LeftOut(_WaitingAverager):
         def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
             self.started.append(round_id)
+            if round_id == 2 and second == "held":
+                assert hold.wait(timeout=30)
             with torch.no_grad():
                 params["w"].add_(0.5)  # trained while the round ran
             if round_id == 2 and second == "failed":  # others may have applied a set that fetched ours
@@ -487,11 +490,18 @@ def test_a_node_left_out_contributes_while_it_downloads_and_applies_again_the_me
     try:
         for k in (1, 2):
             assert rounds.submit("router", k)  # round 2 runs while the download does
+            if k == 2 and second == "held":  # the state lands while round 2 runs: it is not taken yet
+                release.set()
+                wait_until(lambda: rounds._reloads["router"].done(), timeout=30)
+                before = {n: a.clone() for n, a in outer.anchor.items()}
+                assert rounds.collect() == [] and rounds.counts.reloads == 0
+                assert all(torch.equal(outer.anchor[n], before[n]) for n in order)
+                hold.set()
             wait_until(lambda: rounds._in_flight["router"].future.done(), timeout=30)
             assert [r.round_id for r in rounds.collect()] == [k]
         assert averager.started == [1, 2] and rounds.counts.skipped_busy == 0
         release.set()
-        wait_until(lambda: rounds._reloads["router"].done(), timeout=30)
+        wait_until(lambda: "router" not in rounds._reloads or rounds._reloads["router"].done(), timeout=30)
         rounds.collect()
         if second == "failed":  # the majority's round 2 is not here to apply again: one round behind, nothing lost
             others = _the_others_rounds(1)[0]
@@ -504,6 +514,7 @@ def test_a_node_left_out_contributes_while_it_downloads_and_applies_again_the_me
         assert composer.tokens_since_merge["router"] == 100  # its tokens count in its next round
     finally:
         release.set()
+        hold.set()
         rounds.shutdown()
 
 
