@@ -102,7 +102,6 @@ from parallax.node.outer.wire import (
     encode_fingerprint,
     fingerprint,
     fingerprints_agree,
-    off_anchor,
     round_tag,
     set_anchor,
 )
@@ -522,19 +521,17 @@ class GatheredRounds:
         return merged
 
     def _left_out(self, n: int, me: str, bases: Mapping[str, bytes]) -> tuple[tuple[float, ...] | None, set[str]]:
-        """(the anchor the set's merge is a step from, ``wire.set_anchor``; the contributions it leaves out), given
-        the anchor each one's signed claim names (``bases``, by contribution): those taken from another anchor than
-        the set's majority's (``wire.off_anchor``). Neither in rounds that name no anchor (this node's names none:
-        replicated experts), whatever others name. Named in the log."""
+        """(the anchor the set's merge is a step from; the contributions it leaves out: those taken from another
+        anchor than the set's majority's), given the anchor each one's signed claim names (``bases``, by contribution;
+        ``wire.set_anchor``). Neither in rounds that name no anchor (this node's names none: replicated experts),
+        whatever others name. Named in the log."""
         if not bases.get(me):
             return None, set()
-        decoded = {p: decode_fingerprint(b) if b else None for p, b in bases.items()}
-        left_out = off_anchor(decoded)
+        base, left_out = set_anchor({p: decode_fingerprint(b) if b else None for p, b in bases.items()})
         if left_out:
             logger.info("outer round %s/%d: leaving out of the merge the contributions of %s: taken from another "
                         "anchor than the %d others'", self.group, n, ", ".join(sorted(left_out)),
                         len(bases) - len(left_out))
-        base = set_anchor(decoded)
         return None if base is None else tuple(base), left_out
 
     def _withdrawn(self, n: int, status: RoundStatus, started: float, common: dict[str, Any],

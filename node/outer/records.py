@@ -142,7 +142,7 @@ class RoundReport:
     of the strict majority that hold one; this node takes the group's state from them."""
     left_out: tuple[str, ...] = ()
     """Participants whose contributions the merge left out: taken from another anchor than the set's majority's
-    (gathered rounds, ``wire.off_anchor``)."""
+    (gathered rounds, ``wire.set_anchor``)."""
     ours_left_out: bool = False
     """This node's own contribution is among ``left_out``: the merge holds nothing of it, so what this node trained
     stays its own (``background``)."""

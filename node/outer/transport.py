@@ -199,7 +199,7 @@ class RoundEntry:
     The contribution's part (``claim``) is signed on its own by the sender (``signature``, over the run, the group
     and the claim): a statement any peer can show to others. It names the anchor the pseudo-gradient was taken from
     (``base``): a merge leaves out contributions taken from another anchor than its set's majority's
-    (``wire.off_anchor``). ``session`` names the sender's round-taking instance (microseconds since the epoch when it
+    (``wire.set_anchor``). ``session`` names the sender's round-taking instance (microseconds since the epoch when it
     started): within one session an honest sender claims one contribution per round, so two different signed claims
     of one round and session prove it equivocated (``witness.Equivocation``)."""
 

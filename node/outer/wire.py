@@ -324,27 +324,17 @@ def anchor_majority(mine: Sequence[float], others: Mapping[str, Sequence[float]]
     return tuple(sorted(held[1]))
 
 
-def off_anchor(bases: Mapping[str, Sequence[float] | None]) -> set[str]:
-    """The contributions of a set that its merge leaves out: those not taken from the anchor a strict majority of the
-    set's contributions were taken from (``RoundEntry.base``; None: none named, or malformed). A pseudo-gradient is a
-    step from the anchor it was taken from; merged into a step from another (its sender missed rounds the others
-    applied, or offers its contributions rounds late), it moves every peer's anchor by a stale step at full weight.
-    Empty when no anchor holds a strict majority: the set is merged whole. The same on every peer that holds the
-    set's signed claims."""
-    held = _held_by_set(bases)
-    return set() if held is None else set(bases) - set(held[1])
+def set_anchor(bases: Mapping[str, Sequence[float] | None]) -> tuple[Sequence[float] | None, set[str]]:
+    """(the anchor a strict majority of a set's contributions were taken from, ``RoundEntry.base``: the one its merge
+    is a step from, which every peer that applies it held before, or was meant to; the contributions the merge leaves
+    out: those not taken from it). ``bases``: by contribution, None where none is named or it is malformed.
 
-
-def set_anchor(bases: Mapping[str, Sequence[float] | None]) -> Sequence[float] | None:
-    """The anchor a strict majority of a set's contributions were taken from (``RoundEntry.base``): the one its merge
-    is a step from, which every peer that applies it held before, or was meant to (None: no anchor holds a strict
-    majority)."""
-    held = _held_by_set(bases)
-    return None if held is None else held[0]
-
-
-def _held_by_set(bases: Mapping[str, Sequence[float] | None]) -> tuple[Sequence[float], list[str]] | None:
-    return _held_by_majority({name: fp for name, fp in bases.items() if fp is not None}, len(bases))
+    A pseudo-gradient is a step from the anchor it was taken from; merged into a step from another (its sender missed
+    rounds the others applied, or offers its contributions rounds late), it moves every peer's anchor by a stale step
+    at full weight. (None, nothing left out) when no anchor holds a strict majority: the set is merged whole. The same
+    on every peer that holds the set's signed claims."""
+    held = _held_by_majority({name: fp for name, fp in bases.items() if fp is not None}, len(bases))
+    return (None, set()) if held is None else (held[0], set(bases) - set(held[1]))
 
 
 def _held_by_majority(fingerprints: Mapping[str, Sequence[float]], n: int,

@@ -23,7 +23,6 @@ from parallax.node.outer.wire import (
     fingerprints_agree,
     majority_agrees,
     merged_from_components,
-    off_anchor,
     payload_bytes,
     round_fingerprint,
     round_tag,
@@ -181,17 +180,18 @@ def test_a_merge_leaves_out_the_contributions_taken_from_another_anchor_than_its
     swarm = [torch.randn(300, 40, generator=g), torch.randn(40, generator=g)]
     same, rounding = anchor_fingerprint(swarm), anchor_fingerprint([t * (1 + 1e-6) for t in swarm])
     stale = anchor_fingerprint([swarm[0] + 0.02 * torch.randn(300, 40, generator=g), swarm[1]])
-    assert off_anchor({"a@1": same, "b@2": rounding, "c@1": stale}) == {"c@1"}
-    assert off_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None, "e@2": same}) == {"a@1", "d@4"}
-    assert off_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None}) == set()  # 2 of 4: no majority
-    assert off_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale}) == set()  # no majority: merged whole
-    assert off_anchor({"a@1": same, "b@2": None, "c@1": None}) == set()  # one of three names an anchor
-    assert off_anchor({"a@1": None, "b@2": None}) == set()  # rounds that name none (replicated experts)
-    assert off_anchor({"a@1": same, "b@2": same}) == set()
+    assert set_anchor({"a@1": same, "b@2": rounding, "c@1": stale})[1] == {"c@1"}
+    assert set_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None, "e@2": same})[1] == {"a@1", "d@4"}
+    assert set_anchor({"a@1": stale, "b@2": same, "c@1": rounding, "d@4": None})[1] == set()  # 2 of 4: no majority
+    assert set_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale})[1] == set()  # no majority: merged whole
+    assert set_anchor({"a@1": same, "b@2": None, "c@1": None})[1] == set()  # one of three names an anchor
+    assert set_anchor({"a@1": None, "b@2": None})[1] == set()  # rounds that name none (replicated experts)
+    assert set_anchor({"a@1": same, "b@2": same})[1] == set()
     # The anchor the merge is a step from: the majority's, or none.
-    assert set_anchor({"a@1": stale, "b@2": same, "c@1": rounding}) in (same, rounding)
-    assert set_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale}) is None
-    assert set_anchor({"a@1": None, "b@2": None}) is None
+    anchor, left_out = set_anchor({"a@1": stale, "b@2": same, "c@1": rounding})
+    assert anchor in (same, rounding) and left_out == {"a@1"}
+    assert set_anchor({"a@1": same, "b@2": same, "c@1": stale, "d@4": stale}) == (None, set())
+    assert set_anchor({"a@1": None, "b@2": None}) == (None, set())
 
 
 def test_majority_counts_absent_and_disagreeing_participants_against_me():

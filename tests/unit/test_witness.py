@@ -147,7 +147,7 @@ def test_claims_are_signed_for_their_run_group_and_content() -> None:
 
 def test_two_claims_of_one_round_that_name_two_anchors_prove_an_equivocation() -> None:
     """A sender that tells some peers its contribution was taken from the majority's anchor, and others another,
-    splits the merge (``wire.off_anchor`` leaves it out on one side only): that is two claims of one round."""
+    splits the merge (``wire.set_anchor`` leaves it out on one side only): that is two claims of one round."""
     first = sign(KEYS[LIAR], RUN, GROUP, RoundEntry(3, bytes([1]) * 32, 100, 10.0, session=7, base=b"anchor a"))
     second = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, base=b"anchor b"))
     proof = Equivocation(LIAR, first, second)
