@@ -127,10 +127,11 @@ def group_state(outer: OuterOptimizer, *, group: str, round_id: int, step: int) 
 
 @torch.no_grad()
 def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[torch.Tensor],
-                     since: dict[str, torch.Tensor] | None = None) -> int:
+                     since: dict[str, torch.Tensor] | None = None, then: Callable[[], object] | None = None) -> int:
     """Take a peer's anchor (and momentum) for one group; keep our progress since our own anchor, or since
     ``since`` (the parameters we submitted to a round whose merge the peer's anchor already holds: what we
     trained before it is in there once, weighted like everyone's, and must not be added a second time).
+    ``then``: called once the state is loaded (``replay``).
 
     Returns:
         The round number the state was taken at.
@@ -166,6 +167,8 @@ def load_group_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequ
             outer.optimizer.state[outer.anchor[n]] = {"momentum_buffer": tensors[len(names) + i].to(torch.float32)
                                                       .clone()}
     outer.round = round_id
+    if then is not None:
+        then()
     return round_id
 
 
@@ -183,10 +186,7 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
         ValueError: as ``load_group_state`` (nothing changed).
     """
     if probe is None:
-        round_id = load_group_state(outer, group, meta, tensors, since)
-        if then is not None:
-            then()
-        return round_id
+        return load_group_state(outer, group, meta, tensors, since, then)
     saved, live = outer.state_dict(), outer.live_copy()
     if against_anchor:
         outer.load_live(outer.anchor)
@@ -194,9 +194,7 @@ def take_state(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[t
         outer.load_live(live)
     else:
         before = probe()
-    round_id = load_group_state(outer, group, meta, tensors, since)
-    if then is not None:
-        then()
+    round_id = load_group_state(outer, group, meta, tensors, since, then)
     after = probe()
     if after <= RELOAD_LOSS_BOUND * before:
         return round_id
@@ -256,9 +254,7 @@ def take_anchor(outer: OuterOptimizer, group: str, meta: Any, tensors: Sequence[
         ValueError: as ``load_group_state`` (nothing changed).
     """
     saved, live = outer.state_dict(), outer.live_copy()
-    round_id = load_group_state(outer, group, meta, tensors)
-    if then is not None:
-        then()
+    round_id = load_group_state(outer, group, meta, tensors, then=then)
     apart = math.sqrt(sum(float((outer.anchor[n] - a).square().sum()) for n, a in saved["anchor"].items()))
     if not apart <= bound:
         outer.load_state_dict(saved)
@@ -299,13 +295,15 @@ def replay(outer: OuterOptimizer, group: str, order: Sequence[str], applied: Seq
     download longer than the group's period keeps it there. The merges it applied meanwhile are the others' (their
     results verified by a majority of their sets); stepped again from the anchor they were meant for, with the
     momentum downloaded beside it, they bring it where the others are. Returns how many were applied."""
-    def at(base: tuple[float, ...]) -> bool:
-        return fingerprints_agree(anchor_fingerprint([outer.anchor[n] for n in order]), base, ANCHOR_TOLERANCE)
+    def here() -> tuple[float, ...]:
+        return anchor_fingerprint([outer.anchor[n] for n in order])
 
-    start = next((i for i, r in enumerate(applied) if at(r.base)), None)
+    downloaded = here()
+    start = next((i for i, r in enumerate(applied) if fingerprints_agree(downloaded, r.base, ANCHOR_TOLERANCE)), None)
     done: list[int] = []
     for r in applied[start:] if start is not None else ():
-        if done and not at(r.base):  # a merge between them is missing here: the rest are steps from elsewhere
+        # A merge between them missing here: the rest are steps from elsewhere.
+        if done and not fingerprints_agree(here(), r.base, ANCHOR_TOLERANCE):
             break
         outer.step_kept(r.merged)
         outer.round = r.round_id
