@@ -344,6 +344,45 @@ def _forking(flag: threading.Event) -> Any:
         flag.clear()
 
 
+READY_POLL_S = 0.5
+"""How often a start checks that the DHT process it waits for is alive."""
+READY_BOOTSTRAP_REQUESTS = 10
+"""Request timeouts a start allows the DHT process beyond the p2p daemon's start-up: hivemind pings the initial
+peers, looks up this node's neighbours and maybe its identity, each bounded by one request timeout."""
+
+
+def _wait_ready(dht: DHT, within_s: float) -> None:
+    """Wait until the DHT process just started is ready; raise its error, or a clear one when it ends first or is
+    not ready ``within_s`` (a process that stalls while it starts must not hold the node's start forever)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            dht.wait_until_ready(timeout=READY_POLL_S)
+            return
+        except TimeoutError as e:  # the poll's, or the process's own (a p2p daemon that did not start in time)
+            if e.args:
+                raise
+        if not dht.is_alive():
+            raise DHTError(f"the DHT process ended (exit code {dht.exitcode}) before it was ready")
+        if time.monotonic() > deadline:
+            raise DHTError(f"the DHT process was not ready within {within_s:.0f} s (its p2p daemon's start-up "
+                           "and the bootstrap requests): it stalled")
+
+
+def _stop_starting(dht: DHT) -> None:
+    """Stop a DHT process that did not become ready, and the p2p daemon it started: one that stalled does not
+    answer hivemind's shutdown message, and a daemon outlives a process that is terminated."""
+    import psutil
+
+    daemons: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error, TypeError):
+        daemons = psutil.Process(dht.pid).children(recursive=True)
+    dht.shutdown()
+    for daemon in daemons:
+        with contextlib.suppress(psutil.Error):
+            daemon.kill()
+
+
 def _relay_options(config: DHTConfig) -> tuple[dict[str, object], dict[str, object]]:
     """hivemind keyword arguments and extra p2pd flags for ``config``'s relays."""
     if not config.relays:
@@ -560,9 +599,9 @@ class SwarmDHT:
                     if while_starting is not None:
                         while_starting()
                         while_starting = None
-                    dht.wait_until_ready()
+                    _wait_ready(dht, config.startup_timeout_s + READY_BOOTSTRAP_REQUESTS * config.request_timeout_s)
                 except BaseException:
-                    dht.shutdown()
+                    _stop_starting(dht)
                     raise
             except Exception as e:  # hivemind raises many types here (P2PDaemonError, TimeoutError, ...)
                 last = e

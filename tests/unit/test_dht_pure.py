@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from parallax.dht import adapter
 from parallax.dht.adapter import Answer, DHTConfig, join_command, p2p_identity_path, parse_initial_peers
 from parallax.dht.claims import ClaimSet, ShardConfig, build_claim_set, release_all, valid_claims
 from parallax.dht.keys import (
@@ -47,6 +48,7 @@ from parallax.dht.membership import (
 )
 from parallax.dht.records import MAX_RECORD_BYTES, owner_subkey, pack_message, subkey_owner, unpack_message
 from parallax.dht.shards import assign_experts
+from parallax.errors import DHTError
 from parallax.node.config.train import OptimConfig, TrainConfig, run_settings
 from parallax.protocol import manifest as manifests
 from parallax.protocol.errors import RemoteProtocolError
@@ -999,3 +1001,32 @@ def test_the_tracebacks_of_orphaned_requests_are_dropped_and_others_kept():
     assert f.filter(record("hivemind.dht.dht", "get", FileNotFoundError(2, "elsewhere")))
     assert f.filter(record("asyncio", "x", InvalidStateError("Can't set_result to a future that is FINISHED (1)")))
     assert f.filter(logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "no exception", None, None))
+
+
+class _Starting:
+    """A DHT process as a start waits for it: ready after ``ready_after`` polls, or never; alive or ended."""
+
+    def __init__(self, *, ready_after: int | None = None, alive: bool = True, error: BaseException | None = None):
+        self.polls, self.ready_after, self.alive, self.error, self.exitcode = 0, ready_after, alive, error, 1
+
+    def wait_until_ready(self, timeout: float) -> None:
+        self.polls += 1
+        if self.error is not None:
+            raise self.error
+        if self.ready_after is None or self.polls <= self.ready_after:
+            raise TimeoutError()
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_start_waits_for_a_dht_process_that_gets_ready_and_gives_up_on_one_that_stalls_or_ends() -> None:
+    ready = _Starting(ready_after=2)
+    adapter._wait_ready(ready, within_s=60.0)  # type: ignore[arg-type]
+    assert ready.polls == 3
+    with pytest.raises(DHTError, match="not ready within 0 s"):
+        adapter._wait_ready(_Starting(), within_s=0.0)  # type: ignore[arg-type]
+    with pytest.raises(DHTError, match="ended .exit code 1. before it was ready"):
+        adapter._wait_ready(_Starting(alive=False), within_s=60.0)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError, match="daemon"):  # the process's own error, as it raised it
+        adapter._wait_ready(_Starting(error=TimeoutError("the p2p daemon did not start")), within_s=60.0)  # type: ignore[arg-type]
