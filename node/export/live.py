@@ -210,7 +210,7 @@ def _experts(membership: Membership, exchange: ExpertExchange, cfg: TrainConfig,
     while True:
         view = membership.view()
         assignment = view.assignment()
-        asked = {}
+        asked, unserved = {}, {}
         for eid in wanted:
             if eid in out or assignment is None:
                 continue
@@ -218,8 +218,10 @@ def _experts(membership: Membership, exchange: ExpertExchange, cfg: TrainConfig,
             if owner is not None:
                 asked[eid] = (owner.fingerprint, exchange.fetch(owner.heartbeat.peer_id, eid))
         for eid, (fp, future) in asked.items():
-            snap: Snapshot | None = future.result()
-            if snap is not None:
+            snap: Snapshot | str = future.result()
+            if isinstance(snap, str):
+                unserved[eid] = f"{fp}: {snap}"
+            else:
                 out[eid] = [_copy(snap, fp)]
         left = [eid for eid in wanted if eid not in out]
         if not left:
@@ -227,7 +229,8 @@ def _experts(membership: Membership, exchange: ExpertExchange, cfg: TrainConfig,
         if time.monotonic() > deadline and allow_missing:
             return out
         _wait(deadline, f"{len(left)} expert(s) were not served by their owners in time: "
-              + ", ".join(f"{l}.{e}" for l, e in left) + "; try again, or --allow-missing writes them as zeros")
+              + ", ".join(f"{l}.{e}" + (f" ({unserved[l, e]})" if (l, e) in unserved else "") for l, e in left)
+              + "; try again, or --allow-missing writes them as zeros")
 
 
 def _copy(snap: Snapshot, holder: str) -> Copy:

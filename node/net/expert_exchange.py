@@ -535,8 +535,8 @@ class ExpertExchange:
                 bodies[key] = body
         return body
 
-    def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | None]:
-        """Ask ``peer`` for its snapshot of ``eid``; the future gives None when it holds none or fails."""
+    def fetch(self, peer: str, eid: ExpertId) -> concurrent.futures.Future[Snapshot | str]:
+        """Ask ``peer`` for its snapshot of ``eid``; the future gives it, or why none came (for the logs)."""
         return asyncio.run_coroutine_threadsafe(self._fetch_checked(peer, eid), self.loop)
 
     # --- loop thread ---
@@ -588,13 +588,13 @@ class ExpertExchange:
             held = await asyncio.to_thread(self._released_position, eid)
         init = self.initial_weights is not None and eid not in self._keyframes_only
         ask = msgpack.packb([0, 0, init] if held is None else [held.chain, held.version, init])
-        got = await self._fetch_or_none(peer, eid, ask)
-        if got is None:
+        got = await self._fetch_or_why(peer, eid, ask)
+        if isinstance(got, str):
             return None
         step, final, age_s, body, links = got
         if not links:
             snap = self._checked(peer, eid, step, final, age_s, body)
-            return None if snap is None else (dataclasses.replace(snap, source=peer), None)
+            return None if isinstance(snap, str) else (dataclasses.replace(snap, source=peer), None)
         signer = self.key_of(peer)
         if signer is None:
             return None
@@ -621,26 +621,30 @@ class ExpertExchange:
         return Snapshot(eid[0], eid[1], step, False, tensors, age_s=age_s, taken_at=time.monotonic() - age_s,
                         source=peer), position
 
-    async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | None:
-        got = await self._fetch_or_none(peer, eid)
-        return None if got is None else self._checked(peer, eid, *got[:4])
+    async def _fetch_checked(self, peer: str, eid: ExpertId) -> Snapshot | str:
+        got = await self._fetch_or_why(peer, eid)
+        return got if isinstance(got, str) else self._checked(peer, eid, *got[:4])
 
-    async def _fetch_or_none(self, peer: str, eid: ExpertId,
-                             ask: bytes = b"") -> tuple[int, bool, float, bytes, bool] | None:
+    async def _fetch_or_why(self, peer: str, eid: ExpertId,
+                            ask: bytes = b"") -> tuple[int, bool, float, bytes, bool] | str:
+        """``peer``'s answer (header fields and body), or why none came."""
         try:
-            return await asyncio.wait_for(self._fetch(peer, eid, ask), self.config.timeout_s)
+            got = await asyncio.wait_for(self._fetch(peer, eid, ask), self.config.timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # peer gone, stream broken, timeout
+        except TimeoutError:
+            return f"no whole answer in time (the bound is {self.config.timeout_s:g} s)"
+        except Exception as e:  # peer gone, stream broken
             logger.debug("snapshot of %s from %s failed: %r", eid, peer, e)
-            return None
+            return f"the request failed: {e!r}"[:200]
+        return "it holds none, or serves none to this node" if got is None else got
 
-    def _checked(self, peer: str, eid: ExpertId, step: int, final: bool, age_s: float, body: bytes) -> Snapshot | None:
-        """An exact snapshot's body opened and checked, or None (logged)."""
+    def _checked(self, peer: str, eid: ExpertId, step: int, final: bool, age_s: float, body: bytes) -> Snapshot | str:
+        """An exact snapshot's body opened and checked, or why it was refused (logged)."""
         signer = self.key_of(peer)
         if signer is None:  # it left our view meanwhile (or never was in it): nothing to check it against
             logger.debug("snapshot of %s from %s: the membership names no key for that peer", eid, peer)
-            return None
+            return "this node's view of the swarm names no key for that peer"
         try:
             snap = decode_snapshot(body, eid, self.expert_shapes, final=final, opener=self.opener,
                                    signer=signer, peer=peer, surrogate_shapes=self.surrogate_shapes)
@@ -649,7 +653,7 @@ class ExpertExchange:
         except ProtocolError as e:
             self.refused += 1
             logger.warning("refused the snapshot of expert %s from %s: %s", eid, peer, e)
-            return None
+            return f"refused: {e}"
         return dataclasses.replace(snap, age_s=age_s, taken_at=time.monotonic() - age_s)
 
     async def _fetch(self, peer: str, eid: ExpertId, ask: bytes = b"") -> tuple[int, bool, float, bytes, bool] | None:

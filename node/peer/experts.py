@@ -62,13 +62,14 @@ class Experts:
         self.views, self.telemetry, self.settings = views, telemetry, settings
         self.fingerprint, self.online_at, self.owners, self.offload = fingerprint, online_at, owners, offload
         self.clock = clock
-        self.handovers: dict[ExpertId, tuple[Handover, Future[Snapshot | None] | None]] = {}
+        self.handovers: dict[ExpertId, tuple[Handover, Future[Snapshot | str] | None]] = {}
+        self._unserved: dict[ExpertId, dict[str, str]] = {}  # per hand-over: peer -> why it served no snapshot
         self._adopted: set[ExpertId] = set()  # taken over since start: the next publication jumps versions
         self.led: set[ExpertId] = {eid for eid in composer.owned_experts() if not composer.replica_outers
                                    or owners.get(eid, (fingerprint,))[0] == fingerprint}
         """The owned experts whose surrogate this node publishes (all of them with one owner per expert)."""
         self._assignment: Assignment | None = None  # as of the last reconcile
-        self._resyncs: dict[ExpertId, Future[Snapshot | None]] = {}  # lead copies asked for (``resync``)
+        self._resyncs: dict[ExpertId, Future[Snapshot | str]] = {}  # lead copies asked for (``resync``)
         self.lockstep = LockstepSurrogates(composer.cfg.surrogate.refresh_every) if settings.lockstep else None
         """With ``node.lockstep``: the surrogate updates drained from gossip and held until due (``Training`` applies
         them); a snapshot's surrogate passes those it holds already."""
@@ -135,7 +136,10 @@ class Experts:
             handover.meet(composers)
             if pending is not None and pending.done():
                 self.handovers[eid] = (handover, None)
-                self._carry_out(eid, handover.answered(pending.result(), self.clock()))
+                answer = pending.result()
+                if isinstance(answer, str):
+                    self._unserved.setdefault(eid, {})[str(handover.asking)] = answer
+                self._carry_out(eid, handover.answered(None if isinstance(answer, str) else answer, self.clock()))
             else:
                 self._carry_out(eid, handover.tick(self.clock()))
         self.owners = owners_of(assignment)
@@ -169,7 +173,13 @@ class Experts:
 
     def _finish(self, eid: ExpertId, best: Served | None) -> None:
         assert best is None or isinstance(best, Snapshot)
+        unserved = self._unserved.pop(eid, {})
         local = self.exchange.take_local_copy(eid)
+        if best is None and unserved:
+            why = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(unserved.items()))
+            logger.warning("expert %s: no live peer served a snapshot of it within the adoption wait (%s); %s", eid,
+                           why, f"it resumes from its {local[1]} of step {local[0].step}" if local else
+                           "it restarts from its initialisation")
         if best is not None and local is not None and local[0].taken_at > best.taken_at:
             best = None  # our own copy was taken after anything a live peer served (steps are per node)
         if best is not None:
@@ -311,9 +321,10 @@ class Experts:
             if not future.done():
                 continue
             del self._resyncs[eid]
-            snapshot = future.result() if future.exception() is None else None
-            if snapshot is None or eid not in owned:
-                logger.info("expert %s: no copy from its lead; this node trains its own on", eid)
+            snapshot = future.result() if future.exception() is None else "the request raised"
+            if isinstance(snapshot, str) or eid not in owned:
+                logger.info("expert %s: no copy from its lead (%s); this node trains its own on", eid,
+                            snapshot if isinstance(snapshot, str) else "it no longer co-owns it")
                 continue
             own = self.composer.release_expert(eid)
             if not self._adopt_snapshot(eid, snapshot, "lead"):

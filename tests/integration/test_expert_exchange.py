@@ -13,7 +13,7 @@ import torch
 
 from parallax.dht.testing import LocalSwarm, fixed_identity, wait_until
 from parallax.node.config.net import ExchangeConfig
-from parallax.node.net.expert_exchange import ExpertExchange, encode_snapshot
+from parallax.node.net.expert_exchange import ExpertExchange, Snapshot, encode_snapshot
 from parallax.protocol.envelope import Sealer
 from parallax.protocol.identity import Identity
 
@@ -69,16 +69,16 @@ def pair() -> Iterator[tuple[ExpertExchange, ExpertExchange, dict]]:
 
 def test_fetch_returns_the_snapshot_the_owner_serves(pair) -> None:
     owner, heir, targets = pair
-    assert heir.fetch(targets["peer"], EID).result(10) is None  # nothing served yet: an empty answer
+    assert "holds none" in heir.fetch(targets["peer"], EID).result(10)  # nothing served yet: an empty answer
     owner.put(EID, 7, snapshot(7.0))
     got = heir.fetch(targets["peer"], EID).result(10)
-    assert got is not None and got.step == 7 and not got.final
+    assert isinstance(got, Snapshot) and got.step == 7 and not got.final
     assert torch.equal(got.tensors["w_up.weight"], torch.full((6, 4), 7.0))
     assert float(got.tensors["adam.step"]) == 7.0
     owner.put(EID, 9, snapshot(9.0), final=True)
     time.sleep(0.3)
     got = heir.fetch(targets["peer"], EID).result(10)
-    assert got is not None and got.final and got.step == 9
+    assert isinstance(got, Snapshot) and got.final and got.step == 9
     assert 0.3 <= got.age_s < 10.0  # how long ago the owner released it: adopters judge hand-overs by it
     assert owner.servicer.served_steps[EID] == 9
 
@@ -87,11 +87,11 @@ def test_snapshots_go_only_to_live_composers_of_the_run(pair) -> None:
     owner, heir, ids = pair
     owner.put(EID, 7, snapshot(7.0))
     ids["allowed"].discard(ids["heir"])  # say its heartbeat expired, or it is a stranger that never joined
-    assert heir.fetch(ids["peer"], EID).result(10) is None
+    assert isinstance(heir.fetch(ids["peer"], EID).result(10), str)
     assert owner.servicer.refused_peers == 1 and owner.servicer.bytes_served == 0
     ids["allowed"].add(ids["heir"])
     got = heir.fetch(ids["peer"], EID).result(10)
-    assert got is not None and got.step == 7
+    assert isinstance(got, Snapshot) and got.step == 7
 
 
 def test_a_released_expert_is_a_local_copy_of_its_releaser(pair) -> None:
@@ -139,10 +139,10 @@ def test_heir_keeps_a_fresh_copy_of_what_it_inherits(pair) -> None:
     # The copy stays and is served, under the heir's own signature, to whoever takes the expert over (the owner
     # asks here, standing in for any live composer) until KEEP_S after.
     served = owner.fetch(ids["heir"], EID).result(10)
-    assert served is not None and served.step == 20 and not served.final
+    assert isinstance(served, Snapshot) and served.step == 20 and not served.final
     assert torch.equal(served.tensors["w_up.weight"], torch.full((6, 4), 20.0))
     wait_until(lambda: heir.heir_copy(EID) is None, timeout=KEEP_S + 20)
-    assert owner.fetch(ids["heir"], EID).result(10) is None
+    assert isinstance(owner.fetch(ids["heir"], EID).result(10), str)
 
 
 def test_an_heir_serves_the_newer_of_its_copy_and_its_own_final(pair) -> None:
@@ -153,10 +153,10 @@ def test_an_heir_serves_the_newer_of_its_copy_and_its_own_final(pair) -> None:
     ids["targets"][EID] = (ids["peer"], 10)
     wait_until(lambda: heir.heir_copy(EID) is not None, timeout=15)
     got = owner.fetch(ids["heir"], EID).result(10)
-    assert got is not None and got.step == 10 and not got.final
+    assert isinstance(got, Snapshot) and got.step == 10 and not got.final
     heir.put(EID, 12, snapshot(12.0), final=True)  # it released EID again, after that copy was taken
     got = owner.fetch(ids["heir"], EID).result(10)
-    assert got is not None and got.step == 12 and got.final
+    assert isinstance(got, Snapshot) and got.step == 12 and got.final
 
 
 def test_bad_snapshots_are_refused_not_raised(pair) -> None:
@@ -164,14 +164,14 @@ def test_bad_snapshots_are_refused_not_raised(pair) -> None:
     bad = snapshot(1.0)
     bad["w_gate.weight"][0, 0] = 1e30  # our encoder refuses NaN; a norm far past MAX_NORM stands for poison
     owner.store.put(EID, 1, owner.sealer.seal(encode_snapshot(*EID, 1, bad)))
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert isinstance(heir.fetch(targets["peer"], EID).result(10), str)
     wrong_shape = snapshot(1.0)
     wrong_shape["w_down.weight"] = torch.zeros(6, 4)
     owner.store.put(EID, 2, owner.sealer.seal(encode_snapshot(*EID, 2, wrong_shape)))
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert isinstance(heir.fetch(targets["peer"], EID).result(10), str)
     other_expert = owner.sealer.seal(encode_snapshot(0, 0, 3, snapshot(3.0)))
     owner.store.put(EID, 3, other_expert)
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert heir.fetch(targets["peer"], EID).result(10).startswith("refused: ")
     assert heir.refused == 3
 
 
@@ -179,17 +179,17 @@ def test_a_snapshot_counts_only_when_signed_by_the_peer_asked(pair) -> None:
     owner, heir, targets = pair
     good = encode_snapshot(*EID, 4, snapshot(4.0))
     owner.store.put(EID, 4, Sealer(Identity.generate(), "xchg").seal(good))  # another key's (valid) signature
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert isinstance(heir.fetch(targets["peer"], EID).result(10), str)
     owner.store.put(EID, 4, good.encode())  # the bare body: no signature at all
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert isinstance(heir.fetch(targets["peer"], EID).result(10), str)
     owner.store.put(EID, 5, owner.sealer.seal(good))  # announced as step 5, signed as step 4
-    assert heir.fetch(targets["peer"], EID).result(10) is None
+    assert heir.fetch(targets["peer"], EID).result(10).startswith("refused: ")
     assert heir.refused == 3
     owner.store.put(EID, 4, owner.sealer.seal(good))
     got = heir.fetch(targets["peer"], EID).result(10)
-    assert got is not None and got.step == 4
+    assert isinstance(got, Snapshot) and got.step == 4
     key_of, heir.key_of = heir.key_of, {}.get  # the owner left the heir's view: nothing to check against
-    assert heir.fetch(targets["peer"], EID).result(10) is None and heir.refused == 3  # dropped, not "refused"
+    assert "names no key" in heir.fetch(targets["peer"], EID).result(10) and heir.refused == 3  # dropped, not refused
     heir.key_of = key_of
 
 
