@@ -311,7 +311,8 @@ def test_a_host_cut_off_trains_no_expert_twice_and_merges_back(lab: NetLab, tmp_
         adopted = [a for r in records for a in events(r, "adopted") if cut_at < a["t"] < settled_at]
         assert all(a["source"] != "init" for a in adopted), adopted
         back = [a for a in events(cut, "adopted") if healed_at < a["t"] < settled_at]
-        assert back and all(a["source"] in ("previous owner", "heir copy") for a in back), back
+        assert back and all(a["source"] in ("previous owner", "heir copy") for a in back), (
+            back, [line for line in swarm.nodes[3].log.read_text(errors="replace").splitlines() if "served" in line])
         # The others trained on through the partition.
         for i, r in enumerate(records[:3]):
             assert len([s for s in events(r, "step") if cut_at < s["t"] < healed_at]) >= 10, f"node {i} stalled"
