@@ -168,24 +168,25 @@ class Experts:
             if isinstance(action, Ask):
                 self.handovers[eid] = (self.handovers[eid][0], self.exchange.fetch(action.peer, eid))
             else:
-                del self.handovers[eid]
+                handover, pending = self.handovers.pop(eid)
+                if pending is not None and not pending.done():  # the wait ended on a request still unanswered
+                    self._unserved.setdefault(eid, {})[str(handover.asking)] = "no answer by the end of the wait"
                 self._finish(eid, action.best)
 
     def _finish(self, eid: ExpertId, best: Served | None) -> None:
         assert best is None or isinstance(best, Snapshot)
         unserved = self._unserved.pop(eid, {})
         local = self.exchange.take_local_copy(eid)
-        if best is None and unserved:
-            why = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(unserved.items()))
-            logger.warning("expert %s: no live peer served a snapshot of it within the adoption wait (%s); %s", eid,
-                           why, f"it resumes from its {local[1]} of step {local[0].step}" if local else
-                           "it restarts from its initialisation")
+        why = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(unserved.items())) if best is None else ""
+        if why and local is not None:
+            logger.warning("expert %s: no live peer served a snapshot of it within the adoption wait (%s); it resumes "
+                           "from its %s of step %d", eid, why, local[1], local[0].step)
         if best is not None and local is not None and local[0].taken_at > best.taken_at:
             best = None  # our own copy was taken after anything a live peer served (steps are per node)
         if best is not None:
             self.adopt(eid, best, source="previous owner")
         else:
-            self.adopt(eid, local[0] if local else None, source=local[1] if local else "init")
+            self.adopt(eid, local[0] if local else None, source=local[1] if local else "init", why=why)
 
     def _hold(self, paused: bool) -> None:
         """Pause the owned experts' training while nothing confirms this node's side holds half of the swarm
@@ -211,15 +212,16 @@ class Experts:
         self.telemetry.event("shard", step=self.composer.step,
                              experts=[list(eid) for eid in self.composer.owned_experts()], paused=self.composer.paused)
 
-    def adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str) -> None:
+    def adopt(self, eid: ExpertId, snapshot: Snapshot | None, *, source: str, why: str = "") -> None:
         """Train ``eid`` from ``snapshot`` (None: from the initialisation); a snapshot the composer refuses is
-        logged with its source and the expert restarts from the initialisation instead."""
+        logged with its source and the expert restarts from the initialisation instead. ``why``: what each peer asked
+        answered, for the log of a restart from the initialisation."""
         composer = self.composer
         if snapshot is not None and not self._adopt_snapshot(eid, snapshot, source):
             snapshot = None
         if snapshot is None:
-            logger.warning("expert %s: no live peer served a usable snapshot of it within the adoption wait; "
-                           "restarting it from init", eid)
+            logger.warning("expert %s: no live peer served a usable snapshot of it within the adoption wait%s; "
+                           "restarting it from init", eid, f" ({why})" if why else "")
             source = "init"
             composer.adopt_expert(eid, None)
         self.telemetry.status.adoptions += 1

@@ -149,3 +149,29 @@ def test_an_heir_that_announces_it_is_leaving_is_no_heir_to_wait_for():
         views = SwarmViews(SimpleNamespace(view=lambda v=view: v), me.fingerprint, 10,  # type: ignore[arg-type]
                            lambda *_a, **_k: None)
         assert mine and views.heirs_of(mine) == ({} if leaving else {e: heir.fingerprint for e in mine})
+
+
+def test_a_hand_over_whose_peers_served_nothing_names_each_and_why_and_resumes_from_the_local_copy(caplog):
+    """A take-over ends on its wait with one peer's answer empty and another's request still unanswered: the node
+    adopts its own copy, and the log names both peers and what each did."""
+    from parallax.node.peer.handover import Finish, Handover
+
+    lead, me = _composer(3), _composer(4)
+    me.release_expert(EID)
+    own = _lead_snapshot(lead)
+    exchange = SimpleNamespace(take_local_copy=lambda eid: (own, "own release"))
+    experts, events = _experts(me, exchange)  # type: ignore[arg-type]
+    experts.telemetry.status = SimpleNamespace(adoptions=0)
+    experts._assignment = SimpleNamespace(owner=lambda *eid: "lead")  # it co-owns EID: nothing to publish here
+    handover = Handover(source="peer-a", others=["peer-b"], started=0.0, online_since=0.0, wait_s=10.0,
+                        handover_window_s=30.0)
+    handover.asking = "peer-b"
+    experts._unserved[EID] = {"peer-a": "it holds none, or serves none to this node"}
+    experts.handovers[EID] = (handover, Future())  # asked, never answered
+    with caplog.at_level("WARNING"):
+        experts._carry_out(EID, [Finish(None)])
+    assert EID in set(me.owned_experts()) and EID not in experts.handovers
+    assert [f["source"] for k, f in events if k == "adopted"] == ["own release"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "peer-a: it holds none" in said and "peer-b: no answer by the end of the wait" in said, said
+    assert f"own release of step {own.step}" in said
