@@ -62,7 +62,8 @@ class Experts:
         self.views, self.telemetry, self.settings = views, telemetry, settings
         self.fingerprint, self.online_at, self.owners, self.offload = fingerprint, online_at, owners, offload
         self.clock = clock
-        self.handovers: dict[ExpertId, tuple[Handover, Future[Snapshot | str] | None]] = {}
+        self.handovers: dict[ExpertId, tuple[Handover, dict[str, Future[Snapshot | str]]]] = {}
+        """Experts being taken over: each hand-over's state, and its requests in flight by peer."""
         self._unserved: dict[ExpertId, dict[str, str]] = {}  # per hand-over: peer -> why it served no snapshot
         self._adopted: set[ExpertId] = set()  # taken over since start: the next publication jumps versions
         self.led: set[ExpertId] = {eid for eid in composer.owned_experts() if not composer.replica_outers
@@ -129,17 +130,20 @@ class Experts:
                 wait_s=self.settings.adopt_wait_s * self.membership.stretch,
                 handover_window_s=self.settings.handover_window_s * self.membership.stretch,
                 has_own_copy=self.exchange.inherits_copy(eid), live_source=live)
-            self.handovers[eid] = (handover, None)
+            self.handovers[eid] = (handover, {})
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
-            handover, pending = self.handovers[eid]
+            handover, asked = self.handovers[eid]
             handover.meet(composers)
-            if pending is not None and pending.done():
-                self.handovers[eid] = (handover, None)
-                answer = pending.result()
+            for peer, future in [(p, f) for p, f in asked.items() if f.done()]:
+                del asked[peer]
+                answer = future.result()
                 if isinstance(answer, str):
-                    self._unserved.setdefault(eid, {})[str(handover.asking)] = answer
-                self._carry_out(eid, handover.answered(None if isinstance(answer, str) else answer, self.clock()))
+                    self._unserved.setdefault(eid, {})[peer] = answer
+                self._carry_out(eid, handover.answered(None if isinstance(answer, str) else answer, self.clock(),
+                                                       peer=peer))
+                if eid not in self.handovers:
+                    break
             else:
                 self._carry_out(eid, handover.tick(self.clock()))
         self.owners = owners_of(assignment)
@@ -166,11 +170,13 @@ class Experts:
     def _carry_out(self, eid: ExpertId, actions: list[Ask | Finish]) -> None:
         for action in actions:
             if isinstance(action, Ask):
-                self.handovers[eid] = (self.handovers[eid][0], self.exchange.fetch(action.peer, eid))
+                self.handovers[eid][1][action.peer] = self.exchange.fetch(action.peer, eid)
             else:
-                handover, pending = self.handovers.pop(eid)
-                if pending is not None and not pending.done():  # the wait ended on a request still unanswered
-                    self._unserved.setdefault(eid, {})[str(handover.asking)] = "no answer by the end of the wait"
+                _, asked = self.handovers.pop(eid)
+                for peer, future in asked.items():  # requests the hand-over did not hear the answer of
+                    why = "no answer by the end of the wait" if not future.done() else future.result()
+                    if isinstance(why, str):
+                        self._unserved.setdefault(eid, {})[peer] = why
                 self._finish(eid, action.best)
 
     def _finish(self, eid: ExpertId, best: Served | None) -> None:

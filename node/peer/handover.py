@@ -9,7 +9,9 @@ the expert, whose first snapshot is enough), then, while the answers are not the
 other live composer in turn (those a later view shows too: ``meet``), with the previous owner again every other
 request: a previous owner whose view lagged ours releases the expert (and serves its final snapshot) seconds
 later, and under churn the node that trained the expert last may not be the owner our view names. At most
-two requests a second per expert. The wait ends with the hand-over's final snapshot (released within
+two requests a second per expert. A request unanswered for ``STALL_S`` (a stream stalled on a link that came back,
+a peer that accepts and sends nothing) holds nothing up: the next peer is asked beside it, and its answer, should it
+come within the wait, counts as any other. The wait ends with the hand-over's final snapshot (released within
 ``handover_window_s`` before the adoption began, and not before this node came online), or when ``wait_s``
 has passed; the node then adopts the newest snapshot it was served, or its own copy when that was taken later
 ("newest" by when each holder took its copy: every node counts its own steps), or restarts the expert from its
@@ -29,6 +31,8 @@ from typing import Protocol
 
 REQUEST_INTERVAL_S = 0.5
 """At most one request per expert this often (two a second)."""
+STALL_S = 2.0
+"""A request unanswered this long is stalled: the hand-over asks on beside it (module docstring)."""
 
 
 class Served(Protocol):
@@ -104,6 +108,8 @@ class Handover:
     _last: Served | None = field(default=None, repr=False)
     _best_taken: float = field(default=0.0, repr=False)  # when ``best``'s holder took it
     _known: set[str] = field(default_factory=set, repr=False)  # every peer the hand-over asks or has asked
+    stalled: set[str] = field(default_factory=set)
+    """Peers whose request stalled and has not been answered: not asked again until it is."""
 
     def meet(self, peers: list[str]) -> None:
         """Live composers a later view shows: those the hand-over did not know are asked in turn too. A view read
@@ -127,17 +133,24 @@ class Handover:
         self.others = others
         return self._ask(self.source, self.started)
 
-    def answered(self, snapshot: Served | None, now: float) -> list[Action]:
-        """The request in flight was answered (``snapshot`` None: the peer holds none or failed)."""
-        if self.phase is not Phase.ASKING:
+    def answered(self, snapshot: Served | None, now: float, peer: str | None = None) -> list[Action]:
+        """``peer``'s request was answered (``snapshot`` None: it holds none or failed); ``peer`` None: the request
+        in flight. The answer of a stalled request counts as any other, and asks nothing itself."""
+        peer = self.asking if peer is None else peer
+        current = self.phase is Phase.ASKING and peer == self.asking
+        if self.phase is Phase.DONE or not (current or peer in self.stalled):
             return []
-        self._last = snapshot
+        self.stalled.discard(peer)
         # The newest by when its holder took it: each node counts its own steps, so steps order nothing here.
         if snapshot is not None and (self.best is None or now - snapshot.age_s >= self._best_taken):
             self.best, self._best_taken = snapshot, now - snapshot.age_s
-        if (self._is_handover_final(snapshot, now) or now - self.started >= self.wait_s
-                or (self.survey and not self.others)):
+        if (self._is_handover_final(peer, snapshot, now) or now - self.started >= self.wait_s
+                or (self.survey and not self.others and not self.stalled and (current or self.phase is not
+                                                                             Phase.ASKING))):
             return self._finish()
+        if not current:
+            return []
+        self._last = snapshot
         self.phase = Phase.ANSWERED
         return self.tick(now)
 
@@ -147,27 +160,42 @@ class Handover:
             return []
         if now - self.started >= self.wait_s:
             return self._finish()
-        if self.phase is Phase.ASKING or now - self.asked_at < REQUEST_INTERVAL_S:
+        if self.phase is Phase.ASKING:
+            if now - self.asked_at < STALL_S:
+                return []
+            assert self.asking is not None
+            self.stalled.add(self.asking)  # its answer may still come: ``answered`` takes it
+            self.phase, self._last = Phase.ANSWERED, None
+        if now - self.asked_at < REQUEST_INTERVAL_S:
             return []
         assert self.asking is not None and self.source is not None
         if self.survey:
-            return self._ask(self.others.pop(0), now)  # ``answered`` finished when none was left
+            # ``answered`` finished when none was left to ask and none stalled; a stalled one is waited for.
+            return self._ask(self.others.pop(0), now) if self.others else []
         last = self._last
         # Nothing there, a stale final, or another peer's copy (an heir's, or with a live source a replica's; a
         # peer whose lagging view still has it train the expert serves its final when next in turn): someone else.
         if (last is None or last.final or self.asking != self.source) and self.others:
-            if self.asking == self.source:  # the next of the others, in turn
-                nxt = self.others.pop(0)
-                self.others.append(nxt)
-            else:  # and every other time the previous owner again
+            # The next of the others, in turn, and every other time the previous owner again; past those stalled.
+            nxt = self._next_other() if self.asking == self.source or self.source in self.stalled else self.source
+            if nxt is None and self.source not in self.stalled:
                 nxt = self.source
-            return self._ask(nxt, now)
-        return self._ask(self.asking, now)
+            return [] if nxt is None else self._ask(nxt, now)
+        return [] if self.asking in self.stalled else self._ask(self.asking, now)
 
-    def _is_handover_final(self, snapshot: Served | None, now: float) -> bool:
+    def _next_other(self) -> str | None:
+        """The next of ``others`` in turn whose request has not stalled (the turn moves past it), or None."""
+        for _ in range(len(self.others)):
+            nxt = self.others.pop(0)
+            self.others.append(nxt)
+            if nxt not in self.stalled:
+                return nxt
+        return None
+
+    def _is_handover_final(self, peer: str | None, snapshot: Served | None, now: float) -> bool:
         if self.survey:
             return False
-        if snapshot is not None and self.live_source and self.asking == self.source:
+        if snapshot is not None and self.live_source and peer == self.source:
             return True
         if snapshot is None or not snapshot.final:
             return False

@@ -165,9 +165,8 @@ def test_a_hand_over_whose_peers_served_nothing_names_each_and_why_and_resumes_f
     experts._assignment = SimpleNamespace(owner=lambda *eid: "lead")  # it co-owns EID: nothing to publish here
     handover = Handover(source="peer-a", others=["peer-b"], started=0.0, online_since=0.0, wait_s=10.0,
                         handover_window_s=30.0)
-    handover.asking = "peer-b"
     experts._unserved[EID] = {"peer-a": "it holds none, or serves none to this node"}
-    experts.handovers[EID] = (handover, Future())  # asked, never answered
+    experts.handovers[EID] = (handover, {"peer-b": Future()})  # asked, never answered
     with caplog.at_level("WARNING"):
         experts._carry_out(EID, [Finish(None)])
     assert EID in set(me.owned_experts()) and EID not in experts.handovers

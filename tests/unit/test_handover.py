@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.node.peer.handover import Ask, Finish, Handover, Phase
+from parallax.node.peer.handover import STALL_S, Ask, Finish, Handover, Phase
 
 
 @dataclass(frozen=True)
@@ -168,3 +168,41 @@ def test_a_copy_another_peer_holds_is_kept_and_the_previous_owner_asked_next() -
     assert h.answered(copy, 100.8) == []
     assert h.tick(101.4) == [Ask("owner")]
     assert h.best == copy
+
+
+def test_a_stalled_request_holds_nothing_up_and_its_answer_still_counts() -> None:
+    """The previous owner's stream stalls (a link that just came back): after STALL_S the others are asked beside
+    it, it is not asked again while stalled, and its final, arriving late, ends the wait."""
+    h = _handover(others=("b", "c"))
+    assert h.start() == [Ask("owner")]
+    assert h.tick(100.0 + STALL_S - 0.1) == []  # not stalled yet
+    assert h.tick(100.0 + STALL_S) == [Ask("b")]
+    assert h.stalled == {"owner"}
+    assert h.answered(None, 102.1) == []  # b holds none
+    assert h.tick(102.6) == [Ask("c")]  # the owner's turn, but it is stalled: the next other
+    assert h.answered(None, 102.7) == []
+    assert h.tick(103.2) == [Ask("b")]
+    final = Snap(step=80, final=True, age_s=1.0)
+    assert h.answered(final, 103.3, peer="owner") == [Finish(final)]  # the stalled request's answer, late
+
+
+def test_a_survey_asks_past_a_stalled_peer_and_waits_for_it_within_the_wait() -> None:
+    h = _handover(source=None, others=("b", "c"))
+    assert h.start() == [Ask("b")]
+    assert h.tick(100.0 + STALL_S) == [Ask("c")]  # b stalled: c is asked beside it
+    copy = Snap(step=30, age_s=5.0)
+    assert h.answered(copy, 102.2) == []  # every peer asked, b not answered yet: the survey waits for it
+    assert h.tick(110.0) == []
+    newer = Snap(step=12, age_s=0.5)
+    assert h.answered(newer, 110.1, peer="b") == [Finish(newer)]  # b's copy was taken last
+    assert h.answered(Snap(step=99), 110.2, peer="c") == []  # done: nothing changes
+
+
+def test_a_survey_whose_stalled_peer_never_answers_ends_with_the_wait() -> None:
+    h = _handover(source=None, others=("b", "c"), wait_s=10.0)
+    h.start()
+    assert h.tick(100.0 + STALL_S) == [Ask("c")]
+    copy = Snap(step=30, age_s=1.0)
+    assert h.answered(copy, 102.5) == []
+    assert h.answered(None, 103.0, peer="c") == []  # not stalled, answered already: ignored
+    assert h.tick(110.0) == [Finish(copy)]
