@@ -30,7 +30,7 @@ from parallax.node.config.peer import NodeSettings
 from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, ExpertExchange, Snapshot
 from parallax.node.net.gossip import SurrogateGossip
 from parallax.node.offload.session import OffloadSession
-from parallax.node.peer.handover import Ask, Finish, Handover, Served
+from parallax.node.peer.handover import STALL_S, Ask, Finish, Handover, Served
 from parallax.node.peer.lockstep import LockstepSurrogates
 from parallax.node.peer.ownership import Side, leads, owners_of, plan_ownership, previous_owner
 from parallax.node.peer.telemetry import Telemetry
@@ -106,6 +106,7 @@ class Experts:
             self.release(eid)
         for eid in plan.forget:
             del self.handovers[eid]  # cut off, or it moved on before we took it
+            self._unserved.pop(eid, None)
         if cut_off:
             # The other side takes our experts; we take none of theirs, and keep the owners we knew for the
             # hand-overs back.
@@ -129,7 +130,8 @@ class Experts:
                 # A previous owner sees the new assignment at its next read: both bounds stretch with the pace.
                 wait_s=self.settings.adopt_wait_s * self.membership.stretch,
                 handover_window_s=self.settings.handover_window_s * self.membership.stretch,
-                has_own_copy=self.exchange.inherits_copy(eid), live_source=live)
+                has_own_copy=self.exchange.inherits_copy(eid), live_source=live,
+                stall_s=STALL_S * self.membership.stretch)
             self.handovers[eid] = (handover, {})
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
@@ -137,7 +139,7 @@ class Experts:
             handover.meet(composers)
             for peer, future in [(p, f) for p, f in asked.items() if f.done()]:
                 del asked[peer]
-                answer = future.result()
+                answer = _answer(future)
                 if isinstance(answer, str):
                     self._unserved.setdefault(eid, {})[peer] = answer
                 self._carry_out(eid, handover.answered(None if isinstance(answer, str) else answer, self.clock(),
@@ -173,11 +175,15 @@ class Experts:
                 self.handovers[eid][1][action.peer] = self.exchange.fetch(action.peer, eid)
             else:
                 _, asked = self.handovers.pop(eid)
+                best = action.best
+                assert best is None or isinstance(best, Snapshot)
                 for peer, future in asked.items():  # requests the hand-over did not hear the answer of
-                    why = "no answer by the end of the wait" if not future.done() else future.result()
-                    if isinstance(why, str):
-                        self._unserved.setdefault(eid, {})[peer] = why
-                self._finish(eid, action.best)
+                    answer = _answer(future) if future.done() else "no answer by the end of the wait"
+                    if isinstance(answer, str):
+                        self._unserved.setdefault(eid, {})[peer] = answer
+                    elif best is None or answer.taken_at > best.taken_at:  # it came with another that ended the wait
+                        best = answer
+                self._finish(eid, best)
 
     def _finish(self, eid: ExpertId, best: Served | None) -> None:
         assert best is None or isinstance(best, Snapshot)
@@ -329,7 +335,7 @@ class Experts:
             if not future.done():
                 continue
             del self._resyncs[eid]
-            snapshot = future.result() if future.exception() is None else "the request raised"
+            snapshot = _answer(future)
             if isinstance(snapshot, str) or eid not in owned:
                 logger.info("expert %s: no copy from its lead (%s); this node trains its own on", eid,
                             snapshot if isinstance(snapshot, str) else "it no longer co-owns it")
@@ -374,3 +380,12 @@ class Experts:
                 return
             time.sleep(0.2)
         logger.info("leaving before every heir pulled its final snapshot (heirs keep their last periodic copy)")
+
+
+def _answer(future: Future[Snapshot | str]) -> Snapshot | str:
+    """A finished snapshot request's answer: the snapshot, or why none came (a request that was cancelled or raised
+    included)."""
+    if future.cancelled():
+        return "the request was cancelled"
+    error = future.exception()
+    return f"the request raised {error!r}"[:200] if error is not None else future.result()

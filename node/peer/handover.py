@@ -9,7 +9,7 @@ the expert, whose first snapshot is enough), then, while the answers are not the
 other live composer in turn (those a later view shows too: ``meet``), with the previous owner again every other
 request: a previous owner whose view lagged ours releases the expert (and serves its final snapshot) seconds
 later, and under churn the node that trained the expert last may not be the owner our view names. At most
-two requests a second per expert. A request unanswered for ``STALL_S`` (a stream stalled on a link that came back,
+two requests a second per expert. A request unanswered for ``stall_s`` (a stream stalled on a link that came back,
 a peer that accepts and sends nothing) holds nothing up: the next peer is asked beside it, and its answer, should it
 come within the wait, counts as any other. The wait ends with the hand-over's final snapshot (released within
 ``handover_window_s`` before the adoption began, and not before this node came online), or when ``wait_s``
@@ -32,7 +32,8 @@ from typing import Protocol
 REQUEST_INTERVAL_S = 0.5
 """At most one request per expert this often (two a second)."""
 STALL_S = 2.0
-"""A request unanswered this long is stalled: the hand-over asks on beside it (module docstring)."""
+"""A request unanswered this long is stalled: the hand-over asks on beside it (module docstring). At full pace: the
+node stretches it as it stretches ``wait_s``."""
 
 
 class Served(Protocol):
@@ -89,6 +90,7 @@ class Handover:
         has_own_copy: this node holds the copy it pulled as the expert's heir (with a dead source: ask nobody).
         live_source: the source keeps training the expert (another of its owners, with replicas): its first
             snapshot ends the wait as a final one would; it never releases the expert.
+        stall_s: a request unanswered this long is stalled (``STALL_S``).
     """
 
     source: str | None
@@ -99,6 +101,7 @@ class Handover:
     handover_window_s: float
     has_own_copy: bool = False
     live_source: bool = False
+    stall_s: float = STALL_S
     phase: Phase = Phase.ASKING
     asking: str | None = None
     asked_at: float = 0.0
@@ -161,7 +164,7 @@ class Handover:
         if now - self.started >= self.wait_s:
             return self._finish()
         if self.phase is Phase.ASKING:
-            if now - self.asked_at < STALL_S:
+            if now - self.asked_at < self.stall_s:
                 return []
             assert self.asking is not None
             self.stalled.add(self.asking)  # its answer may still come: ``answered`` takes it

@@ -174,3 +174,30 @@ def test_a_hand_over_whose_peers_served_nothing_names_each_and_why_and_resumes_f
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "peer-a: it holds none" in said and "peer-b: no answer by the end of the wait" in said, said
     assert f"own release of step {own.step}" in said
+
+
+def test_a_snapshot_that_came_with_the_answer_that_ended_the_wait_is_taken_and_a_failed_request_is_named(caplog):
+    from parallax.node.peer.handover import Finish, Handover
+
+    lead, me = _composer(3), _composer(4)
+    me.release_expert(EID)
+    served: Future = Future()
+    served.set_result(_lead_snapshot(lead))
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("stream reset"))
+    experts, events = _experts(me, SimpleNamespace(take_local_copy=lambda eid: None))  # type: ignore[arg-type]
+    experts.telemetry.status = SimpleNamespace(adoptions=0)
+    experts._assignment = SimpleNamespace(owner=lambda *eid: "lead")
+    handover = Handover(source="peer-a", others=["peer-b"], started=0.0, online_since=0.0, wait_s=10.0,
+                        handover_window_s=30.0)
+    experts.handovers[EID] = (handover, {"peer-a": failed, "peer-b": served})
+    experts._carry_out(EID, [Finish(None)])  # the wait ended as peer-a's failure was heard, before peer-b's answer
+    assert [(f["source"], f["snapshot_step"]) for k, f in events if k == "adopted"] == [("previous owner", lead.step)]
+    me_failed, _ = _experts(_composer(5), SimpleNamespace(take_local_copy=lambda eid: None))  # type: ignore[arg-type]
+    me_failed.composer.release_expert(EID)
+    me_failed.telemetry.status = SimpleNamespace(adoptions=0)
+    me_failed._assignment = experts._assignment
+    me_failed.handovers[EID] = (handover, {"peer-a": failed})
+    with caplog.at_level("WARNING"):
+        me_failed._carry_out(EID, [Finish(None)])
+    assert "peer-a: the request raised RuntimeError('stream reset')" in caplog.text
