@@ -196,6 +196,40 @@ def start_shared_memory_manager() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+HIVEMIND_LOCK_WAIT_S = 5.0
+"""How long a lock of hivemind's futures may stay held before ``recover_hivemind_locks`` takes its holder for dead:
+a live process holds one for a pipe write."""
+
+
+def recover_hivemind_locks(wait_s: float = HIVEMIND_LOCK_WAIT_S) -> list[str]:
+    """Replace each cross-process lock of hivemind's futures that stays held ``wait_s``; returns their names.
+
+    hivemind's ``MPFuture`` sends every result to the process that made its future under one lock that every process
+    forked from the same parent shares (``MPFuture._update_lock``; ``_initialization_lock`` and ``SharedBytes._lock``
+    alike). A DHT or averager process SIGKILLed while it writes a result leaves that lock held for good, and each
+    process this one forks afterwards blocks on its first result: a DHT's "ready" among them, so its start would wait
+    forever. Called after such a kill (``testing.LocalPeer.kill``) and before each DHT start. A lock held longer than
+    ``wait_s`` by a live process (a pipe write blocked that long) would be replaced too: its writer goes on under the
+    old lock while new processes take the new one.
+    """
+    import multiprocessing
+
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    replaced = []
+    for owner, name in ((MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock")):
+        lock = getattr(owner, name)
+        if lock.acquire(timeout=wait_s):
+            lock.release()
+            continue
+        setattr(owner, name, multiprocessing.Lock())
+        replaced.append(f"{owner.__name__}.{name}")
+    if replaced:
+        logger.warning("hivemind's %s stayed held %.0f s, by a process killed as it held it: replaced, so that the "
+                       "processes started from here on do not wait for it forever", ", ".join(replaced), wait_s)
+    return replaced
+
+
 def dht_time() -> float:
     """The DHT's clock (seconds since the epoch); record expirations are absolute times on it."""
     return float(get_dht_time())
@@ -560,6 +594,7 @@ class SwarmDHT:
             DHTError: the node could not start or reach any initial peer; the message says what to check.
         """
         DHTProtocol._validate_dictionary = keep_valid_subkeys  # inherited by the DHT process forked below
+        recover_hivemind_locks()  # inherited by the DHT process forked below
         quiet_orphaned_requests()
         read_past_late_replies()  # inherited by the DHT process forked below
         start_shared_memory_manager()
@@ -614,11 +649,9 @@ class SwarmDHT:
                 continue
             return cls(dht, config.relays)
         where = ", ".join(config.initial_peers) if config.initial_peers else "a new swarm"
-        raise DHTError(
-            f"could not start the DHT ({where}) after {attempts} attempt(s): {last}. If you gave "
-            "--initial-peers, check that at least one of them is up and reachable from here (firewall, NAT, "
-            "the /p2p/ id); hivemind does not start when no initial peer answers."
-        ) from last
+        hint = (" Check that at least one of the initial peers is up and reachable from here (firewall, NAT, the "
+                "/p2p/ id); hivemind does not start when no initial peer answers." if config.initial_peers else "")
+        raise DHTError(f"could not start the DHT ({where}) after {attempts} attempt(s): {last}.{hint}") from last
 
     # --- addresses ---
 
