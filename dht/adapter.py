@@ -208,7 +208,8 @@ def recover_hivemind_locks(wait_s: float = HIVEMIND_LOCK_WAIT_S) -> list[str]:
     forked from the same parent shares (``MPFuture._update_lock``; ``_initialization_lock`` and ``SharedBytes._lock``
     alike). A DHT or averager process SIGKILLed while it writes a result leaves that lock held for good, and each
     process this one forks afterwards blocks on its first result: a DHT's "ready" among them, so its start would wait
-    forever. Called after such a kill (``testing.LocalPeer.kill``) and before each DHT start. A lock held longer than
+    forever. Called before each fork of a DHT or averager process (``SwarmDHT.start``,
+    ``averager._start_with_signals_deferred``). A lock held longer than
     ``wait_s`` by a live process (a pipe write blocked that long) would be replaced too: its writer goes on under the
     old lock while new processes take the new one.
     """

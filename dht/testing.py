@@ -19,7 +19,7 @@ import msgpack
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from hivemind.dht.validation import DHTRecord
 
-from parallax.dht.adapter import DHTConfig, SwarmDHT, recover_hivemind_locks
+from parallax.dht.adapter import DHTConfig, SwarmDHT
 from parallax.dht.claims import ShardConfig
 from parallax.dht.keys import protected_keys
 from parallax.dht.membership import Membership, MembershipConfig, Presence, SwarmView
@@ -125,13 +125,11 @@ class LocalPeer:
         return self.identity.fingerprint
 
     def kill(self) -> None:
-        """SIGKILL this peer's DHT process and p2p daemon: a crash, no deathrattle (and hivemind's locks it may have
-        died holding are replaced: ``recover_hivemind_locks``)."""
+        """SIGKILL this peer's DHT process and p2p daemon: a crash, no deathrattle."""
         self.killed = True
         for pid in self.dht.process_ids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        recover_hivemind_locks()
 
 
 class LocalSwarm:

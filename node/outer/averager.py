@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from hivemind.averaging import DecentralizedAverager
 
-from parallax.dht.adapter import SwarmDHT
+from parallax.dht.adapter import SwarmDHT, recover_hivemind_locks
 from parallax.dht.keys import outer_prefix
 from parallax.errors import NodeError
 from parallax.node.net.scores import PeerScores
@@ -135,6 +135,7 @@ def _start_with_signals_deferred(averager: DecentralizedAverager, timeout_s: flo
     # The child's main thread inherits this thread's OpenMP team without its threads: once this process has run a
     # parallel torch op (any training step), a parallel op there (a uint8 quantization) would wait forever. Forked
     # with one intra-op thread, the child never enters OpenMP, and calls nothing to get there.
+    recover_hivemind_locks()  # inherited by the process forked below
     with threads(1), signals_deferred():
         averager.start()
     averager.wait_until_ready(timeout_s)
