@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +39,16 @@ from parallax.node.peer.views import LEAVING, SwarmViews
 from parallax.node.train.composer import ADAM_PREFIX, BadOptimizerState, Composer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Taking:
+    """One expert being taken over: its hand-over, the requests in flight by peer, and why each peer that answered
+    served no snapshot (what the log says of a hand-over that ends without one)."""
+
+    handover: Handover
+    asked: dict[str, Future[Snapshot | str]] = field(default_factory=dict)
+    unserved: dict[str, str] = field(default_factory=dict)
 
 
 class Experts:
@@ -62,9 +73,7 @@ class Experts:
         self.views, self.telemetry, self.settings = views, telemetry, settings
         self.fingerprint, self.online_at, self.owners, self.offload = fingerprint, online_at, owners, offload
         self.clock = clock
-        self.handovers: dict[ExpertId, tuple[Handover, dict[str, Future[Snapshot | str]]]] = {}
-        """Experts being taken over: each hand-over's state, and its requests in flight by peer."""
-        self._unserved: dict[ExpertId, dict[str, str]] = {}  # per hand-over: peer -> why it served no snapshot
+        self.handovers: dict[ExpertId, Taking] = {}
         self._adopted: set[ExpertId] = set()  # taken over since start: the next publication jumps versions
         self.led: set[ExpertId] = {eid for eid in composer.owned_experts() if not composer.replica_outers
                                    or owners.get(eid, (fingerprint,))[0] == fingerprint}
@@ -106,7 +115,6 @@ class Experts:
             self.release(eid)
         for eid in plan.forget:
             del self.handovers[eid]  # cut off, or it moved on before we took it
-            self._unserved.pop(eid, None)
         if cut_off:
             # The other side takes our experts; we take none of theirs, and keep the owners we knew for the
             # hand-overs back.
@@ -132,22 +140,22 @@ class Experts:
                 handover_window_s=self.settings.handover_window_s * self.membership.stretch,
                 has_own_copy=self.exchange.inherits_copy(eid), live_source=live,
                 stall_s=STALL_S * self.membership.stretch)
-            self.handovers[eid] = (handover, {})
+            self.handovers[eid] = Taking(handover)
             self._carry_out(eid, handover.start())
         for eid in list(self.handovers):
-            handover, asked = self.handovers[eid]
-            handover.meet(composers)
-            for peer, future in [(p, f) for p, f in asked.items() if f.done()]:
-                del asked[peer]
+            taking = self.handovers[eid]
+            taking.handover.meet(composers)
+            for peer, future in [(p, f) for p, f in taking.asked.items() if f.done()]:
+                del taking.asked[peer]
                 answer = _answer(future)
                 if isinstance(answer, str):
-                    self._unserved.setdefault(eid, {})[peer] = answer
-                self._carry_out(eid, handover.answered(None if isinstance(answer, str) else answer, self.clock(),
-                                                       peer=peer))
+                    taking.unserved[peer] = answer
+                self._carry_out(eid, taking.handover.answered(None if isinstance(answer, str) else answer,
+                                                              self.clock(), peer=peer))
                 if eid not in self.handovers:
                     break
             else:
-                self._carry_out(eid, handover.tick(self.clock()))
+                self._carry_out(eid, taking.handover.tick(self.clock()))
         self.owners = owners_of(assignment)
         owned = set(self.composer.owned_experts())
         lead = leads(assignment, self.fingerprint, owned)
@@ -172,22 +180,21 @@ class Experts:
     def _carry_out(self, eid: ExpertId, actions: list[Ask | Finish]) -> None:
         for action in actions:
             if isinstance(action, Ask):
-                self.handovers[eid][1][action.peer] = self.exchange.fetch(action.peer, eid)
+                self.handovers[eid].asked[action.peer] = self.exchange.fetch(action.peer, eid)
             else:
-                _, asked = self.handovers.pop(eid)
+                taking = self.handovers.pop(eid)
                 best = action.best
                 assert best is None or isinstance(best, Snapshot)
-                for peer, future in asked.items():  # requests the hand-over did not hear the answer of
+                for peer, future in taking.asked.items():  # requests the hand-over did not hear the answer of
                     answer = _answer(future) if future.done() else "no answer by the end of the wait"
                     if isinstance(answer, str):
-                        self._unserved.setdefault(eid, {})[peer] = answer
+                        taking.unserved[peer] = answer
                     elif best is None or answer.taken_at > best.taken_at:  # it came with another that ended the wait
                         best = answer
-                self._finish(eid, best)
+                self._finish(eid, best, taking.unserved)
 
-    def _finish(self, eid: ExpertId, best: Served | None) -> None:
+    def _finish(self, eid: ExpertId, best: Served | None, unserved: dict[str, str]) -> None:
         assert best is None or isinstance(best, Snapshot)
-        unserved = self._unserved.pop(eid, {})
         local = self.exchange.take_local_copy(eid)
         why = "; ".join(f"{peer}: {reason}" for peer, reason in sorted(unserved.items())) if best is None else ""
         if why and local is not None:

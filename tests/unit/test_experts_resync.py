@@ -13,7 +13,7 @@ from parallax.node.config.peer import NodeSettings
 from parallax.node.config.train import train_config
 from parallax.node.config.typed import apply_changes
 from parallax.node.net.expert_exchange import SURROGATE_PREFIX, SURROGATE_VERSION, Snapshot
-from parallax.node.peer.experts import Experts
+from parallax.node.peer.experts import Experts, Taking
 from parallax.node.train.composer import Composer, expert_group
 from parallax.node.train.data import load_corpus, split_corpus
 
@@ -165,8 +165,8 @@ def test_a_hand_over_whose_peers_served_nothing_names_each_and_why_and_resumes_f
     experts._assignment = SimpleNamespace(owner=lambda *eid: "lead")  # it co-owns EID: nothing to publish here
     handover = Handover(source="peer-a", others=["peer-b"], started=0.0, online_since=0.0, wait_s=10.0,
                         handover_window_s=30.0)
-    experts._unserved[EID] = {"peer-a": "it holds none, or serves none to this node"}
-    experts.handovers[EID] = (handover, {"peer-b": Future()})  # asked, never answered
+    experts.handovers[EID] = Taking(handover, {"peer-b": Future()},  # asked, never answered
+                                    {"peer-a": "it holds none, or serves none to this node"})
     with caplog.at_level("WARNING"):
         experts._carry_out(EID, [Finish(None)])
     assert EID in set(me.owned_experts()) and EID not in experts.handovers
@@ -190,14 +190,14 @@ def test_a_snapshot_that_came_with_the_answer_that_ended_the_wait_is_taken_and_a
     experts._assignment = SimpleNamespace(owner=lambda *eid: "lead")
     handover = Handover(source="peer-a", others=["peer-b"], started=0.0, online_since=0.0, wait_s=10.0,
                         handover_window_s=30.0)
-    experts.handovers[EID] = (handover, {"peer-a": failed, "peer-b": served})
+    experts.handovers[EID] = Taking(handover, {"peer-a": failed, "peer-b": served})
     experts._carry_out(EID, [Finish(None)])  # the wait ended as peer-a's failure was heard, before peer-b's answer
     assert [(f["source"], f["snapshot_step"]) for k, f in events if k == "adopted"] == [("previous owner", lead.step)]
     me_failed, _ = _experts(_composer(5), SimpleNamespace(take_local_copy=lambda eid: None))  # type: ignore[arg-type]
     me_failed.composer.release_expert(EID)
     me_failed.telemetry.status = SimpleNamespace(adoptions=0)
     me_failed._assignment = experts._assignment
-    me_failed.handovers[EID] = (handover, {"peer-a": failed})
+    me_failed.handovers[EID] = Taking(handover, {"peer-a": failed})
     with caplog.at_level("WARNING"):
         me_failed._carry_out(EID, [Finish(None)])
     assert "peer-a: the request raised RuntimeError('stream reset')" in caplog.text
