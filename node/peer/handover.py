@@ -147,9 +147,9 @@ class Handover:
         # The newest by when its holder took it: each node counts its own steps, so steps order nothing here.
         if snapshot is not None and (self.best is None or now - snapshot.age_s >= self._best_taken):
             self.best, self._best_taken = snapshot, now - snapshot.age_s
-        if (self._is_handover_final(peer, snapshot, now) or now - self.started >= self.wait_s
-                or (self.survey and not self.others and not self.stalled and (current or self.phase is not
-                                                                             Phase.ASKING))):
+        in_flight = self.phase is Phase.ASKING and not current  # another request, not stalled yet
+        survey_over = self.survey and not self.others and not self.stalled and not in_flight
+        if self._is_handover_final(peer, snapshot, now) or now - self.started >= self.wait_s or survey_over:
             return self._finish()
         if not current:
             return []
