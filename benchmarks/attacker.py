@@ -355,7 +355,7 @@ def _equivocation(attacker: Attacker) -> None:
         else:
             return
         gathered.gather.store.put(group, n, other)
-        claim = RoundEntry(n, digest, size, entry.tokens, session=entry.session, base=entry.base)
+        claim = RoundEntry(n, digest, size, entry.tokens, session=entry.session, base=entry.base, drawn=entry.drawn)
         # The round's entry replaced in place (its thread publishes it again later), and the record stored now.
         gathered._entries[n] = sign(gathered.records.signer.identity, gathered.records.run_id, group, claim)
         entries = dict(gathered._entries)

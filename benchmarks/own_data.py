@@ -7,18 +7,23 @@ of its own batches, which the merge dilutes n-fold. A copy of another composer's
 nothing of the copier's batches, and lowers the loss on them less than the merge, which averages the noise out.
 
 For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge``), and each composer, on the last
-``batches`` batches it drew (of the round's period), with its own experts and surrogates:
+``batches`` batches it drew (of the round's period):
 
 - ``own``: the loss on them at the group's anchor minus the loss with the composer's offered pseudo-gradient applied;
 - ``merged``: the same with the mean of the other composers' offered pseudo-gradients applied (but any within
   ``DUPLICATE_COSINE`` of the composer's: a copy of it, or the one it copies);
-- ``margin``: ``(own - merged) / |merged|``.
+- ``margin``: ``(own - merged) / |merged|`` (``train.own_data``).
+
+Three auditors: ``self``, on the composer's own model (its experts trained, the others' surrogates); ``peer``, on the
+next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, on the next
+composer's model, against the mean of all the others' pseudo-gradients, none left out (what a node that holds the
+round's merge and the audited contribution alone can compute).
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
 and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
-does). Reported per composer: the rounds audited, the share of positive margins, the median margin, and for a rule
-that judges a composer on its last ``WINDOW`` audits (not working on its data when fewer than half are positive) the
-share of windows that judge it so.
+does). Reported per composer and auditor: the rounds audited, the share of positive margins, the median margin, and
+for a rule that judges a composer on its last ``WINDOW`` audits (not working on its data when fewer than half are
+positive) the share of windows that judge it so.
 """
 
 from __future__ import annotations
@@ -36,37 +41,19 @@ from parallax.node.config.train import TrainConfig
 from parallax.node.sim.simulator import ProgressFn, RunSpec, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.own_data import BATCHES, WINDOW, gains, idle_share, margin
 from parallax.node.train.robust import merge_geometry
 
 DEFAULT_RUNS = ("honest", "copier")
 GROUP = "backbone"
-BATCHES = 16
-"""Batches of its latest period each composer is audited on (at most the period)."""
-WINDOW = 8
-"""Audits a judgement looks back on."""
+AUDITORS = ("self", "peer", "node")
+"""Who audits: the audited composer's own model, the next composer's, and the next composer's against every other
+contribution (the module docstring)."""
 DUPLICATE_COSINE = 0.99
 """Another composer's pseudo-gradient this close to the audited one (a copy of it, or the one it copies) is left out
 of what it is compared with: a copy would otherwise pull the merge toward the composer it copied."""
 NOISE = 0.01
 """The copier's noise, relative to the RMS of the pseudo-gradient it copies."""
-
-
-def gains(composer: Composer, group: str, deltas: Sequence[dict[str, torch.Tensor]],
-          batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    """How much each of ``deltas`` (pseudo-gradients of ``group``: anchor - parameters) lowers ``composer``'s loss
-    on ``batches`` from the group's anchor; the composer's live parameters are left as they were."""
-    outer = composer.outer[group]
-    live = outer.live_copy()
-    try:
-        outer.load_live(outer.anchor)
-        at_anchor = composer.evaluate(batches)
-        out = []
-        for delta in deltas:
-            outer.load_live({name: outer.anchor[name] - delta[name] for name in outer.anchor})
-            out.append(at_anchor - composer.evaluate(batches))
-        return out
-    finally:
-        outer.load_live(live)
 
 
 class _Audit:
@@ -75,7 +62,7 @@ class _Audit:
     def __init__(self, copier: bool, period: int, seed: int) -> None:
         self.copier, self.period = copier, period
         self.noise = torch.Generator().manual_seed(seed)
-        self.margins: dict[int, list[float]] = {}
+        self.margins: dict[str, dict[int, list[float]]] = {auditor: {} for auditor in AUDITORS}
         self._idle = False
 
     def __call__(self, composers: Sequence[Composer], group: str, step: int) -> None:
@@ -103,18 +90,14 @@ class _Audit:
             if count < 1 or drawn < count or not others:
                 continue
             merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
+            everyone = {name: torch.stack([d[name] for j, d in enumerate(offered) if j != i]).mean(0)
+                        for name in offered[i]}
             batches = composer.sampler.replay(drawn - count, count)
             own, whole = gains(composer, group, [offered[i], merged], batches)
-            self.margins.setdefault(i, []).append((own - whole) / max(abs(whole), 1e-9))
-
-
-def judged_idle(margins: Sequence[float], window: int = WINDOW) -> float | None:
-    """The share of ``window``-long runs of consecutive audits in which fewer than half the margins are positive
-    (None with fewer audits than a window)."""
-    windows = [margins[i:i + window] for i in range(len(margins) - window + 1)]
-    if not windows:
-        return None
-    return sum(sum(m > 0 for m in w) * 2 < len(w) for w in windows) / len(windows)
+            seen = gains(composers[(i + 1) % len(composers)], group, [offered[i], merged, everyone], batches)
+            values = margin(own, whole), margin(seen[0], seen[1]), margin(seen[0], seen[2])
+            for auditor, value in zip(AUDITORS, values, strict=True):
+                self.margins[auditor].setdefault(i, []).append(value)
 
 
 def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = DEFAULT_RUNS,
@@ -139,11 +122,13 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
                      progress=progress, before_merge=audit)
         rows = []
         for i in range(composers):
-            margins = audit.margins.get(i, [])
-            rows.append({"composer": i, "copier": name == "copier" and i == composers - 1, "audits": len(margins),
-                         "positive": sum(m > 0 for m in margins) / len(margins) if margins else None,
-                         "median_margin": statistics.median(margins) if margins else None,
-                         "judged_idle": judged_idle(margins), "margins": margins})
+            for auditor in AUDITORS:
+                margins = audit.margins[auditor].get(i, [])
+                rows.append({"composer": i, "copier": name == "copier" and i == composers - 1, "auditor": auditor,
+                             "audits": len(margins),
+                             "positive": sum(m > 0 for m in margins) / len(margins) if margins else None,
+                             "median_margin": statistics.median(margins) if margins else None,
+                             "judged_idle": idle_share(margins), "margins": margins})
         report["runs"][name] = {"val_loss": result.val_loss, "composers": rows}
     report["wall_s"] = time.perf_counter() - started
     return report
@@ -152,17 +137,18 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"Work on one's own data: {report['composers']} composers, preset {report['preset']}, "
              f"{report['steps']} steps, periods {report['periods']}; each {report['group']} round, every composer's "
-             f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches; judged "
-             f"on its last {report['window']} audits.", "",
-             "| run | composer | audits | margins > 0 | median margin | windows judging it idle |",
-             "|---|---|---|---|---|---|"]
+             f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches, evaluated "
+             f"on its own model (self), on the next composer's (peer), and there against every other contribution "
+             f"(node); judged on its last {report['window']} audits.", "",
+             "| run | composer | auditor | audits | margins > 0 | median margin | windows judging it idle |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         for row in r["composers"]:
             who = f"{row['composer']} (copier)" if row["copier"] else str(row["composer"])
             positive = "-" if row["positive"] is None else f"{row['positive']:.0%}"
             median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
             idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
-            lines.append(f"| {name} | {who} | {row['audits']} | {positive} | {median} | {idle} |")
+            lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {median} | {idle} |")
     return "\n".join(lines)
 
 

@@ -223,9 +223,10 @@ class GroupAverager:
     # ---- one round ----
 
     def round(self, delta: Mapping[str, torch.Tensor], tokens: float, round_id: int,
-              anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None) -> RoundResult:
+              anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None, *,
+              drawn: int = 0) -> RoundResult:
         """``run_round``, with its report and what it sent (a node's rounds run it in their pool)."""
-        merged = self.run_round(delta, tokens, round_id=round_id, anchor=anchor, due=due)
+        merged = self.run_round(delta, tokens, round_id=round_id, anchor=anchor, due=due, drawn=drawn)
         assert self.last_report is not None
         sent = self._gathered.last_sent if self._gathered is not None else None
         return RoundResult(merged, self.last_report, sent)
@@ -233,7 +234,7 @@ class GroupAverager:
     def run_round(
         self, delta: Mapping[str, torch.Tensor], tokens: float, *, round_id: int | None = None,
         fault: Callable[[dict[str, torch.Tensor]], None] | None = None,
-        anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None,
+        anchor: Sequence[torch.Tensor] | None = None, due: threading.Event | None = None, drawn: int = 0,
     ) -> dict[str, torch.Tensor] | None:
         """Merge ``delta`` with the pseudo-gradients of the peers present; block for at most ``round_budget_s``
         (a gathered round given ``due``: until ``due`` is set, then at most that).
@@ -248,6 +249,8 @@ class GroupAverager:
             anchor: gathered rounds: the group's anchor the merge is for, in ``shapes``' order (``GatheredRounds.run``).
             due: gathered rounds: set when this node's next round of the group is due; until then a contribution
                 without a quorum stays on offer (``GatheredRounds.run``).
+            drawn: gathered rounds: the batches this peer's data stream had handed out when ``delta`` was taken
+                (``RoundEntry.drawn``).
 
         Returns:
             name -> merged pseudo-gradient (CPU float32), the same (within the tolerance) on every peer
@@ -266,7 +269,7 @@ class GroupAverager:
             if self._gathered is not None:
                 n = self._rounds if round_id is None else int(round_id)
                 self._rounds = n + 1
-                return self._gathered.run(delta, tokens, n, fault, started, anchor, due)
+                return self._gathered.run(delta, tokens, n, fault, started, anchor, due, drawn=drawn)
             return self._run_round(delta, tokens, round_id, fault, started)
         finally:
             self._round_lock.release()

@@ -414,7 +414,8 @@ class BackgroundRounds:
         averager = self.sync.groups[group]
         anchor = [outer.anchor[name] for name in averager.shapes]  # left alone until the round is collected
         due = RoundDue()
-        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due)
+        future = self._pool.submit(averager.round, delta, tokens, round_id, anchor, due,
+                                   drawn=self.composer.sampler.step)
         self._in_flight[group] = _InFlight(round_id, submitted, delta, tokens, future, due)
         self.counts.submitted += 1
         return True

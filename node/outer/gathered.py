@@ -190,7 +190,7 @@ class GatheredRounds:
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
             anchor: Sequence[torch.Tensor] | None = None,
-            due: threading.Event | None = None) -> dict[str, torch.Tensor] | None:
+            due: threading.Event | None = None, *, drawn: int = 0) -> dict[str, torch.Tensor] | None:
         """One gathered round of this node's round ``n`` (the module docstring); reports through ``report``.
 
         ``due``: set to end the round's wait (``background``: after a few of the group's periods, alone for good, or
@@ -203,11 +203,14 @@ class GatheredRounds:
         of a strict majority of the participants agree and this node's is not theirs, the report names them
         (``RoundReport.apart_from``): the round still applies, and the node then takes the group's state from them.
 
+        ``drawn``: the batches this node's data stream had handed out when ``delta`` was taken, signed with the claim
+        (``RoundEntry.drawn``).
+
         Returns:
             The merged pseudo-gradient, or None (the report says why).
         """
         try:
-            return self._round(delta, tokens, n, fault, started, anchor, due)
+            return self._round(delta, tokens, n, fault, started, anchor, due, drawn)
         finally:
             self._watch.stop()  # the round's questions to its peers
             with self._lock:
@@ -215,7 +218,8 @@ class GatheredRounds:
 
     def _round(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
                fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
-               anchor: Sequence[torch.Tensor] | None, due: threading.Event | None) -> dict[str, torch.Tensor] | None:
+               anchor: Sequence[torch.Tensor] | None, due: threading.Event | None,
+               drawn: int) -> dict[str, torch.Tensor] | None:
         cfg = self.config
         if not all(bool(torch.isfinite(d).all()) for d in delta.values()):
             self.report(RoundStatus.BAD_INPUT, started, round_id=n, detail="non-finite pseudo-gradient")
@@ -228,7 +232,7 @@ class GatheredRounds:
         self.last_sent = mine
         mine_anchor = anchor_fingerprint(anchor) if anchor is not None else None
         entry = RoundEntry(n, digest, size, float(tokens), session=self.session,
-                           base=encode_fingerprint(mine_anchor) if mine_anchor else b"")
+                           base=encode_fingerprint(mine_anchor) if mine_anchor else b"", drawn=drawn)
         if self.records.signer is not None:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)

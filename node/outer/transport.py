@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # hivemind caps one stream message at 4 MiB
 _MAX_PEER_ID_CHARS = 128
 _MAX_PARTICIPANTS = 64
-_CLAIM_FIELDS = 7  # ``RoundEntry.claim_to_wire``
+_CLAIM_FIELDS = 8  # ``RoundEntry.claim_to_wire``
 PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # a base58 libp2p peer id
 _PAIR_RE = re.compile(PEER_ID_RE.pattern + r"@[0-9]{1,18}")  # a peer id, "@", its round number
 RECORD_WAIT_S = 5.0
@@ -218,17 +218,22 @@ class RoundEntry:
     merged: bytes = b""
     """In a partitioned round (``partitioned``): the root (``blocks.BlockedBody.digest``) of the blocks of
     ``participants``' merge that this sender merged and serves; empty until then, and in a gathered round."""
+    drawn: int = 0
+    """How many batches the sender's data stream had handed out when this pseudo-gradient was taken
+    (``data.BatchSampler.step``): with the sender's identity, what any peer needs to rebuild the batches it says it
+    trained on (``BatchSampler.replay``) and check that the contribution learnt of them (``train.own_data``)."""
 
     def to_wire(self) -> list[object]:
         return [*self.claim_to_wire(), self.fingerprint, list(self.participants), self.merged]
 
     def claim_to_wire(self) -> list[object]:
-        """The signed part: round, digest, size, tokens, session, base and the signature."""
-        return [self.round_id, self.digest, self.size, self.tokens, self.session, self.base, self.signature]
+        """The signed part: round, digest, size, tokens, session, base, draws and the signature."""
+        return [self.round_id, self.digest, self.size, self.tokens, self.session, self.base, self.drawn,
+                self.signature]
 
-    def claim(self) -> tuple[int, bytes, int, float, int, bytes]:
+    def claim(self) -> tuple[int, bytes, int, float, int, bytes, int]:
         """What the signature covers besides the run and the group."""
-        return self.round_id, self.digest, self.size, self.tokens, self.session, self.base
+        return self.round_id, self.digest, self.size, self.tokens, self.session, self.base, self.drawn
 
     @classmethod
     def from_wire(cls, obj: object) -> RoundEntry | None:
@@ -249,14 +254,14 @@ class RoundEntry:
         """An entry holding only a claim (``claim_to_wire``); None for anything malformed."""
         if not (isinstance(obj, list) and len(obj) == _CLAIM_FIELDS):
             return None
-        n, digest, size, tokens, session, base, signature = obj
+        n, digest, size, tokens, session, base, drawn, signature = obj
         if not (type(n) is int and 0 <= n < 2**62 and isinstance(digest, bytes) and len(digest) == 32
                 and type(size) is int and 0 < size < 2**40 and isinstance(tokens, float) and math.isfinite(tokens)
                 and type(session) is int and 0 <= session < 2**62 and isinstance(base, bytes)
-                and len(base) <= ANCHOR_FP_BYTES
+                and len(base) <= ANCHOR_FP_BYTES and type(drawn) is int and 0 <= drawn < 2**62
                 and isinstance(signature, bytes) and len(signature) <= SIGNATURE_BYTES):
             return None
-        return cls(n, digest, size, tokens, session=session, base=base, signature=signature)
+        return cls(n, digest, size, tokens, session=session, base=base, drawn=drawn, signature=signature)
 
 
 ROUND_RECORD_MAX_BYTES = 5 * 1024

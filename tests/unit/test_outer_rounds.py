@@ -29,6 +29,8 @@ from parallax.node.outer.state import Candidates
 from parallax.node.outer.wire import anchor_fingerprint
 from parallax.node.train.outer import OuterOptimizer
 
+DRAWN = SimpleNamespace(step=0)  # a data stream that handed out nothing (``RoundEntry.drawn``)
+
 
 def make(lr: float = 1.0, momentum: float = 0.0) -> tuple[dict[str, torch.nn.Parameter], OuterOptimizer]:
     params = {"w": torch.nn.Parameter(torch.zeros(3, 2)), "b": torch.nn.Parameter(torch.zeros(2))}
@@ -290,7 +292,7 @@ class _WaitingAverager:
     def vouch(self, served: object) -> set[str]:
         return set()
 
-    def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+    def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
         self.started.append(round_id)
         assert due.wait(timeout=30)
         if due.withdrawn:
@@ -303,7 +305,7 @@ def _waiting_rounds() -> tuple[_WaitingAverager, SimpleNamespace, BackgroundRoun
     _, outer = make()
     averager = _WaitingAverager()
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
-    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0, sampler=DRAWN)
     return averager, composer, BackgroundRounds(sync, composer)  # type: ignore[arg-type]
 
 
@@ -344,7 +346,7 @@ def _applying_rounds(averager: _WaitingAverager, outer: OuterOptimizer, candidat
     whose downloads of the group's state ``candidates`` answers (with an outer learning rate of 1, no momentum)."""
     states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression=compression))
-    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0,
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0, sampler=DRAWN,
                                cfg=SimpleNamespace(sync=SimpleNamespace(outer_lr=1.0, outer_momentum=0.0)))
     return composer, BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
 
@@ -354,7 +356,7 @@ def test_a_leave_waits_for_the_state_its_last_round_found_apart_before_it_ends()
     other, theirs = _peer_at(2.0)
 
     class Apart(_WaitingAverager):
-        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+        def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
             merged = {n: torch.zeros_like(t) for n, t in delta.items()}
             return RoundResult(merged, RoundReport("router", RoundStatus.OK, round_id, apart_from=("QmPeer",)), None)
 
@@ -379,7 +381,7 @@ def test_a_merge_that_left_this_nodes_contribution_out_keeps_all_it_trained_and_
     asked: list[object] = []
 
     class LeftOut(_WaitingAverager):
-        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+        def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
             with torch.no_grad():
                 params["w"].add_(0.5)  # trained while the round ran
             merged = {n: torch.full_like(t, -3.0) for n, t in delta.items()}  # the others' step, none of ours
@@ -414,7 +416,7 @@ def test_a_failed_round_that_left_this_nodes_contribution_out_reloads_keeping_al
     other, theirs = _peer_at(2.0)
 
     class Diverged(_WaitingAverager):
-        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+        def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
             report = RoundReport("router", RoundStatus.DIVERGED, round_id, participants=("QmMe", "QmA", "QmB"),
                                  left_out=("QmMe",), ours_left_out=True, began_allreduce=True)
             return RoundResult(None, report, None)
@@ -468,7 +470,7 @@ def test_a_node_left_out_contributes_while_it_downloads_and_applies_again_the_me
     release, hold = threading.Event(), threading.Event()
 
     class LeftOut(_WaitingAverager):
-        def round(self, delta, tokens, round_id, anchor, due) -> RoundResult:
+        def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
             self.started.append(round_id)
             if round_id == 2 and second == "held":
                 assert hold.wait(timeout=30)
@@ -546,7 +548,7 @@ def test_back_from_a_partition_a_node_withdraws_its_waiting_round_and_takes_the_
 
     states = SimpleNamespace(serve=lambda group, provider: None, candidates=candidates)
     sync = SimpleNamespace(groups={"router": averager}, config=SimpleNamespace(compression="fp16"))
-    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0)
+    composer = SimpleNamespace(outer={"router": outer}, tokens_since_merge={"router": 100}, step=0, sampler=DRAWN)
     rounds = BackgroundRounds(sync, composer, states=states)  # type: ignore[arg-type]
 
     def collected(predicate) -> bool:  # type: ignore[no-untyped-def]

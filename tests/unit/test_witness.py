@@ -135,7 +135,7 @@ def test_claims_are_signed_for_their_run_group_and_content() -> None:
     assert not signed_by(KEYS[OTHER].public_key, RUN, GROUP, claim)
     assert not signed_by(key, "other run", GROUP, claim) and not signed_by(key, RUN, "backbone", claim)
     for change in ({"size": 101}, {"digest": bytes(32)}, {"tokens": 11.0}, {"session": 8}, {"round_id": 4},
-                   {"base": b"another anchor"}):
+                   {"base": b"another anchor"}, {"drawn": 1}):
         assert not signed_by(key, RUN, GROUP, dataclasses.replace(claim, **change))
     witness = _witness()
     assert witness.signed(LIAR, claim) and witness.signed(LIAR, claim)  # the second from the cache
@@ -159,6 +159,18 @@ def test_two_claims_of_one_round_that_name_two_anchors_prove_an_equivocation() -
     assert decode_entries(_record(padded)) == {} and RoundEntry.claim_from_wire(padded.claim_to_wire()) is None
     fitting = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, base=encode_fingerprint([1.0] * 16)))
     assert len(fitting.base) == ANCHOR_FP_BYTES and decode_entries(_record(fitting)) == {3: fitting}
+
+
+def test_a_claim_names_the_draws_its_sender_trained_on_and_two_counts_of_one_round_prove_an_equivocation() -> None:
+    """The draw count tells a peer which batches to rebuild (``train.own_data``): a sender that names one count to
+    some peers and another to others signed two claims of one round."""
+    first = sign(KEYS[LIAR], RUN, GROUP, RoundEntry(3, bytes([1]) * 32, 100, 10.0, session=7, drawn=400))
+    assert RoundEntry.claim_from_wire(first.claim_to_wire()) == first and decode_entries(_record(first)) == {3: first}
+    second = sign(KEYS[LIAR], RUN, GROUP, dataclasses.replace(first, drawn=401))
+    assert Equivocation(LIAR, first, second).proves(KEYS[LIAR].public_key, RUN, GROUP)
+    wire = first.claim_to_wire()
+    for drawn in (-1, 2**62, 1.0, True, None):
+        assert RoundEntry.claim_from_wire([*wire[:6], drawn, wire[7]]) is None
 
 
 def test_records_carry_entries_and_proofs_and_malformed_ones_read_as_empty() -> None:
