@@ -29,7 +29,8 @@ def create(
 ) -> None:
     """Write a run's manifest: the shared settings (defaults < --config < --preset < --set, as `node join`), signed.
 
-    Peers start with `--manifest FILE`: they take its settings, and composers of another manifest ignore them. With
+    Peers start with `--manifest FILE`: they take its settings, and composers of another manifest ignore them. The
+    manifest names the corpus (--data, default the built-in one): the run's composers train on the same text. With
     model.tokenizer=bpe (the medium and large presets) the BPE is trained on --data and written beside the
     manifest (RUN.tokenizer.json): hand both files to the run's peers."""
     from parallax.node.config.peer import NodeConfig
@@ -48,9 +49,10 @@ def create(
         if out.exists():
             raise ValueError(f"{out} exists: choose another --out (a run's manifest is never rewritten in place)")
         model = config.train.model
-        tokenizer = make_tokenizer(model, load_corpus(data) if model.tokenizer == "bpe" else b"")
+        corpus = load_corpus(data)
+        tokenizer = make_tokenizer(model, corpus if model.tokenizer == "bpe" else b"")
         manifest = manifests.create(creator, config.peer.run_id, run_settings(config.train), admission=admission,
-                                    tokenizer=tokenizer.digest)
+                                    tokenizer=tokenizer.digest, corpus=manifests.corpus_digest(corpus))
         if isinstance(tokenizer, BpeTokenizer):
             typer.echo(f"wrote {tokenizer.save(tokenizer_file(out))}: the run's BPE of {tokenizer.vocab_size} tokens")
         manifests.save(manifest, out)
@@ -108,7 +110,7 @@ def show(manifest_file: Path = typer.Argument(..., help="A manifest file.")) -> 
     except ValueError as e:
         fail(e)
     typer.echo(f"run {manifest.run_id}  digest {manifest.digest_hex}  admission {manifest.admission}  "
-               f"tokenizer {manifest.tokenizer}  creator {fingerprint(manifest.creator)}")
+               f"tokenizer {manifest.tokenizer}  corpus {manifest.corpus}  creator {fingerprint(manifest.creator)}")
     typer.echo(json.dumps(manifest.settings_dict(), indent=2, sort_keys=True))
 
 

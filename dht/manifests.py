@@ -141,6 +141,8 @@ def manifest_difference(mine: RunManifest, theirs: RunManifest) -> str:
         parts.append(settings_difference(mine.settings, theirs.settings))
     if mine.tokenizer != theirs.tokenizer:
         parts.append(f"tokenizer {mine.tokenizer} here, {theirs.tokenizer} there")
+    if mine.corpus != theirs.corpus:
+        parts.append(f"corpus {mine.corpus[:16]} here, {theirs.corpus[:16]} there (--data)")
     if mine.admission != theirs.admission:
         parts.append(f"admission {mine.admission} here, {theirs.admission} there")
     elif mine.admission == "allowlist" and mine.creator != theirs.creator:

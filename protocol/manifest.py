@@ -1,9 +1,11 @@
 """A run's manifest (what every peer of the run must agree on, signed by its creator) and member certificates.
 
 A manifest names the run, the training settings every composer must share (``node.config.train.run_settings``:
-model shapes, optimizer and schedule, merges, surrogates, batch, steps, seed), the tokenizer, the admission
-policy and the creator's Ed25519 key, signed by that key. Its **run digest** is a hash of the *terms*: run id,
-settings, tokenizer and admission, and for an ``allowlist`` run the creator's key (who certifies members).
+model shapes, optimizer and schedule, merges, surrogates, batch, steps, seed), the tokenizer, the corpus, the
+admission policy and the creator's Ed25519 key, signed by that key. Its **run digest** is a hash of the *terms*: run
+id, settings, tokenizer, corpus and admission, and for an ``allowlist`` run the creator's key (who certifies members).
+Composers of one run train on one corpus: each draws its own batches of it, seeded by its identity, so any peer can
+rebuild the batches another says it trained on and check its work against them (``node.train.own_data``).
 Heartbeats carry the digest, and composers with another digest ignore each other.
 
 The creator and the time of an ``open`` run are left out of its digest on purpose: composers started with the
@@ -56,6 +58,7 @@ class RunManifest(Message):
         run_id: the run's name (the DHT keys' prefix).
         settings: the shared training settings as canonical JSON (sorted keys, no spaces).
         tokenizer: ``bytes``, or the hex sha256 of a tokenizer file stored with the run.
+        corpus: the hex sha256 of the training corpus's bytes (``corpus_digest``).
         admission: ``open`` (anyone may join) or ``allowlist`` (only holders of a member certificate).
         creator: the creator's Ed25519 public key.
         created: when it was signed (seconds since the epoch; information only).
@@ -68,6 +71,7 @@ class RunManifest(Message):
     run_id: str = wire(Str(128, min_len=1))
     settings: str = wire(Str(4096, min_len=2))
     tokenizer: str = wire(Str(64, min_len=1))
+    corpus: str = wire(Str(64, min_len=64))
     admission: str = wire(Str(16, choices=ADMISSIONS))
     creator: bytes = wire(Bytes(length=PUBLIC_KEY_BYTES))
     created: float = wire(Float(0.0, 1e11))
@@ -84,7 +88,8 @@ class RunManifest(Message):
     def digest(self) -> bytes:
         """The run digest: what composers compare (see the module docstring)."""
         who = self.creator if self.admission == "allowlist" else b""
-        terms = msgpack.packb([self.run_id, self.settings, self.tokenizer, self.admission, who], use_bin_type=True)
+        terms = msgpack.packb([self.run_id, self.settings, self.tokenizer, self.corpus, self.admission, who],
+                              use_bin_type=True)
         return hashlib.sha256(_TERMS_DOMAIN + terms).digest()[:DIGEST_BYTES]
 
     @property
@@ -110,13 +115,20 @@ class RunManifest(Message):
         return value
 
 
-def create(identity: Identity, run_id: str, settings: str, *, tokenizer: str = BYTE_TOKENIZER,
+def corpus_digest(corpus: bytes) -> str:
+    """A manifest's corpus term: the hex sha256 of the corpus's bytes."""
+    return hashlib.sha256(corpus).hexdigest()
+
+
+def create(identity: Identity, run_id: str, settings: str, *, corpus: str, tokenizer: str = BYTE_TOKENIZER,
            admission: str = "open", created: float | None = None) -> RunManifest:
-    """A manifest of ``settings`` (canonical JSON) signed by ``identity``, its creator."""
+    """A manifest of ``settings`` (canonical JSON) and ``corpus`` (``corpus_digest``) signed by ``identity``, its
+    creator."""
     if admission not in ADMISSIONS:
         raise ManifestError(f"admission {admission!r} is not one of {sorted(ADMISSIONS)}")
-    unsigned = RunManifest(run_id=run_id, settings=_canonical(settings), tokenizer=tokenizer, admission=admission,
-                           creator=identity.public_key, created=time.time() if created is None else created)
+    unsigned = RunManifest(run_id=run_id, settings=_canonical(settings), tokenizer=tokenizer, corpus=corpus,
+                           admission=admission, creator=identity.public_key,
+                           created=time.time() if created is None else created)
     return dataclasses.replace(unsigned, signature=identity.sign(_MANIFEST_DOMAIN, unsigned.signed_bytes()))
 
 

@@ -24,20 +24,24 @@ from parallax.protocol.manifest import BYTE_TOKENIZER, RunManifest, check_member
 
 
 def peer_manifest(peer: PeerConfig, identity: Identity, settings: str | None,
-                  tokenizer: str = BYTE_TOKENIZER) -> RunManifest | None:
+                  tokenizer: str = BYTE_TOKENIZER, corpus: str | None = None) -> RunManifest | None:
     """The manifest this peer trains by.
 
     Args:
         settings: a composer's run settings (``run_settings``); ``None`` for a worker, which trains by the
             file's manifest if it is given one and by none otherwise.
         tokenizer: a composer's tokenizer term (``bytes``, or its BPE file's sha256).
+        corpus: a composer's corpus term (``protocol.manifest.corpus_digest``); required with ``settings``.
 
     Raises:
         ManifestError: the file is missing, altered or unreadable.
-        NodeError: the manifest is another run's, or its settings or tokenizer are not this composer's.
+        NodeError: the manifest is another run's, or its settings, tokenizer or corpus are not this composer's.
     """
+    if settings is not None and corpus is None:
+        raise ValueError("a composer's manifest names its corpus")
     if peer.manifest is None:
-        return None if settings is None else create(identity, peer.run_id, settings, tokenizer=tokenizer)
+        return None if settings is None or corpus is None else create(identity, peer.run_id, settings,
+                                                                      tokenizer=tokenizer, corpus=corpus)
     manifest = load_manifest(peer.manifest)
     if manifest.run_id != peer.run_id:
         raise NodeError(f"manifest {peer.manifest} is run {manifest.run_id!r}'s, not {peer.run_id!r}'s: leave out "
@@ -49,6 +53,9 @@ def peer_manifest(peer: PeerConfig, identity: Identity, settings: str | None,
     if settings is not None and tokenizer != manifest.tokenizer:
         raise NodeError(f"this node's tokenizer ({tokenizer[:16]}) is not the one manifest {peer.manifest} names "
                         f"({manifest.tokenizer[:16]}): use the run's tokenizer file, beside its manifest")
+    if corpus is not None and corpus != manifest.corpus:
+        raise NodeError(f"this node's corpus ({corpus[:16]}) is not the one manifest {peer.manifest} names "
+                        f"({manifest.corpus[:16]}): train on the run's corpus (the --data its composers give)")
     return manifest
 
 

@@ -79,6 +79,7 @@ from parallax.node.train.data import CorpusInfo, load_corpus, val_batches
 from parallax.node.train.device import device_of
 from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, run_tokenizer, tokenized_splits
 from parallax.protocol.identity import Identity
+from parallax.protocol.manifest import corpus_digest
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ class Node:
         self._observer: Observer | None = None
         self._tokenizer: Tokenizer = ByteTokenizer()
         """The run's (``node.train.tokenizer``), known once the corpus is read."""
+        self._corpus = ""
+        """The corpus's digest, the manifest's term (``protocol.manifest.corpus_digest``), known once it is read."""
         self._started = self._online_at = time.monotonic()
 
     @property
@@ -185,6 +188,7 @@ class Node:
             telemetry.sinks = open_sinks(c.peer.log_to, name=self.identity.fingerprint, run_id=c.peer.run_id,
                                          config=json.loads(run_settings(cfg)))
         corpus = load_corpus(c.node.data)
+        self._corpus = corpus_digest(corpus)
         self._tokenizer = run_tokenizer(cfg.model, corpus, c.peer.manifest)
         splits = tokenized_splits(corpus, self._tokenizer, seq_len=cfg.model.seq_len)
         train_tokens, val = splits.train, splits.val
@@ -300,7 +304,7 @@ class Node:
         the composers its checkpoint names as having worked, counted until work reaches it (``Membership.remember``)."""
         c, cfg, stack, telemetry = self.config, self.config.train, self._stack, self.telemetry
         # torch's optimizers import torch._dynamo (1-2 s) when the first is built: do it while the DHT starts.
-        manifest = peer_manifest(c.peer, self.identity, run_settings(cfg), self._tokenizer.digest)
+        manifest = peer_manifest(c.peer, self.identity, run_settings(cfg), self._tokenizer.digest, self._corpus)
         assert manifest is not None  # a composer always trains by one
         admission = peer_admission(c.peer, self.identity, manifest)
         dht = start_dht(self.identity, c.peer, identity_path=c.peer.identity_path("node"),
@@ -439,7 +443,8 @@ def _other_settings(run_id: str, membership: Membership) -> str:
     return (f"run {run_id} trains with other settings than this node ({len(foreign)} composer(s), e.g. "
             f"{first.fingerprint}): {membership.foreign_difference(first)}. Start with the run's manifest "
             f"(parallax run fetch --run-id {run_id} --initial-peers ... --out run.json, then --manifest run.json) "
-            "or its settings (the same --preset, --config and --set as its composers), or choose another --run-id")
+            "or its settings and corpus (the same --preset, --config, --set and --data as its composers), or choose "
+            "another --run-id")
 
 
 def _leave_quietly(membership: Membership) -> None:

@@ -13,12 +13,14 @@ from parallax.node.config.train import TrainConfig, run_settings
 from parallax.node.net.admission import fetch_manifest
 from parallax.protocol import manifest as manifests
 
+CORPUS = manifests.corpus_digest(b"a corpus")  # the manifests' corpus term
+
 
 def test_run_fetch_takes_the_manifest_the_working_composers_announce_beside_forgeries(swarm: LocalSwarm,
                                                                                       tmp_path: Path) -> None:
     settings = run_settings(TrainConfig())
-    run = manifests.create(fixed_identity(100), swarm.run_id, settings, admission="allowlist")
-    forged = manifests.create(fixed_identity(101), swarm.run_id, settings, admission="allowlist")
+    run = manifests.create(fixed_identity(100), swarm.run_id, settings, admission="allowlist", corpus=CORPUS)
+    forged = manifests.create(fixed_identity(101), swarm.run_id, settings, admission="allowlist", corpus=CORPUS)
     composers = [swarm.add(i, manifest=run) for i in range(2)]
     for c in composers:
         assert c.membership is not None

@@ -55,6 +55,8 @@ from parallax.protocol.errors import RemoteProtocolError
 from parallax.protocol.identity import Identity, fingerprint
 from parallax.protocol.messages import Deathrattle, Heartbeat, ShardClaim, ShardRelease
 
+CORPUS = manifests.corpus_digest(b"a corpus")  # the manifests' corpus term
+
 PEER = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWAQJufR1qkp5iYZfUv6bGSLnHSkcsZJ63uJhvVyMz1q8f"
 
 
@@ -521,9 +523,10 @@ def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
     mine = run_settings(TrainConfig())
     theirs = run_settings(dataclasses.replace(TrainConfig(), optim=dataclasses.replace(OptimConfig(), lr=1e-3)))
     keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(5)]
-    ours, other = manifests.create(keys[0], "r", mine), manifests.create(keys[1], "r", theirs)
+    ours, other = (manifests.create(keys[0], "r", mine, corpus=CORPUS),
+                   manifests.create(keys[1], "r", theirs, corpus=CORPUS))
     # Open runs: a manifest of the same settings signed by another composer has the same digest.
-    assert manifests.create(keys[4], "r", mine).digest == ours.digest != other.digest
+    assert manifests.create(keys[4], "r", mine, corpus=CORPUS).digest == ours.digest != other.digest
 
     def member(identity: Identity, role: str, run: bytes) -> tuple[str, Member]:
         hb = Heartbeat(peer_id="12D3KooWa", addresses=(), role=role, capacity=1.0, shards=(), step=0, run=run)
@@ -536,10 +539,12 @@ def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
     assert set(foreign) == {keys[1].fingerprint, keys[3].fingerprint} and keys[2].fingerprint in view.members
     assert split_by_run(view, b"")[1] == {}  # a tool that only looks keeps everyone
     assert manifest_difference(ours, other) == "optim.lr = 0.003 here, 0.001 there"
-    private = manifests.create(keys[0], "r", mine, admission="allowlist")
+    private = manifests.create(keys[0], "r", mine, admission="allowlist", corpus=CORPUS)
     assert manifest_difference(ours, private) == "admission open here, allowlist there"
-    assert "allowlist of creator" in manifest_difference(private, manifests.create(keys[1], "r", mine,
-                                                                                     admission="allowlist"))
+    assert "allowlist of creator" in manifest_difference(private, manifests.create(
+        keys[1], "r", mine, admission="allowlist", corpus=CORPUS))
+    elsewhere = manifests.create(keys[1], "r", mine, corpus=manifests.corpus_digest(b"another corpus"))
+    assert manifest_difference(ours, elsewhere) == f"corpus {CORPUS[:16]} here, {elsewhere.corpus[:16]} there (--data)"
     assert settings_difference(mine, theirs) == "optim.lr = 0.003 here, 0.001 there"
     assert settings_difference(mine, "{not json") == "settings that do not parse"
     assert settings_difference(mine, run_settings(TrainConfig(seed=1))) == "seed = 0 here, 1 there"
@@ -550,9 +555,10 @@ def test_composers_of_another_manifest_are_left_out_and_the_difference_named():
 def test_a_newcomer_takes_the_manifest_working_composers_announce_not_the_one_most_keys_publish():
     mine = run_settings(TrainConfig())
     keys = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
-    run = manifests.create(keys[0], "r", mine, admission="allowlist")
-    forged = manifests.create(keys[1], "r", mine, admission="allowlist")  # the same settings, another creator
-    other = manifests.create(keys[2], "r", run_settings(TrainConfig(seed=1)))
+    run = manifests.create(keys[0], "r", mine, admission="allowlist", corpus=CORPUS)
+    # The same settings, another creator:
+    forged = manifests.create(keys[1], "r", mine, admission="allowlist", corpus=CORPUS)
+    other = manifests.create(keys[2], "r", run_settings(TrainConfig(seed=1)), corpus=CORPUS)
     published = {run.digest: Published(run, publishers=2, working=2),
                  forged.digest: Published(forged, publishers=5, working=0)}
     took, line = choose_manifest(published)

@@ -19,8 +19,10 @@ from parallax.node.config.train import TrainConfig, run_settings, train_config
 from parallax.node.config.typed import ConfigError
 from parallax.node.net.admission import peer_admission, peer_manifest
 from parallax.protocol import manifest as manifests
-from parallax.protocol.errors import RemoteProtocolError
+from parallax.protocol.errors import LocalProtocolError, RemoteProtocolError
 from parallax.protocol.identity import Identity
+
+CORPUS = manifests.corpus_digest(b"a corpus")  # the manifests' corpus term
 
 NOW = 1_800_000_000.0
 CREATOR = Identity.from_seed(b"c" * 32)
@@ -30,24 +32,29 @@ TINY = run_settings(train_config("tiny"))
 
 
 def test_a_manifest_is_signed_by_its_creator_and_its_digest_covers_the_terms():
-    m = manifests.create(CREATOR, "r", TINY)
+    m = manifests.create(CREATOR, "r", TINY, corpus=CORPUS)
     assert m.verified() is m and len(m.digest) == 16
     forged = dataclasses.replace(m, settings=TINY.replace('"seed":0', '"seed":1'))
     with pytest.raises(RemoteProtocolError, match="not signed by its creator"):
         forged.verified()
     assert forged.digest != m.digest
     # Open: the same terms signed by anyone at any time are the same run; allowlist: the creator is part of it.
-    assert manifests.create(STRANGER, "r", TINY, created=1.0).digest == m.digest
-    assert manifests.create(CREATOR, "r2", TINY).digest != m.digest
-    private = manifests.create(CREATOR, "r", TINY, admission="allowlist")
+    assert manifests.create(STRANGER, "r", TINY, created=1.0, corpus=CORPUS).digest == m.digest
+    assert manifests.create(CREATOR, "r2", TINY, corpus=CORPUS).digest != m.digest
+    private = manifests.create(CREATOR, "r", TINY, admission="allowlist", corpus=CORPUS)
     assert private.digest != m.digest
-    assert manifests.create(STRANGER, "r", TINY, admission="allowlist").digest != private.digest
+    assert manifests.create(STRANGER, "r", TINY, admission="allowlist", corpus=CORPUS).digest != private.digest
     with pytest.raises(ValueError, match="admission"):
-        manifests.create(CREATOR, "r", TINY, admission="everyone")
+        manifests.create(CREATOR, "r", TINY, admission="everyone", corpus=CORPUS)
+    # Composers of one run train on one corpus (each draws its own batches of it: ``node.train.own_data``).
+    other_corpus = manifests.create(CREATOR, "r", TINY, corpus=manifests.corpus_digest(b"another corpus"))
+    assert other_corpus.verified() and other_corpus.digest != m.digest
+    with pytest.raises(LocalProtocolError, match="corpus"):
+        manifests.create(CREATOR, "r", TINY, corpus="not a digest")
 
 
 def test_manifest_files_round_trip_and_an_altered_file_is_refused(tmp_path):
-    m = manifests.create(CREATOR, "r", TINY, admission="allowlist")
+    m = manifests.create(CREATOR, "r", TINY, admission="allowlist", corpus=CORPUS)
     path = tmp_path / "run.json"
     manifests.save(m, path)
     assert manifests.load_manifest(path) == m
@@ -70,11 +77,11 @@ def test_manifest_files_round_trip_and_an_altered_file_is_refused(tmp_path):
 
 
 def test_only_the_creator_admits_members_and_certificates_are_checked():
-    private = manifests.create(CREATOR, "r", TINY, admission="allowlist")
+    private = manifests.create(CREATOR, "r", TINY, admission="allowlist", corpus=CORPUS)
     with pytest.raises(manifests.ManifestError, match="only the run's creator"):
         manifests.admit(STRANGER, private, MEMBER.public_key, valid_s=60)
     with pytest.raises(manifests.ManifestError, match="open to anyone"):
-        manifests.admit(CREATOR, manifests.create(CREATOR, "r", TINY), MEMBER.public_key, valid_s=60)
+        manifests.admit(CREATOR, manifests.create(CREATOR, "r", TINY, corpus=CORPUS), MEMBER.public_key, valid_s=60)
     cert = manifests.admit(CREATOR, private, MEMBER.public_key, valid_s=60)
     now = time.time()
 
@@ -90,7 +97,7 @@ def test_only_the_creator_admits_members_and_certificates_are_checked():
     for junk in (b"", b"\x92", b"\x92\xcb" + b"\x00" * 8 + b"\xc4\x40" + b"\x01" * 64 + b"x", b"\xc1" * 40,
                  bytes(range(256))):
         assert check(MEMBER.public_key, junk) == "a malformed member certificate"
-    self_made = manifests.admit(STRANGER, manifests.create(STRANGER, "r", TINY, admission="allowlist"),
+    self_made = manifests.admit(STRANGER, manifests.create(STRANGER, "r", TINY, admission="allowlist", corpus=CORPUS),
                                 STRANGER.public_key, valid_s=60)
     assert check(STRANGER.public_key, self_made.wire_form()) is not None
 
@@ -101,7 +108,7 @@ def _record(identity: Identity, validator: Ed25519RecordValidator, key: str = me
 
 
 def test_an_allowlist_validator_accepts_only_certified_signers_on_run_keys():
-    private = manifests.create(CREATOR, "r", TINY, admission="allowlist")
+    private = manifests.create(CREATOR, "r", TINY, admission="allowlist", corpus=CORPUS)
     cert = manifests.admit(CREATOR, private, MEMBER.public_key, valid_s=1e9)
     keys = [members_key("r")]
 
@@ -125,7 +132,7 @@ def test_an_allowlist_validator_accepts_only_certified_signers_on_run_keys():
 
 
 def test_a_manifest_sets_the_settings_and_a_flag_that_disagrees_is_named():
-    m = manifests.create(CREATOR, "r", run_settings(dataclasses.replace(train_config("tiny"), seed=3)))
+    m = manifests.create(CREATOR, "r", run_settings(dataclasses.replace(train_config("tiny"), seed=3)), corpus=CORPUS)
     cfg = resolve(NodeConfig, node_defaults, flags={"peer.run_id": "r"}, manifest=m, default_preset="small",
                   sets=["eval_every=7"])
     assert cfg.train.seed == 3 and cfg.train.model.d_model == 32 and cfg.train.eval_every == 7  # local: allowed
@@ -138,16 +145,21 @@ def test_a_manifest_sets_the_settings_and_a_flag_that_disagrees_is_named():
 
 def test_a_peer_is_told_what_it_lacks_before_it_starts(tmp_path):
     settings = run_settings(TrainConfig())
-    private = manifests.create(CREATOR, "r", settings, admission="allowlist")
+    private = manifests.create(CREATOR, "r", settings, admission="allowlist", corpus=CORPUS)
     manifests.save(private, tmp_path / "run.json")
     peer = PeerConfig(run_id="r", manifest=tmp_path / "run.json")
-    assert peer_manifest(peer, MEMBER, settings) == private
+    assert peer_manifest(peer, MEMBER, settings, corpus=CORPUS) == private
     with pytest.raises(NodeError, match="differ from manifest"):
-        peer_manifest(peer, MEMBER, run_settings(TrainConfig(seed=9)))
+        peer_manifest(peer, MEMBER, run_settings(TrainConfig(seed=9)), corpus=CORPUS)
     with pytest.raises(NodeError, match="not 'other'"):
-        peer_manifest(PeerConfig(run_id="other", manifest=tmp_path / "run.json"), MEMBER, settings)
-    own = peer_manifest(PeerConfig(run_id="r"), MEMBER, settings)
-    assert own is not None and own.creator == MEMBER.public_key and own.admission == "open"
+        peer_manifest(PeerConfig(run_id="other", manifest=tmp_path / "run.json"), MEMBER, settings, corpus=CORPUS)
+    with pytest.raises(NodeError, match="train on the run's corpus"):
+        peer_manifest(peer, MEMBER, settings, corpus=manifests.corpus_digest(b"another corpus"))
+    with pytest.raises(ValueError, match="names its corpus"):
+        peer_manifest(peer, MEMBER, settings)
+    assert peer_manifest(peer, MEMBER, None) == private  # a worker trains by the file's, whatever it reads
+    own = peer_manifest(PeerConfig(run_id="r"), MEMBER, settings, corpus=CORPUS)
+    assert own is not None and own.creator == MEMBER.public_key and own.admission == "open" and own.corpus == CORPUS
     assert peer_admission(PeerConfig(run_id="r"), MEMBER, own) is None
     with pytest.raises(NodeError, match=f"parallax run admit .* --member {MEMBER.public_key.hex()}"):
         peer_admission(peer, MEMBER, private)

@@ -60,7 +60,7 @@ EXAMPLES: dict[str, Message] = {
             suspects={"QmLiar": 3.0},
             banned=("QmLiar",),
         ),
-        RunManifest(run_id="r", settings='{"seed":0}', tokenizer="bytes", admission="allowlist",
+        RunManifest(run_id="r", settings='{"seed":0}', tokenizer="bytes", corpus="c" * 64, admission="allowlist",
                     creator=b"\x03" * 32, created=1.7e9, signature=b"\x04" * 64),
         MemberCert(run=b"\x07" * 16, member=b"\x05" * 32, not_after=1.8e9, signature=b"\x06" * 64),
         Deathrattle(peer_id="QmPeer", step=7, reason="shutdown"),
