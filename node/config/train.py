@@ -260,6 +260,7 @@ class SketchConfig:
             raise ValueError(f"SketchConfig.wire_codec must be raw, fp16, int8 or int4, got {self.wire_codec!r}")
 
 
+SimData = Literal["shards", "stream"]
 LateMerge = Literal["progress", "drop", "freeze"]
 
 
@@ -293,6 +294,10 @@ class SimConfig:
     for it (DiLoCo). The merges of the run's end and of ``dense_steps``' split land at once. Below the shortest
     ``sync.periods``: a node skips a group's round while the last one is on its way, which the simulator does not
     model."""
+    data: SimData = "shards"
+    """What each composer samples its batches from: "shards" gives composer i the i-th of C slices of the training
+    split; "stream" gives every composer the whole split, each with its own seed, as networked composers sample the
+    run's whole corpus (``data.data_seed``)."""
     late_merge: LateMerge = "progress"
     """What a composer does with a group while its merge is on its way (``merge_lag``): "progress" trains it and keeps
     what it trained on top of the new anchor when the merge lands (a node's background rounds); "drop" trains it and
@@ -302,6 +307,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.outer_parts < 0:
             raise ValueError("sim.outer_parts must be >= 0 (0: whole tensors)")
+        if self.data not in get_args(SimData):
+            raise ValueError(f"sim.data must be one of {get_args(SimData)}, got {self.data!r}")
         if self.late_merge not in get_args(LateMerge):
             raise ValueError(f"sim.late_merge must be one of {get_args(LateMerge)}, got {self.late_merge!r}")
         if self.dense_steps < 0 or self.offload_delay < 0 or self.merge_lag < 0:

@@ -86,6 +86,7 @@ from parallax.node.outer.wire import (
     round_fingerprint,
     round_tag,
 )
+from parallax.node.train import own_data
 from parallax.node.train.device import threads
 from parallax.signals import signals_deferred
 
@@ -147,6 +148,7 @@ class RoundResult(NamedTuple):
     merged: dict[str, torch.Tensor] | None  # None: skip the outer step (``report`` says why)
     report: RoundReport
     sent: dict[str, torch.Tensor] | None  # this node's pseudo-gradient as its peers decode it (gathered rounds)
+    case: own_data.Case | None = None  # a contribution of the set to audit (``GatheredRounds.last_case``)
 
 
 class GroupAverager:
@@ -229,7 +231,8 @@ class GroupAverager:
         merged = self.run_round(delta, tokens, round_id=round_id, anchor=anchor, due=due, drawn=drawn)
         assert self.last_report is not None
         sent = self._gathered.last_sent if self._gathered is not None else None
-        return RoundResult(merged, self.last_report, sent)
+        case = self._gathered.last_case if self._gathered is not None and merged is not None else None
+        return RoundResult(merged, self.last_report, sent, case)
 
     def run_round(
         self, delta: Mapping[str, torch.Tensor], tokens: float, *, round_id: int | None = None,

@@ -47,6 +47,7 @@ from parallax.node.outer.records import RoundDue
 from parallax.node.outer.state import State, StateExchange
 from parallax.node.outer.transport import error_feedback, keep_unsent
 from parallax.node.outer.wire import ANCHOR_TOLERANCE, anchor_fingerprint, fingerprints_agree
+from parallax.node.train import own_data
 from parallax.node.train.outer import OuterOptimizer, to_send
 from parallax.node.train.robust import MAX_SPAN
 
@@ -327,14 +328,18 @@ class BackgroundRounds:
             contributes to no round of a group before that (a due round downloads the state instead).
         states: where group states are served and downloaded (None: hivemind's averager state sharing).
         probe: () -> this node's loss on fixed held-out batches (``take_state``'s guard); None: no guard.
+        audit: audits a contribution of a round for work on its sender's own data (``train.own_data.Auditor``), at
+            the seam that applies the round, before the group's anchor moves; None: no audits.
     """
 
     def __init__(self, sync: TieredOuterSync, composer: Composer, *, serve: bool = True,
-                 states: StateExchange | None = None, probe: Callable[[], float] | None = None) -> None:
+                 states: StateExchange | None = None, probe: Callable[[], float] | None = None,
+                 audit: Callable[[str, own_data.Case], object] | None = None) -> None:
         self.sync = sync
         self.composer = composer
         self.states = states
         self.probe = probe
+        self.audit = audit
         self.counts = RoundCounts()
         self.reports: list[RoundReport] = []
         self.rounds_ok: dict[str, int] = dict.fromkeys(sync.groups, 0)
@@ -454,13 +459,20 @@ class BackgroundRounds:
         for group in [g for g, f in self._in_flight.items() if f.future.done()]:
             flight = self._in_flight.pop(group)
             try:
-                merged, report, sent = flight.future.result()
+                merged, report, sent, case = flight.future.result()
             except Exception as e:  # a bug or a dead averager: count it, skip the round, keep training
                 logger.warning("outer round %s/%d raised %r; skipped", group, flight.round_id, e)
-                merged, report, sent = RoundResult(None, RoundReport(group, RoundStatus.FAILED, flight.round_id,
-                                                                  detail=repr(e)), None)
+                merged, report, sent, case = RoundResult(None, RoundReport(group, RoundStatus.FAILED, flight.round_id,
+                                                                        detail=repr(e)), None)
             if merged is not None:
                 outer = self.composer.outer[group]
+                # Audited from the anchor the set's contributions were taken from: ours, unless it drifted from theirs.
+                if case is not None and self.audit is not None and not report.ours_left_out and not report.apart_from:
+                    try:
+                        self.audit(group, case)
+                    except Exception as e:  # an audit is evidence about a peer, never a reason to lose a round
+                        logger.warning("outer round %s/%d: the audit of peer %s's contribution failed: %r", group,
+                                       flight.round_id, case.peer, e)
                 if report.ours_left_out:  # the merge holds nothing of ours: all this node trained stays its own
                     outer.step_kept(merged)
                     self.composer.tokens_since_merge[group] += flight.tokens

@@ -46,6 +46,7 @@ import functools
 import hashlib
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -106,6 +107,7 @@ from parallax.node.outer.wire import (
     set_anchor,
 )
 from parallax.node.outer.witness import ASKS_AT_ONCE, Witness, new_session, proofs_key, sign
+from parallax.node.train import own_data
 from parallax.node.train.robust import MergeAudit, cap_weights, merge_geometry, robust_merge_groups, span_of
 from parallax.protocol.errors import MalformedMessage, RemoteProtocolError, SlowStream, StalledStream
 
@@ -186,6 +188,8 @@ class GatheredRounds:
         records.on_read = self._read
         self.last_sent: dict[str, torch.Tensor] | None = None
         """This node's pseudo-gradient of its last round as its peers decode it (what error feedback subtracts)."""
+        self.last_case: own_data.Case | None = None
+        """A contribution of the last round's set to audit for work on its sender's own data (``own_data_case``)."""
 
     def run(self, delta: Mapping[str, torch.Tensor], tokens: float, n: int,
             fault: Callable[[dict[str, torch.Tensor]], None] | None, started: float,
@@ -209,6 +213,7 @@ class GatheredRounds:
         Returns:
             The merged pseudo-gradient, or None (the report says why).
         """
+        self.last_case = None
         try:
             return self._round(delta, tokens, n, fault, started, anchor, due, drawn)
         finally:
@@ -237,7 +242,7 @@ class GatheredRounds:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)
         me = pair(self.peer_id, n)
-        found = {me: Fetched(mine, float(tokens), entry.base)}
+        found = {me: Fetched(mine, float(tokens), entry.base, drawn)}
         pack_s = time.monotonic() - started
         seen: dict[str, float] = {}  # contribution -> when this node first read it on offer
         participants = self._collect(me, found, due, seen)
@@ -306,6 +311,7 @@ class GatheredRounds:
                         common["geometry"] = {**geometry, "weights": weights, "contributions": list(participants)}
                 self.report(RoundStatus.OK, started, **common)
                 self._flights.forget(set(participants).__contains__)  # merged: no round of this node asks again
+                self.last_case = self._own_data_case(n, participants, found, merged, common["tokens"])
                 return merged
             if status is RoundStatus.SUPERSEDED:
                 # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
@@ -340,6 +346,36 @@ class GatheredRounds:
                             "found")
         self.report(status, started, **common)
         return None
+
+    def _own_data_case(self, n: int, participants: tuple[str, ...], found: Mapping[str, Fetched],
+                       merged: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> own_data.Case | None:
+        """One other contribution of the merged set, drawn at random among those with weight and draws, to audit for
+        work on its sender's own data (``train.own_data``), with the merge of the rest; None in another group than
+        ``own_data.GROUP``, or when none can be had. Partitioned, its blocks are fetched whole: one contribution a
+        round, whatever the set's size."""
+        if self.group != own_data.GROUP:
+            return None
+        me = pair(self.peer_id, n)
+        candidates = [p for p in participants if p != me and weights.get(split_pair(p)[0], 0.0) > 0
+                      and found[p].drawn > 0]
+        if not candidates:
+            return None
+        name = random.SystemRandom().choice(candidates)
+        peer = split_pair(name)[0]
+        offered: Mapping[str, torch.Tensor] = found[name].tensors
+        if self.parts is not None:
+            with self._lock:
+                claim = self._claims.get(peer, {}).get(name)
+            if claim is None:
+                return None
+            try:
+                offered = self.parts.fetch_whole(name, claim)
+            except Unmergeable as e:
+                logger.info("outer round %s/%d: the contribution of peer %s to audit did not arrive: %s", self.group,
+                            n, peer, e)
+                return None
+        others = own_data.others_of(merged, offered, weights[peer], sum(weights.values()))
+        return None if others is None else own_data.Case(peer, found[name].drawn, offered, others)
 
     def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
                     participants: Sequence[str], tag: bytes, deadline: float) -> tuple[str, ...]:
@@ -843,7 +879,7 @@ class GatheredRounds:
                     while len(self._claims) > room:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
-                return Fetched({}, entry.tokens, entry.base)
+                return Fetched({}, entry.tokens, entry.base, entry.drawn)
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
@@ -878,7 +914,7 @@ class GatheredRounds:
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)
-        return Fetched(tensors, entry.tokens, entry.base)
+        return Fetched(tensors, entry.tokens, entry.base, entry.drawn)
 
     def _peers_kept(self) -> int:
         """How many peers the partitioned round's per-peer state keeps (claims, senders whose blocks arrived): twice
@@ -996,11 +1032,13 @@ class GatheredRounds:
 
 class Fetched(NamedTuple):
     """A usable contribution: its tensors (none yet in a partitioned round: its blocks are fetched as the set is
-    merged), its sender's tokens, and the anchor its signed claim names (``RoundEntry.base``)."""
+    merged), its sender's tokens, the anchor its signed claim names (``RoundEntry.base``) and the draws it names
+    (``RoundEntry.drawn``)."""
 
     tensors: dict[str, torch.Tensor]
     tokens: float
     base: bytes
+    drawn: int = 0
 
 
 class _Flights:

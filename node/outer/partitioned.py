@@ -544,6 +544,14 @@ class PartsMerge:
         self._fetch_blocks(name, claim, [random.SystemRandom().randrange(self.count)],
                            timeout_s=min(2 * self.config.net.next_chunk_timeout_s, self.config.net.allreduce_timeout_s))
 
+    def fetch_whole(self, name: str, claim: RoundEntry) -> dict[str, torch.Tensor]:
+        """Contribution ``name`` (announced by ``claim``) whole: every block of it, checked and decoded.
+
+        Raises:
+            Unmergeable: they did not arrive usable.
+        """
+        return assemble(self._fetch_blocks(name, claim, list(range(self.count))), self.shapes)
+
     def _fetch_blocks(self, name: str, claim: RoundEntry, want: list[int], *,
                       timeout_s: float | None = None) -> dict[int, torch.Tensor]:
         """Blocks ``want`` of contribution ``name`` (announced by ``claim``), checked and decoded, within

@@ -150,10 +150,11 @@ class ReplicaRounds:
         for group in [g for g, f in self._in_flight.items() if f.future.done()]:
             flight = self._in_flight.pop(group)
             try:
-                merged, report, sent = flight.future.result()
+                merged, report, sent, _ = flight.future.result()  # replicated experts' rounds audit nothing
             except Exception as e:  # a bug: count it, skip the round, keep training
                 logger.warning("replica round %s raised %r; skipped", group, e)
-                merged, report, sent = RoundResult(None, RoundReport(group, RoundStatus.FAILED, detail=repr(e)), None)
+                merged, report, sent, _ = RoundResult(None, RoundReport(group, RoundStatus.FAILED, detail=repr(e)),
+                                                      None)
             held = set(self.composer.replicated_experts())
             # The optimizers the round was taken from, still the composer's (not released or taken over since).
             same = all(self.composer.outer.get(expert_group(eid)) is part

@@ -30,7 +30,6 @@ import json
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +72,10 @@ from parallax.node.peer.sinks import open_sinks
 from parallax.node.peer.telemetry import NodeStatus, Telemetry
 from parallax.node.peer.training import Training
 from parallax.node.peer.views import SwarmViews
+from parallax.node.train import own_data
 from parallax.node.train.checkpoint import CheckpointInfo, load_checkpoint, read_info, sound_checkpoint, state_hash
 from parallax.node.train.composer import Composer
-from parallax.node.train.data import CorpusInfo, load_corpus, val_batches
+from parallax.node.train.data import CorpusInfo, data_seed, load_corpus, val_batches
 from parallax.node.train.device import device_of
 from parallax.node.train.tokenizer import ByteTokenizer, Tokenizer, run_tokenizer, tokenized_splits
 from parallax.protocol.identity import Identity
@@ -89,11 +89,6 @@ PROBE_BATCHES = 2
 
 def ownership_of(owned: dict[int, frozenset[int]], n_layers: int) -> Ownership:
     return tuple(frozenset(owned.get(layer, ())) for layer in range(n_layers))
-
-
-def data_seed(fingerprint: str, seed: int) -> int:
-    """A node's data stream seed: its identity and the run's seed (stable across restarts)."""
-    return (zlib.crc32(fingerprint.encode()) ^ seed) & 0x7FFF_FFFF
 
 
 def outer_sync_config(config: NodeConfig) -> OuterSyncConfig:
@@ -222,8 +217,12 @@ class Node:
         offload = self._start_offload(net, composer) if cfg.offload.enabled else None
         held_out = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
         probe = held_out[:PROBE_BATCHES]
+        period = cfg.sync.periods.get(own_data.GROUP)
+        audit = None if period is None else own_data.Auditor(
+            composer, lambda peer: net.views.data_seed_of(peer, cfg.seed), period, net.views.own_data,
+            telemetry.event)
         rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states,
-                                  probe=lambda: composer.evaluate(probe))
+                                  probe=lambda: composer.evaluate(probe), audit=audit)
         stack.callback(rounds.shutdown)
         if joining and checkpoint is None:
             telemetry.phase("loading state")

@@ -16,6 +16,8 @@ from parallax.dht.membership import Member, Membership, QuorumState, SwarmView
 from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.proxy import SETTINGS_KEY
+from parallax.node.train.data import data_seed
+from parallax.node.train.own_data import OwnDataAudits
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,9 @@ class SwarmViews:
         self._squatted: set[str] = set()
         self.prover: IdentityProver | None = None
         """Settles which identity a peer id claimed by two belongs to (set once the network loop runs)."""
+        self.own_data = OwnDataAudits()
+        """This node's audits of the peers' work on their own data (``train.own_data``): the work of a peer they
+        judge idle counts for nothing (``worked``)."""
 
     def peer_addresses(self) -> dict[str, tuple[str, ...]]:
         """The live members' libp2p peer ids and the addresses their heartbeats name (``Redialer``), banned
@@ -232,10 +237,18 @@ class SwarmViews:
         return sorted(view.members[fp].heartbeat.peer_id for fp in view.composers())
 
     def worked(self, peer_id: str) -> None:
-        """Work of the composer at ``peer_id`` reached this node (a contribution, a surrogate update)."""
+        """Work of the composer at ``peer_id`` reached this node (a contribution, a surrogate update); none counts
+        while this node's audits judge that it does not train on its own data (``own_data``): a copier's contributions
+        and surrogate updates arrive as any others do, and only the audits tell them apart."""
         member = self.member(peer_id)
-        if member is not None:
+        if member is not None and not self.own_data.judged(peer_id):
             self.membership.worked(member.fingerprint)
+
+    def data_seed_of(self, peer_id: str, seed: int) -> int | None:
+        """The data stream seed of the live composer at ``peer_id`` in a run of ``seed`` (``train.data.data_seed``),
+        None when it is not in the view."""
+        member = self.member(peer_id)
+        return None if member is None else data_seed(member.fingerprint, seed)
 
     def heard(self, peer_id: str) -> None:
         """An answer came from the member at ``peer_id`` itself just now (``Membership.heard``): of the view, alive

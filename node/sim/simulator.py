@@ -169,7 +169,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
 
     Args:
         spec: what to run.
-        train: the training split (uint8 tokens); composer i trains on ``shard(train, i, C)``.
+        train: the training split (uint8 tokens); composer i trains on ``shard(train, i, C)`` (on all of it with
+            ``sim.data = "stream"``).
         val: the validation split; everyone evaluates on the same fixed windows.
         progress: called after every step.
         device: where the models live.
@@ -198,7 +199,8 @@ def run(spec: RunSpec, train: torch.Tensor, val: torch.Tensor, *, progress: Prog
         dense = spec.kind == "diloco" or dense_steps > 0  # every composer holds and trains every expert
         merged_groups = (*SHARED_GROUPS, "expert") if dense else SHARED_GROUPS
         composers = [
-            Composer(cfg, own_all(cfg.model) if dense else shards[i], shard(train, i, C),
+            Composer(cfg, own_all(cfg.model) if dense else shards[i],
+                     train if cfg.sim.data == "stream" else shard(train, i, C),
                      sampler_seed=cfg.seed + 1 + i, merged_groups=merged_groups, device=device,
                      replica_outers=replicated)
             for i in range(C)

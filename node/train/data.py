@@ -14,6 +14,7 @@ import glob
 import hashlib
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,12 @@ def shard(train: torch.Tensor, index: int, count: int) -> torch.Tensor:
         raise ValueError(f"need 0 <= index < count and count >= 1, got index={index}, count={count}")
     n = len(train)
     return train[index * n // count: (index + 1) * n // count]
+
+
+def data_seed(fingerprint: str, seed: int) -> int:
+    """A composer's data stream seed: its identity's fingerprint and the run's seed (stable across restarts, and
+    known to every peer: ``own_data``)."""
+    return (zlib.crc32(fingerprint.encode()) ^ seed) & 0x7FFF_FFFF
 
 
 class BatchSampler:

@@ -1,7 +1,7 @@
 """Work on one's own data: whether a contribution holds what its sender learnt of the batches it trained on.
 
 A composer's batches come from a sampler that its identity and the run's seed seed (``data.BatchSampler``,
-``peer.runner.data_seed``), so any peer that knows the identity and how many batches the sampler had handed out when
+``data.data_seed``), so any peer that knows the identity and how many batches the sampler had handed out when
 the pseudo-gradient was taken (``RoundEntry.drawn``, signed) rebuilds the batches it trained on
 (``BatchSampler.replay``). A pseudo-gradient trained on them lowers the loss on them by more than a merge of the
 others' pseudo-gradients does: it holds what its sender learnt of its own batches, which a merge dilutes. A copy of
@@ -12,19 +12,32 @@ with another's (docs/benchmarks.md, "Work on one's own data").
 An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``merged`` are what each pseudo-gradient
 lowers the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to work
 on its own data when fewer than half of its last ``WINDOW`` margins are positive (``judged_idle``).
+
+A node audits one contribution of each of its ``GROUP`` rounds that merged (``Case``, drawn at random among the
+set's others by ``outer.gathered``), on its own model, at the seam that applies the round (``Auditor``); while a
+peer's margins judge it idle, its work counts for nothing in this node's view (``peer.views.SwarmViews.worked``).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from parallax.node.train.data import BatchSampler
+
 if TYPE_CHECKING:
     from parallax.node.train.composer import Composer
 
+logger = logging.getLogger(__name__)
+
+GROUP = "backbone"
+"""The group whose contributions are audited: the one ``bench own-data`` measured."""
 BATCHES = 16
 """The batches an audit rebuilds: the last ones its sender drew before the pseudo-gradient was taken (at most the
 group's period)."""
@@ -73,30 +86,91 @@ def idle_share(margins: Sequence[float], window: int = WINDOW) -> float | None:
 
 
 class OwnDataAudits:
-    """The latest ``WINDOW`` margins of each audited peer, and the judgement they make."""
+    """The latest ``WINDOW`` margins of each audited peer, and the judgement they make (thread-safe: the training
+    thread adds, the network threads ask)."""
 
     def __init__(self, window: int = WINDOW, peers_kept: int = PEERS_KEPT) -> None:
         self.window, self.peers_kept = window, peers_kept
         self._margins: OrderedDict[str, list[float]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def add(self, peer: str, value: float) -> bool:
         """Note an audit of ``peer``; returns whether its margins now judge it idle."""
-        kept = self._margins.pop(peer, [])
-        kept = [*kept, value][-self.window:]
-        self._margins[peer] = kept
-        while len(self._margins) > self.peers_kept:
-            self._margins.popitem(last=False)
+        with self._lock:
+            kept = [*self._margins.pop(peer, []), value][-self.window:]
+            self._margins[peer] = kept
+            while len(self._margins) > self.peers_kept:
+                self._margins.popitem(last=False)
         return judged_idle(kept, self.window)
 
     def judged(self, peer: str) -> bool:
-        return judged_idle(self._margins.get(peer, []), self.window)
+        return judged_idle(self.margins(peer), self.window)
 
-    def audited(self, peer: str) -> int:
-        """Audits of ``peer`` held (at most a window)."""
-        return len(self._margins.get(peer, []))
+    def margins(self, peer: str) -> list[float]:
+        """``peer``'s latest margins (at most a window), oldest first."""
+        with self._lock:
+            return list(self._margins.get(peer, []))
 
-    def least_lately(self, peers: Sequence[str]) -> str | None:
-        """Of ``peers``, the one to audit next: one never audited first (in the given order), else the one audited
-        least lately."""
-        order = {peer: i for i, peer in enumerate(self._margins)}
-        return min(peers, key=lambda p: order.get(p, -1), default=None)
+
+@dataclass(frozen=True)
+class Case:
+    """A contribution to audit: its sender (libp2p peer id), the draws its signed claim names (``RoundEntry.drawn``),
+    its pseudo-gradient as decoded, and the merge of the set's other contributions (the round's merge with this one
+    taken out by its weight)."""
+
+    peer: str
+    drawn: int
+    offered: Mapping[str, torch.Tensor]
+    others: Mapping[str, torch.Tensor]
+
+
+def others_of(merged: Mapping[str, torch.Tensor], offered: Mapping[str, torch.Tensor], weight: float,
+              total: float) -> dict[str, torch.Tensor] | None:
+    """The merge of a set's contributions but ``offered``, from the set's merge (``merged``, a weighted mean of
+    ``total`` weight) and ``offered``'s ``weight`` in it; None when nothing else had weight."""
+    if not total - weight > 0:
+        return None
+    return {name: (total * merged[name] - weight * offered[name]) / (total - weight) for name in merged}
+
+
+class Auditor:
+    """Audits contributions on this node's composer (the training thread's: at the seam, ``BackgroundRounds``).
+
+    Args:
+        composer: this node's; its anchor of ``GROUP`` is the one the audited contributions were taken from.
+        seed_of: a peer id's data stream seed (``data.data_seed`` of its identity), None when the peer is not
+            known.
+        period: ``GROUP``'s period: at most that many of a sender's draws are its round's.
+        audits: the margins kept, and the judgement (``peer.views.SwarmViews.worked`` reads it).
+        event: a metrics event (``Telemetry.event``) for each audit.
+    """
+
+    def __init__(self, composer: Composer, seed_of: Callable[[str], int | None], period: int,
+                 audits: OwnDataAudits, event: Callable[..., None] | None = None) -> None:
+        self.composer, self.seed_of, self.period, self.audits, self.event = composer, seed_of, period, audits, event
+
+    def __call__(self, group: str, case: Case) -> float | None:
+        """Audit ``case`` of ``group``: its margin, or None when its sender's data cannot be rebuilt here."""
+        seed = self.seed_of(case.peer)
+        count = min(BATCHES, self.period, case.drawn)
+        if seed is None or count < 1:
+            return None
+        sampler = self.composer.sampler
+        batches = BatchSampler(sampler.tokens, sampler.batch_size, sampler.seq_len, seed).replay(
+            case.drawn - count, count)
+        own, merged = gains(self.composer, group, [case.offered, case.others], batches)
+        value = margin(own, merged)
+        before = self.audits.judged(case.peer)
+        judged = self.audits.add(case.peer, value)
+        if judged != before:
+            if judged:
+                logger.warning("peer %s: its contributions learn less of the batches it says it drew than the merge "
+                               "of the others' does in %d of its last %d audits; its work counts for nothing here "
+                               "until they do", case.peer, sum(m <= 0 for m in self.audits.margins(case.peer)),
+                               self.audits.window)
+            else:
+                logger.info("peer %s: its contributions learn of its own batches again; its work counts", case.peer)
+        if self.event is not None:
+            self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4), own=round(own, 6),
+                       merged=round(merged, 6), drawn=case.drawn, judged=judged)
+        return value

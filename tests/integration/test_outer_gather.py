@@ -53,6 +53,7 @@ from parallax.node.outer.transport import (
     pair,
 )
 from parallax.node.outer.wire import ANCHOR_TOLERANCE, OuterSyncConfig, anchor_fingerprint, fingerprints_agree
+from parallax.node.train import own_data
 from parallax.node.train.robust import robust_merge_groups
 from parallax.protocol.codec import encode
 from parallax.protocol.errors import MalformedMessage
@@ -91,6 +92,7 @@ def test_four_peers_merge_exactly_what_one_process_merges_from_the_same_bodies(p
                                                      for a, d, t in zip(averagers, deltas, tokens, strict=True)]]
         for r, d in zip(rounds, deltas, strict=True):
             assert r.merged is not None and r.report.status is RoundStatus.OK and r.sent is not None
+            assert r.case is None  # only the backbone's contributions are audited
             decoded = decode_contribution(encode_contribution(d, compression), SHAPES, peer="p")
             assert all(torch.equal(r.sent[n], decoded[n]) for n in SHAPES)
 
@@ -126,6 +128,33 @@ def test_four_peers_share_a_partitioned_merge_and_apply_what_one_process_merges_
         for p, fetched in zip(peers, before, strict=True):
             assert 0 < p.gather.bytes_fetched - fetched < 1.25 * expected, (p.gather.bytes_fetched - fetched, expected)
     assert "itself" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("aggregation", ["gather", "parts"])
+def test_a_backbone_round_hands_one_other_contribution_to_audit_with_its_draws_and_the_merge_of_the_rest(
+        peers, aggregation):
+    """A node audits one other contribution of each backbone round it applies (``train.own_data``): it gets the
+    contribution as its sender's peers decode it (partitioned: every block of it, fetched), the draws its signed claim
+    names, and the round's merge with it taken out by its weight."""
+    shapes, wire = (PARTS, "int4") if aggregation == "parts" else (SHAPES, "fp16")
+    with start_averagers(peers, own_data.GROUP, compression=wire, aggregation=aggregation,
+                         shapes=shapes) as averagers:
+        deltas, tokens, drawn = noisy_deltas(4, seed=9, shapes=shapes), [CAP, CAP, CAP / 2, CAP], [96, 200, 7, 4000]
+        with ThreadPoolExecutor(4) as pool:
+            # Each parametrization its own round: both run under the same group of the same peers.
+            n = 3 if aggregation == "gather" else 4
+            rounds = [f.result(timeout=60) for f in [pool.submit(a.round, d, t, n, drawn=k) for a, d, t, k
+                                                     in zip(averagers, deltas, tokens, drawn, strict=True)]]
+        ids = [p.dht.peer_id for p in peers]
+        for i, r in enumerate(rounds):
+            assert r.merged is not None and r.report.status is RoundStatus.OK and r.case is not None, r.report
+            j = ids.index(r.case.peer)
+            assert j != i and r.case.drawn == drawn[j]
+            sent = (decode_all(encode_blocks(deltas[j], wire), shapes, peer="p") if aggregation == "parts"
+                    else decode_contribution(encode_contribution(deltas[j], wire), shapes, peer="p"))
+            assert all(torch.equal(r.case.offered[n], sent[n]) for n in shapes)
+            rest = own_data.others_of(r.merged, sent, r.report.tokens[r.case.peer], sum(r.report.tokens.values()))
+            assert rest is not None and all(torch.allclose(r.case.others[n], rest[n]) for n in shapes)
 
 
 def test_each_peer_is_told_of_the_others_answers_and_never_of_its_own(peers):

@@ -27,6 +27,7 @@ from parallax.node.outer.background import (
 )
 from parallax.node.outer.state import Candidates
 from parallax.node.outer.wire import anchor_fingerprint
+from parallax.node.train import own_data
 from parallax.node.train.outer import OuterOptimizer
 
 DRAWN = SimpleNamespace(step=0)  # a data stream that handed out nothing (``RoundEntry.drawn``)
@@ -370,6 +371,46 @@ def test_a_leave_waits_for_the_state_its_last_round_found_apart_before_it_ends()
         assert [r.status for r in rounds.wait(timeout_s=30)] == [RoundStatus.OK]
         assert rounds.counts.reloads == 1 and outer.round == 9
         assert all(torch.equal(outer.anchor[n], theirs[n]) for n in theirs)
+    finally:
+        rounds.shutdown()
+
+
+@pytest.mark.parametrize("outcome", ["applied", "ours left out", "apart", "audit raised"])
+def test_a_rounds_audit_runs_at_the_seam_before_the_anchor_moves_and_only_from_the_sets_anchor(outcome):
+    """The contribution a round hands over to audit (``RoundResult.case``) was taken from the set's anchor: it is
+    audited at the seam that applies the round, before the anchor takes the merge, and not when this node's anchor is
+    not the set's (its own contribution left out, or its anchor apart from the majority's). An audit that fails costs
+    the round nothing."""
+    _, outer = make()
+    case = own_data.Case("QmA", 40, {"w": torch.ones(3, 2), "b": torch.ones(2)}, {"w": torch.zeros(3, 2),
+                                                                                   "b": torch.zeros(2)})
+    seen: list[tuple[str, float]] = []
+
+    class Audited(_WaitingAverager):
+        def round(self, delta, tokens, round_id, anchor, due, drawn=0) -> RoundResult:
+            merged = {n: torch.full_like(t, -1.0) for n, t in delta.items()}
+            report = RoundReport("router", RoundStatus.OK, round_id, participants=("QmMe", "QmA"),
+                                 left_out=("QmMe",) if outcome == "ours left out" else (),
+                                 ours_left_out=outcome == "ours left out",
+                                 apart_from=("QmA",) if outcome == "apart" else ())
+            return RoundResult(merged, report, None, case)
+
+    def audit(group: str, got: own_data.Case) -> None:
+        assert got is case
+        seen.append((group, float(outer.anchor["w"].sum())))
+        if outcome == "audit raised":
+            raise RuntimeError("an evaluation failed")
+
+    def candidates(group, shapes, timeout_s, sources=None, first=()):  # type: ignore[no-untyped-def]
+        return Candidates([], frozenset())
+
+    composer, rounds = _applying_rounds(Audited(), outer, candidates)
+    rounds.audit = audit
+    try:
+        assert rounds.submit("router", 1)
+        assert [r.status for r in rounds.wait(timeout_s=30)] == [RoundStatus.OK]
+        assert seen == ([] if outcome in ("ours left out", "apart") else [("router", 0.0)])  # the anchor not moved yet
+        assert torch.allclose(outer.anchor["w"], torch.ones(3, 2)) and rounds.counts.applied == 1  # then it did
     finally:
         rounds.shutdown()
 

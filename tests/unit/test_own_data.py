@@ -22,21 +22,28 @@ def test_a_window_judges_a_peer_idle_when_fewer_than_half_its_latest_margins_are
     assert own_data.margin(1.0, 0.0) > 0 > own_data.margin(-1.0, 0.0)
 
 
-def test_audits_keep_a_window_per_peer_and_name_the_peer_audited_least_lately() -> None:
+def test_audits_keep_a_window_per_peer_and_forget_the_peer_audited_least_lately() -> None:
     audits = own_data.OwnDataAudits(window=4, peers_kept=2)
-    assert audits.least_lately(["a", "b"]) == "a" and audits.least_lately([]) is None
-    assert not audits.add("a", -1.0)
-    assert audits.least_lately(["a", "b"]) == "b"  # never audited first
-    for _ in range(3):
-        judged = audits.add("a", -1.0)
-    assert judged and audits.judged("a") and audits.audited("a") == 4
+    assert not audits.judged("a") and audits.margins("a") == []
+    judged = [audits.add("a", -1.0) for _ in range(4)]
+    assert judged == [False, False, False, True] and audits.judged("a")
     for _ in range(3):
         audits.add("a", 1.0)
-    assert not audits.judged("a") and audits.audited("a") == 4  # a window, no more
+    assert not audits.judged("a") and audits.margins("a") == [-1.0, 1.0, 1.0, 1.0]  # a window, no more
     audits.add("b", 1.0)
-    assert audits.least_lately(["a", "b"]) == "a"
+    audits.add("a", 1.0)
     audits.add("c", 1.0)  # two peers kept: the one audited least lately goes
-    assert audits.audited("a") == 0 and audits.audited("b") == 1 and not audits.judged("a")
+    assert audits.margins("b") == [] and len(audits.margins("a")) == 4 and audits.margins("c") == [1.0]
+
+
+def test_the_merge_of_the_others_is_the_merge_with_one_contribution_taken_out_by_its_weight() -> None:
+    contributions = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, -2.0])}, {"w": torch.tensor([5.0, 0.0])}]
+    weights = [1.0, 2.0, 3.0]
+    merged = {"w": sum(w * c["w"] for w, c in zip(weights, contributions, strict=True)) / sum(weights)}
+    others = own_data.others_of(merged, contributions[0], weights[0], sum(weights))
+    assert others is not None
+    assert torch.allclose(others["w"], (2.0 * contributions[1]["w"] + 3.0 * contributions[2]["w"]) / 5.0)
+    assert own_data.others_of(merged, contributions[0], 6.0, 6.0) is None  # nothing else had weight
 
 
 def test_the_gains_of_pseudo_gradients_leave_the_live_parameters_as_they_were_and_the_anchor_gains_nothing() -> None:
@@ -61,3 +68,41 @@ def test_the_gains_of_pseudo_gradients_leave_the_live_parameters_as_they_were_an
 
     run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=3), train, val, before_merge=audit)
     assert seen
+
+
+def test_an_auditor_rebuilds_the_senders_batches_from_its_seed_and_draws_and_audits_on_its_own_model() -> None:
+    """A peer's audit of a composer's contribution evaluates on the auditor's model, on the batches the composer's
+    sampler handed out last before the contribution was taken: the composer's own replay of its stream, no more
+    than the group's period. The composers sample one stream, as a run's nodes sample its corpus."""
+    train, val = split_corpus(load_corpus()[:200_000])
+    cfg = config.TrainConfig(
+        model=config.preset("tiny"), steps=8, batch_size=4, eval_batches=2,
+        sync=config.SyncConfig(periods={"router": 2, "latent": 3, "backbone": 4}),
+        surrogate=config.SurrogateConfig(refresh_every=3, distill_steps=2, buffer_tokens=64),
+        sim=config.SimConfig(data="stream"),
+    )
+    checked = []
+
+    def audit(composers, group, step):
+        if group != own_data.GROUP or checked:
+            return
+        sender, auditor_model, third = composers
+        offered = sender.outer[group].pseudo_gradient()
+        rest = [c.outer[group].pseudo_gradient() for c in (auditor_model, third)]
+        others = {n: (rest[0][n] + rest[1][n]) / 2 for n in offered}
+        events: list[dict[str, object]] = []
+        audits = own_data.OwnDataAudits()
+        auditor = own_data.Auditor(auditor_model, {"sender": sender.sampler.seed}.get, period=3, audits=audits,
+                                   event=lambda name, **fields: events.append({"name": name, **fields}))
+        drawn = sender.sampler.step
+        value = auditor(group, own_data.Case("sender", drawn, offered, others))
+        own, merged = own_data.gains(auditor_model, group, [offered, others], sender.sampler.replay(drawn - 3, 3))
+        assert value == own_data.margin(own, merged) and audits.margins("sender") == [value]
+        assert events and events[0]["name"] == "own_data_audit" and events[0]["peer"] == "sender"
+        assert auditor(group, own_data.Case("stranger", drawn, offered, others)) is None  # no seed known
+        assert auditor(group, own_data.Case("sender", 0, offered, others)) is None  # nothing drawn
+        assert audits.margins("sender") == [value] and audits.margins("stranger") == []
+        checked.append(value)
+
+    run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=3), train, val, before_merge=audit)
+    assert checked
