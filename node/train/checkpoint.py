@@ -4,7 +4,7 @@ A checkpoint holds everything a composer needs to continue *bit for bit* as if i
 (``parallax node join --checkpoint-dir DIR --resume``): the weights it holds (owned experts, the
 shared groups, every surrogate), the inner AdamW state and the LR schedule, the outer optimizers'
 anchors and momenta, the error-feedback mirrors of its published surrogates, the data sampler's
-generator, the activation buffers distillation reads, and its counters. The manifest adds the config,
+draw count, the activation buffers distillation reads, and its counters. The manifest adds the config,
 the run id, the ownership and the surrogate versions the node had applied.
 
 Layout on disk::
@@ -21,7 +21,7 @@ Layout on disk::
         optimizer.safetensors      inner AdamW moments and step counts, keyed by parameter name
         outer.safetensors          per shared group: the anchor and the SGD momentum
         publishers.safetensors     per owned expert: what receivers hold of its surrogate
-        data.safetensors           sampler generator, sketch generator, activation ring buffers
+        data.safetensors           sketch generator, activation ring buffers
       .tmp-step-000000126-1f2e/    a save under way, or one a crash left (removed by the next save)
 
 Atomicity: a save writes every file into a temporary folder beside the target, fsyncs the files (the
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 """(layer, expert)"""
 
 FORMAT = "parallax-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped whenever a reader of the previous version would misread a checkpoint."""
 
 MANIFEST = "manifest.json"
@@ -590,7 +590,6 @@ def _collect(composer: Composer) -> tuple[dict[str, dict[str, torch.Tensor]], di
             t["publishers"][f"{layer}.{expert}/{n}"] = _cpu(v)
 
     sampler = composer.sampler.state_dict()
-    t["data"]["sampler/generator"] = _cpu(sampler.pop("generator"))
     t["data"]["sketch/generator"] = _cpu(composer.sketch_rng.get_state())
     recorder = None
     if composer.recorder is not None:
@@ -661,8 +660,8 @@ def _plan_restore(composer: Composer, meta: Mapping[str, Any],
             layer, expert = (int(x) for x in key.split("."))
             rows[(layer, expert)] = (r, int(pos["next"]), int(pos["filled"]))
     _no_extras("data.safetensors", t["data"],
-               {"sampler/generator", "sketch/generator", *(f"recorder/{l}.{e}" for l, e in rows)})
-    sampler_state = dict(meta["sampler"], generator=t["data"]["sampler/generator"])
+               {"sketch/generator", *(f"recorder/{l}.{e}" for l, e in rows)})
+    sampler_state = dict(meta["sampler"])
     sketch_state = t["data"]["sketch/generator"]
     counters = meta["counters"]
     scheduler = meta["scheduler"]

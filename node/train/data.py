@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -181,9 +182,10 @@ def data_seed(fingerprint: str, seed: int) -> int:
 class BatchSampler:
     """Random training windows from one token stream, reproducible and resumable.
 
-    Windows start at uniformly random offsets drawn from a ``torch.Generator`` seeded with ``seed``,
-    so the same seed gives the same stream on every machine, and ``state_dict`` lets a checkpoint
-    resume it exactly.
+    Draw ``i``'s windows start at uniformly random offsets drawn by a generator seeded with (``seed``, ``i``) alone
+    (numpy's ``SeedSequence`` mixes the two), so the same seed gives the same stream on every machine, a checkpoint
+    resumes it from the draw count, and any peer that knows the seed rebuilds any draw without the ones before it
+    (``replay``: what checks another's work on its own data, ``own_data``).
     """
 
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> None:
@@ -191,13 +193,15 @@ class BatchSampler:
             tokens: the token stream [N] (any integer dtype; uint8 for bytes).
             batch_size: windows per batch, B.
             seq_len: tokens per window, T.
-            seed: generator seed (per composer: config seed + composer index).
+            seed: generator seed, >= 0 (a node's: ``data_seed``; the simulator's: config seed + composer index).
 
         Raises:
-            ValueError: non-positive sizes, or fewer than seq_len + 1 tokens.
+            ValueError: non-positive sizes, a negative seed, or fewer than seq_len + 1 tokens.
         """
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if seed < 0:
+            raise ValueError(f"a sampler's seed must be >= 0, got {seed}")
         if tokens.dim() != 1 or len(tokens) < seq_len + 1:
             raise ValueError(
                 f"need a 1-D stream of at least seq_len + 1 = {seq_len + 1} tokens, got shape "
@@ -208,7 +212,6 @@ class BatchSampler:
         self.seq_len = seq_len
         self.seed = seed
         self.step = 0
-        self._gen = torch.Generator().manual_seed(seed)
         self._offsets_T1 = torch.arange(seq_len + 1)
 
     @property
@@ -218,31 +221,29 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns: (x [B, T], y [B, T]) int64 on CPU, y[:, t] = x[:, t + 1] in the stream."""
-        starts_B = self._starts()
-        windows_BT1 = self.tokens[starts_B[:, None] + self._offsets_T1].long()
+        batch = self._batch(self.step)
         self.step += 1
-        return windows_BT1[:, :-1], windows_BT1[:, 1:]
+        return batch
 
     def replay(self, first: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The batches this sampler's stream hands out as its draws ``first`` to ``first + count - 1`` (counting from
-        0), from its seed alone: what another peer that knows the seed and the draw count can rebuild of the data a
-        sampler's owner trained on. Leaves this sampler where it is."""
+        0), from its seed alone, at a cost of ``count`` draws: what another peer that knows the seed and the draw count
+        can rebuild of the data a sampler's owner trained on. Leaves this sampler where it is."""
         if first < 0 or count < 0:
             raise ValueError(f"draws must be non-negative, got first={first}, count={count}")
-        twin = BatchSampler(self.tokens, self.batch_size, self.seq_len, self.seed)
-        for _ in range(first):
-            twin._starts()
-        return [twin.next_batch() for _ in range(count)]
+        return [self._batch(draw) for draw in range(first, first + count)]
 
-    def _starts(self) -> torch.Tensor:
-        """The next batch's window starts [B], drawn from the generator (all a draw takes of it)."""
+    def _batch(self, draw: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Highest start is N - T - 1 so that the target window (one further) still fits.
-        return torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=self._gen)
+        starts = np.random.default_rng([self.seed, draw]).integers(0, len(self.tokens) - self.seq_len,
+                                                                   size=self.batch_size)
+        windows_BT1 = self.tokens[torch.from_numpy(starts)[:, None] + self._offsets_T1].long()
+        return windows_BT1[:, :-1], windows_BT1[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume the exact stream: generator state, step count, shape."""
-        return {"generator": self._gen.get_state(), "step": self.step, "seed": self.seed,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "n_tokens": len(self.tokens)}
+        """Everything needed to resume the exact stream: the draw count, the seed, the shape."""
+        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "n_tokens": len(self.tokens)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``.
@@ -256,7 +257,6 @@ class BatchSampler:
             if state[key] != mine:
                 raise ValueError(f"sampler state has {key}={state[key]} but this sampler has {mine}; "
                                  "resume with the same data, shard and batch shape")
-        self._gen.set_state(state["generator"])
         self.step = int(state["step"])
         self.seed = int(state["seed"])
 

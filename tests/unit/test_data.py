@@ -113,6 +113,12 @@ def test_a_sampler_replays_any_of_its_draws_from_its_seed_and_stays_where_it_is(
     assert torch.equal(a.next_batch()[0], following[0])
     with pytest.raises(ValueError, match="non-negative"):
         a.replay(-1, 2)
+    # A draw is a function of the seed and its number alone: one far along the stream costs one draw (a peer's claim
+    # names the count; a stream replayed from its start would cost a liar's count of draws).
+    far = a.replay(10**15, 2)
+    assert len(far) == 2 and not torch.equal(far[0][0], far[1][0])
+    with pytest.raises(ValueError, match="seed"):
+        BatchSampler(tokens, 3, 8, seed=-1)
 
 
 def test_sampler_rejects_short_stream():
