@@ -16,8 +16,8 @@ For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge
 
 Three auditors: ``self``, on the composer's own model (its experts trained, the others' surrogates); ``peer``, on the
 next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, on the next
-composer's model, against the mean of all the others' pseudo-gradients, none left out (what a node that holds the
-round's merge and the audited contribution alone can compute).
+composer's model, against the round's robust merge of every offered pseudo-gradient, the audited one included (what
+a node computes: ``train.own_data``).
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
 and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
@@ -38,11 +38,12 @@ import torch
 from parallax.benchmarks.quality import _preset_name
 from parallax.benchmarks.report import write_report
 from parallax.node.config.train import TrainConfig
+from parallax.node.outer.wire import OuterSyncConfig
 from parallax.node.sim.simulator import ProgressFn, RunSpec, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
 from parallax.node.train.own_data import BATCHES, WINDOW, gains, idle_share, margin
-from parallax.node.train.robust import merge_geometry
+from parallax.node.train.robust import merge_geometry, robust_merge_groups
 
 DEFAULT_RUNS = ("honest", "copier")
 GROUP = "backbone"
@@ -59,8 +60,8 @@ NOISE = 0.01
 class _Audit:
     """The ``before_merge`` of one run: the copier's offer, then each composer's margin at each ``GROUP`` round."""
 
-    def __init__(self, copier: bool, period: int, seed: int) -> None:
-        self.copier, self.period = copier, period
+    def __init__(self, copier: bool, period: int, seed: int, wire: OuterSyncConfig) -> None:
+        self.copier, self.period, self.wire = copier, period, wire
         self.noise = torch.Generator().manual_seed(seed)
         self.margins: dict[str, dict[int, list[float]]] = {auditor: {} for auditor in AUDITORS}
         self._idle = False
@@ -80,6 +81,10 @@ class _Audit:
         if group != GROUP:
             return
         gram = merge_geometry(offered, offered[0])["gram"]
+        tokens = [float(c.tokens_since_merge[group]) for c in composers]
+        whole_merge, _ = robust_merge_groups(offered, tokens, self.wire.method, eps=self.wire.rda_eps)
+        if whole_merge is None:
+            return
         for i, composer in enumerate(composers):
             drawn = composer.sampler.step
             # The batches since the group's last merge (a round off its schedule, the run's last, comes early).
@@ -90,11 +95,9 @@ class _Audit:
             if count < 1 or drawn < count or not others:
                 continue
             merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
-            everyone = {name: torch.stack([d[name] for j, d in enumerate(offered) if j != i]).mean(0)
-                        for name in offered[i]}
             batches = composer.sampler.replay(drawn - count, count)
             own, whole = gains(composer, group, [offered[i], merged], batches)
-            seen = gains(composers[(i + 1) % len(composers)], group, [offered[i], merged, everyone], batches)
+            seen = gains(composers[(i + 1) % len(composers)], group, [offered[i], merged, whole_merge], batches)
             values = margin(own, whole), margin(seen[0], seen[1]), margin(seen[0], seen[2])
             for auditor, value in zip(AUDITORS, values, strict=True):
                 self.margins[auditor].setdefault(i, []).append(value)
@@ -117,7 +120,7 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
                               "runs": {}}
     started = time.perf_counter()
     for name in runs:
-        audit = _Audit(name == "copier", cfg.sync.periods[GROUP], cfg.seed)
+        audit = _Audit(name == "copier", cfg.sync.periods[GROUP], cfg.seed, OuterSyncConfig(sync=cfg.sync))
         result = run(RunSpec(name=name, kind="parallax", cfg=cfg, composers=composers), train, val,
                      progress=progress, before_merge=audit)
         rows = []
@@ -138,7 +141,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Work on one's own data: {report['composers']} composers, preset {report['preset']}, "
              f"{report['steps']} steps, periods {report['periods']}; each {report['group']} round, every composer's "
              f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches, evaluated "
-             f"on its own model (self), on the next composer's (peer), and there against every other contribution "
+             f"on its own model (self), on the next composer's (peer), and there against the round's robust merge "
              f"(node); judged on its last {report['window']} audits.", "",
              "| run | composer | auditor | audits | margins > 0 | median margin | windows judging it idle |",
              "|---|---|---|---|---|---|---|"]

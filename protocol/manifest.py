@@ -246,6 +246,10 @@ def _load(path: Path, cls: type[Any]) -> Any:
         if not isinstance(obj, dict) or obj.get("kind") != cls.KIND:
             raise ValueError(f"not a {what} (kind {obj.get('kind') if isinstance(obj, dict) else None!r})")
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        missing = [f.name for f in fields.values() if f.default is dataclasses.MISSING and f.name not in obj]
+        if missing:
+            raise ValueError(f"it has no {', '.join(missing)} (a manifest of an older Parallax: ask the run's "
+                             "creator for one written by this release, `parallax run create`)")
         kwargs: dict[str, Any] = {}
         for name, value in obj.items():
             if name not in fields:
@@ -268,6 +272,7 @@ __all__ = [
     "RunManifest",
     "admit",
     "check_member",
+    "corpus_digest",
     "create",
     "load_cert",
     "load_manifest",

@@ -283,6 +283,11 @@ class GatheredRounds:
                 self._withdrawn(n, RoundStatus.FAILED if failed is not None else RoundStatus.NO_TOKENS, started,
                                 common)
                 return None
+            try:
+                audit = self._start_audit(n, participants, found, common["tokens"])
+            except Exception as e:  # an audit is evidence about a peer, never a reason to lose a round
+                logger.warning("outer round %s/%d: no contribution to audit: %r", self.group, n, e)
+                audit = None
             if fault is not None:
                 fault(merged)
             fp = fingerprint([merged[name] for name in self.shapes], local_norms)
@@ -311,7 +316,7 @@ class GatheredRounds:
                         common["geometry"] = {**geometry, "weights": weights, "contributions": list(participants)}
                 self.report(RoundStatus.OK, started, **common)
                 self._flights.forget(set(participants).__contains__)  # merged: no round of this node asks again
-                self.last_case = self._own_data_case(n, participants, found, merged, common["tokens"])
+                self.last_case = self._own_data_case(n, audit, found, merged)
                 return merged
             if status is RoundStatus.SUPERSEDED:
                 # Nobody can apply our set: its other senders merged their contributions in sets without ours and went
@@ -347,35 +352,40 @@ class GatheredRounds:
         self.report(status, started, **common)
         return None
 
-    def _own_data_case(self, n: int, participants: tuple[str, ...], found: Mapping[str, Fetched],
-                       merged: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> own_data.Case | None:
-        """One other contribution of the merged set, drawn at random among those with weight and draws, to audit for
-        work on its sender's own data (``train.own_data``), with the merge of the rest; None in another group than
-        ``own_data.GROUP``, or when none can be had. Partitioned, its blocks are fetched whole: one contribution a
-        round, whatever the set's size."""
+    def _start_audit(self, n: int, participants: tuple[str, ...], found: Mapping[str, Fetched],
+                     weights: Mapping[str, float]) -> tuple[str, Future[dict[str, torch.Tensor]]] | None:
+        """One other contribution of the set being merged, drawn at random among those with weight, to audit for work
+        on its sender's own data (``train.own_data``), and its tensors: at hand in a gathered round; partitioned, its
+        blocks fetched whole in the background while the round verifies (one contribution a round, whatever the
+        set's size). None in another group than ``own_data.GROUP``."""
         if self.group != own_data.GROUP:
             return None
         me = pair(self.peer_id, n)
-        candidates = [p for p in participants if p != me and weights.get(split_pair(p)[0], 0.0) > 0
-                      and found[p].drawn > 0]
+        candidates = [p for p in participants if p != me and weights.get(split_pair(p)[0], 0.0) > 0]
         if not candidates:
             return None
         name = random.SystemRandom().choice(candidates)
-        peer = split_pair(name)[0]
-        offered: Mapping[str, torch.Tensor] = found[name].tensors
-        if self.parts is not None:
-            with self._lock:
-                claim = self._claims.get(peer, {}).get(name)
-            if claim is None:
-                return None
-            try:
-                offered = self.parts.fetch_whole(name, claim)
-            except Unmergeable as e:
-                logger.info("outer round %s/%d: the contribution of peer %s to audit did not arrive: %s", self.group,
-                            n, peer, e)
-                return None
-        others = own_data.others_of(merged, offered, weights[peer], sum(weights.values()))
-        return None if others is None else own_data.Case(peer, found[name].drawn, offered, others)
+        if self.parts is None:
+            held: Future[dict[str, torch.Tensor]] = Future()
+            held.set_result(found[name].tensors)
+            return name, held
+        with self._lock:
+            claim = self._claims.get(split_pair(name)[0], {}).get(name)
+        return None if claim is None else (name, self.parts.pool.submit(self.parts.fetch_whole, name, claim))
+
+    def _own_data_case(self, n: int, audit: tuple[str, Future[dict[str, torch.Tensor]]] | None,
+                       found: Mapping[str, Fetched], merged: dict[str, torch.Tensor]) -> own_data.Case | None:
+        """The case ``_start_audit`` began, with the round's merge; None when its contribution did not arrive within a
+        message's bound more (the fetch ends on its own bound; a round that verified never waits on it longer)."""
+        if audit is None:
+            return None
+        name, flight = audit
+        try:
+            offered = flight.result(timeout=self.config.net.next_chunk_timeout_s)
+        except Exception as e:  # a fetch that failed or is still on its way: no audit this round
+            logger.info("outer round %s/%d: the contribution %s to audit did not arrive: %r", self.group, n, name, e)
+            return None
+        return own_data.Case(split_pair(name)[0], found[name].drawn, offered, merged)
 
     def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
                     participants: Sequence[str], tag: bytes, deadline: float) -> tuple[str, ...]:

@@ -198,6 +198,12 @@ class Node:
             composer = Composer(cfg, info.owned, train_tokens, sampler_seed=sampler_seed, device=device,
                                 replica_outers=cfg.ownership.replicas > 1)
             loaded = load_checkpoint(checkpoint, composer, run_id=c.peer.run_id)
+            if composer.sampler.seed != sampler_seed:
+                # Another identity's checkpoint: this node's batches must be the ones its peers rebuild from its own
+                # identity (``own_data``), so its stream goes on from the draw count under its own seed.
+                logger.warning("checkpoint %s was written by another identity than this node's (%s): its data stream "
+                               "goes on under this identity's seed", checkpoint, self.identity.fingerprint)
+                composer.sampler.seed = sampler_seed
             resumed_at = loaded.step
             telemetry.event("resumed", step=loaded.step, path=str(checkpoint), state_hash=state_hash(composer))
         telemetry.phase("joining")

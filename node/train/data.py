@@ -14,7 +14,7 @@ import glob
 import hashlib
 import logging
 import os
-import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,8 +175,9 @@ def shard(train: torch.Tensor, index: int, count: int) -> torch.Tensor:
 
 def data_seed(fingerprint: str, seed: int) -> int:
     """A composer's data stream seed: its identity's fingerprint and the run's seed (stable across restarts, and
-    known to every peer: ``own_data``)."""
-    return (zlib.crc32(fingerprint.encode()) ^ seed) & 0x7FFF_FFFF
+    known to every peer: ``own_data``), 63 bits of a sha256, so no identity can be ground to share another's stream."""
+    digest = hashlib.sha256(f"parallax/data-seed/{seed}/{fingerprint}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 class BatchSampler:
@@ -231,7 +232,14 @@ class BatchSampler:
         can rebuild of the data a sampler's owner trained on. Leaves this sampler where it is."""
         if first < 0 or count < 0:
             raise ValueError(f"draws must be non-negative, got first={first}, count={count}")
-        return [self._batch(draw) for draw in range(first, first + count)]
+        return self.batches(range(first, first + count))
+
+    def batches(self, draws: Iterable[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of ``draws`` (their numbers, counting from 0), each at the cost of one draw."""
+        draws = list(draws)
+        if any(draw < 0 for draw in draws):
+            raise ValueError(f"draws must be non-negative, got {min(draws)}")
+        return [self._batch(draw) for draw in draws]
 
     def _batch(self, draw: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Highest start is N - T - 1 so that the target window (one further) still fits.

@@ -9,18 +9,22 @@ another's pseudo-gradient, plus noise, holds nothing of them, and lowers the los
 which averages the noise out. ``bench own-data`` measures this in the simulator, with the audited composer's model and
 with another's (docs/benchmarks.md, "Work on one's own data").
 
-An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``merged`` are what each pseudo-gradient
-lowers the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to work
-on its own data when fewer than half of its last ``WINDOW`` margins are positive (``judged_idle``).
+An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``merged`` are what the contribution and a
+merge lower the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to
+work on its own data when fewer than half of its last ``WINDOW`` margins are positive (``judged_idle``).
 
 A node audits one contribution of each of its ``GROUP`` rounds that merged (``Case``, drawn at random among the
-set's others by ``outer.gathered``), on its own model, at the seam that applies the round (``Auditor``); while a
-peer's margins judge it idle, its work counts for nothing in this node's view (``peer.views.SwarmViews.worked``).
+set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam that applies the round
+(``Auditor``); while a peer's margins judge it idle, its work counts for nothing in this node's view
+(``peer.views.SwarmViews.worked``). The merge holds the audited contribution too (a partitioned round's node holds no
+other whole): an honest one still learns more of its own batches than a merge that dilutes it does.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -92,16 +96,25 @@ class OwnDataAudits:
     def __init__(self, window: int = WINDOW, peers_kept: int = PEERS_KEPT) -> None:
         self.window, self.peers_kept = window, peers_kept
         self._margins: OrderedDict[str, list[float]] = OrderedDict()
+        self._drawn: dict[str, int] = {}  # of ``_margins``' peers: the largest draw count an audited claim named
         self._lock = threading.Lock()
 
-    def add(self, peer: str, value: float) -> bool:
-        """Note an audit of ``peer``; returns whether its margins now judge it idle."""
+    def add(self, peer: str, value: float, *, drawn: int = 0) -> bool:
+        """Note an audit of ``peer`` (of a claim naming ``drawn`` draws); returns whether its margins now judge it
+        idle."""
         with self._lock:
             kept = [*self._margins.pop(peer, []), value][-self.window:]
             self._margins[peer] = kept
+            self._drawn[peer] = max(self._drawn.get(peer, 0), drawn)
             while len(self._margins) > self.peers_kept:
-                self._margins.popitem(last=False)
+                gone, _ = self._margins.popitem(last=False)
+                self._drawn.pop(gone, None)
         return judged_idle(kept, self.window)
+
+    def drawn(self, peer: str) -> int:
+        """The largest draw count an audited claim of ``peer`` named (0: none audited)."""
+        with self._lock:
+            return self._drawn.get(peer, 0)
 
     def judged(self, peer: str) -> bool:
         return judged_idle(self.margins(peer), self.window)
@@ -115,26 +128,24 @@ class OwnDataAudits:
 @dataclass(frozen=True)
 class Case:
     """A contribution to audit: its sender (libp2p peer id), the draws its signed claim names (``RoundEntry.drawn``),
-    its pseudo-gradient as decoded, and the merge of the set's other contributions (the round's merge with this one
-    taken out by its weight)."""
+    its pseudo-gradient as decoded, and the round's merge (every contribution of the set, this one included, as the
+    round merged them)."""
 
     peer: str
     drawn: int
     offered: Mapping[str, torch.Tensor]
-    others: Mapping[str, torch.Tensor]
+    merged: Mapping[str, torch.Tensor]
 
 
-def others_of(merged: Mapping[str, torch.Tensor], offered: Mapping[str, torch.Tensor], weight: float,
-              total: float) -> dict[str, torch.Tensor] | None:
-    """The merge of a set's contributions but ``offered``, from the set's merge (``merged``, a weighted mean of
-    ``total`` weight) and ``offered``'s ``weight`` in it; None when nothing else had weight."""
-    if not total - weight > 0:
-        return None
-    return {name: (total * merged[name] - weight * offered[name]) / (total - weight) for name in merged}
+FAILED = -1.0
+"""The margin of a claim no honest sender makes: no draws, or no more than its claim audited before."""
 
 
 class Auditor:
     """Audits contributions on this node's composer (the training thread's: at the seam, ``BackgroundRounds``).
+
+    The batches are ``BATCHES`` of the sender's last ``period`` draws before its claim's count, drawn at random: a
+    sender must have trained on all of its period's batches to pass, not on a few it could know would be asked.
 
     Args:
         composer: this node's; its anchor of ``GROUP`` is the one the audited contributions were taken from.
@@ -148,25 +159,30 @@ class Auditor:
     def __init__(self, composer: Composer, seed_of: Callable[[str], int | None], period: int,
                  audits: OwnDataAudits, event: Callable[..., None] | None = None) -> None:
         self.composer, self.seed_of, self.period, self.audits, self.event = composer, seed_of, period, audits, event
+        self._random = random.SystemRandom()
 
     def __call__(self, group: str, case: Case) -> float | None:
         """Audit ``case`` of ``group``: its margin, or None when its sender's data cannot be rebuilt here."""
         seed = self.seed_of(case.peer)
-        count = min(BATCHES, self.period, case.drawn)
-        if seed is None or count < 1:
+        if seed is None:
             return None
-        sampler = self.composer.sampler
-        batches = BatchSampler(sampler.tokens, sampler.batch_size, sampler.seq_len, seed).replay(
-            case.drawn - count, count)
-        own, merged = gains(self.composer, group, [case.offered, case.others], batches)
-        value = margin(own, merged)
+        own = merged = math.nan
+        if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer):
+            value = FAILED  # an honest sender's count grows with every round it trains
+        else:
+            sampler = self.composer.sampler
+            draws = sorted(self._random.sample(range(max(0, case.drawn - self.period), case.drawn),
+                                               min(BATCHES, self.period, case.drawn)))
+            batches = BatchSampler(sampler.tokens, sampler.batch_size, sampler.seq_len, seed).batches(draws)
+            own, merged = gains(self.composer, group, [case.offered, case.merged], batches)
+            value = margin(own, merged)
         before = self.audits.judged(case.peer)
-        judged = self.audits.add(case.peer, value)
+        judged = self.audits.add(case.peer, value, drawn=case.drawn)
         if judged != before:
             if judged:
-                logger.warning("peer %s: its contributions learn less of the batches it says it drew than the merge "
-                               "of the others' does in %d of its last %d audits; its work counts for nothing here "
-                               "until they do", case.peer, sum(m <= 0 for m in self.audits.margins(case.peer)),
+                logger.warning("peer %s: its contributions learn less of the batches it says it drew than the round's "
+                               "merge does in %d of its last %d audits; its work counts for nothing here until they "
+                               "do", case.peer, sum(m <= 0 for m in self.audits.margins(case.peer)),
                                self.audits.window)
             else:
                 logger.info("peer %s: its contributions learn of its own batches again; its work counts", case.peer)

@@ -69,6 +69,10 @@ def test_manifest_files_round_trip_and_an_altered_file_is_refused(tmp_path):
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(manifests.ManifestError, match="not valid"):
         manifests.load_manifest(tmp_path / "junk.json")
+    del doc["corpus"]  # a manifest of a release before the corpus was a term
+    path.write_text(json.dumps(doc))
+    with pytest.raises(manifests.ManifestError, match="has no corpus .* `parallax run create`"):
+        manifests.load_manifest(path)
     cert = manifests.admit(CREATOR, m, MEMBER.public_key, valid_s=60)
     manifests.save(cert, tmp_path / "m.cert")
     assert manifests.load_cert(tmp_path / "m.cert") == cert

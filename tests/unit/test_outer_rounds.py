@@ -382,8 +382,8 @@ def test_a_rounds_audit_runs_at_the_seam_before_the_anchor_moves_and_only_from_t
     not the set's (its own contribution left out, or its anchor apart from the majority's). An audit that fails costs
     the round nothing."""
     _, outer = make()
-    case = own_data.Case("QmA", 40, {"w": torch.ones(3, 2), "b": torch.ones(2)}, {"w": torch.zeros(3, 2),
-                                                                                   "b": torch.zeros(2)})
+    case = own_data.Case("QmA", 40, {"w": torch.ones(3, 2), "b": torch.ones(2)}, {"w": -torch.ones(3, 2),
+                                                                                   "b": -torch.ones(2)})
     seen: list[tuple[str, float]] = []
 
     class Audited(_WaitingAverager):

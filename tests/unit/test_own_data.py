@@ -36,16 +36,6 @@ def test_audits_keep_a_window_per_peer_and_forget_the_peer_audited_least_lately(
     assert audits.margins("b") == [] and len(audits.margins("a")) == 4 and audits.margins("c") == [1.0]
 
 
-def test_the_merge_of_the_others_is_the_merge_with_one_contribution_taken_out_by_its_weight() -> None:
-    contributions = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, -2.0])}, {"w": torch.tensor([5.0, 0.0])}]
-    weights = [1.0, 2.0, 3.0]
-    merged = {"w": sum(w * c["w"] for w, c in zip(weights, contributions, strict=True)) / sum(weights)}
-    others = own_data.others_of(merged, contributions[0], weights[0], sum(weights))
-    assert others is not None
-    assert torch.allclose(others["w"], (2.0 * contributions[1]["w"] + 3.0 * contributions[2]["w"]) / 5.0)
-    assert own_data.others_of(merged, contributions[0], 6.0, 6.0) is None  # nothing else had weight
-
-
 def test_the_gains_of_pseudo_gradients_leave_the_live_parameters_as_they_were_and_the_anchor_gains_nothing() -> None:
     train, val = split_corpus(load_corpus()[:200_000])
     cfg = config.TrainConfig(
@@ -87,21 +77,26 @@ def test_an_auditor_rebuilds_the_senders_batches_from_its_seed_and_draws_and_aud
         if group != own_data.GROUP or checked:
             return
         sender, auditor_model, third = composers
-        offered = sender.outer[group].pseudo_gradient()
-        rest = [c.outer[group].pseudo_gradient() for c in (auditor_model, third)]
-        others = {n: (rest[0][n] + rest[1][n]) / 2 for n in offered}
+        offered = [c.outer[group].pseudo_gradient() for c in composers]
+        merge = {n: sum(d[n] for d in offered) / 3 for n in offered[0]}
         events: list[dict[str, object]] = []
         audits = own_data.OwnDataAudits()
-        auditor = own_data.Auditor(auditor_model, {"sender": sender.sampler.seed}.get, period=3, audits=audits,
+        auditor = own_data.Auditor(auditor_model, {"sender": sender.sampler.seed, "third": third.sampler.seed}.get,
+                                   period=3, audits=audits,
                                    event=lambda name, **fields: events.append({"name": name, **fields}))
         drawn = sender.sampler.step
-        value = auditor(group, own_data.Case("sender", drawn, offered, others))
-        own, merged = own_data.gains(auditor_model, group, [offered, others], sender.sampler.replay(drawn - 3, 3))
+        value = auditor(group, own_data.Case("sender", drawn, offered[0], merge))
+        # A period of 3 draws: all three of the sender's last are audited.
+        own, merged = own_data.gains(auditor_model, group, [offered[0], merge], sender.sampler.replay(drawn - 3, 3))
         assert value == own_data.margin(own, merged) and audits.margins("sender") == [value]
+        assert audits.drawn("sender") == drawn
         assert events and events[0]["name"] == "own_data_audit" and events[0]["peer"] == "sender"
-        assert auditor(group, own_data.Case("stranger", drawn, offered, others)) is None  # no seed known
-        assert auditor(group, own_data.Case("sender", 0, offered, others)) is None  # nothing drawn
-        assert audits.margins("sender") == [value] and audits.margins("stranger") == []
+        assert auditor(group, own_data.Case("stranger", drawn, offered[0], merge)) is None  # no seed known
+        assert audits.margins("stranger") == []
+        # Claims no honest sender makes fail without an evaluation: the same count again, or none at all.
+        assert auditor(group, own_data.Case("sender", drawn, offered[0], merge)) == own_data.FAILED
+        assert auditor(group, own_data.Case("third", 0, offered[2], merge)) == own_data.FAILED
+        assert audits.margins("sender") == [value, own_data.FAILED] and audits.margins("third") == [own_data.FAILED]
         checked.append(value)
 
     run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=3), train, val, before_merge=audit)
