@@ -15,9 +15,10 @@ For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge
 - ``margin``: ``(own - merged) / |merged|`` (``train.own_data``).
 
 Three auditors: ``self``, on the composer's own model (its experts trained, the others' surrogates); ``peer``, on the
-next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, on the next
-composer's model, against the round's robust merge of every offered pseudo-gradient, the audited one included (what
-a node computes: ``train.own_data``).
+next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, a node's own
+(``train.own_data.Auditor`` on the next composer's model: ``BATCHES`` of the composer's last period's draws at random,
+against the round's robust merge of every offered pseudo-gradient, the audited one included), run only where the
+composers sample one stream as a run's nodes do (``--set sim.data=stream``).
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
 and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
@@ -42,7 +43,7 @@ from parallax.node.outer.wire import OuterSyncConfig
 from parallax.node.sim.simulator import ProgressFn, RunSpec, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
-from parallax.node.train.own_data import BATCHES, WINDOW, gains, idle_share, margin
+from parallax.node.train.own_data import BATCHES, WINDOW, Auditor, Case, OwnDataAudits, gains, idle_share, margin
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
 
 DEFAULT_RUNS = ("honest", "copier")
@@ -64,6 +65,7 @@ class _Audit:
         self.copier, self.period, self.wire = copier, period, wire
         self.noise = torch.Generator().manual_seed(seed)
         self.margins: dict[str, dict[int, list[float]]] = {auditor: {} for auditor in AUDITORS}
+        self._nodes: dict[int, Auditor] = {}  # per audited composer: the node's auditor on the next one's model
         self._idle = False
 
     def __call__(self, composers: Sequence[Composer], group: str, step: int) -> None:
@@ -97,10 +99,16 @@ class _Audit:
             merged = {name: torch.stack([d[name] for d in others]).mean(0) for name in offered[i]}
             batches = composer.sampler.replay(drawn - count, count)
             own, whole = gains(composer, group, [offered[i], merged], batches)
-            seen = gains(composers[(i + 1) % len(composers)], group, [offered[i], merged, whole_merge], batches)
-            values = margin(own, whole), margin(seen[0], seen[1]), margin(seen[0], seen[2])
-            for auditor, value in zip(AUDITORS, values, strict=True):
-                self.margins[auditor].setdefault(i, []).append(value)
+            auditor = composers[(i + 1) % len(composers)]
+            seen = gains(auditor, group, [offered[i], merged], batches)
+            values: dict[str, float | None] = {"self": margin(own, whole), "peer": margin(seen[0], seen[1])}
+            if composer.cfg.sim.data == "stream":  # the node's rebuilds the sender's batches from the run's stream
+                seeds = {str(i): composer.sampler.seed}
+                node = self._nodes.setdefault(i, Auditor(auditor, seeds.get, self.period, OwnDataAudits()))
+                values["node"] = node(group, Case(str(i), drawn, offered[i], whole_merge))
+            for name, value in values.items():
+                if value is not None:
+                    self.margins[name].setdefault(i, []).append(value)
 
 
 def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, runs: Sequence[str] = DEFAULT_RUNS,

@@ -13,6 +13,7 @@ def _cfg(steps: int) -> config.TrainConfig:
         model=config.preset("tiny"), steps=steps, batch_size=4, eval_batches=2,
         sync=config.SyncConfig(periods={"router": 2, "latent": 3, "backbone": 4}),
         surrogate=config.SurrogateConfig(refresh_every=3, distill_steps=2, buffer_tokens=64),
+        sim=config.SimConfig(data="stream"),  # one stream, as nodes sample it: the node's auditor runs
     )
 
 
