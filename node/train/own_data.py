@@ -23,7 +23,6 @@ other whole): an honest one still learns more of its own batches than a merge th
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 from collections import OrderedDict
@@ -166,7 +165,8 @@ class Auditor:
         seed = self.seed_of(case.peer)
         if seed is None:
             return None
-        own = merged = math.nan
+        own: float | None = None
+        merged: float | None = None
         if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer):
             value = FAILED  # an honest sender's count grows with every round it trains
         else:
@@ -187,6 +187,7 @@ class Auditor:
             else:
                 logger.info("peer %s: its contributions learn of its own batches again; its work counts", case.peer)
         if self.event is not None:
-            self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4), own=round(own, 6),
-                       merged=round(merged, 6), drawn=case.drawn, judged=judged)
+            self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4),
+                       own=None if own is None else round(own, 6), merged=None if merged is None else round(merged, 6),
+                       drawn=case.drawn, judged=judged)
         return value

@@ -3,6 +3,7 @@ data and shards) train the same losses, step for step, however their processes w
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def _losses(folder: Path, keys: Path | None = None) -> list[list[float]]:
     finally:
         swarm.close()
     assert all(n.process.returncode == 0 for n in swarm.nodes), swarm.describe()
+    # Each audited the other's backbone contribution on its own model, on the batches rebuilt from the other's
+    # identity and signed draw count (``train.own_data``).
+    for node in swarm.nodes:
+        audits = [r for r in read_metrics(node.metrics) if r.get("kind") == "own_data_audit"]
+        assert audits and all(math.isfinite(r["own"]) and r["drawn"] >= 30 for r in audits), (node.metrics, audits)
     return [[r["loss"] for r in read_metrics(n.metrics) if r.get("kind") == "step"] for n in swarm.nodes]
 
 
