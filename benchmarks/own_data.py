@@ -16,15 +16,15 @@ For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge
 
 Three auditors: ``self``, on the composer's own model (its experts trained, the others' surrogates); ``peer``, on the
 next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, a node's own
-(``train.own_data.Auditor`` on the next composer's model: ``BATCHES`` of the composer's last period's draws at random,
-against the round's robust merge of every offered pseudo-gradient, the audited one included), run only where the
-composers sample one stream as a run's nodes do (``--set sim.data=stream``).
+(``train.own_data.Auditor`` on the next composer's model: the same batches, against the round's robust merge of every
+offered pseudo-gradient, the audited one included), run only where the composers sample one stream as a run's nodes
+do (``--set sim.data=stream``). A judgement counts an audit as failed below ``own_data.FAILS_BELOW``.
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
 and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
-does). Reported per composer and auditor: the rounds audited, the share of positive margins, the median margin, and
-for a rule that judges a composer on its last ``WINDOW`` audits (not working on its data when fewer than half are
-positive) the share of windows that judge it so.
+does). Reported per composer and auditor: the rounds audited, the shares of positive and of passing margins (above
+``own_data.FAILS_BELOW``), the median margin, and for the node's rule (``own_data.judged_idle``: not working on its
+data when fewer than half of its last ``WINDOW`` audits pass) the share of windows that judge it so.
 """
 
 from __future__ import annotations
@@ -43,7 +43,17 @@ from parallax.node.outer.wire import OuterSyncConfig
 from parallax.node.sim.simulator import ProgressFn, RunSpec, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
-from parallax.node.train.own_data import BATCHES, WINDOW, Auditor, Case, OwnDataAudits, gains, idle_share, margin
+from parallax.node.train.own_data import (
+    BATCHES,
+    FAILS_BELOW,
+    WINDOW,
+    Auditor,
+    Case,
+    OwnDataAudits,
+    gains,
+    idle_share,
+    margin,
+)
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
 
 DEFAULT_RUNS = ("honest", "copier")
@@ -138,6 +148,7 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
                 rows.append({"composer": i, "copier": name == "copier" and i == composers - 1, "auditor": auditor,
                              "audits": len(margins),
                              "positive": sum(m > 0 for m in margins) / len(margins) if margins else None,
+                             "passed": sum(m > FAILS_BELOW for m in margins) / len(margins) if margins else None,
                              "median_margin": statistics.median(margins) if margins else None,
                              "judged_idle": idle_share(margins), "margins": margins})
         report["runs"][name] = {"val_loss": result.val_loss, "composers": rows}
@@ -150,16 +161,18 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['steps']} steps, periods {report['periods']}; each {report['group']} round, every composer's "
              f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches, evaluated "
              f"on its own model (self), on the next composer's (peer), and there against the round's robust merge "
-             f"(node); judged on its last {report['window']} audits.", "",
-             "| run | composer | auditor | audits | margins > 0 | median margin | windows judging it idle |",
-             "|---|---|---|---|---|---|---|"]
+             f"(node); an audit passes above {FAILS_BELOW}; judged on its last {report['window']} audits.", "",
+             "| run | composer | auditor | audits | margins > 0 | passed | median margin | windows judging it idle |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         for row in r["composers"]:
             who = f"{row['composer']} (copier)" if row["copier"] else str(row["composer"])
             positive = "-" if row["positive"] is None else f"{row['positive']:.0%}"
+            passed = "-" if row["passed"] is None else f"{row['passed']:.0%}"
             median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
             idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
-            lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {median} | {idle} |")
+            lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {passed} | {median} "
+                         f"| {idle} |")
     return "\n".join(lines)
 
 

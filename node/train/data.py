@@ -14,7 +14,6 @@ import glob
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,14 +231,7 @@ class BatchSampler:
         can rebuild of the data a sampler's owner trained on. Leaves this sampler where it is."""
         if first < 0 or count < 0:
             raise ValueError(f"draws must be non-negative, got first={first}, count={count}")
-        return self.batches(range(first, first + count))
-
-    def batches(self, draws: Iterable[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The batches of ``draws`` (their numbers, counting from 0), each at the cost of one draw."""
-        draws = list(draws)
-        if any(draw < 0 for draw in draws):
-            raise ValueError(f"draws must be non-negative, got {min(draws)}")
-        return [self._batch(draw) for draw in draws]
+        return [self._batch(draw) for draw in range(first, first + count)]
 
     def _batch(self, draw: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Highest start is N - T - 1 so that the target window (one further) still fits.

@@ -18,6 +18,8 @@ def test_a_window_judges_a_peer_idle_when_fewer_than_half_its_latest_margins_are
     assert own_data.idle_share([1.0] * 7) is None
     assert own_data.idle_share([1.0] * 8) == 0.0
     assert own_data.idle_share([-1.0] * 5 + [1.0] * 4) == 0.5  # the first window of two judges it idle
+    # Margins about 0 (early in a run, every pseudo-gradient mostly what all the data has in common) pass.
+    assert not own_data.judged_idle([-0.1] * 8) and own_data.judged_idle([own_data.FAILS_BELOW] * 8)
     assert own_data.margin(3.0, 1.0) == 2.0 and own_data.margin(-1.0, -2.0) == 0.5
     assert own_data.margin(1.0, 0.0) > 0 > own_data.margin(-1.0, 0.0)
 
