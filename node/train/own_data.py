@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -169,6 +170,7 @@ class Auditor:
         seed = self.seed_of(case.peer)
         if seed is None:
             return None
+        began = time.perf_counter()
         own: float | None = None
         merged: float | None = None
         if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer):
@@ -193,5 +195,5 @@ class Auditor:
         if self.event is not None:
             self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4),
                        own=None if own is None else round(own, 6), merged=None if merged is None else round(merged, 6),
-                       drawn=case.drawn, judged=judged)
+                       drawn=case.drawn, judged=judged, seconds=round(time.perf_counter() - began, 3))
         return value
