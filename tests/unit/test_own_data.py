@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from parallax.node.config import train as config
 from parallax.node.sim.simulator import RunSpec, run
 from parallax.node.train import own_data
-from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.data import data_seed, load_corpus, split_corpus
 
 
 def test_a_window_judges_a_peer_idle_when_fewer_than_half_its_latest_margins_are_positive() -> None:
@@ -103,3 +105,32 @@ def test_an_auditor_rebuilds_the_senders_batches_from_its_seed_and_draws_and_aud
 
     run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=3), train, val, before_merge=audit)
     assert checked
+
+
+def test_the_work_of_a_peer_its_audits_judge_idle_counts_for_nothing_in_the_view_until_they_pass_again() -> None:
+    from parallax.dht.membership import Member, SwarmView
+    from parallax.node.peer.views import SwarmViews
+    from parallax.protocol.identity import Identity
+    from parallax.protocol.messages import Heartbeat
+
+    members = {}
+    for seed in (b"a", b"b"):
+        ident = Identity.from_seed(seed * 32)
+        hb = Heartbeat(peer_id="12D3KooW" + seed.decode() * 44, addresses=("/ip4/127.0.0.1/tcp/1",),
+                       role="composer", capacity=1.0, shards=(), step=10)
+        members[ident.fingerprint] = Member(ident.fingerprint, ident.public_key, hb, expires_at=1e12)
+    view = SwarmView(run_id="r", read_at=100.0, members=members)
+    worked: list[str] = []
+    membership = SimpleNamespace(view=lambda: view, worked=worked.append)
+    me, other = members.values()
+    views = SwarmViews(membership, me.fingerprint, 10, lambda *_a, **_k: None)  # type: ignore[arg-type]
+    peer = other.heartbeat.peer_id
+    views.worked(peer)
+    for _ in range(own_data.WINDOW):
+        views.own_data.add(peer, own_data.FAILED)
+    views.worked(peer)  # judged idle: nothing counts
+    for _ in range(own_data.WINDOW // 2 + 1):
+        views.own_data.add(peer, 1.0)
+    views.worked(peer)
+    assert worked == [other.fingerprint, other.fingerprint]
+    assert views.data_seed_of(peer, 7) == data_seed(other.fingerprint, 7) and views.data_seed_of("12D3KooWx", 7) is None
