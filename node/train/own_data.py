@@ -49,8 +49,8 @@ WINDOW = 8
 FAILS_BELOW = -0.2
 """An audit fails when the contribution lowers the loss on its sender's batches by more than this much less than the
 round's merge does, relative to the merge's: early in a run every pseudo-gradient is mostly what all the data has in
-common, and an honest sender's margins hover about 0 (down to -0.15 in ``bench own-data``), a copier's fall to -0.3
-and below within a few rounds."""
+common, and an honest sender's margins hover about 0 (most within 0.15 of it in ``bench own-data``, single audits down
+to -0.45), a copier's fall below -0.2 within a few rounds and stay there."""
 PEERS_KEPT = 1024
 """Peers whose margins are kept (those audited least lately go first)."""
 
