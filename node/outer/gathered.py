@@ -118,6 +118,9 @@ __all__ = ["GatheredRounds"]
 _REFUSED_KEPT = 256
 _FETCH_THREADS = 32  # per group: fetches at once, abandoned ones included (each ends on its own bounds)
 _DIGESTS_KEPT = 64  # per peer: rounds back a replay is recognised
+AUDIT_WAIT_S = 2.0
+"""How much longer than its verification a round that merged waits for the contribution it audits (``_own_data_case``;
+partitioned, fetched whole while the round verified): past it, no audit, and the round applies."""
 _EVIDENCE = {"non-finite": Evidence.NON_FINITE, "zero weight": Evidence.ZERO_WEIGHT}
 """The robust merge's reasons to drop a contribution (``ContributionAudit.dropped``), as evidence."""
 
@@ -242,7 +245,7 @@ class GatheredRounds:
             entry = sign(self.records.signer.identity, self.records.run_id, self.group, entry)
         self._publish(entry)
         me = pair(self.peer_id, n)
-        found = {me: Fetched(mine, float(tokens), entry.base, drawn)}
+        found = {me: Fetched(mine, float(tokens), entry.base, drawn, self.session)}
         pack_s = time.monotonic() - started
         seen: dict[str, float] = {}  # contribution -> when this node first read it on offer
         participants = self._collect(me, found, due, seen)
@@ -257,6 +260,7 @@ class GatheredRounds:
         verify_started = time.monotonic()
         deadline = verify_started + cfg.net.verify_timeout_s
         status, agreeing, answered = RoundStatus.NO_GROUP, 1, 1
+        audit: tuple[str, Future[dict[str, torch.Tensor]]] | None = None
         for _attempt in range(3):  # our own set, then at most twice a set more of its members merged
             if participants is None or len(participants) < self._quorum():
                 common.setdefault("participants", tuple(sorted(split_pair(p)[0] for p in found)))
@@ -283,6 +287,8 @@ class GatheredRounds:
                 self._withdrawn(n, RoundStatus.FAILED if failed is not None else RoundStatus.NO_TOKENS, started,
                                 common)
                 return None
+            if audit is not None:  # another set's, merged before: not fetched yet, never asked
+                audit[1].cancel()
             try:
                 audit = self._start_audit(n, participants, found, common["tokens"])
             except Exception as e:  # an audit is evidence about a peer, never a reason to lose a round
@@ -375,17 +381,19 @@ class GatheredRounds:
 
     def _own_data_case(self, n: int, audit: tuple[str, Future[dict[str, torch.Tensor]]] | None,
                        found: Mapping[str, Fetched], merged: dict[str, torch.Tensor]) -> own_data.Case | None:
-        """The case ``_start_audit`` began, with the round's merge; None when its contribution did not arrive within a
-        message's bound more (the fetch ends on its own bound; a round that verified never waits on it longer)."""
+        """The case ``_start_audit`` began, with the round's merge; None when its contribution did not arrive within
+        ``AUDIT_WAIT_S`` more (the fetch ends on its own bound: a round that verified waits no longer to apply)."""
         if audit is None:
             return None
         name, flight = audit
         try:
-            offered = flight.result(timeout=self.config.net.next_chunk_timeout_s)
+            offered = flight.result(timeout=AUDIT_WAIT_S)
         except Exception as e:  # a fetch that failed or is still on its way: no audit this round
+            flight.cancel()
             logger.info("outer round %s/%d: the contribution %s to audit did not arrive: %r", self.group, n, name, e)
             return None
-        return own_data.Case(split_pair(name)[0], found[name].drawn, offered, merged)
+        fetched = found[name]
+        return own_data.Case(split_pair(name)[0], fetched.drawn, offered, merged, fetched.session)
 
     def _apart_from(self, n: int, mine: tuple[float, ...], anchors: dict[str, tuple[float, ...]],
                     participants: Sequence[str], tag: bytes, deadline: float) -> tuple[str, ...]:
@@ -889,7 +897,7 @@ class GatheredRounds:
                     while len(self._claims) > room:
                         del self._claims[next(iter(self._claims))]
                 self.witness.fetched(peer, entry)
-                return Fetched({}, entry.tokens, entry.base, entry.drawn)
+                return Fetched({}, entry.tokens, entry.base, entry.drawn, entry.session)
             body = self.gather.fetch(peer, self.group, entry, self.config.net.allreduce_timeout_s,
                                      chunk_timeout_s=self.config.net.next_chunk_timeout_s)
             tensors = decode_contribution(body, self.shapes, peer=peer)
@@ -924,7 +932,7 @@ class GatheredRounds:
             return None
         self.witness.fetched(peer, entry)
         self._worked(peer, tensors=tensors)
-        return Fetched(tensors, entry.tokens, entry.base, entry.drawn)
+        return Fetched(tensors, entry.tokens, entry.base, entry.drawn, entry.session)
 
     def _peers_kept(self) -> int:
         """How many peers the partitioned round's per-peer state keeps (claims, senders whose blocks arrived): twice
@@ -1043,12 +1051,13 @@ class GatheredRounds:
 class Fetched(NamedTuple):
     """A usable contribution: its tensors (none yet in a partitioned round: its blocks are fetched as the set is
     merged), its sender's tokens, the anchor its signed claim names (``RoundEntry.base``) and the draws it names
-    (``RoundEntry.drawn``)."""
+    (``RoundEntry.drawn``) and the session it names (``RoundEntry.session``)."""
 
     tensors: dict[str, torch.Tensor]
     tokens: float
     base: bytes
     drawn: int = 0
+    session: int = 0
 
 
 class _Flights:

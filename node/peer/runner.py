@@ -224,8 +224,8 @@ class Node:
         held_out = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
         probe = held_out[:PROBE_BATCHES]
         period = cfg.sync.periods.get(own_data.GROUP)
-        audit = None if period is None else own_data.Auditor(
-            composer, lambda peer: net.views.data_seed_of(peer, cfg.seed), period, net.views.own_data,
+        audit = None if period is None or not c.node.own_data_audits else own_data.Auditor(
+            composer, lambda peer: net.views.data_seed_of(peer, cfg.seed), period, own_data.OwnDataAudits(),
             telemetry.event)
         rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states,
                                   probe=lambda: composer.evaluate(probe), audit=audit)
@@ -462,11 +462,14 @@ def _leave_quietly(membership: Membership) -> None:
 
 
 def fast_forward(composer: Composer, step: int) -> None:
-    """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm."""
+    """Take the swarm's step count (round numbers, learning-rate schedule) when joining a running swarm, and go on
+    drawing batches from there: an identity that trained before, without the checkpoint that would say how far,
+    draws none it drew then, and the draw counts its claims name grow past those its peers audited of it."""
     if step <= composer.step:
         return
     composer.step = step
     composer.follow_schedule(step)
+    composer.sampler.step = max(composer.sampler.step, step)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from parallax.node.net.scores import PeerScores
 from parallax.node.net.whoami import IdentityProver
 from parallax.node.offload.proxy import SETTINGS_KEY
 from parallax.node.train.data import data_seed
-from parallax.node.train.own_data import OwnDataAudits
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +48,6 @@ class SwarmViews:
         self._squatted: set[str] = set()
         self.prover: IdentityProver | None = None
         """Settles which identity a peer id claimed by two belongs to (set once the network loop runs)."""
-        self.own_data = OwnDataAudits()
-        """This node's audits of the peers' work on their own data (``train.own_data``): the work of a peer they
-        judge idle counts for nothing (``worked``)."""
 
     def peer_addresses(self) -> dict[str, tuple[str, ...]]:
         """The live members' libp2p peer ids and the addresses their heartbeats name (``Redialer``), banned
@@ -237,11 +233,9 @@ class SwarmViews:
         return sorted(view.members[fp].heartbeat.peer_id for fp in view.composers())
 
     def worked(self, peer_id: str) -> None:
-        """Work of the composer at ``peer_id`` reached this node (a contribution, a surrogate update); none counts
-        while this node's audits judge that it does not train on its own data (``own_data``): a copier's contributions
-        and surrogate updates arrive as any others do, and only the audits tell them apart."""
+        """Work of the composer at ``peer_id`` reached this node (a contribution, a surrogate update)."""
         member = self.member(peer_id)
-        if member is not None and not self.own_data.judged(peer_id):
+        if member is not None:
             self.membership.worked(member.fingerprint)
 
     def data_seed_of(self, peer_id: str, seed: int) -> int | None:

@@ -13,11 +13,12 @@ An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``mer
 merge lower the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to
 work on its own data when fewer than half of its last ``WINDOW`` margins pass (``FAILS_BELOW``, ``judged_idle``).
 
-A node audits one contribution of each of its ``GROUP`` rounds that merged (``Case``, drawn at random among the
-set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam that applies the round
-(``Auditor``); while a peer's margins judge it idle, its work counts for nothing in this node's view
-(``peer.views.SwarmViews.worked``). The merge holds the audited contribution too (a partitioned round's node holds no
-other whole): an honest one still learns more of its own batches than a merge that dilutes it does.
+A node with ``node.own_data_audits`` audits one contribution of each of its ``GROUP`` rounds that merged (``Case``,
+drawn at random among the set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam
+that applies the round (``Auditor``), and records each audit and the judgement its peer's margins make. Nothing acts on
+the judgement: in a local swarm of nodes the honest composers' audits fail where the simulator's pass
+(docs/decisions.md, "Work on one's own data"). The merge holds the audited contribution too (a partitioned round's
+node holds no other whole).
 """
 
 from __future__ import annotations
@@ -100,25 +101,28 @@ class OwnDataAudits:
     def __init__(self, window: int = WINDOW, peers_kept: int = PEERS_KEPT) -> None:
         self.window, self.peers_kept = window, peers_kept
         self._margins: OrderedDict[str, list[float]] = OrderedDict()
-        self._drawn: dict[str, int] = {}  # of ``_margins``' peers: the largest draw count an audited claim named
+        self._drawn: dict[str, tuple[int, int]] = {}  # of ``_margins``' peers: (session, the largest draw count an
+        # audited claim of it named)
         self._lock = threading.Lock()
 
-    def add(self, peer: str, value: float, *, drawn: int = 0) -> bool:
-        """Note an audit of ``peer`` (of a claim naming ``drawn`` draws); returns whether its margins now judge it
-        idle."""
+    def add(self, peer: str, value: float, *, drawn: int = 0, session: int = 0) -> bool:
+        """Note an audit of ``peer`` (of a claim of ``session`` naming ``drawn`` draws); returns whether its margins
+        now judge it idle."""
         with self._lock:
             kept = [*self._margins.pop(peer, []), value][-self.window:]
             self._margins[peer] = kept
-            self._drawn[peer] = max(self._drawn.get(peer, 0), drawn)
+            held = self._drawn.get(peer)
+            self._drawn[peer] = (session, max(drawn, held[1] if held is not None and held[0] == session else 0))
             while len(self._margins) > self.peers_kept:
                 gone, _ = self._margins.popitem(last=False)
                 self._drawn.pop(gone, None)
         return judged_idle(kept, self.window)
 
-    def drawn(self, peer: str) -> int:
-        """The largest draw count an audited claim of ``peer`` named (0: none audited)."""
+    def drawn(self, peer: str, session: int = 0) -> int:
+        """The largest draw count an audited claim of ``peer`` of ``session`` named (0: none audited)."""
         with self._lock:
-            return self._drawn.get(peer, 0)
+            held = self._drawn.get(peer)
+        return held[1] if held is not None and held[0] == session else 0
 
     def judged(self, peer: str) -> bool:
         return judged_idle(self.margins(peer), self.window)
@@ -139,10 +143,14 @@ class Case:
     drawn: int
     offered: Mapping[str, torch.Tensor]
     merged: Mapping[str, torch.Tensor]
+    session: int = 0
+    """The sender's round-taking instance its claim names (``RoundEntry.session``): a restart without a checkpoint
+    may count its draws from 0 again."""
 
 
 FAILED = -1.0
-"""The margin of a claim no honest sender makes: no draws, or no more than its claim audited before."""
+"""The margin of a claim no honest sender makes: no draws, or no more than its claim of the same session audited
+before."""
 
 
 class Auditor:
@@ -157,7 +165,7 @@ class Auditor:
         seed_of: a peer id's data stream seed (``data.data_seed`` of its identity), None when the peer is not
             known.
         period: ``GROUP``'s period: at most that many of a sender's draws are its round's.
-        audits: the margins kept, and the judgement (``peer.views.SwarmViews.worked`` reads it).
+        audits: the margins kept, and the judgement they make.
         event: a metrics event (``Telemetry.event``) for each audit.
     """
 
@@ -173,7 +181,7 @@ class Auditor:
         began = time.perf_counter()
         own: float | None = None
         merged: float | None = None
-        if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer):
+        if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer, case.session):
             value = FAILED  # an honest sender's count grows with every round it trains
         else:
             sampler = self.composer.sampler
@@ -183,15 +191,14 @@ class Auditor:
             own, merged = gains(self.composer, group, [case.offered, case.merged], batches)
             value = margin(own, merged)
         before = self.audits.judged(case.peer)
-        judged = self.audits.add(case.peer, value, drawn=case.drawn)
+        judged = self.audits.add(case.peer, value, drawn=case.drawn, session=case.session)
         if judged != before:
             if judged:
-                logger.warning("peer %s: its contributions learn less of the batches it says it drew than the round's "
-                               "merge does in %d of its last %d audits; its work counts for nothing here until they "
-                               "do", case.peer, sum(m <= 0 for m in self.audits.margins(case.peer)),
-                               self.audits.window)
+                logger.info("peer %s: its contributions learn less of the batches it says it drew than the round's "
+                            "merge does in %d of its last %d audits (recorded; no judgement acts on it)", case.peer,
+                            sum(m <= FAILS_BELOW for m in self.audits.margins(case.peer)), self.audits.window)
             else:
-                logger.info("peer %s: its contributions learn of its own batches again; its work counts", case.peer)
+                logger.info("peer %s: its contributions learn of its own batches again", case.peer)
         if self.event is not None:
             self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4),
                        own=None if own is None else round(own, 6), merged=None if merged is None else round(merged, 6),

@@ -34,10 +34,16 @@ def test_audits_keep_a_window_per_peer_and_forget_the_peer_audited_least_lately(
     for _ in range(3):
         audits.add("a", 1.0)
     assert not audits.judged("a") and audits.margins("a") == [-1.0, 1.0, 1.0, 1.0]  # a window, no more
+    # Draw counts are kept per session: a restart may count from 0 again.
+    audits.add("a", 1.0, drawn=100, session=1)
+    assert audits.drawn("a", 1) == 100 and audits.drawn("a", 2) == 0
+    audits.add("a", 1.0, drawn=40, session=2)
+    assert audits.drawn("a", 2) == 40 and audits.drawn("a", 1) == 0
     audits.add("b", 1.0)
     audits.add("a", 1.0)
     audits.add("c", 1.0)  # two peers kept: the one audited least lately goes
     assert audits.margins("b") == [] and len(audits.margins("a")) == 4 and audits.margins("c") == [1.0]
+    assert audits.drawn("b") == 0
 
 
 def test_the_gains_of_pseudo_gradients_leave_the_live_parameters_as_they_were_and_the_anchor_gains_nothing() -> None:
@@ -101,36 +107,26 @@ def test_an_auditor_rebuilds_the_senders_batches_from_its_seed_and_draws_and_aud
         assert auditor(group, own_data.Case("sender", drawn, offered[0], merge)) == own_data.FAILED
         assert auditor(group, own_data.Case("third", 0, offered[2], merge)) == own_data.FAILED
         assert audits.margins("sender") == [value, own_data.FAILED] and audits.margins("third") == [own_data.FAILED]
+        # A restart (another session) counts its draws anew: audited, not failed.
+        again = auditor(group, own_data.Case("sender", drawn, offered[0], merge, session=1))
+        assert again == value
         checked.append(value)
 
     run(RunSpec(name="p", kind="parallax", cfg=cfg, composers=3), train, val, before_merge=audit)
     assert checked
 
 
-def test_the_work_of_a_peer_its_audits_judge_idle_counts_for_nothing_in_the_view_until_they_pass_again() -> None:
+def test_a_peer_ids_data_seed_is_its_identitys_in_the_view() -> None:
     from parallax.dht.membership import Member, SwarmView
     from parallax.node.peer.views import SwarmViews
     from parallax.protocol.identity import Identity
     from parallax.protocol.messages import Heartbeat
 
-    members = {}
-    for seed in (b"a", b"b"):
-        ident = Identity.from_seed(seed * 32)
-        hb = Heartbeat(peer_id="12D3KooW" + seed.decode() * 44, addresses=("/ip4/127.0.0.1/tcp/1",),
-                       role="composer", capacity=1.0, shards=(), step=10)
-        members[ident.fingerprint] = Member(ident.fingerprint, ident.public_key, hb, expires_at=1e12)
-    view = SwarmView(run_id="r", read_at=100.0, members=members)
-    worked: list[str] = []
-    membership = SimpleNamespace(view=lambda: view, worked=worked.append)
-    me, other = members.values()
-    views = SwarmViews(membership, me.fingerprint, 10, lambda *_a, **_k: None)  # type: ignore[arg-type]
-    peer = other.heartbeat.peer_id
-    views.worked(peer)
-    for _ in range(own_data.WINDOW):
-        views.own_data.add(peer, own_data.FAILED)
-    views.worked(peer)  # judged idle: nothing counts
-    for _ in range(own_data.WINDOW // 2 + 1):
-        views.own_data.add(peer, 1.0)
-    views.worked(peer)
-    assert worked == [other.fingerprint, other.fingerprint]
-    assert views.data_seed_of(peer, 7) == data_seed(other.fingerprint, 7) and views.data_seed_of("12D3KooWx", 7) is None
+    ident = Identity.from_seed(b"a" * 32)
+    hb = Heartbeat(peer_id="12D3KooW" + "a" * 44, addresses=("/ip4/127.0.0.1/tcp/1",), role="composer", capacity=1.0,
+                   shards=(), step=10)
+    view = SwarmView(run_id="r", read_at=100.0,
+                     members={ident.fingerprint: Member(ident.fingerprint, ident.public_key, hb, expires_at=1e12)})
+    views = SwarmViews(SimpleNamespace(view=lambda: view), "me", 10, lambda *_a, **_k: None)  # type: ignore[arg-type]
+    assert views.data_seed_of(hb.peer_id, 7) == data_seed(ident.fingerprint, 7)
+    assert views.data_seed_of("12D3KooWx", 7) is None
