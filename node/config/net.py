@@ -119,6 +119,12 @@ class OuterConfig:
     measure what an attack took from each round. A partitioned round records the blocks this node merged (no node
     holds a whole merge; the products of the set's mergers add up to the whole's). It costs K^2 products of the
     group's size (partitioned: of its share) for each round that verifies."""
+    own_data_audits: bool = False
+    """Audit one other contribution of each backbone round for work on its sender's own data, on this node's model,
+    and record each audit (``train.own_data``; metrics event ``own_data_audit``): a partitioned round fetches that
+    contribution whole (one body a round), and the audit holds the training thread about a second a round at the tiny
+    preset on a CPU. A measurement: no judgement acts on it (in a local swarm the honest composers' audits fail where
+    the simulator's pass: docs/decisions.md, "Work on one's own data")."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0

@@ -152,11 +152,6 @@ class NodeSettings:
     """Bound on the graceful leave (outer rounds in flight, final snapshots to the heirs)."""
     final_eval: bool = False
     """Evaluate this node's own view on the validation split when it leaves (metrics event final_eval)."""
-    own_data_audits: bool = False
-    """Audit one other contribution of each backbone round for work on its sender's own data, on this node's model,
-    and record each audit (``train.own_data``; metrics event ``own_data_audit``): about a second of the training thread
-    per backbone round at the tiny preset on a CPU. A measurement: no judgement acts on it (in a local swarm the honest
-    composers' audits fail where the simulator's pass: docs/decisions.md, "Work on one's own data")."""
     lockstep: bool = False
     """At each step, wait for the shared groups' outer rounds started at the step before to end, and apply them: every
     node applies each merge one step after it was due (``parallax bench attacks --lockstep``: runs that differ in an

@@ -224,7 +224,7 @@ class Node:
         held_out = val_batches(val, cfg.batch_size, cfg.model.seq_len, cfg.eval_batches)
         probe = held_out[:PROBE_BATCHES]
         period = cfg.sync.periods.get(own_data.GROUP)
-        audit = None if period is None or not c.node.own_data_audits else own_data.Auditor(
+        audit = None if period is None or not c.net.outer.own_data_audits else own_data.Auditor(
             composer, lambda peer: net.views.data_seed_of(peer, cfg.seed), period, own_data.OwnDataAudits(),
             telemetry.event)
         rounds = BackgroundRounds(net.sync, composer, serve=not joining or checkpoint is not None, states=net.states,

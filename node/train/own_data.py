@@ -13,7 +13,7 @@ An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``mer
 merge lower the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to
 work on its own data when fewer than half of its last ``WINDOW`` margins pass (``FAILS_BELOW``, ``judged_idle``).
 
-A node with ``node.own_data_audits`` audits one contribution of each of its ``GROUP`` rounds that merged (``Case``,
+A node with ``net.outer.own_data_audits`` audits one contribution of each of its ``GROUP`` rounds that merged (``Case``,
 drawn at random among the set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam
 that applies the round (``Auditor``), and records each audit and the judgement its peer's margins make. Nothing acts on
 the judgement: in a local swarm of nodes the honest composers' audits fail where the simulator's pass

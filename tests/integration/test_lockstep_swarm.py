@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 COMPOSERS = 2
 STEPS = 40
 ARGS = ["--preset", "tiny", "--set", 'sync.periods={"router": 10, "latent": 20, "backbone": 30}',
-        "--set", "surrogate.refresh_every=10", "--set", "node.lockstep=true", "--set", "node.own_data_audits=true",
+        "--set", "surrogate.refresh_every=10", "--set", "node.lockstep=true", "--set", "net.outer.own_data_audits=true",
         "--snapshot-every", "20",
         "--steps", str(STEPS), "--min-peers", str(COMPOSERS)]
 

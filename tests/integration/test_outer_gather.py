@@ -133,27 +133,32 @@ def test_four_peers_share_a_partitioned_merge_and_apply_what_one_process_merges_
 @pytest.mark.parametrize("aggregation", ["gather", "parts"])
 def test_a_backbone_round_hands_one_other_contribution_to_audit_with_its_draws_and_the_merge_of_the_rest(
         peers, aggregation):
-    """A node audits one other contribution of each backbone round it applies (``train.own_data``): it gets the
-    contribution as its sender's peers decode it (partitioned: every block of it, fetched), the draws its signed claim
-    names, and the round's merge."""
+    """A node that audits (``net.outer.own_data_audits``) takes one other contribution of each backbone round it
+    applies (``train.own_data``): as its sender's peers decode it (partitioned: every block of it, fetched), with the
+    draws and session its signed claim names, and the round's merge. Without the setting, no round hands one over."""
     shapes, wire = (PARTS, "int4") if aggregation == "parts" else (SHAPES, "fp16")
-    with start_averagers(peers, own_data.GROUP, compression=wire, aggregation=aggregation,
-                         shapes=shapes) as averagers:
+    with start_averagers(peers, own_data.GROUP, compression=wire, aggregation=aggregation, shapes=shapes,
+                         timings={"own_data_audits": True}) as averagers:
         deltas, tokens, drawn = noisy_deltas(4, seed=9, shapes=shapes), [CAP, CAP, CAP / 2, CAP], [96, 200, 7, 4000]
         with ThreadPoolExecutor(4) as pool:
             # Each parametrization its own round: both run under the same group of the same peers.
-            n = 3 if aggregation == "gather" else 4
+            n = 3 if aggregation == "gather" else 10
             rounds = [f.result(timeout=60) for f in [pool.submit(a.round, d, t, n, drawn=k) for a, d, t, k
                                                      in zip(averagers, deltas, tokens, drawn, strict=True)]]
         ids = [p.dht.peer_id for p in peers]
         for i, r in enumerate(rounds):
             assert r.merged is not None and r.report.status is RoundStatus.OK and r.case is not None, r.report
+            assert r.case.session != 0
             j = ids.index(r.case.peer)
             assert j != i and r.case.drawn == drawn[j]
             sent = (decode_all(encode_blocks(deltas[j], wire), shapes, peer="p") if aggregation == "parts"
                     else decode_contribution(encode_contribution(deltas[j], wire), shapes, peer="p"))
             assert all(torch.equal(r.case.offered[n], sent[n]) for n in shapes)
             assert r.case.merged is r.merged
+    with start_averagers(peers, own_data.GROUP, compression=wire, aggregation=aggregation,
+                         shapes=shapes) as averagers:
+        results = run_all(averagers, deltas, tokens, round_id=n + 1)
+        assert all(m is not None for m in results) and all(a._gathered.last_case is None for a in averagers)
 
 
 def test_each_peer_is_told_of_the_others_answers_and_never_of_its_own(peers):
