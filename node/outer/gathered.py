@@ -1050,8 +1050,8 @@ class GatheredRounds:
 
 class Fetched(NamedTuple):
     """A usable contribution: its tensors (none yet in a partitioned round: its blocks are fetched as the set is
-    merged), its sender's tokens, the anchor its signed claim names (``RoundEntry.base``) and the draws it names
-    (``RoundEntry.drawn``) and the session it names (``RoundEntry.session``)."""
+    merged), its sender's tokens, and what its signed claim names: the anchor (``RoundEntry.base``), the draws
+    (``RoundEntry.drawn``) and the session (``RoundEntry.session``)."""
 
     tensors: dict[str, torch.Tensor]
     tokens: float

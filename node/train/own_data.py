@@ -24,12 +24,11 @@ node holds no other whole).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -51,7 +50,7 @@ FAILS_BELOW = -0.2
 """An audit fails when the contribution lowers the loss on its sender's batches by more than this much less than the
 round's merge does, relative to the merge's: early in a run every pseudo-gradient is mostly what all the data has in
 common, and an honest sender's margins hover about 0 (most within 0.15 of it in ``bench own-data``, single audits down
-to -0.45), a copier's fall below -0.2 within a few rounds and stay there."""
+to -0.57), a copier's fall below -0.2 within a few rounds and stay there."""
 PEERS_KEPT = 1024
 """Peers whose margins are kept (those audited least lately go first)."""
 
@@ -94,43 +93,42 @@ def idle_share(margins: Sequence[float], window: int = WINDOW) -> float | None:
     return sum(judged_idle(r, window) for r in runs) / len(runs) if runs else None
 
 
+class _Audited(NamedTuple):
+    margins: list[float]  # the latest, at most a window, oldest first
+    session: int  # of the latest audited claim
+    drawn: int  # the largest draw count an audited claim of that session named
+
+
 class OwnDataAudits:
-    """The latest ``WINDOW`` margins of each audited peer, and the judgement they make (thread-safe: the training
-    thread adds, the network threads ask)."""
+    """The latest ``WINDOW`` margins of each audited peer, and the judgement they make."""
 
     def __init__(self, window: int = WINDOW, peers_kept: int = PEERS_KEPT) -> None:
         self.window, self.peers_kept = window, peers_kept
-        self._margins: OrderedDict[str, list[float]] = OrderedDict()
-        self._drawn: dict[str, tuple[int, int]] = {}  # of ``_margins``' peers: (session, the largest draw count an
-        # audited claim of it named)
-        self._lock = threading.Lock()
+        self._held: OrderedDict[str, _Audited] = OrderedDict()  # the peer audited least lately first
 
     def add(self, peer: str, value: float, *, drawn: int = 0, session: int = 0) -> bool:
         """Note an audit of ``peer`` (of a claim of ``session`` naming ``drawn`` draws); returns whether its margins
         now judge it idle."""
-        with self._lock:
-            kept = [*self._margins.pop(peer, []), value][-self.window:]
-            self._margins[peer] = kept
-            held = self._drawn.get(peer)
-            self._drawn[peer] = (session, max(drawn, held[1] if held is not None and held[0] == session else 0))
-            while len(self._margins) > self.peers_kept:
-                gone, _ = self._margins.popitem(last=False)
-                self._drawn.pop(gone, None)
-        return judged_idle(kept, self.window)
+        earlier, before = self.margins(peer), self.drawn(peer, session)
+        self._held.pop(peer, None)  # reinserted last: the peer audited least lately goes first
+        margins = [*earlier, value][-self.window:]
+        self._held[peer] = _Audited(margins, session, max(drawn, before))
+        while len(self._held) > self.peers_kept:
+            self._held.popitem(last=False)
+        return judged_idle(margins, self.window)
 
     def drawn(self, peer: str, session: int = 0) -> int:
         """The largest draw count an audited claim of ``peer`` of ``session`` named (0: none audited)."""
-        with self._lock:
-            held = self._drawn.get(peer)
-        return held[1] if held is not None and held[0] == session else 0
+        held = self._held.get(peer)
+        return held.drawn if held is not None and held.session == session else 0
 
     def judged(self, peer: str) -> bool:
         return judged_idle(self.margins(peer), self.window)
 
     def margins(self, peer: str) -> list[float]:
         """``peer``'s latest margins (at most a window), oldest first."""
-        with self._lock:
-            return list(self._margins.get(peer, []))
+        held = self._held.get(peer)
+        return list(held.margins) if held is not None else []
 
 
 @dataclass(frozen=True)
