@@ -156,11 +156,16 @@ def without_attacker(name: str) -> bool:
 
 def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps: int = 2000, join_at: int = 10,
                 workdir: Path | None = None, progress: Any = print, clean_runs: int = CLEAN_RUNS,
-                composers: int = 4, lockstep: bool = False, left_at: tuple[int, ...] = ()) -> dict[str, Any]:
+                composers: int = 4, lockstep: bool = False, left_at: tuple[int, ...] = (),
+                settings: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``clean_runs`` clean runs (their spread is the noise a ratio is judged against, their bans the false
     positives; with none, no ratio), one departure run per step of ``left_at`` (module docstring: the reference of
     a banned attacker's run) and one run per attack among ``composers``, with as many attackers' places as the
-    attacks' most colluders; returns the report (JSON-able)."""
+    attacks' most colluders, every node given ``settings`` (``PATH=VALUE``, after the bench's own); returns the
+    report (JSON-able)."""
+    malformed = [s for s in settings if "=" not in s]
+    if malformed:
+        raise ValueError(f"a setting is PATH=VALUE (e.g. net.outer.own_data_audits=true), got {malformed[0]!r}")
     if clean_runs < 0:
         raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
     if any(not 0 < step < steps for step in left_at):
@@ -186,7 +191,8 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     args = ["--preset", preset, "--set", f"sync.periods={PERIODS}", "--set", "surrogate.refresh_every=10",
             "--set", f"net.membership.idle_s={IDLE_S}", "--set", "net.outer.record_merges=true", "--final-eval",
             "--snapshot-every", "20",
-            *(["--set", "node.lockstep=true", "--set", f"train.eval_every={steps}"] if lockstep else [])]
+            *(["--set", "node.lockstep=true", "--set", f"train.eval_every={steps}"] if lockstep else []),
+            *(arg for setting in settings for arg in ("--set", setting))]
     started = time.monotonic()
     runs = []
     keys = workdir / "keys"
@@ -220,7 +226,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
                      "within_target": ratio is not None and ratio <= TARGET and not run["crashed"]})
     return {"preset": preset, "steps": steps, "join_at": plan.join_at, "judged_at": plan.judged_at,
             "founders_steps": plan.steps, "joiner_steps": plan.joiner_steps, "periods": json.loads(PERIODS),
-            "idle_s": IDLE_S, "lockstep": lockstep,
+            "idle_s": IDLE_S, "lockstep": lockstep, "settings": list(settings),
             "clean_val_loss": clean_loss, "clean_joiner_val_loss": clean_joiner,
             "clean_spread": _spread([r["val_loss"] for r in runs[:clean_runs]]),
             "clean_merge_cosine": clean_kept,

@@ -17,18 +17,22 @@ For each backbone round of the simulator (``sim.simulator.run``'s ``before_merge
 Three auditors: ``self``, on the composer's own model (its experts trained, the others' surrogates); ``peer``, on the
 next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, a node's own
 (``train.own_data.Auditor`` on the next composer's model: the same batches, against the round's robust merge of every
-offered pseudo-gradient, the audited one included), run only where the composers sample one stream as a run's nodes
+offered pseudo-gradient, the audited one included, each as the round's wire carries it: quantized, with what earlier
+rounds left unsent, ``sim.simulator.carry``), run only where the composers sample one stream as a run's nodes
 do (``--set sim.data=stream``). A judgement counts an audit as failed below ``own_data.FAILS_BELOW``.
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
 and offers the first composer's pseudo-gradient of the round plus 1% noise, as ``bench attacks``' ``copied-work``
 does). Reported per composer and auditor: the rounds audited, the shares of positive and of passing margins (above
 ``own_data.FAILS_BELOW``), the median margin, and for the node's rule (``own_data.judged_idle``: not working on its
-data when fewer than half of its last ``WINDOW`` audits pass) the share of windows that judge it so.
+data when fewer than half of its last ``WINDOW`` audits pass) the share of windows that judge it so, and the share of
+its audits in which the contribution lowered the loss on its sender's batches more than on as many control batches
+(``own_data.control_seed``).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -39,10 +43,12 @@ import torch
 from parallax.benchmarks.quality import _preset_name
 from parallax.benchmarks.report import write_report
 from parallax.node.config.train import TrainConfig
+from parallax.node.outer.transport import error_feedback
 from parallax.node.outer.wire import OuterSyncConfig
-from parallax.node.sim.simulator import ProgressFn, RunSpec, run
+from parallax.node.sim.simulator import ProgressFn, RunSpec, carry, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
+from parallax.node.train.outer import to_send
 from parallax.node.train.own_data import (
     BATCHES,
     FAILS_BELOW,
@@ -77,6 +83,11 @@ class _Audit:
         self.margins: dict[str, dict[int, list[float]]] = {auditor: {} for auditor in AUDITORS}
         self._nodes: dict[int, Auditor] = {}  # per audited composer: the node's auditor on the next one's model
         self._idle = False
+        self.specific: dict[int, list[bool]] = {}  # per composer: its node audits' own gain above the control's
+
+    def _specific(self, composer: int, name: str, **fields: Any) -> None:
+        if fields.get("own") is not None:
+            self.specific.setdefault(composer, []).append(fields["own"] > fields["own_control"])
 
     def __call__(self, composers: Sequence[Composer], group: str, step: int) -> None:
         if group not in composers[0].outer:
@@ -94,7 +105,11 @@ class _Audit:
             return
         gram = merge_geometry(offered, offered[0])["gram"]
         tokens = [float(c.tokens_since_merge[group]) for c in composers]
-        whole_merge, _ = robust_merge_groups(offered, tokens, self.wire.method, eps=self.wire.rda_eps)
+        carried = offered
+        if self.wire.aggregation in ("gather", "parts"):  # what a node receives, and merges, of each composer
+            ef = error_feedback(self.wire.compression)
+            carried, _ = carry([to_send(c.outer[group], ef) for c in composers], self.wire)
+        whole_merge, _ = robust_merge_groups(carried, tokens, self.wire.method, eps=self.wire.rda_eps)
         if whole_merge is None:
             return
         for i, composer in enumerate(composers):
@@ -114,8 +129,9 @@ class _Audit:
             values: dict[str, float | None] = {"self": margin(own, whole), "peer": margin(seen[0], seen[1])}
             if composer.cfg.sim.data == "stream":  # the node's rebuilds the sender's batches from the run's stream
                 seeds = {str(i): composer.sampler.seed}
-                node = self._nodes.setdefault(i, Auditor(auditor, seeds.get, self.period, OwnDataAudits()))
-                values["node"] = node(group, Case(str(i), drawn, offered[i], whole_merge))
+                node = self._nodes.setdefault(i, Auditor(auditor, seeds.get, self.period, OwnDataAudits(),
+                                                         functools.partial(self._specific, i)))
+                values["node"] = node(group, Case(str(i), drawn, carried[i], whole_merge))
             for name, value in values.items():
                 if value is not None:
                     self.margins[name].setdefault(i, []).append(value)
@@ -150,10 +166,15 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
                              "positive": sum(m > 0 for m in margins) / len(margins) if margins else None,
                              "passed": sum(m > FAILS_BELOW for m in margins) / len(margins) if margins else None,
                              "median_margin": statistics.median(margins) if margins else None,
-                             "judged_idle": idle_share(margins), "margins": margins})
+                             "judged_idle": idle_share(margins), "margins": margins,
+                             "specific": _share(audit.specific.get(i, [])) if auditor == "node" else None})
         report["runs"][name] = {"val_loss": result.val_loss, "composers": rows}
     report["wall_s"] = time.perf_counter() - started
     return report
+
+
+def _share(flags: Sequence[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -162,8 +183,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"offered pseudo-gradient against the merged one on its own last {report['batches']} batches, evaluated "
              f"on its own model (self), on the next composer's (peer), and there against the round's robust merge "
              f"(node); an audit passes above {FAILS_BELOW}; judged on its last {report['window']} audits.", "",
-             "| run | composer | auditor | audits | margins > 0 | passed | median margin | windows judging it idle |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | composer | auditor | audits | margins > 0 | passed | median margin | windows judging it idle "
+             "| own batches above control |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         for row in r["composers"]:
             who = f"{row['composer']} (copier)" if row["copier"] else str(row["composer"])
@@ -171,8 +192,9 @@ def markdown(report: dict[str, Any]) -> str:
             passed = "-" if row["passed"] is None else f"{row['passed']:.0%}"
             median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
             idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
+            specific = "-" if row.get("specific") is None else f"{row['specific']:.0%}"
             lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {passed} | {median} "
-                         f"| {idle} |")
+                         f"| {idle} | {specific} |")
     return "\n".join(lines)
 
 

@@ -380,6 +380,9 @@ def attacks(
                                 help="Comma-separated steps: a run without an attacker for each, in which the first "
                                      "attacker's place leaves at that step; a banned attacker's run is judged against "
                                      "them beside the clean runs (e.g. 10,20,30 with --lockstep)."),
+    settings: list[str] = typer.Option([], "--set",
+                                       help="Setting PATH=VALUE for every node (repeatable), after the bench's own, "
+                                            "e.g. net.outer.own_data_audits=true."),
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:
@@ -393,7 +396,7 @@ def attacks(
         names = [a.strip() for a in runs.split(",") if a.strip()]
         report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs,
-                             composers=composers, lockstep=lockstep,
+                             composers=composers, lockstep=lockstep, settings=tuple(settings),
                              left_at=tuple(int(step) for step in left_at.split(",") if step.strip()))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -501,6 +501,20 @@ def round_groups(n: int, groups_of: int, seed: int) -> list[list[int]]:
     return [order[i::count] for i in range(count)]
 
 
+def carry(pending: Sequence[Mapping[str, torch.Tensor]], wire: OuterSyncConfig,
+          ) -> tuple[list[dict[str, torch.Tensor]], list[list[int]]]:
+    """Each of ``pending`` (what a round of the gathered or partitioned wire sends: ``train.outer.to_send``'s) as its
+    peers decode it, and the sizes of what goes over the wire for it: its blocks' (``outer.blocks``), or its body's."""
+    shapes = {k: tuple(t.shape) for k, t in pending[0].items()}
+    if wire.aggregation == "parts":
+        blocked = [encode_blocks(d, wire.compression) for d in pending]
+        return ([decode_all(b, shapes, peer=f"composer {i}") for i, b in enumerate(blocked)],
+                [[len(blob) for blob in b.blobs] for b in blocked])
+    bodies = [encode_contribution(d, wire.compression) for d in pending]
+    return ([decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)],
+            [[len(b)] for b in bodies])
+
+
 def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],
                 wire: OuterSyncConfig, *, parts: int = 0,
                 apply: Callable[[OuterOptimizer | OuterBundle, Mapping[str, torch.Tensor]], None] | None = None,
@@ -531,18 +545,13 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     n = len(outers)
     if wire.aggregation in ("gather", "parts"):
         pending = [to_send(o, error_feedback(compression)) for o in outers]
-        shapes = {k: tuple(t.shape) for k, t in pending[0].items()}
+        received, sizes = carry(pending, wire)
         if wire.aggregation == "parts":
-            blocked = [encode_blocks(d, compression) for d in pending]
-            received = [decode_all(b, shapes, peer=f"composer {i}") for i, b in enumerate(blocked)]
             merged, merged_sizes = merge_in_blocks(received, list(weights), wire)
-            moved = round_bytes([[len(blob) for blob in b.blobs] for b in blocked], merged_sizes,
-                                wire.net.parts_rechecks)
+            moved = round_bytes(sizes, merged_sizes, wire.net.parts_rechecks)
         else:
-            bodies = [encode_contribution(d, compression) for d in pending]
-            received = [decode_contribution(b, shapes, peer=f"composer {i}") for i, b in enumerate(bodies)]
             merged, _ = robust_merge_parts(received, list(weights), method, parts=parts, eps=wire.rda_eps)
-            moved = sum(len(b) for b in bodies) * (n - 1)
+            moved = sum(sum(s) for s in sizes) * (n - 1)
         if merged is None:
             return None
         for o, p, r in zip(outers, pending, received, strict=True):

@@ -11,18 +11,22 @@ with another's (docs/benchmarks.md, "Work on one's own data").
 
 An audit is a ``margin``: ``(own - merged) / |merged|``, where ``own`` and ``merged`` are what the contribution and a
 merge lower the auditor's loss by on the rebuilt batches, from the group's anchor (``gains``). A peer is judged not to
-work on its own data when fewer than half of its last ``WINDOW`` margins pass (``FAILS_BELOW``, ``judged_idle``).
+work on its own data when fewer than half of its last ``WINDOW`` margins pass (``FAILS_BELOW``, ``judged_idle``). Beside
+it, an audit measures both gains on as many batches of a stream the sender never drew (``control_seed``): what the
+contribution shows of any batch of the corpus, whatever the auditor's model makes of it, which its own batches must
+beat.
 
 A node with ``net.outer.own_data_audits`` audits one contribution of each of its ``GROUP`` rounds that merged (``Case``,
 drawn at random among the set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam
 that applies the round (``Auditor``), and records each audit and the judgement its peer's margins make. Nothing acts on
-the judgement: in a local swarm of nodes the honest composers' audits fail where the simulator's pass
-(docs/decisions.md, "Work on one's own data"). The merge holds the audited contribution too (a partitioned round's
-node holds no other whole).
+the judgement: in a local swarm whose nodes train at their own pace the honest composers' audits fail, where they
+pass in lockstep and in the simulator (docs/decisions.md, "Work on one's own data"). The merge holds the audited
+contribution too (a partitioned round's node holds no other whole).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -71,6 +75,17 @@ def gains(composer: Composer, group: str, deltas: Sequence[Mapping[str, torch.Te
         return out
     finally:
         outer.load_live(live)
+
+
+def control_seed(seed: int) -> int:
+    """The seed of a stream drawn like a sender's (``seed``'s) that it never trained on: what its contribution lowers
+    the loss on there is what any batch of the corpus shows of it."""
+    digest = hashlib.sha256(f"parallax/own-data/control/{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def margin(own: float, merged: float) -> float:
@@ -156,7 +171,8 @@ class Auditor:
 
     The batches are the sender's last ``BATCHES`` draws before its claim's count (at most the group's ``period``): what
     an optimizer took its latest steps on stays in the pseudo-gradient most (16 drawn at random among the period's do
-    not tell an honest sender from a copier: ``bench own-data``).
+    not tell an honest sender from a copier: ``bench own-data``); the control batches are as many draws of the
+    ``control_seed`` stream, at the same draw numbers.
 
     Args:
         composer: this node's; its anchor of ``GROUP`` is the one the audited contributions were taken from.
@@ -179,6 +195,8 @@ class Auditor:
         began = time.perf_counter()
         own: float | None = None
         merged: float | None = None
+        own_control: float | None = None
+        merged_control: float | None = None
         if case.drawn < 1 or case.drawn <= self.audits.drawn(case.peer, case.session):
             value = FAILED  # an honest sender's count grows with every round it trains
         else:
@@ -187,6 +205,9 @@ class Auditor:
             batches = BatchSampler(sampler.tokens, sampler.batch_size, sampler.seq_len, seed).replay(
                 case.drawn - count, count)
             own, merged = gains(self.composer, group, [case.offered, case.merged], batches)
+            control = BatchSampler(sampler.tokens, sampler.batch_size, sampler.seq_len, control_seed(seed)).replay(
+                case.drawn - count, count)
+            own_control, merged_control = gains(self.composer, group, [case.offered, case.merged], control)
             value = margin(own, merged)
         before = self.audits.judged(case.peer)
         judged = self.audits.add(case.peer, value, drawn=case.drawn, session=case.session)
@@ -199,6 +220,7 @@ class Auditor:
                 logger.info("peer %s: its contributions learn of its own batches again", case.peer)
         if self.event is not None:
             self.event("own_data_audit", peer=case.peer, group=group, margin=round(value, 4),
-                       own=None if own is None else round(own, 6), merged=None if merged is None else round(merged, 6),
+                       own=_rounded(own), merged=_rounded(merged), own_control=_rounded(own_control),
+                       merged_control=_rounded(merged_control),
                        drawn=case.drawn, judged=judged, seconds=round(time.perf_counter() - began, 3))
         return value

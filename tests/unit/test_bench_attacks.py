@@ -261,6 +261,8 @@ def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_co
         run_attacks(attacks=["alie-2"], composers=4)
     with pytest.raises(ValueError, match="a departure must come between"):
         run_attacks(attacks=["nan"], steps=500, left_at=(10, 500))
+    with pytest.raises(ValueError, match="a setting is PATH=VALUE"):
+        run_attacks(attacks=["nan"], settings=("net.outer.own_data_audits",))
 
 
 def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points_against_it():
@@ -521,9 +523,12 @@ def test_a_run_that_outlasts_its_bound_is_stopped_and_reported_and_the_benchmark
 
     closed: list[bool] = []
 
+    node_args: list[list[str]] = []
+
     class Swarm:
-        def __init__(self, folder, **_: object) -> None:
+        def __init__(self, folder, **kwargs: object) -> None:
             self.folder, self.nodes = folder, []
+            node_args.append(list(kwargs["node_args"]))  # type: ignore[call-overload]
 
         def start_bootstrap(self) -> None:
             pass
@@ -541,8 +546,13 @@ def test_a_run_that_outlasts_its_bound_is_stopped_and_reported_and_the_benchmark
     monkeypatch.setattr(attacks, "LocalSwarm", Swarm)
     monkeypatch.setattr(attacks, "RUN_BOUND_S", 0.0)
     said: list[str] = []
-    report = run_attacks(attacks=["nan"], steps=100, clean_runs=1, workdir=tmp_path, progress=said.append)
+    report = run_attacks(attacks=["nan"], steps=100, clean_runs=1, workdir=tmp_path, progress=said.append,
+                         settings=("net.outer.own_data_audits=true",))
     assert len(closed) == 2  # both runs ran, each stopped at its bound
+    for args in node_args:  # every node gets the settings asked for, after the bench's own
+        at = args.index("net.outer.own_data_audits=true")
+        assert args[at - 1] == "--set" and at > args.index("net.outer.record_merges=true")
+    assert report["settings"] == ["net.outer.own_data_audits=true"]
     for row in (*report["clean"], *report["attacks"]):
         assert row["timed_out"] and row["crashed"] and row["val_loss"] is None, row
     assert any("stopped: not finished within 0 s" in line for line in said), said

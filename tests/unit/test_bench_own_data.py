@@ -23,6 +23,8 @@ def test_a_short_run_audits_every_composer_at_each_backbone_round_and_marks_the_
     assert [(r["copier"], r["auditor"]) for r in rows] == [
         (copier, auditor) for copier in (False, False, True) for auditor in ("self", "peer", "node")]
     assert all(r["audits"] == 6 and len(r["margins"]) == 6 for r in rows)  # a backbone round every 4 of 24 steps
+    # The node's audits also say how often a contribution beat its control batches; the others measure no control.
+    assert all((r["specific"] is not None) == (r["auditor"] == "node") for r in rows)
     assert "| copier | 2 (copier) | peer | 6 |" in own_data.markdown(report)
     with pytest.raises(ValueError, match="at least 3 composers"):
         own_data.run_own_data(_cfg(4), 2)

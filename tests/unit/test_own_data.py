@@ -9,7 +9,7 @@ import torch
 from parallax.node.config import train as config
 from parallax.node.sim.simulator import RunSpec, run
 from parallax.node.train import own_data
-from parallax.node.train.data import data_seed, load_corpus, split_corpus
+from parallax.node.train.data import BatchSampler, data_seed, load_corpus, split_corpus
 
 
 def test_a_window_judges_a_peer_idle_when_fewer_than_half_its_latest_margins_are_positive() -> None:
@@ -101,6 +101,13 @@ def test_an_auditor_rebuilds_the_senders_batches_from_its_seed_and_draws_and_aud
         assert value == own_data.margin(own, merged) and audits.margins("sender") == [value]
         assert audits.drawn("sender") == drawn
         assert events and events[0]["name"] == "own_data_audit" and events[0]["peer"] == "sender"
+        # Beside them, as many batches of a stream the sender never drew from: what the contribution shows any batch.
+        control = BatchSampler(sender.sampler.tokens, sender.sampler.batch_size, sender.sampler.seq_len,
+                               own_data.control_seed(sender.sampler.seed)).replay(drawn - 3, 3)
+        own_control, merged_control = own_data.gains(auditor_model, group, [offered[0], merge], control)
+        assert (events[0]["own_control"], events[0]["merged_control"]) == (round(own_control, 6),
+                                                                           round(merged_control, 6))
+        assert own_data.control_seed(sender.sampler.seed) not in (sender.sampler.seed, third.sampler.seed)
         assert auditor(group, own_data.Case("stranger", drawn, offered[0], merge)) is None  # no seed known
         assert audits.margins("stranger") == []
         # Claims no honest sender makes fail without an evaluation: the same count again, or none at all.
