@@ -73,6 +73,7 @@ from typing import Any
 
 from parallax.benchmarks.attacker import ATTACKS
 from parallax.benchmarks.report import write_report
+from parallax.benchmarks.swarm import swarm_changes
 from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
 from parallax.node.peer.timeline import owned_fraction, shard_at
@@ -125,6 +126,10 @@ RUN_BOUND_S = 900.0
 """A run's bound: one still going then is stopped and reported as it went (``timed_out``)."""
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
 IDLE_S = 10
+OWN_OPTIONS = {"steps": "--steps", "sync.periods": "10/20/30, reported", "surrogate.refresh_every": "10",
+               "net.membership.idle_s": f"{IDLE_S} s, reported", "net.outer.record_merges": "on: the report reads them",
+               "node.lockstep": "--lockstep", "train.eval_every": "--lockstep: the judged step"}
+"""Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
 """``net.membership.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
 two seconds; identities that train nothing lose their experts 10 s after they appear (300 s by default, for
 runs of hours, 60 s on loopback)."""
@@ -163,9 +168,7 @@ def run_attacks(*, attacks: list[str] | None = None, preset: str = "tiny", steps
     a banned attacker's run) and one run per attack among ``composers``, with as many attackers' places as the
     attacks' most colluders, every node given ``settings`` (``PATH=VALUE``, after the bench's own); returns the
     report (JSON-able)."""
-    malformed = [s for s in settings if "=" not in s]
-    if malformed:
-        raise ValueError(f"a setting is PATH=VALUE (e.g. net.outer.own_data_audits=true), got {malformed[0]!r}")
+    swarm_changes(list(settings), OWN_OPTIONS)  # refuses what the benchmark sets itself, before any process starts
     if clean_runs < 0:
         raise ValueError(f"clean_runs must be >= 0, got {clean_runs}")
     if any(not 0 < step < steps for step in left_at):

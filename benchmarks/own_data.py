@@ -18,7 +18,8 @@ Three auditors: ``self``, on the composer's own model (its experts trained, the 
 next composer's model (with its own experts and its surrogates of the audited composer's); ``node``, a node's own
 (``train.own_data.Auditor`` on the next composer's model: the same batches, against the round's robust merge of every
 offered pseudo-gradient, the audited one included, each as the round's wire carries it: quantized, with what earlier
-rounds left unsent, ``sim.simulator.carry``), run only where the composers sample one stream as a run's nodes
+rounds left unsent, ``sim.simulator.carry``, and merged as the round merges them, ``merge_carried``; every composer in
+one round: ``sim.outer_group_size`` is not followed), run only where the composers sample one stream as a run's nodes
 do (``--set sim.data=stream``). A judgement counts an audit as failed below ``own_data.FAILS_BELOW``.
 
 Two runs: ``honest`` (every composer trains) and ``copier`` (the last composer trains nothing from the first round on
@@ -45,7 +46,7 @@ from parallax.benchmarks.report import write_report
 from parallax.node.config.train import TrainConfig
 from parallax.node.outer.transport import error_feedback
 from parallax.node.outer.wire import OuterSyncConfig
-from parallax.node.sim.simulator import ProgressFn, RunSpec, carry, run
+from parallax.node.sim.simulator import ProgressFn, RunSpec, carry, merge_carried, run
 from parallax.node.train.composer import Composer
 from parallax.node.train.data import load_corpus, split_corpus
 from parallax.node.train.outer import to_send
@@ -65,8 +66,8 @@ from parallax.node.train.robust import merge_geometry, robust_merge_groups
 DEFAULT_RUNS = ("honest", "copier")
 GROUP = "backbone"
 AUDITORS = ("self", "peer", "node")
-"""Who audits: the audited composer's own model, the next composer's, and the next composer's against every other
-contribution (the module docstring)."""
+"""Who audits: the audited composer's own model, the next composer's, and the next composer's against the round's
+merge of every contribution (the module docstring)."""
 DUPLICATE_COSINE = 0.99
 """Another composer's pseudo-gradient this close to the audited one (a copy of it, or the one it copies) is left out
 of what it is compared with: a copy would otherwise pull the merge toward the composer it copied."""
@@ -75,10 +76,11 @@ NOISE = 0.01
 
 
 class _Audit:
-    """The ``before_merge`` of one run: the copier's offer, then each composer's margin at each ``GROUP`` round."""
+    """The ``before_merge`` of one run: the copier's offer, then each composer's margin at each ``GROUP`` round (and,
+    for the node's audits, whether the contribution beat its control batches: ``specific``)."""
 
-    def __init__(self, copier: bool, period: int, seed: int, wire: OuterSyncConfig) -> None:
-        self.copier, self.period, self.wire = copier, period, wire
+    def __init__(self, copier: bool, period: int, seed: int, wire: OuterSyncConfig, parts: int = 0) -> None:
+        self.copier, self.period, self.wire, self.parts = copier, period, wire, parts
         self.noise = torch.Generator().manual_seed(seed)
         self.margins: dict[str, dict[int, list[float]]] = {auditor: {} for auditor in AUDITORS}
         self._nodes: dict[int, Auditor] = {}  # per audited composer: the node's auditor on the next one's model
@@ -105,11 +107,13 @@ class _Audit:
             return
         gram = merge_geometry(offered, offered[0])["gram"]
         tokens = [float(c.tokens_since_merge[group]) for c in composers]
-        carried = offered
-        if self.wire.aggregation in ("gather", "parts"):  # what a node receives, and merges, of each composer
-            ef = error_feedback(self.wire.compression)
-            carried, _ = carry([to_send(c.outer[group], ef) for c in composers], self.wire)
-        whole_merge, _ = robust_merge_groups(carried, tokens, self.wire.method, eps=self.wire.rda_eps)
+        if self.wire.aggregation in ("gather", "parts"):  # what a node receives of each composer, and merges
+            carried, _ = carry([to_send(c.outer[group], error_feedback(self.wire.compression)) for c in composers],
+                               self.wire)
+            whole_merge, _ = merge_carried(carried, tokens, self.wire, parts=self.parts)
+        else:
+            carried = offered
+            whole_merge, _ = robust_merge_groups(offered, tokens, self.wire.method, eps=self.wire.rda_eps)
         if whole_merge is None:
             return
         for i, composer in enumerate(composers):
@@ -154,7 +158,8 @@ def run_own_data(cfg: TrainConfig, composers: int, data: str | None = None, *, r
                               "runs": {}}
     started = time.perf_counter()
     for name in runs:
-        audit = _Audit(name == "copier", cfg.sync.periods[GROUP], cfg.seed, OuterSyncConfig(sync=cfg.sync))
+        audit = _Audit(name == "copier", cfg.sync.periods[GROUP], cfg.seed, OuterSyncConfig(sync=cfg.sync),
+                       cfg.sim.outer_parts)
         result = run(RunSpec(name=name, kind="parallax", cfg=cfg, composers=composers), train, val,
                      progress=progress, before_merge=audit)
         rows = []
@@ -192,7 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
             passed = "-" if row["passed"] is None else f"{row['passed']:.0%}"
             median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
             idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
-            specific = "-" if row.get("specific") is None else f"{row['specific']:.0%}"
+            specific = "-" if row["specific"] is None else f"{row['specific']:.0%}"
             lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {passed} | {median} "
                          f"| {idle} | {specific} |")
     return "\n".join(lines)

@@ -66,8 +66,8 @@ def own_data(
                              help="Comma-separated runs: honest, copier (default: both)."),
 ) -> None:
     """Can a peer tell work from a copy? Each composer's pseudo-gradient against the others' merge, on the batches
-    its seeded sampler drew, in the simulator with and without a copier (--preset tiny --steps 2000: about 5 min on
-    2 cores; a judgement needs 8 backbone rounds)."""
+    its seeded sampler drew, in the simulator with and without a copier (--preset tiny --steps 2000: 17 min on 2
+    cores beside another run; a judgement needs 8 backbone rounds)."""
     from parallax.benchmarks import own_data as bench
 
     _run_set(bench, bench.run_own_data, opts, runs)
@@ -380,23 +380,24 @@ def attacks(
                                 help="Comma-separated steps: a run without an attacker for each, in which the first "
                                      "attacker's place leaves at that step; a banned attacker's run is judged against "
                                      "them beside the clean runs (e.g. 10,20,30 with --lockstep)."),
-    settings: list[str] = typer.Option([], "--set",
-                                       help="Setting PATH=VALUE for every node (repeatable), after the bench's own, "
-                                            "e.g. net.outer.own_data_audits=true."),
+    changes: Sets = None,
     json_path: JsonPath = None,
 ) -> None:
     """A local swarm of 4 composers (``--composers``) run clean, then once per attack with its colluders hostile:
     the honest composers' val loss against the clean runs', experts the attackers held, rounds, bans, crashes (tiny
-    preset: a run of 2,000 steps takes about 3 min on 2 cores, every attack at 4 about 70 min)."""
+    preset: a run of 2,000 steps takes about 3 min on 2 cores, every attack at 4 about 70 min). ``--set`` applies to
+    every node of every run."""
     from pathlib import Path
 
-    from parallax.benchmarks.attacks import markdown, run_attacks, write
+    from parallax.benchmarks.attacks import OWN_OPTIONS, markdown, run_attacks, write
+
+    _check_swarm_sets(preset, changes, OWN_OPTIONS)
 
     try:
         names = [a.strip() for a in runs.split(",") if a.strip()]
         report = run_attacks(attacks=[] if names == ["none"] else names or None, preset=preset, steps=steps,
                              workdir=Path(workdir) if workdir else None, progress=typer.echo, clean_runs=clean_runs,
-                             composers=composers, lockstep=lockstep, settings=tuple(settings),
+                             composers=composers, lockstep=lockstep, settings=tuple(changes or ()),
                              left_at=tuple(int(step) for step in left_at.split(",") if step.strip()))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -122,9 +122,10 @@ class OuterConfig:
     own_data_audits: bool = False
     """Audit one other contribution of each backbone round for work on its sender's own data, on this node's model,
     and record each audit (``train.own_data``; metrics event ``own_data_audit``): a partitioned round fetches that
-    contribution whole (one body a round), and the audit holds the training thread about a second a round at the tiny
-    preset on a CPU. A measurement: no judgement acts on it (in a local swarm the honest composers' audits fail where
-    the simulator's pass: docs/decisions.md, "Work on one's own data")."""
+    contribution whole (one body a round), and the audit holds the training thread up to a few seconds a round at
+    the tiny preset on a CPU (six evaluations of 16 batches). A measurement: no judgement acts on it (in a local swarm
+    whose nodes train at their own pace the honest composers' audits fail; in lockstep and in the simulator they
+    pass: docs/decisions.md, "Work on one's own data")."""
     dht_timeout_s: float = 5.0
     """Each DHT store/get of a round's records."""
     fingerprint_ttl_s: float = 600.0

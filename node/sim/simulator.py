@@ -515,6 +515,17 @@ def carry(pending: Sequence[Mapping[str, torch.Tensor]], wire: OuterSyncConfig,
             [[len(b)] for b in bodies])
 
 
+def merge_carried(received: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], wire: OuterSyncConfig, *,
+                  parts: int = 0) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+    """The merge every participant of a gathered or partitioned round applies, of contributions as they arrived
+    (``carry``'s): the partitioned round's mergers' block by block (with the merged blocks' sizes), or the gathered
+    round's robust merge (over ``parts`` blocks when given; no sizes). None when nothing was kept."""
+    if wire.aggregation == "parts":
+        return merge_in_blocks(received, list(weights), wire)
+    merged, _ = robust_merge_parts(received, list(weights), wire.method, parts=parts, eps=wire.rda_eps)
+    return merged, []
+
+
 def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequence[float],
                 wire: OuterSyncConfig, *, parts: int = 0,
                 apply: Callable[[OuterOptimizer | OuterBundle, Mapping[str, torch.Tensor]], None] | None = None,
@@ -546,11 +557,10 @@ def merge_outer(outers: Sequence[OuterOptimizer | OuterBundle], weights: Sequenc
     if wire.aggregation in ("gather", "parts"):
         pending = [to_send(o, error_feedback(compression)) for o in outers]
         received, sizes = carry(pending, wire)
+        merged, merged_sizes = merge_carried(received, weights, wire, parts=parts)
         if wire.aggregation == "parts":
-            merged, merged_sizes = merge_in_blocks(received, list(weights), wire)
             moved = round_bytes(sizes, merged_sizes, wire.net.parts_rechecks)
         else:
-            merged, _ = robust_merge_parts(received, list(weights), method, parts=parts, eps=wire.rda_eps)
             moved = sum(sum(s) for s in sizes) * (n - 1)
         if merged is None:
             return None

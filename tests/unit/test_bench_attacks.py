@@ -261,8 +261,10 @@ def test_a_layout_places_the_colluders_before_the_joiner_and_keeps_two_honest_co
         run_attacks(attacks=["alie-2"], composers=4)
     with pytest.raises(ValueError, match="a departure must come between"):
         run_attacks(attacks=["nan"], steps=500, left_at=(10, 500))
-    with pytest.raises(ValueError, match="a setting is PATH=VALUE"):
+    with pytest.raises(ValueError, match="PATH=VALUE"):
         run_attacks(attacks=["nan"], settings=("net.outer.own_data_audits",))
+    with pytest.raises(ValueError, match="the benchmark sets it itself"):
+        run_attacks(attacks=["nan"], settings=("sync.periods={}",))
 
 
 def test_alie_moves_z_standard_deviations_from_the_colluders_mean_and_ipm_points_against_it():
