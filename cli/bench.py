@@ -66,7 +66,7 @@ def own_data(
                              help="Comma-separated runs: honest, copier (default: both)."),
 ) -> None:
     """Can a peer tell work from a copy? Each composer's pseudo-gradient against the others' merge, on the batches
-    its seeded sampler drew, in the simulator with and without a copier (--preset tiny --steps 2000: 17 min on 2
+    its seeded sampler drew, in the simulator with and without a copier (--preset tiny --steps 2000: 19 min on 2
     cores beside another run; a judgement needs 8 backbone rounds)."""
     from parallax.benchmarks import own_data as bench
 
