@@ -126,13 +126,13 @@ RUN_BOUND_S = 900.0
 """A run's bound: one still going then is stopped and reported as it went (``timed_out``)."""
 PERIODS = '{"router": 10, "latent": 20, "backbone": 30}'
 IDLE_S = 10
+"""``net.membership.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
+two seconds; identities that train nothing lose their experts 10 s after they appear (300 s by default, for
+runs of hours, 60 s on loopback)."""
 OWN_OPTIONS = {"steps": "--steps", "sync.periods": "10/20/30, reported", "surrogate.refresh_every": "10",
                "net.membership.idle_s": f"{IDLE_S} s, reported", "net.outer.record_merges": "on: the report reads them",
                "node.lockstep": "--lockstep", "train.eval_every": "--lockstep: the judged step"}
 """Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
-"""``net.membership.idle_s`` of every composer: a run lasts about a minute and an honest composer's work arrives every
-two seconds; identities that train nothing lose their experts 10 s after they appear (300 s by default, for
-runs of hours, 60 s on loopback)."""
 
 
 def clean_names(runs: int) -> list[str]:
