@@ -363,7 +363,7 @@ class GatheredRounds:
         """One other contribution of the set being merged, drawn at random among those with weight, to audit for work
         on its sender's own data (``train.own_data``), and its tensors: at hand in a gathered round; partitioned, its
         blocks fetched whole in the background while the round verifies (one contribution a round, whatever the
-        set's size). None without ``net.own_data_audits``, and in another group than ``own_data.GROUP``."""
+        set's size). None without ``net.outer.own_data_audits``, and in another group than ``own_data.GROUP``."""
         if not self.config.net.own_data_audits or self.group != own_data.GROUP:
             return None
         me = pair(self.peer_id, n)
