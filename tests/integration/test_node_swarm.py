@@ -147,8 +147,17 @@ def test_killed_node_experts_go_to_heirs_and_rounds_go_on(tmp_path: Path) -> Non
         for a in sorted(adoptions, key=lambda a: a["t"]):  # the first takeover of each expert after the kill
             taken.setdefault((a["layer"], a["expert"]), a)
         assert set(taken) >= lost
-        delays = {eid: taken[eid]["t"] - killed_at for eid in lost}
-        assert max(delays.values()) <= 8.0, f"heirs took over after {delays} s"
+        # Each heir takes its copy over at the seam that first shows it the death: the heartbeat's expiry (stretched
+        # on a loaded host, ``MembershipConfig.slow_read_stretch``) is all it waits, never a hand-over's wait for a
+        # final snapshot the dead owner cannot serve (``node.adopt_wait_s``).
+        takers = {eid: next(i for i, r in enumerate(records) if taken[eid] in r) for eid in lost}
+        dead_seen = [min((s["t"] for s in steps_of(r) if s["t"] > killed_at and s["peers"] <= 3), default=float("inf"))
+                     for r in records]
+        assert all(dead_seen[i] < float("inf") for i in takers.values()), "a taker's view kept the victim"
+        waited = {eid: round(taken[eid]["t"] - dead_seen[i], 2) for eid, i in takers.items()}
+        delays = {eid: round(taken[eid]["t"] - killed_at, 2) for eid in lost}
+        assert max(waited.values()) < NodeSettings().adopt_wait_s, \
+            f"heirs took over {waited} s after their views lost the victim ({delays} s after the kill)"
         # From the heirs' copies; an expert the victim itself had taken over less than node.handover_window_s before
         # may come back from the final snapshot its releaser still serves (as new as the victim's copy; seen
         # when the assignment settled seconds before the kill).
