@@ -77,9 +77,11 @@ def swarm_changes(changes: list[str], own: dict[str, str] | None = None) -> dict
 
     own = OWN_OPTIONS if own is None else own
     parsed: dict[str, object] = dict(parse_sets(changes))
-    taken = sorted(set(parsed) & set(own))
+    bare = {path.removeprefix("train."): path for path in own}  # a node takes a training setting with or without it
+    taken = sorted(path for path in parsed if path.removeprefix("train.") in bare)
     if taken:
-        raise ValueError(f"--set {taken[0]}: the benchmark sets it itself ({own[taken[0]]})")
+        raise ValueError(f"--set {taken[0]}: the benchmark sets it itself "
+                         f"({own[bare[taken[0].removeprefix('train.')]]})")
     return parsed
 
 

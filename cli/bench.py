@@ -312,15 +312,24 @@ def swarm(
     typer.echo(markdown(report))
 
 
-def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str] | None = None) -> None:
+def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str] | None = None, *,
+                      nodes_only: bool = False) -> None:
     """Refuse a bad ``--set`` of a process benchmark here, before any process starts (``own``: the settings
-    that benchmark sets itself; default: ``bench swarm``'s)."""
+    that benchmark sets itself; default: ``bench swarm``'s). ``nodes_only``: the settings go to ``node join``
+    alone, which takes a node's settings (``net.``, ``node.``) beside the training ones; otherwise an in-process
+    reference trains by them too, and only training settings apply."""
     from parallax.benchmarks.swarm import swarm_changes
+    from parallax.node.config.peer import NodeConfig
+    from parallax.node.config.resolve import node_defaults, resolve
     from parallax.node.config.train import train_config
     from parallax.node.config.typed import apply_changes
 
     try:
-        apply_changes(train_config(preset), swarm_changes(changes or [], own))
+        parsed = swarm_changes(changes or [], own)
+        if nodes_only:
+            resolve(NodeConfig, node_defaults, flags={"preset": preset, "peer.loopback": True}, sets=changes or ())
+        else:
+            apply_changes(train_config(preset), parsed)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
 
@@ -391,7 +400,7 @@ def attacks(
 
     from parallax.benchmarks.attacks import OWN_OPTIONS, markdown, run_attacks, write
 
-    _check_swarm_sets(preset, changes, OWN_OPTIONS)
+    _check_swarm_sets(preset, changes, OWN_OPTIONS, nodes_only=True)
 
     try:
         names = [a.strip() for a in runs.split(",") if a.strip()]

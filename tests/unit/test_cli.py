@@ -110,6 +110,18 @@ def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change
     assert result.exit_code == 2 and says in result.output
 
 
+@pytest.mark.parametrize("change, says", [("nonsense.key=1", "unknown setting"),
+                                          ("net.outer.nonsense=1", "unknown setting"),
+                                          ("sync.periods={}", "sets it itself"),
+                                          ("train.sync.periods={}", "sets it itself"),
+                                          ("net.membership.idle_s=5", "sets it itself"),
+                                          ("net.outer.own_data_audits=true", "unknown attack")])
+def test_bench_attacks_takes_a_nodes_settings_and_refuses_its_own_however_spelt(change, says):
+    # Its --set goes to every ``node join``: a node's settings pass the check (and the run stops at the attack).
+    result = runner.invoke(app, ["bench", "attacks", "--attacks", "no-such-attack", "--set", change])
+    assert result.exit_code == 2 and says in result.output, result.output
+
+
 def test_bench_offload_swarm_refuses_to_switch_offload_itself():
     result = runner.invoke(app, ["bench", "offload-swarm", "--set", "offload.enabled=true"])
     assert result.exit_code == 2 and "sets it itself" in result.output
