@@ -465,8 +465,35 @@ def _measure(name: str, nodes: list[NodeProcess], layout: Layout, ids_paths: lis
         "banned_by": sorted({i for i, rs in records.items() for r in rs if r in bans}),
         "honest_bans": honest_bans,
         "surrogates_refused": sum(1 for n in honest for r in records[n.index] if r.get("kind") == "surrogate_refused"),
+        "own_data": own_data_audits(records, honest, frozenset(ids["peer_ids"])),
         "crashed": crashed, "exit_codes": {n.index: n.process.returncode for n in nodes}, "wall_s": round(wall_s, 1),
     }
+
+
+def own_data_audits(records: dict[int, list[dict[str, Any]]], honest: list[NodeProcess],
+                    places: frozenset[str]) -> dict[str, dict[str, Any]] | None:
+    """What the honest composers' own-data audits (``net.outer.own_data_audits``) made of the peers in the
+    attackers' places (in a clean run, the honest composers there) and of the others: audits, and the shares that
+    pass (``own_data.FAILS_BELOW``), that gain more on the sender's batches than on the control's (``specific``),
+    and that do so by more than the merge (``beyond_merge``). None when nobody audited."""
+    from parallax.node.train import own_data
+
+    audits = [r for n in honest for r in records[n.index]
+              if r.get("kind") == "own_data_audit" and r.get("own_control") is not None]
+    if not audits:
+        return None
+    out = {}
+    for side, rows in (("places", [r for r in audits if r["peer"] in places]),
+                       ("others", [r for r in audits if r["peer"] not in places])):
+        n = len(rows)
+        out[side] = {
+            "audits": n,
+            "passed": sum(r["margin"] > own_data.FAILS_BELOW for r in rows) / n if n else None,
+            "specific": sum(r["own"] > r["own_control"] for r in rows) / n if n else None,
+            "beyond_merge": sum(own_data.beyond_merge(r["own"], r["merged"], r["own_control"], r["merged_control"]) > 0
+                                for r in rows) / n if n else None,
+        }
+    return out
 
 
 def longest_behind(rounds: list[dict[str, Any]]) -> int:
@@ -633,7 +660,22 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{owned} | {r['rounds_ok']:g} ({clean_ok}) | {'yes' if r['attacker_named'] else 'no'} | "
                      f"{banned} | {r['surrogates_refused']} | {'yes' if r['crashed'] else 'no'} | {within} | "
                      f"{_seconds(r.get('time_to_judged_s'), r.get('time_ratio'))} |")
+    audited = [r for r in [*report["clean"], *report.get("departures", []), *report["attacks"]] if r.get("own_data")]
+    if audited:
+        lines += ["", "Own-data audits (net.outer.own_data_audits) by the honest composers, of the attackers' "
+                  "places (in a run without an attacker, the honest composers there) / of the others: the share that "
+                  "passed, that gained more on the sender's batches than on the control's (specific), and by more "
+                  "than the merge did (beyond the merge).", "",
+                  "| run | audits | passed | specific | beyond the merge |", "|---|---|---|---|---|"]
+        for r in audited:
+            a, o = r["own_data"]["places"], r["own_data"]["others"]
+            shares = (f"{_share(a[k])} / {_share(o[k])}" for k in ("passed", "specific", "beyond_merge"))
+            lines.append(f"| {r['name']} | {a['audits']} / {o['audits']} | {' | '.join(shares)} |")
     return "\n".join(lines)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _departure_words(report: dict[str, Any]) -> str:

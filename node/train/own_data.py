@@ -94,6 +94,14 @@ def margin(own: float, merged: float) -> float:
     return (own - merged) / max(abs(merged), 1e-9)
 
 
+def beyond_merge(own: float, merged: float, own_control: float, merged_control: float) -> float:
+    """How much more of a contribution's gain is specific to its sender's batches (above its gain on the control
+    batches) than of the merge's: the model an audit runs on raises or lowers the loss on every batch alike, which
+    the difference to the control cancels; the merge holds a share of the sender's batches' specific gain (the
+    contribution is one of its terms) and none of a copier's."""
+    return (own - own_control) - (merged - merged_control)
+
+
 def judged_idle(margins: Sequence[float], window: int = WINDOW) -> bool:
     """Whether the last ``window`` margins judge their peer not to work on its own data: fewer than half of them pass
     (above ``FAILS_BELOW``; never with fewer than a window)."""

@@ -37,6 +37,7 @@ from parallax.benchmarks.attacks import (
     longest_behind,
     markdown,
     merge_harm,
+    own_data_audits,
     run_attacks,
     time_to_step,
     whole_merges,
@@ -44,6 +45,7 @@ from parallax.benchmarks.attacks import (
 )
 from parallax.dht.records import unpack_message
 from parallax.node.peer.local_swarm import NodeProcess
+from parallax.node.train.own_data import margin
 from parallax.node.train.robust import merge_geometry, robust_merge_groups
 from parallax.protocol.identity import Identity
 from parallax.protocol.messages import Heartbeat
@@ -108,6 +110,29 @@ def test_the_table_marks_rows_past_the_target():
     assert "| clean | 0 | no attacker | 1.000 | - | 1.0000 |" in text and "2.00% apart" in text
     assert "against the clean runs' 0.9800 (they are 0.10% apart)" in text
     assert "Bans of honest peers: 1 in 2 runs without an attacker, 2 in the attack runs." in text
+
+
+def test_own_data_audits_are_summed_up_for_the_attackers_places_and_the_others_and_tabled():
+    def audit(peer: str, own: float, merged: float, own_control: float, merged_control: float) -> dict:
+        return {"kind": "own_data_audit", "peer": peer, "margin": margin(own, merged), "own": own, "merged": merged,
+                "own_control": own_control, "merged_control": merged_control}
+
+    records = {0: [audit("copier", 0.10, 0.12, 0.11, 0.12), audit("copier", 0.12, 0.10, 0.10, 0.11),
+                   {"kind": "own_data_audit", "peer": "copier", "margin": -1.0, "own": None, "own_control": None}],
+               1: [audit("honest", 0.13, 0.10, 0.10, 0.095)], 2: [audit("honest", 0.5, 0.1, 0.1, 0.1)]}
+    honest = [SimpleNamespace(index=0), SimpleNamespace(index=1)]  # node 2's audits are not an honest composer's
+    summary = own_data_audits(records, honest, frozenset({"copier"}))
+    assert summary == {"places": {"audits": 2, "passed": 1.0, "specific": 0.5, "beyond_merge": 0.5},
+                       "others": {"audits": 1, "passed": 1.0, "specific": 1.0, "beyond_merge": 1.0}}
+    assert own_data_audits({0: [], 1: []}, honest, frozenset()) is None
+    row = {"name": "copied-work", "description": "copies", "val_loss_ratio": 1.0, "attacker_experts": 2,
+           "honest_owned_share": 0.75, "rounds_ok": 30, "rounds_ok_clean": 30, "attacker_named": False,
+           "attacker_banned": False, "banned_after_s": None, "surrogates_refused": 0, "crashed": False,
+           "within_target": True, "own_data": summary}
+    report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
+              "clean_val_loss": 2.7, "clean_spread": 0.02, "target": 1.02, "wall_s": 60.0, "clean": [],
+              "attacks": [row]}
+    assert "| copied-work | 2 / 1 | 100% / 100% | 50% / 100% | 50% / 100% |" in markdown(report)
 
 
 def test_an_attacks_honest_owned_expert_time_is_judged_against_the_same_places_in_the_clean_runs():
