@@ -131,8 +131,13 @@ two seconds; identities that train nothing lose their experts 10 s after they ap
 runs of hours, 60 s on loopback)."""
 OWN_OPTIONS = {"steps": "--steps", "sync.periods": "10/20/30, reported", "surrogate.refresh_every": "10",
                "net.membership.idle_s": f"{IDLE_S} s, reported", "net.outer.record_merges": "on: the report reads them",
-               "node.lockstep": "--lockstep", "train.eval_every": "--lockstep: the judged step"}
-"""Settings the benchmark sets itself: ``--set`` may not change them behind its back."""
+               "node.lockstep": "--lockstep", "train.eval_every": "--lockstep: the judged step",
+               "node.steps": "--steps, the joiner's and the departures'",
+               "node.final_eval": "on: the runs are judged by it",
+               "node.snapshot_every": "20", "node.min_peers": "the composers from the start begin together",
+               "node.device": "cpu"}
+"""Settings the benchmark sets itself: ``--set`` may not change them behind its back (nor any ``peer.`` setting: the
+local swarm sets each node's identity, addresses and files)."""
 
 
 def clean_names(runs: int) -> list[str]:
@@ -475,13 +480,17 @@ def own_data_audits(records: dict[int, list[dict[str, Any]]], honest: list[NodeP
     """What the honest composers' own-data audits (``net.outer.own_data_audits``) made of the peers in the
     attackers' places (in a clean run, the honest composers there) and of the others: audits, and the shares that
     pass (``own_data.FAILS_BELOW``), that gain more on the sender's batches than on the control's (``specific``),
-    and that do so by more than the merge (``beyond_merge``). None when nobody audited."""
+    and that do so by more than the merge (``beyond_merge``); a claim that failed without an evaluation (no draws, or
+    a draw count audited before) counts as none of them. None when nobody audited."""
     from parallax.node.train import own_data
 
-    audits = [r for n in honest for r in records[n.index]
-              if r.get("kind") == "own_data_audit" and r.get("own_control") is not None]
+    audits = [r for n in honest for r in records[n.index] if r.get("kind") == "own_data_audit"]
     if not audits:
         return None
+
+    def evaluated(r: dict[str, Any]) -> bool:  # a claim that failed without an evaluation is neither
+        return r.get("own") is not None and r.get("own_control") is not None
+
     out = {}
     for side, rows in (("places", [r for r in audits if r["peer"] in places]),
                        ("others", [r for r in audits if r["peer"] not in places])):
@@ -489,9 +498,10 @@ def own_data_audits(records: dict[int, list[dict[str, Any]]], honest: list[NodeP
         out[side] = {
             "audits": n,
             "passed": sum(r["margin"] > own_data.FAILS_BELOW for r in rows) / n if n else None,
-            "specific": sum(r["own"] > r["own_control"] for r in rows) / n if n else None,
-            "beyond_merge": sum(own_data.beyond_merge(r["own"], r["merged"], r["own_control"], r["merged_control"]) > 0
-                                for r in rows) / n if n else None,
+            "specific": sum(evaluated(r) and r["own"] > r["own_control"] for r in rows) / n if n else None,
+            "beyond_merge": sum(evaluated(r) and own_data.beyond_merge(r["own"], r["merged"], r["own_control"],
+                                                                       r["merged_control"]) > 0 for r in rows) / n
+            if n else None,
         }
     return out
 

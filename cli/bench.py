@@ -327,6 +327,9 @@ def _check_swarm_sets(preset: str, changes: list[str] | None, own: dict[str, str
     try:
         parsed = swarm_changes(changes or [], own)
         if nodes_only:
+            taken = [path for path in parsed if path.startswith("peer.")]
+            if taken:
+                raise ValueError(f"--set {taken[0]}: the local swarm sets each node's identity, addresses and files")
             resolve(NodeConfig, node_defaults, flags={"preset": preset, "peer.loopback": True}, sets=changes or ())
         else:
             apply_changes(train_config(preset), parsed)

@@ -118,11 +118,13 @@ def test_own_data_audits_are_summed_up_for_the_attackers_places_and_the_others_a
                 "own_control": own_control, "merged_control": merged_control}
 
     records = {0: [audit("copier", 0.10, 0.12, 0.11, 0.12), audit("copier", 0.12, 0.10, 0.10, 0.11),
-                   {"kind": "own_data_audit", "peer": "copier", "margin": -1.0, "own": None, "own_control": None}],
+                   {"kind": "own_data_audit", "peer": "copier", "margin": -1.0, "own": None, "merged": None,
+                    "own_control": None, "merged_control": None}],
                1: [audit("honest", 0.13, 0.10, 0.10, 0.095)], 2: [audit("honest", 0.5, 0.1, 0.1, 0.1)]}
     honest = [SimpleNamespace(index=0), SimpleNamespace(index=1)]  # node 2's audits are not an honest composer's
     summary = own_data_audits(records, honest, frozenset({"copier"}))
-    assert summary == {"places": {"audits": 2, "passed": 1.0, "specific": 0.5, "beyond_merge": 0.5},
+    # the claim that failed without an evaluation is an audit that neither passed nor showed specific gains
+    assert summary == {"places": {"audits": 3, "passed": 2 / 3, "specific": 1 / 3, "beyond_merge": 1 / 3},
                        "others": {"audits": 1, "passed": 1.0, "specific": 1.0, "beyond_merge": 1.0}}
     assert own_data_audits({0: [], 1: []}, honest, frozenset()) is None
     row = {"name": "copied-work", "description": "copies", "val_loss_ratio": 1.0, "attacker_experts": 2,
@@ -132,7 +134,7 @@ def test_own_data_audits_are_summed_up_for_the_attackers_places_and_the_others_a
     report = {"composers": 4, "join_at": 10, "preset": "tiny", "steps": 500, "periods": {}, "idle_s": 10,
               "clean_val_loss": 2.7, "clean_spread": 0.02, "target": 1.02, "wall_s": 60.0, "clean": [],
               "attacks": [row]}
-    assert "| copied-work | 2 / 1 | 100% / 100% | 50% / 100% | 50% / 100% |" in markdown(report)
+    assert "| copied-work | 3 / 1 | 67% / 100% | 33% / 100% | 33% / 100% |" in markdown(report)
 
 
 def test_an_attacks_honest_owned_expert_time_is_judged_against_the_same_places_in_the_clean_runs():

@@ -115,6 +115,9 @@ def test_process_benches_refuse_a_bad_set_before_starting_anything(bench, change
                                           ("sync.periods={}", "sets it itself"),
                                           ("train.sync.periods={}", "sets it itself"),
                                           ("net.membership.idle_s=5", "sets it itself"),
+                                          ("node.steps=5", "sets it itself"),
+                                          ("node.final_eval=false", "sets it itself"),
+                                          ("peer.run_id=other", "sets each node's identity"),
                                           ("net.outer.own_data_audits=true", "unknown attack")])
 def test_bench_attacks_takes_a_nodes_settings_and_refuses_its_own_however_spelt(change, says):
     # Its --set goes to every ``node join``: a node's settings pass the check (and the run stops at the attack).
