@@ -14,9 +14,10 @@ merge lower the auditor's loss by on the rebuilt batches, from the group's ancho
 work on its own data when fewer than half of its last ``WINDOW`` margins pass (``FAILS_BELOW``, ``judged_idle``). Beside
 it, an audit measures both gains on as many batches of a stream the sender never drew (``control_seed``): what the
 contribution shows of any batch of the corpus, whatever the auditor's model makes of it, for its own batches' gain to
-be compared with (``beyond_merge``). That comparison tells a copier among nodes that train at their own pace, where
-the margins do not, but only pooled over more audits of a peer than one auditor takes: recorded, and reported by
-``bench attacks``; no rule uses it yet.
+be compared with: an honest contribution gains more on its sender's batches than on the control's (``own -
+own_control``; ``beyond_merge``: by more than the merge does). That tells a copier among nodes that train at their own
+pace, where the margins do not, but only pooled over more audits of a peer than one auditor takes: recorded, and
+reported by ``bench attacks``; no rule uses it yet.
 
 A node with ``net.outer.own_data_audits`` audits one contribution of each of its ``GROUP`` rounds that merged (``Case``,
 drawn at random among the set's others by ``outer.gathered``) against the round's merge, on its own model, at the seam
