@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.benchmarks.attacker import ATTACKS
-from parallax.benchmarks.report import write_report
+from parallax.benchmarks.report import percent, write_report
 from parallax.benchmarks.swarm import swarm_changes
 from parallax.node.config.train import preset as get_preset
 from parallax.node.peer.local_swarm import LocalSwarm, NodeProcess, read_metrics
@@ -679,13 +679,9 @@ def markdown(report: dict[str, Any]) -> str:
                   "| run | audits | passed | specific | beyond the merge |", "|---|---|---|---|---|"]
         for r in audited:
             a, o = r["own_data"]["places"], r["own_data"]["others"]
-            shares = (f"{_share(a[k])} / {_share(o[k])}" for k in ("passed", "specific", "beyond_merge"))
+            shares = (f"{percent(a[k])} / {percent(o[k])}" for k in ("passed", "specific", "beyond_merge"))
             lines.append(f"| {r['name']} | {a['audits']} / {o['audits']} | {' | '.join(shares)} |")
     return "\n".join(lines)
-
-
-def _share(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def _departure_words(report: dict[str, Any]) -> str:

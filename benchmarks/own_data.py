@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from parallax.benchmarks.quality import _preset_name
-from parallax.benchmarks.report import write_report
+from parallax.benchmarks.report import percent, write_report
 from parallax.node.config.train import TrainConfig
 from parallax.node.outer.transport import error_feedback
 from parallax.node.outer.wire import OuterSyncConfig
@@ -193,11 +193,11 @@ def markdown(report: dict[str, Any]) -> str:
     for name, r in report["runs"].items():
         for row in r["composers"]:
             who = f"{row['composer']} (copier)" if row["copier"] else str(row["composer"])
-            positive = "-" if row["positive"] is None else f"{row['positive']:.0%}"
-            passed = "-" if row["passed"] is None else f"{row['passed']:.0%}"
+            positive = percent(row["positive"])
+            passed = percent(row["passed"])
             median = "-" if row["median_margin"] is None else f"{row['median_margin']:+.3f}"
-            idle = "-" if row["judged_idle"] is None else f"{row['judged_idle']:.0%}"
-            specific = "-" if row["specific"] is None else f"{row['specific']:.0%}"
+            idle = percent(row["judged_idle"])
+            specific = percent(row["specific"])
             lines.append(f"| {name} | {who} | {row['auditor']} | {row['audits']} | {positive} | {passed} | {median} "
                          f"| {idle} | {specific} |")
     return "\n".join(lines)

@@ -17,6 +17,11 @@ def write_report(data: Any, markdown: str, json_path: str | Path | None) -> None
     path.with_suffix(".md").write_text(markdown + "\n")
 
 
+def percent(x: float | None) -> str:
+    """A share (0-1) as a whole percentage in a table cell; "-" when there is none."""
+    return "-" if x is None else f"{x:.0%}"
+
+
 def save_figure(fig: Any, out: str | Path) -> Path:
     """Lay out a matplotlib figure, write it as a PNG to ``out`` (its folder made) and close it."""
     import matplotlib.pyplot as plt

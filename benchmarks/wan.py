@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from parallax.benchmarks.report import write_report
+from parallax.benchmarks.report import percent, write_report
 from parallax.benchmarks.swarm import _group_bytes, _loss, _sec, collect_s
 from parallax.dht.adapter import dht_time
 from parallax.node.peer.local_swarm import LocalSwarm, composer_bytes, latest
@@ -353,7 +353,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Collect time over the time its bytes need, largest group ({report['largest_group']}): "
         + ", ".join(f"{r} {_x(report['round_time_over_bytes_bound'][r])}" for r in rates) + f" (target <= {TARGET}x);"
         " backbone rounds completed on the lowest node: " + ", ".join(
-            f"{r} {_fraction(report['backbone_rounds_ok_fraction'][r])}" for r in every)
+            f"{r} {percent(report['backbone_rounds_ok_fraction'][r])}" for r in every)
         + f" (target >= {ROUNDS_TARGET:.0%}).",
     ]
     if p is not None:
@@ -365,16 +365,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fraction(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
 def _rounds(run: dict[str, Any], group: str) -> str:
     """The lowest node's share of the group's rounds that completed, and why the others did not."""
     if group not in run["rounds_ok_fraction"]:
         return "none begun"
     why = run["rounds_not_ok_statuses"].get(group)
-    return _fraction(run["rounds_ok_fraction"][group]) + (f" (others: {', '.join(why)})" if why else "")
+    return percent(run["rounds_ok_fraction"][group]) + (f" (others: {', '.join(why)})" if why else "")
 
 
 def _x(x: float | None) -> str:
